@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoshard.cost import DEFAULT_COST_OPTIONS, CostOptions, DeviceMesh, reshard
-from autoshard.graph import Graph
+from autoshard.graph import ELEMENTWISE, Graph
 from autoshard.ilp import EdgeCost, ShardingProblem, Solution, Tie, peak_memory, solve
 from autoshard.plan import ParallelPlan
 from autoshard.spec import Collective, ShardingSpec
@@ -498,7 +498,43 @@ def live_intervals(graph: Graph) -> dict[int, tuple[int, int]]:
         first = pos[t.producer]
         last = n if t.last_use >= n else max([pos[c] for c in t.consumers] + [first])
         out[t.id] = (first, last)
+    for node in graph.nodes:  # outputs written into a dying operand's buffer
+        shared = _shared_operand(graph, node, out)
+        if shared is not None:
+            first, _ = out[shared]
+            out[shared] = (first, max(first, pos[node.index] - 1))
     return out
+
+
+# Ops whose output XLA may write into an operand's buffer when that operand dies there:
+# scatters and dynamic-update-slice update in place; elementwise ops (and the loop
+# fusions they end up in) read and write each element at the same index.
+IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "dynamic_update_slice"})
+
+
+def _shared_operand(graph: Graph, node, intervals) -> int | None:
+    """The operand whose buffer ``node``'s output reuses, if any (XLA's buffer sharing)."""
+    if len(node.outputs) != 1 or node.outputs[0] not in intervals:
+        return None
+    if node.primitive in IN_PLACE:
+        candidates = node.inputs[:1]
+    elif node.primitive in ELEMENTWISE or node.primitive in ("select_n", "convert_element_type"):
+        candidates = node.inputs
+    else:
+        return None
+    out = graph.tensors[node.outputs[0]]
+    for tid in candidates:
+        t = graph.tensors[tid]
+        if (
+            tid in intervals
+            and t.producer is not None
+            and t.nbytes == out.nbytes
+            and t.shape == out.shape
+            and t.last_use == node.index
+            and max(t.consumers) == node.index
+        ):
+            return tid
+    return None
 
 
 def predicted_peak_bytes(
