@@ -440,10 +440,11 @@ class _Plan:
         return Reshard(tuple(self.collectives), self.cost)
 
 
-def _xla_move_and_finish(plan: _Plan, dropped: Axes) -> _Plan:
+def _xla_move_and_finish(plan: _Plan, dropped: Axes, unsliced: _Plan | None = None) -> _Plan:
     """XLA's SPMD partitioner's way: a lone group of axes moving between two dims is one
     all-to-all; anything else gathers every misplaced axis with one all-gather over their
-    union and slices locally."""
+    union and then slices locally: the gather moves the buffer as it is, before any new
+    split is sliced off (XLA's replicate-then-slice fallback)."""
     plan.slice_free()
     moved = [(i, plan.misplaced(i)) for i in range(len(plan.dims)) if plan.misplaced(i)]
     if len(moved) == 1:
@@ -455,6 +456,8 @@ def _xla_move_and_finish(plan: _Plan, dropped: Axes) -> _Plan:
             plan.dims[targets[0]] = plan.dims[targets[0]] + group
             moved = []
     if moved:
+        if unsliced is not None and not plan.collectives and unsliced.partial == plan.partial:
+            plan = unsliced
         union = tuple(a for a in plan.mesh.axis_names if any(a in g for _, g in moved))
         plan.emit("all-gather", union, plan.local_bytes() * plan.mesh.mesh.size(union))
         for i, group in moved:
@@ -559,10 +562,13 @@ def reshard(
     timings = [dropped, ()] if options.group_reductions else [dropped, (), all_reduce_only]
     for early in dict.fromkeys(timings):
         plan = _Plan(src, dst, shape, itemsize, mesh, options)
+        unsliced = plan.clone()
         plan.slice_free()
         plan.reduce(early)
-        finish = _xla_move_and_finish if options.group_reductions else _move_and_finish
-        candidate = finish(plan, dropped).result()
+        if options.group_reductions:
+            candidate = _xla_move_and_finish(plan, dropped, unsliced).result()
+        else:
+            candidate = _move_and_finish(plan, dropped).result()
         if candidate.cost <= best.cost:
             best = candidate
     return best
