@@ -1,0 +1,150 @@
+"""How far to trust a plan: predicted vs compiled, for every plan the acceptance names.
+
+For each model, mesh and plan (the ILP's own, and every baseline pinned through the same
+plan object), compile the sharded step with abstract shapes on fake CPU devices and
+compare with the plan's predictions:
+
+* collectives -- the same (kind, mesh axes) pairs, total bytes within 2% per pair;
+* peak memory per device -- within 10% of XLA's (arguments + outputs - aliases + temp).
+
+Writes one JSON row per plan and prints a table; ``--markdown FILE`` also writes the
+table for the docs.  Defaults: the intra-op suite (gpt-tiny and a 4-block gpt-tiny on
+meshes 8, 2x4, 4x2, 1x8 with SGD) and the simulator's memory suite (gpt-350m and
+gpt-1.3b shapes, two blocks, batch 8, AdamW, f32 and bf16, on 8 devices)::
+
+    python benchmarks/bench_truth.py [--suite intra|memory|all] [--out FILE] [--markdown FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+PLANS = ("auto", "dp", "zero2", "zero3", "megatron")
+SUITES = {
+    # (model, overrides, optimizer, meshes)
+    "intra": [
+        ("gpt-tiny", {}, "sgd", ("8", "2x4", "4x2", "1x8")),
+        ("gpt-tiny", {"num_layers": 4}, "sgd", ("8", "2x4", "4x2", "1x8")),
+    ],
+    "memory": [
+        (model, {"num_layers": 2, "batch_size": 8, "dtype": dtype}, "adamw", ("8",))
+        for model in ("gpt-350m", "gpt-1.3b")
+        for dtype in ("float32", "bfloat16")
+    ],
+}
+
+
+def _label(model: str, overrides: dict) -> str:
+    extra = ",".join(f"{k}={v}" for k, v in overrides.items())
+    return f"{model}({extra})" if extra else model
+
+
+def run(suite: str, time_limit: float) -> list[dict]:
+    from autoshard.api import trace_workload
+    from autoshard.baselines import baseline_inputs
+    from autoshard.cost import alpa_test_mesh
+    from autoshard.intra import auto_shard_graph
+    from autoshard.verify import verify_plan
+
+    rows = []
+    for model, overrides, optimizer, meshes in SUITES[suite]:
+        traced = trace_workload(model, optimizer=optimizer, **overrides)
+        for mesh_text in meshes:
+            shape = tuple(int(s) for s in mesh_text.split("x"))
+            mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)])
+            for which in PLANS:
+                pinned = baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None
+                t0 = time.perf_counter()
+                plan = auto_shard_graph(
+                    traced.graph,
+                    mesh,
+                    pinned_inputs=pinned,
+                    name=which,
+                    solver="highs",
+                    time_limit_s=time_limit,
+                )
+                plan_s = time.perf_counter() - t0
+                report = verify_plan(traced.program, plan)
+                disagree = [
+                    f"{r.kind}@{','.join(r.axes) or '?'}"
+                    for r in report.comparison.rows
+                    if not r.agree
+                ]
+                row = {
+                    "suite": suite,
+                    "model": _label(model, overrides),
+                    "mesh": mesh_text,
+                    "plan": which,
+                    "collectives_agree": report.collectives_agree,
+                    "disagreeing_rows": disagree,
+                    "predicted_collective_bytes": sum(
+                        r.predicted_bytes for r in report.comparison.rows
+                    ),
+                    "compiled_collective_bytes": sum(
+                        r.compiled_bytes for r in report.comparison.rows
+                    ),
+                    "predicted_peak_bytes": report.predicted_peak_bytes,
+                    "compiled_peak_bytes": report.compiled_peak_bytes,
+                    "memory_error": (report.predicted_peak_bytes - report.compiled_peak_bytes)
+                    / report.compiled_peak_bytes,
+                    "memory_agree": report.memory_agree,
+                    "solver_status": plan.solver.get("status"),
+                    "plan_seconds": plan_s,
+                    "compile_seconds": report.compile_seconds,
+                }
+                rows.append(row)
+                print(_format_row(row), flush=True)
+    return rows
+
+
+def _format_row(r: dict) -> str:
+    coll = "yes" if r["collectives_agree"] else "NO: " + " ".join(r["disagreeing_rows"])
+    return (
+        f"| {r['model']} | {r['mesh']} | {r['plan']} | {coll} | "
+        f"{r['predicted_peak_bytes'] / 2**20:,.1f} | {r['compiled_peak_bytes'] / 2**20:,.1f} | "
+        f"{r['memory_error']:+.1%} |"
+    )
+
+
+HEADER = (
+    "| model | mesh | plan | collectives agree | predicted peak MiB | compiled peak MiB "
+    "| memory error |\n|---|---|---|---|---|---|---|"
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--suite", choices=(*SUITES, "all"), default="all")
+    ap.add_argument("--time-limit", type=float, default=300.0, help="ILP time limit (s)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_truth.json"))
+    ap.add_argument("--markdown", default=None, help="also write the table here")
+    args = ap.parse_args()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    print(HEADER)
+    rows = [row for s in suites for row in run(s, args.time_limit)]
+    n = len(rows)
+    coll = sum(r["collectives_agree"] for r in rows)
+    mem = sum(r["memory_agree"] for r in rows)
+    summary = {
+        "plans": n,
+        "collectives_agree": coll,
+        "memory_within_10pct": mem,
+        "jax": jax.__version__,
+    }
+    print(f"\n{coll}/{n} plans: collectives agree; {mem}/{n}: peak memory within 10%")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    if args.markdown:
+        lines = [HEADER] + [_format_row(r) for r in rows]
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
