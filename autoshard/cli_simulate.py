@@ -11,14 +11,15 @@ import json
 from autoshard.cli_args import gib as _gib
 from autoshard.cli_args import positive_int as _positive_int
 
-RECOMPUTE_MODES = ("none", "selective", "full")  # as in autoshard.sim.formulas
+RECOMPUTE_MODES = ("none", "selective", "full", "auto")  # autoshard.sim.formulas + auto
 
 
 def _plan_text(plan: dict) -> str:
     if plan["kind"] == "auto":
         stages = "; ".join(
             f"{s['layers'][0]}..{s['layers'][1]} on {s['submesh'][0]}x{s['submesh'][1]} "
-            f"as (dp, tp)=({s['logical_mesh_dp_tp'][0]}, {s['logical_mesh_dp_tp'][1]})"
+            f"as (dp, tp)=({s['logical_mesh_dp_tp'][0]}, {s['logical_mesh_dp_tp'][1]}), "
+            f"recompute {s['recompute']}"
             for s in plan["stages"]
         )
         return f"auto: {plan['pp']} stage(s): {stages}"
@@ -112,7 +113,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--microbatch-size", type=_positive_int, help="default: searched / chosen")
     p.add_argument("--global-batch", type=_positive_int, help="default: the preset's batch")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default=None,
+        help="activation recompute; auto (the default for --plan auto) lets the stage DP "
+        "choose per stage, none is the default for the other plans",
+    )
     p.add_argument(
         "--dtype",
         dest="sim_dtype",
