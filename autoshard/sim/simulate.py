@@ -69,6 +69,7 @@ from autoshard.cost import all_gather_cost, reduce_scatter_cost
 from autoshard.sim import formulas
 from autoshard.sim.clusters import Cluster, load_cluster, to_device_mesh
 from autoshard.sim.compute import GemmTable
+from autoshard.sim.exact import ExactReport, check_exact_devices, exact_check
 from autoshard.sim.megatron import (
     GRAD_ALLREDUCE_BYTES_PER_PARAM,
     MESH_AXES,
@@ -105,9 +106,10 @@ class SimulationReport:
     plan: Mapping
     breakdown: Mapping[str, float]  # seconds per step; sums to step_time_s
     search_seconds: float = 0.0
+    exact: ExactReport | None = None  # with simulate(..., exact=True)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "model": self.model,
             "cluster": self.cluster,
             "gpus": self.gpus,
@@ -122,6 +124,9 @@ class SimulationReport:
             "breakdown": dict(self.breakdown),
             "search_seconds": self.search_seconds,
         }
+        if self.exact is not None:
+            out["exact"] = self.exact.to_json()
+        return out
 
 
 def _plain(value):
@@ -319,6 +324,7 @@ def simulate(
     dtype: str | None = None,
     *,
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
+    exact: bool = False,
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
@@ -327,10 +333,28 @@ def simulate(
     ``fp32``) to the device's 16-bit dtype (fp16 on V100); ``overrides``: any of
     ``MODEL_OVERRIDES``. ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``.
     ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the stage DP chooses per
-    stage; only with ``plan="auto"``, and its default there; ``none`` elsewhere). Raises
+    stage; only with ``plan="auto"``, and its default there; ``none`` elsewhere).
+    ``exact``: also compile the plan on ``gpus`` fake CPU devices and put compiled vs
+    predicted memory and collectives in ``report.exact`` (:func:`autoshard.sim.exact.
+    exact_check`; pipelines get ``available=False``). Raises
     ``ValueError`` for an unknown model, preset or plan, a GPU count the cluster cannot
-    give, a grid whose product is not ``gpus``, or sizes that do not divide.
+    give, a grid whose product is not ``gpus``, sizes that do not divide, or ``exact`` with
+    more than ``MAX_EXACT_DEVICES`` GPUs or fewer JAX CPU devices than ``gpus``.
     """
+    report = _simulate(
+        model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
+        ilp_time_limit_s, exact, overrides,
+    )  # fmt: skip
+    if not exact:
+        return report
+    checked = exact_check(report, cluster, time_limit_s=ilp_time_limit_s, **overrides)
+    return dataclasses.replace(report, exact=checked)
+
+
+def _simulate(
+    model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
+    ilp_time_limit_s, exact, overrides,
+) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
     if recompute is None:
         recompute = "auto" if request.kind == "auto" else "none"
@@ -345,6 +369,8 @@ def simulate(
         )
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    if exact:
+        check_exact_devices(gpus)
     if request.grid is not None and request.grid[0] * request.grid[1] * request.grid[2] != gpus:
         tp, pp, dp = request.grid
         raise ValueError(
