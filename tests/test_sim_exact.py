@@ -137,3 +137,16 @@ def test_cli_sets_one_fake_device_per_gpu_for_exact(monkeypatch, argv, devices):
     argv = ["simulate", "--model", "gpt-125m", "--cluster", "dgx-h100", *argv]
     assert cli.main(argv) == 0
     assert seen == [devices]
+
+
+def test_auto_with_one_stage_compiles_the_ilp_plan_on_its_logical_mesh():
+    report = simulate(
+        "gpt-125m", "alpa-v100", 1, "auto", recompute="none", exact=True, **SMALL
+    )  # fmt: skip
+    (stage,) = report.plan["stages"]
+    exact = report.exact
+    assert exact.available and exact.intra_plan == "auto" and exact.devices == 1
+    assert list(exact.mesh_dp_tp) == stage["logical_mesh_dp_tp"] == [1, 1]
+    assert exact.compiled_batch == report.plan["microbatch_size"]  # spans all devices
+    assert exact.predicted_peak_bytes == report.peak_bytes_per_device == stage["peak_bytes"]
+    assert exact.compiled_peak_bytes > 0 and not exact.compiled_collective_bytes  # one device
