@@ -131,13 +131,18 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     names = tuple(axis_names) if axis_names else default_axis_names(shape)
     if len(names) != len(shape):
         raise ValueError(f"mesh shape {shape} has {len(shape)} axes but axis names {names}")
-    if cluster is not None:  # real units: the preset's links, peak FLOP/s and memory
+    if cluster is not None:  # real units: the preset's links, GEMM table, HBM and memory
         from autoshard.sim.clusters import load_cluster, to_device_mesh
+        from autoshard.sim.compute import GemmTable
 
         n = 1
         for s in shape:
             n *= s
-        return to_device_mesh(load_cluster(cluster, num_gpus=n), shape, names)
+        the_cluster = load_cluster(cluster, num_gpus=n)
+        table = the_cluster.device.gemm_table
+        return to_device_mesh(
+            the_cluster, shape, names, gemm_table=None if table is None else GemmTable.load(table)
+        )
     betas = tuple(0.1 if i == len(shape) - 1 and len(shape) > 1 else 1.0 for i in range(len(shape)))
     return uniform_mesh(shape, names, 1.0, betas)
 

@@ -280,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         devices = 1
         for s in shape:
             devices *= s
+    if devices is None and getattr(args, "exact", False):
+        from autoshard.sim.exact import MAX_EXACT_DEVICES
+
+        if args.gpus <= MAX_EXACT_DEVICES:  # more: simulate() says why
+            devices = args.gpus  # simulate --exact compiles on one fake device per GPU
     _setup_devices(devices)
     try:
         return args.func(args)

@@ -11,14 +11,15 @@ import json
 from autoshard.cli_args import gib as _gib
 from autoshard.cli_args import positive_int as _positive_int
 
-RECOMPUTE_MODES = ("none", "selective", "full")  # as in autoshard.sim.formulas
+RECOMPUTE_MODES = ("none", "selective", "full", "auto")  # autoshard.sim.formulas + auto
 
 
 def _plan_text(plan: dict) -> str:
     if plan["kind"] == "auto":
         stages = "; ".join(
             f"{s['layers'][0]}..{s['layers'][1]} on {s['submesh'][0]}x{s['submesh'][1]} "
-            f"as (dp, tp)=({s['logical_mesh_dp_tp'][0]}, {s['logical_mesh_dp_tp'][1]})"
+            f"as (dp, tp)=({s['logical_mesh_dp_tp'][0]}, {s['logical_mesh_dp_tp'][1]}), "
+            f"recompute {s['recompute']}"
             for s in plan["stages"]
         )
         return f"auto: {plan['pp']} stage(s): {stages}"
@@ -70,6 +71,50 @@ def print_report(report) -> None:
     Console().print(table)
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def print_exact(exact) -> None:
+    """Compiled next to predicted: a :class:`~autoshard.sim.exact.ExactReport` as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not exact.available:
+        console.print(f"exact mode: not available: {exact.why}")
+        return
+    dp, tp = exact.mesh_dp_tp
+    table = Table(
+        title=f"exact: {exact.intra_plan} plan compiled on {exact.devices} fake CPU devices, "
+        f"(dp, tp) = ({dp}, {tp}), batch {exact.compiled_batch}"
+    )
+    for name in ("per device", "compiled", "predicted", "predicted / compiled"):
+        table.add_column(name, justify="left" if name == "per device" else "right")
+
+    def row(name, compiled, predicted):
+        ratio = f"{predicted / compiled:.2f}" if compiled and predicted else "-"
+        table.add_row(name, _size(compiled), _size(predicted), ratio)
+
+    row("peak memory (simulator)", exact.compiled_peak_bytes, exact.predicted_peak_bytes)
+    row("peak memory (intra-op plan)", exact.compiled_peak_bytes, exact.intra_predicted_peak_bytes)
+    compiled, predicted = exact.compiled_collective_bytes, exact.predicted_collective_bytes
+    for key in sorted(set(compiled) | set(predicted)):
+        row(f"  {key}", compiled.get(key, 0), predicted.get(key, 0))
+    console.print(table)
+    fits = "fits" if exact.fits_hbm else "[red]does NOT fit[/red]"
+    console.print(
+        f"compiled peak {fits} in {_gib(exact.hbm_bytes)} HBM; memory error vs the simulator "
+        f"{exact.memory_error:.1%}; plan {exact.plan_seconds:.1f} s, compile "
+        f"{exact.compile_seconds:.1f} s"
+    )
+    for note in exact.notes:
+        console.print(f"  note: {note}")
+
+
 def cmd_simulate(args) -> int:
     from autoshard.sim.simulate import simulate
 
@@ -83,11 +128,14 @@ def cmd_simulate(args) -> int:
         recompute=args.recompute,
         dtype=args.sim_dtype,
         ilp_time_limit_s=args.time_limit,
+        exact=args.exact,
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print_report(report)
+        if report.exact is not None:
+            print_exact(report.exact)
     return 0
 
 
@@ -112,7 +160,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--microbatch-size", type=_positive_int, help="default: searched / chosen")
     p.add_argument("--global-batch", type=_positive_int, help="default: the preset's batch")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default=None,
+        help="activation recompute; auto (the default for --plan auto) lets the stage DP "
+        "choose per stage, none is the default for the other plans",
+    )
     p.add_argument(
         "--dtype",
         dest="sim_dtype",
@@ -121,6 +175,14 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--time-limit", type=float, default=20.0, help="per-ILP time limit for --plan auto (s)"
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="also build the plan with the intra-op runtime, compile it with abstract shapes "
+        "on --gpus fake CPU devices (at most 512) and report compiled vs predicted peak memory "
+        "and collective bytes (single-mesh plans: dp, zero2, zero3, megatron:TPx1xDP, auto "
+        "with one stage)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)

@@ -88,6 +88,11 @@ class DeviceMesh:
     ``memory_bytes`` and ``hbm_bandwidth`` (bytes/s) are per device. The defaults
     (``inf``) make compute and memory-bound time free and memory unbounded, as in
     Alpa's intra-operator tests, which cost communication only.
+
+    ``gemm`` (a :class:`~autoshard.sim.compute.GemmTiming`, or None) times every
+    ``dot_general`` shard from a GEMM efficiency table instead of at ``peak_flops``; a
+    finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
+    :func:`autoshard.strategies.strategy_seconds`).
     """
 
     mesh: Mesh
@@ -96,6 +101,7 @@ class DeviceMesh:
     peak_flops: float = math.inf
     memory_bytes: float = math.inf
     hbm_bandwidth: float = math.inf
+    gemm: object | None = None  # autoshard.sim.compute.GemmTiming (kept jax- and sim-free)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))

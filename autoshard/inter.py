@@ -13,8 +13,11 @@ outside the range enter as inputs (kind ``"data"`` for activations and cotangent
 original kind for parameters and optimizer state).  Equations with no layer (Adam's
 shared step count: scalars) belong to no range.  Per microbatch::
 
-    latency_s        = compute: each equation's FLOPs / (the ways its chosen strategy
-                       splits it x peak_flops)
+    latency_s        = compute: each equation's seconds under its chosen strategy
+                       (:func:`autoshard.strategies.strategy_seconds`: on a cluster
+                       preset, GEMMs from the device's GEMM table at their per-device
+                       shard shape and other equations' bytes over HBM bandwidth, as in
+                       the Megatron grid model; FLOPs / (split x peak) otherwise)
                      + communication: alpha-beta seconds of the plan's resharding
     param_bytes      = owned params + their gradients + optimizer state, per device
                        (+ parameters read from a range outside, e.g. a tied embedding)
@@ -60,6 +63,8 @@ from autoshard.plan import ParallelPlan
 from autoshard.records import EqnRecord, TensorRecord, TraceRecords
 from autoshard.spec import ShardingSpec
 from autoshard.stages import (
+    NO_RECOMPUTE,
+    RECOMPUTE_MODES,
     StageCost,
     StagePlan,
     cost_stage_choices,
@@ -207,6 +212,14 @@ class UnitCost:
     owned_state_bytes: float  # params + gradients + optimizer state the unit updates
     borrowed_param_bytes: Mapping[int, float]  # owner layer index -> bytes read from it
     activation_bytes: float
+    # per recompute mode: seconds it adds per microbatch, activation bytes it keeps
+    recompute_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    kept_activation_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def is_attention_sized(shape: tuple[int, ...]) -> bool:
+    """A ``[batch, heads, s, s]`` tensor: attention scores, probabilities, their masks."""
+    return len(shape) == 4 and shape[-1] == shape[-2] > 1
 
 
 def _spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
@@ -216,11 +229,16 @@ def _spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
 def activation_bytes_of(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> float:
     """Per-device bytes of buffers live across the forward -> backward boundary: made (or
     received) before the last forward equation and still read after it."""
+    return sum(kept_activations(graph, spec_of, mesh).values())
+
+
+def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> dict[int, float]:
+    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts."""
     forward = [n.index for n in graph.nodes if n.phase == "forward"]
     if not forward:
-        return 0.0
+        return {}
     boundary = max(forward)
-    total = 0.0
+    kept: dict[int, float] = {}
     for tid, (first, last) in live_intervals(graph).items():
         t = graph.tensors[tid]
         if t.kind in ("param", "opt_state") or tid not in spec_of:
@@ -234,8 +252,42 @@ def activation_bytes_of(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh)
         else:
             keep = first <= boundary < last and graph.nodes[t.producer].phase == "forward"
         if keep:
-            total += t.nbytes * _spec_fraction(spec_of[tid], mesh)
-    return total
+            kept[tid] = t.nbytes * _spec_fraction(spec_of[tid], mesh)
+    return kept
+
+
+def recompute_costs(graph: Graph, ip, solution, kept: Mapping[int, float]):
+    """Per recompute mode, (seconds added per microbatch, activation bytes kept).
+
+    * ``none``: nothing added; every kept buffer.
+    * ``selective`` (Korthikanti et al.): the attention core is recomputed -- the forward
+      equations that make or read attention-sized tensors (:func:`is_attention_sized`:
+      Q K^T, softmax, dropout, P V) -- and its buffers are not kept.
+    * ``full``: the whole forward (equations at their chosen strategies, plus the
+      resharding into them) runs again; only the unit's inputs (the layer input) are kept.
+    """
+    forward = {n.index for n in graph.nodes if n.phase == "forward"}
+    chosen = [
+        ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]]
+        for n in graph.nodes
+    ]
+    forward_s = sum(chosen[i].compute_cost for i in forward)
+    for edge, operand in zip(ip.problem.edges, ip.operands, strict=True):
+        if operand.dst >= ip.num_inputs and operand.dst - ip.num_inputs in forward:
+            forward_s += edge.costs[solution.strategy[edge.src]][solution.strategy[edge.dst]]
+    attention = [
+        n.index
+        for n in graph.nodes
+        if n.index in forward
+        and any(is_attention_sized(graph.tensors[t].shape) for t in (*n.inputs, *n.outputs))
+    ]
+    selective_s = sum(chosen[i].compute_cost for i in attention)
+    total = sum(kept.values())
+    attention_bytes = sum(b for t, b in kept.items() if is_attention_sized(graph.tensors[t].shape))
+    inputs_bytes = sum(b for t, b in kept.items() if graph.tensors[t].producer is None)
+    seconds = {"none": 0.0, "selective": selective_s, "full": forward_s}
+    kept_bytes = {"none": total, "selective": total - attention_bytes, "full": inputs_bytes}
+    return seconds, kept_bytes
 
 
 def param_owner_layers(graph: Graph) -> dict[int, int]:
@@ -366,6 +418,8 @@ class IntraStageCost:
         )
         spec_of = dict(zip(graph.inputs, plan.input_specs))
         spec_of.update(plan.tensor_specs)
+        kept = kept_activations(graph, spec_of, mesh)
+        recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept)
         aliased = {src for src, _ in graph.aliases}
         owned = 0.0
         borrowed: dict[int, float] = {}
@@ -386,7 +440,9 @@ class IntraStageCost:
             max(solution.objective - compute, 0.0),
             owned,
             borrowed,
-            activation_bytes_of(graph, spec_of, mesh),
+            sum(kept.values()),
+            recompute_s,
+            kept_bytes,
         )
 
     def junction(self, a: int, b: int, logical: Shape2) -> float:
@@ -413,37 +469,56 @@ class IntraStageCost:
         return self._junctions[key]
 
     # -- the callback
-    def _layer_table(self, logical: Shape2) -> tuple:
-        """Per layer: (latency, owned bytes, activation bytes, borrowed); per crossing
-        pair: junction seconds.  Built once per logical mesh."""
-        if logical not in self._tables:
+    def recomputes(self, layer: int) -> bool:
+        """Recompute applies to the inner layers (transformer blocks), not to the first
+        (embedding) and last (head, loss: Megatron never recomputes the logits)."""
+        return 0 < layer < len(self.graph.layers) - 1
+
+    @staticmethod
+    def _mode_terms(u: UnitCost, mode: str, recomputed: bool) -> tuple[float, float, float]:
+        """(latency, kept activation bytes, working bytes) of one unit under ``mode``."""
+        latency = u.compute_s + u.communication_s
+        if mode == "none" or not recomputed or not math.isfinite(latency):
+            return latency, u.activation_bytes, 0.0
+        working = u.activation_bytes if mode == "full" else 0.0
+        return latency + u.recompute_s[mode], u.kept_activation_bytes[mode], working
+
+    def _layer_table(self, logical: Shape2, mode: str) -> tuple:
+        """Per layer: (latency, owned bytes, kept activation bytes, working bytes,
+        borrowed) under ``mode``; per crossing pair: junction seconds.  Built once per
+        logical mesh and mode."""
+        if (logical, mode) not in self._tables:
             units = [self.unit(i, i + 1, logical) for i in range(len(self.graph.layers))]
             crossings = [(a, b, self.junction(a, b, logical)) for a, b in self._crossings]
-            self._tables[logical] = (
-                [u.compute_s + u.communication_s for u in units],
+            terms = [self._mode_terms(u, mode, self.recomputes(i)) for i, u in enumerate(units)]
+            self._tables[logical, mode] = (
+                [t[0] for t in terms],
                 [u.owned_state_bytes for u in units],
-                [u.activation_bytes for u in units],
+                [t[1] for t in terms],
+                [t[2] for t in terms],
                 [dict(u.borrowed_param_bytes) for u in units],
                 crossings,
             )
-        return self._tables[logical]
+        return self._tables[logical, mode]
 
-    def range_cost(self, start: int, end: int, logical: Shape2) -> StageCost:
-        """Latency and memory of layers ``[start, end)`` on ``logical`` (one microbatch)."""
+    def range_cost(self, start: int, end: int, logical: Shape2, mode: str = "none") -> StageCost:
+        """Latency and memory of layers ``[start, end)`` on ``logical`` (one microbatch)
+        with recompute ``mode`` in its inner layers (see :meth:`recomputes`)."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {mode!r}")
         if self.granularity == "range":
             u = self.unit(start, end, logical)
-            latency, owned, act = (
-                u.compute_s + u.communication_s,
-                u.owned_state_bytes,
-                (u.activation_bytes),
-            )
+            inner = any(self.recomputes(i) for i in range(start, end))
+            latency, act, working = self._mode_terms(u, mode, inner)
+            owned = u.owned_state_bytes
             borrowed_list = [dict(u.borrowed_param_bytes)]
         else:
-            lat, own, acts, borrowed_list, crossings = self._layer_table(logical)
+            lat, own, acts, work, borrowed_list, crossings = self._layer_table(logical, mode)
             latency = sum(lat[start:end]) + sum(
                 c for a, b, c in crossings if start <= a < end and start <= b < end
             )
             owned, act = sum(own[start:end]), sum(acts[start:end])
+            working = max(work[start:end])
             borrowed_list = borrowed_list[start:end]
         if not math.isfinite(latency):
             return StageCost(math.inf, 0.0, 0.0)
@@ -452,12 +527,14 @@ class IntraStageCost:
             for owner, size in items.items():
                 if not start <= owner < end:
                     borrowed[owner] = max(borrowed.get(owner, 0.0), size)
-        return StageCost(latency, owned + sum(borrowed.values()), act)
+        return StageCost(latency, owned + sum(borrowed.values()), act, working)
 
-    def __call__(self, start: int, end: int, submesh: Shape2, logical: Shape2) -> StageCost:
+    def __call__(
+        self, start: int, end: int, submesh: Shape2, logical: Shape2, recompute: str = "none"
+    ) -> StageCost:
         t0 = time.perf_counter()
         try:
-            return self.range_cost(start, end, tuple(logical))
+            return self.range_cost(start, end, tuple(logical), recompute)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -499,10 +576,19 @@ def cluster_for(cluster, num_hosts: int, devices_per_host: int):
 
 
 def logical_mesh_costs(cluster, dtype: str | None = None):
-    """``logical (dp, tp) -> DeviceMesh`` on ``cluster`` (memoised; a frozen mesh per shape)."""
+    """``logical (dp, tp) -> DeviceMesh`` on ``cluster`` (memoised; a frozen mesh per shape).
+
+    On a preset whose device names a GEMM table the meshes time GEMMs with it and charge
+    memory-bound operations their bytes over HBM bandwidth: the compute model of
+    :mod:`autoshard.sim.megatron`.  The abstract cluster keeps FLOPs at peak.
+    """
     from autoshard.sim.clusters import to_device_mesh
+    from autoshard.sim.compute import GemmTable
 
     cache: dict[Shape2, DeviceMesh] = {}
+    table = None
+    if cluster.name != "abstract" and cluster.device.gemm_table is not None:
+        table = GemmTable.load(cluster.device.gemm_table)
 
     def mesh_for(logical: Shape2) -> DeviceMesh:
         if logical not in cache:
@@ -512,7 +598,7 @@ def logical_mesh_costs(cluster, dtype: str | None = None):
                 alpha, beta = cluster_mesh_costs(cluster, logical, LOGICAL_AXES)
                 cache[logical] = uniform_mesh(logical, LOGICAL_AXES, alpha, beta)
             else:
-                cache[logical] = to_device_mesh(cluster, logical, LOGICAL_AXES, dtype)
+                cache[logical] = to_device_mesh(cluster, logical, LOGICAL_AXES, dtype, table)
         return cache[logical]
 
     return mesh_for
@@ -533,6 +619,7 @@ class InterStage:
     device_ids: tuple[int, ...]
     latency_s: float  # one microbatch, forward + backward (+ update, amortised once)
     peak_bytes: float  # per device, with the schedule's microbatches in flight
+    recompute: str = "none"  # activation recompute of its inner layers
 
 
 @dataclass(frozen=True)
@@ -565,6 +652,7 @@ class InterPlan:
                     "device_ids": list(s.device_ids),
                     "latency_s": s.latency_s,
                     "peak_bytes": s.peak_bytes,
+                    "recompute": s.recompute,
                 }
                 for s in self.stages
             ],
@@ -653,6 +741,7 @@ def auto_stage_plan(
     time_limit_s: float = 60.0,
     granularity: str = "layer",
     optimizer: str = "adamw",
+    recompute_modes: tuple[str, ...] = NO_RECOMPUTE,
     **overrides,
 ) -> InterPlan:
     """Alpa's inter-operator search with stage costs from intra-op ILPs.
@@ -666,6 +755,8 @@ def auto_stage_plan(
     on equal sub-meshes, each on its fastest logical mesh).  Raises ``ValueError`` for
     microbatches that do not divide the batch, more stages than layers or devices, and a
     model that fits no stage configuration (with the smallest budget that would).
+    ``recompute_modes``: the activation-recompute modes each stage may choose from
+    (:meth:`IntraStageCost.range_cost`); the DP takes the fastest that fits the budget.
     """
     from autoshard.api import TracedWorkload
 
@@ -715,6 +806,7 @@ def auto_stage_plan(
             memory_budget_bytes=memory_budget_bytes,
             schedule=schedule,
             num_stages=num_stages,
+            recompute_modes=recompute_modes,
         )
     else:
         submesh = _equal_submesh(num_stages, num_hosts, devices_per_host)
@@ -735,6 +827,7 @@ def auto_stage_plan(
             num_microbatches,
             memory_budget_bytes=memory_budget_bytes,
             schedule=schedule,
+            recompute_modes=recompute_modes,
         )
     t_search = time.perf_counter() - t0
     ids = place_submeshes([s.submesh_shape for s in plan.stages], num_hosts, devices_per_host)
@@ -748,6 +841,7 @@ def auto_stage_plan(
             tuple(group),
             s.latency_s,
             s.memory_bytes,
+            s.recompute,
         )
         for s, group in zip(plan.stages, ids, strict=True)
     )

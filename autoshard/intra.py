@@ -135,8 +135,10 @@ def build_problem(
         strategies.append(tuple(_input_strategy(s) for s in specs))
         producer[tid] = (pos, 0)
     warned: set[str] = set()
+    # memory-bound ops are charged the buffers they stream, under the fusion model
+    materialized = materialized_tensors(graph) if math.isfinite(mesh.hbm_bandwidth) else None
     for node in graph.nodes:
-        strategies.append(tuple(node_strategies(graph, node, mesh, warned)))
+        strategies.append(tuple(node_strategies(graph, node, mesh, warned, materialized)))
         for k, tid in enumerate(node.outputs):
             producer[tid] = (n_in + node.index, k)
 

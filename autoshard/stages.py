@@ -12,6 +12,11 @@ subject to: stages cover the layers contiguously and in order; every stage runs 
 sub-mesh from :func:`submesh_shapes`; the sub-meshes use all devices exactly once; each
 stage's per-device memory fits ``memory_budget_bytes``.
 
+Recompute (optional): with ``recompute_modes`` (a subset of ``none``, ``selective``,
+``full``) the callback takes a fifth argument, the mode, and each stage chooses its
+``(logical mesh, recompute mode)`` pair: the fastest that fits the budget.  Recompute costs
+latency and saves activation bytes, so the DP recomputes only where memory is tight.
+
 Memory is schedule-aware.  The callback reports ``param_bytes`` (weights, gradients and
 optimizer state per device) and ``activation_bytes`` (per microbatch in flight, per
 device); stage ``i`` of ``S`` holds ``min(S - i, B)`` microbatches under 1F1B and all ``B``
@@ -52,17 +57,24 @@ class StageCost:
     """What one candidate stage costs: latency of one microbatch and per-device memory.
 
     ``latency_s`` may be ``math.inf`` to say this (range, sub-mesh, logical mesh) cannot run.
+    ``working_bytes``: held once, whatever the microbatches in flight (under full
+    recompute, one layer's activations rebuilt for its backward).
     """
 
     latency_s: float
     param_bytes: float
     activation_bytes: float
+    working_bytes: float = 0.0
 
     def memory_bytes(self, microbatches_in_flight: int) -> float:
-        return self.param_bytes + microbatches_in_flight * self.activation_bytes
+        return (
+            self.param_bytes + self.working_bytes + microbatches_in_flight * self.activation_bytes
+        )
 
 
-StageCostFn = Callable[[int, int, Shape2, Shape2], StageCost]
+StageCostFn = Callable[..., StageCost]  # (start, end, submesh, logical[, recompute])
+NO_RECOMPUTE = ("none",)
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class StageAssignment:
     latency_s: float
     memory_bytes: float
     microbatches_in_flight: int
+    recompute: str = "none"
 
     @property
     def num_devices(self) -> int:
@@ -105,6 +118,7 @@ class StagePlan:
                     "latency_s": s.latency_s,
                     "memory_bytes": s.memory_bytes,
                     "microbatches_in_flight": s.microbatches_in_flight,
+                    "recompute": s.recompute,
                 }
                 for s in self.stages
             ],
@@ -127,6 +141,7 @@ class StagePlan:
                 s["latency_s"],
                 s["memory_bytes"],
                 s["microbatches_in_flight"],
+                s.get("recompute", "none"),
             )
             for s in obj["stages"]
         )
@@ -256,18 +271,37 @@ def equal_flops_stages(
     return tuple(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-class _CostTable:
-    """Memoised callback: each (range, sub-mesh, logical mesh) is costed once."""
+def _check_modes(recompute_modes) -> tuple[str, ...]:
+    modes = tuple(recompute_modes)
+    if not modes or len(set(modes)) != len(modes) or any(m not in RECOMPUTE_MODES for m in modes):
+        raise ValueError(
+            f"recompute_modes must be distinct values of {RECOMPUTE_MODES}, got {recompute_modes!r}"
+        )
+    return modes
 
-    def __init__(self, stage_cost: StageCostFn) -> None:
+
+class _CostTable:
+    """Memoised callback: each (range, sub-mesh, logical mesh, recompute) is costed once."""
+
+    def __init__(self, stage_cost: StageCostFn, recompute_modes=NO_RECOMPUTE) -> None:
         self.stage_cost = stage_cost
+        self.modes = _check_modes(recompute_modes)
         self.table: dict[tuple, StageCost] = {}
 
-    def __call__(self, start: int, end: int, submesh: Shape2, logical: Shape2) -> StageCost:
-        key = (start, end, submesh, logical)
+    def variants(self, submesh: Shape2) -> list[tuple[Shape2, str]]:
+        """(logical mesh, recompute mode) pairs a stage on ``submesh`` may take, in order."""
+        return [(g, m) for g in logical_mesh_shapes(submesh) for m in self.modes]
+
+    def __call__(
+        self, start: int, end: int, submesh: Shape2, logical: Shape2, mode: str = "none"
+    ) -> StageCost:
+        key = (start, end, submesh, logical, mode)
         if key not in self.table:
-            cost = self.stage_cost(start, end, submesh, logical)
-            values = (cost.latency_s, cost.param_bytes, cost.activation_bytes)
+            if self.modes == NO_RECOMPUTE:
+                cost = self.stage_cost(start, end, submesh, logical)
+            else:
+                cost = self.stage_cost(start, end, submesh, logical, mode)
+            values = (cost.latency_s, cost.param_bytes, cost.activation_bytes, cost.working_bytes)
             if any(math.isnan(v) or v < 0 for v in values):
                 raise ValueError(f"stage_cost{key} returned {cost}; values must be >= 0")
             self.table[key] = cost
@@ -275,14 +309,14 @@ class _CostTable:
 
     def best_logical(
         self, start: int, end: int, submesh: Shape2, in_flight: int, budget: float
-    ) -> tuple[Shape2, StageCost] | None:
-        """The fastest logical mesh whose memory fits ``budget`` (first on ties)."""
+    ) -> tuple[tuple[Shape2, str], StageCost] | None:
+        """The fastest (logical mesh, recompute) whose memory fits ``budget`` (first on ties)."""
         best = None
-        for logical in logical_mesh_shapes(submesh):
-            cost = self(start, end, submesh, logical)
+        for variant in self.variants(submesh):
+            cost = self(start, end, submesh, *variant)
             if cost.memory_bytes(in_flight) <= budget and math.isfinite(cost.latency_s):
                 if best is None or cost.latency_s < best[1].latency_s:
-                    best = (logical, cost)
+                    best = (variant, cost)
         return best
 
 
@@ -304,10 +338,12 @@ def cost_stage_choices(
     num_microbatches: int,
     memory_budget_bytes: float | None = None,
     schedule: str = "1f1b",
+    recompute_modes: Sequence[str] = NO_RECOMPUTE,
 ) -> StagePlan:
     """Cost hand-chosen ``((start, end), submesh_shape)`` stages with the DP's objective.
 
-    Each stage gets its fastest logical mesh that fits the budget; raises if the ranges do
+    Each stage gets its fastest logical mesh (and recompute mode, among
+    ``recompute_modes``) that fits the budget; raises if the ranges do
     not cover ``0..num_layers`` contiguously, the sub-meshes do not tile the cluster, or a
     stage fits no logical mesh (saying how much memory its leanest one needs).
     """
@@ -331,21 +367,21 @@ def cost_stage_choices(
         raise ValueError(f"stage ranges end at layer {expected_start}, not {num_layers}")
     place_submeshes([c[1] for c in choices], num_hosts, devices_per_host)
     budget = math.inf if memory_budget_bytes is None else memory_budget_bytes
-    costs = _CostTable(stage_cost)
+    costs = _CostTable(stage_cost, recompute_modes)
     stages = []
     for index, ((start, end), submesh) in enumerate(choices):
         in_flight = microbatches_in_flight(index, len(choices), num_microbatches, schedule)
         found = costs.best_logical(start, end, submesh, in_flight, budget)
         if found is None:
             need = min(
-                costs(start, end, submesh, g).memory_bytes(in_flight)
-                for g in logical_mesh_shapes(submesh)
+                costs(start, end, submesh, *v).memory_bytes(in_flight)
+                for v in costs.variants(submesh)
             )
             raise ValueError(
                 f"stage {index} (layers {start}..{end} on {submesh}) fits no logical mesh in "
                 f"{budget:.4g} bytes per device; its leanest needs {need:.4g}"
             )
-        logical, cost = found
+        (logical, mode), cost = found
         stages.append(
             StageAssignment(
                 start,
@@ -355,6 +391,7 @@ def cost_stage_choices(
                 cost.latency_s,
                 cost.memory_bytes(in_flight),
                 in_flight,
+                mode,
             )
         )
     objective = pipeline_objective([s.latency_s for s in stages], num_microbatches)
@@ -430,12 +467,12 @@ def _stage_tables(
     budget: float,
 ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Per ``[s, j, k, i]`` (stage ``[k, i)`` on sub-mesh ``j``, first of ``s`` remaining):
-    the fastest fitting logical mesh's latency, the leanest logical mesh's memory (fitting
-    or not) and the chosen ``(logical_shape, StageCost)``."""
+    the fastest fitting (logical mesh, recompute)'s latency, the leanest one's memory
+    (fitting or not) and the chosen ``((logical_shape, recompute), StageCost)``."""
     shape = (max_stages + 1, len(submeshes), num_layers + 1, num_layers + 1)
     latency = np.full(shape, np.inf)
     min_memory = np.full(shape, np.inf)
-    choice: dict[tuple[int, int, int, int], tuple[Shape2, StageCost]] = {}
+    choice: dict[tuple[int, int, int, int], tuple[tuple[Shape2, str], StageCost]] = {}
     # the first of s remaining stages is stage S - s of S: 1F1B keeps min(s, B) in flight
     in_flight = [
         microbatches_in_flight(0, s, num_microbatches, schedule) for s in range(max_stages + 1)
@@ -446,9 +483,9 @@ def _stage_tables(
         for k in range(num_layers):
             for i in range(k + 1, num_layers + 1):
                 runnable = [
-                    (g, c)
-                    for g in logical_mesh_shapes(submesh)
-                    if math.isfinite((c := costs(k, i, submesh, g)).latency_s)
+                    (v, c)
+                    for v in costs.variants(submesh)
+                    if math.isfinite((c := costs(k, i, submesh, *v)).latency_s)
                 ]
                 for s in range(1, max_stages + 1):
                     if s > 1 and in_flight[s] == in_flight[s - 1]:
@@ -482,10 +519,12 @@ def optimal_stage_plan(
     schedule: str = "1f1b",
     num_stages: int | None = None,
     t_max_search: str = "frontier",
+    recompute_modes: Sequence[str] = NO_RECOMPUTE,
 ) -> StagePlan:
     """Alpa's stage DP: the stage plan minimising ``sum(t) + (B - 1) max(t)``.
 
-    ``num_stages`` fixes the stage count (default: any).  Raises if the problem has no
+    ``num_stages`` fixes the stage count (default: any).  ``recompute_modes``: the modes
+    each stage may choose from (the callback then takes the mode as a fifth argument).  Raises if the problem has no
     plan; if only memory is the obstacle, the error gives the smallest per-device budget
     that would admit one.
     """
@@ -506,7 +545,7 @@ def optimal_stage_plan(
     submeshes = submesh_shapes(num_hosts, devices_per_host)
     sizes = [r * c for r, c in submeshes]
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
-    costs = _CostTable(stage_cost)
+    costs = _CostTable(stage_cost, recompute_modes)
 
     latency, min_memory, choice = _stage_tables(
         costs, num_layers, submeshes, num_devices, max_stages, num_microbatches, schedule, budget
@@ -574,11 +613,18 @@ def optimal_stage_plan(
     _, s = _best_total(table, num_stages, num_devices)
     stages = []
     for index, (s_left, j, k, i) in enumerate(_trace_back(table, capped, sizes, s, num_devices)):
-        logical, cost = choice[s_left, j, k, i]
+        (logical, mode), cost = choice[s_left, j, k, i]
         in_flight = microbatches_in_flight(index, s, num_microbatches, schedule)
         stages.append(
             StageAssignment(
-                k, i, submeshes[j], logical, cost.latency_s, cost.memory_bytes(in_flight), in_flight
+                k,
+                i,
+                submeshes[j],
+                logical,
+                cost.latency_s,
+                cost.memory_bytes(in_flight),
+                in_flight,
+                mode,
             )
         )
     return StagePlan(

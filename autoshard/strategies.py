@@ -24,8 +24,9 @@ rule get one replicated strategy and a single warning naming them.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from autoshard.cost import DeviceMesh
@@ -58,10 +59,21 @@ class Strategy:
 
 @dataclass(frozen=True)
 class NodeContext:
+    """A node with its operand shapes and what it streams through memory.
+
+    ``in_bytes`` / ``out_bytes``: global bytes of each operand / result the node reads
+    from or writes to memory (materialised buffers, :func:`autoshard.intra.
+    materialized_tensors`; 0 for values fused away); empty when not modelled.
+    ``itemsize``: bytes per element of the first operand (a dot's GEMM dtype).
+    """
+
     node: Node
     in_shapes: tuple[tuple[int, ...], ...]
     out_shapes: tuple[tuple[int, ...], ...]
     in_literal: tuple[bool, ...]
+    in_bytes: tuple[float, ...] = ()
+    out_bytes: tuple[float, ...] = ()
+    itemsize: int = 4
 
 
 SlotRule = Callable[[NodeContext], list[Slot] | None]
@@ -393,11 +405,64 @@ def enumerate_strategies(ctx: NodeContext, slots: list[Slot], mesh: DeviceMesh) 
         if key in seen:
             continue
         seen.add(key)
-        cost = ctx.node.flops / factor / mesh.peak_flops if ctx.node.flops else 0.0
+        cost = strategy_seconds(ctx, input_specs, output_specs, factor, mesh)
         result.append(
             Strategy(_name(output_specs, input_specs), input_specs, output_specs, cost, factor)
         )
     return result
+
+
+def _local(shape: tuple[int, ...], spec: ShardingSpec | None, mesh: DeviceMesh) -> list[int]:
+    if spec is None:
+        return list(shape)
+    return [d // mesh.mesh.size(axes) for d, axes in zip(shape, spec.dims, strict=True)]
+
+
+def _gemm_seconds(ctx: NodeContext, input_specs, mesh: DeviceMesh) -> float:
+    """A dot_general's per-device time: its shard as ``batch x [M, K] @ [K, N]``."""
+    (lc, rc), (lb, rb) = ctx.node.params["dimension_numbers"]
+    lhs = _local(ctx.in_shapes[0], input_specs[0], mesh)
+    rhs = _local(ctx.in_shapes[1], input_specs[1], mesh)
+    batch = math.prod(lhs[d] for d in lb)
+    m = math.prod(lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb)
+    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb)
+    k = math.prod(lhs[d] for d in lc)
+    return mesh.gemm.seconds(batch, max(m, 1), max(n, 1), max(k, 1), ctx.itemsize)
+
+
+def strategy_seconds(
+    ctx: NodeContext,
+    input_specs: tuple[ShardingSpec | None, ...],
+    output_specs: tuple[ShardingSpec, ...],
+    factor: int,
+    mesh: DeviceMesh,
+) -> float:
+    """Per-device seconds of one node under one strategy (the ILP's node cost).
+
+    * ``dot_general`` on a mesh with a GEMM timing (``mesh.gemm``): the GEMM table's time
+      for the *per-device* shard shape (batch, M, N, K from the sharded operands).
+    * otherwise the roofline of FLOPs / (``factor`` x peak) and, when ``mesh.hbm_bandwidth``
+      is finite, the bytes the node reads and writes per device (``ctx.in_bytes`` /
+      ``ctx.out_bytes`` times each spec's shard fraction) over HBM bandwidth.
+
+    With an infinite peak and bandwidth (Alpa's test meshes) this is 0 for every node;
+    with a finite peak only, it is FLOPs / (factor x peak), the classic Alpa compute cost.
+    """
+    if ctx.node.primitive == "dot_general" and mesh.gemm is not None and ctx.node.flops:
+        return _gemm_seconds(ctx, input_specs, mesh)
+    seconds = ctx.node.flops / factor / mesh.peak_flops if ctx.node.flops else 0.0
+    if math.isfinite(mesh.hbm_bandwidth) and (ctx.in_bytes or ctx.out_bytes):
+        nbytes = sum(
+            b * spec.shard_fraction(mesh.mesh)
+            for b, spec in zip(ctx.in_bytes, input_specs, strict=True)
+            if b and spec is not None
+        ) + sum(
+            b * spec.shard_fraction(mesh.mesh)
+            for b, spec in zip(ctx.out_bytes, output_specs, strict=True)
+            if b
+        )
+        seconds = max(seconds, nbytes / mesh.hbm_bandwidth)
+    return seconds
 
 
 def _name(outs: tuple[ShardingSpec, ...], ins: tuple[ShardingSpec | None, ...]) -> str:
@@ -410,27 +475,50 @@ def replicated_strategy(ctx: NodeContext, mesh: DeviceMesh) -> Strategy:
         for s, lit in zip(ctx.in_shapes, ctx.in_literal)
     )
     outs = tuple(ShardingSpec.replicated(len(s)) for s in ctx.out_shapes)
-    cost = ctx.node.flops / mesh.peak_flops if ctx.node.flops else 0.0
+    cost = strategy_seconds(ctx, ins, outs, 1, mesh)
     return Strategy(_name(outs, ins), ins, outs, cost, 1)
 
 
-def node_context(graph: Graph, node: Node) -> NodeContext:
+def node_context(
+    graph: Graph, node: Node, materialized: Collection[int] | None = None
+) -> NodeContext:
+    """``materialized``: tensor ids held in memory (None: memory traffic not modelled)."""
+    tensors = graph.tensors
+    in_bytes = out_bytes = ()
+    if materialized is not None:
+        in_bytes = tuple(
+            float(tensors[t].nbytes) if t in materialized else 0.0 for t in node.inputs
+        )
+        out_bytes = tuple(
+            float(tensors[t].nbytes) if t in materialized else 0.0 for t in node.outputs
+        )
+    first = tensors[node.inputs[0]] if node.inputs else None
+    itemsize = max(first.nbytes // max(first.size, 1), 1) if first is not None else 4
     return NodeContext(
         node,
-        tuple(graph.tensors[t].shape for t in node.inputs),
-        tuple(graph.tensors[t].shape for t in node.outputs),
+        tuple(tensors[t].shape for t in node.inputs),
+        tuple(tensors[t].shape for t in node.outputs),
         tuple(
-            graph.tensors[t].kind in ("literal", "const") and not graph.tensors[t].shape
-            for t in node.inputs
+            tensors[t].kind in ("literal", "const") and not tensors[t].shape for t in node.inputs
         ),
+        in_bytes,
+        out_bytes,
+        itemsize,
     )
 
 
 def node_strategies(
-    graph: Graph, node: Node, mesh: DeviceMesh, warn: set[str] | None = None
+    graph: Graph,
+    node: Node,
+    mesh: DeviceMesh,
+    warn: set[str] | None = None,
+    materialized: Collection[int] | None = None,
 ) -> list[Strategy]:
-    """Candidate strategies of one node; a replicated fallback for unknown primitives."""
-    ctx = node_context(graph, node)
+    """Candidate strategies of one node; a replicated fallback for unknown primitives.
+
+    ``materialized`` (tensor ids in memory) lets the node costs charge memory traffic.
+    """
+    ctx = node_context(graph, node, materialized)
     rule = RULES.get(node.primitive)
     slots = rule(ctx) if rule is not None else None
     if slots is None:
@@ -468,4 +556,5 @@ __all__ = [
     "node_strategies",
     "input_strategies",
     "enumerate_strategies",
+    "strategy_seconds",
 ]

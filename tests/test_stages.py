@@ -33,8 +33,16 @@ def random_cost_table(seed: int, num_layers: int, additive: bool):
     layer_params = [rng.uniform(0.5, 3.0) for _ in range(num_layers)]
     table: dict = {}
 
-    def stage_cost(start, end, submesh, logical):
-        key = (start, end, submesh, logical)
+    def stage_cost(start, end, submesh, logical, recompute="none"):
+        key = (start, end, submesh, logical, recompute)
+        if recompute != "none" and key not in table:
+            # recompute: slower, leaner; "full" keeps a working set besides
+            base = stage_cost(start, end, submesh, logical)
+            slower, kept = {"selective": (1.1, 0.5), "full": (1.35, 0.1)}[recompute]
+            working = base.activation_bytes if recompute == "full" else 0.0
+            table[key] = StageCost(
+                base.latency_s * slower, base.param_bytes, base.activation_bytes * kept, working
+            )
         if key not in table:
             if additive:
                 dp, tp = logical
@@ -55,9 +63,11 @@ def random_cost_table(seed: int, num_layers: int, additive: bool):
 
 
 def brute_force(
-    num_layers, hosts, per_host, stage_cost, microbatches, budget, schedule, stages=None
-):
-    """(best objective, smallest max stage memory over all plans) by full enumeration."""
+    num_layers, hosts, per_host, stage_cost, microbatches, budget, schedule, stages=None,
+    modes=None,
+):  # fmt: skip
+    """(best objective, smallest max stage memory over all plans) by full enumeration;
+    ``modes``: recompute modes each stage may take (None: the 4-argument callback)."""
     shapes = submesh_shapes(hosts, per_host)
     best, least_memory = math.inf, math.inf
     counts = range(1, num_layers + 1) if stages is None else [stages]
@@ -67,9 +77,15 @@ def brute_force(
             for subs in itertools.product(shapes, repeat=count):
                 if sum(r * c for r, c in subs) != hosts * per_host:
                     continue
-                for logicals in itertools.product(*map(logical_mesh_shapes, subs)):
+                options = [
+                    [(g, m) for g in logical_mesh_shapes(sub) for m in (modes or [None])]
+                    for sub in subs
+                ]
+                for variants in itertools.product(*options):
                     costs = [
-                        stage_cost(bounds[s], bounds[s + 1], subs[s], logicals[s])
+                        stage_cost(bounds[s], bounds[s + 1], subs[s], *variants[s])
+                        if modes
+                        else stage_cost(bounds[s], bounds[s + 1], subs[s], variants[s][0])
                         for s in range(count)
                     ]
                     if not all(math.isfinite(c.latency_s) for c in costs):
@@ -279,3 +295,40 @@ def test_errors_say_what_is_wrong():
         cost_stage_choices([((0, 4), (1, 4))], 4, 1, 4, stage_cost, 2, memory_budget_bytes=1e-6)
     with pytest.raises(ValueError, match="at most one per layer"):
         cost_stage_choices([((0, 1), (1, 1))] * 3, 2, 1, 4, stage_cost, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=instance,
+    modes=st.sampled_from([("none", "selective", "full"), ("full",), ("selective", "none")]),
+)
+def test_stage_dp_with_recompute_choice_matches_brute_force(case, modes):
+    """Each stage also picks its recompute mode: the DP still equals full enumeration, and
+    the chosen modes are the ones whose costs the plan reports."""
+    layers, (hosts, per_host) = case["num_layers"], case["cluster"]
+    stage_cost = random_cost_table(case["seed"], layers, case["additive"])
+    budget = case["budget"]
+    mb, schedule = case["microbatches"], case["schedule"]
+    cap = math.inf if budget is None else budget
+    expected, least = brute_force(
+        layers, hosts, per_host, stage_cost, mb, cap, schedule, modes=modes
+    )  # fmt: skip
+    kwargs = dict(memory_budget_bytes=budget, schedule=schedule, recompute_modes=modes)
+    if math.isinf(expected):
+        with pytest.raises(ValueError):
+            optimal_stage_plan(layers, hosts, per_host, stage_cost, mb, **kwargs)
+        return
+    plan = optimal_stage_plan(layers, hosts, per_host, stage_cost, mb, **kwargs)
+    assert plan.objective_s == pytest.approx(expected, rel=1e-9)
+    for st_ in plan.stages:
+        assert st_.recompute in modes and st_.memory_bytes <= cap
+        cost = stage_cost(
+            st_.start_layer, st_.end_layer, st_.submesh_shape, st_.logical_shape, st_.recompute
+        )
+        assert cost.latency_s == st_.latency_s
+        assert cost.memory_bytes(st_.microbatches_in_flight) == st_.memory_bytes
+    assert StagePlan.from_json(plan.to_json()) == plan
+    # with every mode on offer, a budget too tight for no recompute is met by recomputing
+    if modes == ("none", "selective", "full") and budget is not None:
+        plain, _ = brute_force(layers, hosts, per_host, stage_cost, mb, cap, schedule)
+        assert expected <= plain

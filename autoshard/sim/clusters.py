@@ -296,13 +296,17 @@ def to_device_mesh(
     mesh_shape: tuple[int, ...],
     axis_names: tuple[str, ...],
     dtype: str | None = None,
+    gemm_table=None,
 ):
     """An :class:`autoshard.cost.DeviceMesh` for ``mesh_shape`` on ``cluster``.
 
     ``dtype`` picks the peak FLOP/s (None: the device's default 16-bit dtype, bf16 on A100
-    and H100, fp16 on V100, which has no bf16 tensor cores).
+    and H100, fp16 on V100, which has no bf16 tensor cores). ``gemm_table`` (a loaded
+    :class:`~autoshard.sim.compute.GemmTable`) makes the mesh time GEMMs with it at the
+    device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak.
     """
     from autoshard.cost import DeviceMesh  # lazy: cost is another pass
+    from autoshard.sim.compute import GemmTiming
     from autoshard.spec import Mesh
 
     alpha, beta = cluster_mesh_costs(cluster, mesh_shape, axis_names)
@@ -313,4 +317,9 @@ def to_device_mesh(
         peak_flops=cluster.device.peak_flops_for(dtype),
         memory_bytes=cluster.device.hbm_bytes,
         hbm_bandwidth=cluster.device.hbm_bandwidth,
+        gemm=None
+        if gemm_table is None
+        else GemmTiming.for_device(
+            gemm_table, dtype or cluster.device.default_dtype, cluster.device.peak_flops
+        ),
     )

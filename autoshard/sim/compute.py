@@ -20,6 +20,11 @@ it is inverse-distance weighting (power 2) over the 8 nearest rows. Either way a
 first clamped to the table's range in each coordinate, so shapes beyond the table take the
 efficiency of its edge, and a query that hits a row returns that row's value exactly.
 Batched GEMMs are timed as one GEMM with the batch folded into M (see :meth:`gemm_time`).
+
+:class:`GemmTiming` binds a table to a device's peaks: the per-device seconds of one
+``dot_general`` shard, which the intra-op cost model (:mod:`autoshard.strategies`) uses
+when its :class:`~autoshard.cost.DeviceMesh` carries one, so that the ILPs, the stage DP
+and the Megatron grid model (:mod:`autoshard.sim.megatron`) time a GEMM the same way.
 """
 
 from __future__ import annotations
@@ -201,6 +206,49 @@ class GemmTable:
         peak = self.peak_tflops[dtype] * 1e12 if device_peak is None else float(device_peak)
         flops = 2.0 * batch * m * n * k
         return flops / (peak * self.efficiency(batch * m, n, k, dtype))
+
+
+@dataclass(frozen=True)
+class GemmTiming:
+    """Seconds of one GEMM on one device: the table's efficiency at the device's peak.
+
+    ``half_dtype`` is the table dtype used for 2-byte operands (``fp16`` or ``bf16``: the
+    dtype the step is simulated in); 4-byte operands use ``fp32``. ``peak_flops`` maps
+    those dtypes to the device's FLOP/s. Equal timings compare (and hash) equal by table
+    device, dtype and peaks, so a :class:`~autoshard.cost.DeviceMesh` carrying one stays a
+    usable cache key. Results are memoised per shape (identical layers repeat shapes).
+    """
+
+    table: GemmTable = field(repr=False, compare=False)
+    half_dtype: str
+    peak_flops: tuple[tuple[str, float], ...]
+    table_device: str = ""
+    _memo: dict = field(repr=False, compare=False, default_factory=dict)
+
+    @staticmethod
+    def for_device(table: GemmTable, half_dtype: str, peak_flops) -> GemmTiming:
+        """``peak_flops``: a mapping dtype -> FLOP/s (a :class:`DeviceSpec`'s)."""
+        wanted = {half_dtype, "fp32"}
+        peaks = tuple(sorted((k, float(v)) for k, v in peak_flops.items() if k in wanted))
+        if half_dtype not in dict(peaks) or half_dtype not in table.dtypes:
+            raise ValueError(
+                f"GEMM timing needs dtype {half_dtype!r} in both the device peaks "
+                f"({sorted(peak_flops)}) and the GEMM table {table.device} ({table.dtypes})"
+            )
+        return GemmTiming(table, half_dtype, peaks, table.device)
+
+    def dtype_for(self, itemsize: int) -> str:
+        return "fp32" if itemsize >= 4 and "fp32" in dict(self.peak_flops) else self.half_dtype
+
+    def seconds(self, batch: int, m: int, n: int, k: int, itemsize: int) -> float:
+        """``batch`` GEMMs ``[M, K] x [K, N]`` with operands of ``itemsize`` bytes."""
+        key = (batch * m, n, k, itemsize)
+        if key not in self._memo:
+            dtype = self.dtype_for(itemsize)
+            peak = dict(self.peak_flops)[dtype]
+            rows = dtype if dtype in self.table.dtypes else self.half_dtype
+            self._memo[key] = self.table.gemm_time(m, n, k, rows, peak, batch)
+        return self._memo[key]
 
 
 def memory_bound_time(nbytes: float, hbm_bandwidth: float) -> float:

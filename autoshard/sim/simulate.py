@@ -35,22 +35,22 @@ Plans (``PLAN_FORMS``):
 One cost model behind search and simulation: the Megatron path and the ILPs behind
 ``auto`` both price collectives with the ring alpha-beta functions of :mod:`autoshard.cost`
 on meshes from :func:`autoshard.sim.clusters.to_device_mesh` (the same link for the same
-mesh axis), so a plan the search likes is not priced differently when it is simulated.
-They differ in compute: the Megatron path times each GEMM with the device's GEMM table and
-elementwise work with HBM bandwidth; the ILP charges every equation its FLOPs at peak, so
-``auto`` is optimistic about compute (its MFU is an upper bound) and should be compared
-with the grid path on communication and memory, not on raw speed.
+mesh axis), and both time compute with the device's GEMM table (each ``dot_general`` at
+its per-device shard shape under the chosen strategy, :func:`autoshard.strategies.
+strategy_seconds`) and memory-bound work as bytes over HBM bandwidth. What still differs
+is the program: the grid path models Megatron-LM's fused kernels, the auto path the traced
+JAX step under the fusion model of :func:`autoshard.intra.materialized_tensors` (its
+attention softmax streams several fp32 buffers), so a block's elementwise time is higher
+on the auto path (tests/test_sim_auto.py states the consequences).
 
-Recompute under ``auto``: the traced step keeps every activation (the models have no
-remat), so the search plans without recompute. With ``selective`` or ``full`` the
-simulation adds, per stage and micro-batch, the recompute FLOPs of its transformer blocks
-(:func:`formulas.recompute_flops_per_step`) at the stage's peak and recomputes Alpa's
-objective from those latencies. For memory it re-reads the chosen plans' per-layer
-activation bytes (the same cached intra-op ILPs, :class:`autoshard.inter.IntraStageCost`)
-and keeps, of each block's, the fraction Korthikanti et al.'s formulas keep in that mode
-(full: ``2 / (34 + 5 a s / h)``), plus, under full recompute, one block's activations
-live again during its backward; the embedding and head keep theirs. Both are
-approximations the search did not choose, documented as such.
+Recompute under ``auto``: a plan dimension of the stage DP. Every stage candidate is
+costed with no, selective and full recompute of its transformer blocks
+(:func:`autoshard.inter.recompute_costs`: the forward or attention-core time of the chosen
+intra-op plans added to the latency, the activations Korthikanti et al.'s scheme keeps);
+with ``recompute="auto"`` (the default for ``plan="auto"``) the DP takes, per stage, the
+fastest mode whose memory fits the device's HBM, and records it in ``plan["stages"]``;
+``none`` / ``selective`` / ``full`` force one mode on every stage. If no plan fits, the
+fastest is reported, flagged ``oom``.
 
 MFU and HFU always come from :mod:`autoshard.sim.formulas` (model FLOPs, and model plus
 recompute FLOPs), so ``hfu / mfu`` is exactly hardware over model FLOPs.
@@ -69,6 +69,7 @@ from autoshard.cost import all_gather_cost, reduce_scatter_cost
 from autoshard.sim import formulas
 from autoshard.sim.clusters import Cluster, load_cluster, to_device_mesh
 from autoshard.sim.compute import GemmTable
+from autoshard.sim.exact import ExactReport, check_exact_devices, exact_check
 from autoshard.sim.megatron import (
     GRAD_ALLREDUCE_BYTES_PER_PARAM,
     MESH_AXES,
@@ -105,9 +106,10 @@ class SimulationReport:
     plan: Mapping
     breakdown: Mapping[str, float]  # seconds per step; sums to step_time_s
     search_seconds: float = 0.0
+    exact: ExactReport | None = None  # with simulate(..., exact=True)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "model": self.model,
             "cluster": self.cluster,
             "gpus": self.gpus,
@@ -122,6 +124,9 @@ class SimulationReport:
             "breakdown": dict(self.breakdown),
             "search_seconds": self.search_seconds,
         }
+        if self.exact is not None:
+            out["exact"] = self.exact.to_json()
+        return out
 
 
 def _plain(value):
@@ -315,25 +320,57 @@ def simulate(
     plan: str = "megatron",
     microbatch_size: int | None = None,
     global_batch: int | None = None,
-    recompute: str = "none",
+    recompute: str | None = None,
     dtype: str | None = None,
     *,
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
+    exact: bool = False,
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
 
     ``global_batch`` defaults to the preset's batch size; ``dtype`` (``bf16``, ``fp16``,
     ``fp32``) to the device's 16-bit dtype (fp16 on V100); ``overrides``: any of
-    ``MODEL_OVERRIDES``. ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``. Raises
+    ``MODEL_OVERRIDES``. ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``.
+    ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the stage DP chooses per
+    stage; only with ``plan="auto"``, and its default there; ``none`` elsewhere).
+    ``exact``: also compile the plan on ``gpus`` fake CPU devices and put compiled vs
+    predicted memory and collectives in ``report.exact`` (:func:`autoshard.sim.exact.
+    exact_check`; pipelines get ``available=False``). Raises
     ``ValueError`` for an unknown model, preset or plan, a GPU count the cluster cannot
-    give, a grid whose product is not ``gpus``, or sizes that do not divide.
+    give, a grid whose product is not ``gpus``, sizes that do not divide, or ``exact`` with
+    more than ``MAX_EXACT_DEVICES`` GPUs or fewer JAX CPU devices than ``gpus``.
     """
+    report = _simulate(
+        model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
+        ilp_time_limit_s, exact, overrides,
+    )  # fmt: skip
+    if not exact:
+        return report
+    checked = exact_check(report, cluster, time_limit_s=ilp_time_limit_s, **overrides)
+    return dataclasses.replace(report, exact=checked)
+
+
+def _simulate(
+    model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
+    ilp_time_limit_s, exact, overrides,
+) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
-    if recompute not in formulas.RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {formulas.RECOMPUTE_MODES}, got {recompute!r}")
+    if recompute is None:
+        recompute = "auto" if request.kind == "auto" else "none"
+    if recompute == "auto" and request.kind != "auto":
+        raise ValueError(
+            f"recompute='auto' lets the stage DP choose and needs plan='auto'; for plan "
+            f"{plan!r} use one of {formulas.RECOMPUTE_MODES}"
+        )
+    if recompute not in (*formulas.RECOMPUTE_MODES, "auto"):
+        raise ValueError(
+            f"recompute must be one of {(*formulas.RECOMPUTE_MODES, 'auto')}, got {recompute!r}"
+        )
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    if exact:
+        check_exact_devices(gpus)
     if request.grid is not None and request.grid[0] * request.grid[1] * request.grid[2] != gpus:
         tp, pp, dp = request.grid
         raise ValueError(
@@ -415,34 +452,19 @@ def _default_microbatches(batch: int) -> int:
     return max(d for d in range(1, min(batch, DEFAULT_AUTO_MICROBATCHES) + 1) if batch % d == 0)
 
 
-def _recompute_peak_bytes(layer_cost, stage, in_flight: int, kept_fraction: float, recompute):
-    """Peak bytes of ``stage`` when its blocks recompute: each block keeps ``kept_fraction``
-    of the activations its plan keeps (Korthikanti's ratio for the mode); under full
-    recompute one block's whole activations are live again during its backward."""
-    logical = tuple(stage.logical_mesh)
-    whole = layer_cost.range_cost(stage.start_layer, stage.end_layer, logical)
-    kept, working = 0.0, 0.0
-    for i, name in enumerate(stage.layers, start=stage.start_layer):
-        act = layer_cost.range_cost(i, i + 1, logical).activation_bytes
-        if name.startswith("block_"):
-            kept += kept_fraction * act
-            working = max(working, act if recompute == "full" else 0.0)
-        else:  # embedding and head (the logits) are not recomputed
-            kept += act
-    return whole.param_bytes + in_flight * kept + working
+def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> int:
+    """Model FLOPs plus what each stage's recompute mode adds for its transformer blocks."""
+    s, n_layers, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+    flops = formulas.model_flops_per_step(batch, s, n_layers, h, v)
+    for stage, blocks in zip(stages, layers_per_stage, strict=True):
+        flops += formulas.recompute_flops_per_step(batch, s, blocks, h, stage.recompute)
+    return flops
 
 
 def _simulate_auto(
     model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
-    from autoshard.inter import (  # lazy: traces with jax
-        IntraStageCost,
-        auto_stage_plan,
-        cluster_for,
-        logical_mesh_costs,
-        trace_microbatch,
-    )
-    from autoshard.stages import pipeline_objective
+    from autoshard.inter import auto_stage_plan, trace_microbatch  # lazy: traces with jax
 
     if microbatch_size is None:
         m = _default_microbatches(batch)
@@ -453,7 +475,7 @@ def _simulate_auto(
     else:
         m = batch // microbatch_size
     b = batch // m
-    # the search prices compute at the simulated dtype's peak
+    # the search prices compute at the simulated dtype's peak and GEMM efficiency
     search_cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
     )
@@ -462,58 +484,38 @@ def _simulate_auto(
         model, m, "adamw", batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
         **overrides,
     )  # fmt: skip
-    kwargs = dict(cluster=search_cluster, solver="highs", time_limit_s=time_limit)
+    modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
+    kwargs = dict(
+        cluster=search_cluster, solver="highs", time_limit_s=time_limit, recompute_modes=modes
+    )
     hbm = cluster.device.hbm_bytes
-    budget = hbm if recompute == "none" else None
     try:
-        inter = auto_stage_plan(traced, hosts, per_host, m, memory_budget_bytes=budget, **kwargs)
+        inter = auto_stage_plan(traced, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
     except ValueError as err:
-        if budget is None or "budget" not in str(err):
+        if "budget" not in str(err):
             raise
         # nothing fits: report the fastest plan, flagged out of memory
         inter = auto_stage_plan(traced, hosts, per_host, m, **kwargs)
 
-    s, h, a = shape.seq_len, shape.hidden, shape.heads
-    per_block_flops = formulas.recompute_flops_per_step(b, s, 1, h, recompute)
-    kept_fraction = formulas.activation_bytes_per_layer(
-        s, b, h, a, recompute=recompute
-    ) / formulas.activation_bytes_per_layer(s, b, h, a, recompute="none")
-    layer_cost = None
-    if recompute != "none":  # per-layer activation bytes of the chosen plans (cached ILPs)
-        layer_cost = IntraStageCost(
-            traced.graph,
-            logical_mesh_costs(cluster_for(search_cluster, hosts, per_host)),
-            solver="highs",
-            time_limit_s=time_limit,
-            num_microbatches=m,
-        )
-    stages, latencies, peaks = [], [], []
-    for st, assigned in zip(inter.stages, inter.stage_plan.stages, strict=True):
-        devices = st.submesh[0] * st.submesh[1]
-        blocks = sum(1 for name in st.layers if name.startswith("block_"))
-        recompute_s = blocks * per_block_flops / (devices * peak)
-        peak_bytes = st.peak_bytes
-        if layer_cost is not None:
-            peak_bytes = _recompute_peak_bytes(
-                layer_cost, st, assigned.microbatches_in_flight, kept_fraction, recompute
-            )
-        latencies.append(st.latency_s + recompute_s)
-        peaks.append(peak_bytes)
-        stages.append(
-            {
-                "layers": [st.layers[0], st.layers[-1]],
-                "num_layers": len(st.layers),
-                "submesh": list(st.submesh),
-                "logical_mesh_dp_tp": list(st.logical_mesh),
-                "latency_s": st.latency_s,
-                "recompute_s": recompute_s,
-                "peak_bytes": peak_bytes,
-                "search_peak_bytes": st.peak_bytes,  # no recompute, as the search saw it
-                "microbatches_in_flight": assigned.microbatches_in_flight,
-            }
-        )
-    step = inter.objective_s if recompute == "none" else pipeline_objective(latencies, m)
-    fill = sum(latencies)
+    last = len(traced.graph.layers) - 1
+    blocks = [
+        sum(1 for i in range(st.start_layer, st.end_layer) if 0 < i < last) for st in inter.stages
+    ]
+    stages = [
+        {
+            "layers": [st.layers[0], st.layers[-1]],
+            "num_layers": len(st.layers),
+            "submesh": list(st.submesh),
+            "logical_mesh_dp_tp": list(st.logical_mesh),
+            "recompute": st.recompute,
+            "latency_s": st.latency_s,
+            "peak_bytes": st.peak_bytes,
+            "microbatches_in_flight": assigned.microbatches_in_flight,
+        }
+        for st, assigned in zip(inter.stages, inter.stage_plan.stages, strict=True)
+    ]
+    step = inter.objective_s
+    fill = sum(st.latency_s for st in inter.stages)
     logical = {tuple(st.logical_mesh) for st in inter.stages}
     dp, tp = next(iter(logical)) if len(logical) == 1 else (None, None)
     plan_dict = {
@@ -532,13 +534,20 @@ def _simulate_auto(
         "num_ilps": inter.num_ilps,
         "phase_seconds": dict(inter.phase_seconds),
     }
-    peak_bytes = max(peaks)
+    peak_bytes = max(st.peak_bytes for st in inter.stages)
+    gpus = cluster.num_gpus
+    s, n_layers, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+    model_flops = formulas.model_flops_per_step(batch, s, n_layers, h, v)
+    hw_flops = _hardware_flops(shape, batch, inter.stages, blocks)
     return SimulationReport(
         model=model,
         cluster=cluster.name,
-        gpus=cluster.num_gpus,
+        gpus=gpus,
         step_time_s=step,
-        **_utilisation(shape, batch, recompute, step, cluster.num_gpus, peak),
+        tokens_per_s=batch * s / step,
+        tflops_per_device=hw_flops / step / gpus / 1e12,
+        mfu=formulas.flops_utilization(model_flops, step, gpus, peak),
+        hfu=formulas.flops_utilization(hw_flops, step, gpus, peak),
         peak_bytes_per_device=peak_bytes,
         oom=peak_bytes > hbm,
         plan=MappingProxyType(plan_dict),
