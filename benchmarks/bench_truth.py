@@ -56,7 +56,9 @@ def run(suite: str, time_limit: float) -> list[dict]:
             shape = tuple(int(s) for s in mesh_text.split("x"))
             mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)])
             for which in PLANS:
-                pinned = baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None
+                pinned = (
+                    baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None
+                )
                 t0 = time.perf_counter()
                 plan = auto_shard_graph(
                     traced.graph,
