@@ -14,6 +14,7 @@ import sys
 from autoshard.cli_args import add_model_args as _model_args
 from autoshard.cli_args import model_overrides as _overrides
 from autoshard.cli_args import positive_int as _positive_int
+from autoshard.cli_pipeline import add_pipeline_args, cmd_pipeline_plan, cmd_pipeline_run
 
 
 def _setup_devices(n: int | None) -> None:
@@ -86,9 +87,37 @@ def _plan_json(model: str, bound, report) -> dict:
     return out
 
 
+def _route(args, command: str) -> bool:
+    """Whether ``plan`` / ``run`` should pipeline (``--pipeline``); checks the flags."""
+    pipeline = getattr(args, "pipeline", None)
+    if pipeline is None:
+        if not args.mesh:
+            raise ValueError(
+                f"{command} needs --mesh (one mesh, e.g. 2x4) or --pipeline "
+                "auto|equal-layer|equal-flops with --devices N (pipeline stages)"
+            )
+        return False
+    if args.mesh:
+        raise ValueError(f"{command}: give --mesh (one mesh) or --pipeline (stages), not both")
+    if args.baseline:
+        raise ValueError(f"{command} --pipeline plans stages with the ILP; drop --baseline")
+    args.devices = args.pipeline_devices or args.devices
+    if not args.devices:
+        raise ValueError(f"{command} --pipeline needs --devices N")
+    return True
+
+
+def _single_mesh_defaults(args) -> None:
+    args.solver = args.solver or "cbc"
+    args.time_limit = 120.0 if args.time_limit is None else args.time_limit
+
+
 def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
     from autoshard.report import print_plan, print_verification
 
+    if bound is None and not verify_exit and _route(args, "plan"):
+        return cmd_pipeline_plan(args)
+    _single_mesh_defaults(args)
     bound = bound or _plan(args)
     report = bound.verify() if (args.verify or verify_exit) else None
     if args.json:
@@ -114,6 +143,9 @@ def cmd_run(args, bound=None) -> int:
     from autoshard.models import get_workload, make_optimizer
     from autoshard.runtime import check_against_single_device, run_steps
 
+    if bound is None and _route(args, "run"):
+        return cmd_pipeline_run(args)
+    _single_mesh_defaults(args)
     console = Console()
     args.optimizer = args.optimizer or "sgd"
     bound = bound or _plan(args)
@@ -218,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text)
         _model_args(p)
-        p.add_argument("--mesh", required=True, help="device mesh shape, e.g. 8, 2x4, 1x8")
+        required = name == "verify"  # plan and run may pipeline instead (--pipeline)
+        p.add_argument("--mesh", required=required, help="device mesh shape, e.g. 8, 2x4, 1x8")
         p.add_argument(
             "--baseline",
             choices=("dp", "zero2", "zero3", "megatron"),
@@ -230,8 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
             help="cost the plan on a cluster preset (dgx-a100, dgx-h100, alpa-v100, or a preset "
             ".json): seconds instead of Alpa's relative units",
         )
-        p.add_argument("--solver", choices=("cbc", "highs"), default="cbc")
-        p.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit (s)")
+        p.add_argument(
+            "--solver",
+            choices=("cbc", "highs"),
+            default=None,
+            help="ILP solver (default: cbc for one mesh, highs for --pipeline)",
+        )
+        p.add_argument(
+            "--time-limit", type=float, default=None, help="ILP time limit (s; 120, 60 per ILP)"
+        )
         p.add_argument(
             "--merge-elementwise",
             action="store_true",
@@ -247,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "--check", action="store_true", help="compare with the single-device step"
             )
             p.add_argument("--rtol", type=float, default=1e-5)
+        if name != "verify":
+            add_pipeline_args(p, run=name == "run")
         p.set_defaults(func=func, optimizer=None if name == "run" else "adamw")
 
     p = sub.add_parser("demo", help="plan, run and verify gpt-tiny on 8 fake CPU devices")
@@ -267,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    devices = args.devices
+    devices = args.devices or getattr(args, "pipeline_devices", None)
     if devices is None and args.command == "demo":
         devices = 8
     if devices is None and getattr(args, "mesh", None):

@@ -1,11 +1,16 @@
-"""``autoshard pipeline-plan`` and ``autoshard pipeline-run``: the inter-operator pass.
+"""``autoshard plan/run --pipeline ...``: the inter-operator pass on the command line.
 
-``pipeline-plan`` searches pipeline stages with stage costs from intra-op ILPs
+``plan --pipeline auto|equal-layer|equal-flops --devices N --microbatches K`` searches
+pipeline stages with stage costs from intra-op ILPs
 (:func:`autoshard.inter.auto_stage_plan`; abstract shapes, nothing allocated) and prints
-the stages or JSON.  ``pipeline-run`` trains a small model with the pipeline runtime
-(:func:`autoshard.pipeline.auto_pipeline`) on fake CPU devices, SGD, and with ``--check``
-compares losses and parameters with the single-device training step (exit 1 on a
-mismatch).  :func:`register` adds both to the main parser's sub-commands.
+the stages or JSON (``--json``: ``stages`` with ``layers``, ``submesh``,
+``logical_mesh``, ``latency_s``, ``peak_bytes``; ``objective_s``; ``search_seconds``).
+``run --pipeline ... --schedule 1f1b|gpipe --steps N`` trains a small model with the
+pipeline runtime (:func:`autoshard.pipeline.auto_pipeline`: every stage under its own
+intra-op plan) on fake CPU devices, SGD by default, and with ``--check`` compares losses
+and parameters with the single-device training step (exit 1 on a mismatch).
+:func:`add_pipeline_args` adds the flags to ``plan`` and ``run``; :func:`register` adds
+the older ``pipeline-plan`` and ``pipeline-run`` sub-commands (same code).
 """
 
 from __future__ import annotations
@@ -25,18 +30,24 @@ def cmd_pipeline_plan(args) -> int:
     from autoshard.inter import auto_stage_plan
 
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
+    hosts = args.hosts
+    per_host = getattr(args, "devices_per_host", None)
+    if per_host is None:
+        if args.devices % hosts:
+            raise ValueError(f"--devices {args.devices} does not split into --hosts {hosts}")
+        per_host = args.devices // hosts
     plan = auto_stage_plan(
         args.model,
-        args.hosts,
-        args.devices_per_host,
+        hosts,
+        per_host,
         args.microbatches,
         cluster=args.cluster,
         memory_budget_bytes=budget,
         schedule=args.schedule,
         stages=args.pipeline,
         num_stages=args.stages,
-        solver=args.solver,
-        time_limit_s=args.time_limit,
+        solver=args.solver or "highs",
+        time_limit_s=60.0 if args.time_limit is None else args.time_limit,
         optimizer=args.optimizer,
         **_overrides(args),
     )
@@ -44,7 +55,7 @@ def cmd_pipeline_plan(args) -> int:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
     print(
-        f"{plan.model}: {len(plan.stages)} stages on {args.hosts}x{args.devices_per_host} "
+        f"{plan.model}: {len(plan.stages)} stages on {hosts}x{per_host} "
         f"devices, {plan.num_microbatches} microbatches, {plan.schedule} ({plan.method})"
     )
     for i, s in enumerate(plan.stages):
@@ -88,7 +99,7 @@ def cmd_pipeline_run(args) -> int:
 
     devices = _ensure_devices(args.devices)
     workload = get_workload(args.model, **_overrides(args))
-    opt = make_optimizer("sgd")
+    opt = make_optimizer(getattr(args, "optimizer", None) or "sgd")
     params, opt_state, batch = workload.init_train_args(opt, seed=0)
     if args.pipeline != "auto" and args.stages is None:
         raise ValueError(f"--pipeline {args.pipeline} needs --stages")
@@ -102,6 +113,7 @@ def cmd_pipeline_run(args) -> int:
         stages=args.pipeline,
         num_stages=args.stages,
         schedule=args.schedule,
+        solver=getattr(args, "solver", None) or "highs",
     )
     print(trainer.plan)
     losses = [float(trainer.step(batch)) for _ in range(args.steps)]
@@ -130,6 +142,27 @@ def cmd_pipeline_run(args) -> int:
         + ("MATCH" if ok else "MISMATCH")
     )
     return 0 if ok else 1
+
+
+def add_pipeline_args(p, run: bool) -> None:
+    """The ``--pipeline`` flags of ``plan`` (``run=False``) and ``run``."""
+    g = p.add_argument_group("pipeline (instead of --mesh)")
+    g.add_argument(
+        "--pipeline",
+        choices=STAGE_METHODS,
+        help="split the model into pipeline stages: Alpa's stage DP (auto) or equal stages",
+    )
+    g.add_argument(
+        "--devices",
+        dest="pipeline_devices",
+        type=_positive_int,
+        help="devices to pipeline over (fake CPU devices when no accelerator)",
+    )
+    g.add_argument("--microbatches", type=_positive_int, default=4)
+    g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    if not run:
+        g.add_argument("--hosts", type=_positive_int, default=1, help="hosts the devices span")
 
 
 def register(subparsers) -> None:

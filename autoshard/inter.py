@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.cost import CostOptions, DeviceMesh, reshard, uniform_mesh
@@ -70,6 +70,7 @@ from autoshard.stages import (
     cost_stage_choices,
     equal_flops_stages,
     equal_layer_stages,
+    logical_mesh_shapes,
     optimal_stage_plan,
     place_submeshes,
     submesh_shapes,
@@ -220,6 +221,25 @@ class UnitCost:
 def is_attention_sized(shape: tuple[int, ...]) -> bool:
     """A ``[batch, heads, s, s]`` tensor: attention scores, probabilities, their masks."""
     return len(shape) == 4 and shape[-1] == shape[-2] > 1
+
+
+@dataclass(frozen=True)
+class StageSpecs:
+    """The intra-op plan of one stage, on the ids of the whole step's graph.
+
+    ``tensor_specs``: node output id -> spec, for every equation of the stage's layers
+    (forward, backward, update).  ``input_specs``: id -> spec of what the layers read from
+    outside their own plan (parameters, optimizer state, batch leaves, activations and
+    cotangents of other layers); where several layers read one tensor, the first one's
+    spec.  ``operand_specs``: node index -> operand position -> the spec the plan reads it
+    in, where that differs from the producer's.  All on the logical mesh ``logical_mesh``
+    with axes :data:`LOGICAL_AXES`.
+    """
+
+    logical_mesh: Shape2
+    tensor_specs: Mapping[int, ShardingSpec]
+    input_specs: Mapping[int, ShardingSpec]
+    operand_specs: Mapping[int, Mapping[int, ShardingSpec]]
 
 
 def _spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
@@ -468,6 +488,43 @@ class IntraStageCost:
             self._junctions[key] = cost
         return self._junctions[key]
 
+    def stage_specs(self, start: int, end: int, logical: Shape2) -> StageSpecs:
+        """The plan of layers ``[start, end)`` on ``logical``, mapped to the graph's ids.
+
+        With ``granularity="layer"`` it is the union of the layers' own plans (a plan made
+        for an identical layer is applied to this one position by position); with
+        ``"range"`` the range's plan.  Raises if the range has no finite plan there.
+        """
+        logical = tuple(logical)
+        if self.granularity == "range":
+            pieces = [(self.unit(start, end, logical), self.subgraph(start, end))]
+        else:
+            pieces = [
+                (self.unit(i, i + 1, logical), self.subgraph(i, i + 1)) for i in range(start, end)
+            ]
+        tensor_specs: dict[int, ShardingSpec] = {}
+        input_specs: dict[int, ShardingSpec] = {}
+        operand_specs: dict[int, dict[int, ShardingSpec]] = {}
+        for unit, rg in pieces:
+            if unit.plan is None:
+                raise ValueError(
+                    f"layers {list(self.graph.layers[start:end])} have no finite intra-op plan "
+                    f"on the logical mesh {logical}"
+                )
+            plan, g = unit.plan, rg.graph
+            if len(plan.input_specs) != len(g.inputs) or len(plan.node_strategies) != len(g.nodes):
+                raise AssertionError(f"the plan reused for layers [{rg.start}, {rg.end}) differs")
+            for tid, spec in zip(g.inputs, plan.input_specs, strict=True):
+                input_specs.setdefault(rg.tensor_ids[tid], spec)
+            for tid, spec in plan.tensor_specs.items():
+                tensor_specs[rg.tensor_ids[tid]] = spec
+            for node, ops in plan.operand_specs.items():
+                operand_specs[rg.node_ids[node]] = dict(ops)
+        mesh = self.mesh_for(logical).mesh
+        for tid, spec in (*input_specs.items(), *tensor_specs.items()):
+            spec.validate(mesh, self.graph.tensors[tid].shape)  # a reused plan must fit
+        return StageSpecs(logical, tensor_specs, input_specs, operand_specs)
+
     # -- the callback
     def recomputes(self, layer: int) -> bool:
         """Recompute applies to the inner layers (transformer blocks), not to the first
@@ -638,6 +695,7 @@ class InterPlan:
     method: str
     granularity: str
     stage_plan: StagePlan
+    stage_specs: tuple[StageSpecs, ...] = ()  # each stage's intra-op plan
 
     def to_json(self) -> dict:
         return {
@@ -761,20 +819,101 @@ def auto_stage_plan(
     from autoshard.api import TracedWorkload
 
     t_start = time.perf_counter()
-    _positive_int("num_hosts", num_hosts)
-    _positive_int("devices_per_host", devices_per_host)
     _positive_int("num_microbatches", num_microbatches)
-    if stages not in STAGE_METHODS:
-        raise ValueError(f"unknown stages={stages!r}; use one of {STAGE_METHODS}")
     if isinstance(workload, TracedWorkload):
         traced = workload
     else:
         traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
-    graph = traced.graph
     t_trace = time.perf_counter() - t_start
+    plan = search_stages(
+        traced.graph,
+        num_hosts,
+        devices_per_host,
+        num_microbatches,
+        cluster=cluster,
+        memory_budget_bytes=memory_budget_bytes,
+        schedule=schedule,
+        stages=stages,
+        num_stages=num_stages,
+        solver=solver,
+        time_limit_s=time_limit_s,
+        granularity=granularity,
+        model=traced.workload.name,
+    )
+    return dataclasses.replace(
+        plan,
+        search_seconds=time.perf_counter() - t_start,
+        phase_seconds={**plan.phase_seconds, "trace": t_trace},
+    )
+
+
+def _same_graph(a: Graph, b: Graph) -> bool:
+    """Whether two traces of a step are the same program (ids, primitives, shapes)."""
+    return (
+        a is b
+        or a.layers == b.layers
+        and len(a.nodes) == len(b.nodes)
+        and len(a.tensors) == len(b.tensors)
+        and all(x.primitive == y.primitive for x, y in zip(a.nodes, b.nodes))
+        and all(x.shape == y.shape for x, y in zip(a.tensors, b.tensors))
+    )
+
+
+def _forced_logical(cost, forced: Mapping[tuple[int, int], Shape2]):
+    """``cost`` restricted to one logical mesh per range (``inf`` for the others)."""
+
+    def restricted(start: int, end: int, submesh: Shape2, logical: Shape2) -> StageCost:
+        want = forced[(start, end)]
+        if tuple(logical) != want:
+            return StageCost(math.inf, 0.0, 0.0)
+        return cost(start, end, submesh, logical)
+
+    return restricted
+
+
+def search_stages(
+    graph: Graph,
+    num_hosts: int,
+    devices_per_host: int,
+    num_microbatches: int,
+    *,
+    cluster=None,
+    memory_budget_bytes: float | None = None,
+    schedule: str = "1f1b",
+    stages: str | Sequence[tuple[int, int]] = "auto",
+    num_stages: int | None = None,
+    logical_meshes: Sequence[Shape2] | None = None,
+    solver: str = "highs",
+    time_limit_s: float = 60.0,
+    granularity: str = "layer",
+    cost: IntraStageCost | None = None,
+    model: str = "model",
+) -> InterPlan:
+    """The search of :func:`auto_stage_plan` on a step already traced at the microbatch size.
+
+    ``stages`` may also be explicit ``[(start, end), ...]`` layer ranges (equal
+    sub-meshes); ``logical_meshes`` then fixes each stage's ``(dp, tp)`` view instead of
+    taking the fastest.  ``cost`` reuses an :class:`IntraStageCost` (and its solved ILPs)
+    built for the same step.  The returned plan carries each stage's intra-op plan
+    (``stage_specs``).
+    """
+    t_start = time.perf_counter()
+    _positive_int("num_hosts", num_hosts)
+    _positive_int("devices_per_host", devices_per_host)
+    _positive_int("num_microbatches", num_microbatches)
+    explicit = not isinstance(stages, str)
+    if not explicit and stages not in STAGE_METHODS:
+        raise ValueError(
+            f"unknown stages={stages!r}; use one of {STAGE_METHODS} or (start, end) layer ranges"
+        )
     num_layers, num_devices = len(graph.layers), num_hosts * devices_per_host
     if num_layers == 0:
         raise ValueError("the traced step has no layer tags; nothing to split into stages")
+    if explicit:
+        ranges = tuple((int(a), int(b)) for a, b in stages)
+        if num_stages is not None and num_stages != len(ranges):
+            raise ValueError(f"num_stages={num_stages} but {len(ranges)} layer ranges were given")
+        num_stages = len(ranges)
     if num_stages is not None:
         _positive_int("num_stages", num_stages)
         if num_stages > num_layers or num_stages > num_devices:
@@ -785,17 +924,27 @@ def auto_stage_plan(
             )
     elif stages != "auto":
         raise ValueError(f"stages={stages!r} needs num_stages")
+    if logical_meshes is not None and (not explicit or len(logical_meshes) != num_stages):
+        raise ValueError(
+            "logical_meshes fixes one (dp, tp) per stage: give it with explicit layer ranges, "
+            f"one per range; got {len(logical_meshes)} for stages={stages!r}"
+        )
 
-    the_cluster = cluster_for(cluster, num_hosts, devices_per_host)
-    cost = IntraStageCost(
-        graph,
-        logical_mesh_costs(the_cluster),
-        solver=solver,
-        time_limit_s=time_limit_s,
-        granularity=granularity,
-        num_microbatches=num_microbatches,
-    )
+    if cost is None:
+        cost = IntraStageCost(
+            graph,
+            logical_mesh_costs(cluster_for(cluster, num_hosts, devices_per_host)),
+            solver=solver,
+            time_limit_s=time_limit_s,
+            granularity=granularity,
+            num_microbatches=num_microbatches,
+        )
+    elif not _same_graph(cost.graph, graph) or cost.num_microbatches != num_microbatches:
+        raise ValueError(
+            "the IntraStageCost given was built for another traced step or microbatch count"
+        )
     t0 = time.perf_counter()
+    seconds_before = cost.seconds
     if stages == "auto":
         plan = optimal_stage_plan(
             num_layers,
@@ -812,24 +961,37 @@ def auto_stage_plan(
         submesh = _equal_submesh(num_stages, num_hosts, devices_per_host)
         if stages == "equal-layer":
             ranges = equal_layer_stages(num_layers, num_stages)
-        else:
+        elif stages == "equal-flops":
             layer_flops = [0.0] * num_layers
             for n in graph.nodes:
                 if n.layer in graph.layers:
                     layer_flops[graph.layers.index(n.layer)] += n.flops
             ranges = equal_flops_stages(layer_flops, num_stages)
+        stage_cost = cost
+        if logical_meshes is not None:
+            forced = {}
+            for r, logical in zip(ranges, logical_meshes, strict=True):
+                logical = tuple(int(x) for x in logical)
+                if logical not in logical_mesh_shapes(submesh):
+                    raise ValueError(
+                        f"logical mesh {logical} for layers {r} does not view the sub-mesh "
+                        f"{submesh}; use one of {list(logical_mesh_shapes(submesh))}"
+                    )
+                forced[r] = logical
+            stage_cost = _forced_logical(cost, forced)
         plan = cost_stage_choices(
             [(r, submesh) for r in ranges],
             num_layers,
             num_hosts,
             devices_per_host,
-            cost,
+            stage_cost,
             num_microbatches,
             memory_budget_bytes=memory_budget_bytes,
             schedule=schedule,
             recompute_modes=recompute_modes,
         )
     t_search = time.perf_counter() - t0
+    ilp_seconds = cost.seconds - seconds_before
     ids = place_submeshes([s.submesh_shape for s in plan.stages], num_hosts, devices_per_host)
     out_stages = tuple(
         InterStage(
@@ -846,12 +1008,12 @@ def auto_stage_plan(
         for s, group in zip(plan.stages, ids, strict=True)
     )
     phases = {
-        "trace": t_trace,
-        "intra_op_ilps": cost.seconds,
-        "stage_dp": max(t_search - cost.seconds, 0.0),
+        "trace": 0.0,
+        "intra_op_ilps": ilp_seconds,
+        "stage_dp": max(t_search - ilp_seconds, 0.0),
     }
     return InterPlan(
-        model=traced.workload.name,
+        model=model,
         stages=out_stages,
         objective_s=plan.objective_s,
         search_seconds=time.perf_counter() - t_start,
@@ -860,9 +1022,12 @@ def auto_stage_plan(
         num_cache_hits=cost.num_cache_hits,
         num_microbatches=num_microbatches,
         schedule=schedule,
-        method=stages,
-        granularity=granularity,
+        method=stages if not explicit else "manual",
+        granularity=cost.granularity,
         stage_plan=plan,
+        stage_specs=tuple(
+            cost.stage_specs(s.start_layer, s.end_layer, s.logical_shape) for s in plan.stages
+        ),
     )
 
 
@@ -872,6 +1037,7 @@ __all__ = [
     "InterStage",
     "IntraStageCost",
     "RangeGraph",
+    "StageSpecs",
     "UnitCost",
     "activation_bytes_of",
     "auto_stage_plan",
@@ -879,5 +1045,6 @@ __all__ = [
     "layer_signatures",
     "logical_mesh_costs",
     "range_subgraph",
+    "search_stages",
     "trace_microbatch",
 ]

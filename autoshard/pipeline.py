@@ -45,11 +45,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding
 
-from autoshard.graph import flops_of
+from autoshard.graph import build_graph, flops_of
+from autoshard.inter import (
+    InterPlan,
+    IntraStageCost,
+    cluster_for,
+    logical_mesh_costs,
+    search_stages,
+)
+from autoshard.models import make_train_step
 from autoshard.records import TensorRecord, TraceRecords
 from autoshard.schedules import FORWARD, gpipe, one_f_one_b, validate
+from autoshard.stage_layout import (
+    SpecFn,
+    StageLayout,
+    data_parallel_spec,
+    intra_op_layout,
+    loss_program,
+)
 from autoshard.stages import (
     StageCost,
     StageCostFn,
@@ -59,16 +74,13 @@ from autoshard.stages import (
     optimal_stage_plan,
     place_submeshes,
 )
-from autoshard.trace import TracedProgram, trace
+from autoshard.trace import TracedProgram, trace_train_step
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 STAGE_METHODS = ("auto", "equal-layer", "equal-flops")
+LAYOUTS = ("intra-op", "data-parallel")
 NOMINAL_PEAK_FLOPS = 100e12  # a placeholder peak for the FLOPs-only cost model
 STAGE_AXES = ("data", "model")
-
-# spec_fn(stage index, tensor, role, stage mesh) -> PartitionSpec; role is "param",
-# "activation" (sent between stages) or "data" (a batch leaf)
-SpecFn = Callable[[int, TensorRecord, str, jax.sharding.Mesh], PartitionSpec]
 
 
 # ---------------------------------------------------------------- cutting the program
@@ -257,6 +269,8 @@ class PipelineStage:
     owned_params: tuple[str, ...]  # pytree paths this stage updates
     received_params: tuple[str, ...]  # paths owned by an earlier stage and sent here
     num_received_activations: int
+    layout: str = "data-parallel"  # or "intra-op": the stage's intra-op plan
+    tensor_parallel: bool = False  # whether its plan splits anything over "model"
 
 
 @dataclass(frozen=True)
@@ -276,22 +290,20 @@ class PipelinePlan:
             shared = f", receives {', '.join(st.received_params)}" if st.received_params else ""
             lines.append(
                 f"  stage {st.index}: layers {st.layers[0]}..{st.layers[-1]} on devices "
-                f"{list(st.device_ids)} as {st.logical_shape}{shared}"
+                f"{list(st.device_ids)} as (dp, tp) = {st.logical_shape}, {st.layout}"
+                f"{' (tensor parallel)' if st.tensor_parallel else ''}{shared}"
             )
         return "\n".join(lines)
 
 
-def data_parallel_spec(
-    stage: int, tensor: TensorRecord, role: str, mesh: jax.sharding.Mesh
-) -> PartitionSpec:
-    """Default layout inside a stage: parameters replicated; batch and activations split
-    on dim 0 over all the stage's devices when that divides evenly, else replicated."""
-    if role == "param" or not tensor.shape or tensor.shape[0] % mesh.size:
-        return PartitionSpec()
-    return PartitionSpec(tuple(mesh.axis_names))
-
-
 # ---------------------------------------------------------------- the runtime
+
+# layout_fn(stage program, stage mesh) -> how the stage lays out its tensors
+LayoutFn = Callable[[StageProgram, jax.sharding.Mesh], StageLayout]
+
+
+def _data_parallel_layout(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+    return StageLayout(data_parallel_spec)
 
 
 def _path_key(entry) -> Any:
@@ -324,12 +336,13 @@ class _Stage:
         prog: TracedProgram,
         sp: StageProgram,
         mesh,
-        spec_fn: SpecFn,
+        layout: StageLayout,
         param_items: list[tuple[tuple, int]],
         values: dict[int, Any],
         optimizer,
     ):
-        self.sp, self.mesh = sp, mesh
+        self.sp, self.mesh, self.layout = sp, mesh, layout
+        spec_fn = layout.spec_fn
         self.tensors = tensors = prog.records.tensors
         self.loss = prog.records.outputs[0]
 
@@ -347,12 +360,18 @@ class _Stage:
         self.params = jax.tree.unflatten(
             treedef, [jax.device_put(values[t], sharding(t, "param")) for t in self.param_ids]
         )
-        self.opt_state = jax.jit(optimizer.init)(self.params)
+        self.opt_state_shardings = layout.opt_state_sharding(
+            mesh, jax.eval_shape(optimizer.init, self.params)
+        )
+        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(
+            self.params
+        )
 
         eqns = [(prog.records.eqns[i], prog._impls[i]) for i in sp.eqns]
         needed = {t for e, _ in eqns for t in e.inputs}
         consts = {t: v for t, v in prog._consts.items() if t in needed}
         param_ids = self.param_ids
+        constraints = layout.constraints
 
         def evaluate(params, received, data, wanted):
             env = dict(consts)
@@ -360,8 +379,14 @@ class _Stage:
             env.update(zip(sp.received, received, strict=True))
             env.update(zip(sp.data, data, strict=True))
             for eqn, (prim, bind_params) in eqns:
-                outs = prim.bind(*(env[t] for t in eqn.inputs), **bind_params)
-                env.update(zip(eqn.outputs, outs if prim.multiple_results else [outs], strict=True))
+                invals = [env[t] for t in eqn.inputs]
+                if constraints is not None:  # the plan's reshards and node output specs
+                    invals = constraints.operands_hook(eqn.index, invals)
+                outs = prim.bind(*invals, **bind_params)
+                outs = list(outs) if prim.multiple_results else [outs]
+                if constraints is not None:
+                    outs = constraints.outputs_hook(eqn.index, outs)
+                env.update(zip(eqn.outputs, outs, strict=True))
             return [env[t] for t in wanted]
 
         float_out = [t for t in sp.outputs if _inexact(tensors[t])]
@@ -392,7 +417,9 @@ class _Stage:
             backward,
             out_shardings=(self.param_shardings, [self.received_shardings[i] for i in float_in]),
         )
-        self.update = jax.jit(update)
+        self.update = jax.jit(
+            update, out_shardings=(self.param_shardings, self.opt_state_shardings)
+        )
         self.zero_grads = jax.jit(
             lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings
         )
@@ -415,10 +442,14 @@ class PipelineTrainer:
         optimizer: optax.GradientTransformation,
         num_microbatches: int,
         schedule: str,
-        spec_fn: SpecFn = data_parallel_spec,
+        layout_fn: LayoutFn = _data_parallel_layout,
         stage_plan: StagePlan | None = None,
+        inter_plan: InterPlan | None = None,
+        intra_cost: IntraStageCost | None = None,
     ):
         records = program.records
+        self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
+        self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
         self.num_microbatches = num_microbatches
         self._schedule = SCHEDULES[schedule](len(stage_programs), num_microbatches)
         validate(self._schedule, len(stage_programs), num_microbatches)
@@ -432,9 +463,14 @@ class PipelineTrainer:
         values = {t: leaf for t, (_, leaf) in zip(self._param_ids, leaves, strict=True)}
         self._stages = []
         for sp, devs, shape in zip(stage_programs, stage_devices, logical_shapes, strict=True):
-            mesh = jax.sharding.Mesh(np.array(devs, dtype=object).reshape(shape), STAGE_AXES)
+            mesh = jax.sharding.Mesh(
+                np.array(devs, dtype=object).reshape(shape),
+                STAGE_AXES,
+                axis_types=(AxisType.Auto,) * len(STAGE_AXES),  # for with_sharding_constraint
+            )
             items = [(path_of[t], t) for t in sp.params]
-            self._stages.append(_Stage(program, sp, mesh, spec_fn, items, values, optimizer))
+            layout = layout_fn(sp, mesh)
+            self._stages.append(_Stage(program, sp, mesh, layout, items, values, optimizer))
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
         keystr = {t: jax.tree_util.keystr(path_of[t]) for t in self._param_ids}
         stats = layer_stats(records)
@@ -452,15 +488,34 @@ class PipelineTrainer:
                     tuple(keystr[t] for t in sp.params),
                     tuple(keystr[t] for t in sp.received if t in keystr),
                     sum(t not in keystr for t in sp.received),
+                    st.layout.name,
+                    st.layout.tensor_parallel,
                 )
-                for sp, devs, shape in zip(
-                    stage_programs, stage_devices, logical_shapes, strict=True
+                for sp, devs, shape, st in zip(
+                    stage_programs, stage_devices, logical_shapes, self._stages, strict=True
                 )
             ),
             num_microbatches,
             schedule,
             stage_plan,
         )
+
+    def compiled_forward(self, stage: int) -> jax.stages.Compiled:
+        """The executable of stage ``stage``'s forward for one microbatch, as it runs
+        (compiled for abstract arguments with the stage's shardings)."""
+        st = self._stages[stage]
+
+        def abstract(ids, shardings):
+            return [
+                jax.ShapeDtypeStruct(
+                    st.tensors[t].shape, np.dtype(st.tensors[t].dtype), sharding=sh
+                )
+                for t, sh in zip(ids, shardings, strict=True)
+            ]
+
+        received = abstract(st.sp.received, st.received_shardings)
+        data = abstract(st.sp.data, st.data_shardings)
+        return st.forward.lower(st.params, received, data).compile()
 
     @property
     def params(self):
@@ -606,22 +661,37 @@ def auto_pipeline(
     stages: str | Sequence[tuple[int, int]] = "auto",
     num_stages: int | None = None,
     schedule: str = "1f1b",
+    layout: str = "intra-op",
+    logical_meshes: Sequence[tuple[int, int]] | None = None,
     spec_fn: SpecFn = data_parallel_spec,
     stage_cost: Callable[[LayerStats], StageCostFn] = flops_stage_cost,
     memory_budget_bytes: float | None = None,
+    intra_cost: IntraStageCost | None = None,
+    solver: str = "highs",
+    cluster=None,
 ) -> PipelineTrainer:
     """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
 
     ``batch`` is one global batch (arrays or ``jax.ShapeDtypeStruct`` leaves, all with the
     batch size as leading dim); it is split into ``num_microbatches`` equal microbatches.
-    ``stages``: ``"auto"`` (Alpa's stage DP over sub-meshes with ``stage_cost``, any
-    number of stages unless ``num_stages`` is given), ``"equal-layer"`` or
-    ``"equal-flops"`` (``num_stages`` stages, equal sub-meshes), or explicit
-    ``[(start, end), ...]`` ranges over the traced layers (in ``plan``; for the GPT
-    ``embedding, block_0, ..., head``).  ``schedule``: ``"1f1b"`` or ``"gpipe"``.
+    ``stages``: ``"auto"`` (Alpa's stage DP over sub-meshes, any number of stages unless
+    ``num_stages`` is given), ``"equal-layer"`` or ``"equal-flops"`` (``num_stages``
+    stages, equal sub-meshes), or explicit ``[(start, end), ...]`` ranges over the traced
+    layers (in ``plan``; for the GPT ``embedding, block_0, ..., head``).  ``schedule``:
+    ``"1f1b"`` or ``"gpipe"``.
+
+    ``layout="intra-op"`` (default): stage costs come from intra-op ILPs
+    (:func:`autoshard.inter.search_stages`, on ``cluster``'s costs, with ``solver``;
+    ``intra_cost`` reuses the ILPs of an earlier call on the same step) and every stage
+    runs under its own plan on its sub-mesh viewed as a ``(dp, tp)`` logical mesh (axes
+    ``data``, ``model``); ``logical_meshes`` fixes each explicit range's view.
+    ``layout="data-parallel"``: stage costs from FLOPs (``stage_cost``) and every stage
+    lays its tensors out with ``spec_fn`` on a ``(devices, 1)`` mesh.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     if (
         isinstance(num_microbatches, bool)
         or not isinstance(num_microbatches, int)
@@ -634,56 +704,107 @@ def auto_pipeline(
     batch_size = _batch_size(batch)
     if batch_size % num_microbatches:
         raise ValueError(_divisibility_message(batch_size, num_microbatches))
+    if isinstance(stages, str) and stages not in STAGE_METHODS:
+        raise ValueError(
+            f"unknown stages={stages!r}; use one of {STAGE_METHODS} or a list of "
+            "(start, end) layer ranges"
+        )
+    if logical_meshes is not None and layout != "intra-op":
+        raise ValueError("logical_meshes needs layout='intra-op'")
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     mb_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype),
         batch,
     )
-    program = trace(loss_fn, abstract, mb_batch, arg_kinds=("param", "data"))
+    # the train step of one microbatch; the pipeline runs its forward (same tensor ids as
+    # the intra-op plans) and differentiates it per stage
+    step = trace_train_step(
+        make_train_step(loss_fn, optimizer),
+        abstract,
+        jax.eval_shape(optimizer.init, abstract),
+        mb_batch,
+    )
+    loss = loss_program(step)
+    program = loss.program
     stats = layer_stats(program.records)
     num_layers, n = len(stats.layers), len(devices)
 
-    stage_plan = None
-    if isinstance(stages, str):
-        if stages not in STAGE_METHODS:
-            raise ValueError(
-                f"unknown stages={stages!r}; use one of {STAGE_METHODS} or a list of "
-                "(start, end) layer ranges"
-            )
-        if stages == "auto":
-            if num_stages is not None:
-                _check_stage_count(num_stages, num_layers, n, equal_submeshes=False)
-            stage_plan = optimal_stage_plan(
-                num_layers,
-                1,
-                n,
-                stage_cost(stats),
-                num_microbatches,
-                memory_budget_bytes=memory_budget_bytes,
-                schedule=schedule,
-                num_stages=num_stages,
-            )
-            ranges = [(a.start_layer, a.end_layer) for a in stage_plan.stages]
-            ids = place_submeshes([a.submesh_shape for a in stage_plan.stages], 1, n)
-            stage_devices = [[devices[i] for i in group] for group in ids]
-            logical = [a.logical_shape for a in stage_plan.stages]
-        else:
-            if num_stages is None:
-                raise ValueError(f"stages={stages!r} needs num_stages")
-            _check_stage_count(num_stages, num_layers, n)
-            if stages == "equal-layer":
-                ranges = list(equal_layer_stages(num_layers, num_stages))
-            else:
-                ranges = list(equal_flops_stages(stats.forward_flops, num_stages))
+    if stages == "auto":
+        if num_stages is not None:
+            _check_stage_count(num_stages, num_layers, n, equal_submeshes=False)
+    elif isinstance(stages, str):
+        if num_stages is None:
+            raise ValueError(f"stages={stages!r} needs num_stages")
+        _check_stage_count(num_stages, num_layers, n)
     else:
-        ranges = [tuple(r) for r in stages]
-        if num_stages is not None and num_stages != len(ranges):
-            raise ValueError(f"num_stages={num_stages} but {len(ranges)} layer ranges were given")
-        _check_stage_count(len(ranges), num_layers, n)
-    if stage_plan is None:
+        stages = [tuple(r) for r in stages]
+        if num_stages is not None and num_stages != len(stages):
+            raise ValueError(f"num_stages={num_stages} but {len(stages)} layer ranges were given")
+        _check_ranges(stages, num_layers)
+        _check_stage_count(len(stages), num_layers, n)
+
+    stage_plan = inter_plan = None
+    layout_fn: LayoutFn = _data_parallel_layout
+    if layout == "intra-op":
+        graph = build_graph(step.records)
+        if intra_cost is None:
+            intra_cost = IntraStageCost(
+                graph,
+                logical_mesh_costs(cluster_for(cluster, 1, n)),
+                solver=solver,
+                num_microbatches=num_microbatches,
+            )
+        inter_plan = search_stages(
+            graph,
+            1,
+            n,
+            num_microbatches,
+            cluster=cluster,
+            memory_budget_bytes=memory_budget_bytes,
+            schedule=schedule,
+            stages=stages,
+            num_stages=num_stages,
+            logical_meshes=logical_meshes,
+            cost=intra_cost,
+        )
+        stage_plan = inter_plan.stage_plan
+        ranges = [(s.start_layer, s.end_layer) for s in inter_plan.stages]
+        stage_devices = [[devices[i] for i in s.device_ids] for s in inter_plan.stages]
+        logical = [s.logical_mesh for s in inter_plan.stages]
+
+        def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+            return intra_op_layout(loss, inter_plan.stage_specs[sp.index], sp.eqns, mesh)
+
+    elif stages == "auto":
+        stage_plan = optimal_stage_plan(
+            num_layers,
+            1,
+            n,
+            stage_cost(stats),
+            num_microbatches,
+            memory_budget_bytes=memory_budget_bytes,
+            schedule=schedule,
+            num_stages=num_stages,
+        )
+        ranges = [(a.start_layer, a.end_layer) for a in stage_plan.stages]
+        ids = place_submeshes([a.submesh_shape for a in stage_plan.stages], 1, n)
+        stage_devices = [[devices[i] for i in group] for group in ids]
+        logical = [a.logical_shape for a in stage_plan.stages]
+    else:
+        if stages == "equal-layer":
+            ranges = list(equal_layer_stages(num_layers, num_stages))
+        elif stages == "equal-flops":
+            ranges = list(equal_flops_stages(stats.forward_flops, num_stages))
+        else:
+            ranges = stages
         per = n // len(ranges)
         stage_devices = [devices[s * per : (s + 1) * per] for s in range(len(ranges))]
         logical = [(per, 1)] * len(ranges)
+    if layout == "data-parallel":
+
+        def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+            return StageLayout(spec_fn)
+
     programs = split_stages(program.records, ranges)
     return PipelineTrainer(
         program,
@@ -694,6 +815,8 @@ def auto_pipeline(
         optimizer,
         num_microbatches,
         schedule,
-        spec_fn,
+        layout_fn,
         stage_plan,
+        inter_plan,
+        intra_cost,
     )

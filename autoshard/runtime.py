@@ -25,7 +25,7 @@ SGD that is ``-lr * grad``, so it checks gradients) and every output after N ste
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard import spec as aspec
 from autoshard.plan import ParallelPlan
+from autoshard.records import EqnRecord
 from autoshard.trace import TracedProgram
 
 
@@ -87,6 +88,65 @@ def to_partition_spec(spec: aspec.ShardingSpec) -> PartitionSpec:
 def named_sharding(mesh: jax.sharding.Mesh, spec: aspec.ShardingSpec) -> NamedSharding:
     """The ``NamedSharding`` of ``spec`` on ``mesh``."""
     return NamedSharding(mesh, to_partition_spec(spec))
+
+
+@dataclass(frozen=True)
+class SpecConstraints:
+    """The ``with_sharding_constraint`` s a plan puts inside a program, by equation index.
+
+    ``outputs[eqn]`` pins node outputs to their planned specs; ``operands[eqn]`` reshards
+    an operand where the plan reads it in another spec than its producer made it.
+    Partial-sum specs are left out (JAX cannot say "unreduced"; XLA places the reduction
+    where the next constraint needs it).  :meth:`outputs_hook` and :meth:`operands_hook`
+    are the ``hook`` / ``in_hook`` of :meth:`TracedProgram.evaluate`; the pipeline runtime
+    uses them on each stage's equations too.
+    """
+
+    outputs: Mapping[int, tuple[tuple[int, NamedSharding], ...]]
+    operands: Mapping[int, tuple[tuple[int, NamedSharding], ...]]
+
+    @staticmethod
+    def build(
+        eqns: Sequence[EqnRecord],
+        tensor_specs: Mapping[int, aspec.ShardingSpec],
+        operand_specs: Mapping[int, Mapping[int, aspec.ShardingSpec]],
+        mesh: jax.sharding.Mesh,
+    ) -> SpecConstraints:
+        """Constraints for ``eqns`` (records whose ``index`` keys ``operand_specs``)."""
+        outputs: dict[int, tuple[tuple[int, NamedSharding], ...]] = {}
+        for eqn in eqns:
+            found = tuple(
+                (pos, named_sharding(mesh, tensor_specs[tid]))
+                for pos, tid in enumerate(eqn.outputs)
+                if tid in tensor_specs and not tensor_specs[tid].partial
+            )
+            if found:
+                outputs[eqn.index] = found
+        operands: dict[int, tuple[tuple[int, NamedSharding], ...]] = {}
+        wanted = {eqn.index for eqn in eqns}
+        for node, ops in operand_specs.items():
+            found = tuple(
+                (k, named_sharding(mesh, spec))
+                for k, spec in sorted(ops.items())
+                if not spec.partial
+            )
+            if found and node in wanted:
+                operands[node] = found
+        return SpecConstraints(outputs, operands)
+
+    @property
+    def num_outputs(self) -> int:
+        return sum(len(c) for c in self.outputs.values())
+
+    def outputs_hook(self, eqn_index: int, outs: list) -> list:
+        for pos, sharding in self.outputs.get(eqn_index, ()):
+            outs[pos] = jax.lax.with_sharding_constraint(outs[pos], sharding)
+        return outs
+
+    def operands_hook(self, eqn_index: int, invals: list) -> list:
+        for pos, sharding in self.operands.get(eqn_index, ()):
+            invals[pos] = jax.lax.with_sharding_constraint(invals[pos], sharding)
+        return invals
 
 
 def _check_mesh(plan: ParallelPlan, mesh: jax.sharding.Mesh) -> None:
@@ -184,28 +244,9 @@ class ShardedStep:
         self.in_shardings = jax.tree_util.tree_unflatten(program.in_tree, flat_in)
         self.out_shardings = jax.tree_util.tree_unflatten(program.out_tree, flat_out)
         self.donate_argnums = _donated_argnums(program) if donate else ()
-        # eqn index -> ((output position, sharding), ...) for non-partial node specs
-        constraints: dict[int, tuple[tuple[int, NamedSharding], ...]] = {}
-        for eqn in records.eqns:
-            found = tuple(
-                (pos, named_sharding(mesh, plan.tensor_specs[tid]))
-                for pos, tid in enumerate(eqn.outputs)
-                if tid in plan.tensor_specs and not plan.tensor_specs[tid].partial
-            )
-            if found:
-                constraints[eqn.index] = found
-        self.constraints = constraints
-        # eqn index -> ((operand position, sharding), ...): reshard where the plan does
-        operand_constraints: dict[int, tuple[tuple[int, NamedSharding], ...]] = {}
-        for node, ops in getattr(plan, "operand_specs", {}).items():
-            found = tuple(
-                (k, named_sharding(mesh, spec))
-                for k, spec in sorted(ops.items())
-                if not spec.partial
-            )
-            if found:
-                operand_constraints[node] = found
-        self.operand_constraints = operand_constraints
+        self.constraints = SpecConstraints.build(
+            records.eqns, plan.tensor_specs, getattr(plan, "operand_specs", {}), mesh
+        )
         self._jitted = jax.jit(
             self._evaluate,
             in_shardings=tuple(self.in_shardings),
@@ -217,20 +258,11 @@ class ShardedStep:
     @property
     def num_constraints(self) -> int:
         """How many node outputs get a ``with_sharding_constraint``."""
-        return sum(len(c) for c in self.constraints.values())
-
-    def _constrain(self, eqn_index: int, outs: list) -> list:
-        for pos, sharding in self.constraints.get(eqn_index, ()):
-            outs[pos] = jax.lax.with_sharding_constraint(outs[pos], sharding)
-        return outs
-
-    def _constrain_operands(self, eqn_index: int, invals: list) -> list:
-        for pos, sharding in self.operand_constraints.get(eqn_index, ()):
-            invals[pos] = jax.lax.with_sharding_constraint(invals[pos], sharding)
-        return invals
+        return self.constraints.num_outputs
 
     def _evaluate(self, *args):
-        return self.program.evaluate(*args, hook=self._constrain, in_hook=self._constrain_operands)
+        c = self.constraints
+        return self.program.evaluate(*args, hook=c.outputs_hook, in_hook=c.operands_hook)
 
     def lower(self, *args) -> jax.stages.Lowered:
         """Lower for ``args`` (arrays or ``jax.ShapeDtypeStruct``; default: abstract_args)."""

@@ -98,3 +98,53 @@ def test_verify_json_has_the_documented_keys():
     for key in ("status", "gap", "seconds", "num_variables"):
         assert key in out["solver"]
     assert proc.returncode == (0 if out["collectives_agree"] else 1)
+
+
+def test_plan_pipeline_json_has_the_documented_keys():
+    proc = _run(
+        *"plan --model gpt-tiny --layers 4 --devices 8 --pipeline auto --microbatches 4 --json".split()
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {"stages", "objective_s", "search_seconds"} <= set(out)
+    stages = out["stages"]
+    for s in stages:
+        assert {"layers", "submesh", "logical_mesh", "latency_s", "peak_bytes"} <= set(s)
+        n = s["submesh"][0] * s["submesh"][1]
+        assert s["logical_mesh"][0] * s["logical_mesh"][1] == n == len(s["device_ids"])
+    assert [name for s in stages for name in s["layers"]] == [
+        "embedding",
+        *(f"block_{i}" for i in range(4)),
+        "head",
+    ]
+    assert sorted(d for s in stages for d in s["device_ids"]) == list(range(8))
+    latencies = [s["latency_s"] for s in stages]
+    assert out["objective_s"] == pytest.approx(sum(latencies) + 3 * max(latencies))
+    assert out["search_seconds"] > 0
+
+
+def test_run_pipeline_check_matches_single_device():
+    proc = _run(
+        *(
+            "run --model gpt-tiny --layers 4 --devices 8 --pipeline equal-layer --stages 2 "
+            "--schedule gpipe --microbatches 4 --steps 2 --check"
+        ).split()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "MATCH" in proc.stdout and "MISMATCH" not in proc.stdout
+    assert "2 stages, 4 microbatches, gpipe" in proc.stdout
+    assert "intra-op" in proc.stdout  # each stage under its intra-op plan
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("plan --model gpt-tiny --pipeline auto", "needs --devices"),
+        ("plan --model gpt-tiny --mesh 2x4 --devices 8 --pipeline auto", "not both"),
+        ("run --model gpt-tiny --devices 8 --pipeline auto --baseline dp", "drop --baseline"),
+        ("run --model gpt-tiny --steps 1", "needs --mesh"),
+    ],
+)
+def test_pipeline_flag_errors_are_clear(argv, message):
+    proc = _run(*argv.split())
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
