@@ -839,6 +839,7 @@ def auto_stage_plan(
         time_limit_s=time_limit_s,
         granularity=granularity,
         model=traced.workload.name,
+        recompute_modes=recompute_modes,
     )
     return dataclasses.replace(
         plan,
@@ -862,11 +863,11 @@ def _same_graph(a: Graph, b: Graph) -> bool:
 def _forced_logical(cost, forced: Mapping[tuple[int, int], Shape2]):
     """``cost`` restricted to one logical mesh per range (``inf`` for the others)."""
 
-    def restricted(start: int, end: int, submesh: Shape2, logical: Shape2) -> StageCost:
+    def restricted(start: int, end: int, submesh: Shape2, logical: Shape2, *mode: str) -> StageCost:
         want = forced[(start, end)]
         if tuple(logical) != want:
             return StageCost(math.inf, 0.0, 0.0)
-        return cost(start, end, submesh, logical)
+        return cost(start, end, submesh, logical, *mode)
 
     return restricted
 
@@ -888,6 +889,7 @@ def search_stages(
     granularity: str = "layer",
     cost: IntraStageCost | None = None,
     model: str = "model",
+    recompute_modes: tuple[str, ...] = NO_RECOMPUTE,
 ) -> InterPlan:
     """The search of :func:`auto_stage_plan` on a step already traced at the microbatch size.
 
