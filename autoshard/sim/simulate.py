@@ -464,7 +464,13 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 def _simulate_auto(
     model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
-    from autoshard.inter import auto_stage_plan, trace_microbatch  # lazy: traces with jax
+    from autoshard.inter import (  # lazy: traces with jax
+        IntraStageCost,
+        cluster_for,
+        logical_mesh_costs,
+        search_stages,
+        trace_microbatch,
+    )
 
     if microbatch_size is None:
         m = _default_microbatches(batch)
@@ -480,22 +486,30 @@ def _simulate_auto(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
     )
     hosts, per_host = cluster.num_nodes, cluster.devices_per_node
+    t0 = time.perf_counter()
     traced = trace_microbatch(
         model, m, "adamw", batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
         **overrides,
     )  # fmt: skip
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
-    kwargs = dict(
-        cluster=search_cluster, solver="highs", time_limit_s=time_limit, recompute_modes=modes
+    # one set of intra-op ILPs, shared by the search under the HBM budget and, when
+    # nothing fits, by the unconstrained search that reports the fastest plan as OOM
+    cost = IntraStageCost(
+        traced.graph,
+        logical_mesh_costs(cluster_for(search_cluster, hosts, per_host)),
+        solver="highs",
+        time_limit_s=time_limit,
+        num_microbatches=m,
     )
+    kwargs = dict(cost=cost, recompute_modes=modes, model=model)
     hbm = cluster.device.hbm_bytes
     try:
-        inter = auto_stage_plan(traced, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
+        inter = search_stages(traced.graph, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
     except ValueError as err:
         if "budget" not in str(err):
             raise
-        # nothing fits: report the fastest plan, flagged out of memory
-        inter = auto_stage_plan(traced, hosts, per_host, m, **kwargs)
+        inter = search_stages(traced.graph, hosts, per_host, m, **kwargs)
+    inter = dataclasses.replace(inter, search_seconds=time.perf_counter() - t0)
 
     last = len(traced.graph.layers) - 1
     blocks = [
