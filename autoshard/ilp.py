@@ -539,10 +539,47 @@ def _memory_rows(red: _Reduced) -> list[tuple[float, np.ndarray, np.ndarray]]:
 
 @dataclass
 class _Model:
-    prob: pulp.LpProblem
-    variables: list[pulp.LpVariable]
-    scale: float
+    """The program in matrix form: binary strategy columns first (``num_binary``, in
+    ``_Reduced`` variable order), then continuous edge and peak columns, and rows
+    ``row_lower <= A x <= row_upper`` given as (row, column, value) triplets."""
+
+    num_binary: int = 0
+    cost: list[float] = field(default_factory=list)  # per column, rescaled
+    num_cols: int = 0
+    rows: list[int] = field(default_factory=list)
+    cols: list[int] = field(default_factory=list)
+    vals: list[float] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+    scale: float = 1.0
     violated: str | None = None  # a constant constraint that cannot hold
+    values: np.ndarray | None = None  # column values after a solve
+
+    def column(self, cost: float = 0.0) -> int:
+        self.cost.append(cost)
+        self.num_cols += 1
+        return self.num_cols - 1
+
+    def row(self, terms, lower: float, upper: float) -> None:
+        r = len(self.row_lower)
+        for c, v in terms:
+            self.rows.append(r)
+            self.cols.append(c)
+            self.vals.append(v)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+    def csc(self):
+        """Column-wise (start, index, value) arrays of the constraint matrix."""
+        rows, cols = np.asarray(self.rows, dtype=np.int64), np.asarray(self.cols, dtype=np.int64)
+        vals = np.asarray(self.vals, dtype=float)
+        order = np.lexsort((rows, cols))
+        start = np.searchsorted(cols[order], np.arange(self.num_cols + 1))
+        return start.astype(np.int32), rows[order].astype(np.int32), vals[order]
 
 
 def _new_var(prob: pulp.LpProblem, name: str, low=None, cat=pulp.LpContinuous) -> pulp.LpVariable:
@@ -571,31 +608,28 @@ def _classes(mat: np.ndarray) -> tuple[np.ndarray, list[int]]:
 
 
 def _build(red: _Reduced, minimise_peak: bool) -> _Model:
-    """The PuLP model: minimise cost under the budget, or minimise the peak memory."""
-    prob = pulp.LpProblem("autoshard_intra_op", pulp.LpMinimize)
-    x = []
-    for b, cols in enumerate(red.cols):
-        x += [_new_var(prob, f"s_{red.blocks[b]}_{p}", cat=pulp.LpBinary) for p in cols.tolist()]
-    model = _Model(prob, x, 1.0)
-    add = prob.addConstraint
-    eq, le = pulp.LpConstraintEQ, pulp.LpConstraintLE
+    """The program: minimise cost under the budget, or minimise the peak memory."""
+    model = _Model()
+    inf = math.inf
+    for cols in red.cols:
+        for _ in range(cols.size):
+            model.column()
+    model.num_binary = model.num_cols
     for b, cols in enumerate(red.cols):
         if cols.size:
-            o = red.offset[b]
-            add(pulp.LpConstraint(_expr([(x[o + i], 1) for i in range(cols.size)]), eq, rhs=1))
+            o = int(red.offset[b])
+            model.row([(o + i, 1.0) for i in range(cols.size)], 1.0, 1.0)
     finite = [c for c in red.costs if c.size] + [m[np.isfinite(m)] for _, _, m in red.pairs]
     model.scale = max([float(np.abs(c).max()) for c in finite if c.size] + [0.0]) or 1.0
-    objective = []
     if not minimise_peak:
         for b, c in enumerate(red.costs):
-            objective += [
-                (x[red.offset[b] + i], w / model.scale) for i, w in enumerate(c.tolist()) if w
-            ]
+            o = int(red.offset[b])
+            for i, w in enumerate(c.tolist()):
+                model.cost[o + i] = w / model.scale
     for a, b, mat in red.pairs:
         finite_pairs = np.isfinite(mat)
         if minimise_peak and finite_pairs.all():
             continue
-        na, nb = red.blocks[a], red.blocks[b]
         # Strategies whose rows (columns) of the cost matrix are identical -- e.g. the
         # same output spec -- share edge variables: with one-hot marginals the
         # transportation constraints still force the exact pair, with far fewer variables.
@@ -604,17 +638,17 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
         cmat = mat[np.ix_(rows_rep, cols_rep)]
         e = {}
         for p, q in zip(*np.nonzero(np.isfinite(cmat)), strict=True):
-            e[p, q] = var = _new_var(prob, f"e_{na}_{nb}_{p}_{q}", low=0)
-            if not minimise_peak and cmat[p, q]:
-                objective.append((var, cmat[p, q] / model.scale))
+            w = 0.0 if minimise_peak else float(cmat[p, q]) / model.scale
+            e[p, q] = model.column(w)
+        oa, ob = int(red.offset[a]), int(red.offset[b])
         for p in range(cmat.shape[0]):
-            terms = [(e[p, q], 1) for q in range(cmat.shape[1]) if (p, q) in e]
-            members = [(x[red.offset[a] + i], -1) for i in np.flatnonzero(row_of == p).tolist()]
-            add(pulp.LpConstraint(_expr(terms + members), eq, rhs=0))
+            terms = [(e[p, q], 1.0) for q in range(cmat.shape[1]) if (p, q) in e]
+            members = [(oa + i, -1.0) for i in np.flatnonzero(row_of == p).tolist()]
+            model.row(terms + members, 0.0, 0.0)
         for q in range(cmat.shape[1]):
-            terms = [(e[p, q], 1) for p in range(cmat.shape[0]) if (p, q) in e]
-            members = [(x[red.offset[b] + i], -1) for i in np.flatnonzero(col_of == q).tolist()]
-            add(pulp.LpConstraint(_expr(terms + members), eq, rhs=0))
+            terms = [(e[p, q], 1.0) for p in range(cmat.shape[0]) if (p, q) in e]
+            members = [(ob + i, -1.0) for i in np.flatnonzero(col_of == q).tolist()]
+            model.row(terms + members, 0.0, 0.0)
     _add_ties(red, model)
     rows = red.mem_rows
     mem_scale = (
@@ -623,13 +657,11 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
     )
     budget = red.problem.memory_budget_bytes
     if minimise_peak:
-        peak = _new_var(prob, "peak", low=max([c for c, _, _ in rows] + [0.0]) / mem_scale)
+        peak = model.column(1.0)
+        model.row([(peak, 1.0)], max([c for c, _, _ in rows] + [0.0]) / mem_scale, inf)
         for constant, cols, w in rows:
-            terms = [
-                (x[i], wi / mem_scale) for i, wi in zip(cols.tolist(), w.tolist(), strict=True)
-            ]
-            add(pulp.LpConstraint(_expr(terms + [(peak, -1)], constant / mem_scale), le, rhs=0))
-        objective = [(peak, 1.0)]
+            terms = [(i, wi / mem_scale) for i, wi in zip(cols.tolist(), w.tolist(), strict=True)]
+            model.row(terms + [(peak, -1.0)], -inf, -constant / mem_scale)
     elif budget is not None:
         col_block = np.repeat(np.arange(len(red.cols)), [c.size for c in red.cols])
         for constant, cols, w in rows:
@@ -641,10 +673,9 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
                 if constant + np.maximum.reduceat(w, starts).sum() <= budget:
                     continue
                 terms = [
-                    (x[i], wi / mem_scale) for i, wi in zip(cols.tolist(), w.tolist(), strict=True)
+                    (i, wi / mem_scale) for i, wi in zip(cols.tolist(), w.tolist(), strict=True)
                 ]
-                add(pulp.LpConstraint(_expr(terms), le, rhs=(budget - constant) / mem_scale))
-    prob.setObjective(_expr(objective))
+                model.row(terms, -inf, (budget - constant) / mem_scale)
     return model
 
 
@@ -652,24 +683,22 @@ def _add_ties(red: _Reduced, model: _Model) -> None:
     """merge=False: x_v[q] = sum_{p: mapping[p] = q} x_leader[p] for every q. Summed over q
     this forces x_leader[p] = 0 where mapping[p] = -1, so those need no extra rows."""
 
-    def term(b: int, p: int):  # (variable or None, constant)
+    def term(b: int, p: int):  # (column or None, constant)
         if red.fixed[b] >= 0:
             return None, float(p == red.fixed[b])
         hit = np.flatnonzero(red.cols[b] == p)
-        return (model.variables[red.offset[b] + int(hit[0])], 0.0) if hit.size else (None, 0.0)
+        return (int(red.offset[b]) + int(hit[0]), 0.0) if hit.size else (None, 0.0)
 
     for v, leader, mapping in red.ties:
         bv, bl = int(red.block_of[v]), int(red.block_of[leader])
         for q in range(red.problem.num_strategies[v]):
-            parts = [(term(bv, q), 1)] + [
-                (term(bl, p), -1) for p, m in enumerate(mapping) if m == q
+            parts = [(term(bv, q), 1.0)] + [
+                (term(bl, p), -1.0) for p, m in enumerate(mapping) if m == q
             ]
-            terms = [(var, sign) for (var, _), sign in parts if var is not None]
+            terms = [(col, sign) for (col, _), sign in parts if col is not None]
             constant = sum(c * sign for (_, c), sign in parts)
             if terms:
-                model.prob.addConstraint(
-                    pulp.LpConstraint(_expr(terms, constant), pulp.LpConstraintEQ, rhs=0)
-                )
+                model.row(terms, -constant, -constant)
             elif constant != 0:
                 model.violated = model.violated or "tie"
 
@@ -710,36 +739,93 @@ def _solver_for(name: str, time_limit_s: float | None, mip_gap: float, seed: int
 def _run(
     model: _Model, solver: str, time_limit_s: float | None, mip_gap: float, seed: int
 ) -> _Outcome:
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = os.path.join(tmp, "cbc.log")
-        model.prob.solve(_solver_for(solver, time_limit_s, mip_gap, seed, log_path))
-        if solver == "cbc":
-            log = Path(log_path).read_text() if os.path.exists(log_path) else ""
-            found = re.search(r"Lower bound:\s+(\S+)", log)
-            bound = float(found.group(1)) if found else None
-            status, sol_status = model.prob.status, model.prob.sol_status
-            if status == pulp.LpStatusInfeasible:
-                return _Outcome("infeasible", None)
-            if status == pulp.LpStatusNotSolved:
-                return _Outcome("no_incumbent", bound)
-            if status == pulp.LpStatusOptimal:
-                optimal = sol_status == pulp.LpSolutionOptimal
-                return _Outcome("optimal" if optimal else "time_limit", bound)
-            raise RuntimeError(
-                f"CBC ended with PuLP status {pulp.LpStatus[status]}; log tail:\n{log[-2000:]}"
-            )
-    import highspy  # only reached when PuLP found it
+    _solver_for(solver, time_limit_s, mip_gap, seed, "")  # availability check, clear errors
+    if solver == "highs":
+        return _run_highs(model, time_limit_s, mip_gap, seed)
+    return _run_cbc(model, time_limit_s, mip_gap, seed)
 
-    highs = model.prob.solverModel
-    ms, info, kinds = highs.getModelStatus(), highs.getInfo(), highspy.HighsModelStatus
-    if ms == kinds.kOptimal:
-        return _Outcome("optimal", info.mip_dual_bound)
-    if ms in (kinds.kInfeasible, kinds.kUnboundedOrInfeasible):
+
+def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
+    """HiGHS through its own Python API, the matrix passed as is (no PuLP objects)."""
+    import highspy
+
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    if time_limit_s is not None:
+        highs.setOptionValue("time_limit", float(time_limit_s))
+    highs.setOptionValue("mip_rel_gap", float(mip_gap))
+    highs.setOptionValue("mip_abs_gap", _ABS_GAP)
+    highs.setOptionValue("random_seed", int(seed))
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
+    lp.col_cost_ = np.asarray(model.cost, dtype=float)
+    lp.col_lower_ = np.zeros(model.num_cols)
+    upper = np.full(model.num_cols, highspy.kHighsInf)
+    upper[: model.num_binary] = 1.0
+    lp.col_upper_ = upper
+    lp.row_lower_ = np.asarray(model.row_lower, dtype=float).clip(-highspy.kHighsInf)
+    lp.row_upper_ = np.asarray(model.row_upper, dtype=float).clip(None, highspy.kHighsInf)
+    start, index, value = model.csc()
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
+    kinds = highspy.HighsVarType
+    lp.integrality_ = [kinds.kInteger] * model.num_binary + [kinds.kContinuous] * (
+        model.num_cols - model.num_binary
+    )
+    highs.passModel(lp)
+    highs.run()
+    ms, info, status = highs.getModelStatus(), highs.getInfo(), highspy.HighsModelStatus
+    if ms in (status.kInfeasible, status.kUnboundedOrInfeasible):
         return _Outcome("infeasible", None)
-    if ms in (kinds.kTimeLimit, kinds.kIterationLimit, kinds.kInterrupt):
-        has = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    has = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    if has:
+        model.values = np.asarray(highs.getSolution().col_value)
+    if ms == status.kOptimal:
+        return _Outcome("optimal", info.mip_dual_bound)
+    if ms in (status.kTimeLimit, status.kIterationLimit, status.kInterrupt):
         return _Outcome("time_limit" if has else "no_incumbent", info.mip_dual_bound)
     raise RuntimeError(f"HiGHS ended with model status {highs.modelStatusToString(ms)}")
+
+
+def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
+    """CBC through PuLP: the matrix model rebuilt as a PuLP problem."""
+    prob = pulp.LpProblem("autoshard_intra_op", pulp.LpMinimize)
+    x = [
+        _new_var(
+            prob, f"x{j}", low=0, cat=pulp.LpBinary if j < model.num_binary else pulp.LpContinuous
+        )
+        for j in range(model.num_cols)
+    ]
+    by_row: list[list[tuple]] = [[] for _ in range(model.num_rows)]
+    for r, c, v in zip(model.rows, model.cols, model.vals, strict=True):
+        by_row[r].append((x[c], v))
+    for terms, lo, hi in zip(by_row, model.row_lower, model.row_upper, strict=True):
+        if lo == hi:
+            prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintEQ, rhs=lo))
+            continue
+        if math.isfinite(lo):
+            prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintGE, rhs=lo))
+        if math.isfinite(hi):
+            prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintLE, rhs=hi))
+    prob.setObjective(_expr([(x[j], w) for j, w in enumerate(model.cost) if w]))
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        prob.solve(_solver_for("cbc", time_limit_s, mip_gap, seed, log_path))
+        log = Path(log_path).read_text() if os.path.exists(log_path) else ""
+    found = re.search(r"Lower bound:\s+(\S+)", log)
+    bound = float(found.group(1)) if found else None
+    status, sol_status = prob.status, prob.sol_status
+    if status == pulp.LpStatusInfeasible:
+        return _Outcome("infeasible", None)
+    if status == pulp.LpStatusNotSolved:
+        return _Outcome("no_incumbent", bound)
+    if status == pulp.LpStatusOptimal:
+        model.values = np.array([v.varValue or 0.0 for v in x])
+        optimal = sol_status == pulp.LpSolutionOptimal
+        return _Outcome("optimal" if optimal else "time_limit", bound)
+    raise RuntimeError(
+        f"CBC ended with PuLP status {pulp.LpStatus[status]}; log tail:\n{log[-2000:]}"
+    )
 
 
 def _decode(red: _Reduced, model: _Model) -> tuple[int, ...]:
@@ -747,7 +833,7 @@ def _decode(red: _Reduced, model: _Model) -> tuple[int, ...]:
     for b, cols in enumerate(red.cols):
         if cols.size:
             o = red.offset[b]
-            vals = [model.variables[o + i].varValue or 0.0 for i in range(cols.size)]
+            vals = model.values[o : o + cols.size]
             chosen.append(int(cols[int(np.argmax(vals))]))
         else:
             chosen.append(red.fixed[b])
@@ -757,7 +843,7 @@ def _decode(red: _Reduced, model: _Model) -> tuple[int, ...]:
 def _solve_model(red, model, solver, time_limit_s, mip_gap, seed) -> _Outcome:
     if model.violated:
         return _Outcome("infeasible", None)
-    if not model.variables:  # everything fixed: nothing for a solver to do
+    if not model.num_binary:  # everything fixed: nothing for a solver to do
         return _Outcome("optimal", 0.0)
     return _run(model, solver, time_limit_s, mip_gap, seed)
 
@@ -821,7 +907,7 @@ def solve(
     if out.status == "no_incumbent":
         raise SolverTimeLimitError(
             f"{solver} found no feasible assignment within time_limit_s={time_limit_s} "
-            f"({len(model.variables)} binary variables); raise time_limit_s or the budget"
+            f"({model.num_binary} binary variables); raise time_limit_s or the budget"
         )
     strategy = _decode(red, model)
     objective = objective_of(problem, strategy)
@@ -850,7 +936,7 @@ def solve(
         solver=solver,
         seconds=time.perf_counter() - start,
         build_seconds=build_seconds,
-        num_variables=model.prob.numVariables(),
-        num_constraints=model.prob.numConstraints(),
+        num_variables=model.num_cols,
+        num_constraints=model.num_rows,
         num_roots=len(red.blocks),
     )

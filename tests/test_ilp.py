@@ -130,8 +130,9 @@ def test_cbc_matches_brute_force_with_and_without_merging(pb):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_nodes=6))
-def test_highs_matches_brute_force(pb):
+def test_highs_matches_brute_force_with_and_without_merging(pb):
     check_against_brute_force(pb, "highs", merge=True)
+    check_against_brute_force(pb, "highs", merge=False)
 
 
 # --- hand-built cases --------------------------------------------------------------------
