@@ -29,7 +29,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoshard.cost import DEFAULT_COST_OPTIONS, CostOptions, DeviceMesh, reshard
+from autoshard.cost import (
+    DEFAULT_COST_OPTIONS,
+    CostOptions,
+    DeviceMesh,
+    reshard,
+    reshard_to_consumers,
+)
 from autoshard.graph import ELEMENTWISE, Graph
 from autoshard.ilp import EdgeCost, ShardingProblem, Solution, Tie, peak_memory, solve
 from autoshard.plan import ParallelPlan
@@ -397,9 +403,12 @@ def plan_from_solution(
 
 
 def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
-    out: list[Collective] = []
+    """The collectives XLA will emit for the plan ``choice``: every value is resharded
+    once per distinct spec its consumers want (:func:`autoshard.cost.reshard_to_consumers`),
+    in program order of first use."""
     graph = ip.graph
-    done: set[tuple[int, ShardingSpec]] = set()  # XLA reshards a value once per target spec
+    source: dict[int, ShardingSpec] = {}
+    targets: dict[int, list[ShardingSpec]] = {}
     for op in ip.operands:
         if op.slot < 0:
             continue
@@ -411,12 +420,17 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
             else graph.nodes[op.src - ip.num_inputs].outputs.index(op.tensor)
         )
         b = dst_s.input_specs[op.slot]
-        if b is None or (op.tensor, b) in done:
+        if b is None:
             continue
-        done.add((op.tensor, b))
-        t = graph.tensors[op.tensor]
-        r = _reshard_cached(
-            src_s.output_specs[k], b, t.shape, _itemsize(t.dtype), ip.mesh, DEFAULT_COST_OPTIONS
+        source[op.tensor] = src_s.output_specs[k]
+        wants = targets.setdefault(op.tensor, [])
+        if b not in wants:
+            wants.append(b)
+    out: list[Collective] = []
+    for tid, wants in targets.items():
+        t = graph.tensors[tid]
+        r = reshard_to_consumers(
+            source[tid], wants, t.shape, _itemsize(t.dtype), ip.mesh, DEFAULT_COST_OPTIONS
         )
         out.extend(r.collectives)
     return tuple(out)
