@@ -540,3 +540,24 @@ def test_reshard_to_consumers_is_one_reshard_per_target_otherwise():
     parts = [reshard(src, d, (8, 32), 4, mesh, XLA) for d in dsts]
     assert r.collectives == parts[0].collectives + parts[1].collectives
     assert r.cost == pytest.approx(sum(p.cost for p in parts))
+
+
+def test_xla_mode_reduce_over_dims_split_on_different_axes_all_reduces_per_dim():
+    # XLA (jax 0.10, Shardy): a reduce whose summed dims are split over different mesh
+    # axes all-reduces one dim at a time, last dim first -- a compiled sum of an
+    # [8@data, 32@model] array is all-reduce over model, then over data (gpt-tiny auto on
+    # 4x2: the scalar loss), never one all-reduce over both.
+    mesh = alpa_test_mesh((4, 2), ("data", "model"))
+    src = ShardingSpec((), ("data", "model"))
+    r = reshard_to_consumers(
+        src, [ShardingSpec(())], (), 4, mesh, XLA, reduce_first=(("model",), ("data",))
+    )
+    assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [
+        ("all-reduce", ("model",), 4),
+        ("all-reduce", ("data",), 4),
+    ]
+    # one dim split over both axes is one all-reduce (gpt-tiny megatron on 2x4)
+    one = reshard_to_consumers(
+        src, [ShardingSpec(())], (), 4, mesh, XLA, reduce_first=(("data", "model"),)
+    )
+    assert [(c.kind, c.axes) for c in one.collectives] == [("all-reduce", ("data", "model"))]
