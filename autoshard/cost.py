@@ -578,3 +578,63 @@ def reshard(
         if candidate.cost <= best.cost:
             best = candidate
     return best
+
+
+def _producer_preference(spec: ShardingSpec, mesh: DeviceMesh) -> tuple:
+    """Sort key of the sharding XLA gives a value its consumers disagree about: the most
+    devices split over first; on a tie, the one that puts its axes on the lower dims
+    (propagation resolves an axis two consumers want on different dims for the lower dim)."""
+    used = tuple(a for d in spec.dims for a in d)
+    dims = sorted(i for i, d in enumerate(spec.dims) for _ in d)
+    return (-mesh.mesh.size(used), dims)
+
+
+def reshard_to_consumers(
+    src: ShardingSpec,
+    dsts: Sequence[ShardingSpec],
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh: DeviceMesh,
+    options: CostOptions = DEFAULT_COST_OPTIONS,
+    reduce_first: Sequence[Axes] = (),
+) -> Reshard:
+    """Collectives that give every consumer of one value its spec (``dsts``: distinct).
+
+    A value is resharded once per distinct target (:func:`reshard` for each), except a
+    partial sum read by several consumers that all want it reduced: JAX cannot constrain a
+    partial sum, so XLA's sharding propagation gives the producing op *one* sharding and
+    its partitioner reduces once, into that sharding -- the target splitting the most
+    devices, ties to the one with its splits on the lower dims -- and every other consumer
+    reshards from there (a reduce-scatter then an all-to-all or an all-gather, never two
+    reductions).
+
+    ``reduce_first``: groups of partial axes that XLA all-reduces one group at a time
+    before anything else, at the producing op.  A ``reduce`` whose summed dims are split
+    over different mesh axes is such an op: XLA's partitioner all-reduces one summed dim's
+    axes at a time, from the last dim to the first (jax 0.10 / Shardy), so a sum of an
+    ``[8@data, 32@model]`` array is an all-reduce over model, then one over data.  All
+    groups but the last are all-reduced on the local buffer; the last stays partial and
+    is resolved like any other.
+    """
+    dsts = list(dict.fromkeys(dsts))
+    steps = [tuple(a for a in g if a in src.partial) for g in reduce_first]
+    steps = [g for g in steps if g]
+    if len(steps) > 1 and not any(d.partial for d in dsts):
+        done = {a for g in steps[:-1] for a in g}
+        local = itemsize
+        for size, axes in zip(shape, src.dims):
+            local *= size // mesh.mesh.size(axes)
+        early = [Collective("all-reduce", g, local) for g in steps[:-1] if mesh.mesh.size(g) > 1]
+        rest = ShardingSpec(src.dims, tuple(a for a in src.partial if a not in done))
+        tail = reshard_to_consumers(rest, dsts, shape, itemsize, mesh, options)
+        head_cost = sum(collective_cost(mesh, c, options) for c in early)
+        return Reshard(tuple(early) + tail.collectives, head_cost + tail.cost)
+    if not src.partial or len(dsts) < 2 or any(d.partial for d in dsts):
+        parts = [reshard(src, d, shape, itemsize, mesh, options) for d in dsts]
+    else:
+        first = min(dsts, key=lambda d: _producer_preference(d, mesh))
+        parts = [reshard(src, first, shape, itemsize, mesh, options)]
+        parts += [reshard(first, d, shape, itemsize, mesh, options) for d in dsts if d != first]
+    return Reshard(
+        tuple(c for r in parts for c in r.collectives), sum((r.cost for r in parts), 0.0)
+    )

@@ -35,6 +35,16 @@ Normalisation (``normalize=True``) undoes two XLA:CPU habits, each recorded in `
   operand is a convert from the narrow type, or whose every use converts back to it, is
   reported with the narrow type's bytes.
 
+What no plan can predict, left as XLA compiled it (never normalised away):
+
+* sub-axis collectives: XLA (Shardy) may split a mesh axis and exchange over part of it,
+  e.g. an all-to-all over pairs ``{0,1},{2,3},...`` of a 4-device ``model`` axis on a
+  2x4 mesh (``{'axis_0':(2)2}`` in the mesh form).  Specs name whole mesh axes, so such a
+  group is reported with axes ``("?",)`` and a note (gpt-tiny zero3 on 2x4);
+* a reduction kept as an all-reduce whose users slice 1/m (m > group size) windows of it:
+  XLA reduced the whole buffer where a reduce-scatter would do; the note gives the
+  windows (gpt-tiny zero3 on 2x4: bias gradients of 192 kept 24 per device).
+
 Counting: each collective instruction is counted once where it is defined (fusions, async
 wrappers and called computations included; ``*-done`` halves are skipped).  Tuple-shaped
 (combined) all-reduces, all-gathers and reduce-scatters give one record per operand; a

@@ -29,7 +29,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoshard.cost import DEFAULT_COST_OPTIONS, CostOptions, DeviceMesh, reshard
+from autoshard.cost import (
+    DEFAULT_COST_OPTIONS,
+    CostOptions,
+    DeviceMesh,
+    reshard,
+    reshard_to_consumers,
+)
 from autoshard.graph import ELEMENTWISE, Graph
 from autoshard.ilp import EdgeCost, ShardingProblem, Solution, Tie, peak_memory, solve
 from autoshard.plan import ParallelPlan
@@ -397,9 +403,13 @@ def plan_from_solution(
 
 
 def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
-    out: list[Collective] = []
+    """The collectives XLA will emit for the plan ``choice``: every value is resharded
+    once per distinct spec its consumers want (:func:`autoshard.cost.reshard_to_consumers`),
+    in program order of first use."""
     graph = ip.graph
-    done: set[tuple[int, ShardingSpec]] = set()  # XLA reshards a value once per target spec
+    source: dict[int, ShardingSpec] = {}
+    steps: dict[int, tuple[tuple[str, ...], ...]] = {}
+    targets: dict[int, list[ShardingSpec]] = {}
     for op in ip.operands:
         if op.slot < 0:
             continue
@@ -411,15 +421,43 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
             else graph.nodes[op.src - ip.num_inputs].outputs.index(op.tensor)
         )
         b = dst_s.input_specs[op.slot]
-        if b is None or (op.tensor, b) in done:
+        if b is None:
             continue
-        done.add((op.tensor, b))
-        t = graph.tensors[op.tensor]
-        r = _reshard_cached(
-            src_s.output_specs[k], b, t.shape, _itemsize(t.dtype), ip.mesh, DEFAULT_COST_OPTIONS
+        source[op.tensor] = src_s.output_specs[k]
+        if op.src >= ip.num_inputs:
+            steps[op.tensor] = _reduce_steps(graph.nodes[op.src - ip.num_inputs], src_s)
+        wants = targets.setdefault(op.tensor, [])
+        if b not in wants:
+            wants.append(b)
+    out: list[Collective] = []
+    for tid, wants in targets.items():
+        t = graph.tensors[tid]
+        r = reshard_to_consumers(
+            source[tid],
+            wants,
+            t.shape,
+            _itemsize(t.dtype),
+            ip.mesh,
+            DEFAULT_COST_OPTIONS,
+            reduce_first=steps.get(tid, ()),
         )
         out.extend(r.collectives)
     return tuple(out)
+
+
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+
+
+def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
+    """For a reduce whose output is partial over axes that split several summed dims of
+    its operand: those axes grouped by dim, last dim first (the order XLA all-reduces
+    them in, see :func:`autoshard.cost.reshard_to_consumers`); otherwise ()."""
+    out = strategy.output_specs[0] if strategy.output_specs else None
+    operand = strategy.input_specs[0] if strategy.input_specs else None
+    if node.primitive not in REDUCTIONS or out is None or not out.partial or operand is None:
+        return ()
+    groups = [tuple(a for a in d if a in out.partial) for d in reversed(operand.dims)]
+    return tuple(g for g in groups if g)
 
 
 # Ops after which XLA materialises a buffer; elementwise producers are fused into their

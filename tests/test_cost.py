@@ -23,6 +23,7 @@ from autoshard.cost import (
     memory_bound_cost,
     reduce_scatter_cost,
     reshard,
+    reshard_to_consumers,
     uniform_mesh,
 )
 from autoshard.spec import Collective, Mesh, ShardingSpec
@@ -496,3 +497,67 @@ def test_xla_mode_reduce_scatters_onto_a_ready_dim():
     assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [
         ("reduce-scatter", ("model",), 32 * 8 * 4)
     ]
+
+
+def test_xla_mode_reduces_a_partial_sum_once_for_all_its_consumers():
+    # XLA: a partial sum cannot be constrained, so propagation gives the producer one
+    # sharding -- the consumer spec splitting the most devices -- and the partitioner
+    # reduces once into it; the other consumer reshards from there.  Evidence: gpt-tiny
+    # megatron on 4x2, a (8,32,64) layer-norm gradient partial over model, read as
+    # [8@data, 32, 64@model] and [8@data, 32, 64]: one all-reduce + dynamic-slice
+    # (a reduce-scatter, 16 KiB), then an all-gather over model, and no all-reduce.
+    mesh = alpa_test_mesh((4, 2), ("data", "model"))
+    src = ShardingSpec((("data",), (), ()), ("model",))
+    split = ShardingSpec((("data",), (), ("model",)))
+    whole = ShardingSpec((("data",), (), ()))
+    r = reshard_to_consumers(src, [whole, split], (8, 32, 64), 4, mesh, XLA)
+    assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [
+        ("reduce-scatter", ("model",), 2 * 32 * 64 * 4),
+        ("all-gather", ("model",), 2 * 32 * 64 * 4),
+    ]
+
+
+def test_xla_mode_partial_sum_consumers_tie_goes_to_the_lower_dim():
+    # Two consumers that split the same number of devices, over model on dim 0 or dim 2:
+    # XLA reduce-scatters onto dim 0, then one all-to-all moves model to dim 2 (gpt-tiny
+    # megatron on 4x2: all-reduce + dynamic-slice of dim 0, then an all-to-all of 8 KiB).
+    mesh = alpa_test_mesh((4, 2), ("data", "model"))
+    src = ShardingSpec((("data",), (), ()), ("model",))
+    on_dim2 = ShardingSpec((("data",), (), ("model",)))
+    on_dim0 = ShardingSpec((("data", "model"), (), ()))
+    r = reshard_to_consumers(src, [on_dim2, on_dim0], (8, 32, 64), 4, mesh, XLA)
+    assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [
+        ("reduce-scatter", ("model",), 2 * 32 * 64 * 4),
+        ("all-to-all", ("model",), 32 * 64 * 4),
+    ]
+
+
+def test_reshard_to_consumers_is_one_reshard_per_target_otherwise():
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    src = ShardingSpec((("data",), ("model",)))
+    dsts = [ShardingSpec(((), ("model",))), ShardingSpec((("data",), ()))]
+    r = reshard_to_consumers(src, dsts + dsts[:1], (8, 32), 4, mesh, XLA)
+    parts = [reshard(src, d, (8, 32), 4, mesh, XLA) for d in dsts]
+    assert r.collectives == parts[0].collectives + parts[1].collectives
+    assert r.cost == pytest.approx(sum(p.cost for p in parts))
+
+
+def test_xla_mode_reduce_over_dims_split_on_different_axes_all_reduces_per_dim():
+    # XLA (jax 0.10, Shardy): a reduce whose summed dims are split over different mesh
+    # axes all-reduces one dim at a time, last dim first -- a compiled sum of an
+    # [8@data, 32@model] array is all-reduce over model, then over data (gpt-tiny auto on
+    # 4x2: the scalar loss), never one all-reduce over both.
+    mesh = alpa_test_mesh((4, 2), ("data", "model"))
+    src = ShardingSpec((), ("data", "model"))
+    r = reshard_to_consumers(
+        src, [ShardingSpec(())], (), 4, mesh, XLA, reduce_first=(("model",), ("data",))
+    )
+    assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [
+        ("all-reduce", ("model",), 4),
+        ("all-reduce", ("data",), 4),
+    ]
+    # one dim split over both axes is one all-reduce (gpt-tiny megatron on 2x4)
+    one = reshard_to_consumers(
+        src, [ShardingSpec(())], (), 4, mesh, XLA, reduce_first=(("data", "model"),)
+    )
+    assert [(c.kind, c.axes) for c in one.collectives] == [("all-reduce", ("data", "model"))]

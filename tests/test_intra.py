@@ -260,3 +260,38 @@ def test_zero2_with_optimizer_state_trains_like_one_device():
 def test_deeper_gpt_auto_plan_trains_like_one_device():
     traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
     _assert_trains_like_one_device(traced, _plan(traced, (2, 4)))
+
+
+# Plans on 2-D meshes whose predicted collectives equal the compiled ones (kind, mesh
+# axes, bytes within 2%): locked in so that a cost-model change cannot lose them.
+# zero3 on 2x4 and 4x2 still disagrees (see docs/truth.md).
+AGREE_2D = [((2, 4), "megatron"), ((4, 2), None), ((4, 2), "megatron")]
+AGREE_2D_SLOW = [((2, 4), None), ((2, 4), "zero2"), ((4, 2), "dp"), ((4, 2), "zero2")]
+
+
+def _assert_collectives_agree(tiny, shape, which):
+    plan = _plan(tiny, shape, which)
+    report = verify_plan(tiny.program, plan, devices=jax.devices()[: plan.mesh.num_devices])
+    assert report.collectives_agree, report.comparison.format()
+
+
+@pytest.mark.parametrize("shape, which", AGREE_2D, ids=str)
+def test_2d_mesh_collectives_match_xla(tiny, shape, which):
+    _assert_collectives_agree(tiny, shape, which)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, which", AGREE_2D_SLOW, ids=str)
+def test_2d_mesh_collectives_match_xla_slow(tiny, shape, which):
+    _assert_collectives_agree(tiny, shape, which)
+
+
+@pytest.mark.slow
+def test_zero3_on_2x4_disagrees_where_xla_exchanges_over_part_of_an_axis(tiny):
+    # Known, named disagreement: XLA splits the 4-device model axis and runs an all-to-all
+    # over pairs of it, which no spec (whole mesh axes only) can predict; the verifier
+    # reports its axes as "?" (see autoshard/hlo.py).
+    plan = _plan(tiny, (2, 4), "zero3")
+    report = verify_plan(tiny.program, plan, devices=jax.devices()[:8])
+    assert not report.collectives_agree
+    assert any(c.axes == ("?",) and c.kind == "all-to-all" for c in report.compiled_collectives)
