@@ -491,6 +491,7 @@ def _simulate_auto(
         model, m, "adamw", batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
         **overrides,
     )  # fmt: skip
+    t_trace = time.perf_counter()
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
@@ -509,7 +510,13 @@ def _simulate_auto(
         if "budget" not in str(err):
             raise
         inter = search_stages(traced.graph, hosts, per_host, m, **kwargs)
-    inter = dataclasses.replace(inter, search_seconds=time.perf_counter() - t0)
+    total = time.perf_counter() - t0
+    phases = {  # over both searches when the fallback ran (the ILPs are solved once)
+        "trace": t_trace - t0,
+        "intra_op_ilps": cost.seconds,
+        "stage_dp": max(total - (t_trace - t0) - cost.seconds, 0.0),
+    }
+    inter = dataclasses.replace(inter, search_seconds=total, phase_seconds=phases)
 
     last = len(traced.graph.layers) - 1
     blocks = [
