@@ -1006,7 +1006,11 @@ def _normalise(
     mod: _Module, cc: CompiledCollective, ins: _Instr, index, groups
 ) -> CompiledCollective:
     c = cc.collective
-    if c.kind != "all-reduce" or c.axes == UNKNOWN_AXES:
+    if c.axes == UNKNOWN_AXES:
+        return cc
+    if c.kind in ("all-gather", "all-to-all"):
+        return _normalise_upcast(mod, cc, ins, index)
+    if c.kind != "all-reduce":
         return cc
     notes = [cc.note] if cc.note else []
     paths = _use_paths(mod, ins.name, index, _Path())
@@ -1032,6 +1036,66 @@ def _normalise(
     return replace(
         cc, collective=Collective(kind, c.axes, nbytes), dtype=dtype, note="; ".join(notes)
     )
+
+
+def _normalise_upcast(
+    mod: _Module, cc: CompiledCollective, ins: _Instr, index
+) -> CompiledCollective:
+    """XLA:CPU moves some bf16/f16 values through all-gathers and all-to-alls as f32: the
+    operand is converted up from the narrow type, and either every use converts the result
+    back down, or every use is a dot (XLA:CPU computes narrow dots in f32 and hoists the
+    operand's convert above the data movement). Count the bytes of the narrow type then.
+    An operand the program itself converts up is used as f32 elsewhere: it keeps its bytes."""
+    operands = ins.operands if index is None else [ins.operands[index]]
+    sources = {_upcast_source(mod, o) for o in operands}
+    source = sources.pop() if len(sources) == 1 else None
+    if cc.dtype != "float32" or source is None:
+        return cc
+    narrow = {p.narrow for p in _use_paths(mod, ins.name, index, _Path())}
+    if narrow != {source} and not _feeds_only_dots(mod, ins.name, index):
+        return cc
+    c = cc.collective
+    note = "; ".join(n for n in (cc.note, f"{source} upcast to f32 normalised") if n)
+    nbytes = c.bytes * _HLO_DTYPES[source][1] // 32
+    return replace(
+        cc,
+        collective=Collective(c.kind, c.axes, nbytes),
+        dtype=_HLO_DTYPES[source][0],
+        note=note,
+    )
+
+
+_LAYOUT_ONLY = frozenset(
+    {"parameter", "bitcast", "copy", "transpose", "reshape", "concatenate", "convert"}
+)
+
+
+def _feeds_only_dots(mod: _Module, name: str, index: int | None, depth: int = 0) -> bool:
+    """Does every use of ``name`` (tuple element ``index``) reach a dot through layout
+    changes only (tuple elements, bitcasts, copies, transposes, layout-only loop fusions)?"""
+    users = mod.users.get(name, [])
+    if not users or depth > 8:
+        return False
+    for uname, _ in users:
+        u = mod.instrs[uname]
+        if u.opcode == "get-tuple-element":
+            if index is not None and int(_attr(u.attrs, "index")) != index:
+                continue
+            ok = _feeds_only_dots(mod, uname, None, depth + 1)
+        elif u.opcode in _PASS_THROUGH:
+            ok = _feeds_only_dots(mod, uname, index, depth + 1)
+        elif u.opcode == "dot" or (u.opcode == "fusion" and "kind=kCustom" in u.attrs):
+            ok = True
+        elif u.opcode == "fusion" and "kind=kLoop" in u.attrs:
+            called = _called(u.attrs, "calls")
+            body = [i for i in mod.instrs.values() if called and i.computation == called[0]]
+            ok = bool(body) and all(i.opcode in _LAYOUT_ONLY for i in body)
+            ok = ok and _feeds_only_dots(mod, uname, None, depth + 1)
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
 
 
 def analyze_collectives(

@@ -295,3 +295,16 @@ def test_zero3_on_2x4_disagrees_where_xla_exchanges_over_part_of_an_axis(tiny):
     report = verify_plan(tiny.program, plan, devices=jax.devices()[:8])
     assert not report.collectives_agree
     assert any(c.axes == ("?",) and c.kind == "all-to-all" for c in report.compiled_collectives)
+
+
+def test_bf16_plan_collectives_match_xla_after_upcast_normalisation():
+    """XLA:CPU moves some bf16 tensors through all-gathers and all-to-alls as f32 (the
+    convert hoisted above the data movement, for its f32 dots); the verifier counts them in
+    bf16, and an f32 value the program made itself keeps its f32 bytes."""
+    traced = trace_workload("gpt-tiny", optimizer="adamw", dtype="bfloat16")
+    plan = _plan(traced, (8,), "dp")
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
+    assert report.collectives_agree, report.comparison.format()
+    assert any("bf16 upcast to f32 normalised" in note for note in report.compiled_notes)
+    kinds = {c.kind for c in report.compiled_collectives}
+    assert {"all-gather", "all-to-all"} <= kinds
