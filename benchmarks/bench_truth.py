@@ -8,7 +8,8 @@ compare with the plan's predictions:
 * peak memory per device -- within 10% of XLA's (arguments + outputs - aliases + temp).
 
 Writes one JSON row per plan and prints a table; ``--markdown FILE`` also writes the
-table for the docs.  Defaults: the intra-op suite (gpt-tiny and a 4-block gpt-tiny on
+table for the docs; ``--suite intra|memory`` re-runs one suite and keeps the other's rows
+in ``--out``.  Defaults: the intra-op suite (gpt-tiny and a 4-block gpt-tiny on
 meshes 8, 2x4, 4x2, 1x8 with SGD) and the simulator's memory suite (gpt-350m and
 gpt-1.3b shapes, two blocks, batch 8, AdamW, f32 and bf16, on 8 devices)::
 
@@ -131,6 +132,10 @@ def main() -> None:
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     print(HEADER)
     rows = [row for s in suites for row in run(s, args.time_limit)]
+    out = Path(args.out)
+    if args.suite != "all" and out.exists():  # keep the other suites' rows from the last run
+        rows = [r for r in json.loads(out.read_text())["rows"] if r["suite"] not in suites] + rows
+        rows.sort(key=lambda r: list(SUITES).index(r["suite"]))
     n = len(rows)
     coll = sum(r["collectives_agree"] for r in rows)
     mem = sum(r["memory_agree"] for r in rows)
@@ -141,8 +146,8 @@ def main() -> None:
         "jax": jax.__version__,
     }
     print(f"\n{coll}/{n} plans: collectives agree; {mem}/{n}: peak memory within 10%")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if args.markdown:
         lines = [HEADER] + [_format_row(r) for r in rows]
         Path(args.markdown).write_text("\n".join(lines) + "\n")

@@ -147,9 +147,8 @@ def _notes(plan: Mapping, recompute: str, dp: int, tp: int) -> tuple[str, ...]:
         notes.append("fp16 is compiled as bfloat16 (the same bytes)")
     if plan["dtype"] != "fp32":
         notes.append(
-            "XLA:CPU computes bf16 dots in f32: all-reduces are counted at 16-bit bytes "
-            "(autoshard.hlo), other collectives next to the dots may move f32, 2x the bytes "
-            "the plan predicts"
+            "XLA:CPU computes bf16 dots in f32 and moves some of their operands and results "
+            "as f32; the verifier counts those collectives at 16-bit bytes (autoshard.hlo)"
         )
     notes.append(
         "predicted collective bytes are the intra-op plan's (same alpha-beta cost model as "
