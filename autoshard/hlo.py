@@ -1088,8 +1088,8 @@ def _feeds_only_dots(mod: _Module, name: str, index: int | None, depth: int = 0)
             ok = True
         elif u.opcode == "fusion" and "kind=kLoop" in u.attrs:
             called = _called(u.attrs, "calls")
-            body = [i for i in mod.instrs.values() if called and i.computation == called[0]]
-            ok = bool(body) and all(i.opcode in _LAYOUT_ONLY for i in body)
+            body = mod.computations.get(called[0], []) if called else []
+            ok = bool(body) and all(mod.instrs[i].opcode in _LAYOUT_ONLY for i in body)
             ok = ok and _feeds_only_dots(mod, uname, None, depth + 1)
         else:
             ok = False

@@ -709,7 +709,8 @@ class _Outcome:
     bound: float | None  # best bound on the model objective
 
 
-def _solver_for(name: str, time_limit_s: float | None, mip_gap: float, seed: int, log_path: str):
+def _check_solver(name: str) -> None:
+    """Clear errors for an unknown solver or one that is not installed."""
     if name not in SOLVERS:
         raise ValueError(f"unknown solver {name!r}; choose one of {sorted(SOLVERS)}")
     available = pulp.listSolvers(onlyAvailable=True)
@@ -719,27 +720,26 @@ def _solver_for(name: str, time_limit_s: float | None, mip_gap: float, seed: int
             f"solver {name!r} (PuLP's {SOLVERS[name]}) is not installed; available here: {ours} "
             f"(all PuLP solvers found: {available})"
         )
-    if name == "cbc":
-        opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}"]
-        with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return pulp.PULP_CBC_CMD(
-                msg=False,
-                timeLimit=time_limit_s,
-                gapRel=mip_gap,
-                gapAbs=_ABS_GAP,
-                options=opts,
-                logPath=log_path,
-            )
-    return pulp.HiGHS(
-        msg=False, timeLimit=time_limit_s, gapRel=mip_gap, gapAbs=_ABS_GAP, random_seed=seed
-    )
+
+
+def _cbc(time_limit_s: float | None, mip_gap: float, seed: int, log_path: str):
+    opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}"]
+    with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(
+            msg=False,
+            timeLimit=time_limit_s,
+            gapRel=mip_gap,
+            gapAbs=_ABS_GAP,
+            options=opts,
+            logPath=log_path,
+        )
 
 
 def _run(
     model: _Model, solver: str, time_limit_s: float | None, mip_gap: float, seed: int
 ) -> _Outcome:
-    _solver_for(solver, time_limit_s, mip_gap, seed, "")  # availability check, clear errors
+    _check_solver(solver)
     if solver == "highs":
         return _run_highs(model, time_limit_s, mip_gap, seed)
     return _run_cbc(model, time_limit_s, mip_gap, seed)
@@ -810,7 +810,7 @@ def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: in
     prob.setObjective(_expr([(x[j], w) for j, w in enumerate(model.cost) if w]))
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "cbc.log")
-        prob.solve(_solver_for("cbc", time_limit_s, mip_gap, seed, log_path))
+        prob.solve(_cbc(time_limit_s, mip_gap, seed, log_path))
         log = Path(log_path).read_text() if os.path.exists(log_path) else ""
     found = re.search(r"Lower bound:\s+(\S+)", log)
     bound = float(found.group(1)) if found else None
