@@ -574,8 +574,9 @@ def _use_paths(
     for uname, k in users:
         u = mod.instrs[uname]
         u_dtype, u_dims = _leaves(u.shape)[0] if _leaves(u.shape) else ("token", ())
-        if u.opcode == "get-tuple-element" and index is not None:
-            if int(_attr(u.attrs, "index")) == index:
+        if u.opcode == "get-tuple-element":
+            # index None: every element of a tuple-shaped value (an all-to-all's parts)
+            if index is None or int(_attr(u.attrs, "index")) == index:
                 out += _use_paths(mod, uname, None, path, seen)
         elif u.opcode in _PASS_THROUGH:
             out += _use_paths(mod, uname, index, path, seen)

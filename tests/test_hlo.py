@@ -153,6 +153,30 @@ def test_bf16_all_reduce_upcast_on_cpu_is_reported_in_bf16(meshes):
     assert found[0].dtype == "bfloat16" and "bf16 upcast" in found[0].note
 
 
+@pytest.mark.parametrize(
+    "fn, narrow",
+    [
+        (lambda x: x * 2, True),  # bf16 in, bf16 out: XLA:CPU moves the parts as f32
+        (jnp.tanh, True),
+        # the program's own f32 value: it really moves f32 bytes
+        (lambda x: (x.astype(jnp.float32) * 2).astype(jnp.bfloat16), False),
+    ],
+)
+def test_bf16_all_to_all_parts_converted_back_are_counted_in_bf16(meshes, fn, narrow):
+    # The all-to-all returns a tuple of parts; each part is converted back to bf16
+    # (after a concatenate, in one fusion). Normalising must follow every part.
+    jmesh, mesh, ids = meshes
+    text = _compile(jmesh, fn, (P("model", None),), P(None, "model"), [(M, M)], jnp.bfloat16)
+    text = text.as_text()
+    raw = hlo.parse_collectives(text, mesh, ids, normalize=False)
+    found = hlo.parse_collectives(text, mesh, ids)
+    assert _kinds(raw) == [("all-to-all", ("model",), M * M * 4 // 4)]
+    assert raw[0].dtype == "float32"
+    expect = M * M * (2 if narrow else 4) // 4
+    assert _kinds(found) == [("all-to-all", ("model",), expect)]
+    assert found[0].dtype == ("bfloat16" if narrow else "float32")
+
+
 def test_bf16_reduce_scatter_gets_both_normalisations(meshes):
     jmesh, mesh, ids = meshes
     found = hlo.parse_collectives(
