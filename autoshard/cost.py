@@ -321,6 +321,7 @@ class _Plan:
         self.partial: list[str] = list(src.partial)
         self.dst, self.shape, self.itemsize = dst, shape, itemsize
         self.mesh, self.options = mesh, options
+        self.whole_scatter = False  # reduce-scatter only into the exact destination
         self.collectives: list[Collective] = []
         self.cost = 0.0
 
@@ -375,6 +376,13 @@ class _Plan:
             group = tuple(a for a in self.mesh.axis_names if a in pending)
             nbytes = self.local_bytes()
             j = next((j for j in range(len(self.dims)) if self.ready(j, group)), None)
+            if j is not None and self.whole_scatter:
+                # reduced where it is made: XLA all-reduces and slices what it keeps in
+                # one dynamic-slice -- a reduce-scatter only if that slice is the group's
+                after = list(self.dims)
+                after[j] = after[j] + group
+                if tuple(after) != self.dst.dims:
+                    j = None
             if j is not None:
                 self.emit("reduce-scatter", group, nbytes)
                 self.dims[j] = self.dims[j] + group
@@ -542,6 +550,8 @@ def reshard(
     itemsize: int,
     mesh: DeviceMesh,
     options: CostOptions = DEFAULT_COST_OPTIONS,
+    *,
+    reduce_in_place: bool = False,
 ) -> Reshard:
     """Collectives and cost to turn a tensor of global ``shape`` from ``src`` into ``dst``.
 
@@ -554,6 +564,13 @@ def reshard(
     cheaper; anything the rules do not cover goes through gathers, and the result is
     never dearer than :func:`gather_then_slice`. Raises ValueError for specs that do not
     fit the mesh or the shape.
+
+    ``reduce_in_place``: the partial sum comes from a reduction, which XLA's partitioner
+    reduces where it is made, on its own layout: the dropped axes are reduced first
+    (a reduce-scatter where a dim takes them next, else an all-reduce of the whole local
+    buffer), and only then are new splits sliced off.  A ``[64]`` bias gradient summed
+    over a batch split on ``data`` and wanted as ``[64@model]`` is an all-reduce of all 64
+    values over ``data``, not of the 16 a device keeps.
     """
     _validate(src, dst, tuple(shape), itemsize, mesh)
     shape, itemsize = tuple(int(s) for s in shape), int(itemsize)
@@ -566,10 +583,15 @@ def reshard(
     all_reduce_only = tuple(a for a in dropped if a not in wanted)
     best = gather_then_slice(src, dst, shape, itemsize, mesh, options)
     timings = [dropped, ()] if options.group_reductions else [dropped, (), all_reduce_only]
+    if reduce_in_place and dropped:
+        timings = [dropped]
     for early in dict.fromkeys(timings):
         plan = _Plan(src, dst, shape, itemsize, mesh, options)
         unsliced = plan.clone()
-        plan.slice_free()
+        if reduce_in_place:
+            plan.whole_scatter = True
+        else:
+            plan.slice_free()
         plan.reduce(early)
         if options.group_reductions:
             candidate = _xla_move_and_finish(plan, dropped, unsliced).result()
@@ -626,14 +648,20 @@ def reshard_to_consumers(
             local *= size // mesh.mesh.size(axes)
         early = [Collective("all-reduce", g, local) for g in steps[:-1] if mesh.mesh.size(g) > 1]
         rest = ShardingSpec(src.dims, tuple(a for a in src.partial if a not in done))
-        tail = reshard_to_consumers(rest, dsts, shape, itemsize, mesh, options)
+        tail = reshard_to_consumers(
+            rest, dsts, shape, itemsize, mesh, options, reduce_first=steps[-1:]
+        )
         head_cost = sum(collective_cost(mesh, c, options) for c in early)
         return Reshard(tuple(early) + tail.collectives, head_cost + tail.cost)
+    in_place = bool(steps)
     if not src.partial or len(dsts) < 2 or any(d.partial for d in dsts):
-        parts = [reshard(src, d, shape, itemsize, mesh, options) for d in dsts]
+        parts = [
+            reshard(src, d, shape, itemsize, mesh, options, reduce_in_place=in_place)
+            for d in dsts
+        ]
     else:
         first = min(dsts, key=lambda d: _producer_preference(d, mesh))
-        parts = [reshard(src, first, shape, itemsize, mesh, options)]
+        parts = [reshard(src, first, shape, itemsize, mesh, options, reduce_in_place=in_place)]
         parts += [reshard(first, d, shape, itemsize, mesh, options) for d in dsts if d != first]
     return Reshard(
         tuple(c for r in parts for c in r.collectives), sum((r.cost for r in parts), 0.0)

@@ -449,15 +449,15 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 
 def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
-    """For a reduce whose output is partial over axes that split several summed dims of
-    its operand: those axes grouped by dim, last dim first (the order XLA all-reduces
-    them in, see :func:`autoshard.cost.reshard_to_consumers`); otherwise ()."""
+    """For a reduce whose output is partial: its partial axes grouped by the summed dim
+    of the operand they split, last dim first (the order XLA all-reduces them in, at the
+    reduce itself, see :func:`autoshard.cost.reshard_to_consumers`); otherwise ()."""
     out = strategy.output_specs[0] if strategy.output_specs else None
     operand = strategy.input_specs[0] if strategy.input_specs else None
     if node.primitive not in REDUCTIONS or out is None or not out.partial or operand is None:
         return ()
     groups = [tuple(a for a in d if a in out.partial) for d in reversed(operand.dims)]
-    return tuple(g for g in groups if g)
+    return tuple(g for g in groups if g) or (tuple(out.partial),)
 
 
 # Ops after which XLA materialises a buffer; elementwise producers are fused into their

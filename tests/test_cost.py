@@ -561,3 +561,37 @@ def test_xla_mode_reduce_over_dims_split_on_different_axes_all_reduces_per_dim()
         src, [ShardingSpec(())], (), 4, mesh, XLA, reduce_first=(("data", "model"),)
     )
     assert [(c.kind, c.axes) for c in one.collectives] == [("all-reduce", ("data", "model"))]
+
+
+def test_xla_mode_reduction_is_reduced_where_it_is_made_before_new_splits():
+    # A reduce (a bias gradient summed over a batch split on data) leaves a partial sum
+    # that XLA reduces at the reduce, on its own layout, and only then slices: a [64]
+    # vector wanted as [64@model] is an all-reduce of all 64 values over data (gpt-tiny
+    # megatron with 4 blocks on 2x4: all-reduce of 256 B + dynamic-slice keeping 16 of 64).
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    src = ShardingSpec(((),), ("data",))
+    on_model = ShardingSpec((("model",),))
+    r = reshard_to_consumers(src, [on_model], (64,), 4, mesh, XLA, reduce_first=(("data",),))
+    assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [("all-reduce", ("data",), 256)]
+    # a partial sum from any other op keeps the cheaper order: slice, then reduce
+    other = reshard_to_consumers(src, [on_model], (64,), 4, mesh, XLA)
+    assert [(c.kind, c.axes, c.bytes) for c in other.collectives] == [
+        ("all-reduce", ("data",), 64)
+    ]
+    # into exactly the reduced axis: XLA's all-reduce + dynamic-slice is a reduce-scatter
+    on_data = ShardingSpec((("data",),))
+    rs = reshard_to_consumers(src, [on_data], (64,), 4, mesh, XLA, reduce_first=(("data",),))
+    assert [(c.kind, c.axes, c.bytes) for c in rs.collectives] == [
+        ("reduce-scatter", ("data",), 256)
+    ]
+
+
+def test_xla_mode_reduction_scattered_with_more_axes_is_an_all_reduce():
+    # [64] partial over data wanted as [64@(data, model)]: XLA all-reduces over data and
+    # keeps 8 of 64 with one dynamic-slice -- not a reduce-scatter over data, whose slice
+    # would keep 1/2 (gpt-tiny zero3 on 4x2, the layer-norm and bias gradients).
+    mesh = alpa_test_mesh((4, 2), ("data", "model"))
+    src = ShardingSpec(((),), ("data",))
+    both = ShardingSpec((("data", "model"),))
+    r = reshard_to_consumers(src, [both], (64,), 4, mesh, XLA, reduce_first=(("data",),))
+    assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [("all-reduce", ("data",), 256)]
