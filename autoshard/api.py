@@ -144,7 +144,17 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
             the_cluster, shape, names, gemm_table=None if table is None else GemmTable.load(table)
         )
     betas = tuple(0.1 if i == len(shape) - 1 and len(shape) > 1 else 1.0 for i in range(len(shape)))
-    return uniform_mesh(shape, names, 1.0, betas)
+    return uniform_mesh(shape, names, 1.0, betas, narrow_dots_in_f32=_runs_on_cpu(mesh))
+
+
+def _runs_on_cpu(mesh) -> bool:
+    """Will the plan be compiled by XLA:CPU (the mesh's devices, else JAX's default
+    backend)? Its memory layout differs: narrow dots are computed in f32."""
+    import jax
+
+    if hasattr(mesh, "devices") and hasattr(mesh.devices, "flat"):
+        return all(d.platform == "cpu" for d in mesh.devices.flat)
+    return jax.default_backend() == "cpu"
 
 
 def auto_shard(

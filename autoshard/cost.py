@@ -102,6 +102,9 @@ class DeviceMesh:
     memory_bytes: float = math.inf
     hbm_bandwidth: float = math.inf
     gemm: object | None = None  # autoshard.sim.compute.GemmTiming (kept jax- and sim-free)
+    # XLA:CPU computes bf16/f16 dots in f32: a narrow dot's result is an f32 buffer
+    # (the convert down is fused into its readers). The memory model counts it so.
+    narrow_dots_in_f32: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))
@@ -149,6 +152,7 @@ def uniform_mesh(
     peak_flops: float = math.inf,
     memory_bytes: float = math.inf,
     hbm_bandwidth: float = math.inf,
+    narrow_dots_in_f32: bool = False,
 ) -> DeviceMesh:
     """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis."""
     rank = len(shape)
@@ -161,16 +165,23 @@ def uniform_mesh(
         peak_flops,
         memory_bytes,
         hbm_bandwidth,
+        narrow_dots_in_f32=narrow_dots_in_f32,
     )
 
 
-def alpa_test_mesh(shape: Sequence[int], axis_names: Sequence[str] | None = None) -> DeviceMesh:
+def alpa_test_mesh(
+    shape: Sequence[int],
+    axis_names: Sequence[str] | None = None,
+    *,
+    narrow_dots_in_f32: bool = False,
+) -> DeviceMesh:
     """The logical mesh of Alpa's intra-operator tests: alpha = (1, 1), beta = (1, 0.1).
 
     Axis 1 is the fast (intra-node) axis. For a 1-D mesh we use alpha = 1, beta = 1:
     Alpa's 1-D cases are meshes of shape (1, n) whose only real axis is the fast one, but
     a lone axis has nothing to be fast relative to, and unit costs keep the arithmetic of
     tests obvious. Compute, HBM time and memory are left free/unbounded (see DeviceMesh).
+    ``narrow_dots_in_f32``: predict memory as XLA:CPU lays it out (see DeviceMesh).
     """
     shape = tuple(shape)
     if len(shape) not in (1, 2):
@@ -178,9 +189,10 @@ def alpa_test_mesh(shape: Sequence[int], axis_names: Sequence[str] | None = None
             f"alpa_test_mesh takes a 1-D or 2-D shape, got {shape}; use uniform_mesh for others"
         )
     names = tuple(axis_names) if axis_names is not None else ("x", "y")[: len(shape)]
+    kw = {"narrow_dots_in_f32": narrow_dots_in_f32}
     if len(shape) == 1:
-        return uniform_mesh(shape, names, (1.0,), (1.0,))
-    return uniform_mesh(shape, names, (1.0, 1.0), (1.0, 0.1))
+        return uniform_mesh(shape, names, (1.0,), (1.0,), **kw)
+    return uniform_mesh(shape, names, (1.0, 1.0), (1.0, 0.1), **kw)
 
 
 def _as_group(mesh: DeviceMesh, axes: str | Sequence[str]) -> Axes:

@@ -324,7 +324,7 @@ def _memory_model(graph, strategies, producer, n_in, mesh):
             row.append(
                 float(
                     sum(
-                        graph.tensors[t].nbytes * spec.shard_fraction(mesh.mesh)
+                        buffer_bytes(graph, t, mesh) * spec.shard_fraction(mesh.mesh)
                         for t, spec in zip(tids, s.output_specs)
                         if t in intervals
                     )
@@ -577,6 +577,24 @@ def _shared_operand(graph: Graph, node, intervals) -> int | None:
     return None
 
 
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def buffer_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
+    """Bytes of tensor ``tid``'s whole (unsharded) buffer on ``mesh``'s devices: its own
+    size, except a bf16/f16 dot result on a device that computes narrow dots in f32
+    (XLA:CPU, ``mesh.narrow_dots_in_f32``), whose buffer is f32."""
+    t = graph.tensors[tid]
+    if (
+        mesh.narrow_dots_in_f32
+        and t.dtype in NARROW_FLOATS
+        and t.producer is not None
+        and graph.nodes[t.producer].primitive == "dot_general"
+    ):
+        return 2 * t.nbytes
+    return t.nbytes
+
+
 def predicted_peak_bytes(
     graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh: DeviceMesh
 ) -> float:
@@ -586,7 +604,7 @@ def predicted_peak_bytes(
     for tid, (first, last) in live_intervals(graph).items():
         if tid not in spec_of:
             continue
-        size = graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh)
+        size = buffer_bytes(graph, tid, mesh) * spec_of[tid].shard_fraction(mesh.mesh)
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
     peak = cur = 0.0

@@ -55,7 +55,7 @@ def run(suite: str, time_limit: float) -> list[dict]:
         traced = trace_workload(model, optimizer=optimizer, **overrides)
         for mesh_text in meshes:
             shape = tuple(int(s) for s in mesh_text.split("x"))
-            mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)])
+            mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)], narrow_dots_in_f32=True)
             for which in PLANS:
                 pinned = (
                     baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None

@@ -65,3 +65,35 @@ def test_the_shared_buffer_matches_xla():
     temp = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
     one_buffer = 256 * 1024 * 4
     assert one_buffer <= temp < 2 * one_buffer
+
+
+def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
+    """XLA:CPU computes bf16 dots in f32 and fuses the convert down into the readers, so
+    a bf16 dot's result occupies an f32 buffer; a mesh that says so counts it at 4 bytes
+    an element, one that does not (a GPU cluster) at 2."""
+    import re
+
+    from autoshard.cost import alpa_test_mesh
+    from autoshard.intra import buffer_bytes, predicted_peak_bytes
+    from autoshard.spec import ShardingSpec
+
+    def fn(x, w):
+        return jnp.tanh(x @ w)
+
+    args = (
+        jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+    )
+    # the premise, read from the compiled program: the dot's result type is f32
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    dots = re.findall(r"= (\w+)\[256,1024\]\S* (?:dot|fusion)\(.*kind=kCustom|= (\w+)\[256,1024\]\S* dot\(", text)
+    assert dots and all("f32" in "".join(d) for d in dots), text
+    g = _graph(fn, *args)
+    dot = _node(g, "dot_general").outputs[0]
+    cpu = alpa_test_mesh((1,), ("x",), narrow_dots_in_f32=True)
+    gpu = alpa_test_mesh((1,), ("x",))
+    assert buffer_bytes(g, dot, cpu) == 256 * 1024 * 4 == 2 * buffer_bytes(g, dot, gpu)
+    x = g.inputs[0]
+    assert buffer_bytes(g, x, cpu) == buffer_bytes(g, x, gpu)  # only dot results change
+    whole = {t.id: ShardingSpec(((),) * len(t.shape)) for t in g.tensors}
+    assert predicted_peak_bytes(g, whole, cpu) > predicted_peak_bytes(g, whole, gpu)
