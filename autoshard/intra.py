@@ -454,7 +454,11 @@ def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
     reduce itself, see :func:`autoshard.cost.reshard_to_consumers`); otherwise ()."""
     out = strategy.output_specs[0] if strategy.output_specs else None
     operand = strategy.input_specs[0] if strategy.input_specs else None
-    if node.primitive not in REDUCTIONS or out is None or not out.partial or operand is None:
+    if out is None or not out.partial or operand is None:
+        return ()
+    if node.primitive in ("scatter-add", "scatter_add"):
+        return (tuple(out.partial),)  # reduced where it is made, like a reduce
+    if node.primitive not in REDUCTIONS:
         return ()
     groups = [tuple(a for a in d if a in out.partial) for d in reversed(operand.dims)]
     return tuple(g for g in groups if g) or (tuple(out.partial),)

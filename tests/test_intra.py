@@ -286,6 +286,14 @@ def test_2d_mesh_collectives_match_xla_slow(tiny, shape, which):
     _assert_collectives_agree(tiny, shape, which)
 
 
+def test_deeper_zero3_on_4x2_collectives_match_xla():
+    """Reductions and scatter-adds (the bias and embedding gradients) leave partial sums
+    that XLA reduces where they are made, before slicing: all-reduce + dynamic-slice, a
+    reduce-scatter only when the slice is exactly the reduced axes'."""
+    traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
+    _assert_collectives_agree(traced, (4, 2), "zero3")
+
+
 @pytest.mark.slow
 def test_zero3_on_2x4_disagrees_where_xla_exchanges_over_part_of_an_axis(tiny):
     # Known, named disagreement: XLA splits the 4-device model axis and runs an all-to-all
