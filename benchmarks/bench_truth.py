@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -131,7 +132,9 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     print(HEADER)
+    t_start = time.perf_counter()
     rows = [row for s in suites for row in run(s, args.time_limit)]
+    wall = time.perf_counter() - t_start
     out = Path(args.out)
     if args.suite != "all" and out.exists():  # keep the other suites' rows from the last run
         rows = [r for r in json.loads(out.read_text())["rows"] if r["suite"] not in suites] + rows
@@ -144,6 +147,9 @@ def main() -> None:
         "collectives_agree": coll,
         "memory_within_10pct": mem,
         "jax": jax.__version__,
+        "suites_run": suites,
+        "wall_seconds_of_suites_run": wall,
+        "command": "python benchmarks/bench_truth.py " + " ".join(sys.argv[1:]),
     }
     print(f"\n{coll}/{n} plans: collectives agree; {mem}/{n}: peak memory within 10%")
     out.parent.mkdir(parents=True, exist_ok=True)
