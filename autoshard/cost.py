@@ -668,8 +668,7 @@ def reshard_to_consumers(
     in_place = bool(steps)
     if not src.partial or len(dsts) < 2 or any(d.partial for d in dsts):
         parts = [
-            reshard(src, d, shape, itemsize, mesh, options, reduce_in_place=in_place)
-            for d in dsts
+            reshard(src, d, shape, itemsize, mesh, options, reduce_in_place=in_place) for d in dsts
         ]
     else:
         first = min(dsts, key=lambda d: _producer_preference(d, mesh))

@@ -575,9 +575,7 @@ def test_xla_mode_reduction_is_reduced_where_it_is_made_before_new_splits():
     assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [("all-reduce", ("data",), 256)]
     # a partial sum from any other op keeps the cheaper order: slice, then reduce
     other = reshard_to_consumers(src, [on_model], (64,), 4, mesh, XLA)
-    assert [(c.kind, c.axes, c.bytes) for c in other.collectives] == [
-        ("all-reduce", ("data",), 64)
-    ]
+    assert [(c.kind, c.axes, c.bytes) for c in other.collectives] == [("all-reduce", ("data",), 64)]
     # into exactly the reduced axis: XLA's all-reduce + dynamic-slice is a reduce-scatter
     on_data = ShardingSpec((("data",),))
     rs = reshard_to_consumers(src, [on_data], (64,), 4, mesh, XLA, reduce_first=(("data",),))

@@ -86,7 +86,9 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
     )
     # the premise, read from the compiled program: the dot's result type is f32
     text = jax.jit(fn).lower(*args).compile().as_text()
-    dots = re.findall(r"= (\w+)\[256,1024\]\S* (?:dot|fusion)\(.*kind=kCustom|= (\w+)\[256,1024\]\S* dot\(", text)
+    dots = re.findall(
+        r"= (\w+)\[256,1024\]\S* (?:dot|fusion)\(.*kind=kCustom|= (\w+)\[256,1024\]\S* dot\(", text
+    )
     assert dots and all("f32" in "".join(d) for d in dots), text
     g = _graph(fn, *args)
     dot = _node(g, "dot_general").outputs[0]
