@@ -361,7 +361,10 @@ class _Reduced:
     )
 
 
-def _reduce(pb: ShardingProblem, merge: bool, eliminate: bool = True) -> _Reduced:
+def _reduce(
+    pb: ShardingProblem, merge: bool, eliminate: bool = True, memory: bool = False
+) -> _Reduced:
+    """``memory``: build the memory rows even without a budget (to minimise the peak)."""
     roots, root_maps = resolve_ties(pb)  # also rejects cycles when merge=False
     n, k = pb.num_nodes, pb.num_strategies
     if merge:
@@ -460,8 +463,12 @@ def _reduce(pb: ShardingProblem, merge: bool, eliminate: bool = True) -> _Reduce
     red.costs = costs
     if not merge:
         red.ties = [(v, t.leader, t.mapping) for v, t in enumerate(pb.ties) if t is not None]
-    if pb.node_memory is not None and pb.live_sets:
-        red.mem_rows = _memory_rows(red)
+    if (
+        pb.node_memory is not None
+        and pb.live_sets
+        and (memory or pb.memory_budget_bytes is not None)
+    ):
+        red.mem_rows = _memory_rows(red)  # only a budget or the peak needs them
     return red
 
 
@@ -986,7 +993,7 @@ def _solve_model(red, model, solver, time_limit_s, mip_gap, seed) -> _Outcome:
 
 
 def _min_peak(pb: ShardingProblem, solver: str, time_limit_s, seed: int) -> tuple[float, bool]:
-    red = _reduce(pb, merge=True, eliminate=False)  # eliminating follows costs, not memory
+    red = _reduce(pb, merge=True, eliminate=False, memory=True)  # eliminating follows costs
     model = _build(red, minimise_peak=True)
     out = _solve_model(red, model, solver, time_limit_s, 0.0, seed)
     if out.status == "infeasible":
