@@ -93,6 +93,22 @@ def _float_matrix(rows) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(c) for c in row) for row in rows)
 
 
+# id(matrix given) -> (that matrix, its float version); holding the matrix keeps its id
+# unique, so the many edges that share one matrix object (identical layers) convert once
+_SHARED_MATRICES: dict[int, tuple[object, tuple[tuple[float, ...], ...]]] = {}
+
+
+def _shared_float_matrix(rows) -> tuple[tuple[float, ...], ...]:
+    if not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows):
+        return _float_matrix(rows)  # rows that could change later are not memoised
+    hit = _SHARED_MATRICES.get(id(rows))
+    if hit is None or hit[0] is not rows:
+        if len(_SHARED_MATRICES) >= 4096:
+            _SHARED_MATRICES.clear()
+        hit = _SHARED_MATRICES[id(rows)] = (rows, _float_matrix(rows))
+    return hit[1]
+
+
 @dataclass(frozen=True)
 class EdgeCost:
     """Resharding cost ``costs[p][q]`` (seconds) when ``src`` picks p and ``dst`` picks q.
@@ -105,7 +121,7 @@ class EdgeCost:
     costs: tuple[tuple[float, ...], ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "costs", _float_matrix(self.costs))
+        object.__setattr__(self, "costs", _shared_float_matrix(self.costs))
 
 
 @dataclass(frozen=True)
@@ -204,6 +220,7 @@ def _validate(pb: ShardingProblem) -> None:
                 )
 
     check_vectors("node_costs", pb.node_costs, allow_inf=True)
+    finite_checked: set[int] = set()  # ids of matrices already scanned (edges share them)
     for i, e in enumerate(pb.edges):
         if not (0 <= e.src < n and 0 <= e.dst < n) or e.src == e.dst:
             raise ValueError(
@@ -215,8 +232,11 @@ def _validate(pb: ShardingProblem) -> None:
                 f"edge {i} ({pb.node_label(e.src)} -> {pb.node_label(e.dst)}) needs a "
                 f"{k[e.src]} x {k[e.dst]} cost matrix, got {len(e.costs)} rows of lengths {shape[1]}"
             )
+        if id(e.costs) in finite_checked:
+            continue
         if any(math.isnan(c) or c == -math.inf for r in e.costs for c in r):
             raise ValueError(f"edge {i} ({e.src} -> {e.dst}) has NaN or -inf costs")
+        finite_checked.add(id(e.costs))
     if pb.ties and len(pb.ties) != n:
         raise ValueError(f"ties has {len(pb.ties)} entries for {n} nodes (use () for no ties)")
     for v, tie in enumerate(pb.ties):
