@@ -26,7 +26,13 @@ sum_v m_v . s_v <= budget. Before building the model, the code collapses tied no
 their roots, folds into node costs every edge matrix that is separable
 (R[p, q] = a[p] + b[q], constant matrices included) or touches a root with one allowed
 strategy, sums parallel edges, and drops memory rows that duplicate, are dominated by
-another row, or can never bind.
+another row, or can never bind. With merging it also eliminates, exactly, every root with
+one or two neighbours (min-sum variable elimination: chains and trees collapse, the choice
+is recovered after the solve), folds roots left with one allowed strategy into their
+neighbours and drops strategies that another strategy of the same root beats whatever the
+neighbours pick (dead-end elimination) -- all of it, repeated until nothing changes, only
+on roots whose memory does not enter a budget row. The optimum is unchanged; among equal
+optima the one returned may differ from the unreduced program's.
 
 Solver details that are approximate: the objective is rescaled so that its largest
 coefficient is 1 and solved to an absolute gap of 1e-9 on that scale; CBC's best bound
