@@ -26,7 +26,13 @@ sum_v m_v . s_v <= budget. Before building the model, the code collapses tied no
 their roots, folds into node costs every edge matrix that is separable
 (R[p, q] = a[p] + b[q], constant matrices included) or touches a root with one allowed
 strategy, sums parallel edges, and drops memory rows that duplicate, are dominated by
-another row, or can never bind.
+another row, or can never bind. With merging it also eliminates, exactly, every root with
+one or two neighbours (min-sum variable elimination: chains and trees collapse, the choice
+is recovered after the solve), folds roots left with one allowed strategy into their
+neighbours and drops strategies that another strategy of the same root beats whatever the
+neighbours pick (dead-end elimination) -- all of it, repeated until nothing changes, only
+on roots whose memory does not enter a budget row. The optimum is unchanged; among equal
+optima the one returned may differ from the unreduced program's.
 
 Solver details that are approximate: the objective is rescaled so that its largest
 coefficient is 1 and solved to an absolute gap of 1e-9 on that scale; CBC's best bound
@@ -93,6 +99,22 @@ def _float_matrix(rows) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(c) for c in row) for row in rows)
 
 
+# id(matrix given) -> (that matrix, its float version); holding the matrix keeps its id
+# unique, so the many edges that share one matrix object (identical layers) convert once
+_SHARED_MATRICES: dict[int, tuple[object, tuple[tuple[float, ...], ...]]] = {}
+
+
+def _shared_float_matrix(rows) -> tuple[tuple[float, ...], ...]:
+    if not isinstance(rows, tuple) or not all(isinstance(r, tuple) for r in rows):
+        return _float_matrix(rows)  # rows that could change later are not memoised
+    hit = _SHARED_MATRICES.get(id(rows))
+    if hit is None or hit[0] is not rows:
+        if len(_SHARED_MATRICES) >= 4096:
+            _SHARED_MATRICES.clear()
+        hit = _SHARED_MATRICES[id(rows)] = (rows, _float_matrix(rows))
+    return hit[1]
+
+
 @dataclass(frozen=True)
 class EdgeCost:
     """Resharding cost ``costs[p][q]`` (seconds) when ``src`` picks p and ``dst`` picks q.
@@ -105,7 +127,7 @@ class EdgeCost:
     costs: tuple[tuple[float, ...], ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "costs", _float_matrix(self.costs))
+        object.__setattr__(self, "costs", _shared_float_matrix(self.costs))
 
 
 @dataclass(frozen=True)
@@ -204,6 +226,7 @@ def _validate(pb: ShardingProblem) -> None:
                 )
 
     check_vectors("node_costs", pb.node_costs, allow_inf=True)
+    finite_checked: set[int] = set()  # ids of matrices already scanned (edges share them)
     for i, e in enumerate(pb.edges):
         if not (0 <= e.src < n and 0 <= e.dst < n) or e.src == e.dst:
             raise ValueError(
@@ -215,8 +238,11 @@ def _validate(pb: ShardingProblem) -> None:
                 f"edge {i} ({pb.node_label(e.src)} -> {pb.node_label(e.dst)}) needs a "
                 f"{k[e.src]} x {k[e.dst]} cost matrix, got {len(e.costs)} rows of lengths {shape[1]}"
             )
+        if id(e.costs) in finite_checked:
+            continue
         if any(math.isnan(c) or c == -math.inf for r in e.costs for c in r):
             raise ValueError(f"edge {i} ({e.src} -> {e.dst}) has NaN or -inf costs")
+        finite_checked.add(id(e.costs))
     if pb.ties and len(pb.ties) != n:
         raise ValueError(f"ties has {len(pb.ties)} entries for {n} nodes (use () for no ties)")
     for v, tie in enumerate(pb.ties):
@@ -354,9 +380,17 @@ class _Reduced:
     constant: float = 0.0
     mem_rows: list[tuple[float, np.ndarray, np.ndarray]] = field(default_factory=list)
     ties: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # merge=False
+    # blocks eliminated before the solve, in order: (block, its cost, [(neighbour, matrix
+    # block x neighbour)]); decoded in reverse, each given its neighbours' choices
+    eliminated: list[tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]] = field(
+        default_factory=list
+    )
 
 
-def _reduce(pb: ShardingProblem, merge: bool) -> _Reduced:
+def _reduce(
+    pb: ShardingProblem, merge: bool, eliminate: bool = True, memory: bool = False
+) -> _Reduced:
+    """``memory``: build the memory rows even without a budget (to minimise the peak)."""
     roots, root_maps = resolve_ties(pb)  # also rejects cycles when merge=False
     n, k = pb.num_nodes, pb.num_strategies
     if merge:
@@ -419,9 +453,14 @@ def _reduce(pb: ShardingProblem, merge: bool) -> _Reduced:
             cost[a] = cost[a] + mat[:, fb]
         else:
             free_pairs.append((a, b, mat))
+    if merge and eliminate:
+        free_pairs = _eliminate(red, pb, cost, fixed, free_pairs)
+    gone = {b for b, _, _ in red.eliminated}
     for b, f in enumerate(fixed):
         if f >= 0:
             red.constant += float(cost[b][f])
+            red.cols.append(np.zeros(0, int))
+        elif b in gone:
             red.cols.append(np.zeros(0, int))
         else:
             red.cols.append(allowed(b, "given the only strategies of its neighbours"))
@@ -434,14 +473,11 @@ def _reduce(pb: ShardingProblem, merge: bool) -> _Reduced:
             raise InfeasibleProblemError(
                 f"every strategy pair of {where(a)} and {where(b)} is forbidden"
             )
-        if finite.all():
-            row, col = sub[:, 0], sub[0, :] - sub[0, 0]
-            if np.allclose(
-                sub, row[:, None] + col[None, :], rtol=1e-12, atol=1e-12 * np.abs(sub).max()
-            ):
-                costs[a] = costs[a] + row  # separable (constant included): no edge variables
-                costs[b] = costs[b] + col
-                continue
+        split = _separable(sub)
+        if split is not None:  # separable (constant included): no edge variables
+            costs[a] = costs[a] + split[0]
+            costs[b] = costs[b] + split[1]
+            continue
         low = sub[finite].min()
         red.constant += float(low)
         red.pairs.append((a, b, sub - low))
@@ -453,9 +489,138 @@ def _reduce(pb: ShardingProblem, merge: bool) -> _Reduced:
     red.costs = costs
     if not merge:
         red.ties = [(v, t.leader, t.mapping) for v, t in enumerate(pb.ties) if t is not None]
-    if pb.node_memory is not None and pb.live_sets:
-        red.mem_rows = _memory_rows(red)
+    if (
+        pb.node_memory is not None
+        and pb.live_sets
+        and (memory or pb.memory_budget_bytes is not None)
+    ):
+        red.mem_rows = _memory_rows(red)  # only a budget or the peak needs them
     return red
+
+
+def _separable(sub: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(a, b) with sub[p, q] = a[p] + b[q] (to rounding), or None."""
+    if not sub.size or not np.isfinite(sub).all():
+        return None
+    row, col = sub[:, 0], sub[0, :] - sub[0, 0]
+    if np.allclose(sub, row[:, None] + col[None, :], rtol=1e-12, atol=1e-12 * np.abs(sub).max()):
+        return row, col
+    return None
+
+
+def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
+    """Exact reductions of the free blocks before the solve (merge=True only).
+
+    * Elimination: a block b with one neighbour u and edge matrix M (b x u) adds
+      min_p (c_b[p] + M[p, :]) to u's cost; with two neighbours u, w it adds
+      min_p (c_b[p] + M_bu[p, :, None] + M_bw[p, None, :]) to the edge (u, w); with one
+      allowed strategy p it adds M[p, :] to every neighbour's cost. The optimum over the
+      remaining blocks is unchanged, and b's best strategy given its neighbours' is
+      recovered after the solve (``_decode``).
+    * Dominance (dead-end elimination): strategy p of b goes when another allowed p' is
+      no worse whatever the neighbours pick, c_b[p'] - c_b[p] +
+      sum_u max_q (M_bu[p', q] - M_bu[p, q]) <= 0 over the neighbours' allowed q. The
+      bound is subadditive, so every dropped strategy keeps a dominator that stays.
+
+    Both repeat until nothing changes: chains and trees of the graph collapse and
+    hopeless strategies disappear, so the program shrinks and its relaxation can only get
+    tighter. With a memory budget, blocks whose memory differs between strategies are
+    left alone (they appear in memory rows).
+    """
+    protected = set()
+    if pb.node_memory is not None and pb.live_sets and pb.memory_budget_bytes is not None:
+        for v in {v for live in pb.live_sets for v in live}:
+            if len(set(pb.node_memory[v])) > 1:
+                protected.add(int(red.block_of[v]))
+    mats: dict[tuple[int, int], np.ndarray] = {}
+    nbrs: dict[int, set[int]] = {}
+    for a, b, mat in free_pairs:
+        ok_a, ok_b = np.isfinite(cost[a]), np.isfinite(cost[b])
+        split = _separable(mat[np.ix_(ok_a, ok_b)])
+        if split is not None:  # no real edge: fold it now, so it links nothing
+            for v, ok, part in ((a, ok_a, split[0]), (b, ok_b, split[1])):
+                add = np.zeros(ok.size)
+                add[ok] = part
+                cost[v] = cost[v] + add
+            continue
+        mats[a, b] = mat
+        nbrs.setdefault(a, set()).add(b)
+        nbrs.setdefault(b, set()).add(a)
+
+    def oriented(b: int, u: int) -> np.ndarray:  # b x u
+        return mats[b, u] if (b, u) in mats else mats[u, b].T
+
+    def can_go(b: int) -> bool:
+        if b not in nbrs or b in protected:
+            return False
+        return 1 <= len(nbrs[b]) <= 2 or np.count_nonzero(np.isfinite(cost[b])) == 1
+
+    def eliminate(b: int) -> list[int]:
+        around = sorted(nbrs.pop(b))
+        parts = [(u, oriented(b, u)) for u in around]
+        for u in around:
+            nbrs[u].discard(b)
+            mats.pop((min(b, u), max(b, u)))
+        c = cost[b]
+        ok = np.isfinite(c)
+        if np.count_nonzero(ok) == 1:
+            p = int(np.flatnonzero(ok)[0])
+            for u, m in parts:
+                cost[u] = cost[u] + (c[p] + m[p, :] if u == around[0] else m[p, :])
+        elif len(parts) == 1:
+            ((u, m),) = parts
+            cost[u] = cost[u] + (c[:, None] + m).min(axis=0)
+        else:
+            (u, mu), (w, mw) = parts
+            new = (c[:, None, None] + mu[:, :, None] + mw[:, None, :]).min(axis=0)
+            if (u, w) in mats:
+                mats[u, w] = mats[u, w] + new
+            else:
+                mats[u, w] = new
+                nbrs[u].add(w)
+                nbrs[w].add(u)
+        red.eliminated.append((b, c, parts))
+        return around
+
+    def dominated(b: int) -> bool:
+        """Drop b's dominated strategies (cost inf); True if any went."""
+        ok = np.flatnonzero(np.isfinite(cost[b]))
+        if ok.size < 2:
+            return False
+        c = cost[b][ok]
+        worst = c[:, None] - c[None, :]  # [p', p]: most p' can cost more than p
+        with np.errstate(invalid="ignore"):
+            for u in nbrs[b]:
+                m = oriented(b, u)[np.ix_(ok, np.isfinite(cost[u]))]
+                diff = m[:, None, :] - m[None, :, :]
+                diff[np.isnan(diff)] = -math.inf  # both forbidden: that q is out either way
+                worst = worst + diff.max(axis=2, initial=-math.inf)
+        gone = np.zeros(ok.size, bool)
+        for i in range(ok.size):
+            others = ~gone
+            others[i] = False
+            if np.any(worst[others, i] <= 0):
+                gone[i] = True
+        if not gone.any():
+            return False
+        c_new = cost[b].copy()
+        c_new[ok[gone]] = math.inf
+        cost[b] = c_new
+        return True
+
+    todo = set(b for b in nbrs if fixed[b] < 0)
+    while todo:
+        queue = sorted(todo)
+        todo = set()
+        while queue:  # eliminate while anything can go
+            b = queue.pop()
+            if can_go(b):
+                queue.extend(u for u in eliminate(b) if can_go(u))
+        for b in sorted(nbrs):
+            if b not in protected and nbrs[b] and dominated(b):
+                todo.add(b)
+                todo.update(nbrs[b])
+    return [(a, b, m) for (a, b), m in mats.items()]
 
 
 def _memory_rows(red: _Reduced) -> list[tuple[float, np.ndarray, np.ndarray]]:
@@ -492,6 +657,8 @@ def _memory_rows(red: _Reduced) -> list[tuple[float, np.ndarray, np.ndarray]]:
         slot_col[slot_base[b] + cols] = red.offset[b] + np.arange(cols.size)
         if red.fixed[b] >= 0:
             fixed_slot[slot_base[b] + red.fixed[b]] = True
+    for b, c, _ in red.eliminated:  # its memory is the same under every allowed strategy
+        fixed_slot[slot_base[b] + int(np.argmin(c))] = True
     num_sets = len(pb.live_sets)
     is_fixed = fixed_slot[slot]
     constant = np.bincount(row[is_fixed], value[is_fixed], minlength=num_sets).astype(float)
@@ -837,6 +1004,9 @@ def _decode(red: _Reduced, model: _Model) -> tuple[int, ...]:
             chosen.append(int(cols[int(np.argmax(vals))]))
         else:
             chosen.append(red.fixed[b])
+    for b, c, parts in reversed(red.eliminated):
+        total = c + sum(m[:, chosen[u]] for u, m in parts)
+        chosen[b] = int(np.argmin(total))
     return tuple(int(red.maps[v][chosen[red.block_of[v]]]) for v in range(red.problem.num_nodes))
 
 
@@ -849,7 +1019,7 @@ def _solve_model(red, model, solver, time_limit_s, mip_gap, seed) -> _Outcome:
 
 
 def _min_peak(pb: ShardingProblem, solver: str, time_limit_s, seed: int) -> tuple[float, bool]:
-    red = _reduce(pb, merge=True)
+    red = _reduce(pb, merge=True, eliminate=False, memory=True)  # eliminating follows costs
     model = _build(red, minimise_peak=True)
     out = _solve_model(red, model, solver, time_limit_s, 0.0, seed)
     if out.status == "infeasible":

@@ -382,6 +382,9 @@ class IntraStageCost:
         self._subgraphs: dict[tuple[int, int], RangeGraph] = {}
         self._junctions: dict[tuple, float] = {}
         self._tables: dict[Shape2, tuple] = {}
+        # the same ILP from two logical meshes (1 x n and n x 1 give identical programs
+        # with the axes renamed): solved once, the strategy indices carry over
+        self._solutions: dict = {}
         self._crossings = self._crossing_pairs()
 
     # -- helpers
@@ -425,7 +428,13 @@ class IntraStageCost:
         try:
             ip = build_problem(graph, mesh, options=_NO_TIES)
             problem = _amortise_update(ip, amortise)
-            solution = solve(problem, solver=self.solver, time_limit_s=self.time_limit_s)
+            solution = self._solutions.get(problem)
+            if solution is None:
+                solution = solve(problem, solver=self.solver, time_limit_s=self.time_limit_s)
+                self._solutions[problem] = solution
+            else:
+                self.num_ilps -= 1  # counted as a cache hit, not an ILP
+                self.num_cache_hits += 1
         except InfeasibleProblemError:
             self.ilp_seconds += time.perf_counter() - t0
             return UnitCost(None, graph.flops, math.inf, math.inf, 0.0, {}, 0.0)

@@ -106,6 +106,25 @@ def _xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
     return all(d[: len(s)] == s for s, d in zip(src.dims, dst.dims))
 
 
+def _edge_matrix(src_strategies, k, dst_strategies, slot, shape, item, mesh, options):
+    """Resharding cost of output ``k`` of every source strategy into operand ``slot`` of
+    every destination strategy (``math.inf`` where XLA cannot resolve a partial sum)."""
+    wants = [s.input_specs[slot] for s in dst_strategies]
+    matrix = []
+    for s in src_strategies:
+        a = s.output_specs[k]
+        row = []
+        for b in wants:
+            if b is None:
+                row.append(0.0)
+            elif a.partial and not _xla_resolves(a, b):
+                row.append(math.inf)
+            else:
+                row.append(_reshard_cached(a, b, shape, item, mesh, options).cost)
+        matrix.append(tuple(row))
+    return tuple(matrix)
+
+
 def _input_strategy(spec: ShardingSpec) -> Strategy:
     return Strategy(str(spec), (), (spec,), 0.0, 1)
 
@@ -131,20 +150,29 @@ def build_problem(
     n_in = len(graph.inputs)
     strategies: list[tuple[Strategy, ...]] = []
     producer: dict[int, tuple[int, int]] = {}  # tensor -> (ILP node, output index)
+    # identical inputs / nodes share one strategy tuple (and so their edges' matrices)
+    input_cache: dict[tuple[int, ...], tuple[Strategy, ...]] = {}
     for pos, tid in enumerate(graph.inputs):
         t = graph.tensors[tid]
         if pos in pinned:
             pinned[pos].validate(mesh.mesh, t.shape)
-            specs = [pinned[pos]]
+            strategies.append((_input_strategy(pinned[pos]),))
         else:
-            specs = input_strategies(t.shape, mesh)
-        strategies.append(tuple(_input_strategy(s) for s in specs))
+            if t.shape not in input_cache:
+                specs = input_strategies(t.shape, mesh)
+                input_cache[t.shape] = tuple(_input_strategy(s) for s in specs)
+            strategies.append(input_cache[t.shape])
         producer[tid] = (pos, 0)
     warned: set[str] = set()
     # memory-bound ops are charged the buffers they stream, under the fusion model
     materialized = materialized_tensors(graph) if math.isfinite(mesh.hbm_bandwidth) else None
+    node_cache: dict = {}
+    as_tuple: dict[int, tuple[Strategy, ...]] = {}
     for node in graph.nodes:
-        strategies.append(tuple(node_strategies(graph, node, mesh, warned, materialized)))
+        found = node_strategies(graph, node, mesh, warned, materialized, node_cache)
+        if id(found) not in as_tuple:
+            as_tuple[id(found)] = tuple(found)
+        strategies.append(as_tuple[id(found)])
         for k, tid in enumerate(node.outputs):
             producer[tid] = (n_in + node.index, k)
 
@@ -174,6 +202,7 @@ def build_problem(
     # operand edges
     operands: list[Operand] = []
     edges: list[EdgeCost] = []
+    matrices: dict[tuple, tuple[tuple[float, ...], ...]] = {}  # by strategy tuples' identity
     for node in graph.nodes:
         dst = n_in + node.index
         for slot, tid in enumerate(node.inputs):
@@ -182,21 +211,14 @@ def build_problem(
             src, k = producer[tid]
             t = graph.tensors[tid]
             item = _itemsize(t.dtype)
-            matrix = []
-            for p in range(len(strategies[src])):
-                a = out_spec(src, k, p)
-                row = []
-                for q in range(len(strategies[dst])):
-                    b = strategies[dst][q].input_specs[slot]
-                    if b is None:
-                        row.append(0.0)
-                    elif a.partial and not _xla_resolves(a, b):
-                        row.append(math.inf)
-                    else:
-                        row.append(_reshard_cached(a, b, t.shape, item, mesh, options).cost)
-                matrix.append(tuple(row))
+            key = (id(strategies[src]), k, id(strategies[dst]), slot, t.shape, item)
+            matrix = matrices.get(key)
+            if matrix is None:
+                matrix = matrices[key] = _edge_matrix(
+                    strategies[src], k, strategies[dst], slot, t.shape, item, mesh, options
+                )
             operands.append(Operand(src, dst, tid, slot))
-            edges.append(EdgeCost(src, dst, tuple(matrix)))
+            edges.append(EdgeCost(src, dst, matrix))
     # alias edges: state input and its updated output share a spec
     for in_tid, out_tid in graph.aliases:
         if out_tid not in producer or producer[out_tid][0] < n_in:

@@ -513,12 +513,35 @@ def node_strategies(
     mesh: DeviceMesh,
     warn: set[str] | None = None,
     materialized: Collection[int] | None = None,
+    cache: dict | None = None,
 ) -> list[Strategy]:
     """Candidate strategies of one node; a replicated fallback for unknown primitives.
 
     ``materialized`` (tensor ids in memory) lets the node costs charge memory traffic.
+    ``cache`` (a dict kept by the caller for one mesh): nodes with the same primitive,
+    parameters, FLOPs, operand and result shapes and bytes get the same list object.
     """
     ctx = node_context(graph, node, materialized)
+    if cache is None:
+        return _node_strategies(ctx, mesh, warn)
+    key = (
+        node.primitive,
+        repr(sorted(node.params.items())),
+        node.flops,
+        ctx.in_shapes,
+        ctx.out_shapes,
+        ctx.in_literal,
+        ctx.in_bytes,
+        ctx.out_bytes,
+        ctx.itemsize,
+    )
+    if key not in cache:
+        cache[key] = _node_strategies(ctx, mesh, warn)
+    return cache[key]
+
+
+def _node_strategies(ctx: NodeContext, mesh: DeviceMesh, warn: set[str] | None) -> list[Strategy]:
+    node = ctx.node
     rule = RULES.get(node.primitive)
     slots = rule(ctx) if rule is not None else None
     if slots is None:

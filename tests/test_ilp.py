@@ -174,6 +174,48 @@ def test_constant_edge_adds_its_cost_without_edge_variables():
     assert a.num_variables == b.num_variables == 6
 
 
+def test_chains_and_dominated_strategies_reduce_exactly():
+    """A long chain hanging off a dense core: elimination folds the chain into the core,
+    and the optimum matches the unreduced program's (brute force is out of reach)."""
+    rng = np.random.default_rng(11)
+    k, core, tail = 4, 5, 20
+    n = core + tail
+    edges = [
+        EdgeCost(i, j, rng.integers(0, 9, size=(k, k)) / 4)
+        for i in range(core)
+        for j in range(i + 1, core)
+    ]
+    edges += [EdgeCost(v - 1, v, rng.integers(0, 9, size=(k, k)) / 4) for v in range(core, n)]
+    node_costs = rng.integers(0, 9, size=(n, k)) / 4
+    node_costs[core + 3, 1] = INF  # a forbidden strategy in the chain
+    pb = ShardingProblem((k,) * n, node_costs, edges)
+    reduced = solve(pb, solver="highs")
+    full = solve(pb, solver="highs", merge=False)  # no reductions without merging
+    assert reduced.status == full.status == "optimal"
+    assert reduced.objective == pytest.approx(full.objective, rel=1e-12)
+    assert objective_of(pb, reduced.strategy) == reduced.objective
+    assert reduced.num_variables < full.num_variables
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dominated_strategies_drop_without_changing_the_optimum(seed):
+    """Every node of a complete graph has a third strategy that costs more than any edge
+    can save, and two close ones: dead-end elimination drops the third (fewer variables
+    than without merging) and the optimum stays brute force's."""
+    rng = np.random.default_rng(seed)
+    n, k = 6, 3
+    edges = [
+        EdgeCost(i, j, rng.integers(0, 4, size=(k, k)) / 4)
+        for i in range(n)
+        for j in range(i + 1, n)
+    ]
+    node_costs = np.c_[rng.integers(0, 9, size=(n, 2)) / 4, np.full(n, 5.0)]
+    pb = ShardingProblem((k,) * n, node_costs, edges)
+    reduced = solve(pb, solver="highs")
+    assert reduced.objective == pytest.approx(brute_force(pb)[0], rel=1e-12)
+    assert reduced.num_variables < solve(pb, solver="highs", merge=False).num_variables
+
+
 def layered(num_layers: int, width: int = 4, k: int = 3) -> ShardingProblem:
     """A chain of identical layers; every layer after the first is tied to layer 0."""
     rng = np.random.default_rng(7)
