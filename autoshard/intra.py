@@ -90,8 +90,10 @@ def _itemsize(dtype: str) -> int:
 
 
 @lru_cache(maxsize=1_000_000)
-def _reshard_cached(src: ShardingSpec, dst: ShardingSpec, shape, itemsize, mesh, options):
-    return reshard(src, dst, shape, itemsize, mesh, options)
+def _reshard_cached(
+    src: ShardingSpec, dst: ShardingSpec, shape, itemsize, mesh, options, in_place=False
+):
+    return reshard(src, dst, shape, itemsize, mesh, options, reduce_in_place=in_place)
 
 
 def _xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
@@ -106,9 +108,13 @@ def _xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
     return all(d[: len(s)] == s for s, d in zip(src.dims, dst.dims))
 
 
-def _edge_matrix(src_strategies, k, dst_strategies, slot, shape, item, mesh, options):
+def _edge_matrix(
+    src_strategies, k, dst_strategies, slot, shape, item, mesh, options, in_place=False
+):
     """Resharding cost of output ``k`` of every source strategy into operand ``slot`` of
-    every destination strategy (``math.inf`` where XLA cannot resolve a partial sum)."""
+    every destination strategy (``math.inf`` where XLA cannot resolve a partial sum).
+    ``in_place``: the source op reduces its partial sums where it makes them (a reduction
+    or a scatter-add, see :func:`autoshard.cost.reshard`)."""
     wants = [s.input_specs[slot] for s in dst_strategies]
     matrix = []
     for s in src_strategies:
@@ -120,7 +126,8 @@ def _edge_matrix(src_strategies, k, dst_strategies, slot, shape, item, mesh, opt
             elif a.partial and not _xla_resolves(a, b):
                 row.append(math.inf)
             else:
-                row.append(_reshard_cached(a, b, shape, item, mesh, options).cost)
+                cost = _reshard_cached(a, b, shape, item, mesh, options, in_place and a.partial)
+                row.append(cost.cost)
         matrix.append(tuple(row))
     return tuple(matrix)
 
@@ -211,12 +218,14 @@ def build_problem(
             src, k = producer[tid]
             t = graph.tensors[tid]
             item = _itemsize(t.dtype)
-            key = (id(strategies[src]), k, id(strategies[dst]), slot, t.shape, item)
+            in_place = src >= n_in and graph.nodes[src - n_in].primitive in REDUCED_IN_PLACE
+            key = (id(strategies[src]), k, id(strategies[dst]), slot, t.shape, item, in_place)
             matrix = matrices.get(key)
             if matrix is None:
                 matrix = matrices[key] = _edge_matrix(
-                    strategies[src], k, strategies[dst], slot, t.shape, item, mesh, options
-                )
+                    strategies[src], k, strategies[dst], slot, t.shape, item, mesh, options,
+                    in_place,
+                )  # fmt: skip
             operands.append(Operand(src, dst, tid, slot))
             edges.append(EdgeCost(src, dst, matrix))
     # alias edges: state input and its updated output share a spec
@@ -468,6 +477,8 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
 
 
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+# ops whose partial sums XLA reduces where they are made, before any new split
+REDUCED_IN_PLACE = REDUCTIONS | {"scatter-add", "scatter_add"}
 
 
 def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
@@ -478,7 +489,7 @@ def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
     operand = strategy.input_specs[0] if strategy.input_specs else None
     if out is None or not out.partial or operand is None:
         return ()
-    if node.primitive in ("scatter-add", "scatter_add"):
+    if node.primitive in REDUCED_IN_PLACE - REDUCTIONS:
         return (tuple(out.partial),)  # reduced where it is made, like a reduce
     if node.primitive not in REDUCTIONS:
         return ()
