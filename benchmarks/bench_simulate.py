@@ -9,7 +9,10 @@ reports and the wall time of each, and the suite's totals; writes
 ``benchmarks/results/bench_simulate.json``.
 
     python benchmarks/bench_simulate.py [--plans megatron auto] [--time-limit 20]
-        [--auto-microbatches 64] [--auto-budget-s 600] [--models gpt-350m gpt-2.6b]
+        [--auto-microbatches M] [--auto-budget-s 600] [--models gpt-350m gpt-2.6b]
+
+``--auto-microbatches``: fix the micro-batch count of ``auto``; by default ``simulate``
+chooses it (64, or more where no Megatron layout fits at that micro-batch size).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def main() -> None:
     ap.add_argument("--recompute", default="full")
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--time-limit", type=float, default=20.0, help="per-ILP limit (s), auto")
-    ap.add_argument("--auto-microbatches", type=int, default=64)
+    ap.add_argument("--auto-microbatches", type=int, default=None)
     ap.add_argument(
         "--auto-budget-s", type=float, default=600.0, help="skip remaining auto points after"
     )
@@ -61,7 +64,11 @@ def main() -> None:
             kw = {}
             if plan == "auto":
                 kw = dict(
-                    microbatch_size=args.global_batch // args.auto_microbatches,
+                    microbatch_size=(
+                        None
+                        if args.auto_microbatches is None
+                        else args.global_batch // args.auto_microbatches
+                    ),
                     ilp_time_limit_s=args.time_limit,
                 )
             t0 = time.perf_counter()

@@ -253,3 +253,18 @@ def test_cli_json_and_table(capsys):
     assert "MFU" in out and "TP 2 x PP 1 x DP 1" in out
     with pytest.raises(ValueError, match="megatron:TPxPPxDP"):
         _cli(*argv, "--plan", "megatron:2x2")
+
+
+def test_auto_takes_more_microbatches_only_where_no_megatron_layout_fits():
+    """``plan="auto"`` defaults to 64 micro-batches; where no Megatron layout fits a V100's
+    16 GB at that micro-batch size (gpt-15b on 32 GPUs: the best needs 16.5 GiB), it takes
+    the micro-batch count of the fastest layout that fits, so the search has plans that fit."""
+    from autoshard.sim.simulate import _default_microbatches, gpt_shape
+
+    small, _ = gpt_shape("gpt-2.6b")
+    assert _default_microbatches(1024, small, load_cluster("alpa-v100", 8), "fp16") == 64
+    big, _ = gpt_shape("gpt-15b")
+    cluster = load_cluster("alpa-v100", 32)
+    m = _default_microbatches(1024, big, cluster, "fp16")
+    assert m > 64 and 1024 % m == 0
+    assert _default_microbatches(1024) == 64  # without a model and cluster: the default

@@ -448,8 +448,33 @@ def _simulate(
 # ----------------------------------------------------------------------------- auto
 
 
-def _default_microbatches(batch: int) -> int:
-    return max(d for d in range(1, min(batch, DEFAULT_AUTO_MICROBATCHES) + 1) if batch % d == 0)
+def _default_microbatches(
+    batch: int, shape: GPTShape | None = None, cluster: Cluster | None = None, dtype=None
+) -> int:
+    """Micro-batches of ``plan="auto"`` when none are given: the largest divisor of the
+    batch up to ``DEFAULT_AUTO_MICROBATCHES``; but if no Megatron layout fits the HBM at
+    that micro-batch size (full recompute), as many as the fastest Megatron layout that
+    fits uses -- smaller micro-batches, so that the search has plans that fit. The grid
+    takes about 0.1 s to simulate; the search itself would take a minute per count."""
+    m = max(d for d in range(1, min(batch, DEFAULT_AUTO_MICROBATCHES) + 1) if batch % d == 0)
+    if shape is None or cluster is None:
+        return m
+
+    def best(micro):
+        configs = megatron_grid(shape, cluster, batch, micro, "full", dtype)
+        table = GemmTable.load(cluster.device.gemm_table) if cluster.device.gemm_table else None
+        points = [zero_point(shape, c, cluster, simulate_megatron(shape, c, cluster, table), 0)
+                  for c in configs]  # fmt: skip
+        return _best(points) if points else None
+
+    # Megatron's micro-batch is per data-parallel replica; ours is the global micro-batch
+    at_default = best(batch // m)
+    if at_default is not None and not at_default.oom:
+        return m
+    fallback = best(None)
+    if fallback is None or fallback.oom:
+        return m
+    return max(m, fallback.cfg.num_microbatches)
 
 
 def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> int:
@@ -473,7 +498,7 @@ def _simulate_auto(
     )
 
     if microbatch_size is None:
-        m = _default_microbatches(batch)
+        m = _default_microbatches(batch, shape, cluster, dtype)
     elif batch % microbatch_size:
         raise ValueError(
             f"microbatch_size={microbatch_size} does not divide the global batch {batch}"
