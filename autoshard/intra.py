@@ -188,6 +188,7 @@ def build_problem(
     # split and state sharded (Alpa adds a small penalty for replicated parameters)
     positive_betas = [b for b in mesh.beta if b > 0]
     input_penalty = 1e-6 * min(positive_betas) if positive_betas else 0.0
+    free_compute = math.isinf(mesh.peak_flops) and math.isinf(mesh.hbm_bandwidth)
     node_costs = []
     for i, strats in enumerate(strategies):
         costs = []
@@ -196,6 +197,16 @@ def build_problem(
             if i < n_in:
                 t = graph.tensors[graph.inputs[i]]
                 c += input_penalty * t.nbytes * s.output_specs[0].shard_fraction(mesh.mesh)
+            if i >= n_in and free_compute:
+                # the same preference for node outputs: with compute and HBM time free,
+                # a replicated elementwise op costs what a split one does, and the tie
+                # would be broken by the solver's path (and the memory prediction with it)
+                node = graph.nodes[i - n_in]
+                c += input_penalty * sum(
+                    graph.tensors[t].nbytes * spec.shard_fraction(mesh.mesh)
+                    for t, spec in zip(node.outputs, s.output_specs, strict=False)
+                    if spec is not None
+                )
             if i >= n_in and s.output_specs and s.output_specs[0].partial:
                 node = graph.nodes[i - n_in]
                 if any(t in outputs for t in node.outputs):
@@ -516,12 +527,18 @@ def materialized_tensors(graph: Graph) -> set[int]:
     always writes a buffer made it (dots, reductions, gathers, scatters, transposes,
     concatenations), when an unfused op reads it (a dot's operands), or when it is made
     in the forward pass and read in the backward pass (saved for the gradient).
+
+    Values that depend on no program input (an attention mask: iota, compare,
+    broadcast) never are: XLA folds them or regenerates them inside each reader's fusion.
     """
     out = set(graph.inputs) | set(graph.outputs)
+    data_free = _data_free_tensors(graph)
     for node in graph.nodes:
         for tid in node.outputs:
             t = graph.tensors[tid]
             if node.primitive in FREE_VIEWS or not t.shape:
+                continue
+            if tid in data_free and tid not in out:
                 continue
             users = [graph.nodes[c] for c in t.consumers]
             if node.primitive in MATERIALIZING or any(
@@ -543,6 +560,18 @@ def materialized_tensors(graph: Graph) -> set[int]:
                 if not recomputable:
                     out.add(tid)
     return out
+
+
+def _data_free_tensors(graph: Graph) -> set[int]:
+    """Tensors computed from literals and constants only, by ops XLA fuses or folds (no
+    dots, reductions, gathers, scatters: whatever always writes a buffer)."""
+    free: set[int] = set()
+    for node in graph.nodes:
+        if node.primitive in MATERIALIZING:
+            continue
+        if all(graph.tensors[i].kind in ("literal", "const") or i in free for i in node.inputs):
+            free.update(node.outputs)
+    return free
 
 
 def live_intervals(graph: Graph) -> dict[int, tuple[int, int]]:
