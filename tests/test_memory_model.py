@@ -19,9 +19,26 @@ def _node(graph, primitive):
 
 
 def test_scatter_add_writes_into_its_dying_operand():
-    """A scatter-add onto a fresh zeros buffer updates it in place: one buffer, not two
-    (the one-hot gradient of a cross-entropy over a large vocabulary is this pattern)."""
+    """A scatter-add onto a buffer that dies there updates it in place: one buffer, not
+    two (the one-hot gradient of a cross-entropy over a large vocabulary is this pattern)."""
 
+    def fn(x, updates, idx):
+        return jnp.exp(x).at[idx].add(updates) @ jnp.ones((512, 8))
+
+    g = _graph(
+        fn,
+        jax.ShapeDtypeStruct((64, 512), jnp.float32),
+        jax.ShapeDtypeStruct((16, 512), jnp.float32),
+        jax.ShapeDtypeStruct((16,), jnp.int32),
+    )
+    scatter = _node(g, "scatter-add")
+    iv = live_intervals(g)
+    base, out = scatter.inputs[0], scatter.outputs[0]
+    assert base in iv and out in iv
+    assert iv[base][1] < iv[out][0]  # the operand's buffer becomes the output's
+
+
+def test_zeros_under_a_scatter_add_are_not_a_buffer_of_their_own():
     def fn(updates, idx):
         return jnp.zeros((64, 512), jnp.float32).at[idx].add(updates) @ jnp.ones((512, 8))
 
@@ -30,9 +47,7 @@ def test_scatter_add_writes_into_its_dying_operand():
     )
     scatter = _node(g, "scatter-add")
     iv = live_intervals(g)
-    zeros, out = scatter.inputs[0], scatter.outputs[0]
-    assert zeros in iv and out in iv
-    assert iv[zeros][1] < iv[out][0]  # the operand's buffer becomes the output's
+    assert scatter.outputs[0] in iv and scatter.inputs[0] not in iv
 
 
 def test_an_operand_read_later_keeps_its_own_buffer():
@@ -99,3 +114,26 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
     assert buffer_bytes(g, x, cpu) == buffer_bytes(g, x, gpu)  # only dot results change
     whole = {t.id: ShardingSpec(((),) * len(t.shape)) for t in g.tensors}
     assert predicted_peak_bytes(g, whole, cpu) > predicted_peak_bytes(g, whole, gpu)
+
+
+def test_a_causal_mask_is_never_a_buffer():
+    """A mask built from iotas (no program input) is regenerated inside every reader's
+    fusion by XLA, even when the backward pass reads it: no buffer in the model."""
+    from autoshard.intra import materialized_tensors
+
+    def loss(x):
+        mask = jnp.tril(jnp.ones((256, 256), bool))
+        masked = jnp.where(mask[None], x, -1e9)
+        return jnp.sum(jax.nn.softmax(masked) * x)
+
+    g = _graph(jax.grad(loss), jax.ShapeDtypeStruct((4, 256, 256), jnp.float32))
+    kept = materialized_tensors(g)
+    data_free = [
+        t.id
+        for t in g.tensors
+        if t.producer is not None
+        and t.shape
+        and all(g.tensors[i].kind in ("literal", "const") for i in g.nodes[t.producer].inputs)
+    ]
+    assert data_free  # the iota / compare / broadcast that make the mask
+    assert not set(data_free) & kept
