@@ -297,6 +297,16 @@ def zero_point(
     )
 
 
+def _grid_points(shape: GPTShape, configs, cluster: Cluster, zero_stage: int) -> list[_Point]:
+    """Every Megatron configuration simulated on ``cluster`` (with ZeRO's memory and
+    communication for ``zero_stage`` > 0)."""
+    table = GemmTable.load(cluster.device.gemm_table) if cluster.device.gemm_table else None
+    return [
+        zero_point(shape, cfg, cluster, simulate_megatron(shape, cfg, cluster, table), zero_stage)
+        for cfg in configs
+    ]
+
+
 def _best(points: list[_Point]) -> _Point:
     """Most tokens/s among points that fit; if none fits, the one needing least memory."""
     fitting = [p for p in points if not p.oom]
@@ -409,12 +419,7 @@ def _simulate(
             + ": the batch must divide by DP x micro-batch, heads and vocabulary by TP, "
             "layers by PP"
         )
-    table = GemmTable.load(the_cluster.device.gemm_table) if the_cluster.device.gemm_table else None
-    points = [
-        zero_point(shape, cfg, the_cluster, simulate_megatron(shape, cfg, the_cluster, table),
-                   zero_stage)
-        for cfg in configs
-    ]  # fmt: skip
+    points = _grid_points(shape, configs, the_cluster, zero_stage)
     best = _best(points)
     cfg = best.cfg
     plan_dict = {
@@ -462,10 +467,7 @@ def _default_microbatches(
 
     def best(micro):
         configs = megatron_grid(shape, cluster, batch, micro, "full", dtype)
-        table = GemmTable.load(cluster.device.gemm_table) if cluster.device.gemm_table else None
-        points = [zero_point(shape, c, cluster, simulate_megatron(shape, c, cluster, table), 0)
-                  for c in configs]  # fmt: skip
-        return _best(points) if points else None
+        return _best(_grid_points(shape, configs, cluster, 0)) if configs else None
 
     # Megatron's micro-batch is per data-parallel replica; ours is the global micro-batch
     at_default = best(batch // m)
