@@ -493,19 +493,22 @@ REDUCED_IN_PLACE = REDUCTIONS | {"scatter-add", "scatter_add"}
 
 
 def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
-    """For a reduce whose output is partial: its partial axes grouped by the summed dim
-    of the operand they split, last dim first (the order XLA all-reduces them in, at the
-    reduce itself, see :func:`autoshard.cost.reshard_to_consumers`); otherwise ()."""
+    """For a reduce or scatter-add whose output is partial: its partial axes, reduced
+    where the op makes them; for a reduce grouped by the summed dim of the operand they
+    split, last dim first (the order XLA all-reduces them in, see
+    :func:`autoshard.cost.reshard_to_consumers`); otherwise ()."""
     out = strategy.output_specs[0] if strategy.output_specs else None
     operand = strategy.input_specs[0] if strategy.input_specs else None
-    if out is None or not out.partial or operand is None:
+    if node.primitive not in REDUCED_IN_PLACE or out is None or not out.partial:
         return ()
-    if node.primitive in REDUCED_IN_PLACE - REDUCTIONS:
-        return (tuple(out.partial),)  # reduced where it is made, like a reduce
-    if node.primitive not in REDUCTIONS:
-        return ()
-    groups = [tuple(a for a in d if a in out.partial) for d in reversed(operand.dims)]
-    return tuple(g for g in groups if g) or (tuple(out.partial),)
+    groups = ()
+    if node.primitive in REDUCTIONS and operand is not None:
+        groups = tuple(
+            g
+            for g in (tuple(a for a in d if a in out.partial) for d in reversed(operand.dims))
+            if g
+        )
+    return groups or (tuple(out.partial),)  # a scatter-add: all at once, where it is made
 
 
 # Ops after which XLA materialises a buffer; elementwise producers are fused into their

@@ -45,9 +45,8 @@ def _label(model: str, overrides: dict) -> str:
 
 
 def run(suite: str, time_limit: float) -> list[dict]:
-    from autoshard.api import trace_workload
+    from autoshard.api import device_mesh_for, trace_workload
     from autoshard.baselines import baseline_inputs
-    from autoshard.cost import alpa_test_mesh
     from autoshard.intra import auto_shard_graph
     from autoshard.verify import verify_plan
 
@@ -56,7 +55,8 @@ def run(suite: str, time_limit: float) -> list[dict]:
         traced = trace_workload(model, optimizer=optimizer, **overrides)
         for mesh_text in meshes:
             shape = tuple(int(s) for s in mesh_text.split("x"))
-            mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)], narrow_dots_in_f32=True)
+            # Alpa's test-mesh costs, laid out for the backend that compiles (XLA:CPU here)
+            mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
             for which in PLANS:
                 pinned = (
                     baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None

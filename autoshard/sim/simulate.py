@@ -464,19 +464,12 @@ def _default_microbatches(
     m = max(d for d in range(1, min(batch, DEFAULT_AUTO_MICROBATCHES) + 1) if batch % d == 0)
     if shape is None or cluster is None:
         return m
-
-    def best(micro):
-        configs = megatron_grid(shape, cluster, batch, micro, "full", dtype)
-        return _best(_grid_points(shape, configs, cluster, 0)) if configs else None
-
+    configs = megatron_grid(shape, cluster, batch, None, "full", dtype)
+    fitting = [p for p in _grid_points(shape, configs, cluster, 0) if not p.oom]
     # Megatron's micro-batch is per data-parallel replica; ours is the global micro-batch
-    at_default = best(batch // m)
-    if at_default is not None and not at_default.oom:
+    if not fitting or any(p.cfg.micro_batch == batch // m for p in fitting):
         return m
-    fallback = best(None)
-    if fallback is None or fallback.oom:
-        return m
-    return max(m, fallback.cfg.num_microbatches)
+    return max(m, _best(fitting).cfg.num_microbatches)
 
 
 def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> int:
