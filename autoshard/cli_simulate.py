@@ -25,6 +25,8 @@ def _plan_text(plan: dict) -> str:
         return f"auto: {plan['pp']} stage(s): {stages}"
     grid = f"TP {plan['tp']} x PP {plan['pp']} x DP {plan['dp']}"
     extra = f", ZeRO-{plan['zero_stage']}" if plan["zero_stage"] else ""
+    if plan.get("program") == "traced":
+        extra += ", timed on the traced JAX step (the search's cost model)"
     searched = (
         f" (best of {plan['candidates_evaluated']} configurations)"
         if plan["candidates_evaluated"] > 1
@@ -129,6 +131,7 @@ def cmd_simulate(args) -> int:
         dtype=args.sim_dtype,
         ilp_time_limit_s=args.time_limit,
         exact=args.exact,
+        program=args.program,
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -183,6 +186,14 @@ def register(subparsers) -> None:
         "on --gpus fake CPU devices (at most 512) and report compiled vs predicted peak memory "
         "and collective bytes (single-mesh plans: dp, zero2, zero3, megatron:TPx1xDP, auto "
         "with one stage)",
+    )
+    p.add_argument(
+        "--program",
+        choices=("megatron-lm", "traced"),
+        default="megatron-lm",
+        help="what a Megatron grid is timed on: Megatron-LM's fused kernels (default; the "
+        "program of published measurements) or the traced JAX step with the search's stage "
+        "costs, the program --plan auto is timed on",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)

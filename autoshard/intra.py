@@ -36,7 +36,7 @@ from autoshard.cost import (
     reshard,
     reshard_to_consumers,
 )
-from autoshard.graph import ELEMENTWISE, Graph
+from autoshard.graph import Graph
 from autoshard.ilp import EdgeCost, ShardingProblem, Solution, Tie, peak_memory, solve
 from autoshard.plan import ParallelPlan
 from autoshard.spec import Collective, ShardingSpec
@@ -357,7 +357,17 @@ def _layer_ties(graph, strategies, n_in, ties) -> None:
 def _memory_model(graph, strategies, producer, n_in, mesh):
     """Per-strategy bytes of each ILP node's live buffers, and the live sets at every
     position where a buffer is born -- the same model as :func:`predicted_peak_bytes`."""
-    intervals = live_intervals(graph)
+    widened = widened_dot_operands(graph, mesh)
+    replaced = _replaced_by_copies(graph, widened)
+    intervals = {t: iv for t, iv in live_intervals(graph).items() if t not in replaced}
+    sizes = {t: float(buffer_bytes(graph, t, mesh)) for t in intervals}
+    # an f32 copy of a narrow dot operand counts with its tensor, over both intervals
+    # (the tensor's holds the copy's unless the tensor is fused away): an over-estimate
+    for tid, (first, last) in widened.items():
+        a, b = intervals.get(tid, (first, last))
+        intervals[tid] = (min(a, first), max(b, last))
+        sizes[tid] = sizes.get(tid, 0.0) + 2 * graph.tensors[tid].nbytes
+
     node_memory = []
     for i, strats in enumerate(strategies):
         tids = (graph.inputs[i],) if i < n_in else graph.nodes[i - n_in].outputs
@@ -366,7 +376,7 @@ def _memory_model(graph, strategies, producer, n_in, mesh):
             row.append(
                 float(
                     sum(
-                        buffer_bytes(graph, t, mesh) * spec.shard_fraction(mesh.mesh)
+                        sizes[t] * spec.shard_fraction(mesh.mesh)
                         for t, spec in zip(tids, s.output_specs)
                         if t in intervals
                     )
@@ -615,9 +625,13 @@ def live_intervals(graph: Graph) -> dict[int, tuple[int, int]]:
     return out
 
 
-# Ops whose output XLA may write into an operand's buffer when that operand dies there:
-# scatters and dynamic-update-slice update in place; elementwise ops (and the loop
-# fusions they end up in) read and write each element at the same index.
+# Ops whose output XLA writes into an operand's buffer when that operand dies there:
+# scatters and dynamic-update-slice update in place.  Elementwise loop fusions could, but
+# XLA:CPU's buffer assignment rarely lets them: in the compiled gpt-350m dp step, 11 of 117
+# loop fusions whose same-size operand dies there share its buffer (the scatters and a few
+# optimizer updates), the other 106 get a buffer of their own -- among them
+# ``exp(logits - max) * g``, which holds a second 200 MiB logits-sized buffer at XLA's peak.
+# The model therefore shares for in-place updates only.
 IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "dynamic_update_slice"})
 
 
@@ -625,12 +639,9 @@ def _shared_operand(graph: Graph, node, intervals) -> int | None:
     """The operand whose buffer ``node``'s output reuses, if any (XLA's buffer sharing)."""
     if len(node.outputs) != 1 or node.outputs[0] not in intervals:
         return None
-    if node.primitive in IN_PLACE:
-        candidates = node.inputs[:1]
-    elif node.primitive in ELEMENTWISE or node.primitive in ("select_n", "convert_element_type"):
-        candidates = node.inputs
-    else:
+    if node.primitive not in IN_PLACE:
         return None
+    candidates = node.inputs[:1]
     out = graph.tensors[node.outputs[0]]
     for tid in candidates:
         t = graph.tensors[tid]
@@ -664,16 +675,66 @@ def buffer_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
     return t.nbytes
 
 
+def widened_dot_operands(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
+    """bf16/f16 tensors that dots read, on a device that computes narrow dots in f32
+    (``mesh.narrow_dots_in_f32``) -> the (first, last) program position of their f32 copy.
+
+    XLA:CPU converts each narrow dot operand to an f32 buffer of its own and shares the
+    copy between every dot that reads the same value (a weight's copy serves its forward
+    and backward dots, so it lives across the step): in the compiled gpt-350m bf16 dp
+    step, 45 of the 39 dot fusions' operands are such converts, among them an f32 copy
+    of the 51200 x 1024 embedding read by the logits dot and its gradient (made straight
+    from the f32 parameter: see :func:`_replaced_by_copies`)."""
+    if not mesh.narrow_dots_in_f32:
+        return {}
+    out = {}
+    for t in graph.tensors:
+        if t.dtype not in NARROW_FLOATS or not t.shape or t.kind in ("literal", "const"):
+            continue
+        dots = [c for c in t.consumers if graph.nodes[c].primitive == "dot_general"]
+        if dots:
+            out[t.id] = (min(dots), max(dots))
+    return out
+
+
+def _replaced_by_copies(graph: Graph, widened) -> set[int]:
+    """Narrow tensors that only dots read, made by anything but a dot: XLA fuses their
+    producer into the convert that makes the f32 copy (an f32 weight converted to bf16
+    for its dots is one f32 buffer, not a bf16 one and an f32 one)."""
+    boundary = set(graph.inputs) | set(graph.outputs)
+    out = set()
+    for tid in widened:
+        t = graph.tensors[tid]
+        if tid in boundary or t.producer is None:
+            continue
+        if graph.nodes[t.producer].primitive == "dot_general":
+            continue
+        if all(graph.nodes[c].primitive == "dot_general" for c in t.consumers):
+            out.add(tid)
+    return out
+
+
 def predicted_peak_bytes(
     graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh: DeviceMesh
 ) -> float:
-    """Peak per-device bytes of live buffers (:func:`live_intervals`) over the program."""
+    """Peak per-device bytes of live buffers (:func:`live_intervals`, and the f32 copies
+    of :func:`widened_dot_operands`) over the program."""
     n = len(graph.nodes)
     delta = [0.0] * (n + 3)
-    for tid, (first, last) in live_intervals(graph).items():
+    widened = widened_dot_operands(graph, mesh)
+    replaced = _replaced_by_copies(graph, widened)
+    buffers = [
+        (tid, first, last, buffer_bytes(graph, tid, mesh))
+        for tid, (first, last) in live_intervals(graph).items()
+        if tid not in replaced
+    ]
+    buffers += [
+        (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+    ]
+    for tid, first, last, nbytes in buffers:
         if tid not in spec_of:
             continue
-        size = buffer_bytes(graph, tid, mesh) * spec_of[tid].shard_fraction(mesh.mesh)
+        size = nbytes * spec_of[tid].shard_fraction(mesh.mesh)
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
     peak = cur = 0.0

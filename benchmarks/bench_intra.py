@@ -6,7 +6,10 @@ plan), and, in the same run, XLA's compile time of the planned step on as many f
 devices as the mesh has.  Writes benchmarks/results/bench_intra.json.
 
     python benchmarks/bench_intra.py [--models gpt-350m gpt-1.3b ...] [--meshes 2x4 8x8]
-        [--solver cbc] [--no-compile]
+        [--solver cbc] [--no-compile] [--repeat 3]
+
+With ``--repeat N`` every (mesh, model) is planned and compiled N times in the same
+process; each row reports the median of every timing and keeps the N runs under ``runs``.
 """
 
 from __future__ import annotations
@@ -14,9 +17,61 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
+
+TIMINGS = ("trace_s", "build_s", "solve_s", "auto_shard_s", "xla_compile_s")
+
+
+def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
+    """Trace, plan and (unless ``--no-compile``) compile one model on one mesh, timed."""
+    from autoshard.api import trace_workload
+    from autoshard.cost import CostOptions
+    from autoshard.ilp import resolve_ties, solve
+    from autoshard.intra import build_problem, plan_from_solution
+    from autoshard.runtime import abstract_args, build_sharded_step, make_mesh
+
+    n = dmesh.num_devices
+    batch = args.batch or 2 * n
+    t0 = time.perf_counter()
+    traced = trace_workload(model, batch_size=batch)
+    t1 = time.perf_counter()
+    ip = build_problem(
+        traced.graph,
+        dmesh,
+        merge_elementwise=args.merge_elementwise,
+        options=CostOptions(tie_breakers=args.cluster is None),
+    )
+    t2 = time.perf_counter()
+    sol = solve(ip.problem, solver=args.solver, time_limit_s=args.time_limit)
+    t3 = time.perf_counter()
+    plan = plan_from_solution(ip, sol)
+    t4 = time.perf_counter()
+    roots = len(set(resolve_ties(ip.problem)[0]))
+    row = {
+        "model": model,
+        "mesh": mesh_text,
+        "batch": batch,
+        "nodes": len(ip.problem.num_strategies),
+        "roots_after_merging": roots,
+        "variables": sol.num_variables,
+        "constraints": sol.num_constraints,
+        "trace_s": t1 - t0,
+        "build_s": t2 - t1,
+        "solve_s": t3 - t2,
+        "auto_shard_s": t4 - t0,
+        "solver_status": sol.status,
+        "objective": sol.objective,
+    }
+    if not args.no_compile:
+        jmesh = make_mesh(plan.mesh, jax.devices()[:n])
+        step = build_sharded_step(traced.program, plan, jmesh)
+        c0 = time.perf_counter()
+        step.lower(*abstract_args(traced.program, plan, jmesh)).compile()
+        row["xla_compile_s"] = time.perf_counter() - c0
+    return row
 
 
 def main() -> None:
@@ -27,6 +82,7 @@ def main() -> None:
     ap.add_argument("--solver", default="cbc")
     ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per row; timings are medians")
     ap.add_argument("--cluster", default=None, help="cluster preset for costs in seconds")
     ap.add_argument(
         "--merge-elementwise",
@@ -41,55 +97,21 @@ def main() -> None:
     max_devices = max(eval(m.replace("x", "*")) for m in args.meshes)  # noqa: S307
     jax.config.update("jax_num_cpu_devices", max_devices)
 
-    from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.cost import CostOptions
-    from autoshard.ilp import resolve_ties, solve
-    from autoshard.intra import build_problem, plan_from_solution
-    from autoshard.runtime import abstract_args, build_sharded_step, make_mesh
+    from autoshard.api import device_mesh_for
 
     rows = []
     for mesh_text in args.meshes:
         dmesh = device_mesh_for(mesh_text, cluster=args.cluster)
-        n = dmesh.num_devices
         for model in args.models:
-            batch = args.batch or 2 * n
-            t0 = time.perf_counter()
-            traced = trace_workload(model, batch_size=batch)
-            t1 = time.perf_counter()
-            ip = build_problem(
-                traced.graph,
-                dmesh,
-                merge_elementwise=args.merge_elementwise,
-                options=CostOptions(tie_breakers=args.cluster is None),
-            )
-            t2 = time.perf_counter()
-            sol = solve(ip.problem, solver=args.solver, time_limit_s=args.time_limit)
-            t3 = time.perf_counter()
-            plan = plan_from_solution(ip, sol)
-            t4 = time.perf_counter()
-            roots = len(set(resolve_ties(ip.problem)[0]))
-            row = {
-                "model": model,
-                "mesh": mesh_text,
-                "batch": batch,
-                "nodes": len(ip.problem.num_strategies),
-                "roots_after_merging": roots,
-                "variables": sol.num_variables,
-                "constraints": sol.num_constraints,
-                "trace_s": t1 - t0,
-                "build_s": t2 - t1,
-                "solve_s": t3 - t2,
-                "auto_shard_s": t4 - t0,
-                "solver_status": sol.status,
-                "objective": sol.objective,
-            }
-            if not args.no_compile:
-                jmesh = make_mesh(plan.mesh, jax.devices()[:n])
-                step = build_sharded_step(traced.program, plan, jmesh)
-                c0 = time.perf_counter()
-                step.lower(*abstract_args(traced.program, plan, jmesh)).compile()
-                row["xla_compile_s"] = time.perf_counter() - c0
+            runs = [_one_run(args, jax, model, mesh_text, dmesh) for _ in range(args.repeat)]
+            row = dict(runs[0])
+            for key in TIMINGS:
+                if key in row:
+                    row[key] = statistics.median(r[key] for r in runs)
+            if "xla_compile_s" in row:
                 row["planning_over_compile"] = row["auto_shard_s"] / row["xla_compile_s"]
+            if args.repeat > 1:
+                row["runs"] = [{k: r[k] for k in TIMINGS if k in r} for r in runs]
             rows.append(row)
             print(
                 json.dumps(

@@ -171,16 +171,41 @@ def test_auto_plan_beats_every_grid_point_under_the_search_cost(gpt_2_6b_grid):
 
 
 @pytest.mark.slow
+def test_simulator_times_the_grid_on_the_traced_step_like_the_search(gpt_2_6b_grid):
+    """The issue's self-consistency check, on one program and one cost model: the
+    simulator's ``program="traced"`` grid (its own stage split, sub-meshes and pipeline
+    formula, through the search's stage costs) ranks the 10 grids of gpt-2.6b on 8 V100s
+    as the search's objective does, at the same figures, and the auto plan is at least as
+    fast as the best of them."""
+    from autoshard.sim.simulate import simulate
+
+    rows, auto = gpt_2_6b_grid
+    simulated = {}
+    for tp, pp, dp in rows:
+        report = simulate(
+            "gpt-2.6b", "alpa-v100", 8, plan=f"megatron:{tp}x{pp}x{dp}", global_batch=128,
+            microbatch_size=8 // dp, program="traced", ilp_time_limit_s=20,
+        )  # fmt: skip
+        assert report.plan["num_microbatches"] == 16
+        simulated[tp, pp, dp] = report.step_time_s
+    for grid, (_, search) in rows.items():
+        assert simulated[grid] == pytest.approx(search, rel=1e-9)
+    assert sorted(rows, key=simulated.get) == sorted(rows, key=lambda g: rows[g][1])
+    assert auto.objective_s <= min(simulated.values()) * (1 + 1e-9)
+
+
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="the search prices the traced JAX program, the grid model Megatron's fused kernels: "
+    reason="Megatron-LM's program is not the traced one (the test above holds on the traced "
+    "step): the search prices the traced JAX program, the grid model Megatron's fused kernels: "
     "the traced step streams its attention softmax in fp32 through several materialised "
     "buffers (XLA fusion model) where Megatron runs one fused scale-mask-softmax, so a block's "
     "memory-bound time is ~1.5x the grid model's, and a logical (dp, tp) mesh is costed by the "
     "ILP's best layout, not Megatron's (the (8,1,1) and (1,1,8) grids cost the same to the "
     "search). The GEMM time agrees (test_block_gemm_time_matches_the_megatron_grid_model).",
 )
-def test_search_ranks_the_grid_like_the_simulator_and_auto_beats_the_best(gpt_2_6b_grid):
+def test_megatron_lm_program_ranks_the_grid_like_the_search(gpt_2_6b_grid):
     rows, auto = gpt_2_6b_grid
     by_grid = sorted(rows, key=lambda g: rows[g][0])
     by_search = sorted(rows, key=lambda g: rows[g][1])

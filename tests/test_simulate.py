@@ -194,6 +194,43 @@ def test_auto_gpt_350m_on_8_gpus():
     assert sum(s["submesh"][0] * s["submesh"][1] for s in r.plan["stages"]) == 8
 
 
+def test_traced_grid_is_timed_with_the_search_stage_costs():
+    """``program="traced"``: a Megatron grid timed on the traced step; its stages are
+    Megatron's (embedding first, head last), its step the pipeline formula over the stage
+    latencies, and the auto plan on the same program is never slower than any grid."""
+    grid = simulate(
+        "gpt-125m", "alpa-v100", 4, "megatron", program="traced", recompute="none",
+        **SMALL_AUTO,
+    )  # fmt: skip
+    _check_report(grid.to_json())
+    points = grid.plan["grid_points"]
+    assert grid.plan["program"] == "traced" and len(points) == grid.plan["candidates_evaluated"]
+    assert {(p["tp"], p["pp"], p["dp"]) for p in points} >= {(4, 1, 1), (1, 1, 4), (2, 2, 1)}
+    assert len({p["num_microbatches"] for p in points}) > 1  # micro-batch sizes searched
+    assert grid.step_time_s == min(p["step_time_s"] for p in points)  # all fit 16 GB
+    one = simulate(
+        "gpt-125m", "alpa-v100", 4, "megatron:2x2x1", program="traced", recompute="none",
+        microbatch_size=1, **SMALL_AUTO,
+    )  # fmt: skip
+    stages = one.plan["stages"]
+    assert [s["layers"] for s in stages] == [["embedding", "block_0"], ["block_1", "head"]]
+    assert all(s["submesh"] == [1, 2] and s["logical_mesh_dp_tp"] == [1, 2] for s in stages)
+    latencies = [s["latency_s"] for s in stages]
+    m = one.plan["num_microbatches"]
+    assert one.step_time_s == pytest.approx(pipeline_objective(latencies, m))
+    same = [p for p in points if p["num_microbatches"] == m]
+    point = next(p for p in same if (p["tp"], p["pp"], p["dp"]) == (2, 2, 1))
+    assert one.step_time_s == pytest.approx(point["step_time_s"], rel=1e-12)
+    # auto at the same micro-batches (its default, 16 here) is never slower than a grid
+    auto = simulate("gpt-125m", "alpa-v100", 4, "auto", recompute="none", **SMALL_AUTO)
+    assert auto.plan["num_microbatches"] == m == 16
+    assert auto.step_time_s <= min(p["step_time_s"] for p in same) * (1 + 1e-9)
+    with pytest.raises(ValueError, match="program must be one of"):
+        simulate("gpt-125m", "alpa-v100", 4, "megatron", program="jax", **SMALL_AUTO)
+    with pytest.raises(ValueError, match="times Megatron grids"):
+        simulate("gpt-125m", "alpa-v100", 4, "zero3", program="traced", **SMALL_AUTO)
+
+
 def test_parse_plan_forms():
     assert parse_plan("megatron:8x4x2").grid == (8, 4, 2)
     for form in ("auto", "dp", "zero2", "zero3", "megatron"):

@@ -43,6 +43,19 @@ JAX step under the fusion model of :func:`autoshard.intra.materialized_tensors` 
 attention softmax streams several fp32 buffers), so a block's elementwise time is higher
 on the auto path (tests/test_sim_auto.py states the consequences).
 
+Two programs for the Megatron grid (``program=``): ``"megatron-lm"`` (the default) times
+Megatron-LM's own kernels as above -- the program the published measurements ran, and the
+one :mod:`benchmarks.validate_megatron` checks. ``"traced"`` times the grid on the traced
+JAX step, exactly as the search sees it: Megatron's stage split (the embedding with the
+first blocks, the head with the last; ``layers / PP`` blocks each) on ``TP x DP``-device
+sub-meshes viewed as the logical mesh ``(DP, TP)``, each stage's intra-op plan the ILP's on
+that mesh (:class:`autoshard.inter.IntraStageCost`, the search's own stage costs), 1F1B
+memory, and step time ``sum(t) + (m - 1) max(t)``. So ``auto`` and the grid are compared
+on one program and one cost model: the search's plan is never slower than a grid point
+priced this way at the same number of micro-batches (tests/test_sim_auto.py). The
+micro-batch size is Megatron's (per data-parallel replica), searched over powers of two
+when not given, as on the Megatron-LM program; each number of micro-batches is one trace.
+
 Recompute under ``auto``: a plan dimension of the stage DP. Every stage candidate is
 costed with no, selective and full recompute of its transformer blocks
 (:func:`autoshard.inter.recompute_costs`: the forward or attention-core time of the chosen
@@ -81,6 +94,7 @@ from autoshard.sim.megatron import (
 )
 
 PLAN_FORMS = ("auto", "dp", "zero2", "zero3", "megatron", "megatron:TPxPPxDP")
+PROGRAMS = ("megatron-lm", "traced")  # what the Megatron grid is timed on
 ZERO_STAGES = {"dp": 0, "zero2": 2, "zero3": 3}
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_AUTO_MICROBATCHES = 64  # the most micro-batches ``auto`` uses unless told
@@ -335,6 +349,7 @@ def simulate(
     *,
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
     exact: bool = False,
+    program: str = "megatron-lm",
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
@@ -350,10 +365,11 @@ def simulate(
     ``ValueError`` for an unknown model, preset or plan, a GPU count the cluster cannot
     give, a grid whose product is not ``gpus``, sizes that do not divide, or ``exact`` with
     more than ``MAX_EXACT_DEVICES`` GPUs or fewer JAX CPU devices than ``gpus``.
+    ``program``: what a Megatron grid is timed on (``PROGRAMS``; module docstring).
     """
     report = _simulate(
         model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
-        ilp_time_limit_s, exact, overrides,
+        ilp_time_limit_s, exact, overrides, program,
     )  # fmt: skip
     if not exact:
         return report
@@ -363,9 +379,17 @@ def simulate(
 
 def _simulate(
     model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
-    ilp_time_limit_s, exact, overrides,
+    ilp_time_limit_s, exact, overrides, program="megatron-lm",
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
+    if program not in PROGRAMS:
+        raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+    if program == "traced" and request.kind != "megatron":
+        raise ValueError(
+            f"program='traced' times Megatron grids (plan megatron or megatron:TPxPPxDP) on "
+            f"the traced step; plan {plan!r} is timed "
+            + ("on it already" if request.kind == "auto" else "on Megatron-LM's program")
+        )
     if recompute is None:
         recompute = "auto" if request.kind == "auto" else "none"
     if recompute == "auto" and request.kind != "auto":
@@ -407,6 +431,11 @@ def _simulate(
             ilp_time_limit_s, overrides,
         )  # fmt: skip
 
+    if program == "traced":
+        return _simulate_traced_grid(
+            model, shape, the_cluster, batch, microbatch_size, request.grid, recompute,
+            dtype, peak, ilp_time_limit_s, overrides,
+        )  # fmt: skip
     t0 = time.perf_counter()
     zero_stage = ZERO_STAGES.get(request.kind, 0)
     grid = request.grid if request.kind == "megatron" else (1, 1, gpus)
@@ -597,7 +626,162 @@ def _simulate_auto(
     )
 
 
+# ----------------------------------------------------------------------------- grid, traced
+
+
+_TRACED_COSTS: dict = {}  # the last few (traced step, IntraStageCost): its ILPs are reused
+
+
+def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+    """(traced step of ``m`` micro-batches, the search's IntraStageCost on ``cluster``);
+    kept for the next call with the same arguments (the ILPs of each logical mesh are
+    solved once per process)."""
+    key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
+    if key not in _TRACED_COSTS:
+        if len(_TRACED_COSTS) >= 4:
+            _TRACED_COSTS.pop(next(iter(_TRACED_COSTS)))
+        _TRACED_COSTS[key] = _new_traced_stage_cost(
+            model, cluster, batch, m, dtype, time_limit, overrides
+        )
+    return _TRACED_COSTS[key]
+
+
+def _new_traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+    from autoshard.inter import (  # lazy: traces with jax
+        IntraStageCost,
+        cluster_for,
+        logical_mesh_costs,
+        trace_microbatch,
+    )
+
+    search_cluster = dataclasses.replace(
+        cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
+    )
+    traced = trace_microbatch(
+        model, m, "adamw", batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
+        **overrides,
+    )  # fmt: skip
+    mesh_for = logical_mesh_costs(
+        cluster_for(search_cluster, cluster.num_nodes, cluster.devices_per_node)
+    )
+    cost = IntraStageCost(
+        traced.graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m
+    )
+    return traced, cost
+
+
+def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """Megatron's layer ranges over the traced layers (0: embedding, ``num_blocks + 1``:
+    head): ``num_blocks / pp`` blocks per stage, the embedding in the first, the head in
+    the last."""
+    if num_blocks % pp:
+        raise ValueError(f"PP={pp} must divide the {num_blocks} transformer blocks")
+    per = num_blocks // pp
+    return tuple(
+        (0 if i == 0 else 1 + i * per, num_blocks + 2 if i == pp - 1 else 1 + (i + 1) * per)
+        for i in range(pp)
+    )
+
+
+def _grid_submesh(devices: int, cluster: Cluster) -> tuple[int, int]:
+    per_host = cluster.devices_per_node
+    return (devices // per_host, per_host) if devices >= per_host else (1, devices)
+
+
+def _simulate_traced_grid(
+    model, shape, cluster, batch, microbatch_size, grid, recompute, dtype, peak, time_limit,
+    overrides,
+) -> SimulationReport:  # fmt: skip
+    from autoshard.stages import microbatches_in_flight, pipeline_objective
+
+    gpus = cluster.num_gpus
+    if grid is not None and shape.layers % grid[1]:
+        raise ValueError(f"PP={grid[1]} must divide the {shape.layers} transformer blocks")
+    configs = megatron_grid(shape, cluster, batch, microbatch_size, recompute, dtype, grid)
+    if not configs:
+        raise ValueError(
+            f"no Megatron grid of {model} on {gpus} GPUs takes the global batch {batch}"
+            + (f" in micro-batches of {microbatch_size} per replica" if microbatch_size else "")
+            + ": the batch must divide by DP x micro-batch, heads and vocabulary by TP, "
+            "layers by PP"
+        )
+    t0 = time.perf_counter()
+    points = []
+    # one trace (and one set of stage ILPs) per number of micro-batches
+    for cfg in sorted(configs, key=lambda c: (c.num_microbatches, c.tp, c.pp, c.dp)):
+        tp, pp, dp, m = cfg.tp, cfg.pp, cfg.dp, cfg.num_microbatches
+        _, cost = _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+        submesh = _grid_submesh(tp * dp, cluster)
+        ranges = megatron_stages(shape.layers, pp)
+        stage_costs = [cost(a, b, submesh, (dp, tp), recompute) for a, b in ranges]
+        latencies = [c.latency_s for c in stage_costs]
+        memory = [
+            c.memory_bytes(microbatches_in_flight(i, pp, m, "1f1b"))
+            for i, c in enumerate(stage_costs)
+        ]
+        step = pipeline_objective(latencies, m)
+        points.append((step, max(memory), (tp, pp, dp), m, ranges, submesh, latencies, memory))
+    hbm = cluster.device.hbm_bytes
+    fitting = [p for p in points if p[1] <= hbm]
+    best = min(fitting or points, key=lambda p: p[0] if fitting else p[1])
+    step, peak_bytes, (tp, pp, dp), m, ranges, submesh, latencies, memory = best
+    fill = sum(latencies)
+    layer_names = ("embedding", *(f"block_{i}" for i in range(shape.layers)), "head")
+    plan_dict = {
+        "kind": "megatron",
+        "program": "traced",
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "microbatch_size": batch // m // dp,
+        "num_microbatches": m,
+        "global_batch": batch,
+        "recompute": recompute,
+        "dtype": dtype,
+        "zero_stage": 0,
+        "searched_grid": grid is None,
+        "candidates_evaluated": len(points),
+        "stages": [
+            {
+                "layers": [layer_names[a], layer_names[b - 1]],
+                "num_layers": b - a,
+                "submesh": list(submesh),
+                "logical_mesh_dp_tp": [dp, tp],
+                "recompute": recompute,
+                "latency_s": lat,
+                "peak_bytes": mem,
+            }
+            for (a, b), lat, mem in zip(ranges, latencies, memory, strict=True)
+        ],
+        "grid_points": [
+            {
+                "tp": g[0],
+                "pp": g[1],
+                "dp": g[2],
+                "num_microbatches": mb,
+                "step_time_s": st,
+                "peak_bytes": mem,
+            }  # fmt: skip
+            for st, mem, g, mb, *_ in points
+        ],
+    }
+    return SimulationReport(
+        model=model,
+        cluster=cluster.name,
+        gpus=gpus,
+        step_time_s=step,
+        **_utilisation(shape, batch, recompute, step, gpus, peak),
+        peak_bytes_per_device=peak_bytes,
+        oom=peak_bytes > hbm,
+        plan=MappingProxyType(plan_dict),
+        breakdown=MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill}),
+        search_seconds=time.perf_counter() - t0,
+    )
+
+
 __all__ = [
+    "PROGRAMS",
+    "megatron_stages",
     "PLAN_FORMS",
     "PlanRequest",
     "SimulationReport",
