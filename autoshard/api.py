@@ -144,7 +144,16 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
             the_cluster, shape, names, gemm_table=None if table is None else GemmTable.load(table)
         )
     betas = tuple(0.1 if i == len(shape) - 1 and len(shape) > 1 else 1.0 for i in range(len(shape)))
-    return uniform_mesh(shape, names, 1.0, betas, narrow_dots_in_f32=_runs_on_cpu(mesh))
+    cpu = _runs_on_cpu(mesh)
+    return uniform_mesh(
+        shape,
+        names,
+        1.0,
+        betas,
+        narrow_dots_in_f32=cpu,
+        reductions_read_memory=cpu,
+        late_updates=cpu,
+    )
 
 
 def _runs_on_cpu(mesh) -> bool:

@@ -105,6 +105,14 @@ class DeviceMesh:
     # XLA:CPU computes bf16/f16 dots in f32: a narrow dot's result is an f32 buffer
     # (the convert down is fused into its readers). The memory model counts it so.
     narrow_dots_in_f32: bool = False
+    # XLA:CPU runs reductions as library calls (XNNPACK) that read their operand from
+    # memory, so whatever a reduction reads is a buffer (a LayerNorm's input, kept for its
+    # backward); a GPU fuses the producer into the reduction. The memory model counts it so.
+    reductions_read_memory: bool = False
+    # XLA:CPU combines the gradient all-reduces into one at the end of the backward pass,
+    # so every gradient is live until then (XLA on GPUs updates each parameter as soon as
+    # its gradient is ready). The memory model counts it so.
+    late_updates: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))
@@ -153,6 +161,8 @@ def uniform_mesh(
     memory_bytes: float = math.inf,
     hbm_bandwidth: float = math.inf,
     narrow_dots_in_f32: bool = False,
+    reductions_read_memory: bool = False,
+    late_updates: bool = False,
 ) -> DeviceMesh:
     """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis."""
     rank = len(shape)
@@ -166,6 +176,8 @@ def uniform_mesh(
         memory_bytes,
         hbm_bandwidth,
         narrow_dots_in_f32=narrow_dots_in_f32,
+        reductions_read_memory=reductions_read_memory,
+        late_updates=late_updates,
     )
 
 
@@ -174,6 +186,8 @@ def alpa_test_mesh(
     axis_names: Sequence[str] | None = None,
     *,
     narrow_dots_in_f32: bool = False,
+    reductions_read_memory: bool = False,
+    late_updates: bool = False,
 ) -> DeviceMesh:
     """The logical mesh of Alpa's intra-operator tests: alpha = (1, 1), beta = (1, 0.1).
 
@@ -181,7 +195,8 @@ def alpa_test_mesh(
     Alpa's 1-D cases are meshes of shape (1, n) whose only real axis is the fast one, but
     a lone axis has nothing to be fast relative to, and unit costs keep the arithmetic of
     tests obvious. Compute, HBM time and memory are left free/unbounded (see DeviceMesh).
-    ``narrow_dots_in_f32``: predict memory as XLA:CPU lays it out (see DeviceMesh).
+    ``narrow_dots_in_f32``, ``reductions_read_memory``, ``late_updates``: predict memory as
+    XLA:CPU lays it out (see DeviceMesh).
     """
     shape = tuple(shape)
     if len(shape) not in (1, 2):
@@ -189,7 +204,11 @@ def alpa_test_mesh(
             f"alpa_test_mesh takes a 1-D or 2-D shape, got {shape}; use uniform_mesh for others"
         )
     names = tuple(axis_names) if axis_names is not None else ("x", "y")[: len(shape)]
-    kw = {"narrow_dots_in_f32": narrow_dots_in_f32}
+    kw = {
+        "narrow_dots_in_f32": narrow_dots_in_f32,
+        "reductions_read_memory": reductions_read_memory,
+        "late_updates": late_updates,
+    }
     if len(shape) == 1:
         return uniform_mesh(shape, names, (1.0,), (1.0,), **kw)
     return uniform_mesh(shape, names, (1.0, 1.0), (1.0, 0.1), **kw)

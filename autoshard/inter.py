@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from autoshard.cost import CostOptions, DeviceMesh, reshard, uniform_mesh
 from autoshard.graph import Graph, build_graph
 from autoshard.ilp import InfeasibleProblemError, solve
-from autoshard.intra import build_problem, live_intervals, plan_from_solution
+from autoshard.intra import build_problem, mesh_intervals, plan_from_solution
 from autoshard.plan import ParallelPlan
 from autoshard.records import EqnRecord, TensorRecord, TraceRecords
 from autoshard.spec import ShardingSpec
@@ -259,7 +259,7 @@ def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) ->
         return {}
     boundary = max(forward)
     kept: dict[int, float] = {}
-    for tid, (first, last) in live_intervals(graph).items():
+    for tid, (first, last) in mesh_intervals(graph, mesh).items():
         t = graph.tensors[tid]
         if t.kind in ("param", "opt_state") or tid not in spec_of:
             continue

@@ -22,6 +22,7 @@ data parallel, ZeRO and Megatron fix the inputs and let the ILP place the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -36,8 +37,17 @@ from autoshard.cost import (
     reshard,
     reshard_to_consumers,
 )
+from autoshard.graph import REDUCTIONS as ALL_REDUCTIONS
 from autoshard.graph import Graph
-from autoshard.ilp import EdgeCost, ShardingProblem, Solution, Tie, peak_memory, solve
+from autoshard.ilp import (
+    EdgeCost,
+    InfeasibleBudgetError,
+    ShardingProblem,
+    Solution,
+    Tie,
+    peak_memory,
+    solve,
+)
 from autoshard.plan import ParallelPlan
 from autoshard.spec import Collective, ShardingSpec
 from autoshard.strategies import Strategy, input_strategies, node_strategies
@@ -172,7 +182,11 @@ def build_problem(
         producer[tid] = (pos, 0)
     warned: set[str] = set()
     # memory-bound ops are charged the buffers they stream, under the fusion model
-    materialized = materialized_tensors(graph) if math.isfinite(mesh.hbm_bandwidth) else None
+    materialized = (
+        materialized_tensors(graph, mesh.reductions_read_memory)
+        if math.isfinite(mesh.hbm_bandwidth)
+        else None
+    )
     node_cache: dict = {}
     as_tuple: dict[int, tuple[Strategy, ...]] = {}
     for node in graph.nodes:
@@ -359,7 +373,7 @@ def _memory_model(graph, strategies, producer, n_in, mesh):
     position where a buffer is born -- the same model as :func:`predicted_peak_bytes`."""
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
-    intervals = {t: iv for t, iv in live_intervals(graph).items() if t not in replaced}
+    intervals = {t: iv for t, iv in mesh_intervals(graph, mesh).items() if t not in replaced}
     sizes = {t: float(buffer_bytes(graph, t, mesh)) for t in intervals}
     # an f32 copy of a narrow dot operand counts with its tensor, over both intervals
     # (the tensor's holds the copy's unless the tensor is fused away): an over-estimate
@@ -447,7 +461,7 @@ def plan_from_solution(
         operand_specs=operand_specs,
         node_strategies=tuple(names),
         predicted_collectives=collectives,
-        predicted_peak_bytes=predicted_peak_bytes(graph, spec_of, mesh),
+        predicted_peak_bytes=predicted_peak_bytes(graph, spec_of, mesh, operand_specs),
         objective=solution.objective,
         solver=json.loads(solution.to_json()),
         notes=notes,
@@ -530,22 +544,33 @@ MATERIALIZING = frozenset(
 # Ops that read their operands from memory (no fusion into them).
 UNFUSED_CONSUMERS = frozenset("dot_general gather scatter-add scatter_add concatenate".split())
 TRANSCENDENTAL = frozenset("exp log tanh logistic log1p expm1 erf pow sin cos".split())
+EXPENSIVE = TRANSCENDENTAL | {"div"}  # not recomputed in the backward pass when saved
 FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradient"})
 
 
-def materialized_tensors(graph: Graph) -> set[int]:
+def materialized_tensors(graph: Graph, reductions_read_memory: bool = False) -> set[int]:
     """Tensors that occupy memory in the compiled step (a model of XLA's fusion).
 
     A tensor is materialised when it is a program input or output, when an op that
     always writes a buffer made it (dots, reductions, gathers, scatters, transposes,
-    concatenations), when an unfused op reads it (a dot's operands), or when it is made
-    in the forward pass and read in the backward pass (saved for the gradient).
+    concatenations), or when an unfused op reads it (a dot's operands; with
+    ``reductions_read_memory``, as on XLA:CPU, whose reductions are library calls, a
+    reduction's operand too).
+
+    Cheap elementwise values (anything but transcendentals and divisions) are fused into
+    every reader, the backward pass's included: XLA recomputes them there from the
+    buffers they are made of (a LayerNorm's centred and normalised input, from its input
+    and statistics) rather than keeping them; :func:`live_intervals` keeps those buffers
+    alive until then.  A transcendental or a division read by several ops is kept; one
+    made in the forward pass and read in the backward is kept unless its operands are
+    kept until then anyway.
 
     Values that depend on no program input (an attention mask: iota, compare,
     broadcast) never are: XLA folds them or regenerates them inside each reader's fusion.
     """
     out = set(graph.inputs) | set(graph.outputs)
     data_free = _data_free_tensors(graph)
+    unfused = UNFUSED_CONSUMERS | (ALL_REDUCTIONS if reductions_read_memory else frozenset())
     for node in graph.nodes:
         for tid in node.outputs:
             t = graph.tensors[tid]
@@ -554,12 +579,12 @@ def materialized_tensors(graph: Graph) -> set[int]:
             if tid in data_free and tid not in out:
                 continue
             users = [graph.nodes[c] for c in t.consumers]
-            if node.primitive in MATERIALIZING or any(
-                u.primitive in UNFUSED_CONSUMERS for u in users
-            ):
+            if node.primitive in MATERIALIZING or any(u.primitive in unfused for u in users):
                 out.add(tid)
             elif node.primitive in TRANSCENDENTAL and len({u.index for u in users}) > 1:
                 out.add(tid)  # too dear to recompute in every consumer's fusion
+            elif node.primitive not in EXPENSIVE:
+                continue  # recomputed wherever it is read
             elif node.phase == "forward" and any(u.phase != "forward" for u in users):
                 # saved for the backward pass -- unless XLA can recompute it inside the
                 # backward fusion from operands that are kept until then anyway
@@ -587,16 +612,15 @@ def _data_free_tensors(graph: Graph) -> set[int]:
     return free
 
 
-def live_intervals(graph: Graph) -> dict[int, tuple[int, int]]:
-    """Tensor id -> (first, last) program position of every buffer that occupies memory.
-
-    Program inputs live throughout ((-1, n)); updated state reuses its donated input, so
-    aliased outputs take no extra room.  XLA schedules each parameter's update as soon as
-    its gradient is ready, freeing the gradient early: update ops are moved to just after
-    their last input.  Only materialised tensors count (:func:`materialized_tensors`).
-    """
-    n = len(graph.nodes)
-    pos = list(range(n))
+def program_positions(graph: Graph, late_updates: bool = False) -> list[int]:
+    """Node index -> position in the modelled schedule: program order, except that XLA
+    schedules each parameter's update as soon as its gradient is ready (update ops move
+    to just after their last input) -- unless ``late_updates`` (XLA:CPU, which combines
+    the gradient reductions into one at the end of the backward pass, so every gradient
+    waits for it)."""
+    pos = list(range(len(graph.nodes)))
+    if late_updates:
+        return pos
     for node in graph.nodes:
         if node.phase == "update":
             ready = [
@@ -605,7 +629,24 @@ def live_intervals(graph: Graph) -> dict[int, tuple[int, int]]:
                 if graph.tensors[t].producer is not None
             ]
             pos[node.index] = max(ready, default=0)
-    keep = materialized_tensors(graph)
+    return pos
+
+
+def live_intervals(
+    graph: Graph, reductions_read_memory: bool = False, late_updates: bool = False
+) -> dict[int, tuple[int, int]]:
+    """Tensor id -> (first, last) program position of every buffer that occupies memory.
+
+    Program inputs live throughout ((-1, n)); updated state reuses its donated input, so
+    aliased outputs take no extra room.  Positions are :func:`program_positions`.
+    The flags are :class:`~autoshard.cost.DeviceMesh`'s (:func:`mesh_intervals`).  Only
+    materialised tensors count (:func:`materialized_tensors`); a buffer lives until the
+    last op that reads it, directly or through values fused away (:func:`_readers`: a
+    value recomputed in the backward pass keeps what it is made of alive until then).
+    """
+    n = len(graph.nodes)
+    pos = program_positions(graph, late_updates)
+    keep = materialized_tensors(graph, reductions_read_memory)
     aliased_outputs = {dst for _, dst in graph.aliases}
     out: dict[int, tuple[int, int]] = {}
     for t in graph.tensors:
@@ -615,7 +656,10 @@ def live_intervals(graph: Graph) -> dict[int, tuple[int, int]]:
             out[t.id] = (-1, n)
             continue
         first = pos[t.producer]
-        last = n if t.last_use >= n else max([pos[c] for c in t.consumers] + [first])
+        if t.last_use >= n:
+            last = n
+        else:
+            last = max([pos[c] for c in _readers(graph, t.id, keep)] + [first])
         out[t.id] = (first, last)
     for node in graph.nodes:  # outputs written into a dying operand's buffer
         shared = _shared_operand(graph, node, out)
@@ -623,6 +667,34 @@ def live_intervals(graph: Graph) -> dict[int, tuple[int, int]]:
             first, _ = out[shared]
             out[shared] = (first, max(first, pos[node.index] - 1))
     return out
+
+
+def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
+    """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
+    return live_intervals(graph, mesh.reductions_read_memory, mesh.late_updates)
+
+
+def _readers(graph: Graph, tid: int, keep: set[int]) -> set[int]:
+    """Nodes that read ``tid``'s buffer: its consumers and, through every value that is
+    not materialised (fused into its readers), the readers of that value in turn."""
+    seen: set[int] = set()
+    stack, readers = [tid], set()
+    while stack:
+        for c in graph.tensors[stack.pop()].consumers:
+            readers.add(c)
+            for o in graph.nodes[c].outputs:
+                if (
+                    o not in keep
+                    and o not in seen
+                    and graph.tensors[o].kind
+                    not in (
+                        "literal",
+                        "const",
+                    )
+                ):
+                    seen.add(o)
+                    stack.append(o)
+    return readers
 
 
 # Ops whose output XLA writes into an operand's buffer when that operand dies there:
@@ -714,27 +786,51 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
+def _reshard_buffers(graph: Graph, operand_specs, mesh: DeviceMesh) -> list:
+    """(first, last, bytes per device) of each value in each layout it is resharded to."""
+    pos = program_positions(graph, mesh.late_updates)
+    uses: dict[tuple[int, ShardingSpec], list[int]] = {}
+    for node_index, slots in operand_specs.items():
+        node = graph.nodes[node_index]
+        for slot, spec in slots.items():
+            uses.setdefault((node.inputs[slot], spec), []).append(pos[node_index])
+    out = []
+    for (tid, spec), where in uses.items():
+        t = graph.tensors[tid]
+        if t.kind in ("literal", "const") or not t.shape:
+            continue
+        out.append((min(where), max(where), t.nbytes * spec.shard_fraction(mesh.mesh)))
+    return out
+
+
 def predicted_peak_bytes(
-    graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh: DeviceMesh
+    graph: Graph,
+    spec_of: Mapping[int, ShardingSpec],
+    mesh: DeviceMesh,
+    operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
 ) -> float:
-    """Peak per-device bytes of live buffers (:func:`live_intervals`, and the f32 copies
-    of :func:`widened_dot_operands`) over the program."""
+    """Peak per-device bytes of live buffers over the program: :func:`live_intervals`,
+    the f32 copies of :func:`widened_dot_operands`, and, given the plan's
+    ``operand_specs`` (node -> operand slot -> the spec it is resharded to), one buffer
+    per value and resharded layout, from its first reader in that layout to its last
+    (XLA gathers a weight once for its forward and backward dots and keeps the gathered
+    copy; a reduced partial sum is a buffer of its own)."""
     n = len(graph.nodes)
     delta = [0.0] * (n + 3)
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
     buffers = [
-        (tid, first, last, buffer_bytes(graph, tid, mesh))
-        for tid, (first, last) in live_intervals(graph).items()
-        if tid not in replaced
+        (first, last, buffer_bytes(graph, tid, mesh) * spec_of[tid].shard_fraction(mesh.mesh))
+        for tid, (first, last) in mesh_intervals(graph, mesh).items()
+        if tid not in replaced and tid in spec_of
     ]
     buffers += [
-        (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+        (first, last, 2 * graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh))
+        for tid, (first, last) in widened.items()
+        if tid in spec_of
     ]
-    for tid, first, last, nbytes in buffers:
-        if tid not in spec_of:
-            continue
-        size = nbytes * spec_of[tid].shard_fraction(mesh.mesh)
+    buffers += _reshard_buffers(graph, operand_specs or {}, mesh)
+    for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
     peak = cur = 0.0
@@ -742,6 +838,10 @@ def predicted_peak_bytes(
         cur += d
         peak = max(peak, cur)
     return peak
+
+
+BUDGET_ROUNDS = 6  # further ILP solves to bring the full prediction under a budget
+BUDGET_TOLERANCE = 0.02  # stop when the rows' budget is known to within this fraction
 
 
 def auto_shard_graph(
@@ -767,19 +867,58 @@ def auto_shard_graph(
     """
     if options is None:
         options = CostOptions(tie_breakers=math.isinf(mesh.peak_flops))
-    ip = build_problem(
-        graph,
-        mesh,
-        memory_budget_bytes=memory_budget_bytes,
-        pinned_inputs=pinned_inputs,
-        share_layers=share_layers,
-        merge_elementwise=merge_elementwise,
-        options=options,
+
+    def plan_with(rows_budget, notes=()):
+        ip = build_problem(
+            graph,
+            mesh,
+            memory_budget_bytes=rows_budget,
+            pinned_inputs=pinned_inputs,
+            share_layers=share_layers,
+            merge_elementwise=merge_elementwise,
+            options=options,
+        )
+        solution = solve(
+            ip.problem, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, seed=seed
+        )
+        return plan_from_solution(ip, solution, name=name, notes=notes)
+
+    plan = plan_with(memory_budget_bytes)  # raises InfeasibleBudgetError in the rows' terms
+    if memory_budget_bytes is None or plan.predicted_peak_bytes <= memory_budget_bytes:
+        return plan
+    # The ILP's memory rows price each value in its own layout; the resharded copies of
+    # the prediction (_reshard_buffers) depend on two strategies and are left out of them.
+    # Search the rows' budget (bisection between the smallest the rows allow and the
+    # largest seen to give a plan over the budget) for a plan whose prediction fits.
+    budget, smallest = memory_budget_bytes, plan.predicted_peak_bytes
+    bad = budget  # the smallest rows' budget seen to give a plan over the budget
+    good, fitting = None, None  # the largest seen to give a plan that fits, and the plan
+    rows = budget * budget / plan.predicted_peak_bytes
+    for _ in range(BUDGET_ROUNDS):
+        try:
+            candidate = plan_with(rows)
+        except InfeasibleBudgetError as err:
+            if err.min_feasible_bytes >= bad:
+                break  # every plan the rows allow is over the budget
+            rows = err.min_feasible_bytes
+            continue
+        smallest = min(smallest, candidate.predicted_peak_bytes)
+        if candidate.predicted_peak_bytes <= budget:
+            good, fitting = rows, candidate
+        else:
+            bad = rows
+        if good is not None and bad - good <= BUDGET_TOLERANCE * budget:
+            break
+        rows = (good + bad) / 2 if good is not None else rows * budget / smallest
+    if fitting is None:
+        raise InfeasibleBudgetError(budget, smallest, False)
+    note = (
+        f"the ILP's memory rows leave out resharded copies: planned with the rows at "
+        f"{good / 2**30:.3f} GiB so that the full prediction "
+        f"({fitting.predicted_peak_bytes / 2**30:.3f} GiB) fits the budget "
+        f"{budget / 2**30:.3f} GiB"
     )
-    solution = solve(
-        ip.problem, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, seed=seed
-    )
-    return plan_from_solution(ip, solution, name=name)
+    return dataclasses.replace(fitting, notes=(*fitting.notes, note))
 
 
 __all__ = [

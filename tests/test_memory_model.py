@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from autoshard.graph import build_graph
 from autoshard.intra import live_intervals
@@ -138,10 +139,11 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
 
 
 def test_narrow_dot_operands_get_f32_copies_on_cpu():
-    """XLA:CPU converts every bf16 dot operand to an f32 buffer (an f32 weight cast to bf16
-    for its dots becomes one f32 copy, read by each dot that reads the cast). With those
-    copies the predicted peak of a bf16 MLP's gradient step is within 10% of XLA's (97 vs
-    101 MiB when written); the copies add up to 52 MiB, so the prediction needs them."""
+    """XLA:CPU converts every bf16 dot operand to an f32 buffer: an f32 weight cast to bf16
+    for its dots becomes one f32 copy, made straight from the f32 parameter. The model
+    counts one copy per cast (not a bf16 buffer and an f32 one), on CPU meshes only."""
+    import re
+
     from autoshard.cost import alpa_test_mesh
     from autoshard.intra import predicted_peak_bytes, widened_dot_operands
     from autoshard.spec import ShardingSpec
@@ -156,19 +158,53 @@ def test_narrow_dot_operands_get_f32_copies_on_cpu():
         jax.ShapeDtypeStruct((4096, 1024), jnp.float32),
         jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
     )
-    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
-    compiled = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    # the premise, read from the compiled program: f32 copies of both weights, each made
+    # by one fusion from the f32 parameter
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    for shape, param in (("1024,4096", "w1"), ("4096,1024", "w2")):
+        made = re.findall(rf"= f32\[{shape}\]\S* fusion\(%{param}\b", text)
+        assert len(made) == 1, text
     g = _graph(fn, *args)
-    cpu = alpa_test_mesh((1,), ("x",), narrow_dots_in_f32=True)
-    whole = {t.id: ShardingSpec(((),) * len(t.shape)) for t in g.tensors}
+    cpu = alpa_test_mesh((1,), ("x",), narrow_dots_in_f32=True, reductions_read_memory=True)
+    gpu = alpa_test_mesh((1,), ("x",))
     copies = widened_dot_operands(g, cpu)
     casts = [n.outputs[0] for n in g.nodes if n.primitive == "convert_element_type"][:2]
+    assert {g.tensors[t].shape for t in casts} == {(1024, 4096), (4096, 1024)}
     assert set(casts) <= set(copies)  # both weight casts are copied, once each
-    assert widened_dot_operands(g, alpa_test_mesh((1,), ("x",))) == {}  # not on a GPU mesh
-    predicted = predicted_peak_bytes(g, whole, cpu)
-    assert abs(predicted - compiled) < 0.1 * compiled, (predicted, compiled)
-    copy_bytes = sum(2 * g.tensors[t].nbytes for t in copies)
-    assert predicted - copy_bytes < 0.9 * compiled  # the copies are what closes the gap
+    assert widened_dot_operands(g, gpu) == {}  # a GPU computes bf16 dots in bf16
+    whole = {t.id: ShardingSpec(((),) * len(t.shape)) for t in g.tensors}
+    # the casts' bf16 buffers (8 MiB each) give way to f32 copies (16 MiB each): the CPU
+    # prediction holds more than the GPU one
+    assert predicted_peak_bytes(g, whole, cpu) >= predicted_peak_bytes(g, whole, gpu) + 16 * 2**20
+
+
+def test_late_updates_keep_every_gradient_until_the_backward_ends():
+    """On GPUs XLA updates a parameter as soon as its gradient is ready; XLA:CPU combines
+    the gradient reductions at the end of the backward pass, so (``late_updates``) the
+    first layer's gradient made stays live until the last one is made."""
+
+    def step(w1, w2, x):
+        def loss(w1, w2):
+            return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2))
+
+        g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+        return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+    args = (
+        jax.ShapeDtypeStruct((64, 64), jnp.float32),
+        jax.ShapeDtypeStruct((64, 64), jnp.float32),
+        jax.ShapeDtypeStruct((32, 64), jnp.float32),
+    )
+    g = _graph(step, *args)
+    backward = [n for n in g.nodes if n.phase == "backward"]
+    gradients = {  # what the update reads from the backward pass
+        t for n in g.nodes if n.phase == "update" for t in n.inputs
+        if g.tensors[t].producer is not None and g.nodes[g.tensors[t].producer].phase == "backward"
+    }  # fmt: skip
+    first = min(gradients, key=lambda t: g.tensors[t].producer)  # w2's, made first
+    early, late = live_intervals(g), live_intervals(g, late_updates=True)
+    end_of_backward = max(n.index for n in backward)
+    assert early[first][1] < end_of_backward <= late[first][1]
 
 
 def test_a_causal_mask_is_never_a_buffer():
@@ -192,3 +228,28 @@ def test_a_causal_mask_is_never_a_buffer():
     ]
     assert data_free  # the iota / compare / broadcast that make the mask
     assert not set(data_free) & kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt-350m", "gpt-1.3b"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_simulator_memory_rows_are_within_10_percent_of_xla(model, dtype):
+    """The simulator issue's memory acceptance: gpt-350m and gpt-1.3b shapes (two blocks,
+    batch 8, AdamW) on 8 fake devices, under data parallel, ZeRO-3, Megatron and the ILP's
+    own plan: the predicted peak is within 10% of XLA's (benchmarks/bench_truth.py runs the
+    same plans and records the figures)."""
+    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.baselines import baseline_inputs
+    from autoshard.intra import auto_shard_graph
+    from autoshard.verify import verify_plan
+
+    traced = trace_workload(model, optimizer="adamw", num_layers=2, batch_size=8, dtype=dtype)
+    mesh = device_mesh_for((8,), ("data",))
+    errors = {}
+    for which in ("auto", "dp", "zero3", "megatron"):
+        pinned = None if which == "auto" else baseline_inputs(traced.graph, mesh.mesh, which)
+        plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, solver="highs")
+        report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
+        compiled = report.compiled_peak_bytes
+        errors[which] = (plan.predicted_peak_bytes - compiled) / compiled
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors

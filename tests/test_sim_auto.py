@@ -201,8 +201,8 @@ def test_simulator_times_the_grid_on_the_traced_step_like_the_search(gpt_2_6b_gr
     "step): the search prices the traced JAX program, the grid model Megatron's fused kernels: "
     "the traced step streams its attention softmax in fp32 through several materialised "
     "buffers (XLA fusion model) where Megatron runs one fused scale-mask-softmax, so a block's "
-    "memory-bound time is ~1.5x the grid model's, and a logical (dp, tp) mesh is costed by the "
-    "ILP's best layout, not Megatron's (the (8,1,1) and (1,1,8) grids cost the same to the "
+    "memory-bound time is higher than the grid model's, and a logical (dp, tp) mesh is costed "
+    "by the ILP's best layout, not Megatron's (the (8,1,1) and (1,1,8) grids cost the same to the "
     "search). The GEMM time agrees (test_block_gemm_time_matches_the_megatron_grid_model).",
 )
 def test_megatron_lm_program_ranks_the_grid_like_the_search(gpt_2_6b_grid):
