@@ -148,3 +148,13 @@ def test_run_pipeline_check_matches_single_device():
 def test_pipeline_flag_errors_are_clear(argv, message):
     proc = _run(*argv.split())
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_runs_plans_and_reports_its_checks():
+    """The README's first command: the plan runs and matches one device (exit 0); the
+    predicted-vs-compiled table is printed whatever it says."""
+    proc = _run("demo")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "predicted vs compiled" in out and "collectives agree" in out
+    assert "MATCH" in out and "the plan runs and matches one device" in out
