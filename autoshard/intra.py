@@ -683,15 +683,8 @@ def _readers(graph: Graph, tid: int, keep: set[int]) -> set[int]:
         for c in graph.tensors[stack.pop()].consumers:
             readers.add(c)
             for o in graph.nodes[c].outputs:
-                if (
-                    o not in keep
-                    and o not in seen
-                    and graph.tensors[o].kind
-                    not in (
-                        "literal",
-                        "const",
-                    )
-                ):
+                constant = graph.tensors[o].kind in ("literal", "const")
+                if o not in keep and o not in seen and not constant:
                     seen.add(o)
                     stack.append(o)
     return readers

@@ -629,13 +629,13 @@ def _simulate_auto(
 # ----------------------------------------------------------------------------- grid, traced
 
 
-_TRACED_COSTS: dict = {}  # the last few (traced step, IntraStageCost): its ILPs are reused
+_TRACED_COSTS: dict = {}  # the last few IntraStageCosts: their ILPs are reused
 
 
 def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
-    """(traced step of ``m`` micro-batches, the search's IntraStageCost on ``cluster``);
-    kept for the next call with the same arguments (the ILPs of each logical mesh are
-    solved once per process)."""
+    """The search's IntraStageCost of the traced step of ``m`` micro-batches on
+    ``cluster``; kept for the next call with the same arguments (the ILPs of each logical
+    mesh are solved once per process)."""
     key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
     if key not in _TRACED_COSTS:
         if len(_TRACED_COSTS) >= 4:
@@ -667,7 +667,7 @@ def _new_traced_stage_cost(model, cluster, batch, m, dtype, time_limit, override
     cost = IntraStageCost(
         traced.graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m
     )
-    return traced, cost
+    return cost
 
 
 def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
@@ -710,7 +710,7 @@ def _simulate_traced_grid(
     # one trace (and one set of stage ILPs) per number of micro-batches
     for cfg in sorted(configs, key=lambda c: (c.num_microbatches, c.tp, c.pp, c.dp)):
         tp, pp, dp, m = cfg.tp, cfg.pp, cfg.dp, cfg.num_microbatches
-        _, cost = _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+        cost = _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
         submesh = _grid_submesh(tp * dp, cluster)
         ranges = megatron_stages(shape.layers, pp)
         stage_costs = [cost(a, b, submesh, (dp, tp), recompute) for a, b in ranges]
