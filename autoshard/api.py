@@ -153,6 +153,7 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
         narrow_dots_in_f32=cpu,
         reductions_read_memory=cpu,
         late_updates=cpu,
+        early_input_reshards=cpu,
     )
 
 

@@ -113,6 +113,10 @@ class DeviceMesh:
     # so every gradient is live until then (XLA on GPUs updates each parameter as soon as
     # its gradient is ready). The memory model counts it so.
     late_updates: bool = False
+    # XLA:CPU's scheduler makes what depends on program inputs only (a weight's all-gather,
+    # the labels' one-hot) at the start of the step, so such a resharded copy is live from
+    # there to its last reader. The memory model counts it so.
+    early_input_reshards: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))
@@ -163,6 +167,7 @@ def uniform_mesh(
     narrow_dots_in_f32: bool = False,
     reductions_read_memory: bool = False,
     late_updates: bool = False,
+    early_input_reshards: bool = False,
 ) -> DeviceMesh:
     """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis."""
     rank = len(shape)
@@ -178,6 +183,7 @@ def uniform_mesh(
         narrow_dots_in_f32=narrow_dots_in_f32,
         reductions_read_memory=reductions_read_memory,
         late_updates=late_updates,
+        early_input_reshards=early_input_reshards,
     )
 
 
@@ -188,6 +194,7 @@ def alpa_test_mesh(
     narrow_dots_in_f32: bool = False,
     reductions_read_memory: bool = False,
     late_updates: bool = False,
+    early_input_reshards: bool = False,
 ) -> DeviceMesh:
     """The logical mesh of Alpa's intra-operator tests: alpha = (1, 1), beta = (1, 0.1).
 
@@ -195,8 +202,8 @@ def alpa_test_mesh(
     Alpa's 1-D cases are meshes of shape (1, n) whose only real axis is the fast one, but
     a lone axis has nothing to be fast relative to, and unit costs keep the arithmetic of
     tests obvious. Compute, HBM time and memory are left free/unbounded (see DeviceMesh).
-    ``narrow_dots_in_f32``, ``reductions_read_memory``, ``late_updates``: predict memory as
-    XLA:CPU lays it out (see DeviceMesh).
+    ``narrow_dots_in_f32``, ``reductions_read_memory``, ``late_updates``,
+    ``early_input_reshards``: predict memory as XLA:CPU lays it out (see DeviceMesh).
     """
     shape = tuple(shape)
     if len(shape) not in (1, 2):
@@ -208,6 +215,7 @@ def alpa_test_mesh(
         "narrow_dots_in_f32": narrow_dots_in_f32,
         "reductions_read_memory": reductions_read_memory,
         "late_updates": late_updates,
+        "early_input_reshards": early_input_reshards,
     }
     if len(shape) == 1:
         return uniform_mesh(shape, names, (1.0,), (1.0,), **kw)

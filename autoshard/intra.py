@@ -792,7 +792,10 @@ def _reshard_buffers(graph: Graph, operand_specs, mesh: DeviceMesh) -> list:
         t = graph.tensors[tid]
         if t.kind in ("literal", "const") or not t.shape:
             continue
-        out.append((min(where), max(where), t.nbytes * spec.shard_fraction(mesh.mesh)))
+        # a program input's resharded copy needs nothing computed: XLA:CPU's scheduler
+        # makes it at the start of the step (a weight's all-gather, the labels' one-hot)
+        first = 0 if mesh.early_input_reshards and t.producer is None else min(where)
+        out.append((first, max(where), t.nbytes * spec.shard_fraction(mesh.mesh)))
     return out
 
 

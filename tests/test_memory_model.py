@@ -253,3 +253,28 @@ def test_simulator_memory_rows_are_within_10_percent_of_xla(model, dtype):
         compiled = report.compiled_peak_bytes
         errors[which] = (plan.predicted_peak_bytes - compiled) / compiled
     assert all(abs(e) <= 0.10 for e in errors.values()), errors
+
+
+def test_an_input_resharded_copy_starts_with_the_step_on_cpu():
+    """XLA:CPU makes what depends on program inputs only (a weight's all-gather) at the
+    start of the step; elsewhere a resharded copy starts at its first reader."""
+    from autoshard.cost import alpa_test_mesh
+    from autoshard.intra import _reshard_buffers
+    from autoshard.spec import ShardingSpec
+
+    def fn(w, x):
+        h = jnp.tanh(x @ jnp.ones((64, 64)))
+        return jnp.tanh(h @ w)
+
+    g = _graph(
+        fn, jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    )
+    dot = [n for n in g.nodes if n.primitive == "dot_general"][-1]  # reads w, late
+    slot = dot.inputs.index(g.inputs[0])
+    gathered = {dot.index: {slot: ShardingSpec(((), ()))}}
+    cpu = alpa_test_mesh((2,), ("x",), early_input_reshards=True)
+    other = alpa_test_mesh((2,), ("x",))
+    ((first_cpu, last_cpu, size),) = _reshard_buffers(g, gathered, cpu)
+    ((first_other, last_other, _),) = _reshard_buffers(g, gathered, other)
+    assert size == 64 * 64 * 4 and last_cpu == last_other == dot.index
+    assert first_cpu == 0 < first_other == dot.index
