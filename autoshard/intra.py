@@ -864,7 +864,7 @@ def auto_shard_graph(
     if options is None:
         options = CostOptions(tie_breakers=math.isinf(mesh.peak_flops))
 
-    def plan_with(rows_budget, notes=()):
+    def plan_with(rows_budget):
         ip = build_problem(
             graph,
             mesh,
@@ -877,7 +877,7 @@ def auto_shard_graph(
         solution = solve(
             ip.problem, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, seed=seed
         )
-        return plan_from_solution(ip, solution, name=name, notes=notes)
+        return plan_from_solution(ip, solution, name=name)
 
     plan = plan_with(memory_budget_bytes)  # raises InfeasibleBudgetError in the rows' terms
     if memory_budget_bytes is None or plan.predicted_peak_bytes <= memory_budget_bytes:
