@@ -278,3 +278,41 @@ def test_an_input_resharded_copy_starts_with_the_step_on_cpu():
     ((first_other, last_other, _),) = _reshard_buffers(g, gathered, other)
     assert size == 64 * 64 * 4 and last_cpu == last_other == dot.index
     assert first_cpu == 0 < first_other == dot.index
+
+
+@pytest.mark.slow
+def test_deeper_gpt_tiny_dp_memory_gap_is_xla_cpu_heap_not_live_buffers(tmp_path):
+    """Named disagreement (docs/truth.md): the 4-block gpt-tiny data-parallel plan on 8
+    devices is predicted 27% under XLA's figure, yet above what XLA's own live-range dump
+    says is live at its peak: the rest is gaps in XLA:CPU's temp heap, which no liveness
+    model sees."""
+    import glob
+    import os
+    import re
+
+    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.baselines import baseline_inputs
+    from autoshard.hlo import memory_stats
+    from autoshard.intra import auto_shard_graph
+    from autoshard.runtime import abstract_args, build_sharded_step, make_mesh
+
+    traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
+    mesh = device_mesh_for((8,), ("data",))
+    pinned = baseline_inputs(traced.graph, mesh.mesh, "dp")
+    plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, solver="highs")
+    jmesh = make_mesh(plan.mesh, jax.devices()[:8])
+    step = build_sharded_step(traced.program, plan, jmesh, donate=True)
+    options = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
+    options["xla_dump_hlo_pass_re"] = "NONE"
+    compiled = step.lower(*abstract_args(traced.program, plan, jmesh)).compile(
+        compiler_options=options
+    )
+    stats = memory_stats(compiled)
+    allocated = stats.argument_bytes + stats.output_bytes - stats.alias_bytes + stats.temp_bytes
+    dump = max(glob.glob(f"{tmp_path}/*after_optimizations-live-range.txt"), key=os.path.getsize)
+    text = open(dump).read()
+    peak_block = text[text.index("(peak)") :].split("\n\n")[0]
+    live = sum(int(b) for b in re.findall(r"\}: (\d+) bytes", peak_block))
+    assert plan.predicted_peak_bytes < 0.9 * allocated  # the named disagreement
+    assert 0.8 * plan.predicted_peak_bytes < live <= plan.predicted_peak_bytes  # 1,739 vs
+    # 1,891 KiB when written: everything XLA holds live at once is counted
