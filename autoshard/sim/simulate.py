@@ -513,13 +513,7 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 def _simulate_auto(
     model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
-    from autoshard.inter import (  # lazy: traces with jax
-        IntraStageCost,
-        cluster_for,
-        logical_mesh_costs,
-        search_stages,
-        trace_microbatch,
-    )
+    from autoshard.inter import search_stages  # lazy: traces with jax
 
     if microbatch_size is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
@@ -530,44 +524,31 @@ def _simulate_auto(
     else:
         m = batch // microbatch_size
     b = batch // m
-    # the search prices compute at the simulated dtype's peak and GEMM efficiency
-    search_cluster = dataclasses.replace(
-        cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
-    )
     hosts, per_host = cluster.num_nodes, cluster.devices_per_node
     t0 = time.perf_counter()
-    traced = trace_microbatch(
-        model, m, "adamw", batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
-        **overrides,
-    )  # fmt: skip
-    t_trace = time.perf_counter()
-    modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
-    cost = IntraStageCost(
-        traced.graph,
-        logical_mesh_costs(cluster_for(search_cluster, hosts, per_host)),
-        solver="highs",
-        time_limit_s=time_limit,
-        num_microbatches=m,
-    )
+    cost = search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+    traced_graph = cost.graph
+    t_trace = time.perf_counter()
+    modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
     kwargs = dict(cost=cost, recompute_modes=modes, model=model)
     hbm = cluster.device.hbm_bytes
     try:
-        inter = search_stages(traced.graph, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
+        inter = search_stages(traced_graph, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
     except ValueError as err:
         if "budget" not in str(err):
             raise
-        inter = search_stages(traced.graph, hosts, per_host, m, **kwargs)
+        inter = search_stages(traced_graph, hosts, per_host, m, **kwargs)
     total = time.perf_counter() - t0
     phases = {  # over both searches when the fallback ran (the ILPs are solved once)
-        "trace": t_trace - t0,
+        "trace": t_trace - t0,  # trace and stage-cost set-up
         "intra_op_ilps": cost.seconds,
         "stage_dp": max(total - (t_trace - t0) - cost.seconds, 0.0),
     }
     inter = dataclasses.replace(inter, search_seconds=total, phase_seconds=phases)
 
-    last = len(traced.graph.layers) - 1
+    last = len(traced_graph.layers) - 1
     blocks = [
         sum(1 for i in range(st.start_layer, st.end_layer) if 0 < i < last) for st in inter.stages
     ]
@@ -640,13 +621,16 @@ def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
     if key not in _TRACED_COSTS:
         if len(_TRACED_COSTS) >= 4:
             _TRACED_COSTS.pop(next(iter(_TRACED_COSTS)))
-        _TRACED_COSTS[key] = _new_traced_stage_cost(
+        _TRACED_COSTS[key] = search_stage_cost(
             model, cluster, batch, m, dtype, time_limit, overrides
         )
     return _TRACED_COSTS[key]
 
 
-def _new_traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+    """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
+    traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
+    ``cluster`` (an :class:`autoshard.inter.IntraStageCost`; its ``graph`` is the step)."""
     from autoshard.inter import (  # lazy: traces with jax
         IntraStageCost,
         cluster_for,
@@ -664,10 +648,9 @@ def _new_traced_stage_cost(model, cluster, batch, m, dtype, time_limit, override
     mesh_for = logical_mesh_costs(
         cluster_for(search_cluster, cluster.num_nodes, cluster.devices_per_node)
     )
-    cost = IntraStageCost(
+    return IntraStageCost(
         traced.graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m
     )
-    return cost
 
 
 def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
@@ -706,75 +689,76 @@ def _simulate_traced_grid(
             "layers by PP"
         )
     t0 = time.perf_counter()
-    points = []
+    hbm = cluster.device.hbm_bytes
+    points, stages = [], {}
     # one trace (and one set of stage ILPs) per number of micro-batches
     for cfg in sorted(configs, key=lambda c: (c.num_microbatches, c.tp, c.pp, c.dp)):
-        tp, pp, dp, m = cfg.tp, cfg.pp, cfg.dp, cfg.num_microbatches
+        m = cfg.num_microbatches
         cost = _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
-        submesh = _grid_submesh(tp * dp, cluster)
-        ranges = megatron_stages(shape.layers, pp)
-        stage_costs = [cost(a, b, submesh, (dp, tp), recompute) for a, b in ranges]
+        submesh = _grid_submesh(cfg.tp * cfg.dp, cluster)
+        ranges = megatron_stages(shape.layers, cfg.pp)
+        stage_costs = [cost(a, b, submesh, (cfg.dp, cfg.tp), recompute) for a, b in ranges]
         latencies = [c.latency_s for c in stage_costs]
         memory = [
-            c.memory_bytes(microbatches_in_flight(i, pp, m, "1f1b"))
+            c.memory_bytes(microbatches_in_flight(i, cfg.pp, m, "1f1b"))
             for i, c in enumerate(stage_costs)
         ]
         step = pipeline_objective(latencies, m)
-        points.append((step, max(memory), (tp, pp, dp), m, ranges, submesh, latencies, memory))
-    hbm = cluster.device.hbm_bytes
-    fitting = [p for p in points if p[1] <= hbm]
-    best = min(fitting or points, key=lambda p: p[0] if fitting else p[1])
-    step, peak_bytes, (tp, pp, dp), m, ranges, submesh, latencies, memory = best
-    fill = sum(latencies)
-    layer_names = ("embedding", *(f"block_{i}" for i in range(shape.layers)), "head")
+        fill = sum(latencies)
+        breakdown = MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill})
+        points.append(_Point(cfg, step, max(memory), max(memory) > hbm, breakdown))
+        names = cost.graph.layers
+        stages[cfg] = [
+            {
+                "layers": [names[a], names[b - 1]],
+                "num_layers": b - a,
+                "submesh": list(submesh),
+                "logical_mesh_dp_tp": [cfg.dp, cfg.tp],
+                "recompute": recompute,
+                "latency_s": lat,
+                "peak_bytes": mem,
+            }
+            for (a, b), lat, mem in zip(ranges, latencies, memory, strict=True)
+        ]
+    best = _best(points)
+    cfg = best.cfg
     plan_dict = {
         "kind": "megatron",
         "program": "traced",
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "microbatch_size": batch // m // dp,
-        "num_microbatches": m,
+        "tp": cfg.tp,
+        "pp": cfg.pp,
+        "dp": cfg.dp,
+        "microbatch_size": cfg.micro_batch,
+        "num_microbatches": cfg.num_microbatches,
         "global_batch": batch,
         "recompute": recompute,
         "dtype": dtype,
         "zero_stage": 0,
         "searched_grid": grid is None,
         "candidates_evaluated": len(points),
-        "stages": [
-            {
-                "layers": [layer_names[a], layer_names[b - 1]],
-                "num_layers": b - a,
-                "submesh": list(submesh),
-                "logical_mesh_dp_tp": [dp, tp],
-                "recompute": recompute,
-                "latency_s": lat,
-                "peak_bytes": mem,
-            }
-            for (a, b), lat, mem in zip(ranges, latencies, memory, strict=True)
-        ],
+        "stages": stages[cfg],
         "grid_points": [
             {
-                "tp": g[0],
-                "pp": g[1],
-                "dp": g[2],
-                "num_microbatches": mb,
-                "step_time_s": st,
-                "peak_bytes": mem,
-            }  # fmt: skip
-            for st, mem, g, mb, *_ in points
+                "tp": p.cfg.tp,
+                "pp": p.cfg.pp,
+                "dp": p.cfg.dp,
+                "num_microbatches": p.cfg.num_microbatches,
+                "step_time_s": p.step_time_s,
+                "peak_bytes": p.memory_bytes,
+            }
+            for p in points
         ],
     }
     return SimulationReport(
         model=model,
         cluster=cluster.name,
         gpus=gpus,
-        step_time_s=step,
-        **_utilisation(shape, batch, recompute, step, gpus, peak),
-        peak_bytes_per_device=peak_bytes,
-        oom=peak_bytes > hbm,
+        step_time_s=best.step_time_s,
+        **_utilisation(shape, batch, recompute, best.step_time_s, gpus, peak),
+        peak_bytes_per_device=best.memory_bytes,
+        oom=best.oom,
         plan=MappingProxyType(plan_dict),
-        breakdown=MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill}),
+        breakdown=best.breakdown,
         search_seconds=time.perf_counter() - t0,
     )
 
