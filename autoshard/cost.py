@@ -156,6 +156,17 @@ class DeviceMesh:
         return max(self.alpha[i] for i in idx), max(self.beta[i] for i in idx)
 
 
+# How XLA:CPU lays memory out: every backend flag of DeviceMesh on (docs/truth.md).
+XLA_CPU_MEMORY = MappingProxyType(
+    {
+        "narrow_dots_in_f32": True,
+        "reductions_read_memory": True,
+        "late_updates": True,
+        "early_input_reshards": True,
+    }
+)
+
+
 def uniform_mesh(
     shape: Sequence[int],
     axis_names: Sequence[str],
@@ -164,12 +175,10 @@ def uniform_mesh(
     peak_flops: float = math.inf,
     memory_bytes: float = math.inf,
     hbm_bandwidth: float = math.inf,
-    narrow_dots_in_f32: bool = False,
-    reductions_read_memory: bool = False,
-    late_updates: bool = False,
-    early_input_reshards: bool = False,
+    **memory_layout: bool,
 ) -> DeviceMesh:
-    """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis."""
+    """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis.
+    ``memory_layout``: DeviceMesh's backend flags (``XLA_CPU_MEMORY`` sets them all)."""
     rank = len(shape)
     alphas = (alpha,) * rank if isinstance(alpha, int | float) else tuple(alpha)
     betas = (beta,) * rank if isinstance(beta, int | float) else tuple(beta)
@@ -180,21 +189,14 @@ def uniform_mesh(
         peak_flops,
         memory_bytes,
         hbm_bandwidth,
-        narrow_dots_in_f32=narrow_dots_in_f32,
-        reductions_read_memory=reductions_read_memory,
-        late_updates=late_updates,
-        early_input_reshards=early_input_reshards,
+        **memory_layout,
     )
 
 
 def alpa_test_mesh(
     shape: Sequence[int],
     axis_names: Sequence[str] | None = None,
-    *,
-    narrow_dots_in_f32: bool = False,
-    reductions_read_memory: bool = False,
-    late_updates: bool = False,
-    early_input_reshards: bool = False,
+    **memory_layout: bool,
 ) -> DeviceMesh:
     """The logical mesh of Alpa's intra-operator tests: alpha = (1, 1), beta = (1, 0.1).
 
@@ -202,8 +204,8 @@ def alpa_test_mesh(
     Alpa's 1-D cases are meshes of shape (1, n) whose only real axis is the fast one, but
     a lone axis has nothing to be fast relative to, and unit costs keep the arithmetic of
     tests obvious. Compute, HBM time and memory are left free/unbounded (see DeviceMesh).
-    ``narrow_dots_in_f32``, ``reductions_read_memory``, ``late_updates``,
-    ``early_input_reshards``: predict memory as XLA:CPU lays it out (see DeviceMesh).
+    ``memory_layout``: DeviceMesh's backend flags, e.g. ``**XLA_CPU_MEMORY`` to predict
+    memory as XLA:CPU lays it out.
     """
     shape = tuple(shape)
     if len(shape) not in (1, 2):
@@ -211,15 +213,9 @@ def alpa_test_mesh(
             f"alpa_test_mesh takes a 1-D or 2-D shape, got {shape}; use uniform_mesh for others"
         )
     names = tuple(axis_names) if axis_names is not None else ("x", "y")[: len(shape)]
-    kw = {
-        "narrow_dots_in_f32": narrow_dots_in_f32,
-        "reductions_read_memory": reductions_read_memory,
-        "late_updates": late_updates,
-        "early_input_reshards": early_input_reshards,
-    }
     if len(shape) == 1:
-        return uniform_mesh(shape, names, (1.0,), (1.0,), **kw)
-    return uniform_mesh(shape, names, (1.0, 1.0), (1.0, 0.1), **kw)
+        return uniform_mesh(shape, names, (1.0,), (1.0,), **memory_layout)
+    return uniform_mesh(shape, names, (1.0, 1.0), (1.0, 0.1), **memory_layout)
 
 
 def _as_group(mesh: DeviceMesh, axes: str | Sequence[str]) -> Axes:

@@ -371,16 +371,14 @@ def _layer_ties(graph, strategies, n_in, ties) -> None:
 def _memory_model(graph, strategies, producer, n_in, mesh):
     """Per-strategy bytes of each ILP node's live buffers, and the live sets at every
     position where a buffer is born -- the same model as :func:`predicted_peak_bytes`."""
-    widened = widened_dot_operands(graph, mesh)
-    replaced = _replaced_by_copies(graph, widened)
-    intervals = {t: iv for t, iv in mesh_intervals(graph, mesh).items() if t not in replaced}
-    sizes = {t: float(buffer_bytes(graph, t, mesh)) for t in intervals}
-    # an f32 copy of a narrow dot operand counts with its tensor, over both intervals
-    # (the tensor's holds the copy's unless the tensor is fused away): an over-estimate
-    for tid, (first, last) in widened.items():
+    # a tensor's buffers (itself, its f32 copy) count together, over the union of their
+    # intervals (the tensor's holds the copy's unless the tensor is fused away)
+    intervals: dict[int, tuple[int, int]] = {}
+    sizes: dict[int, float] = {}
+    for tid, first, last, nbytes in tensor_buffers(graph, mesh):
         a, b = intervals.get(tid, (first, last))
         intervals[tid] = (min(a, first), max(b, last))
-        sizes[tid] = sizes.get(tid, 0.0) + 2 * graph.tensors[tid].nbytes
+        sizes[tid] = sizes.get(tid, 0.0) + nbytes
 
     node_memory = []
     for i, strats in enumerate(strategies):
@@ -779,6 +777,24 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
+def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
+    """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
+    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces)
+    and the f32 copies of :func:`widened_dot_operands`.  The ILP's memory rows and
+    :func:`predicted_peak_bytes` both count these."""
+    widened = widened_dot_operands(graph, mesh)
+    replaced = _replaced_by_copies(graph, widened)
+    out = [
+        (tid, first, last, buffer_bytes(graph, tid, mesh))
+        for tid, (first, last) in mesh_intervals(graph, mesh).items()
+        if tid not in replaced
+    ]
+    out += [
+        (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+    ]
+    return out
+
+
 def _reshard_buffers(graph: Graph, operand_specs, mesh: DeviceMesh) -> list:
     """(first, last, bytes per device) of each value in each layout it is resharded to."""
     pos = program_positions(graph, mesh.late_updates)
@@ -813,16 +829,9 @@ def predicted_peak_bytes(
     copy; a reduced partial sum is a buffer of its own)."""
     n = len(graph.nodes)
     delta = [0.0] * (n + 3)
-    widened = widened_dot_operands(graph, mesh)
-    replaced = _replaced_by_copies(graph, widened)
     buffers = [
-        (first, last, buffer_bytes(graph, tid, mesh) * spec_of[tid].shard_fraction(mesh.mesh))
-        for tid, (first, last) in mesh_intervals(graph, mesh).items()
-        if tid not in replaced and tid in spec_of
-    ]
-    buffers += [
-        (first, last, 2 * graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh))
-        for tid, (first, last) in widened.items()
+        (first, last, nbytes * spec_of[tid].shard_fraction(mesh.mesh))
+        for tid, first, last, nbytes in tensor_buffers(graph, mesh)
         if tid in spec_of
     ]
     buffers += _reshard_buffers(graph, operand_specs or {}, mesh)
