@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import os
 import re
 import tempfile
@@ -143,12 +144,50 @@ class Tie:
 
 
 @dataclass(frozen=True)
+class CopyBuffer:
+    """A buffer that only some strategy choices create: a value resharded into a layout its
+    producer does not give it, one copy shared by every reader that wants that layout.
+
+    It exists when node ``source`` picks one of ``source_strategies`` (the value is in
+    another layout). ``readers`` lists, in program order, (node, the strategies of that
+    node that read the copy). For each ``(live set, a, b)`` in ``windows`` the copy is
+    live in that live set when some reader at index <= ``a`` reads it (``a = -1``: no
+    reader needed before, the copy is made at the start of the step) and some reader at
+    index >= ``b`` reads it. ``bytes`` is its size per device.
+    """
+
+    bytes: float
+    source: int
+    source_strategies: tuple[int, ...]
+    readers: tuple[tuple[int, tuple[int, ...]], ...]
+    windows: tuple[tuple[int, int, int], ...]
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "bytes", float(self.bytes))
+        put(self, "source_strategies", tuple(int(p) for p in self.source_strategies))
+        put(self, "readers", tuple((int(v), tuple(int(q) for q in qs)) for v, qs in self.readers))
+        put(self, "windows", tuple((int(i), int(a), int(b)) for i, a, b in self.windows))
+
+    def live_in(self, strategy) -> set[int]:
+        """The live sets in which the copy is live under the assignment ``strategy``."""
+        if strategy[self.source] not in self.source_strategies:
+            return set()
+        reads = [strategy[v] in qs for v, qs in self.readers]
+        before = list(itertools.accumulate(reads, operator.or_))
+        after = list(itertools.accumulate(reversed(reads), operator.or_))[::-1]
+        return {i for i, a, b in self.windows if (a < 0 or before[a]) and after[b]}
+
+
+@dataclass(frozen=True)
 class ShardingProblem:
     """The integer program's input; validated on construction (ValueError names the part).
 
     ``live_sets[i]`` lists the nodes whose outputs are live at checkpoint i; a node listed
     twice counts twice. ``node_memory[v][p]`` is bytes per device of v's output under p.
-    ``ties`` is empty (no ties) or has one entry per node.
+    ``ties`` is empty (no ties) or has one entry per node. ``copies`` are buffers that
+    depend on several nodes' strategies (:class:`CopyBuffer`); they count in the live sets
+    their windows name.
     """
 
     num_strategies: tuple[int, ...]
@@ -159,6 +198,7 @@ class ShardingProblem:
     live_sets: tuple[tuple[int, ...], ...] = ()
     memory_budget_bytes: float | None = None
     node_names: tuple[str, ...] | None = None
+    copies: tuple[CopyBuffer, ...] = ()
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -173,6 +213,7 @@ class ShardingProblem:
             put(self, "memory_budget_bytes", float(self.memory_budget_bytes))
         if self.node_names is not None:
             put(self, "node_names", tuple(self.node_names))
+        put(self, "copies", tuple(self.copies))
         _validate(self)
 
     @property
@@ -194,6 +235,7 @@ class ShardingProblem:
         d = json.loads(text)
         d["edges"] = tuple(EdgeCost(**e) for e in d["edges"])
         d["ties"] = tuple(None if t is None else Tie(**t) for t in d["ties"])
+        d["copies"] = tuple(CopyBuffer(**c) for c in d.get("copies", ()))
         return cls(**d)
 
 
@@ -266,6 +308,30 @@ def _validate(pb: ShardingProblem) -> None:
     for i, live in enumerate(pb.live_sets):
         if any(not 0 <= v < n for v in live):
             raise ValueError(f"live_sets[{i}] = {live} names nodes outside [0, {n})")
+    if pb.copies and pb.node_memory is None:
+        raise ValueError("copies need node_memory and live_sets (bytes per node per strategy)")
+    for i, c in enumerate(pb.copies):
+        where = f"copies[{i}]"
+        if not (c.bytes >= 0 and math.isfinite(c.bytes)):
+            raise ValueError(f"{where} has bytes={c.bytes}; need a finite number >= 0")
+        nodes = [(c.source, c.source_strategies)] + list(c.readers)
+        for v, qs in nodes:
+            if not 0 <= v < n or any(not 0 <= q < k[v] for q in qs):
+                raise ValueError(
+                    f"{where} names node {v} with strategies {qs}; need a node in [0, {n}) "
+                    f"and strategies of it"
+                )
+        if not c.readers:
+            raise ValueError(f"{where} has no readers")
+        for j, a, b in c.windows:
+            if not 0 <= j < len(pb.live_sets) or not (
+                -1 <= a < len(c.readers) and 0 <= b < len(c.readers)
+            ):
+                raise ValueError(
+                    f"{where} has window {(j, a, b)}; need a live set in "
+                    f"[0, {len(pb.live_sets)}), a in [-1, {len(c.readers)}) and b in "
+                    f"[0, {len(c.readers)})"
+                )
     b = pb.memory_budget_bytes
     if b is not None and not (b >= 0 and math.isfinite(b)):
         raise ValueError(
@@ -316,10 +382,15 @@ def objective_of(problem: ShardingProblem, strategy) -> float:
 
 
 def peak_memory(problem: ShardingProblem, strategy) -> float:
-    """Largest live-set memory (bytes per device) of an assignment; 0 without live sets."""
+    """Largest live-set memory (bytes per device) of an assignment, copies included; 0
+    without live sets."""
     s = _check_assignment(problem, strategy)
     mem = problem.node_memory
-    return max((math.fsum(mem[v][s[v]] for v in live) for live in problem.live_sets), default=0.0)
+    total = [math.fsum(mem[v][s[v]] for v in live) for live in problem.live_sets]
+    for c in problem.copies:
+        for i in c.live_in(s):
+            total[i] += c.bytes
+    return max(total, default=0.0)
 
 
 def _check_assignment(problem: ShardingProblem, strategy) -> tuple[int, ...]:
@@ -379,6 +450,10 @@ class _Reduced:
     pairs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # cols_a x cols_b
     constant: float = 0.0
     mem_rows: list[tuple[float, np.ndarray, np.ndarray]] = field(default_factory=list)
+    # copies' windows (see _copy_windows); memory-row columns >= num_strategy_cols are
+    # window columns
+    windows: list[tuple] = field(default_factory=list)
+    num_strategy_cols: int = 0
     ties: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # merge=False
     # blocks eliminated before the solve, in order: (block, its cost, [(neighbour, matrix
     # block x neighbour)]); decoded in reverse, each given its neighbours' choices
@@ -532,6 +607,9 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
         for v in {v for live in pb.live_sets for v in live}:
             if len(set(pb.node_memory[v])) > 1:
                 protected.add(int(red.block_of[v]))
+        for c in pb.copies:  # their strategies decide whether a copy exists
+            for v in [c.source] + [v for v, _ in c.readers]:
+                protected.add(int(red.block_of[v]))
     mats: dict[tuple[int, int], np.ndarray] = {}
     nbrs: dict[int, set[int]] = {}
     for a, b, mat in free_pairs:
@@ -623,6 +701,66 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
     return [(a, b, m) for (a, b), m in mats.items()]
 
 
+def _indicator(red: _Reduced, v: int, strategies) -> bool | np.ndarray:
+    """ "Node v picks one of ``strategies``" in variable space: a constant, or the columns
+    whose sum is that 0/1 indicator."""
+    b = int(red.block_of[v])
+    hit = np.isin(red.maps[v], np.asarray(strategies, dtype=int))
+    if red.fixed[b] >= 0:
+        return bool(hit[red.fixed[b]])
+    cols = red.cols[b]
+    if not cols.size:
+        raise RuntimeError(f"internal error: node {v}, which a copy reads, was eliminated")
+    sel = np.flatnonzero(hit[cols])
+    if sel.size in (0, cols.size):
+        return bool(sel.size)
+    return red.offset[b] + sel
+
+
+def _copy_windows(red: _Reduced, constant: np.ndarray) -> dict[int, dict[int, float]]:
+    """The copies' terms of the memory rows: live set -> {window: bytes}; windows whose
+    liveness the fixed strategies already decide go to ``constant`` (or nowhere).
+
+    Sets ``red.windows``: per window (copy, source indicator or True, the copy's reader
+    indicators, last reader index <= a that is not constant or None when the prefix
+    condition holds anyway, first index >= b likewise)."""
+    red.windows, red.num_strategy_cols = [], int(sum(c.size for c in red.cols))
+    out: dict[int, dict[int, float]] = {}
+    index: dict[tuple, int] = {}
+    for ci, copy in enumerate(red.problem.copies):
+        exists = _indicator(red, copy.source, copy.source_strategies)
+        if exists is False or not copy.bytes:
+            continue
+        reads = [_indicator(red, v, qs) for v, qs in copy.readers]
+        variable = [j for j, r in enumerate(reads) if r is not True and r is not False]
+        for i, a, b in copy.windows:
+            if a < 0 or any(r is True for r in reads[: a + 1]):
+                pre = None
+            else:
+                before = [j for j in variable if j <= a]
+                if not before:
+                    continue
+                pre = before[-1]
+            if any(r is True for r in reads[b:]):
+                suf = None
+            else:
+                after = [j for j in variable if j >= b]
+                if not after:
+                    continue
+                suf = after[0]
+            if exists is True and pre is None and suf is None:
+                constant[i] += copy.bytes
+                continue
+            key = (ci, pre, suf)
+            if key not in index:
+                index[key] = len(red.windows)
+                red.windows.append((ci, exists, reads, pre, suf))
+            wid = index[key]
+            row = out.setdefault(i, {})
+            row[wid] = row.get(wid, 0.0) + copy.bytes
+    return out
+
+
 def _memory_rows(red: _Reduced) -> list[tuple[float, np.ndarray, np.ndarray]]:
     """Live sets in variable space as (constant, columns, coefficients >= 0), without
     duplicates or rows dominated coefficient-wise by another row.
@@ -672,9 +810,14 @@ def _memory_rows(red: _Reduced) -> list[tuple[float, np.ndarray, np.ndarray]]:
     keep = coef > 0
     row, col, coef = row[keep], slot_col[slot[keep]], coef[keep]
     bounds = np.searchsorted(row, np.arange(num_sets + 1))
+    extra = _copy_windows(red, constant)  # window columns follow the strategy columns
     rows: dict[tuple, tuple[float, np.ndarray, np.ndarray]] = {}
     for i in range(num_sets):
         c, w = col[bounds[i] : bounds[i + 1]], coef[bounds[i] : bounds[i + 1]]
+        if i in extra:
+            wids, sizes = zip(*sorted(extra[i].items()), strict=True)
+            c = np.r_[c, red.num_strategy_cols + np.asarray(wids)]
+            w = np.r_[w, np.asarray(sizes, dtype=float)]
         rows.setdefault((float(constant[i]), c.tobytes(), w.tobytes()), (float(constant[i]), c, w))
     unique = list(rows.values())
     by_col: dict[int, list[int]] = {}
@@ -817,6 +960,14 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
             members = [(ob + i, -1.0) for i in np.flatnonzero(col_of == q).tolist()]
             model.row(terms + members, 0.0, 0.0)
     _add_ties(red, model)
+    win_col = np.asarray(_window_columns(red, model), dtype=np.int64)
+
+    def mem_terms(cols, w, scale):
+        at = np.where(
+            cols < red.num_strategy_cols, cols, win_col[np.maximum(cols - red.num_strategy_cols, 0)]
+        ) if win_col.size else cols  # fmt: skip
+        return [(int(i), wi / scale) for i, wi in zip(at.tolist(), w.tolist(), strict=True)]
+
     rows = red.mem_rows
     mem_scale = (
         max([float(w.max()) for _, _, w in rows if w.size] + [abs(c) for c, _, _ in rows] + [0.0])
@@ -827,10 +978,13 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
         peak = model.column(1.0)
         model.row([(peak, 1.0)], max([c for c, _, _ in rows] + [0.0]) / mem_scale, inf)
         for constant, cols, w in rows:
-            terms = [(i, wi / mem_scale) for i, wi in zip(cols.tolist(), w.tolist(), strict=True)]
+            terms = mem_terms(cols, w, mem_scale)
             model.row(terms + [(peak, -1.0)], -inf, -constant / mem_scale)
     elif budget is not None:
-        col_block = np.repeat(np.arange(len(red.cols)), [c.size for c in red.cols])
+        col_block = np.r_[  # a window column is a block of its own
+            np.repeat(np.arange(len(red.cols)), [c.size for c in red.cols]),
+            len(red.cols) + np.arange(len(red.windows)),
+        ]
         for constant, cols, w in rows:
             if constant > budget:
                 model.violated = "memory"
@@ -839,11 +993,57 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
                 starts = np.flatnonzero(np.r_[True, np.diff(col_block[cols]) != 0])
                 if constant + np.maximum.reduceat(w, starts).sum() <= budget:
                     continue
-                terms = [
-                    (i, wi / mem_scale) for i, wi in zip(cols.tolist(), w.tolist(), strict=True)
-                ]
-                model.row(terms, -inf, (budget - constant) / mem_scale)
+                model.row(mem_terms(cols, w, mem_scale), -inf, (budget - constant) / mem_scale)
     return model
+
+
+def _window_columns(red: _Reduced, model: _Model) -> list[int]:
+    """One continuous column Z per copy window (``red.windows``), with rows that force
+    Z >= 1 when the copy exists and is live there: Z >= exists + before + after - (m - 1)
+    over the m parts that are not constant, where ``before`` (``after``) is the OR of the
+    reader indicators up to ``a`` (from ``b``), built as a chain of columns
+    P_j >= P_(previous reader), P_j >= reads_j. The memory rows push Z (and the chains)
+    down, so at an integer point the smallest feasible Z is exactly the copy's liveness."""
+    chains: dict[tuple[int, int, int], list[tuple[int, float]]] = {}
+
+    def either(ci: int, reads, j: int, step: int) -> list[tuple[int, float]]:
+        """OR of the non-constant reads from index j towards the end (step -1: down to 0,
+        step +1: up to the last), as terms of a 0/1 expression."""
+        key = (ci, j, step)
+        if key in chains:
+            return chains[key]
+        own = [(int(c), 1.0) for c in reads[j]]
+        rest = [
+            i
+            for i in range(j + step, -1 if step < 0 else len(reads), step)
+            if reads[i] is not True and reads[i] is not False
+        ]
+        if not rest:
+            chains[key] = own
+            return own
+        previous = either(ci, reads, rest[0], step)
+        col = model.column()
+        model.row([(col, 1.0)] + [(c, -v) for c, v in own], 0.0, math.inf)
+        model.row([(col, 1.0)] + [(c, -v) for c, v in previous], 0.0, math.inf)
+        chains[key] = [(col, 1.0)]
+        return chains[key]
+
+    out = []
+    for ci, exists, reads, pre, suf in red.windows:
+        parts = [] if exists is True else [[(int(c), 1.0) for c in exists]]
+        if pre is not None:
+            parts.append(either(ci, reads, pre, -1))
+        if suf is not None:
+            parts.append(either(ci, reads, suf, +1))
+        unique = {tuple(part): part for part in parts}  # a prefix may equal the suffix
+        merged: dict[int, float] = {}
+        for part in unique.values():
+            for c, v in part:  # a source tied to a reader shares its columns
+                merged[c] = merged.get(c, 0.0) - v
+        z = model.column()
+        model.row([(z, 1.0), *merged.items()], 1.0 - len(unique), math.inf)
+        out.append(z)
+    return out
 
 
 def _add_ties(red: _Reduced, model: _Model) -> None:

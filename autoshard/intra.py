@@ -22,7 +22,7 @@ data parallel, ZeRO and Megatron fix the inputs and let the ILP place the rest.
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import json
 import math
 import re
@@ -40,8 +40,8 @@ from autoshard.cost import (
 from autoshard.graph import REDUCTIONS as ALL_REDUCTIONS
 from autoshard.graph import Graph
 from autoshard.ilp import (
+    CopyBuffer,
     EdgeCost,
-    InfeasibleBudgetError,
     ShardingProblem,
     Solution,
     Tie,
@@ -156,13 +156,20 @@ def build_problem(
     followers: bool = True,
     merge_elementwise: bool = False,
     options: CostOptions = DEFAULT_COST_OPTIONS,
+    copy_buffers: bool | None = None,
 ) -> IntraProblem:
     """Alpa's intra-operator ILP for ``graph`` on ``mesh``.
 
     ``pinned_inputs`` maps input positions (index into ``graph.inputs``) to a fixed spec.
     ``merge_elementwise`` also makes binary elementwise ops follow their deepest operand
     (Alpa's rule): a smaller, faster ILP that can miss the best plan.
+    ``copy_buffers``: give the problem the resharded copies (:class:`CopyBuffer`), so that
+    its memory rows and ``peak_memory`` count what :func:`predicted_peak_bytes` counts;
+    default: only with a budget (without one nothing reads them, and they take a second
+    to list on a large graph).
     """
+    if copy_buffers is None:
+        copy_buffers = memory_budget_bytes is not None
     pinned = dict(pinned_inputs or {})
     n_in = len(graph.inputs)
     strategies: list[tuple[Strategy, ...]] = []
@@ -275,7 +282,9 @@ def build_problem(
     if share_layers:
         _layer_ties(graph, strategies, n_in, ties)
 
-    node_memory, live_sets = _memory_model(graph, strategies, producer, n_in, mesh)
+    node_memory, live_sets, copies = _memory_model(
+        graph, strategies, producer, n_in, mesh, operands if copy_buffers else ()
+    )
     problem = ShardingProblem(
         num_strategies=tuple(len(s) for s in strategies),
         node_costs=tuple(node_costs),
@@ -284,6 +293,7 @@ def build_problem(
         node_memory=node_memory,
         live_sets=live_sets,
         memory_budget_bytes=memory_budget_bytes,
+        copies=copies,
     )
     return IntraProblem(graph, mesh, problem, tuple(strategies), tuple(operands), n_in)
 
@@ -368,9 +378,10 @@ def _layer_ties(graph, strategies, n_in, ties) -> None:
             ties[pos] = Tie(twin, tuple(range(len(strategies[pos]))))
 
 
-def _memory_model(graph, strategies, producer, n_in, mesh):
-    """Per-strategy bytes of each ILP node's live buffers, and the live sets at every
-    position where a buffer is born -- the same model as :func:`predicted_peak_bytes`."""
+def _memory_model(graph, strategies, producer, n_in, mesh, operands):
+    """Per-strategy bytes of each ILP node's live buffers, the live sets at every position
+    where a buffer may be born, and the resharded copies as :class:`CopyBuffer` -- the
+    same model as :func:`predicted_peak_bytes`."""
     # a tensor's buffers (itself, its f32 copy) count together, over the union of their
     # intervals (the tensor's holds the copy's unless the tensor is fused away)
     intervals: dict[int, tuple[int, int]] = {}
@@ -399,15 +410,20 @@ def _memory_model(graph, strategies, producer, n_in, mesh):
     for tid in intervals:
         node, _ = producer[tid]
         owner[tid] = node
+    groups = _copy_groups(graph, strategies, producer, n_in, mesh, operands)
     # one sweep over program order: the live set at each position where a buffer is born
+    # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}
     for t, (first, _) in intervals.items():
         born.setdefault(first, []).append(t)
+    checkpoints = set(born)
+    for _, _, early, readers in groups:
+        checkpoints.update([0] if early else [r[0] for r in readers])
     by_end = sorted(intervals, key=lambda t: intervals[t][1])
     active: dict[int, int] = {}  # ILP node -> number of its live buffers
-    live_sets, done = [], 0
-    for c in sorted(born):
-        for t in born[c]:
+    live_sets, at, done = [], [], 0
+    for c in sorted(checkpoints):
+        for t in born.get(c, ()):
             active[owner[t]] = active.get(owner[t], 0) + 1
         while done < len(by_end) and intervals[by_end[done]][1] < c:
             t = by_end[done]
@@ -418,7 +434,51 @@ def _memory_model(graph, strategies, producer, n_in, mesh):
                     del active[owner[t]]
         if c >= 0:
             live_sets.append(tuple(sorted(active)))
-    return tuple(node_memory), tuple(live_sets)
+            at.append(c)
+    copies = []
+    for (src, src_strategies), nbytes, early, readers in groups:
+        where = [r[0] for r in readers]
+        lo = bisect.bisect_left(at, 0 if early else where[0])
+        hi = bisect.bisect_right(at, where[-1])
+        windows = []
+        for i in range(lo, hi):
+            b = bisect.bisect_left(where, at[i])
+            a = -1 if early else bisect.bisect_right(where, at[i]) - 1
+            windows.append((i, a, b))
+        copies.append(
+            CopyBuffer(nbytes, src, src_strategies, tuple(r[1:] for r in readers), windows)
+        )
+    return tuple(node_memory), tuple(live_sets), tuple(copies)
+
+
+def _copy_groups(graph, strategies, producer, n_in, mesh, operands) -> list:
+    """One entry per value and layout some reader may want that its producer may not
+    give (the buffers of :func:`_reshard_buffers`): ((producer ILP node, its strategies
+    that give another layout), bytes per device, made at the start of the step?,
+    [(program position, reader ILP node, its strategies that want the layout)] in
+    program order)."""
+    pos = program_positions(graph, mesh.late_updates)
+    found: dict[tuple[int, ShardingSpec], list] = {}
+    for op in operands:
+        t = graph.tensors[op.tensor]
+        if op.slot < 0 or op.dst < n_in or t.kind in ("literal", "const") or not t.shape:
+            continue
+        wants: dict[ShardingSpec, list[int]] = {}
+        for q, s in enumerate(strategies[op.dst]):
+            spec = s.input_specs[op.slot]
+            if spec is not None:
+                wants.setdefault(spec, []).append(q)
+        for spec, qs in wants.items():
+            found.setdefault((op.tensor, spec), []).append((pos[op.dst - n_in], op.dst, tuple(qs)))
+    out = []
+    for (tid, spec), readers in found.items():
+        src, k = producer[tid]
+        other = tuple(p for p, s in enumerate(strategies[src]) if s.output_specs[k] != spec)
+        nbytes = graph.tensors[tid].nbytes * spec.shard_fraction(mesh.mesh)
+        if other and nbytes:
+            early = mesh.early_input_reshards and graph.tensors[tid].producer is None
+            out.append(((src, other), nbytes, early, sorted(readers)))
+    return out
 
 
 # ----------------------------------------------------------------------------- plan
@@ -845,10 +905,6 @@ def predicted_peak_bytes(
     return peak
 
 
-BUDGET_ROUNDS = 6  # further ILP solves to bring the full prediction under a budget
-BUDGET_TOLERANCE = 0.02  # stop when the rows' budget is known to within this fraction
-
-
 def auto_shard_graph(
     graph: Graph,
     mesh: DeviceMesh,
@@ -873,57 +929,29 @@ def auto_shard_graph(
     if options is None:
         options = CostOptions(tie_breakers=math.isinf(mesh.peak_flops))
 
-    def plan_with(rows_budget):
-        ip = build_problem(
-            graph,
-            mesh,
-            memory_budget_bytes=rows_budget,
-            pinned_inputs=pinned_inputs,
-            share_layers=share_layers,
-            merge_elementwise=merge_elementwise,
-            options=options,
-        )
-        solution = solve(
-            ip.problem, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, seed=seed
-        )
-        return plan_from_solution(ip, solution, name=name)
-
-    plan = plan_with(memory_budget_bytes)  # raises InfeasibleBudgetError in the rows' terms
-    if memory_budget_bytes is None or plan.predicted_peak_bytes <= memory_budget_bytes:
-        return plan
-    # The ILP's memory rows price each value in its own layout; the resharded copies of
-    # the prediction (_reshard_buffers) depend on two strategies and are left out of them.
-    # Search the rows' budget (bisection between the smallest the rows allow and the
-    # largest seen to give a plan over the budget) for a plan whose prediction fits.
-    budget, smallest = memory_budget_bytes, plan.predicted_peak_bytes
-    bad = budget  # the smallest rows' budget seen to give a plan over the budget
-    good, fitting = None, None  # the largest seen to give a plan that fits, and the plan
-    rows = budget * budget / plan.predicted_peak_bytes
-    for _ in range(BUDGET_ROUNDS):
-        try:
-            candidate = plan_with(rows)
-        except InfeasibleBudgetError as err:
-            if err.min_feasible_bytes >= bad:
-                break  # every plan the rows allow is over the budget
-            rows = err.min_feasible_bytes
-            continue
-        smallest = min(smallest, candidate.predicted_peak_bytes)
-        if candidate.predicted_peak_bytes <= budget:
-            good, fitting = rows, candidate
-        else:
-            bad = rows
-        if good is not None and bad - good <= BUDGET_TOLERANCE * budget:
-            break
-        rows = (good + bad) / 2 if good is not None else rows * budget / smallest
-    if fitting is None:
-        raise InfeasibleBudgetError(budget, smallest, False)
-    note = (
-        f"the ILP's memory rows leave out resharded copies: planned with the rows at "
-        f"{good / 2**30:.3f} GiB so that the full prediction "
-        f"({fitting.predicted_peak_bytes / 2**30:.3f} GiB) fits the budget "
-        f"{budget / 2**30:.3f} GiB"
+    ip = build_problem(
+        graph,
+        mesh,
+        memory_budget_bytes=memory_budget_bytes,
+        pinned_inputs=pinned_inputs,
+        share_layers=share_layers,
+        merge_elementwise=merge_elementwise,
+        options=options,
     )
-    return dataclasses.replace(fitting, notes=(*fitting.notes, note))
+    # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,
+    # resharded copies included (CopyBuffer), so the plan's prediction is its peak
+    solution = solve(
+        ip.problem, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, seed=seed
+    )
+    plan = plan_from_solution(ip, solution, name=name)
+    if memory_budget_bytes is not None:
+        rows = peak_memory(ip.problem, solution.strategy)
+        if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
+            raise RuntimeError(
+                f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
+                f"prediction {plan.predicted_peak_bytes:.6g} B"
+            )
+    return plan
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoshard.ilp import (
+    CopyBuffer,
     EdgeCost,
     InfeasibleBudgetError,
     InfeasibleProblemError,
@@ -46,16 +47,23 @@ def brute_force(pb: ShardingProblem) -> tuple[float | None, float | None]:
     for v, tie in enumerate(pb.ties):
         if tie is not None:
             ok &= np.asarray(tie.mapping)[grid[:, tie.leader]] == grid[:, v]
-    peak = np.zeros(len(grid))
-    for live in pb.live_sets:
-        peak = np.maximum(peak, sum(np.asarray(pb.node_memory[v])[grid[:, v]] for v in live))
+    totals = np.zeros((len(pb.live_sets), len(grid)))
+    for i, live in enumerate(pb.live_sets):
+        totals[i] = sum(np.asarray(pb.node_memory[v])[grid[:, v]] for v in live)
+    for c in pb.copies:  # live where it exists and readers bracket the live set
+        exists = np.isin(grid[:, c.source], c.source_strategies)
+        reads = [np.isin(grid[:, v], qs) for v, qs in c.readers]
+        for i, a, b in c.windows:
+            before = np.ones(len(grid), bool) if a < 0 else np.any(reads[: a + 1], axis=0)
+            totals[i] += c.bytes * (exists & before & np.any(reads[b:], axis=0))
+    peak = totals.max(axis=0) if len(pb.live_sets) else np.zeros(len(grid))
     fits = ok if pb.memory_budget_bytes is None else ok & (peak <= pb.memory_budget_bytes)
     best = float(cost[fits].min()) if fits.any() else None
     return best, (float(peak[ok].min()) if ok.any() else None)
 
 
 @st.composite
-def problems(draw, max_nodes: int = 8) -> ShardingProblem:
+def problems(draw, max_nodes: int = 8, with_copies: bool = False) -> ShardingProblem:
     n = draw(st.integers(2, max_nodes))
     k = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
     inf_rate = draw(st.sampled_from([0, 0, 1, 3]))  # out of 20
@@ -90,7 +98,7 @@ def problems(draw, max_nodes: int = 8) -> ShardingProblem:
             )
             ties[v] = Tie(leader, mapping)
     memory = {}
-    if draw(st.booleans()):
+    if with_copies or draw(st.booleans()):
         node_memory = [[draw(st.integers(0, 10)) for _ in range(kv)] for kv in k]
         live = draw(
             st.lists(
@@ -98,7 +106,25 @@ def problems(draw, max_nodes: int = 8) -> ShardingProblem:
             )
         )
         budget = draw(st.integers(0, 50)) + 0.5
-        memory = dict(node_memory=node_memory, live_sets=live, memory_budget_bytes=budget)
+        copies = []
+        for _ in range(draw(st.integers(int(with_copies), 3))):  # resharded copies
+
+            def some(v):
+                return draw(st.lists(st.integers(0, k[v] - 1), min_size=1, unique=True))
+
+            source = draw(st.integers(0, n - 1))
+            nodes = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3))
+            readers = [(v, some(v)) for v in nodes]
+            windows = [
+                (i, draw(st.integers(-1, len(readers) - 1)), draw(st.integers(0, len(readers) - 1)))
+                for i in range(len(live))
+                if draw(st.booleans())
+            ]
+            size = draw(st.integers(1, 10))
+            copies.append(CopyBuffer(size, source, some(source), readers, windows))
+        memory = dict(
+            node_memory=node_memory, live_sets=live, memory_budget_bytes=budget, copies=copies
+        )
     return ShardingProblem(k, node_costs, edges, ties, **memory)
 
 
@@ -126,6 +152,16 @@ def check_against_brute_force(pb: ShardingProblem, solver: str, merge: bool) -> 
 def test_cbc_matches_brute_force_with_and_without_merging(pb):
     check_against_brute_force(pb, "cbc", merge=True)
     check_against_brute_force(pb, "cbc", merge=False)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=6, with_copies=True))
+def test_copy_buffers_in_the_budget_match_brute_force(pb):
+    """Buffers that depend on several strategies (a copy exists under some source
+    strategies, is live where its readers bracket a live set): the budgeted optimum and
+    the smallest peak equal brute force, with and without merging."""
+    check_against_brute_force(pb, "highs", merge=True)
+    check_against_brute_force(pb, "highs", merge=False)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -325,6 +361,28 @@ def test_objective_of_and_peak_memory_evaluate_any_assignment():
         peak_memory(pb, (0, 2))
 
 
+def test_a_copy_counts_where_it_exists_and_its_readers_bracket_the_live_set():
+    """Copy of node 0's value, read by node 1 (strategy 1) then node 2 (strategy 1):
+    exists when node 0 picks 0; live in set 0 only with a reader from the start (a = -1),
+    in set 1 between the readers, in set 2 at the second reader."""
+    copy = CopyBuffer(100, 0, (0,), ((1, (1,)), (2, (1,))), ((0, -1, 0), (1, 0, 1), (2, 1, 1)))
+    pb = ShardingProblem(
+        (2, 2, 2),
+        ((0, 0), (0, 0), (0, 0)),
+        node_memory=((1, 1), (1, 1), (1, 1)),
+        live_sets=((0,), (0, 1), (0, 1, 2)),
+        copies=(copy,),
+    )
+    assert peak_memory(pb, (1, 1, 1)) == 3  # no copy: node 0 already gives the layout
+    assert copy.live_in((0, 1, 1)) == {0, 1, 2}
+    assert copy.live_in((0, 1, 0)) == {0}  # made at the start, dead after its one reader
+    assert copy.live_in((0, 0, 1)) == {0, 2}  # no reader before set 1's position
+    assert peak_memory(pb, (0, 0, 1)) == 103
+    with pytest.raises(ValueError, match=r"copies\[0\] has window"):
+        ShardingProblem((2,), ((0, 0),), node_memory=((1, 1),), live_sets=((0,),),
+                        copies=(CopyBuffer(1, 0, (0,), ((0, (1,)),), ((0, 0, 1),)),))  # fmt: skip
+
+
 def test_solution_and_problem_round_trip_through_json():
     pb = ShardingProblem(
         (2, 2),
@@ -335,6 +393,7 @@ def test_solution_and_problem_round_trip_through_json():
         live_sets=((0, 1),),
         memory_budget_bytes=100,
         node_names=("a", "b"),
+        copies=(CopyBuffer(9, 0, (1,), ((1, (0, 1)),), ((0, -1, 0),)),),
     )
     assert ShardingProblem.from_json(pb.to_json()) == pb
     sol = solve(pb)

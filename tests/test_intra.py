@@ -167,28 +167,58 @@ def gpt350m_2l():
 
 
 def test_memory_budget_sweep_trades_communication_for_memory(gpt350m_2l):
-    """A budget below the unconstrained plan's peak gives a plan predicted within it that
-    costs more; below the smallest peak found, the error states that figure. (The ILP's
-    memory rows leave out resharded copies, which depend on two strategies; auto_shard_graph
-    re-solves with tighter rows until the full prediction fits: docs/truth.md.)"""
+    """As the budget shrinks the plan is predicted within it, costs more and shards more of
+    the training state; below the smallest peak any plan reaches, the error states that
+    figure, proven. The ILP's memory rows count the resharded copies (all-gathered weights
+    included), so each plan's prediction is exactly the peak the rows saw."""
     from autoshard.ilp import InfeasibleBudgetError
 
     g = gpt350m_2l.graph
     mesh = alpa_test_mesh((8,), ("data",))
-    free = auto_shard_graph(g, mesh, solver="highs")
-    assert free.predicted_peak_bytes > 2.0e9  # 2.99 GB when written
-    bound = auto_shard_graph(g, mesh, memory_budget_bytes=2.0e9, solver="highs")
-    assert bound.predicted_peak_bytes <= 2.0e9
-    assert bound.objective > free.objective  # memory is paid for in communication
 
     def state(plan):
         pairs = [(t, s) for t, s in zip(g.inputs, plan.input_specs) if g.tensors[t].kind != "data"]
         return sum(g.tensors[t].nbytes * s.shard_fraction(mesh.mesh) for t, s in pairs)
 
-    assert state(bound) <= state(free)
+    free = auto_shard_graph(g, mesh, solver="highs")
+    assert free.predicted_peak_bytes > 2.0e9  # 2.99 GB when written
+    plans = [free]
+    for budget in (2.0e9, 1.2e9):  # 1.52 and 1.20 GB predicted when written
+        plans.append(auto_shard_graph(g, mesh, memory_budget_bytes=budget, solver="highs"))
+        assert plans[-1].predicted_peak_bytes <= budget
+        assert not plans[-1].notes  # planned in one solve
+    assert plans[0].objective < plans[1].objective < plans[2].objective
+    assert state(plans[0]) >= state(plans[1]) > state(plans[2])  # 22% -> 13% when written
     with pytest.raises(InfeasibleBudgetError, match="smallest peak") as err:
-        auto_shard_graph(g, mesh, memory_budget_bytes=1.4e9, solver="highs")
-    assert 1.4e9 < err.value.min_feasible_bytes <= bound.predicted_peak_bytes
+        auto_shard_graph(g, mesh, memory_budget_bytes=1.0e9, solver="highs")
+    assert err.value.proven
+    assert 1.0e9 < err.value.min_feasible_bytes <= plans[2].predicted_peak_bytes
+
+
+@pytest.mark.parametrize(
+    "shape, which, cpu", [((8,), "zero3", True), ((2, 4), "auto", True), ((4, 2), "dp", False)]
+)
+def test_the_ilp_memory_rows_count_what_the_prediction_counts(tiny, shape, which, cpu):
+    """With its copies, the ILP's own peak for the chosen plan is the plan's predicted peak
+    (resharded copies and XLA:CPU's early all-gathers included), so a budget on the rows is
+    a budget on the prediction."""
+    from autoshard.api import device_mesh_for
+    from autoshard.ilp import peak_memory, solve
+    from autoshard.intra import plan_from_solution
+
+    axes = ("data", "model")[: len(shape)]
+    mesh = device_mesh_for(shape, axes) if cpu else alpa_test_mesh(shape, axes)
+    pinned = None if which == "auto" else baseline_inputs(tiny.graph, mesh.mesh, which)
+    ip = build_problem(tiny.graph, mesh, pinned_inputs=pinned, copy_buffers=True)
+    solution = solve(ip.problem, solver="highs")
+    plan = plan_from_solution(ip, solution)
+    assert plan.operand_specs  # the plan reshards something, so copies are in play
+    assert peak_memory(ip.problem, solution.strategy) == pytest.approx(
+        plan.predicted_peak_bytes, rel=1e-12
+    )
+    no_copies = build_problem(tiny.graph, mesh, pinned_inputs=pinned)
+    assert not no_copies.problem.copies
+    assert peak_memory(no_copies.problem, solution.strategy) < plan.predicted_peak_bytes
 
 
 def test_open_loop_memory_model_keeps_compiled_within_budget(gpt350m_2l):
