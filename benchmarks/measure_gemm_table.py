@@ -18,8 +18,8 @@ without waiting and blocks once at the end; the per-dot time of a burst is its w
 over ``calls x copies`` dots. So host dispatch overlaps the GPU's work and the per-dot
 time is the kernel plus its launch gap, as in a step. ``copies`` (at most 64, and at most
 1 GiB of operands) and ``calls`` are chosen so that a call lasts about 1 ms and a burst
-about 10 ms; the reported time is the median of ``bursts`` (5) bursts after two warm-up
-calls. Inputs are random normal (never zeros), uploaded from a host pool (no per-shape
+about 10 ms; the reported time is the median of ``bursts`` (5) bursts after a warm-up
+call. Inputs are random normal (never zeros), uploaded from a host pool (no per-shape
 compile for them); with many copies the operands of small shapes do not all sit in L2.
 
 The grid is walked coarse first (every other size, all dtypes), then fine (every size,
@@ -153,8 +153,7 @@ def time_shape(m: int, n: int, k: int, dtype_name: str, pool: HostPool, bursts: 
     compiled = jax.jit(_gemm_program(copies, precision)).lower(*operands).compile()
     compile_s = time.perf_counter() - t0
     kernels = _kernels(compiled.as_text())
-    for _ in range(2):  # warm-up
-        jax.block_until_ready(compiled(*operands))
+    jax.block_until_ready(compiled(*operands))  # warm-up
     samples = []
     for _ in range(bursts):
         t0 = time.perf_counter()
@@ -237,19 +236,44 @@ def environment() -> dict:
 
 
 def _grid_order(sizes: list[int], dtypes: list[str]) -> list[tuple[str, int, int, int]]:
+    """Coarse grid of the first dtype, its fine grid, the others' coarse grids, their fine
+    grids: a deadline leaves every dtype measured a full grid, the first the finest."""
     coarse = sizes[::2] if len(sizes) > 2 else sizes
     if sizes[-1] not in coarse:
         coarse = [*coarse[:-1], sizes[-1]] if len(coarse) > 1 else coarse
+    passes = [(dtypes[0], coarse), (dtypes[0], sizes)]
+    passes += [(d, coarse) for d in dtypes[1:]] + [(d, sizes) for d in dtypes[1:]]
     order = []
-    for pass_sizes in (coarse, sizes):
-        for dtype in dtypes:
-            order += [(dtype, m, n, k) for m in pass_sizes for n in pass_sizes for k in pass_sizes]
+    for dtype, grid in passes:
+        order += [(dtype, m, n, k) for m in grid for n in grid for k in grid]
     seen, out = set(), []
     for item in order:
         if item not in seen:
             seen.add(item)
             out.append(item)
     return out
+
+
+def prewarm(shapes: list[tuple[int, int, int]], dtype_name: str) -> float:
+    """Compile one module holding a dot of every shape (abstract operands, nothing runs):
+    XLA autotunes all of them at once, compiling candidate kernels in parallel, and keeps
+    the choices in its in-process cache, so each shape's own program compiles without
+    autotuning again. Returns the seconds it took."""
+    import jax
+
+    dtype, precision = _jax_dtype(dtype_name)
+    specs = []
+    for m, n, k in shapes:
+        specs += [jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)]
+
+    def module(*ops):
+        return [
+            jax.lax.dot(ops[2 * i], ops[2 * i + 1], precision=precision) for i in range(len(shapes))
+        ]
+
+    t0 = time.perf_counter()
+    jax.jit(module).lower(*specs).compile()
+    return time.perf_counter() - t0
 
 
 def _write(path: Path, obj: dict) -> None:
@@ -291,11 +315,25 @@ def cmd_measure(args) -> int:
             print(f"accuracy {dtype}: {raw['accuracy'][dtype]}", flush=True)
     done = {(r["dtype"], r["m"], r["n"], r["k"]) for r in raw["rows"]}
     todo = [item for item in _grid_order(sizes, dtypes) if item not in done]
+    raw.setdefault("prewarm", [])
+    warmed: set = set()
     timed = 0
-    for dtype, m, n, k in todo:
+    for index, (dtype, m, n, k) in enumerate(todo):
         if time.monotonic() - t_start > args.deadline_s:
             print(f"deadline reached: {len(todo) - timed} shapes left", flush=True)
             break
+        if args.prewarm and (dtype, m, n, k) not in warmed:
+            group = []
+            for item in todo[index:]:
+                if item[0] != dtype or len(group) == args.prewarm:
+                    break
+                group.append(item)
+            warmed.update(group)
+            try:
+                seconds = prewarm([item[1:] for item in group], dtype)
+                raw["prewarm"].append({"dtype": dtype, "shapes": len(group), "seconds": seconds})
+            except Exception as err:  # noqa: BLE001 - the shapes then autotune one by one
+                raw["prewarm"].append({"dtype": dtype, "shapes": len(group), "error": repr(err)})
         row = time_shape(m, n, k, dtype, pool, args.bursts)
         raw["rows"].append(row)
         timed += 1
@@ -423,6 +461,9 @@ def main() -> int:
     m.add_argument("--deadline-s", type=float, default=math.inf)
     m.add_argument("--resume", default=None, help="a raw file whose shapes are skipped")
     m.add_argument("--quick", action="store_true", help="sizes 16..64, 2 bursts (a CPU check)")
+    m.add_argument(
+        "--prewarm", type=int, default=48, help="shapes autotuned together (0: one by one)"
+    )
     m.set_defaults(func=cmd_measure)
     t = sub.add_parser("table", help="raw files -> GEMM table")
     t.add_argument("raw", nargs="+")
