@@ -82,7 +82,7 @@ def _profile_summary(trace_dir: str, steps: int) -> dict:
             k["us"] += float(e.get("dur", 0.0))
     gemm_us = sum(k["us"] for n, k in kernels.items() if GEMM_KERNEL.search(n))
     total_us = sum(k["us"] for k in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:80]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:400]
     return {
         "steps": steps,
         "kernel_us_per_step": total_us / steps,
@@ -97,8 +97,12 @@ def _profile_summary(trace_dir: str, steps: int) -> dict:
     }
 
 
-def measure_one(model: str, layers: int, batch: int, steps: int, profile: bool) -> dict:
-    """One configuration in this process: compile, memory, step time (and a profile)."""
+def measure_one(
+    model: str, layers: int, batch: int, steps: int, profile: bool, dump_hlo: str | None = None
+) -> dict:
+    """One configuration in this process: compile, memory, step time (and a profile).
+    ``dump_hlo``: a folder for the compiled HLO text (gzip), to name the profile's kernels;
+    with ``steps=0`` nothing runs."""
     import jax
     import numpy as np
 
@@ -135,6 +139,13 @@ def measure_one(model: str, layers: int, batch: int, steps: int, profile: bool) 
         }
     except Exception as err:  # noqa: BLE001 - optional; record why
         out["xla_cost_analysis"] = {"error": repr(err)}
+    if dump_hlo:
+        path = Path(dump_hlo) / f"{model}_L{layers}_B{batch}.hlo.txt.gz"
+        with gzip.open(path, "wt") as f:
+            f.write(compiled.as_text())
+        out["hlo_dump"] = path.name
+    if steps == 0:
+        return out
 
     t0 = time.perf_counter()
     k_params, k_batch = jax.random.split(jax.random.key(0))
@@ -202,6 +213,7 @@ def cmd_measure(args) -> int:
             child = tmp.name
         cmd = [sys.executable, __file__, "_one", model, str(layers), str(batch), child,
                "--steps", str(args.steps)] + (["--profile"] if args.profile else [])  # fmt: skip
+        cmd += ["--dump-hlo", args.dump_hlo] if args.dump_hlo else []
         t0 = time.perf_counter()
         left = args.total_s - (time.monotonic() - t_start)
         try:  # subprocess.run kills the child when it runs out of time
@@ -220,6 +232,8 @@ def cmd_measure(args) -> int:
         out.write_text(json.dumps(result, indent=1) + "\n")
         if "error" in run:
             print(f"{_label(model, layers, batch)}: FAILED\n{run['error']}", flush=True)
+        elif "step_time_s" not in run:
+            print(f"{_label(model, layers, batch)}: compiled in {run['compile_s']:.1f} s")
         else:
             mem = run["memory_analysis"]["compiled_peak_bytes"] / 2**30
             print(
@@ -234,7 +248,7 @@ def cmd_measure(args) -> int:
 
 def cmd_one(args) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    run = measure_one(args.model, args.layers, args.batch, args.steps, args.profile)
+    run = measure_one(args.model, args.layers, args.batch, args.steps, args.profile, args.dump_hlo)
     Path(args.child_out).write_text(json.dumps(run))
     return 0
 
@@ -355,8 +369,9 @@ def main() -> int:
     m = sub.add_parser("measure", help="run the steps on this machine's first device")
     m.add_argument("--out", required=True)
     m.add_argument("--configs", nargs="+", help="model:layers:batch, e.g. gpt-350m:24:8")
-    m.add_argument("--steps", type=int, default=10)
+    m.add_argument("--steps", type=int, default=10, help="0: compile only")
     m.add_argument("--profile", action="store_true")
+    m.add_argument("--dump-hlo", help="folder for the compiled HLO of each configuration")
     m.add_argument("--quick", action="store_true", help="gpt-tiny only (a CPU check)")
     m.add_argument("--timeout-s", type=float, default=300.0, help="per configuration")
     m.add_argument("--total-s", type=float, default=1e9, help="for all configurations")
@@ -368,6 +383,7 @@ def main() -> int:
     one.add_argument("child_out")
     one.add_argument("--steps", type=int, default=10)
     one.add_argument("--profile", action="store_true")
+    one.add_argument("--dump-hlo")
     one.set_defaults(func=cmd_one)
     p = sub.add_parser("predict", help="autoshard's predictions next to a measured file")
     p.add_argument("--measured", required=True)
