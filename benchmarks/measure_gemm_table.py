@@ -32,8 +32,9 @@ achieved TFLOP/s = 2 M N K / median per-dot seconds), with the data-sheet dense 
 
     python benchmarks/measure_gemm_table.py measure --out raw.json [--sizes 64 16384]
         [--dtypes bf16 fp32 fp16 tf32] [--deadline-s 400] [--resume raw.json] [--quick]
-    python benchmarks/measure_gemm_table.py table raw.json [raw2.json] \\
-        --out autoshard/sim/gemm_tables/h100.json --command "the measure command"
+    python benchmarks/measure_gemm_table.py table raw.json [raw2.json ...] \\
+        --out autoshard/sim/gemm_tables/h100.json --command "the measure command" \\
+        [--raw-out benchmarks/results/gemm_h100_raw.json]
 """
 
 from __future__ import annotations
@@ -370,24 +371,40 @@ def complete_grid(rows: list[dict]) -> list[int]:
     return []
 
 
-def build_table(raws: list[dict], command: str) -> dict:
-    env = raws[0]["environment"]
+def merge_raw(raws: list[dict]) -> dict:
+    """One raw record of several measure runs (each resumed from the one before): every
+    run's environment and command, and each shape once, tagged with the run that timed it."""
+    runs, rows = [], {}
+    for i, raw in enumerate(raws):
+        keep = ("environment", "environment_end", "command", "elapsed_s", "prewarm", "settings")
+        runs.append({k: raw[k] for k in keep if k in raw})
+        for r in raw["rows"]:
+            rows.setdefault((r["dtype"], r["m"], r["n"], r["k"]), {**r, "run": i})
+    accuracy = next((raw["accuracy"] for raw in raws if raw.get("accuracy")), {})
+    return {"runs": runs, "accuracy": accuracy, "rows": list(rows.values())}
+
+
+def build_table(merged: dict, command: str) -> dict:
+    """The GEMM table of a merged raw record (:func:`merge_raw`)."""
+    envs = [run["environment"] for run in merged["runs"]]
+    env = envs[0]
     kind = env["device_kind"]
+    if any(e["device_kind"] != kind or e.get("jax") != env.get("jax") for e in envs):
+        raise ValueError("the raw files come from different devices or jax versions")
     match = next((v for key, v in DATASHEET_PEAKS.items() if key in kind), None)
     if match is None:
         raise ValueError(f"no data-sheet peaks known for device {kind!r}")
     device, peaks = match
     by_dtype: dict[str, dict] = {}
-    for raw in raws:  # a later file's row replaces an earlier one for the same shape
-        for r in raw["rows"]:
-            by_dtype.setdefault(r["dtype"], {})[(r["m"], r["n"], r["k"])] = r
+    for r in merged["rows"]:
+        by_dtype.setdefault(r["dtype"], {})[(r["m"], r["n"], r["k"])] = r
     rows, grids = {}, {}
     for dtype in DTYPE_ORDER:
         measured = list(by_dtype.get(dtype, {}).values())
         grid = complete_grid(measured) if measured else []
         if len(grid) < 2:
             continue
-        pick = {(r["m"], r["n"], r["k"]): r for r in measured}
+        pick = by_dtype[dtype]
         rows[dtype] = [
             [m, n, k, float(f"{pick[(m, n, k)]['tflops']:.5g}")]
             for m in grid
@@ -399,21 +416,28 @@ def build_table(raws: list[dict], command: str) -> dict:
         f"{d} {g[0]}..{g[-1]} ({len(g)} sizes per dim, {len(g) ** 3} shapes)"
         for d, g in grids.items()
     )
-    accuracy = raws[0].get("accuracy", {})
+    left_out = [d for d in DTYPE_ORDER if d not in rows]
+    accuracy = merged.get("accuracy", {})
     probe = next((a["size"] for a in accuracy.values()), "?")
     acc_text = ", ".join(
         f"{d} {accuracy[d]['relative_error']:.1e}" for d in DTYPE_ORDER if d in accuracy
     )
+    dates = sorted({e["date"][:10] for e in envs})
     source = (
         f"Measured, not modelled: C = A @ B under jax.jit on one {kind} "
         f"({env.get('core_count')} SMs), jax {env.get('jax')} / jaxlib {env.get('jaxlib')} "
-        f"({env.get('platform_version', 'unknown platform')}), {env.get('date')}; XLA:GPU's own "
-        f"GEMM choice; per shape the median of 5 bursts of back-to-back calls, each call "
-        f"{MAX_COPIES} or fewer dots, each on random inputs of its own, so each dot's time includes "
-        f"its launch as XLA issues it. bf16/fp16: 16-bit operands and result; tf32: f32 dot "
-        f"at Precision.DEFAULT; fp32: at Precision.HIGHEST (relative error vs float64 at "
-        f"{probe}^3: {acc_text}). Grid: {grid_text}. Peaks: data-sheet dense. Command: "
-        f"{command}; table written by benchmarks/measure_gemm_table.py table."
+        f"({env.get('platform_version', 'unknown platform')}), {', '.join(dates)}, "
+        f"{len(envs)} run(s); XLA:GPU's own GEMM choice (Triton or cuBLASLt, autotuned); "
+        f"per shape the median of 5 bursts of back-to-back calls, each call "
+        f"{MAX_COPIES} or fewer dots, each on random inputs of its own, so each dot's time "
+        f"includes its launch as XLA issues it. bf16/fp16: 16-bit operands and result; "
+        f"fp32: f32 dot at Precision.HIGHEST (true fp32; relative error vs float64 at "
+        f"{probe}^3: {acc_text}; tf32 is an f32 dot at Precision.DEFAULT, JAX's default)"
+        f". Grid: {grid_text}"
+        + (f"; not measured: {', '.join(left_out)}" if left_out else "")
+        + f". Peaks: data-sheet dense. Command: {command}; raw results in "
+        f"benchmarks/results/gemm_h100_raw.json; table written by "
+        f"benchmarks/measure_gemm_table.py table."
     )
     return {
         "device": device,
@@ -440,8 +464,11 @@ def write_table(table: dict, path: Path) -> None:
 
 
 def cmd_table(args) -> int:
-    raws = [json.loads(Path(p).read_text()) for p in args.raw]
-    table = build_table(raws, args.command)
+    merged = merge_raw([json.loads(Path(p).read_text()) for p in args.raw])
+    if args.raw_out:
+        Path(args.raw_out).write_text(json.dumps(merged, indent=0) + "\n")
+        print(f"wrote {args.raw_out}: {len(merged['rows'])} shapes")
+    table = build_table(merged, args.command)
     write_table(table, Path(args.out))
     for dtype, rows in table["rows"].items():
         best = max(r[3] for r in rows)
@@ -469,6 +496,7 @@ def main() -> int:
     t.add_argument("raw", nargs="+")
     t.add_argument("--out", required=True)
     t.add_argument("--command", required=True, help="the measure command, for the source")
+    t.add_argument("--raw-out", help="write the merged raw record here")
     t.set_defaults(func=cmd_table)
     args = ap.parse_args()
     return args.func(args)
