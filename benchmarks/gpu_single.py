@@ -42,6 +42,7 @@ from pathlib import Path
 # (model, layers, batch); sequence 1024 and vocabulary 51200 (the presets')
 CONFIGS = (("gpt-350m", 24, 8), ("gpt-1.3b", 24, 4), ("gpt-1.3b", 8, 8))
 QUICK_CONFIGS = (("gpt-tiny", 2, 8),)
+BREAKDOWN_KINDS = ("gemm", "attention_sxs", "other_memory_bound", "optimizer")
 GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|wgmma|gmma|cublas|triton_gemm", re.I)
 
 
@@ -283,6 +284,106 @@ def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") 
     assert not any(getattr(mesh, f) for f in flags), "expected the GPU memory layout"
     plan = auto_shard_graph(traced.graph, mesh, solver="highs", time_limit_s=60.0)
     out["intra_predicted_peak_bytes"] = float(plan.predicted_peak_bytes)
+    cfg = traced.workload.config
+    out["traced_breakdown_s"] = traced_breakdown(
+        traced.graph, mesh, cfg.seq_len, cfg.batch_size * cfg.num_heads
+    )
+    return out
+
+
+def traced_breakdown(graph, mesh, seq_len: int, batch_heads: int) -> dict:
+    """The traced step's 1-device cost by kind, node by node as the search prices it:
+    GEMMs (the GEMM table), and memory-bound work (bytes over HBM bandwidth) split into
+    the attention's S x S elementwise ops, the optimizer update and the rest."""
+    from autoshard.intra import materialized_tensors
+    from autoshard.strategies import node_context, replicated_strategy
+
+    kept = materialized_tensors(graph, mesh.reductions_read_memory)
+    out = dict.fromkeys(BREAKDOWN_KINDS, 0.0)
+    for node in graph.nodes:
+        seconds = replicated_strategy(node_context(graph, node, kept), mesh).compute_cost
+        shapes = [graph.tensors[t].shape for t in (*node.inputs, *node.outputs)]
+        if node.primitive == "dot_general":
+            kind = "gemm"
+        elif node.phase == "update":
+            kind = "optimizer"
+        elif any(_is_attention_square(shape, seq_len, batch_heads) for shape in shapes):
+            kind = "attention_sxs"
+        else:
+            kind = "other_memory_bound"
+        out[kind] += seconds
+    return out
+
+
+def _is_attention_square(shape, seq_len: int, batch_heads: int) -> bool:
+    """[B, H, S, S] (or XLA's [B H, S, S]): the attention scores and what is made of them."""
+    if len(shape) < 3 or tuple(shape[-2:]) != (seq_len, seq_len):
+        return False
+    return (shape[0] if len(shape) == 3 else shape[0] * shape[1]) == batch_heads
+
+
+def _hlo_instructions(hlo_text: str) -> dict[str, tuple[str, list[str], str]]:
+    """name -> (result shape, operand names, op_name) of every instruction."""
+    out = {}
+    pattern = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*?)\)(?:, |$)")
+    for line in hlo_text.splitlines():
+        m = pattern.match(line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            operands = re.findall(r"%([\w.\-]+)", m.group(4))
+            out[m.group(1)] = (m.group(2), operands, op.group(1) if op else "")
+    return out
+
+
+def _shape_dims(shape_text: str) -> list[tuple[int, ...]]:
+    return [
+        tuple(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"\w+\[([\d,]*)\]", shape_text)
+    ]
+
+
+def measured_breakdown(run: dict, hlo_text: str | None) -> dict | None:
+    """Seconds per step of the profiled GPU kernels by kind, and the idle time between
+    them (step time - kernel time). GEMMs are known by kernel name (cuBLAS's nvjet, XLA's
+    Triton gemm fusions); with the compiled HLO the other kernels are named too (XLA calls a
+    fusion's kernel after the instruction, '.' -> '_'): the attention's S x S work (a fusion
+    reading or writing an S x S tensor), the optimizer (an op outside the forward and
+    backward passes) and the rest."""
+    profile = run.get("profile")
+    if not profile or "top_kernels" not in profile:
+        return None
+    from autoshard.models import GPT_PRESETS
+
+    steps, seq = profile["steps"], run["seq_len"]
+    batch_heads = run["batch"] * GPT_PRESETS[run["model"]].num_heads
+    out = {"gemm": 0.0, "other_kernels": 0.0}
+    if hlo_text is not None:
+        out = dict.fromkeys(BREAKDOWN_KINDS, 0.0) | {"unnamed": 0.0}
+        inst = _hlo_instructions(hlo_text)
+    for k in profile["top_kernels"]:
+        seconds = k["us"] / steps / 1e6
+        if GEMM_KERNEL.search(k["name"]):
+            out["gemm"] += seconds
+        elif hlo_text is None:
+            out["other_kernels"] += seconds
+        else:
+            name = re.sub(r"_(\d+)$", r".\1", k["name"])
+            if name not in inst:
+                out["unnamed"] += seconds
+                continue
+            shape, operands, op_name = inst[name]
+            dims = _shape_dims(shape) + [
+                d for o in operands if o in inst for d in _shape_dims(inst[o][0])
+            ]
+            if op_name and "jvp(" not in op_name and "transpose(" not in op_name:
+                out["optimizer"] += seconds
+            elif any(_is_attention_square(d, seq, batch_heads) for d in dims):
+                out["attention_sxs"] += seconds
+            else:
+                out["other_memory_bound"] += seconds
+    out["not_profiled"] = profile["kernel_us_per_step"] / 1e6 - sum(out.values())
+    out["idle_between_kernels"] = run["step_time_s"] - profile["kernel_us_per_step"] / 1e6
+    out["kernels_per_step"] = profile["kernels_per_step"]
     return out
 
 
@@ -302,6 +403,12 @@ def cmd_predict(args) -> int:
             continue
         pred = predict_one(run["model"], run["layers"], run["batch"], args.cluster)
         step = run["step_time_s"]
+        hlo = None
+        if args.hlo_dir:
+            path = (
+                Path(args.hlo_dir) / f"{run['model']}_L{run['layers']}_B{run['batch']}.hlo.txt.gz"
+            )
+            hlo = gzip.open(path, "rt").read() if path.exists() else None
         flops = formulas.model_flops_per_step(
             run["batch"], run["seq_len"], run["layers"], run["hidden"], run["vocab"]
         )
@@ -314,6 +421,7 @@ def cmd_predict(args) -> int:
             "measured_mfu": mfu,
             "measured_compiled_peak_bytes": compiled,
             "measured_allocator_peak_bytes": run.get("allocator", {}).get("peak_bytes_in_use"),
+            "measured_breakdown_s": measured_breakdown(run, hlo),
             "predicted": pred,
             "errors": {
                 "step_time_megatron_lm": _err(pred["megatron-lm"]["step_time_s"], step),
@@ -334,6 +442,8 @@ def cmd_predict(args) -> int:
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(markdown_table(rows))
+    print()
+    print(breakdown_table(rows))
     print(f"wrote {args.out}")
     return 0
 
@@ -360,6 +470,31 @@ def markdown_table(rows: list[dict]) -> str:
             f"{p['traced']['peak_bytes'] / gib:.2f} GiB ({e['peak_traced']:+.1%}) | "
             f"{p['intra_predicted_peak_bytes'] / gib:.2f} GiB ({e['peak_intra']:+.1%}) |"
         )
+    return "\n".join(lines)
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """Where the step's time goes, predicted (traced program) next to the profile (ms)."""
+    kinds = (*BREAKDOWN_KINDS, "other_kernels", "unnamed", "not_profiled",
+             "idle_between_kernels")  # fmt: skip
+    lines = ["| config | side | " + " | ".join(kinds) + " | total |",
+             "|---|---|" + "---|" * (len(kinds) + 1)]  # fmt: skip
+    for r in rows:
+        if "predicted" not in r:
+            continue
+        measured = r["measured_breakdown_s"] or {}
+        for side, b, total in (
+            (
+                "predicted",
+                r["predicted"]["traced_breakdown_s"],
+                r["predicted"]["traced"]["step_time_s"],
+            ),
+            ("measured", measured, r["measured_step_time_s"]),
+        ):
+            cells = [f"{b[k] * 1e3:.1f}" if k in b else "-" for k in kinds]
+            lines.append(
+                f"| {r['config']} | {side} | " + " | ".join(cells) + f" | {total * 1e3:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -390,6 +525,9 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--cluster", default="dgx-h100")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense, for MFU")
+    p.add_argument(
+        "--hlo-dir", help="folder of measure --dump-hlo files, to name the profile's kernels"
+    )
     p.set_defaults(func=cmd_predict)
     args = ap.parse_args()
     return args.func(args)
