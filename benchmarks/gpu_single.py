@@ -19,11 +19,18 @@ predicts on one H100 (cluster preset ``dgx-h100``, resized to 1 GPU):
   1-device plan with the GPU memory layout (``DeviceMesh`` flags off: the mesh comes from
   the cluster preset, not from ``XLA_CPU_MEMORY``);
 
+* where the step's time goes: the traced step's per-operation costs by kind (GEMMs; the
+  attention's S x S elementwise work, the optimizer and the rest, memory-bound), next to
+  the profiled kernels by the same kinds (named through the compiled HLO that ``measure
+  --dump-hlo`` writes, when ``--hlo-dir`` gives it; else GEMM or not) and the idle time
+  between kernels;
+
 then prints predicted against measured with relative errors and writes both as JSON.
 
     python benchmarks/gpu_single.py measure --out measured.json [--profile] [--quick]
+        [--configs gpt-350m:24:8 ...] [--dump-hlo DIR] [--steps 10] [--total-s S]
     python benchmarks/gpu_single.py predict --measured measured.json \\
-        --out benchmarks/results/gpu_single.json
+        --out benchmarks/results/gpu_single.json [--hlo-dir DIR]
 """
 
 from __future__ import annotations
