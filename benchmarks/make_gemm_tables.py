@@ -1,7 +1,9 @@
-"""Write the modelled GEMM tables in autoshard/sim/gemm_tables/ (v100, a100, h100).
+"""Write the modelled GEMM tables in autoshard/sim/gemm_tables/ (v100 and a100).
 
-No GPU was available to measure, so each table is generated from a documented roofline
-model; a measured table (same format, written by the GEMM profiler) may replace any of them.
+No V100 or A100 was available to measure, so these two tables are generated from a
+documented roofline model. The h100 table is *measured* (benchmarks/measure_gemm_table.py
+on one H100 SXM5, 2026-11-22) and this script no longer writes it; a measured table (same
+format, written by that profiler) may replace either modelled one too.
 
 Model, for C[M, N] = A[M, K] @ B[K, N] with element size e bytes:
 
@@ -13,11 +15,11 @@ Model, for C[M, N] = A[M, K] @ B[K, N] with element size e bytes:
     tail  = waves / (waves + 0.15)                  (smoothed last-wave under-occupancy)
     time  = max(flops / (peak eff_large tail), bytes / hbm_bandwidth) + 4 us launch
 
-``eff_large`` is the efficiency of large square GEMMs. H100: 0.80 (REFERENCE.md: an 8192^3
-bf16 matmul measured at about 800 TFLOP/s). A100 16-bit: 0.66, the single calibration of
-the Megatron validation (docs/validation.md): an effective figure that also absorbs the
-overheads the step model leaves out; cuBLAS alone reaches more on large fp16 GEMMs. V100: 0.80 (about 100 of 125 TFLOP/s
-for large fp16 GEMMs). Non-tensor-core fp32: 0.90; tf32: 0.75.
+``eff_large`` is the efficiency of large square GEMMs. A100 16-bit: 0.66, the single
+calibration of the Megatron validation (docs/validation.md): an effective figure that also
+absorbs the overheads the step model leaves out; cuBLAS alone reaches more on large fp16
+GEMMs. V100: 0.80 (about 100 of 125 TFLOP/s for large fp16 GEMMs). Non-tensor-core fp32:
+0.90; tf32: 0.75.
 
 Usage: python benchmarks/make_gemm_tables.py
 """
@@ -57,17 +59,6 @@ DEVICES = {
             "fp32": (19.5, 0.90, 4),
         },
     },
-    "h100": {
-        "device": "H100-SXM5-80GB",
-        "sms": 132,
-        "hbm_bandwidth": 3.35e12,
-        "dtypes": {
-            "bf16": (989.0, 0.80, 2),
-            "fp16": (989.0, 0.80, 2),
-            "tf32": (494.0, 0.75, 4),
-            "fp32": (67.0, 0.90, 4),
-        },
-    },
 }
 
 
@@ -100,7 +91,7 @@ def make_table(name: str) -> dict:
         ]
     source = (
         f"Modelled, not measured: large GEMMs at {', '.join(effs)} of the data-sheet peak "
-        "(H100 from REFERENCE.md's 8192^3 bf16 ~ 800 TFLOP/s; the A100 16-bit figure is the "
+        "(the A100 16-bit figure is the "
         "single calibration of the Megatron-LM validation, an effective value that absorbs "
         "overheads the step model omits; V100 from published cuBLAS figures); smaller and "
         "skinny shapes follow a roofline, time = max(flops / (peak x eff x wave tail), "

@@ -3,7 +3,7 @@
 Takes a GEMM table (``autoshard/sim/gemm_tables/<name>.json`` or any path) and GEMM shapes
 ``C[M, N] = A[M, K] @ B[K, N]``; returns achieved efficiency (fraction of peak) and seconds.
 
-Table format (the GEMM profiler writes the same)::
+Table format (the GEMM profiler, ``benchmarks/measure_gemm_table.py``, writes the same)::
 
     {
       "device": "A100-SXM4-80GB",
