@@ -1180,6 +1180,62 @@ def memory_stats(compiled) -> MemoryStats:
     )  # fmt: skip
 
 
+# The options that make XLA write its buffer live ranges (``*-live-range.txt``) into a
+# folder: text dumps of the optimized module only (no per-pass dumps).
+LIVE_RANGE_DUMP_OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "NONE"}
+
+_PEAK_BLOCK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$", re.M)
+_PEAK_VALUE = re.compile(r"^\s+\S.*: (\d+) bytes \(cumulative: (\d+) bytes\)\s*$")
+_PEAK_TOTAL = re.compile(r"Stack trace breakdown for peak usage: ([\d ]+?) bytes")
+
+
+def live_range_peak_bytes(text: str) -> int | None:
+    """Bytes live at once at XLA's peak, read from an ``HloLiveRange`` dump.
+
+    ``text`` is a ``*after_optimizations-live-range.txt`` file that XLA writes with
+    ``xla_dump_to`` (:data:`LIVE_RANGE_DUMP_OPTIONS`).  Its ``Live ranges at N (peak):``
+    block lists every buffer live at the peak (parameters and outputs included) with a
+    running total, and the line ``Stack trace breakdown for peak usage: 1 781 008 bytes``
+    gives the same total (digits grouped by spaces).  Returns that total: the block's sum,
+    or the breakdown line where there is no block; ``None`` where neither is found or the
+    two disagree (a format this parser does not know).  This is what a liveness model can
+    predict; XLA's allocation (``memory_analysis``) is this plus the gaps in its heap.
+    """
+    block = None
+    match = _PEAK_BLOCK.search(text)
+    if match:
+        total, running = 0, None
+        for line in text[match.end() :].lstrip("\n").splitlines():
+            value = _PEAK_VALUE.match(line)
+            if not value:
+                break
+            total += int(value.group(1))
+            running = int(value.group(2))
+        if running is not None and running == total:
+            block = total
+    breakdown = None
+    match = _PEAK_TOTAL.search(text)
+    if match:
+        breakdown = int(match.group(1).replace(" ", ""))
+    if block is not None and breakdown is not None and block != breakdown:
+        return None
+    return block if block is not None else breakdown
+
+
+def dump_live_peak_bytes(dump_dir: str) -> int | None:
+    """:func:`live_range_peak_bytes` of the largest optimized-module live-range file that
+    XLA dumped into ``dump_dir`` (the step's module; small helper modules may sit beside
+    it); ``None`` where there is no such file or it cannot be read."""
+    import glob
+    import os
+
+    files = glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt"))
+    if not files:
+        return None
+    with open(max(files, key=os.path.getsize), encoding="utf-8", errors="replace") as f:
+        return live_range_peak_bytes(f.read())
+
+
 # --------------------------------------------------------------------------- comparison
 
 

@@ -662,6 +662,51 @@ def test_memory_stats_fall_back_to_the_sum_without_an_xla_peak():
     assert stats.peak_bytes == 100 + 40 + 30 - 20 and not stats.peak_from_xla
 
 
+def _live_range_dump(fn, shapes, folder):
+    options = {"xla_dump_to": str(folder), **hlo.LIVE_RANGE_DUMP_OPTIONS}
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+    (dump,) = folder.glob("*after_optimizations-live-range.txt")
+    return compiled, dump.read_text()
+
+
+def test_live_range_peak_of_an_elementwise_op_is_its_input_and_output(tmp_path):
+    """XLA's live peak, read from its own dump: an elementwise op holds its input and its
+    output at once, nothing else."""
+    compiled, text = _live_range_dump(jnp.sin, [(512, 256)], tmp_path)
+    assert hlo.live_range_peak_bytes(text) == 2 * 512 * 256 * 4
+    assert hlo.dump_live_peak_bytes(str(tmp_path)) == 2 * 512 * 256 * 4
+
+
+def test_live_range_peak_reads_the_peak_block_and_the_breakdown_alike(tmp_path):
+    """The two places the dump states the peak agree; either alone is read; a dump whose
+    two figures differ, or that has neither, is unknown (None), never a guess."""
+
+    def fn(x, w):
+        return jnp.tanh(x @ w) @ w.T
+
+    compiled, text = _live_range_dump(fn, [(256, 512), (512, 512)], tmp_path)
+    peak = hlo.live_range_peak_bytes(text)
+    stats = hlo.memory_stats(compiled)
+    allocated = stats.argument_bytes + stats.output_bytes - stats.alias_bytes + stats.temp_bytes
+    # the parameters and the output are live at the last dot; the heap holds at least that
+    assert stats.argument_bytes + stats.output_bytes <= peak <= allocated
+    block_only = re.sub(r"Stack trace breakdown for peak usage: [\d ]+ bytes", "", text)
+    assert block_only != text and hlo.live_range_peak_bytes(block_only) == peak
+    peak_block = r" *Live ranges at \d+ \(peak\):\n( +.*\(cumulative: \d+ bytes\)\n)+"
+    breakdown_only = re.sub(peak_block, "", text)
+    assert "(peak)" not in breakdown_only and "Stack trace" in breakdown_only
+    assert hlo.live_range_peak_bytes(breakdown_only) == peak
+    grouped = f"{peak + 1:,}".replace(",", " ")
+    mismatched = re.sub(r"peak usage: [\d ]+ bytes", f"peak usage: {grouped} bytes", text)
+    assert hlo.live_range_peak_bytes(mismatched) is None
+    assert hlo.live_range_peak_bytes("HloLiveRange (max 0):\n") is None
+
+
+def test_no_live_range_dump_is_an_unknown_peak(tmp_path):
+    assert hlo.dump_live_peak_bytes(str(tmp_path)) is None
+
+
 def test_compare_agrees_on_a_matching_prediction_and_flags_differences(meshes):
     jmesh, mesh, ids = meshes
     found = hlo.parse_collectives(_matmul(jmesh, P(None, "model")).as_text(), mesh, ids)
