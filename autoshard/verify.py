@@ -13,13 +13,15 @@ reduce-scatter and its bf16 -> f32 upcasts) and reads ``memory_analysis()``.  Re
   allocation (arguments + outputs - aliases + temp).
 
 Where memory disagrees, the step is compiled a second time with an XLA dump into a
-temporary folder, and XLA's own live-range peak (the bytes live at once,
-:func:`~autoshard.hlo.live_range_peak_bytes`) is recorded next to the allocation.  When the
-prediction is within ``memory_rtol`` of that live peak and the allocation is above it, the
-disagreement is explained: XLA:CPU's temp heap holds gaps above its live peak
-(fragmentation, from where its schedule places buffers), which no liveness model predicts.
-``memory_agree`` and ``agree`` stay allocation-based;
-``memory_explained_by_heap_gap`` says the disagreement is such a gap.
+temporary folder, and XLA's live peak -- the most bytes its schedule holds live at once,
+computed from its live-range and buffer-assignment dumps
+(:func:`~autoshard.hlo.live_range_peak`) -- is recorded next to the allocation, with the
+instruction where it is reached.  When the prediction is within ``memory_rtol`` of that
+live peak and the allocation is above it, the disagreement is explained: XLA's heap holds
+gaps above its live peak (fragmentation), which no liveness model predicts.  Otherwise the
+model misses (or adds) live buffers, and the instruction says where to look.
+``memory_agree`` and ``agree`` stay allocation-based; ``memory_explained_by_heap_gap``
+says the disagreement is a heap gap.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from dataclasses import dataclass, replace
 from autoshard.hlo import (
     LIVE_RANGE_DUMP_OPTIONS,
     CollectiveComparison,
+    LivePeak,
     MemoryStats,
     analyze_collectives,
     compare_collectives,
-    dump_live_peak_bytes,
+    dump_live_peak,
     memory_stats,
 )
 from autoshard.plan import ParallelPlan
@@ -55,6 +58,7 @@ class VerificationReport:
     # XLA's live-range peak (bytes live at once), measured only where memory disagrees;
     # None when not measured or unknown, and live_peak_note says why
     compiled_live_peak_bytes: float | None = None
+    compiled_live_peak_instruction: str = ""  # where XLA's schedule reaches it
     live_peak_note: str = ""
 
     @property
@@ -136,10 +140,12 @@ class VerificationReport:
                 f"({error:+.1%}), so the gap is heap fragmentation the liveness model does "
                 "not predict"
             )
+        where = self.compiled_live_peak_instruction
         return (
             f"{held}; the prediction is {error:+.1%} off the live peak, outside "
             f"{self.memory_rtol:.0%}: not only a heap gap, the model "
             f"{'misses' if error < 0 else 'adds'} live buffers"
+            + (f" (XLA's peak is at {where})" if where else "")
         )
 
     def to_json(self) -> dict:
@@ -178,6 +184,7 @@ class VerificationReport:
             "memory_error": self.memory_error,
             "memory_agree": self.memory_agree,
             "compiled_live_peak_bytes": self.compiled_live_peak_bytes,
+            "compiled_live_peak_instruction": self.compiled_live_peak_instruction,
             "live_peak_error": self.live_peak_error,
             "live_peak_note": self.live_peak_note,
             "memory_explained_by_heap_gap": self.memory_explained_by_heap_gap,
@@ -205,7 +212,7 @@ def verify_plan(
 
     ``live_peak`` says when to compile the step a second time with an XLA dump (a
     temporary folder, removed after) to read XLA's live-range peak
-    (:func:`live_peak_bytes`): ``"on_disagreement"`` (where the memory prediction is
+    (:func:`measure_live_peak`): ``"on_disagreement"`` (where the memory prediction is
     outside ``memory_rtol``), ``"always"`` or ``"never"``."""
     if live_peak not in LIVE_PEAK_WHEN:
         raise ValueError(f"live_peak must be one of {LIVE_PEAK_WHEN}, got {live_peak!r}")
@@ -238,25 +245,33 @@ def verify_plan(
         return replace(report, live_peak_note="not measured (live_peak='never')")
     if live_peak == "on_disagreement" and report.memory_agree:
         return replace(report, live_peak_note="not measured: memory agrees")
-    live, note = live_peak_bytes(step, abstract_args(program, plan, jmesh), report.memory)
-    return replace(report, compiled_live_peak_bytes=live, live_peak_note=note)
+    peak, note = measure_live_peak(step, abstract_args(program, plan, jmesh), report.memory)
+    if peak is None:
+        return replace(report, live_peak_note=note)
+    return replace(
+        report,
+        compiled_live_peak_bytes=float(peak.bytes),
+        compiled_live_peak_instruction=peak.instruction,
+        live_peak_note=note,
+    )
 
 
-def live_peak_bytes(step, args, memory: MemoryStats | None = None) -> tuple[float | None, str]:
-    """XLA's live-range peak of ``step`` (a jitted function) on ``args``: compiles it
-    again with an XLA dump into a temporary folder (removed after) and reads the dump.
+def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[LivePeak | None, str]:
+    """XLA's live peak of ``step`` (a jitted function) on ``args``: compiles it again with
+    an XLA dump into a temporary folder (removed after) and reads the dumps
+    (:func:`~autoshard.hlo.dump_live_peak`).
 
-    Returns ``(bytes, note)``: ``bytes`` is None when the peak is unknown -- no live-range
-    file (another backend or XLA version), a format :func:`dump_live_peak_bytes` does not
+    Returns ``(peak, note)``: ``peak`` is None when it is unknown -- no live-range or
+    buffer-assignment file (another backend or XLA version), a format the parser does not
     read, a failing compile, or, given the first compile's ``memory``, a dumped compile
     that allocates differently (its live peak would describe another executable).  The
-    note says which, or where the figure comes from.  Never raises.
+    note says which, or where the peak is.  Never raises.
     """
     try:
         with tempfile.TemporaryDirectory(prefix="autoshard-xla-dump-") as folder:
             options = {"xla_dump_to": folder, **LIVE_RANGE_DUMP_OPTIONS}
             compiled = step.lower(*args).compile(compiler_options=options)
-            live = dump_live_peak_bytes(folder)
+            live = dump_live_peak(folder)
     except Exception as exc:  # any failure leaves the live peak unknown, never the report
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
         return None, f"unknown: the dumped compile failed ({type(exc).__name__}: {first_line})"
@@ -269,7 +284,10 @@ def live_peak_bytes(step, args, memory: MemoryStats | None = None) -> tuple[floa
                 "unknown: the dumped compile allocates differently "
                 f"({_mib(_allocated(again))} vs {_mib(_allocated(memory))})"
             )
-    return float(live), "XLA's live-range dump (peak of bytes live at once)"
+    return live, (
+        f"XLA's dumps: most bytes live at once, at {live.instruction or '?'} "
+        f"(position {live.position} of its schedule)"
+    )
 
 
 def _allocated(m: MemoryStats) -> int:
