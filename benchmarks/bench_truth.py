@@ -7,8 +7,9 @@ compare with the plan's predictions:
 * collectives -- the same (kind, mesh axes) pairs, total bytes within 2% per pair;
 * peak memory per device -- within 10% of XLA's (arguments + outputs - aliases + temp).
   Where it is not, ``verify_plan`` compiles again with an XLA dump and reads XLA's live
-  peak (bytes live at once); a row whose prediction is within 10% of that live peak, with
-  XLA's allocation above it, is counted as "explained (heap gap)", separately.
+  peak (the most bytes its schedule holds at once); a row whose prediction is within 10%
+  of that live peak, with XLA's allocation above it, is counted as "explained (heap
+  gap)", separately.  ``--live-peaks always`` reads the live peak for every row.
 
 Writes one JSON row per plan and prints a table; ``--markdown FILE`` also writes the
 table for the docs; ``--suite intra|memory`` re-runs one suite and keeps the other's rows
@@ -99,6 +100,7 @@ def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> li
                     / report.compiled_peak_bytes,
                     "memory_agree": report.memory_agree,
                     "compiled_live_peak_bytes": report.compiled_live_peak_bytes,
+                    "compiled_live_peak_instruction": report.compiled_live_peak_instruction,
                     "live_peak_error": report.live_peak_error,
                     "memory_explained_by_heap_gap": report.memory_explained_by_heap_gap,
                     "memory_explanation": report.memory_explanation,
