@@ -1197,9 +1197,10 @@ def stated_live_peak_bytes(live_range: str) -> int | None:
     """The peak XLA states in an ``HloLiveRange`` dump (``*-live-range.txt``): the sum of
     its ``Live ranges at N (peak):`` block, or the line ``Stack trace breakdown for peak
     usage: 1 781 008 bytes`` where there is no block; ``None`` where neither is found or
-    the two disagree (a format this parser does not know).  XLA sums *values*, so two
-    values that share one buffer (an in-place scatter and the buffer it updates, live
-    together at the scatter) count twice, and the moment is not the peak (:func:`live_range_peak`).
+    the two disagree (a format this parser does not know).  Not the live peak: XLA sums
+    *values*, so two values that share one buffer (an in-place scatter and the buffer it
+    updates, live together at the scatter) count twice, and the moment it prints is not
+    the peak (:func:`live_range_peak`).
     """
     block = None
     match = _PEAK_BLOCK.search(live_range)

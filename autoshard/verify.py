@@ -211,7 +211,7 @@ def verify_plan(
     """Compile ``plan`` for ``program`` and compare its predictions with XLA's.
 
     ``live_peak`` says when to compile the step a second time with an XLA dump (a
-    temporary folder, removed after) to read XLA's live-range peak
+    temporary folder, removed after) to read XLA's live peak
     (:func:`measure_live_peak`): ``"on_disagreement"`` (where the memory prediction is
     outside ``memory_rtol``), ``"always"`` or ``"never"``."""
     if live_peak not in LIVE_PEAK_WHEN:
@@ -276,7 +276,7 @@ def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[Li
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
         return None, f"unknown: the dumped compile failed ({type(exc).__name__}: {first_line})"
     if live is None:
-        return None, "unknown: XLA wrote no readable live-range dump (*-live-range.txt)"
+        return None, "unknown: XLA wrote no readable live-range and buffer-assignment dumps"
     if memory is not None:
         again = memory_stats(compiled)
         if again != memory:

@@ -101,7 +101,7 @@ def test_an_unreadable_dump_leaves_the_live_peak_unknown(mlp_dp, monkeypatch, ho
     assert not report.memory_agree and report.compiled_live_peak_bytes is None
     assert report.live_peak_error is None and not report.memory_explained_by_heap_gap
     assert report.memory_explanation.startswith("XLA's live peak is unknown")
-    why = "no readable live-range dump" if how == "no dump file" else "dumped compile failed"
+    why = "no readable live-range" if how == "no dump file" else "dumped compile failed"
     assert report.live_peak_note.startswith("unknown") and why in report.live_peak_note
     row = json.loads(json.dumps(report.to_json()))
     assert row["compiled_live_peak_bytes"] is None and row["live_peak_error"] is None
