@@ -81,6 +81,7 @@ def _plan_json(model: str, bound, report) -> dict:
             compiled_peak_bytes=report.compiled_peak_bytes,
             collectives_agree=report.collectives_agree,
             memory_error=report.memory_error,
+            memory_explained_by_heap_gap=report.memory_explained_by_heap_gap,
             agree=report.agree,
             verification=verification,
         )

@@ -126,6 +126,13 @@ def print_verification(report, console: Console | None = None) -> None:
         f"{human(report.compiled_peak_bytes, 'B')} (error {report.memory_error:.1%}, "
         f"tolerance {report.memory_rtol:.0%}) agree: {mem_ok}"
     )
+    if not report.memory_agree:
+        mark = (
+            "[yellow]explained[/yellow]"
+            if report.memory_explained_by_heap_gap
+            else "[red]not explained[/red]"
+        )
+        console.print(f"memory disagreement {mark}: {report.memory_explanation}")
     verdict = "[green]AGREE[/green]" if report.agree else "[red]DISAGREE[/red]"
     console.print(
         f"collectives agree: {report.collectives_agree}; overall: {verdict} "

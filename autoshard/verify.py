@@ -9,19 +9,35 @@ reduce-scatter and its bf16 -> f32 upcasts) and reads ``memory_analysis()``.  Re
 
 * collectives -- the same (kind, mesh axes) pairs on both sides, and total bytes per pair
   within ``bytes_rtol`` (2%);
-* memory -- predicted peak bytes per device within ``memory_rtol`` (10%) of XLA's.
+* memory -- predicted peak bytes per device within ``memory_rtol`` (10%) of XLA's
+  allocation (arguments + outputs - aliases + temp).
+
+Where memory disagrees, the step is compiled a second time with an XLA dump into a
+temporary folder, and XLA's live peak -- the most bytes its schedule holds live at once,
+computed from its live-range and buffer-assignment dumps
+(:func:`~autoshard.hlo.live_range_peak`) -- is recorded next to the allocation, with the
+instruction where it is reached.  When the prediction is within ``memory_rtol`` of that
+live peak and the allocation is above it, the disagreement is explained: XLA's heap holds
+gaps above its live peak (fragmentation), which no liveness model predicts.  Otherwise the
+model misses (or adds) live buffers, and the instruction says where to look.
+``memory_agree`` and ``agree`` stay allocation-based; ``memory_explained_by_heap_gap``
+says the disagreement is a heap gap.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoshard.hlo import (
+    LIVE_RANGE_DUMP_OPTIONS,
     CollectiveComparison,
+    LivePeak,
     MemoryStats,
     analyze_collectives,
     compare_collectives,
+    dump_live_peak,
     memory_stats,
 )
 from autoshard.plan import ParallelPlan
@@ -39,6 +55,11 @@ class VerificationReport:
     memory: MemoryStats
     memory_rtol: float
     compile_seconds: float
+    # XLA's live-range peak (bytes live at once), measured only where memory disagrees;
+    # None when not measured or unknown, and live_peak_note says why
+    compiled_live_peak_bytes: float | None = None
+    compiled_live_peak_instruction: str = ""  # where XLA's schedule reaches it
+    live_peak_note: str = ""
 
     @property
     def compiled_peak_bytes(self) -> float:
@@ -48,8 +69,7 @@ class VerificationReport:
         arguments + outputs - aliases), so we add it back: the temp buffer holds every
         intermediate, packed by XLA's heap simulator.
         """
-        m = self.memory
-        return float(m.argument_bytes + m.output_bytes - m.alias_bytes + m.temp_bytes)
+        return float(_allocated(self.memory))
 
     @property
     def memory_error(self) -> float:
@@ -67,6 +87,66 @@ class VerificationReport:
     @property
     def agree(self) -> bool:
         return self.collectives_agree and self.memory_agree
+
+    @property
+    def live_peak_error(self) -> float | None:
+        """Signed (predicted - live peak) / live peak; None when the live peak is unknown."""
+        live = self.compiled_live_peak_bytes
+        if live is None or live <= 0:
+            return None
+        return (self.predicted_peak_bytes - live) / live
+
+    @property
+    def heap_gap_bytes(self) -> float | None:
+        """What XLA allocates above the bytes it holds live at its peak (None: unknown)."""
+        live = self.compiled_live_peak_bytes
+        return None if live is None else self.compiled_peak_bytes - live
+
+    @property
+    def memory_explained_by_heap_gap(self) -> bool:
+        """The memory disagreement is a heap gap: the prediction misses XLA's allocation by
+        more than ``memory_rtol`` but is within ``memory_rtol`` of XLA's live peak, and the
+        allocation is above that peak.  False where memory agrees or the live peak is
+        unknown.  ``memory_agree`` and ``agree`` do not change."""
+        error = self.live_peak_error
+        return (
+            not self.memory_agree
+            and error is not None
+            and abs(error) <= self.memory_rtol
+            and self.compiled_peak_bytes > self.compiled_live_peak_bytes
+        )
+
+    @property
+    def memory_explanation(self) -> str:
+        """One sentence on a memory disagreement ("" where memory agrees)."""
+        if self.memory_agree:
+            return ""
+        live, gap, error = self.compiled_live_peak_bytes, self.heap_gap_bytes, self.live_peak_error
+        if live is None or error is None:
+            return f"XLA's live peak is unknown ({self.live_peak_note or 'not measured'})"
+        if gap > 0:
+            held = (
+                f"XLA's heap holds {_mib(gap)} above its live peak {_mib(live)} "
+                f"(allocation {_mib(self.compiled_peak_bytes)})"
+            )
+        else:
+            held = (
+                f"XLA's live peak {_mib(live)} is not below its allocation "
+                f"{_mib(self.compiled_peak_bytes)}"
+            )
+        if self.memory_explained_by_heap_gap:
+            return (
+                f"{held}; the prediction is within {self.memory_rtol:.0%} of the live peak "
+                f"({error:+.1%}), so the gap is heap fragmentation the liveness model does "
+                "not predict"
+            )
+        where = self.compiled_live_peak_instruction
+        return (
+            f"{held}; the prediction is {error:+.1%} off the live peak, outside "
+            f"{self.memory_rtol:.0%}: not only a heap gap, the model "
+            f"{'misses' if error < 0 else 'adds'} live buffers"
+            + (f" (XLA's peak is at {where})" if where else "")
+        )
 
     def to_json(self) -> dict:
         return {
@@ -103,10 +183,19 @@ class VerificationReport:
             },
             "memory_error": self.memory_error,
             "memory_agree": self.memory_agree,
+            "compiled_live_peak_bytes": self.compiled_live_peak_bytes,
+            "compiled_live_peak_instruction": self.compiled_live_peak_instruction,
+            "live_peak_error": self.live_peak_error,
+            "live_peak_note": self.live_peak_note,
+            "memory_explained_by_heap_gap": self.memory_explained_by_heap_gap,
+            "memory_explanation": self.memory_explanation,
             "agree": self.agree,
             "compile_seconds": self.compile_seconds,
             "notes": list(self.compiled_notes),
         }
+
+
+LIVE_PEAK_WHEN = ("on_disagreement", "always", "never")
 
 
 def verify_plan(
@@ -117,8 +206,16 @@ def verify_plan(
     devices=None,
     bytes_rtol: float = 0.02,
     memory_rtol: float = 0.10,
+    live_peak: str = "on_disagreement",
 ) -> VerificationReport:
-    """Compile ``plan`` for ``program`` and compare its predictions with XLA's."""
+    """Compile ``plan`` for ``program`` and compare its predictions with XLA's.
+
+    ``live_peak`` says when to compile the step a second time with an XLA dump (a
+    temporary folder, removed after) to read XLA's live peak
+    (:func:`measure_live_peak`): ``"on_disagreement"`` (where the memory prediction is
+    outside ``memory_rtol``), ``"always"`` or ``"never"``."""
+    if live_peak not in LIVE_PEAK_WHEN:
+        raise ValueError(f"live_peak must be one of {LIVE_PEAK_WHEN}, got {live_peak!r}")
     import numpy as np
 
     from autoshard.runtime import abstract_args, build_sharded_step, make_mesh
@@ -133,7 +230,7 @@ def verify_plan(
     collectives = tuple(c.collective for c in parsed.collectives)
     notes = tuple(sorted({c.note for c in parsed.collectives if c.note}))
     comparison = compare_collectives(plan.predicted_collectives, collectives, rel_tol=bytes_rtol)
-    return VerificationReport(
+    report = VerificationReport(
         plan=plan.name,
         mesh=str(plan.mesh),
         comparison=comparison,
@@ -144,3 +241,60 @@ def verify_plan(
         memory_rtol=memory_rtol,
         compile_seconds=seconds,
     )
+    if live_peak == "never":
+        return replace(report, live_peak_note="not measured (live_peak='never')")
+    if live_peak == "on_disagreement" and report.memory_agree:
+        return replace(report, live_peak_note="not measured: memory agrees")
+    peak, note = measure_live_peak(step, abstract_args(program, plan, jmesh), report.memory)
+    if peak is None:
+        return replace(report, live_peak_note=note)
+    return replace(
+        report,
+        compiled_live_peak_bytes=float(peak.bytes),
+        compiled_live_peak_instruction=peak.instruction,
+        live_peak_note=note,
+    )
+
+
+def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[LivePeak | None, str]:
+    """XLA's live peak of ``step`` (a jitted function) on ``args``: compiles it again with
+    an XLA dump into a temporary folder (removed after) and reads the dumps
+    (:func:`~autoshard.hlo.dump_live_peak`).
+
+    Returns ``(peak, note)``: ``peak`` is None when it is unknown -- no live-range or
+    buffer-assignment file (another backend or XLA version), a format the parser does not
+    read, a failing compile, or, given the first compile's ``memory``, a dumped compile
+    that allocates differently (its live peak would describe another executable).  The
+    note says which, or where the peak is.  Never raises.
+    """
+    try:
+        with tempfile.TemporaryDirectory(prefix="autoshard-xla-dump-") as folder:
+            options = {"xla_dump_to": folder, **LIVE_RANGE_DUMP_OPTIONS}
+            compiled = step.lower(*args).compile(compiler_options=options)
+            live = dump_live_peak(folder)
+    except Exception as exc:  # any failure leaves the live peak unknown, never the report
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        return None, f"unknown: the dumped compile failed ({type(exc).__name__}: {first_line})"
+    if live is None:
+        return None, "unknown: XLA wrote no readable live-range and buffer-assignment dumps"
+    if memory is not None:
+        again = memory_stats(compiled)
+        if again != memory:
+            return None, (
+                "unknown: the dumped compile allocates differently "
+                f"({_mib(_allocated(again))} vs {_mib(_allocated(memory))})"
+            )
+    return live, (
+        f"XLA's dumps: most bytes live at once, at {live.instruction or '?'} "
+        f"(position {live.position} of its schedule)"
+    )
+
+
+def _allocated(m: MemoryStats) -> int:
+    return m.argument_bytes + m.output_bytes - m.alias_bytes + m.temp_bytes
+
+
+def _mib(nbytes: float) -> str:
+    if abs(nbytes) < 2**20:
+        return f"{nbytes / 2**10:,.1f} KiB"
+    return f"{nbytes / 2**20:,.1f} MiB"

@@ -91,10 +91,15 @@ def test_verify_json_has_the_documented_keys():
         "compiled_collectives",
         "predicted_peak_bytes",
         "compiled_peak_bytes",
+        "memory_explained_by_heap_gap",
         "agree",
         "solver",
     ):
         assert key in out
+    for key in ("compiled_live_peak_bytes", "live_peak_error", "memory_explanation"):
+        assert key in out["verification"]
+    verification = out["verification"]
+    assert (verification["memory_explanation"] == "") == verification["memory_agree"]
     for key in ("status", "gap", "seconds", "num_variables"):
         assert key in out["solver"]
     assert proc.returncode == (0 if out["collectives_agree"] else 1)

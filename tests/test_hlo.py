@@ -662,6 +662,99 @@ def test_memory_stats_fall_back_to_the_sum_without_an_xla_peak():
     assert stats.peak_bytes == 100 + 40 + 30 - 20 and not stats.peak_from_xla
 
 
+def _live_range_dump(fn, shapes, folder):
+    options = {"xla_dump_to": str(folder), **hlo.LIVE_RANGE_DUMP_OPTIONS}
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+    (live_range,) = folder.glob("*after_optimizations-live-range.txt")
+    (assignment,) = folder.glob("*after_optimizations-buffer-assignment.txt")
+    return compiled, live_range.read_text(), assignment.read_text()
+
+
+def _allocated(compiled) -> int:
+    m = hlo.memory_stats(compiled)
+    return m.argument_bytes + m.output_bytes - m.alias_bytes + m.temp_bytes
+
+
+def test_live_peak_of_an_elementwise_op_is_its_input_and_output(tmp_path):
+    """XLA's live peak, read from its own dumps: an elementwise op holds its input and its
+    output at once, nothing else."""
+    compiled, live_range, assignment = _live_range_dump(jnp.sin, [(512, 256)], tmp_path)
+    peak = hlo.live_range_peak(live_range, assignment)
+    assert peak.bytes == 2 * 512 * 256 * 4 == _allocated(compiled)
+    assert hlo.dump_live_peak(str(tmp_path)) == peak
+    assert sorted(b for _, b in peak.values) == [512 * 256 * 4] * 2
+
+
+def test_the_live_peak_holds_an_instructions_operands_and_result_together(tmp_path):
+    """At ``tanh(x @ w) @ w.T`` XLA's schedule holds x, w, the first dot's result and the
+    tanh at the tanh (operand and result), or x, w, the tanh and the output at the last
+    dot: either way at least x, w and two [256, 512] buffers, and never more than XLA
+    allocated."""
+
+    def fn(x, w):
+        return jnp.tanh(x @ w) @ w.T
+
+    compiled, live_range, assignment = _live_range_dump(fn, [(256, 512), (512, 512)], tmp_path)
+    peak = hlo.live_range_peak(live_range, assignment)
+    act, weight = 256 * 512 * 4, 512 * 512 * 4
+    assert 3 * act + weight <= peak.bytes <= _allocated(compiled)
+    assert peak.instruction and sum(b for _, b in peak.values) == peak.bytes
+
+
+def test_values_sharing_a_buffer_count_once(tmp_path):
+    """A scatter-add into zeros updates them in place: XLA's dump lists both values, live
+    together at the scatter, in one buffer slice.  The live peak counts the slice once
+    (``shared_once=False`` counts both, as XLA's printed figure can)."""
+
+    def fn(updates, idx):
+        return jnp.zeros((256, 1024), jnp.float32).at[idx.astype(jnp.int32)].add(updates)
+
+    compiled, live_range, assignment = _live_range_dump(fn, [(16, 1024), (16,)], tmp_path)
+    slices = hlo.buffer_slices(assignment)
+    shared = [n for n, pieces in slices.items() if [p[2] for p in pieces] == [256 * 1024 * 4]]
+    assert len({tuple(slices[n]) for n in shared}) < len(shared)  # the premise: one slice
+    once = hlo.live_range_peak(live_range, assignment)
+    each = hlo.live_range_peak(live_range, assignment, shared_once=False)
+    assert once.bytes <= _allocated(compiled) < each.bytes
+    assert each.bytes - once.bytes >= 256 * 1024 * 4
+
+
+def test_the_printed_peak_is_read_but_is_not_the_live_peak(tmp_path):
+    """The live-range dump prints a peak block (and a breakdown line with the same total);
+    both are read, alike.  It is the set of values at the moment XLA's running sum picks,
+    which follows the true peak: never above it where no values share a buffer."""
+
+    def fn(x, w):
+        return jnp.sum(jnp.exp(jnp.tanh(x @ w)) @ w.T)
+
+    compiled, live_range, assignment = _live_range_dump(
+        jax.grad(fn, argnums=1), [(256, 512), (512, 512)], tmp_path
+    )
+    stated = hlo.stated_live_peak_bytes(live_range)
+    peak = hlo.live_range_peak(live_range, assignment, shared_once=False)
+    assert stated is not None and stated <= peak.bytes
+    block_only = re.sub(r"Stack trace breakdown for peak usage: [\d ]+ bytes", "", live_range)
+    assert block_only != live_range and hlo.stated_live_peak_bytes(block_only) == stated
+    peak_block = r" *Live ranges at \d+ \(peak\):\n( +.*\(cumulative: \d+ bytes\)\n)+"
+    breakdown_only = re.sub(peak_block, "", live_range)
+    assert "(peak)" not in breakdown_only and "Stack trace" in breakdown_only
+    assert hlo.stated_live_peak_bytes(breakdown_only) == stated
+    grouped = f"{stated + 1:,}".replace(",", " ")
+    mismatched = re.sub(r"peak usage: [\d ]+ bytes", f"peak usage: {grouped} bytes", live_range)
+    assert hlo.stated_live_peak_bytes(mismatched) is None
+
+
+def test_unreadable_dumps_are_an_unknown_peak(tmp_path):
+    assert hlo.dump_live_peak(str(tmp_path)) is None
+    compiled, live_range, assignment = _live_range_dump(jnp.sin, [(64, 64)], tmp_path)
+    assert hlo.live_range_peak("HloLiveRange (max 0):\n", assignment) is None
+    assert hlo.live_range_peak(live_range, "BufferAssignment:\n") is None
+    first = re.search(r"^allocation \d+: .*\n( value: .*\n)", assignment, re.M)
+    missing = assignment.replace(first.group(1), "")  # a live value without a slice
+    assert hlo.live_range_peak(live_range, missing) is None
+
+
 def test_compare_agrees_on_a_matching_prediction_and_flags_differences(meshes):
     jmesh, mesh, ids = meshes
     found = hlo.parse_collectives(_matmul(jmesh, P(None, "model")).as_text(), mesh, ids)

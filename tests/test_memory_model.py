@@ -280,39 +280,71 @@ def test_an_input_resharded_copy_starts_with_the_step_on_cpu():
     assert first_cpu == 0 < first_other == dot.index
 
 
-@pytest.mark.slow
-def test_deeper_gpt_tiny_dp_memory_gap_is_xla_cpu_heap_not_live_buffers(tmp_path):
-    """Named disagreement (docs/truth.md): the 4-block gpt-tiny data-parallel plan on 8
-    devices is predicted 27% under XLA's figure, yet above what XLA's own live-range dump
-    says is live at its peak: the rest is gaps in XLA:CPU's temp heap, which no liveness
-    model sees."""
-    import glob
-    import os
-    import re
+@pytest.fixture(scope="module")
+def gpt_tiny_4_blocks():
+    from autoshard.api import trace_workload
 
+    return trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_text", ["8", "1x8"])
+@pytest.mark.parametrize("which", ["dp", "zero2", "auto"])
+def test_deeper_gpt_tiny_memory_misses_the_combined_gradient_all_reduce(
+    gpt_tiny_4_blocks, which, mesh_text
+):
+    """Named disagreements (docs/truth.md): the 4-block gpt-tiny dp, zero2 and auto plans
+    on the 1-D meshes (benchmarks/bench_truth.py's rows) are predicted more than 10% under
+    XLA's allocation.  Not a heap gap: XLA's live peak, read by ``verify_plan``, is its
+    allocation to within 1%, and it is reached at the one all-reduce into which XLA:CPU
+    combines every gradient's, where the unreduced and the reduced gradients are live
+    together.  The model holds each gradient once there (docs/truth.md names the rule that
+    would add the reduced copies, and why it is not in)."""
+    from autoshard.api import device_mesh_for
+    from autoshard.baselines import baseline_inputs
+    from autoshard.intra import auto_shard_graph
+    from autoshard.verify import verify_plan
+
+    traced = gpt_tiny_4_blocks
+    shape = tuple(int(s) for s in mesh_text.split("x"))
+    mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
+    pinned = None if which == "auto" else baseline_inputs(traced.graph, mesh.mesh, which)
+    plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, name=which, solver="highs")
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
+    live = report.compiled_live_peak_bytes
+    assert not report.memory_agree  # the named disagreement, allocation-based
+    assert live is not None, report.live_peak_note
+    assert 0 <= report.heap_gap_bytes <= 0.01 * report.compiled_peak_bytes  # no heap gap
+    assert report.predicted_peak_bytes < 0.9 * live  # live buffers the model misses
+    assert not report.memory_explained_by_heap_gap
+    assert "misses live buffers" in report.memory_explanation
+    assert report.compiled_live_peak_instruction.startswith("all-reduce")
+
+
+@pytest.mark.slow
+def test_gpt350m_bf16_zero2_memory_misses_the_logits_gradient_all_to_all_in_f32():
+    """Named disagreement (docs/truth.md): gpt-350m (two blocks, batch 8, AdamW, bf16)
+    under ZeRO-2 on 8 devices is predicted 10.4% under XLA's allocation.  Not a heap gap:
+    XLA's live peak is its allocation to within 1%.  At that peak XLA holds the f32 parts
+    it sends in the all-to-all of the bf16 logits gradient (XLA:CPU moves bf16 collectives
+    as f32) next to the bf16 gradient and its f32 dot copy; the model counts the moved copy
+    at bf16 size and no send buffers (docs/truth.md: the rules tried, and why they are
+    not in)."""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.baselines import baseline_inputs
-    from autoshard.hlo import memory_stats
     from autoshard.intra import auto_shard_graph
-    from autoshard.runtime import abstract_args, build_sharded_step, make_mesh
+    from autoshard.verify import verify_plan
 
-    traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
-    mesh = device_mesh_for((8,), ("data",))
-    pinned = baseline_inputs(traced.graph, mesh.mesh, "dp")
-    plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, solver="highs")
-    jmesh = make_mesh(plan.mesh, jax.devices()[:8])
-    step = build_sharded_step(traced.program, plan, jmesh, donate=True)
-    options = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
-    options["xla_dump_hlo_pass_re"] = "NONE"
-    compiled = step.lower(*abstract_args(traced.program, plan, jmesh)).compile(
-        compiler_options=options
+    traced = trace_workload(
+        "gpt-350m", optimizer="adamw", num_layers=2, batch_size=8, dtype="bfloat16"
     )
-    stats = memory_stats(compiled)
-    allocated = stats.argument_bytes + stats.output_bytes - stats.alias_bytes + stats.temp_bytes
-    dump = max(glob.glob(f"{tmp_path}/*after_optimizations-live-range.txt"), key=os.path.getsize)
-    text = open(dump).read()
-    peak_block = text[text.index("(peak)") :].split("\n\n")[0]
-    live = sum(int(b) for b in re.findall(r"\}: (\d+) bytes", peak_block))
-    assert plan.predicted_peak_bytes < 0.9 * allocated  # the named disagreement
-    assert 0.8 * plan.predicted_peak_bytes < live <= plan.predicted_peak_bytes  # 1,739 vs
-    # 1,891 KiB when written: everything XLA holds live at once is counted
+    mesh = device_mesh_for((8,), ("data",))
+    pinned = baseline_inputs(traced.graph, mesh.mesh, "zero2")
+    plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, name="zero2", solver="highs")
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
+    live = report.compiled_live_peak_bytes
+    assert not report.memory_agree  # the named disagreement, allocation-based
+    assert live is not None, report.live_peak_note
+    assert 0 <= report.heap_gap_bytes <= 0.01 * report.compiled_peak_bytes  # no heap gap
+    assert report.predicted_peak_bytes < 0.9 * live  # live buffers the model misses
+    assert not report.memory_explained_by_heap_gap
