@@ -128,7 +128,7 @@ def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
         print_plan(bound.plan, bound.graph)
         if report is not None:
             print_verification(report)
-    if verify_exit and report is not None and not report.collectives_agree:
+    if verify_exit and report is not None and not report.agree:  # collectives or memory
         return 1
     return 0
 
