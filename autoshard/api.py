@@ -117,7 +117,7 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     With ``cluster`` (a preset name such as ``dgx-a100`` or a preset file) the costs are
     in seconds: NVLink for axes inside a node, the network for axes across nodes.
     """
-    from autoshard.cost import XLA_CPU_MEMORY, DeviceMesh, uniform_mesh
+    from autoshard.cost import XLA_CPU_MEMORY, XLA_GPU_MEMORY, DeviceMesh, uniform_mesh
 
     if isinstance(mesh, DeviceMesh):
         return mesh
@@ -144,7 +144,7 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
             the_cluster, shape, names, gemm_table=None if table is None else GemmTable.load(table)
         )
     betas = tuple(0.1 if i == len(shape) - 1 and len(shape) > 1 else 1.0 for i in range(len(shape)))
-    layout = XLA_CPU_MEMORY if _runs_on_cpu(mesh) else {}
+    layout = XLA_CPU_MEMORY if _runs_on_cpu(mesh) else XLA_GPU_MEMORY
     return uniform_mesh(shape, names, 1.0, betas, **layout)
 
 

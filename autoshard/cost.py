@@ -117,6 +117,11 @@ class DeviceMesh:
     # the labels' one-hot) at the start of the step, so such a resharded copy is live from
     # there to its last reader. The memory model counts it so.
     early_input_reshards: bool = False
+    # XLA:GPU fuses a transcendental (softmax's exp) into every kernel that reads it and
+    # recomputes it in the backward pass from what it is made of (the bf16 attention
+    # scores), so no f32 exp(scores - max) is kept (measured on one H100,
+    # docs/validation.md); XLA:CPU keeps it. The memory model counts it so.
+    fused_transcendentals: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))
@@ -165,6 +170,10 @@ XLA_CPU_MEMORY = MappingProxyType(
         "early_input_reshards": True,
     }
 )
+
+
+# How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).
+XLA_GPU_MEMORY = MappingProxyType({"fused_transcendentals": True})
 
 
 def uniform_mesh(

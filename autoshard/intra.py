@@ -188,7 +188,10 @@ def build_problem(
             strategies.append(input_cache[t.shape])
         producer[tid] = (pos, 0)
     warned: set[str] = set()
-    # memory-bound ops are charged the buffers they stream, under the fusion model
+    # memory-bound ops are charged the buffers they stream, under XLA:CPU's fusion model on
+    # every backend: on one H100 the attention's softmax kernels took 18.5 ms a step, where
+    # the values XLA:GPU keeps (mesh.fused_transcendentals) would price 7.7 ms and these
+    # 27.0 ms (docs/validation.md)
     materialized = (
         materialized_tensors(graph, mesh.reductions_read_memory)
         if math.isfinite(mesh.hbm_bandwidth)
@@ -606,7 +609,9 @@ EXPENSIVE = TRANSCENDENTAL | {"div"}  # not recomputed in the backward pass when
 FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradient"})
 
 
-def materialized_tensors(graph: Graph, reductions_read_memory: bool = False) -> set[int]:
+def materialized_tensors(
+    graph: Graph, reductions_read_memory: bool = False, fused_transcendentals: bool = False
+) -> set[int]:
     """Tensors that occupy memory in the compiled step (a model of XLA's fusion).
 
     A tensor is materialised when it is a program input or output, when an op that
@@ -623,9 +628,14 @@ def materialized_tensors(graph: Graph, reductions_read_memory: bool = False) -> 
     made in the forward pass and read in the backward is kept unless its operands are
     kept until then anyway.
 
+    With ``fused_transcendentals`` (XLA:GPU) transcendentals are cheap too: fused into
+    every reader and recomputed in the backward pass (softmax's ``exp``).
+
     Values that depend on no program input (an attention mask: iota, compare,
     broadcast) never are: XLA folds them or regenerates them inside each reader's fusion.
     """
+    expensive = EXPENSIVE - TRANSCENDENTAL if fused_transcendentals else EXPENSIVE
+    kept_when_shared = frozenset() if fused_transcendentals else TRANSCENDENTAL
     out = set(graph.inputs) | set(graph.outputs)
     data_free = _data_free_tensors(graph)
     unfused = UNFUSED_CONSUMERS | (ALL_REDUCTIONS if reductions_read_memory else frozenset())
@@ -639,9 +649,9 @@ def materialized_tensors(graph: Graph, reductions_read_memory: bool = False) -> 
             users = [graph.nodes[c] for c in t.consumers]
             if node.primitive in MATERIALIZING or any(u.primitive in unfused for u in users):
                 out.add(tid)
-            elif node.primitive in TRANSCENDENTAL and len({u.index for u in users}) > 1:
+            elif node.primitive in kept_when_shared and len({u.index for u in users}) > 1:
                 out.add(tid)  # too dear to recompute in every consumer's fusion
-            elif node.primitive not in EXPENSIVE:
+            elif node.primitive not in expensive:
                 continue  # recomputed wherever it is read
             elif node.phase == "forward" and any(u.phase != "forward" for u in users):
                 # saved for the backward pass -- unless XLA can recompute it inside the
@@ -691,7 +701,10 @@ def program_positions(graph: Graph, late_updates: bool = False) -> list[int]:
 
 
 def live_intervals(
-    graph: Graph, reductions_read_memory: bool = False, late_updates: bool = False
+    graph: Graph,
+    reductions_read_memory: bool = False,
+    late_updates: bool = False,
+    fused_transcendentals: bool = False,
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -704,7 +717,7 @@ def live_intervals(
     """
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
-    keep = materialized_tensors(graph, reductions_read_memory)
+    keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals)
     aliased_outputs = {dst for _, dst in graph.aliases}
     out: dict[int, tuple[int, int]] = {}
     for t in graph.tensors:
@@ -729,7 +742,9 @@ def live_intervals(
 
 def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
     """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
-    return live_intervals(graph, mesh.reductions_read_memory, mesh.late_updates)
+    return live_intervals(
+        graph, mesh.reductions_read_memory, mesh.late_updates, mesh.fused_transcendentals
+    )
 
 
 def _readers(graph: Graph, tid: int, keep: set[int]) -> set[int]:

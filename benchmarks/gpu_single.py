@@ -16,8 +16,8 @@ predicts on one H100 (cluster preset ``dgx-h100``, resized to 1 GPU):
   micro-batch and no recompute, on both programs: ``megatron-lm`` (Megatron-LM's fused
   kernels) and ``traced`` (this JAX step, priced op by op as the search prices it);
 * its peak memory on both programs, and the intra-op memory model's peak bytes of the
-  1-device plan with the GPU memory layout (``DeviceMesh`` flags off: the mesh comes from
-  the cluster preset, not from ``XLA_CPU_MEMORY``);
+  1-device plan with the GPU memory layout (the cluster preset's mesh:
+  ``XLA_GPU_MEMORY``, not ``XLA_CPU_MEMORY``);
 
 * where the step's time goes: the traced step's per-operation costs by kind (GEMMs; the
   attention's S x S elementwise work, the optimizer and the rest, memory-bound), next to
@@ -289,6 +289,7 @@ def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") 
     flags = ("narrow_dots_in_f32", "reductions_read_memory", "late_updates",
              "early_input_reshards")  # fmt: skip
     assert not any(getattr(mesh, f) for f in flags), "expected the GPU memory layout"
+    assert mesh.fused_transcendentals, "expected the GPU memory layout"
     plan = auto_shard_graph(traced.graph, mesh, solver="highs", time_limit_s=60.0)
     out["intra_predicted_peak_bytes"] = float(plan.predicted_peak_bytes)
     cfg = traced.workload.config
@@ -305,7 +306,7 @@ def traced_breakdown(graph, mesh, seq_len: int, batch_heads: int) -> dict:
     from autoshard.intra import materialized_tensors
     from autoshard.strategies import node_context, replicated_strategy
 
-    kept = materialized_tensors(graph, mesh.reductions_read_memory)
+    kept = materialized_tensors(graph, mesh.reductions_read_memory)  # as the search prices
     out = dict.fromkeys(BREAKDOWN_KINDS, 0.0)
     for node in graph.nodes:
         seconds = replicated_strategy(node_context(graph, node, kept), mesh).compute_cost

@@ -1,12 +1,15 @@
 """Exact mode of the simulator: the plan compiled on fake CPU devices, next to the model."""
 
 import argparse
+import dataclasses
 import json
 
 import jax
 import pytest
 
 from autoshard.api import plan_workload
+from autoshard.cost import XLA_CPU_MEMORY
+from autoshard.intra import predicted_peak_bytes
 from autoshard.sim.clusters import load_cluster, to_device_mesh
 from autoshard.sim.compute import GemmTable
 from autoshard.sim.exact import MAX_EXACT_DEVICES, check_exact_devices
@@ -45,7 +48,12 @@ def test_dp_exact_numbers_are_the_compiled_executables():
     )  # fmt: skip
     want = verify_plan(bound.program, bound.plan, devices=jax.devices()[:8])
     assert exact.compiled_peak_bytes == want.compiled_peak_bytes > 0
-    assert exact.intra_predicted_peak_bytes == want.predicted_peak_bytes
+    # the intra-op prediction in XLA:CPU's layout (what was compiled), not the GPUs' one
+    spec_of = {**dict(zip(bound.graph.inputs, bound.plan.input_specs)), **bound.plan.tensor_specs}
+    cpu = dataclasses.replace(mesh, fused_transcendentals=False, **XLA_CPU_MEMORY)
+    cpu_layout = predicted_peak_bytes(bound.graph, spec_of, cpu, bound.plan.operand_specs)
+    assert exact.intra_predicted_peak_bytes == cpu_layout
+    assert exact.intra_predicted_peak_bytes != want.predicted_peak_bytes  # the GPU layout
     compiled = {
         f"{r.kind}@{','.join(r.axes)}": r.compiled_bytes
         for r in want.comparison.rows

@@ -305,7 +305,7 @@ def to_device_mesh(
     :class:`~autoshard.sim.compute.GemmTable`) makes the mesh time GEMMs with it at the
     device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak.
     """
-    from autoshard.cost import DeviceMesh  # lazy: cost is another pass
+    from autoshard.cost import XLA_GPU_MEMORY, DeviceMesh  # lazy: cost is another pass
     from autoshard.sim.compute import GemmTiming
     from autoshard.spec import Mesh
 
@@ -317,6 +317,7 @@ def to_device_mesh(
         peak_flops=cluster.device.peak_flops_for(dtype),
         memory_bytes=cluster.device.hbm_bytes,
         hbm_bandwidth=cluster.device.hbm_bandwidth,
+        **XLA_GPU_MEMORY,  # the presets are GPU clusters
         gemm=None
         if gemm_table is None
         else GemmTiming.for_device(

@@ -16,6 +16,7 @@ available, with the reason. At most ``MAX_EXACT_DEVICES`` devices.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ class ExactReport:
     then every number is zero. Otherwise ``compiled_*`` come from the executable XLA
     compiled (peak = arguments + outputs - donated + temp, as ``VerificationReport``),
     ``predicted_peak_bytes`` is the simulator's, ``intra_predicted_peak_bytes`` the intra-op
-    plan's memory model, and ``predicted_collective_bytes`` the intra-op plan's collectives
+    plan's memory model with XLA:CPU's memory layout (``XLA_CPU_MEMORY``: the executable
+    compared is XLA:CPU's), and ``predicted_collective_bytes`` the intra-op plan's collectives
     (the grid simulator prices its collectives in seconds, not per collective).
     Collective keys are ``"kind@axes"`` (e.g. ``"all-reduce@data"``), bytes summed.
     """
@@ -181,6 +183,8 @@ def exact_check(
     import jax
 
     from autoshard.api import plan_workload
+    from autoshard.cost import XLA_CPU_MEMORY
+    from autoshard.intra import predicted_peak_bytes
     from autoshard.sim.clusters import load_cluster, to_device_mesh
     from autoshard.sim.compute import GemmTable
 
@@ -223,6 +227,14 @@ def exact_check(
     plan_seconds = time.perf_counter() - t0
     verification = bound.verify(devices[:gpus])
     rows = verification.comparison.rows
+    # the plan is made for the cluster's GPUs; what it is compared with here is XLA:CPU's
+    # executable, so its memory is predicted the way XLA:CPU lays it out
+    intra_cpu = predicted_peak_bytes(
+        bound.graph,
+        {**dict(zip(bound.graph.inputs, bound.plan.input_specs)), **bound.plan.tensor_specs},
+        dataclasses.replace(mesh, fused_transcendentals=False, **XLA_CPU_MEMORY),
+        bound.plan.operand_specs,
+    )
     return ExactReport(
         available=True,
         devices=gpus,
@@ -231,7 +243,7 @@ def exact_check(
         compiled_batch=batch,
         compiled_peak_bytes=verification.compiled_peak_bytes,
         predicted_peak_bytes=report.peak_bytes_per_device,
-        intra_predicted_peak_bytes=verification.predicted_peak_bytes,
+        intra_predicted_peak_bytes=intra_cpu,
         hbm_bytes=the_cluster.device.hbm_bytes,
         compiled_collective_bytes=MappingProxyType(_bytes_by_key(rows, "compiled")),
         predicted_collective_bytes=MappingProxyType(_bytes_by_key(rows, "predicted")),
