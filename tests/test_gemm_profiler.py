@@ -6,26 +6,18 @@ mode runs on the CPU, and a test runs it on a 3-size grid of one dtype.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 from autoshard.sim.compute import GemmTable
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def profiler():
-    spec = importlib.util.spec_from_file_location(
-        "measure_gemm_table", ROOT / "benchmarks" / "measure_gemm_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("measure_gemm_table")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -3,24 +3,16 @@ side, and how it names the kernels of a GPU profile (a synthetic one here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu_single():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_single", ROOT / "benchmarks" / "gpu_single.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_single")
 
 
 def test_attention_squares_are_told_from_activations_when_hidden_equals_seq(gpu_single):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +14,6 @@ from autoshard.sim.clusters import load_cluster
 from autoshard.sim.compute import GemmTable, available_gemm_tables, memory_bound_time
 from autoshard.sim.megatron import GPTShape, MegatronConfig, bubble_fraction, simulate_megatron
 
-ROOT = Path(__file__).resolve().parents[1]
 GPT_18B = GPTShape(hidden=6144, layers=40, heads=48)
 GPT_39B_ALPA = GPTShape(hidden=8192, layers=48, heads=64, vocab=51200, seq_len=1024)
 
@@ -167,12 +165,7 @@ def test_bad_configurations_say_what_is_wrong():
 
 
 def test_megatron_table_1_within_15_percent():
-    spec = importlib.util.spec_from_file_location(
-        "validate_megatron", ROOT / "benchmarks" / "validate_megatron.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows = module.validate()
+    rows = load_benchmark("validate_megatron").validate()
     assert len(rows) == 10
     for row in rows:
         assert not row["oom"], row["model"]
