@@ -445,9 +445,7 @@ class IntraStageCost:
             * (amortise if n.phase == "update" else 1.0)
             for n in graph.nodes
         )
-        spec_of = dict(zip(graph.inputs, plan.input_specs))
-        spec_of.update(plan.tensor_specs)
-        kept = kept_activations(graph, spec_of, mesh)
+        kept = kept_activations(graph, plan.specs_by_tensor(graph.inputs), mesh)
         recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept)
         aliased = {src for src, _ in graph.aliases}
         owned = 0.0

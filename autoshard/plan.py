@@ -35,6 +35,11 @@ class ParallelPlan:
     solver: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
+    def specs_by_tensor(self, input_ids) -> dict[int, ShardingSpec]:
+        """Tensor id -> spec of every program input (``input_ids``: the graph's input
+        tensor ids, in order) and every node output."""
+        return {**dict(zip(input_ids, self.input_specs, strict=True)), **self.tensor_specs}
+
     def to_json(self) -> dict:
         return {
             "name": self.name,

@@ -287,6 +287,21 @@ def gpt_tiny_4_blocks():
     return trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
 
 
+def _named_live_buffer_miss(traced, plan):
+    """Verify ``plan``; assert it is a named memory disagreement that is no heap gap (XLA's
+    live peak is its allocation to within 1%) but live buffers the model misses."""
+    from autoshard.verify import verify_plan
+
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
+    live = report.compiled_live_peak_bytes
+    assert not report.memory_agree  # the named disagreement, allocation-based
+    assert live is not None, report.live_peak_note
+    assert 0 <= report.heap_gap_bytes <= 0.01 * report.compiled_peak_bytes  # no heap gap
+    assert report.predicted_peak_bytes < 0.9 * live  # live buffers the model misses
+    assert not report.memory_explained_by_heap_gap
+    return report
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_text", ["8", "1x8"])
 @pytest.mark.parametrize("which", ["dp", "zero2", "auto"])
@@ -303,20 +318,13 @@ def test_deeper_gpt_tiny_memory_misses_the_combined_gradient_all_reduce(
     from autoshard.api import device_mesh_for
     from autoshard.baselines import baseline_inputs
     from autoshard.intra import auto_shard_graph
-    from autoshard.verify import verify_plan
 
     traced = gpt_tiny_4_blocks
     shape = tuple(int(s) for s in mesh_text.split("x"))
     mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
     pinned = None if which == "auto" else baseline_inputs(traced.graph, mesh.mesh, which)
     plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, name=which, solver="highs")
-    report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
-    live = report.compiled_live_peak_bytes
-    assert not report.memory_agree  # the named disagreement, allocation-based
-    assert live is not None, report.live_peak_note
-    assert 0 <= report.heap_gap_bytes <= 0.01 * report.compiled_peak_bytes  # no heap gap
-    assert report.predicted_peak_bytes < 0.9 * live  # live buffers the model misses
-    assert not report.memory_explained_by_heap_gap
+    report = _named_live_buffer_miss(traced, plan)
     assert "misses live buffers" in report.memory_explanation
     assert report.compiled_live_peak_instruction.startswith("all-reduce")
 
@@ -333,7 +341,6 @@ def test_gpt350m_bf16_zero2_memory_misses_the_logits_gradient_all_to_all_in_f32(
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.baselines import baseline_inputs
     from autoshard.intra import auto_shard_graph
-    from autoshard.verify import verify_plan
 
     traced = trace_workload(
         "gpt-350m", optimizer="adamw", num_layers=2, batch_size=8, dtype="bfloat16"
@@ -341,13 +348,7 @@ def test_gpt350m_bf16_zero2_memory_misses_the_logits_gradient_all_to_all_in_f32(
     mesh = device_mesh_for((8,), ("data",))
     pinned = baseline_inputs(traced.graph, mesh.mesh, "zero2")
     plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, name="zero2", solver="highs")
-    report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
-    live = report.compiled_live_peak_bytes
-    assert not report.memory_agree  # the named disagreement, allocation-based
-    assert live is not None, report.live_peak_note
-    assert 0 <= report.heap_gap_bytes <= 0.01 * report.compiled_peak_bytes  # no heap gap
-    assert report.predicted_peak_bytes < 0.9 * live  # live buffers the model misses
-    assert not report.memory_explained_by_heap_gap
+    _named_live_buffer_miss(traced, plan)
 
 
 def test_softmax_exp_is_kept_on_cpu_and_recomputed_on_gpu():

@@ -49,7 +49,7 @@ def test_dp_exact_numbers_are_the_compiled_executables():
     want = verify_plan(bound.program, bound.plan, devices=jax.devices()[:8])
     assert exact.compiled_peak_bytes == want.compiled_peak_bytes > 0
     # the intra-op prediction in XLA:CPU's layout (what was compiled), not the GPUs' one
-    spec_of = {**dict(zip(bound.graph.inputs, bound.plan.input_specs)), **bound.plan.tensor_specs}
+    spec_of = bound.plan.specs_by_tensor(bound.graph.inputs)
     cpu = dataclasses.replace(mesh, fused_transcendentals=False, **XLA_CPU_MEMORY)
     cpu_layout = predicted_peak_bytes(bound.graph, spec_of, cpu, bound.plan.operand_specs)
     assert exact.intra_predicted_peak_bytes == cpu_layout

@@ -231,7 +231,7 @@ def exact_check(
     # executable, so its memory is predicted the way XLA:CPU lays it out
     intra_cpu = predicted_peak_bytes(
         bound.graph,
-        {**dict(zip(bound.graph.inputs, bound.plan.input_specs)), **bound.plan.tensor_specs},
+        bound.plan.specs_by_tensor(bound.graph.inputs),
         dataclasses.replace(mesh, fused_transcendentals=False, **XLA_CPU_MEMORY),
         bound.plan.operand_specs,
     )
