@@ -960,13 +960,14 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
             members = [(ob + i, -1.0) for i in np.flatnonzero(col_of == q).tolist()]
             model.row(terms + members, 0.0, 0.0)
     _add_ties(red, model)
-    win_col = np.asarray(_window_columns(red, model), dtype=np.int64)
+    # memory-row column -> model column: strategy columns are model columns, window
+    # columns are the Z columns _window_columns adds
+    to_model = np.r_[np.arange(red.num_strategy_cols), _window_columns(red, model)].astype(int)
 
     def mem_terms(cols, w, scale):
-        at = np.where(
-            cols < red.num_strategy_cols, cols, win_col[np.maximum(cols - red.num_strategy_cols, 0)]
-        ) if win_col.size else cols  # fmt: skip
-        return [(int(i), wi / scale) for i, wi in zip(at.tolist(), w.tolist(), strict=True)]
+        return [
+            (int(i), wi / scale) for i, wi in zip(to_model[cols].tolist(), w.tolist(), strict=True)
+        ]
 
     rows = red.mem_rows
     mem_scale = (

@@ -463,8 +463,7 @@ def _copy_groups(graph, strategies, producer, n_in, mesh, operands) -> list:
     pos = program_positions(graph, mesh.late_updates)
     found: dict[tuple[int, ShardingSpec], list] = {}
     for op in operands:
-        t = graph.tensors[op.tensor]
-        if op.slot < 0 or op.dst < n_in or t.kind in ("literal", "const") or not t.shape:
+        if op.slot < 0 or op.dst < n_in:
             continue
         wants: dict[ShardingSpec, list[int]] = {}
         for q, s in enumerate(strategies[op.dst]):
@@ -477,11 +476,24 @@ def _copy_groups(graph, strategies, producer, n_in, mesh, operands) -> list:
     for (tid, spec), readers in found.items():
         src, k = producer[tid]
         other = tuple(p for p, s in enumerate(strategies[src]) if s.output_specs[k] != spec)
-        nbytes = graph.tensors[tid].nbytes * spec.shard_fraction(mesh.mesh)
-        if other and nbytes:
-            early = mesh.early_input_reshards and graph.tensors[tid].producer is None
-            out.append(((src, other), nbytes, early, sorted(readers)))
+        copy = _resharded_copy(graph, tid, spec, mesh)
+        if other and copy is not None and copy[0]:
+            out.append(((src, other), copy[0], copy[1], sorted(readers)))
     return out
+
+
+def _resharded_copy(graph: Graph, tid: int, spec: ShardingSpec, mesh: DeviceMesh):
+    """(bytes per device, made at the start of the step?) of ``tid``'s copy in layout
+    ``spec``, or None where no copy is a buffer (literals, constants, scalars). The one
+    rule of the ILP's copies (:func:`_copy_groups`) and the prediction's
+    (:func:`_reshard_buffers`)."""
+    t = graph.tensors[tid]
+    if t.kind in ("literal", "const") or not t.shape:
+        return None
+    # a program input's resharded copy needs nothing computed: XLA:CPU's scheduler makes
+    # it at the start of the step (a weight's all-gather, the labels' one-hot)
+    early = mesh.early_input_reshards and t.producer is None
+    return t.nbytes * spec.shard_fraction(mesh.mesh), early
 
 
 # ----------------------------------------------------------------------------- plan
@@ -880,13 +892,10 @@ def _reshard_buffers(graph: Graph, operand_specs, mesh: DeviceMesh) -> list:
             uses.setdefault((node.inputs[slot], spec), []).append(pos[node_index])
     out = []
     for (tid, spec), where in uses.items():
-        t = graph.tensors[tid]
-        if t.kind in ("literal", "const") or not t.shape:
-            continue
-        # a program input's resharded copy needs nothing computed: XLA:CPU's scheduler
-        # makes it at the start of the step (a weight's all-gather, the labels' one-hot)
-        first = 0 if mesh.early_input_reshards and t.producer is None else min(where)
-        out.append((first, max(where), t.nbytes * spec.shard_fraction(mesh.mesh)))
+        copy = _resharded_copy(graph, tid, spec, mesh)
+        if copy is not None:
+            nbytes, early = copy
+            out.append((0 if early else min(where), max(where), nbytes))
     return out
 
 
