@@ -43,12 +43,16 @@ random seed of 0 as "time of day", so seeds are passed to CBC as ``seed + 1``.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
 import itertools
 import json
 import math
 import operator
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -60,6 +64,13 @@ import pulp
 
 SOLVERS = {"cbc": "PULP_CBC_CMD", "highs": "HiGHS"}
 _ABS_GAP = 1e-9  # absolute MIP gap on the rescaled objective (largest coefficient 1)
+# one step of preference costs this fraction of the problem's largest finite cost: ten
+# times the absolute gap the solvers prove, so every solver and version sees the same
+# tie-breaks, and small enough to decide only between (near-)equal costs: on gpt-350m
+# (2 blocks, 8 devices) HiGHS 1.16 and CBC 2.10 return the same plans with it, at the
+# objective found without preferences (1e-7 already moves a budgeted plan's objective)
+TIE_BREAK = 1e-8
+_TOLERANCE = 1e-9  # the solvers' optimality tolerances: below TIE_BREAK
 
 
 class InfeasibleBudgetError(ValueError):
@@ -185,6 +196,10 @@ class ShardingProblem:
 
     ``live_sets[i]`` lists the nodes whose outputs are live at checkpoint i; a node listed
     twice counts twice. ``node_memory[v][p]`` is bytes per device of v's output under p.
+    ``preferences[v][p]`` (optional, finite, >= 0; lower is preferred) breaks ties between
+    equal-cost assignments the same way on every solver and version: the solver minimises
+    cost + ``TIE_BREAK`` x (largest finite cost) x preference, while ``Solution.objective``
+    stays the cost alone.
     ``ties`` is empty (no ties) or has one entry per node. ``copies`` are buffers that
     depend on several nodes' strategies (:class:`CopyBuffer`); they count in the live sets
     their windows name.
@@ -199,6 +214,7 @@ class ShardingProblem:
     memory_budget_bytes: float | None = None
     node_names: tuple[str, ...] | None = None
     copies: tuple[CopyBuffer, ...] = ()
+    preferences: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -214,6 +230,8 @@ class ShardingProblem:
         if self.node_names is not None:
             put(self, "node_names", tuple(self.node_names))
         put(self, "copies", tuple(self.copies))
+        if self.preferences is not None:
+            put(self, "preferences", _float_matrix(self.preferences))
         _validate(self)
 
     @property
@@ -268,6 +286,8 @@ def _validate(pb: ShardingProblem) -> None:
                 )
 
     check_vectors("node_costs", pb.node_costs, allow_inf=True)
+    if pb.preferences is not None:
+        check_vectors("preferences", pb.preferences, allow_inf=False)
     finite_checked: set[int] = set()  # ids of matrices already scanned (edges share them)
     for i, e in enumerate(pb.edges):
         if not (0 <= e.src < n and 0 <= e.dst < n) or e.src == e.dst:
@@ -368,6 +388,29 @@ def resolve_ties(problem: ShardingProblem) -> tuple[tuple[int, ...], tuple[tuple
             roots[u] = roots[tie.leader]
             maps[u] = np.where(lead >= 0, np.asarray(tie.mapping)[lead], -1)
     return tuple(roots), tuple(tuple(int(p) for p in m) for m in maps)
+
+
+def with_preferences(problem: ShardingProblem) -> ShardingProblem:
+    """The problem the solver minimises: node costs plus the weighted preferences (the
+    problem itself when it has none). One step of preference weighs ``TIE_BREAK`` x the
+    largest finite cost, so the plan returned costs at most that times the sum over nodes
+    of their preference ranges more than the least-cost plan (gpt-350m, 2 blocks: none)."""
+    if problem.preferences is None:
+        return problem
+    finite = [c for row in problem.node_costs for c in row if math.isfinite(c)]
+    seen: set[int] = set()  # edges of identical layers share one matrix
+    for e in problem.edges:
+        if id(e.costs) not in seen:
+            seen.add(id(e.costs))
+            finite.extend(c for row in e.costs for c in row if math.isfinite(c))
+    weight = TIE_BREAK * max([abs(c) for c in finite] + [0.0])
+    if weight == 0.0:  # every cost zero: preferences alone decide
+        weight = 1.0
+    costs = tuple(
+        tuple(c + weight * p for c, p in zip(row, pref, strict=True))
+        for row, pref in zip(problem.node_costs, problem.preferences, strict=True)
+    )
+    return dataclasses.replace(problem, node_costs=costs, preferences=None)
 
 
 def objective_of(problem: ShardingProblem, strategy) -> float:
@@ -1091,7 +1134,7 @@ def _check_solver(name: str) -> None:
 
 
 def _cbc(time_limit_s: float | None, mip_gap: float, seed: int, log_path: str):
-    opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}"]
+    opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}", f"dualT {_TOLERANCE}"]
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(
@@ -1104,13 +1147,46 @@ def _cbc(time_limit_s: float | None, mip_gap: float, seed: int, log_path: str):
         )
 
 
+@contextlib.contextmanager
+def solver_output_to_stderr():
+    """Send whatever is written to file descriptor 1 meanwhile to descriptor 2.
+
+    Solvers print from C and C++ (HiGHS 1.16 prints its banner on stdout when a ``Highs``
+    object is made, before any option can silence it); Python-level redirection cannot
+    catch that, so this swaps the descriptors and flushes C's buffers on the way out. The
+    stdout of a ``--json`` command then holds the JSON alone.
+    """
+    try:
+        sys.stdout.flush()
+        out_fd, err_fd = 1, 2
+        saved = os.dup(out_fd)
+    except (OSError, ValueError):  # no descriptors to swap (embedded interpreters)
+        yield
+        return
+    try:
+        os.dup2(err_fd, out_fd)
+        yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, out_fd)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to reach (not POSIX)
+        pass
+
+
 def _run(
     model: _Model, solver: str, time_limit_s: float | None, mip_gap: float, seed: int
 ) -> _Outcome:
-    _check_solver(solver)
-    if solver == "highs":
-        return _run_highs(model, time_limit_s, mip_gap, seed)
-    return _run_cbc(model, time_limit_s, mip_gap, seed)
+    with solver_output_to_stderr():
+        _check_solver(solver)
+        if solver == "highs":
+            return _run_highs(model, time_limit_s, mip_gap, seed)
+        return _run_cbc(model, time_limit_s, mip_gap, seed)
 
 
 def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
@@ -1123,6 +1199,10 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
         highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("mip_rel_gap", float(mip_gap))
     highs.setOptionValue("mip_abs_gap", _ABS_GAP)
+    # under the default tolerances (1e-7 on reduced costs, 1e-6 in the MIP) an objective
+    # step of TIE_BREAK can pass for zero, and equal-cost plans resolve by the solver's path
+    highs.setOptionValue("dual_feasibility_tolerance", _TOLERANCE)
+    highs.setOptionValue("mip_feasibility_tolerance", _TOLERANCE)
     highs.setOptionValue("random_seed", int(seed))
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
@@ -1264,7 +1344,8 @@ def solve(
     if not 0.0 <= mip_gap < 1.0:
         raise ValueError(f"mip_gap={mip_gap} is a relative gap; give a value in [0, 1)")
     start = time.perf_counter()
-    red = _reduce(problem, merge)
+    work = with_preferences(problem)
+    red = _reduce(work, merge)
     model = _build(red, minimise_peak=False)
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
@@ -1287,9 +1368,10 @@ def solve(
             f"internal error: the {solver} solution breaks a tie or picks an infinite cost"
         )
     gap = None
-    if out.bound is not None:
+    if out.bound is not None:  # a bound on cost + preferences
         bound = out.bound * model.scale + red.constant
-        gap = max(0.0, objective - bound) / max(abs(objective), 1e-300)
+        solved = objective_of(work, strategy)
+        gap = max(0.0, solved - bound) / max(abs(solved), 1e-300)
     elif out.status == "optimal" and mip_gap == 0.0:
         gap = 0.0
     if out.status == "time_limit":

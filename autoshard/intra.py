@@ -208,35 +208,18 @@ def build_problem(
             producer[tid] = (n_in + node.index, k)
 
     outputs = set(graph.outputs)
-    # a tiny preference for smaller per-device inputs, so that equal-cost plans keep data
-    # split and state sharded (Alpa adds a small penalty for replicated parameters)
-    positive_betas = [b for b in mesh.beta if b > 0]
-    input_penalty = 1e-6 * min(positive_betas) if positive_betas else 0.0
-    free_compute = math.isinf(mesh.peak_flops) and math.isinf(mesh.hbm_bandwidth)
     node_costs = []
     for i, strats in enumerate(strategies):
         costs = []
         for s in strats:
             c = s.compute_cost
-            if i < n_in:
-                t = graph.tensors[graph.inputs[i]]
-                c += input_penalty * t.nbytes * s.output_specs[0].shard_fraction(mesh.mesh)
-            if i >= n_in and free_compute:
-                # the same preference for node outputs: with compute and HBM time free,
-                # a replicated elementwise op costs what a split one does, and the tie
-                # would be broken by the solver's path (and the memory prediction with it)
-                node = graph.nodes[i - n_in]
-                c += input_penalty * sum(
-                    graph.tensors[t].nbytes * spec.shard_fraction(mesh.mesh)
-                    for t, spec in zip(node.outputs, s.output_specs, strict=False)
-                    if spec is not None
-                )
             if i >= n_in and s.output_specs and s.output_specs[0].partial:
                 node = graph.nodes[i - n_in]
                 if any(t in outputs for t in node.outputs):
                     c = math.inf  # program outputs cannot be unreduced
             costs.append(c)
         node_costs.append(tuple(costs))
+    preferences = _preferences(graph, strategies, n_in, mesh)
 
     def out_spec(ilp_node: int, k: int, p: int) -> ShardingSpec:
         return strategies[ilp_node][p].output_specs[k]
@@ -297,8 +280,37 @@ def build_problem(
         live_sets=live_sets,
         memory_budget_bytes=memory_budget_bytes,
         copies=copies,
+        preferences=preferences,
     )
     return IntraProblem(graph, mesh, problem, tuple(strategies), tuple(operands), n_in)
+
+
+def _preferences(graph, strategies, n_in, mesh) -> tuple[tuple[float, ...], ...]:
+    """The tie-break between equal-cost plans (:class:`ShardingProblem` ``preferences``):
+    a node's strategies ranked by the bytes per device of its outputs, then by their
+    order. So equal-cost plans keep data split and state sharded (Alpa, too, adds a small
+    penalty for replicated parameters), and resolve the same way on every solver."""
+    ranked: dict[int, tuple[float, ...]] = {}  # by strategy tuple: identical layers share
+    out = []
+    for i, strats in enumerate(strategies):
+        tids = (graph.inputs[i],) if i < n_in else graph.nodes[i - n_in].outputs
+        key = (id(strats), tuple(graph.tensors[t].nbytes for t in tids))
+        if key not in ranked:
+            held = [
+                sum(
+                    graph.tensors[t].nbytes * spec.shard_fraction(mesh.mesh)
+                    for t, spec in zip(tids, s.output_specs, strict=False)
+                    if spec is not None
+                )
+                for s in strats
+            ]
+            order = sorted(range(len(strats)), key=lambda p: (round(held[p]), p))
+            rank = [0.0] * len(strats)
+            for r, p in enumerate(order):
+                rank[p] = float(r)
+            ranked[key] = tuple(rank)
+        out.append(ranked[key])
+    return tuple(out)
 
 
 def _follower_ties(graph, strategies, producer, n_in, ties, follow_deepest=False) -> None:

@@ -163,3 +163,21 @@ def test_demo_runs_plans_and_reports_its_checks():
     out = proc.stdout
     assert "predicted vs compiled" in out and "collectives agree" in out
     assert "MATCH" in out and "the plan runs and matches one device" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "plan --model gpt-tiny --layers 2 --devices 8 --pipeline auto --microbatches 2 --solver highs --json",
+        "plan --model gpt-tiny --layers 2 --devices 8 --mesh 2x4 --solver highs --json",
+        "plan --model gpt-tiny --layers 2 --devices 8 --mesh 2x4 --solver cbc --json",
+        "simulate --model gpt-350m --cluster dgx-a100 --gpus 2 --plan auto --json",
+        "simulate --model gpt-350m --cluster dgx-a100 --gpus 8 --json",
+    ],
+)
+def test_json_output_is_one_document_whichever_solver_runs(argv):
+    """The solvers print from C/C++ and from a child process (HiGHS 1.16 its banner on
+    stdout): stdout must still be exactly one JSON document."""
+    proc = _run(*argv.split())
+    assert proc.returncode == 0, proc.stderr
+    json.loads(proc.stdout)  # the whole of stdout, nothing before or after

@@ -394,6 +394,7 @@ def test_solution_and_problem_round_trip_through_json():
         memory_budget_bytes=100,
         node_names=("a", "b"),
         copies=(CopyBuffer(9, 0, (1,), ((1, (0, 1)),), ((0, -1, 0),)),),
+        preferences=((0, 1), (1, 0)),
     )
     assert ShardingProblem.from_json(pb.to_json()) == pb
     sol = solve(pb)
@@ -524,3 +525,98 @@ def test_relative_gap_bounds_the_distance_to_the_optimum(solver):
     assert loose.status == "optimal"
     assert loose.gap is None or loose.gap <= 0.3 + 1e-3  # CBC prints its bound to ~5 digits
     assert optimum <= loose.objective <= optimum / (1 - 0.3) + 1e-9
+
+
+# --- tie-breaks ----------------------------------------------------------------------------
+
+
+def lexicographic_best(pb: ShardingProblem) -> tuple[float, float] | None:
+    """(least cost, least preference total among the assignments of least cost), by brute
+    force; None when nothing is feasible."""
+    grid = np.array(list(itertools.product(*[range(k) for k in pb.num_strategies])))
+    cost = sum(np.asarray(pb.node_costs[v])[grid[:, v]] for v in range(pb.num_nodes))
+    cost = cost + sum(np.asarray(e.costs)[grid[:, e.src], grid[:, e.dst]] for e in pb.edges)
+    pref = sum(np.asarray(pb.preferences[v])[grid[:, v]] for v in range(pb.num_nodes))
+    ok = np.isfinite(cost)
+    for v, tie in enumerate(pb.ties):
+        if tie is not None:
+            ok &= np.asarray(tie.mapping)[grid[:, tie.leader]] == grid[:, v]
+    if not ok.any():
+        return None
+    best = cost[ok].min()
+    return float(best), float(pref[ok & (cost <= best + 1e-9)].min())
+
+
+@st.composite
+def tied_problems(draw) -> ShardingProblem:
+    """Problems full of exact ties (costs from {0, 1, 2}), each node's strategies ranked."""
+    pb = draw(problems(max_nodes=6))
+    ranks = [draw(st.permutations(range(k))) for k in pb.num_strategies]
+    coarse = [[c if math.isinf(c) else float(round(c) % 3) for c in row] for row in pb.node_costs]
+    edges = [
+        EdgeCost(
+            e.src,
+            e.dst,
+            [[c if math.isinf(c) else float(round(c) % 3) for c in r] for r in e.costs],
+        )
+        for e in pb.edges
+    ]
+    return ShardingProblem(
+        pb.num_strategies,
+        coarse,
+        edges,
+        pb.ties,
+        preferences=[[float(r) for r in p] for p in ranks],
+    )
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tied_problems())
+def test_preferences_break_ties_the_same_way_on_every_solver(pb):
+    """Among the assignments of least cost, both solvers (merged or not) return one of the
+    least preference total: equal-cost plans resolve by the preferences, not by a solver's
+    path; the reported objective is the cost alone."""
+    best = lexicographic_best(pb)
+    if best is None:
+        return
+    for solver in ("highs", "cbc"):
+        for merge in (True, False):
+            sol = solve(pb, solver=solver, merge=merge)
+            assert sol.objective == pytest.approx(best[0], abs=1e-9)
+            chosen = math.fsum(pb.preferences[v][p] for v, p in enumerate(sol.strategy))
+            assert chosen == best[1], (solver, merge)
+
+
+def test_preferences_decide_only_between_near_equal_costs():
+    """A preference step weighs TIE_BREAK x the largest cost: a cost difference above the
+    preferences' whole range (here 1e-7 of the largest cost against 5 steps of 1e-8) wins
+    although the other strategy is preferred; an exact tie goes to the preference."""
+    from autoshard.ilp import TIE_BREAK
+
+    assert 5 * TIE_BREAK < 1e-7
+    pb = ShardingProblem(
+        (2, 2), [(1.0, 1.0 + 0.1), (0.0, 1e6)], preferences=[(5.0, 0.0), (0.0, 1.0)]
+    )
+    for solver in ("highs", "cbc"):
+        assert solve(pb, solver=solver).strategy == (0, 0)
+    tied = ShardingProblem((2, 2), [(1.0, 1.0), (0.0, 1e6)], preferences=[(5.0, 0.0), (0.0, 1.0)])
+    for solver in ("highs", "cbc"):
+        assert solve(tied, solver=solver).strategy == (1, 0)
+
+
+def test_solver_output_never_reaches_stdout():
+    """HiGHS 1.16 prints a banner from C++ when a Highs object is made; CBC runs as a
+    process: neither may write to the stdout of a --json command."""
+    import subprocess
+    import sys
+
+    code = (
+        "from autoshard.ilp import ShardingProblem, solve\n"
+        "pb = ShardingProblem((2, 2), [(1.0, 2.0), (0.0, 1.0)])\n"
+        "for solver in ('highs', 'cbc'):\n"
+        "    solve(pb, solver=solver)\n"
+        "print('only this')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "only this\n"
