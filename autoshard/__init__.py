@@ -14,15 +14,15 @@ _LAZY = {
     "inspect_model": "autoshard.api",
     "auto_shard": "autoshard.api",
     "plan_workload": "autoshard.api",
-    "auto_pipeline": "autoshard.pipeline",
-    "ParallelPlan": "autoshard.plan",
+    "auto_pipeline": "autoshard.runtime.pipeline",
+    "ParallelPlan": "autoshard.ir.plan",
     "trace_workload": "autoshard.api",
     "get_workload": "autoshard.models",
     "make_optimizer": "autoshard.models",
     "make_train_step": "autoshard.models",
-    "TraceError": "autoshard.trace",
-    "trace": "autoshard.trace",
-    "trace_train_step": "autoshard.trace",
+    "TraceError": "autoshard.trace.jaxpr",
+    "trace": "autoshard.trace.jaxpr",
+    "trace_train_step": "autoshard.trace.jaxpr",
 }
 
 __all__ = sorted(_LAZY)

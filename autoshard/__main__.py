@@ -1,5 +1,5 @@
 import sys
 
-from autoshard.cli import main
+from autoshard.cli.main import main
 
 sys.exit(main())

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from autoshard.graph import Graph, build_graph
+from autoshard.ir.graph import Graph, build_graph
 from autoshard.models import Workload, get_workload, make_optimizer, make_train_step
-from autoshard.trace import TracedProgram, trace_train_step
+from autoshard.trace.jaxpr import TracedProgram, trace_train_step
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def default_axis_names(shape: tuple[int, ...]) -> tuple[str, ...]:
 
 
 def device_mesh_for(mesh, axis_names=None, cluster=None):
-    """A cost-model mesh (:class:`autoshard.cost.DeviceMesh`) for ``mesh``.
+    """A cost-model mesh (:class:`autoshard.intra.cost.DeviceMesh`) for ``mesh``.
 
     ``mesh`` may be a DeviceMesh (used as is), a ``jax.sharding.Mesh``, a shape tuple or
     a string like ``"2x4"``.  The default costs are Alpa's test mesh (alpha 1, beta 1
@@ -117,7 +117,7 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     With ``cluster`` (a preset name such as ``dgx-a100`` or a preset file) the costs are
     in seconds: NVLink for axes inside a node, the network for axes across nodes.
     """
-    from autoshard.cost import XLA_CPU_MEMORY, XLA_GPU_MEMORY, DeviceMesh, uniform_mesh
+    from autoshard.intra.cost import XLA_CPU_MEMORY, XLA_GPU_MEMORY, DeviceMesh, uniform_mesh
 
     if isinstance(mesh, DeviceMesh):
         return mesh
@@ -132,8 +132,8 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     if len(names) != len(shape):
         raise ValueError(f"mesh shape {shape} has {len(shape)} axes but axis names {names}")
     if cluster is not None:  # real units: the preset's links, GEMM table, HBM and memory
-        from autoshard.sim.clusters import load_cluster, to_device_mesh
-        from autoshard.sim.compute import GemmTable
+        from autoshard.hardware.clusters import load_cluster, to_device_mesh
+        from autoshard.hardware.gemm import GemmTable
 
         n = 1
         for s in shape:
@@ -184,13 +184,13 @@ def auto_shard(
     until XLA's peak fits it (:func:`fit_compiled_budget`). ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
     that baseline does and lets the ILP place the rest.
 
-    Returns a :class:`BoundPlan`: the jax-free :class:`~autoshard.plan.ParallelPlan`
+    Returns a :class:`BoundPlan`: the jax-free :class:`~autoshard.ir.plan.ParallelPlan`
     (``.plan``) with the traced program, so ``.jit()`` gives the sharded callable and
     ``.verify()`` the predicted-vs-compiled report.
     """
-    from autoshard.baselines import baseline_inputs
-    from autoshard.intra import auto_shard_graph
-    from autoshard.trace import trace
+    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.trace.jaxpr import trace
 
     if aliases is None and tuple(arg_kinds)[:2] == ("param", "opt_state"):
         aliases = {0: 0, 1: 1}
@@ -232,8 +232,8 @@ def fit_compiled_budget(
     """
     import dataclasses
 
-    from autoshard.ilp import InfeasibleBudgetError
-    from autoshard.intra import auto_shard_graph
+    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.problem import auto_shard_graph
 
     notes = list(bound.plan.notes)
     target = memory_budget
@@ -290,20 +290,20 @@ class BoundPlan:
     report: object = None  # the VerificationReport, when planning already compiled the plan
 
     def mesh(self, devices=None):
-        from autoshard.runtime import make_mesh
+        from autoshard.runtime.sharded import make_mesh
 
         return self.jax_mesh if self.jax_mesh is not None else make_mesh(self.plan.mesh, devices)
 
     def jit(self, devices=None, donate: bool = True):
         """The sharded, jitted step (``ShardedStep``: call it, ``.lower()``, ``.compile()``)."""
-        from autoshard.runtime import build_sharded_step
+        from autoshard.runtime.sharded import build_sharded_step
 
         return build_sharded_step(self.program, self.plan, self.mesh(devices), donate=donate)
 
     def verify(self, devices=None, **kw):
         """Predicted vs compiled collectives and memory (:class:`VerificationReport`);
         compiled once: the memory-budget loop's report is reused when it has one."""
-        from autoshard.verify import verify_plan
+        from autoshard.verify.check import verify_plan
 
         if self.report is not None and devices is None and not kw:
             return self.report

@@ -39,7 +39,7 @@ def _state_fractions(bound) -> dict[str, float]:
 
 def run(budgets, solver: str) -> list[dict]:
     from autoshard.api import plan_workload
-    from autoshard.ilp import InfeasibleBudgetError
+    from autoshard.intra.ilp import InfeasibleBudgetError
 
     rows = []
     cases = [("dp", None), ("auto", None)] + [("auto", b * 1e9) for b in budgets]

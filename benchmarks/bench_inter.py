@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_inter.json"))
     args = ap.parse_args()
 
-    from autoshard.inter import auto_stage_plan
+    from autoshard.inter.search import auto_stage_plan
 
     rows = []
     for model in args.models:

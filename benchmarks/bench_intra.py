@@ -28,10 +28,10 @@ TIMINGS = ("trace_s", "build_s", "solve_s", "auto_shard_s", "xla_compile_s")
 def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
     """Trace, plan and (unless ``--no-compile``) compile one model on one mesh, timed."""
     from autoshard.api import trace_workload
-    from autoshard.cost import CostOptions
-    from autoshard.ilp import resolve_ties, solve
-    from autoshard.intra import build_problem, plan_from_solution
-    from autoshard.runtime import abstract_args, build_sharded_step, make_mesh
+    from autoshard.intra.cost import CostOptions
+    from autoshard.intra.ilp import resolve_ties, solve
+    from autoshard.intra.problem import build_problem, plan_from_solution
+    from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
 
     n = dmesh.num_devices
     batch = args.batch or 2 * n

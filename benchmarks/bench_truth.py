@@ -50,9 +50,9 @@ def _label(model: str, overrides: dict) -> str:
 
 def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> list[dict]:
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.baselines import baseline_inputs
-    from autoshard.intra import auto_shard_graph
-    from autoshard.verify import verify_plan
+    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.verify.check import verify_plan
 
     rows = []
     for model, overrides, optimizer, meshes in SUITES[suite]:

@@ -114,8 +114,8 @@ def measure_one(
     import jax
     import numpy as np
 
-    from autoshard.hlo import memory_stats
     from autoshard.models import get_workload, make_optimizer, make_train_step
+    from autoshard.verify.hlo import memory_stats
 
     dtype = "bfloat16"
     work = get_workload(model, batch_size=batch, num_layers=layers, dtype=dtype)
@@ -267,7 +267,7 @@ def cmd_one(args) -> int:
 def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") -> dict:
     """What autoshard predicts for one configuration on one GPU of ``cluster``."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra import auto_shard_graph
+    from autoshard.intra.problem import auto_shard_graph
     from autoshard.sim.simulate import simulate
 
     out = {}
@@ -303,8 +303,8 @@ def traced_breakdown(graph, mesh, seq_len: int, batch_heads: int) -> dict:
     """The traced step's 1-device cost by kind, node by node as the search prices it:
     GEMMs (the GEMM table), and memory-bound work (bytes over HBM bandwidth) split into
     the attention's S x S elementwise ops, the optimizer update and the rest."""
-    from autoshard.intra import materialized_tensors
-    from autoshard.strategies import node_context, replicated_strategy
+    from autoshard.intra.problem import materialized_tensors
+    from autoshard.intra.strategies import node_context, replicated_strategy
 
     kept = materialized_tensors(graph, mesh.reductions_read_memory)  # as the search prices
     out = dict.fromkeys(BREAKDOWN_KINDS, 0.0)

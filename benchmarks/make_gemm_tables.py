@@ -1,4 +1,4 @@
-"""Write the modelled GEMM tables in autoshard/sim/gemm_tables/ (v100 and a100).
+"""Write the modelled GEMM tables in autoshard/hardware/gemm_tables/ (v100 and a100).
 
 No V100 or A100 was available to measure, so these two tables are generated from a
 documented roofline model. The h100 table is *measured* (benchmarks/measure_gemm_table.py

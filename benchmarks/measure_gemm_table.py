@@ -27,13 +27,13 @@ dtypes in priority order), so that a deadline still leaves a full grid per dtype
 file is rewritten every few shapes; ``--resume`` skips shapes a raw file already has.
 
 ``table`` (anywhere) turns one or more raw files into a GEMM table in the format of
-:mod:`autoshard.sim.compute` (per dtype the finest complete grid the raw files hold;
+:mod:`autoshard.hardware.gemm` (per dtype the finest complete grid the raw files hold;
 achieved TFLOP/s = 2 M N K / median per-dot seconds), with the data-sheet dense peaks.
 
     python benchmarks/measure_gemm_table.py measure --out raw.json [--sizes 64 16384]
         [--dtypes bf16 fp32 fp16 tf32] [--deadline-s 400] [--resume raw.json] [--quick]
     python benchmarks/measure_gemm_table.py table raw.json [raw2.json ...] \\
-        --out autoshard/sim/gemm_tables/h100.json --command "the measure command" \\
+        --out autoshard/hardware/gemm_tables/h100.json --command "the measure command" \\
         [--raw-out benchmarks/results/gemm_h100_raw.json]
 """
 
@@ -458,7 +458,7 @@ def write_table(table: dict, path: Path) -> None:
         lines.append(f"{json.dumps(dtype)}: [\n{body}\n]" + ("," if i < len(items) - 1 else ""))
     lines.append("}}")
     path.write_text("\n".join(lines) + "\n")
-    from autoshard.sim.compute import GemmTable
+    from autoshard.hardware.gemm import GemmTable
 
     GemmTable.load(path)  # the file must parse and form a valid table
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from autoshard.sim.clusters import load_cluster
+from autoshard.hardware.clusters import load_cluster
 from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron
 
 OUT = Path(__file__).resolve().parent / "results" / "megatron_validation.json"

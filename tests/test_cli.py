@@ -15,7 +15,7 @@ def _run(*args, timeout=600):
 def test_inspect_gpt_76b_without_allocating_parameters():
     code = (
         "import json, resource, sys\n"
-        "from autoshard.cli import main\n"
+        "from autoshard.cli.main import main\n"
         "rc = main(['inspect', '--model', 'gpt-76b', '--json'])\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
         "sys.exit(rc)\n"

@@ -1,4 +1,4 @@
-"""Tests for autoshard.cost: alpha-beta collectives, the device mesh, resharding rules."""
+"""Tests for autoshard.intra.cost: alpha-beta collectives, the device mesh, resharding rules."""
 
 import math
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.cost import (
+from autoshard.intra.cost import (
     ALPA_TIE_BREAKERS,
     CostOptions,
     DeviceMesh,
@@ -26,7 +26,7 @@ from autoshard.cost import (
     reshard_to_consumers,
     uniform_mesh,
 )
-from autoshard.spec import Collective, Mesh, ShardingSpec
+from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 
 # the cost-searching mode (group_reductions=False); XLA mode is tested further down
 NO_TIES = CostOptions(tie_breakers=False, group_reductions=False)
@@ -185,7 +185,7 @@ def test_device_mesh_validation(kwargs, message):
 
 
 def test_cost_module_does_not_import_jax():
-    code = "import sys, autoshard.cost; assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys, autoshard.intra.cost; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

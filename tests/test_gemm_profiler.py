@@ -12,7 +12,7 @@ import math
 import pytest
 from conftest import load_benchmark
 
-from autoshard.sim.compute import GemmTable
+from autoshard.hardware.gemm import GemmTable
 
 
 @pytest.fixture(scope="module")

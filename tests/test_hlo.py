@@ -1,4 +1,4 @@
-"""autoshard.hlo: collectives and memory read back from what XLA compiled (8 fake CPU devices)."""
+"""autoshard.verify.hlo: collectives and memory read back from what XLA compiled (8 fake CPU devices)."""
 
 import math
 import re
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autoshard import hlo
-from autoshard.spec import Collective, Mesh
+from autoshard.ir.spec import Collective, Mesh
+from autoshard.verify import hlo
 
 try:  # the suite's conftest normally does this before any backend starts
     jax.config.update("jax_num_cpu_devices", 8)

@@ -1,4 +1,4 @@
-"""Tests for autoshard.ilp: hand-built cases, every error path, and brute force on random
+"""Tests for autoshard.intra.ilp: hand-built cases, every error path, and brute force on random
 small problems (with and without merging, CBC and HiGHS)."""
 
 import itertools
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoshard.ilp import (
+from autoshard.intra.ilp import (
     CopyBuffer,
     EdgeCost,
     InfeasibleBudgetError,
@@ -591,7 +591,7 @@ def test_preferences_decide_only_between_near_equal_costs():
     """A preference step weighs TIE_BREAK x the largest cost: a cost difference above the
     preferences' whole range (here 1e-7 of the largest cost against 5 steps of 1e-8) wins
     although the other strategy is preferred; an exact tie goes to the preference."""
-    from autoshard.ilp import TIE_BREAK
+    from autoshard.intra.ilp import TIE_BREAK
 
     assert 5 * TIE_BREAK < 1e-7
     pb = ShardingProblem(
@@ -611,7 +611,7 @@ def test_solver_output_never_reaches_stdout():
     import sys
 
     code = (
-        "from autoshard.ilp import ShardingProblem, solve\n"
+        "from autoshard.intra.ilp import ShardingProblem, solve\n"
         "pb = ShardingProblem((2, 2), [(1.0, 2.0), (0.0, 1.0)])\n"
         "for solver in ('highs', 'cbc'):\n"
         "    solve(pb, solver=solver)\n"

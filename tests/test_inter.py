@@ -1,4 +1,4 @@
-"""Stage costs from intra-op plans and the inter-operator search (autoshard.inter)."""
+"""Stage costs from intra-op plans and the inter-operator search (autoshard.inter.search)."""
 
 import argparse
 import json
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from autoshard.api import trace_workload
-from autoshard.cli_pipeline import register
-from autoshard.inter import (
+from autoshard.cli.pipeline import register
+from autoshard.inter.search import (
     IntraStageCost,
     auto_stage_plan,
     cluster_for,
@@ -16,7 +16,7 @@ from autoshard.inter import (
     logical_mesh_costs,
     range_subgraph,
 )
-from autoshard.stages import pipeline_objective
+from autoshard.inter.stages import pipeline_objective
 
 SOLVER = "highs"
 

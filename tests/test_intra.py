@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from autoshard.api import trace_workload
-from autoshard.baselines import baseline_inputs
-from autoshard.cost import alpa_test_mesh
-from autoshard.hlo import summarize
-from autoshard.intra import auto_shard_graph, build_problem
+from autoshard.intra.baselines import baseline_inputs
+from autoshard.intra.cost import alpa_test_mesh
+from autoshard.intra.problem import auto_shard_graph, build_problem
+from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_optimizer
-from autoshard.runtime import check_against_single_device, make_mesh
-from autoshard.spec import ShardingSpec
-from autoshard.verify import verify_plan
+from autoshard.runtime.sharded import check_against_single_device, make_mesh
+from autoshard.verify.check import verify_plan
+from autoshard.verify.hlo import summarize
 
 
 def _mlp(batch, hidden, layers=2):
@@ -81,7 +81,7 @@ def test_problem_size_does_not_grow_with_depth():
     for layers in (2, 4):
         traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=layers)
         ip = build_problem(traced.graph, mesh)
-        from autoshard.ilp import resolve_ties
+        from autoshard.intra.ilp import resolve_ties
 
         sizes.append(len(set(resolve_ties(ip.problem)[0])))
     assert sizes[0] == sizes[1]
@@ -90,8 +90,8 @@ def test_problem_size_does_not_grow_with_depth():
 def test_unknown_primitive_gets_replicated_fallback_and_one_warning():
     import jax.numpy as jnp
 
-    from autoshard.graph import build_graph
-    from autoshard.trace import trace
+    from autoshard.ir.graph import build_graph
+    from autoshard.trace.jaxpr import trace
 
     def step(x):
         return jnp.cumsum(x, axis=0) * 2.0 + jnp.cumsum(x, axis=1)
@@ -151,7 +151,7 @@ def test_baseline_collectives_match_xla(tiny, shape, which):
 
 
 def test_plan_json_round_trip(tiny):
-    from autoshard.plan import ParallelPlan
+    from autoshard.ir.plan import ParallelPlan
 
     plan = _plan(tiny, (8,), "dp")
     again = ParallelPlan.loads(plan.dumps())
@@ -171,7 +171,7 @@ def test_memory_budget_sweep_trades_communication_for_memory(gpt350m_2l):
     the training state; below the smallest peak any plan reaches, the error states that
     figure, proven. The ILP's memory rows count the resharded copies (all-gathered weights
     included), so each plan's prediction is exactly the peak the rows saw."""
-    from autoshard.ilp import InfeasibleBudgetError
+    from autoshard.intra.ilp import InfeasibleBudgetError
 
     g = gpt350m_2l.graph
     mesh = alpa_test_mesh((8,), ("data",))
@@ -203,8 +203,8 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(tiny, shape, which
     (resharded copies and XLA:CPU's early all-gathers included), so a budget on the rows is
     a budget on the prediction."""
     from autoshard.api import device_mesh_for
-    from autoshard.ilp import peak_memory, solve
-    from autoshard.intra import plan_from_solution
+    from autoshard.intra.ilp import peak_memory, solve
+    from autoshard.intra.problem import plan_from_solution
 
     axes = ("data", "model")[: len(shape)]
     mesh = device_mesh_for(shape, axes) if cpu else alpa_test_mesh(shape, axes)
@@ -234,7 +234,7 @@ def test_open_loop_memory_model_keeps_compiled_within_budget(gpt350m_2l):
 
 def test_closed_loop_budget_holds_for_the_compiled_step():
     from autoshard.api import plan_workload
-    from autoshard.ilp import InfeasibleBudgetError
+    from autoshard.intra.ilp import InfeasibleBudgetError
 
     kw = dict(optimizer="adamw", solver="highs", batch_size=8, num_layers=2)
     for budget in (2.0e9, 1.6e9):
@@ -249,7 +249,7 @@ def test_closed_loop_budget_holds_for_the_compiled_step():
 
 def test_bad_inputs_get_clear_errors(tiny):
     from autoshard.api import device_mesh_for, parse_mesh_shape
-    from autoshard.ilp import solve
+    from autoshard.intra.ilp import solve
 
     with pytest.raises(ValueError, match="2x4"):
         parse_mesh_shape("2by4")
@@ -266,9 +266,9 @@ def test_zero2_with_optimizer_state_trains_like_one_device():
     """ZeRO-2 only differs from DP when the optimizer has state: SGD with momentum."""
     import optax
 
-    from autoshard.graph import build_graph
+    from autoshard.ir.graph import build_graph
     from autoshard.models import get_workload, make_train_step
-    from autoshard.trace import trace_train_step
+    from autoshard.trace.jaxpr import trace_train_step
 
     w = get_workload("gpt-tiny")
     opt = optax.sgd(1e-2, momentum=0.9)
@@ -334,7 +334,7 @@ def test_deeper_zero3_on_4x2_collectives_match_xla():
 def test_zero3_on_2x4_disagrees_where_xla_exchanges_over_part_of_an_axis(tiny):
     # Known, named disagreement: XLA splits the 4-device model axis and runs an all-to-all
     # over pairs of it, which no spec (whole mesh axes only) can predict; the verifier
-    # reports its axes as "?" (see autoshard/hlo.py).
+    # reports its axes as "?" (see autoshard/verify/hlo.py).
     plan = _plan(tiny, (2, 4), "zero3")
     report = verify_plan(tiny.program, plan, devices=jax.devices()[:8])
     assert not report.collectives_agree

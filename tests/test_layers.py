@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.layers import cluster_layers, crossing_bytes
+from autoshard.inter.clustering import cluster_layers, crossing_bytes
 
 
 def _cut_cost(bounds, cuts):

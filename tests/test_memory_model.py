@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from autoshard.graph import build_graph
-from autoshard.intra import live_intervals
-from autoshard.trace import trace
+from autoshard.intra.problem import live_intervals
+from autoshard.ir.graph import build_graph
+from autoshard.trace.jaxpr import trace
 
 
 def _graph(fn, *args):
@@ -110,9 +110,9 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
     an element, one that does not (a GPU cluster) at 2."""
     import re
 
-    from autoshard.cost import alpa_test_mesh
-    from autoshard.intra import buffer_bytes, predicted_peak_bytes
-    from autoshard.spec import ShardingSpec
+    from autoshard.intra.cost import alpa_test_mesh
+    from autoshard.intra.problem import buffer_bytes, predicted_peak_bytes
+    from autoshard.ir.spec import ShardingSpec
 
     def fn(x, w):
         return jnp.tanh(x @ w)
@@ -144,9 +144,9 @@ def test_narrow_dot_operands_get_f32_copies_on_cpu():
     counts one copy per cast (not a bf16 buffer and an f32 one), on CPU meshes only."""
     import re
 
-    from autoshard.cost import alpa_test_mesh
-    from autoshard.intra import predicted_peak_bytes, widened_dot_operands
-    from autoshard.spec import ShardingSpec
+    from autoshard.intra.cost import alpa_test_mesh
+    from autoshard.intra.problem import predicted_peak_bytes, widened_dot_operands
+    from autoshard.ir.spec import ShardingSpec
 
     def loss(w1, w2, x):
         h = jax.nn.gelu(x @ w1.astype(jnp.bfloat16))
@@ -210,7 +210,7 @@ def test_late_updates_keep_every_gradient_until_the_backward_ends():
 def test_a_causal_mask_is_never_a_buffer():
     """A mask built from iotas (no program input) is regenerated inside every reader's
     fusion by XLA, even when the backward pass reads it: no buffer in the model."""
-    from autoshard.intra import materialized_tensors
+    from autoshard.intra.problem import materialized_tensors
 
     def loss(x):
         mask = jnp.tril(jnp.ones((256, 256), bool))
@@ -239,9 +239,9 @@ def test_simulator_memory_rows_are_within_10_percent_of_xla(model, dtype):
     own plan: the predicted peak is within 10% of XLA's (benchmarks/bench_truth.py runs the
     same plans and records the figures)."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.baselines import baseline_inputs
-    from autoshard.intra import auto_shard_graph
-    from autoshard.verify import verify_plan
+    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.verify.check import verify_plan
 
     traced = trace_workload(model, optimizer="adamw", num_layers=2, batch_size=8, dtype=dtype)
     mesh = device_mesh_for((8,), ("data",))
@@ -258,9 +258,9 @@ def test_simulator_memory_rows_are_within_10_percent_of_xla(model, dtype):
 def test_an_input_resharded_copy_starts_with_the_step_on_cpu():
     """XLA:CPU makes what depends on program inputs only (a weight's all-gather) at the
     start of the step; elsewhere a resharded copy starts at its first reader."""
-    from autoshard.cost import alpa_test_mesh
-    from autoshard.intra import _reshard_buffers
-    from autoshard.spec import ShardingSpec
+    from autoshard.intra.cost import alpa_test_mesh
+    from autoshard.intra.problem import _reshard_buffers
+    from autoshard.ir.spec import ShardingSpec
 
     def fn(w, x):
         h = jnp.tanh(x @ jnp.ones((64, 64)))
@@ -290,7 +290,7 @@ def gpt_tiny_4_blocks():
 def _named_live_buffer_miss(traced, plan):
     """Verify ``plan``; assert it is a named memory disagreement that is no heap gap (XLA's
     live peak is its allocation to within 1%) but live buffers the model misses."""
-    from autoshard.verify import verify_plan
+    from autoshard.verify.check import verify_plan
 
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
     live = report.compiled_live_peak_bytes
@@ -316,8 +316,8 @@ def test_deeper_gpt_tiny_memory_misses_the_combined_gradient_all_reduce(
     together.  The model holds each gradient once there (docs/truth.md names the rule that
     would add the reduced copies, and why it is not in)."""
     from autoshard.api import device_mesh_for
-    from autoshard.baselines import baseline_inputs
-    from autoshard.intra import auto_shard_graph
+    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.problem import auto_shard_graph
 
     traced = gpt_tiny_4_blocks
     shape = tuple(int(s) for s in mesh_text.split("x"))
@@ -339,8 +339,8 @@ def test_gpt350m_bf16_zero2_memory_misses_the_logits_gradient_all_to_all_in_f32(
     at bf16 size and no send buffers (docs/truth.md: the rules tried, and why they are
     not in)."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.baselines import baseline_inputs
-    from autoshard.intra import auto_shard_graph
+    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.problem import auto_shard_graph
 
     traced = trace_workload(
         "gpt-350m", optimizer="adamw", num_layers=2, batch_size=8, dtype="bfloat16"
@@ -357,7 +357,7 @@ def test_softmax_exp_is_kept_on_cpu_and_recomputed_on_gpu():
     was 18-28% over XLA:GPU's peak with the exp kept, within 3% without it,
     docs/validation.md). Cluster presets carry the GPU layout, CPU meshes the CPU one."""
     from autoshard.api import device_mesh_for
-    from autoshard.intra import materialized_tensors, mesh_intervals
+    from autoshard.intra.problem import materialized_tensors, mesh_intervals
 
     def loss(q, k):
         scores = jnp.einsum("bqd,bkd->bqk", q, k)

@@ -17,14 +17,14 @@ import optax
 import pytest
 
 from autoshard.models import get_workload, make_optimizer, make_train_step
-from autoshard.pipeline import (
+from autoshard.runtime.pipeline import (
     LayerStats,
     auto_pipeline,
     flops_stage_cost,
     layer_stats,
     split_stages,
 )
-from autoshard.trace import trace
+from autoshard.trace.jaxpr import trace
 
 NUM_STEPS = 3
 NUM_MICROBATCHES = 4

@@ -12,9 +12,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec
 
+from autoshard.ir.plan import ParallelPlan
+from autoshard.ir.spec import Mesh, ShardingSpec
 from autoshard.models import get_workload, make_optimizer, make_train_step
-from autoshard.plan import ParallelPlan
-from autoshard.runtime import (
+from autoshard.runtime.sharded import (
     abstract_args,
     build_sharded_step,
     check_against_single_device,
@@ -23,8 +24,7 @@ from autoshard.runtime import (
     run_steps,
     to_partition_spec,
 )
-from autoshard.spec import Mesh, ShardingSpec
-from autoshard.trace import trace_train_step
+from autoshard.trace.jaxpr import trace_train_step
 
 MESHES = [
     Mesh(("data",), (8,)),
@@ -209,7 +209,7 @@ def test_adamw_mlp_matches_single_device_over_steps():
 
 def test_check_report_catches_a_wrong_sharded_step(monkeypatch):
     """If the sharded side ran a different step (lr 0.2, not 0.1) the report says so."""
-    import autoshard.runtime as runtime
+    import autoshard.runtime.sharded as runtime
 
     workload, opt, program = _mlp()
     mesh = Mesh(("data", "model"), (2, 4))

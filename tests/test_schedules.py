@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.schedules import (
+from autoshard.inter.schedules import (
     BACKWARD,
     FORWARD,
     ScheduleError,
@@ -20,7 +20,7 @@ from autoshard.schedules import (
     schedule_latency,
     validate,
 )
-from autoshard.stages import pipeline_objective
+from autoshard.inter.stages import pipeline_objective
 
 BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 stages_st = st.integers(2, 16)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from autoshard.cost import uniform_mesh
-from autoshard.ilp import solve
-from autoshard.inter import (
+from autoshard.hardware.clusters import load_cluster
+from autoshard.hardware.gemm import GemmTable
+from autoshard.inter.search import (
     _NO_TIES,
     IntraStageCost,
     auto_stage_plan,
@@ -17,12 +17,12 @@ from autoshard.inter import (
     range_subgraph,
     trace_microbatch,
 )
-from autoshard.intra import build_problem, materialized_tensors
-from autoshard.sim.clusters import load_cluster
-from autoshard.sim.compute import GemmTable
+from autoshard.inter.stages import pipeline_objective
+from autoshard.intra.cost import uniform_mesh
+from autoshard.intra.ilp import solve
+from autoshard.intra.problem import build_problem, materialized_tensors
 from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron
 from autoshard.sim.simulate import gpt_shape
-from autoshard.stages import pipeline_objective
 
 V100 = load_cluster("alpa-v100", 8)
 

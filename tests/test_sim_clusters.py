@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.sim.clusters import (
+from autoshard.hardware.clusters import (
     Cluster,
     available_presets,
     axis_links,
@@ -23,7 +23,7 @@ PRESETS = ("alpa-v100", "dgx-a100", "dgx-h100")
 
 
 def _preset_json(name: str) -> dict:
-    text = (resources.files("autoshard.sim") / "presets" / f"{name}.json").read_text()
+    text = (resources.files("autoshard.hardware") / "presets" / f"{name}.json").read_text()
     return json.loads(text)
 
 
@@ -181,7 +181,7 @@ def test_nvlink_axes_form_a_suffix(shape):
 
 
 def test_to_device_mesh_carries_device_figures():
-    pytest.importorskip("autoshard.cost")
+    pytest.importorskip("autoshard.intra.cost")
     cluster = load_cluster("dgx-a100", num_gpus=16)
     mesh = to_device_mesh(cluster, (2, 8), ("data", "model"))
     assert mesh.mesh.axis_names == ("data", "model") and mesh.mesh.shape == (2, 8)

@@ -8,13 +8,13 @@ import jax
 import pytest
 
 from autoshard.api import plan_workload
-from autoshard.cost import XLA_CPU_MEMORY
-from autoshard.intra import predicted_peak_bytes
-from autoshard.sim.clusters import load_cluster, to_device_mesh
-from autoshard.sim.compute import GemmTable
+from autoshard.hardware.clusters import load_cluster, to_device_mesh
+from autoshard.hardware.gemm import GemmTable
+from autoshard.intra.cost import XLA_CPU_MEMORY
+from autoshard.intra.problem import predicted_peak_bytes
 from autoshard.sim.exact import MAX_EXACT_DEVICES, check_exact_devices
 from autoshard.sim.simulate import simulate
-from autoshard.verify import verify_plan
+from autoshard.verify.check import verify_plan
 
 # 2 blocks of GPT-125m on 8 GPUs (conftest: 8 fake CPU devices): ~10 s per compile
 SMALL = dict(num_layers=2, global_batch=16)
@@ -109,7 +109,7 @@ def test_device_guards():
 
 
 def _cli(*argv):
-    from autoshard.cli_simulate import register
+    from autoshard.cli.simulate import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
@@ -136,8 +136,8 @@ def test_cli_exact_unavailable_in_text_and_json(capsys):
     ],
 )
 def test_cli_sets_one_fake_device_per_gpu_for_exact(monkeypatch, argv, devices):
-    import autoshard.cli as cli
-    import autoshard.cli_simulate as cli_simulate
+    import autoshard.cli.main as cli
+    import autoshard.cli.simulate as cli_simulate
 
     seen = []
     monkeypatch.setattr(cli, "_setup_devices", seen.append)

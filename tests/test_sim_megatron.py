@@ -10,8 +10,8 @@ from conftest import load_benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.sim.clusters import load_cluster
-from autoshard.sim.compute import GemmTable, available_gemm_tables, memory_bound_time
+from autoshard.hardware.clusters import load_cluster
+from autoshard.hardware.gemm import GemmTable, available_gemm_tables, memory_bound_time
 from autoshard.sim.megatron import GPTShape, MegatronConfig, bubble_fraction, simulate_megatron
 
 GPT_18B = GPTShape(hidden=6144, layers=40, heads=48)

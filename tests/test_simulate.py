@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from autoshard.hardware.clusters import load_cluster
+from autoshard.inter.stages import pipeline_objective
 from autoshard.sim import formulas
-from autoshard.sim.clusters import load_cluster
 from autoshard.sim.megatron import simulate_megatron
 from autoshard.sim.simulate import (
     PLAN_FORMS,
@@ -16,7 +17,6 @@ from autoshard.sim.simulate import (
     parse_plan,
     simulate,
 )
-from autoshard.stages import pipeline_objective
 
 REPORT_KEYS = (
     "step_time_s",
@@ -271,7 +271,7 @@ def test_bad_inputs_say_what_is_wrong():
 
 
 def _cli(*argv):
-    from autoshard.cli_simulate import register
+    from autoshard.cli.simulate import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))

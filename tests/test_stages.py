@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.stages import (
+from autoshard.inter.stages import (
     SCHEDULES,
     StageCost,
     StagePlan,

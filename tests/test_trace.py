@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from autoshard.api import summarize_graph, trace_workload
-from autoshard.graph import build_graph
+from autoshard.ir.graph import build_graph
 from autoshard.models import GPT_PRESETS, get_workload, make_optimizer, make_train_step
-from autoshard.trace import TraceError, trace, trace_train_step
+from autoshard.trace.jaxpr import TraceError, trace, trace_train_step
 
 
 def megatron_matmul_flops(B, s, L, h, V):
@@ -185,7 +185,7 @@ def test_graph_is_jax_free():
     import subprocess
     import sys
 
-    code = "import sys, autoshard.graph, autoshard.spec; assert 'jax' not in sys.modules"
+    code = "import sys, autoshard.ir.graph, autoshard.ir.spec; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

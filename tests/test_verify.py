@@ -9,9 +9,9 @@ import jax
 import pytest
 from rich.console import Console
 
-from autoshard import verify
 from autoshard.api import plan_workload
-from autoshard.report import print_verification
+from autoshard.cli.report import print_verification
+from autoshard.verify import check as verify
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,14 @@
 """Simulator of clusters we do not have (jax-free).
 
-* :mod:`~autoshard.sim.clusters`: cluster presets as JSON data, and mesh axes -> links.
-* :mod:`~autoshard.sim.compute`: achieved GEMM efficiency tables and memory-bound time.
+* :mod:`~autoshard.hardware.clusters`: cluster presets as JSON data, and mesh axes -> links.
+* :mod:`~autoshard.hardware.gemm`: achieved GEMM efficiency tables and memory-bound time.
 * :mod:`~autoshard.sim.formulas`: model/hardware FLOPs, MFU/HFU, model-state and
   activation memory in closed form.
 * :mod:`~autoshard.sim.megatron`: analytic step time of Megatron-LM TP x PP x DP training,
   validated against published A100 measurements (docs/validation.md).
 """
 
-from autoshard.sim.clusters import (
+from autoshard.hardware.clusters import (
     Cluster,
     DeviceSpec,
     LinkSpec,
@@ -17,7 +17,7 @@ from autoshard.sim.clusters import (
     load_cluster,
     to_device_mesh,
 )
-from autoshard.sim.compute import GemmTable, memory_bound_time
+from autoshard.hardware.gemm import GemmTable, memory_bound_time
 
 __all__ = [
     "Cluster",

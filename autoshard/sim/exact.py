@@ -4,10 +4,10 @@ For a :class:`~autoshard.sim.simulate.SimulationReport` whose plan the intra-op 
 build -- ``dp``, ``zero2``, ``zero3``, ``megatron:TPx1xDP`` and an ``auto`` plan with one
 stage -- :func:`exact_check` builds the intra-op plan for the same model on a
 ``(data, model) = (dp, tp)`` mesh of the simulated GPU count (the baseline's pinned input
-specs, :mod:`autoshard.baselines`, or for ``auto`` the ILP's own choice; the rest placed by
+specs, :mod:`autoshard.intra.baselines`, or for ``auto`` the ILP's own choice; the rest placed by
 the ILP with the cluster preset's costs), traces one micro-batch's training step at the
 simulated micro-batch size and dtype, compiles it with abstract shapes on that many fake
-CPU devices (:func:`autoshard.verify.verify_plan`) and returns an :class:`ExactReport`:
+CPU devices (:func:`autoshard.verify.check.verify_plan`) and returns an :class:`ExactReport`:
 compiled vs simulated peak bytes per device, compiled vs predicted collective bytes per
 (kind, mesh axes), whether the compiled peak fits the device's HBM, and notes that say
 what the two sides do not share. Pipelines (more than one stage) are reported as not
@@ -150,7 +150,7 @@ def _notes(plan: Mapping, recompute: str, dp: int, tp: int) -> tuple[str, ...]:
     if plan["dtype"] != "fp32":
         notes.append(
             "XLA:CPU computes bf16 dots in f32 and moves some of their operands and results "
-            "as f32; the verifier counts those collectives at 16-bit bytes (autoshard.hlo)"
+            "as f32; the verifier counts those collectives at 16-bit bytes (autoshard.verify.hlo)"
         )
     notes.append(
         "predicted collective bytes are the intra-op plan's (same alpha-beta cost model as "
@@ -183,10 +183,10 @@ def exact_check(
     import jax
 
     from autoshard.api import plan_workload
-    from autoshard.cost import XLA_CPU_MEMORY
-    from autoshard.intra import predicted_peak_bytes
-    from autoshard.sim.clusters import load_cluster, to_device_mesh
-    from autoshard.sim.compute import GemmTable
+    from autoshard.hardware.clusters import load_cluster, to_device_mesh
+    from autoshard.hardware.gemm import GemmTable
+    from autoshard.intra.cost import XLA_CPU_MEMORY
+    from autoshard.intra.problem import predicted_peak_bytes
 
     devices = jax.devices("cpu")
     if len(devices) < gpus:

@@ -2,7 +2,7 @@
 
 Takes a :class:`GPTShape`, a :class:`MegatronConfig` (TP x PP x DP grid, micro-batch,
 global batch, recompute, sequence parallel, interleaving) and a
-:class:`~autoshard.sim.clusters.Cluster`; returns a frozen :class:`SimResult` whose
+:class:`~autoshard.hardware.clusters.Cluster`; returns a frozen :class:`SimResult` whose
 ``breakdown`` adds up to ``step_time_s``.
 
 The model, per micro-batch and per device:
@@ -23,7 +23,7 @@ The model, per micro-batch and per device:
 * Tensor parallel: 2 all-reduces of the sbh activation per layer forward and 2 backward
   (with sequence parallel: an all-gather + reduce-scatter pair instead of each all-reduce),
   plus one for the vocab-parallel embedding (first stage) and one for the logit input
-  gradient (last stage). Costs come from :mod:`autoshard.cost` (ring alpha-beta, no
+  gradient (last stage). Costs come from :mod:`autoshard.intra.cost` (ring alpha-beta, no
   tie-breakers) on the mesh ``(pipe=p, data=d, model=t)`` laid out row-major on the cluster,
   so TP <= 8 stays on NVLink (Megatron's rank order: TP fastest, then DP, then PP).
 * Pipeline: point-to-point send of the activation, alpha + beta x bytes, forward and
@@ -51,17 +51,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autoshard.cost import (
+from autoshard.hardware.clusters import Cluster, to_device_mesh
+from autoshard.hardware.gemm import GemmTable, memory_bound_time
+from autoshard.intra.cost import (
     CostOptions,
     DeviceMesh,
     all_gather_cost,
     all_reduce_cost,
     reduce_scatter_cost,
 )
+from autoshard.ir.spec import Mesh
 from autoshard.sim import formulas
-from autoshard.sim.clusters import Cluster, to_device_mesh
-from autoshard.sim.compute import GemmTable, memory_bound_time
-from autoshard.spec import Mesh
 
 NO_TIE_BREAKERS = CostOptions(tie_breakers=False)
 OPTIMIZER_BYTES_PER_PARAM = 32

@@ -27,19 +27,19 @@ Plans (``PLAN_FORMS``):
   DP. ZeRO-3 holds one gathered block (the larger of a transformer layer and the
   embedding, 16-bit) on top of its shards. Nothing is overlapped with compute, as in
   :mod:`~autoshard.sim.megatron`.
-* ``auto`` -- Alpa's search (:func:`autoshard.inter.auto_stage_plan`: intra-op ILPs with
+* ``auto`` -- Alpa's search (:func:`autoshard.inter.search.auto_stage_plan`: intra-op ILPs with
   HiGHS on abstract shapes, then the stage DP) on the cluster preset. The step time *is*
   the search objective ``sum(t) + (m - 1) max(t)``, the memory the chosen stages' peak
   bytes; with ``recompute="none"`` the search gets the device's HBM as its budget.
 
 One cost model behind search and simulation: the Megatron path and the ILPs behind
-``auto`` both price collectives with the ring alpha-beta functions of :mod:`autoshard.cost`
-on meshes from :func:`autoshard.sim.clusters.to_device_mesh` (the same link for the same
+``auto`` both price collectives with the ring alpha-beta functions of :mod:`autoshard.intra.cost`
+on meshes from :func:`autoshard.hardware.clusters.to_device_mesh` (the same link for the same
 mesh axis), and both time compute with the device's GEMM table (each ``dot_general`` at
-its per-device shard shape under the chosen strategy, :func:`autoshard.strategies.
+its per-device shard shape under the chosen strategy, :func:`autoshard.intra.strategies.
 strategy_seconds`) and memory-bound work as bytes over HBM bandwidth. What still differs
 is the program: the grid path models Megatron-LM's fused kernels, the auto path the traced
-JAX step under the fusion model of :func:`autoshard.intra.materialized_tensors` (its
+JAX step under the fusion model of :func:`autoshard.intra.problem.materialized_tensors` (its
 attention softmax streams several fp32 buffers), so a block's elementwise time is higher
 on the auto path (tests/test_sim_auto.py states the consequences).
 
@@ -49,7 +49,7 @@ one :mod:`benchmarks.validate_megatron` checks. ``"traced"`` times the grid on t
 JAX step, exactly as the search sees it: Megatron's stage split (the embedding with the
 first blocks, the head with the last; ``layers / PP`` blocks each) on ``TP x DP``-device
 sub-meshes viewed as the logical mesh ``(DP, TP)``, each stage's intra-op plan the ILP's on
-that mesh (:class:`autoshard.inter.IntraStageCost`, the search's own stage costs), 1F1B
+that mesh (:class:`autoshard.inter.search.IntraStageCost`, the search's own stage costs), 1F1B
 memory, and step time ``sum(t) + (m - 1) max(t)``. So ``auto`` and the grid are compared
 on one program and one cost model: the search's plan is never slower than a grid point
 priced this way at the same number of micro-batches (tests/test_sim_auto.py). The
@@ -58,7 +58,7 @@ when not given, as on the Megatron-LM program; each number of micro-batches is o
 
 Recompute under ``auto``: a plan dimension of the stage DP. Every stage candidate is
 costed with no, selective and full recompute of its transformer blocks
-(:func:`autoshard.inter.recompute_costs`: the forward or attention-core time of the chosen
+(:func:`autoshard.inter.search.recompute_costs`: the forward or attention-core time of the chosen
 intra-op plans added to the latency, the activations Korthikanti et al.'s scheme keeps);
 with ``recompute="auto"`` (the default for ``plan="auto"``) the DP takes, per stage, the
 fastest mode whose memory fits the device's HBM, and records it in ``plan["stages"]``;
@@ -78,10 +78,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autoshard.cost import all_gather_cost, reduce_scatter_cost
+from autoshard.hardware.clusters import Cluster, load_cluster, to_device_mesh
+from autoshard.hardware.gemm import GemmTable
+from autoshard.intra.cost import all_gather_cost, reduce_scatter_cost
 from autoshard.sim import formulas
-from autoshard.sim.clusters import Cluster, load_cluster, to_device_mesh
-from autoshard.sim.compute import GemmTable
 from autoshard.sim.exact import ExactReport, check_exact_devices, exact_check
 from autoshard.sim.megatron import (
     GRAD_ALLREDUCE_BYTES_PER_PARAM,
@@ -513,7 +513,7 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 def _simulate_auto(
     model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
-    from autoshard.inter import search_stages  # lazy: traces with jax
+    from autoshard.inter.search import search_stages  # lazy: traces with jax
 
     if microbatch_size is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
@@ -630,8 +630,8 @@ def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
 def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
-    ``cluster`` (an :class:`autoshard.inter.IntraStageCost`; its ``graph`` is the step)."""
-    from autoshard.inter import (  # lazy: traces with jax
+    ``cluster`` (an :class:`autoshard.inter.search.IntraStageCost`; its ``graph`` is the step)."""
+    from autoshard.inter.search import (  # lazy: traces with jax
         IntraStageCost,
         cluster_for,
         logical_mesh_costs,
@@ -675,7 +675,7 @@ def _simulate_traced_grid(
     model, shape, cluster, batch, microbatch_size, grid, recompute, dtype, peak, time_limit,
     overrides,
 ) -> SimulationReport:  # fmt: skip
-    from autoshard.stages import microbatches_in_flight, pipeline_objective
+    from autoshard.inter.stages import microbatches_in_flight, pipeline_objective
 
     gpus = cluster.num_gpus
     if grid is not None and shape.layers % grid[1]:

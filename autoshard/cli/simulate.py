@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from autoshard.cli_args import gib as _gib
-from autoshard.cli_args import positive_int as _positive_int
+from autoshard.cli.args import gib as _gib
+from autoshard.cli.args import positive_int as _positive_int
 
 RECOMPUTE_MODES = ("none", "selective", "full", "auto")  # autoshard.sim.formulas + auto
 

@@ -11,10 +11,10 @@ import argparse
 import json
 import sys
 
-from autoshard.cli_args import add_model_args as _model_args
-from autoshard.cli_args import model_overrides as _overrides
-from autoshard.cli_args import positive_int as _positive_int
-from autoshard.cli_pipeline import add_pipeline_args, cmd_pipeline_plan, cmd_pipeline_run
+from autoshard.cli.args import add_model_args as _model_args
+from autoshard.cli.args import model_overrides as _overrides
+from autoshard.cli.args import positive_int as _positive_int
+from autoshard.cli.pipeline import add_pipeline_args, cmd_pipeline_plan, cmd_pipeline_run
 
 
 def _setup_devices(n: int | None) -> None:
@@ -35,7 +35,7 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(summary.to_json(), indent=2))
         return 0
-    from autoshard.report import print_summary
+    from autoshard.cli.report import print_summary
 
     print_summary(summary)
     return 0
@@ -114,7 +114,7 @@ def _single_mesh_defaults(args) -> None:
 
 
 def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
-    from autoshard.report import print_plan, print_verification
+    from autoshard.cli.report import print_plan, print_verification
 
     if bound is None and not verify_exit and _route(args, "plan"):
         return cmd_pipeline_plan(args)
@@ -142,7 +142,7 @@ def cmd_run(args, bound=None) -> int:
     from rich.console import Console
 
     from autoshard.models import get_workload, make_optimizer
-    from autoshard.runtime import check_against_single_device, run_steps
+    from autoshard.runtime.sharded import check_against_single_device, run_steps
 
     if bound is None and _route(args, "run"):
         return cmd_pipeline_run(args)
@@ -192,7 +192,7 @@ def cmd_demo(args) -> int:
     from rich.console import Console
 
     from autoshard.api import inspect_model
-    from autoshard.report import human
+    from autoshard.cli.report import human
 
     console = Console()
     s = inspect_model("gpt-tiny")
@@ -313,11 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=120.0)
     p.set_defaults(func=cmd_demo)
 
-    from autoshard.cli_pipeline import register as register_pipeline
+    from autoshard.cli.pipeline import register as register_pipeline
 
     register_pipeline(sub)
 
-    from autoshard.cli_simulate import register as register_simulate
+    from autoshard.cli.simulate import register as register_simulate
 
     register_simulate(sub)
     return parser

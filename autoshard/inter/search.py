@@ -1,20 +1,20 @@
 """Stage costs from intra-operator plans, and Alpa's full inter-operator search.
 
-Takes a traced training step (:class:`~autoshard.graph.Graph` of forward, backward and
+Takes a traced training step (:class:`~autoshard.ir.graph.Graph` of forward, backward and
 optimizer update, traced at the **microbatch** size), a cluster and a number of
 microbatches; returns an :class:`InterPlan`: contiguous layer ranges, each on a sub-mesh
 viewed as a ``(dp, tp)`` logical mesh, minimising Alpa's pipeline latency
-``sum(t) + (B - 1) max(t)`` (the DP of :mod:`autoshard.stages`).
+``sum(t) + (B - 1) max(t)`` (the DP of :mod:`autoshard.inter.stages`).
 
 The stage DP asks for the cost of layers ``[start, end)`` on every logical mesh.  Here a
-cost comes from the intra-op ILP (:mod:`autoshard.intra`) run on the range's sub-graph
+cost comes from the intra-op ILP (:mod:`autoshard.intra.problem`) run on the range's sub-graph
 (:func:`range_subgraph`): its forward, backward and update equations; tensors made
 outside the range enter as inputs (kind ``"data"`` for activations and cotangents, the
 original kind for parameters and optimizer state).  Equations with no layer (Adam's
 shared step count: scalars) belong to no range.  Per microbatch::
 
     latency_s        = compute: each equation's seconds under its chosen strategy
-                       (:func:`autoshard.strategies.strategy_seconds`: on a cluster
+                       (:func:`autoshard.intra.strategies.strategy_seconds`: on a cluster
                        preset, GEMMs from the device's GEMM table at their per-device
                        shard shape and other equations' bytes over HBM bandwidth, as in
                        the Megatron grid model; FLOPs / (split x peak) otherwise)
@@ -55,14 +55,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from autoshard.cost import CostOptions, DeviceMesh, reshard, uniform_mesh
-from autoshard.graph import Graph, build_graph
-from autoshard.ilp import InfeasibleProblemError, solve
-from autoshard.intra import build_problem, mesh_intervals, plan_from_solution
-from autoshard.plan import ParallelPlan
-from autoshard.records import EqnRecord, TensorRecord, TraceRecords
-from autoshard.spec import ShardingSpec
-from autoshard.stages import (
+from autoshard.inter.stages import (
     NO_RECOMPUTE,
     RECOMPUTE_MODES,
     StageCost,
@@ -75,6 +68,13 @@ from autoshard.stages import (
     place_submeshes,
     submesh_shapes,
 )
+from autoshard.intra.cost import CostOptions, DeviceMesh, reshard, uniform_mesh
+from autoshard.intra.ilp import InfeasibleProblemError, solve
+from autoshard.intra.problem import build_problem, mesh_intervals, plan_from_solution
+from autoshard.ir.graph import Graph, build_graph
+from autoshard.ir.plan import ParallelPlan
+from autoshard.ir.records import EqnRecord, TensorRecord, TraceRecords
+from autoshard.ir.spec import ShardingSpec
 
 DEFAULT_PEAK_FLOPS = 100e12  # FLOP/s per device when the mesh has no finite peak
 LOGICAL_AXES = ("data", "model")
@@ -607,7 +607,7 @@ class IntraStageCost:
 
 
 def cluster_for(cluster, num_hosts: int, devices_per_host: int):
-    """A :class:`~autoshard.sim.clusters.Cluster` of ``num_hosts x devices_per_host``.
+    """A :class:`~autoshard.hardware.clusters.Cluster` of ``num_hosts x devices_per_host``.
 
     ``cluster``: a preset name, a preset file path, a Cluster, or None for an abstract
     cluster (:data:`DEFAULT_INTRA_HOST` / :data:`DEFAULT_INTER_HOST` links,
@@ -615,7 +615,7 @@ def cluster_for(cluster, num_hosts: int, devices_per_host: int):
     """
     from types import MappingProxyType
 
-    from autoshard.sim.clusters import Cluster, DeviceSpec, LinkSpec, load_cluster
+    from autoshard.hardware.clusters import Cluster, DeviceSpec, LinkSpec, load_cluster
 
     if cluster is None:
         return Cluster(
@@ -646,8 +646,8 @@ def logical_mesh_costs(cluster, dtype: str | None = None):
     memory-bound operations their bytes over HBM bandwidth: the compute model of
     :mod:`autoshard.sim.megatron`.  The abstract cluster keeps FLOPs at peak.
     """
-    from autoshard.sim.clusters import to_device_mesh
-    from autoshard.sim.compute import GemmTable
+    from autoshard.hardware.clusters import to_device_mesh
+    from autoshard.hardware.gemm import GemmTable
 
     cache: dict[Shape2, DeviceMesh] = {}
     table = None
@@ -657,7 +657,7 @@ def logical_mesh_costs(cluster, dtype: str | None = None):
     def mesh_for(logical: Shape2) -> DeviceMesh:
         if logical not in cache:
             if cluster.name == "abstract":
-                from autoshard.sim.clusters import cluster_mesh_costs
+                from autoshard.hardware.clusters import cluster_mesh_costs
 
                 alpha, beta = cluster_mesh_costs(cluster, logical, LOGICAL_AXES)
                 cache[logical] = uniform_mesh(logical, LOGICAL_AXES, alpha, beta)

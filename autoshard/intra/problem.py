@@ -1,10 +1,10 @@
 """Intra-operator planning: op graph + device mesh -> ILP -> ParallelPlan (jax-free).
 
-Takes a :class:`~autoshard.graph.Graph` and a :class:`~autoshard.cost.DeviceMesh`;
+Takes a :class:`~autoshard.ir.graph.Graph` and a :class:`~autoshard.intra.cost.DeviceMesh`;
 builds Alpa's sharding problem (one node per program input and per equation, strategies
-from :mod:`autoshard.strategies`, resharding costs on every edge from
-:mod:`autoshard.cost`), solves it with :mod:`autoshard.ilp` and returns a
-:class:`~autoshard.plan.ParallelPlan` with the predicted collectives and peak memory.
+from :mod:`autoshard.intra.strategies`, resharding costs on every edge from
+:mod:`autoshard.intra.cost`), solves it with :mod:`autoshard.intra.ilp` and returns a
+:class:`~autoshard.ir.plan.ParallelPlan` with the predicted collectives and peak memory.
 
 Problem-size reductions, all exact with respect to the plans they allow:
 
@@ -30,16 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoshard.cost import (
+from autoshard.intra.cost import (
     DEFAULT_COST_OPTIONS,
     CostOptions,
     DeviceMesh,
     reshard,
     reshard_to_consumers,
 )
-from autoshard.graph import REDUCTIONS as ALL_REDUCTIONS
-from autoshard.graph import Graph
-from autoshard.ilp import (
+from autoshard.intra.ilp import (
     CopyBuffer,
     EdgeCost,
     ShardingProblem,
@@ -48,9 +46,11 @@ from autoshard.ilp import (
     peak_memory,
     solve,
 )
-from autoshard.plan import ParallelPlan
-from autoshard.spec import Collective, ShardingSpec
-from autoshard.strategies import Strategy, input_strategies, node_strategies
+from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
+from autoshard.ir.graph import REDUCTIONS as ALL_REDUCTIONS
+from autoshard.ir.graph import Graph
+from autoshard.ir.plan import ParallelPlan
+from autoshard.ir.spec import Collective, ShardingSpec
 
 NOT_FOLLOWERS = frozenset(
     {
@@ -124,7 +124,7 @@ def _edge_matrix(
     """Resharding cost of output ``k`` of every source strategy into operand ``slot`` of
     every destination strategy (``math.inf`` where XLA cannot resolve a partial sum).
     ``in_place``: the source op reduces its partial sums where it makes them (a reduction
-    or a scatter-add, see :func:`autoshard.cost.reshard`)."""
+    or a scatter-add, see :func:`autoshard.intra.cost.reshard`)."""
     wants = [s.input_specs[slot] for s in dst_strategies]
     matrix = []
     for s in src_strategies:
@@ -555,7 +555,7 @@ def plan_from_solution(
 
 def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
     """The collectives XLA will emit for the plan ``choice``: every value is resharded
-    once per distinct spec its consumers want (:func:`autoshard.cost.reshard_to_consumers`),
+    once per distinct spec its consumers want (:func:`autoshard.intra.cost.reshard_to_consumers`),
     in program order of first use."""
     graph = ip.graph
     source: dict[int, ShardingSpec] = {}
@@ -605,7 +605,7 @@ def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
     """For a reduce or scatter-add whose output is partial: its partial axes, reduced
     where the op makes them; for a reduce grouped by the summed dim of the operand they
     split, last dim first (the order XLA all-reduces them in, see
-    :func:`autoshard.cost.reshard_to_consumers`); otherwise ()."""
+    :func:`autoshard.intra.cost.reshard_to_consumers`); otherwise ()."""
     out = strategy.output_specs[0] if strategy.output_specs else None
     operand = strategy.input_specs[0] if strategy.input_specs else None
     if node.primitive not in REDUCED_IN_PLACE or out is None or not out.partial:
@@ -734,7 +734,7 @@ def live_intervals(
 
     Program inputs live throughout ((-1, n)); updated state reuses its donated input, so
     aliased outputs take no extra room.  Positions are :func:`program_positions`.
-    The flags are :class:`~autoshard.cost.DeviceMesh`'s (:func:`mesh_intervals`).  Only
+    The flags are :class:`~autoshard.intra.cost.DeviceMesh`'s (:func:`mesh_intervals`).  Only
     materialised tensors count (:func:`materialized_tensors`); a buffer lives until the
     last op that reads it, directly or through values fused away (:func:`_readers`: a
     value recomputed in the backward pass keeps what it is made of alive until then).

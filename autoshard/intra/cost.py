@@ -1,11 +1,11 @@
 """Cost model: an alpha-beta device mesh, collective costs and resharding (jax-free).
 
-Takes a logical :class:`~autoshard.spec.Mesh` dressed with per-axis link figures
+Takes a logical :class:`~autoshard.ir.spec.Mesh` dressed with per-axis link figures
 (:class:`DeviceMesh`), sharding specs and global tensor shapes; returns times in seconds.
 
 Collectives use the ring alpha-beta formulas (REFERENCE.md), ``n`` being the number of
 devices in the group and ``bytes`` the per-device size with the conventions of
-:class:`~autoshard.spec.Collective`::
+:class:`~autoshard.ir.spec.Collective`::
 
     all-reduce      alpha + beta * 2 (n-1)/n   * bytes    (the reduced buffer)
     all-gather      alpha + beta *   (n-1)/n   * bytes    (the gathered output)
@@ -18,7 +18,7 @@ axes (axes of size 1 carry no traffic and are left out). A group of one device c
 Alpa's tie-breakers (constants added per collective so that equal plans are broken the
 same way every time) are on by default and switched off with ``CostOptions``.
 
-:func:`reshard` turns one :class:`~autoshard.spec.ShardingSpec` into another and
+:func:`reshard` turns one :class:`~autoshard.ir.spec.ShardingSpec` into another and
 guarantees: identical specs cost 0; every finite cost is the cost of an explicit,
 legal sequence of collectives (listed in the result); the cost never exceeds
 :func:`gather_then_slice` (reduce, all-gather everything, slice locally); the cost is
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autoshard.spec import Axes, Collective, Mesh, ShardingSpec
+from autoshard.ir.spec import Axes, Collective, Mesh, ShardingSpec
 
 # Alpa's constants (auto_sharding.py, LogicalDeviceMesh.*_cost).
 ALPA_TIE_BREAKERS = MappingProxyType(
@@ -89,10 +89,10 @@ class DeviceMesh:
     (``inf``) make compute and memory-bound time free and memory unbounded, as in
     Alpa's intra-operator tests, which cost communication only.
 
-    ``gemm`` (a :class:`~autoshard.sim.compute.GemmTiming`, or None) times every
+    ``gemm`` (a :class:`~autoshard.hardware.gemm.GemmTiming`, or None) times every
     ``dot_general`` shard from a GEMM efficiency table instead of at ``peak_flops``; a
     finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
-    :func:`autoshard.strategies.strategy_seconds`).
+    :func:`autoshard.intra.strategies.strategy_seconds`).
     """
 
     mesh: Mesh
@@ -101,7 +101,7 @@ class DeviceMesh:
     peak_flops: float = math.inf
     memory_bytes: float = math.inf
     hbm_bandwidth: float = math.inf
-    gemm: object | None = None  # autoshard.sim.compute.GemmTiming (kept jax- and sim-free)
+    gemm: object | None = None  # autoshard.hardware.gemm.GemmTiming (kept jax- and sim-free)
     # XLA:CPU computes bf16/f16 dots in f32: a narrow dot's result is an f32 buffer
     # (the convert down is fused into its readers). The memory model counts it so.
     narrow_dots_in_f32: bool = False
@@ -301,7 +301,7 @@ def all_to_all_cost(
 def collective_cost(
     mesh: DeviceMesh, collective: Collective, options: CostOptions = DEFAULT_COST_OPTIONS
 ) -> float:
-    """Cost of one :class:`~autoshard.spec.Collective` record."""
+    """Cost of one :class:`~autoshard.ir.spec.Collective` record."""
     return _ring_cost(collective.kind, mesh, collective.axes, collective.bytes, options)
 
 

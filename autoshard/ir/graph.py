@@ -1,6 +1,6 @@
 """The op graph of a traced step (jax-free).
 
-Takes :class:`autoshard.trace.TraceRecords` and returns a frozen :class:`Graph`: one
+Takes :class:`autoshard.trace.jaxpr.TraceRecords` and returns a frozen :class:`Graph`: one
 :class:`Node` per equation (primitive, input and output tensors, FLOPs, layer, phase,
 module path), the tensors with their bytes, kind (param / opt_state / data / const /
 literal / intermediate) and liveness (first and last use in program order), the
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from autoshard.records import EqnRecord, TensorRecord, TraceRecords
+from autoshard.ir.records import EqnRecord, TensorRecord, TraceRecords
 
 ZERO_FLOP = frozenset(
     "reshape transpose broadcast_in_dim gather slice dynamic_slice dynamic_update_slice "

@@ -1,6 +1,6 @@
 """Compute model: achieved GEMM throughput by shape, and memory-bound time (jax-free).
 
-Takes a GEMM table (``autoshard/sim/gemm_tables/<name>.json`` or any path) and GEMM shapes
+Takes a GEMM table (``autoshard/hardware/gemm_tables/<name>.json`` or any path) and GEMM shapes
 ``C[M, N] = A[M, K] @ B[K, N]``; returns achieved efficiency (fraction of peak) and seconds.
 
 Table format (the GEMM profiler, ``benchmarks/measure_gemm_table.py``, writes the same)::
@@ -22,8 +22,8 @@ efficiency of its edge, and a query that hits a row returns that row's value exa
 Batched GEMMs are timed as one GEMM with the batch folded into M (see :meth:`gemm_time`).
 
 :class:`GemmTiming` binds a table to a device's peaks: the per-device seconds of one
-``dot_general`` shard, which the intra-op cost model (:mod:`autoshard.strategies`) uses
-when its :class:`~autoshard.cost.DeviceMesh` carries one, so that the ILPs, the stage DP
+``dot_general`` shard, which the intra-op cost model (:mod:`autoshard.intra.strategies`) uses
+when its :class:`~autoshard.intra.cost.DeviceMesh` carries one, so that the ILPs, the stage DP
 and the Megatron grid model (:mod:`autoshard.sim.megatron`) time a GEMM the same way.
 """
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-TABLE_PACKAGE = "autoshard.sim"
+TABLE_PACKAGE = "autoshard.hardware"
 TABLE_DIR = "gemm_tables"
 _IDW_NEIGHBOURS = 8
 
@@ -215,7 +215,7 @@ class GemmTiming:
     ``half_dtype`` is the table dtype used for 2-byte operands (``fp16`` or ``bf16``: the
     dtype the step is simulated in); 4-byte operands use ``fp32``. ``peak_flops`` maps
     those dtypes to the device's FLOP/s. Equal timings compare (and hash) equal by table
-    device, dtype and peaks, so a :class:`~autoshard.cost.DeviceMesh` carrying one stays a
+    device, dtype and peaks, so a :class:`~autoshard.intra.cost.DeviceMesh` carrying one stays a
     usable cache key. Results are memoised per shape (identical layers repeat shapes).
     """
 

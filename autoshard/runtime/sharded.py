@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autoshard import spec as aspec
-from autoshard.plan import ParallelPlan
-from autoshard.records import EqnRecord
-from autoshard.trace import TracedProgram
+from autoshard.ir import spec as aspec
+from autoshard.ir.plan import ParallelPlan
+from autoshard.ir.records import EqnRecord
+from autoshard.trace.jaxpr import TracedProgram
 
 
 def make_mesh(plan_mesh: aspec.Mesh, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:

@@ -1,8 +1,8 @@
 """What XLA actually compiled: collectives and memory of an executable (jax-free parsing).
 
 Takes the text of ``jax.jit(f).lower(...).compile().as_text()`` plus the logical
-:class:`~autoshard.spec.Mesh` it was compiled for, and returns every collective as a
-:class:`~autoshard.spec.Collective` (kind, mesh axes, per-device bytes), so that a plan's
+:class:`~autoshard.ir.spec.Mesh` it was compiled for, and returns every collective as a
+:class:`~autoshard.ir.spec.Collective` (kind, mesh axes, per-device bytes), so that a plan's
 predicted collectives can be compared with the compiled ones (:func:`compare_collectives`).
 
 How replica groups become mesh axes.  HLO replica groups hold *logical* ids
@@ -50,7 +50,7 @@ wrappers and called computations included; ``*-done`` halves are skipped).  Tupl
 (combined) all-reduces, all-gathers and reduce-scatters give one record per operand; a
 tuple all-to-all is one exchange and gives one record.  Collectives inside while-loop
 bodies are counted once and flagged ``in_loop`` (the note gives the known trip count).
-``collective-permute`` is not an alpha-beta collective kind in :mod:`autoshard.spec`;
+``collective-permute`` is not an alpha-beta collective kind in :mod:`autoshard.ir.spec`;
 it is reported separately as :class:`CompiledPermute`.
 
 Only :func:`memory_stats` touches a jax object, duck-typed; this module does not import jax.
@@ -66,7 +66,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autoshard.spec import Axes, Collective, Mesh
+from autoshard.ir.spec import Axes, Collective, Mesh
 
 UNKNOWN_AXES: Axes = ("?",)
 

@@ -2,15 +2,15 @@
 
 Takes a traced **train step** (forward, backward, update; traced at the microbatch size)
 and, per stage, the intra-op plan the inter-operator search chose for it
-(:class:`autoshard.inter.StageSpecs`, on the step's tensor ids); returns what the
-pipeline runtime (:mod:`autoshard.pipeline`) needs:
+(:class:`autoshard.inter.search.StageSpecs`, on the step's tensor ids); returns what the
+pipeline runtime (:mod:`autoshard.runtime.pipeline`) needs:
 
 * :func:`loss_program`: the step's forward equations as a program
   ``(params, batch) -> loss``, with the step's tensor ids, so a spec the ILP chose for a
   forward tensor applies to the same tensor when the pipeline runs it;
 * :class:`StageLayout`: the partition spec of every tensor a stage places (parameters,
   batch leaves, tensors it receives and sends), the ``with_sharding_constraint`` s on its
-  forward node outputs (:class:`autoshard.runtime.SpecConstraints`, as for a single-mesh
+  forward node outputs (:class:`autoshard.runtime.sharded.SpecConstraints`, as for a single-mesh
   plan) and the specs of its optimizer state (matched by pytree path).
 
 Guarantees: specs apply only where they fit (every spec was validated against the
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import PartitionSpec
 
-from autoshard.records import TensorRecord, TraceRecords
-from autoshard.runtime import SpecConstraints, to_partition_spec
-from autoshard.spec import ShardingSpec
-from autoshard.trace import TracedProgram
+from autoshard.ir.records import TensorRecord, TraceRecords
+from autoshard.ir.spec import ShardingSpec
+from autoshard.runtime.sharded import SpecConstraints, to_partition_spec
+from autoshard.trace.jaxpr import TracedProgram
 
 # spec_fn(stage index, tensor, role, stage mesh) -> PartitionSpec; role is "param",
 # "activation" (sent between stages) or "data" (a batch leaf)
@@ -123,7 +123,7 @@ def intra_op_layout(
     loss: LossProgram, specs, stage_eqns: tuple[int, ...], mesh: jax.sharding.Mesh
 ) -> StageLayout:
     """The layout of a stage running equations ``stage_eqns`` (of ``loss``) under the
-    intra-op plan ``specs`` (:class:`autoshard.inter.StageSpecs`) on ``mesh``.
+    intra-op plan ``specs`` (:class:`autoshard.inter.search.StageSpecs`) on ``mesh``.
 
     Node outputs keep the plan's spec (sent ones with partial axes reduced); tensors the
     stage places (parameters, batch leaves, received tensors) take the spec the plan's

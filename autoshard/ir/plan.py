@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoshard.spec import Collective, Mesh, ShardingSpec
+from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Preset file format (one JSON object; write your own and pass its path)::
       "description": "free text",
       "device": {
         "name": "A100-SXM4-80GB",
-        "gemm_table": "a100",            # a table in autoshard/sim/gemm_tables (optional)
+        "gemm_table": "a100",            # a table in autoshard/hardware/gemm_tables (optional)
         "default_dtype": "bf16",         # the 16-bit training dtype of this device
         "peak_flops": {"bf16": 312e12, "fp32": 19.5e12},   # dense FLOP/s per dtype
         "hbm_bytes": 85899345920,        # device memory, bytes
@@ -52,7 +52,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-PRESET_PACKAGE = "autoshard.sim"
+PRESET_PACKAGE = "autoshard.hardware"
 PRESET_DIR = "presets"
 
 
@@ -119,7 +119,7 @@ class Cluster:
 
 
 def available_presets() -> tuple[str, ...]:
-    """Names of the presets shipped in ``autoshard/sim/presets``."""
+    """Names of the presets shipped in ``autoshard/hardware/presets``."""
     folder = resources.files(PRESET_PACKAGE) / PRESET_DIR
     return tuple(
         sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
@@ -298,16 +298,16 @@ def to_device_mesh(
     dtype: str | None = None,
     gemm_table=None,
 ):
-    """An :class:`autoshard.cost.DeviceMesh` for ``mesh_shape`` on ``cluster``.
+    """An :class:`autoshard.intra.cost.DeviceMesh` for ``mesh_shape`` on ``cluster``.
 
     ``dtype`` picks the peak FLOP/s (None: the device's default 16-bit dtype, bf16 on A100
     and H100, fp16 on V100, which has no bf16 tensor cores). ``gemm_table`` (a loaded
-    :class:`~autoshard.sim.compute.GemmTable`) makes the mesh time GEMMs with it at the
+    :class:`~autoshard.hardware.gemm.GemmTable`) makes the mesh time GEMMs with it at the
     device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak.
     """
-    from autoshard.cost import XLA_GPU_MEMORY, DeviceMesh  # lazy: cost is another pass
-    from autoshard.sim.compute import GemmTiming
-    from autoshard.spec import Mesh
+    from autoshard.hardware.gemm import GemmTiming
+    from autoshard.intra.cost import XLA_GPU_MEMORY, DeviceMesh  # lazy: cost is another pass
+    from autoshard.ir.spec import Mesh
 
     alpha, beta = cluster_mesh_costs(cluster, mesh_shape, axis_names)
     return DeviceMesh(

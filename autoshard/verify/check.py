@@ -1,9 +1,9 @@
 """Verify a plan against what XLA compiled: collectives and peak memory, side by side.
 
-Takes a traced program and a :class:`~autoshard.plan.ParallelPlan`, compiles the
+Takes a traced program and a :class:`~autoshard.ir.plan.ParallelPlan`, compiles the
 sharded step with abstract inputs (``jax.ShapeDtypeStruct`` with shardings, so large
 models need no memory), parses the compiled HLO into collectives
-(:mod:`autoshard.hlo`, which normalises XLA:CPU's all-reduce + dynamic-slice into
+(:mod:`autoshard.verify.hlo`, which normalises XLA:CPU's all-reduce + dynamic-slice into
 reduce-scatter and its bf16 -> f32 upcasts) and reads ``memory_analysis()``.  Returns a
 :class:`VerificationReport` that says whether prediction and compilation agree:
 
@@ -15,7 +15,7 @@ reduce-scatter and its bf16 -> f32 upcasts) and reads ``memory_analysis()``.  Re
 Where memory disagrees, the step is compiled a second time with an XLA dump into a
 temporary folder, and XLA's live peak -- the most bytes its schedule holds live at once,
 computed from its live-range and buffer-assignment dumps
-(:func:`~autoshard.hlo.live_range_peak`) -- is recorded next to the allocation, with the
+(:func:`~autoshard.verify.hlo.live_range_peak`) -- is recorded next to the allocation, with the
 instruction where it is reached.  When the prediction is within ``memory_rtol`` of that
 live peak and the allocation is above it, the disagreement is explained: XLA's heap holds
 gaps above its live peak (fragmentation), which no liveness model predicts.  Otherwise the
@@ -30,7 +30,9 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 
-from autoshard.hlo import (
+from autoshard.ir.plan import ParallelPlan
+from autoshard.ir.spec import Collective
+from autoshard.verify.hlo import (
     LIVE_RANGE_DUMP_OPTIONS,
     CollectiveComparison,
     LivePeak,
@@ -40,8 +42,6 @@ from autoshard.hlo import (
     dump_live_peak,
     memory_stats,
 )
-from autoshard.plan import ParallelPlan
-from autoshard.spec import Collective
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def verify_plan(
         raise ValueError(f"live_peak must be one of {LIVE_PEAK_WHEN}, got {live_peak!r}")
     import numpy as np
 
-    from autoshard.runtime import abstract_args, build_sharded_step, make_mesh
+    from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
 
     jmesh = mesh if mesh is not None else make_mesh(plan.mesh, devices)
     step = build_sharded_step(program, plan, jmesh, donate=True)
@@ -259,7 +259,7 @@ def verify_plan(
 def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[LivePeak | None, str]:
     """XLA's live peak of ``step`` (a jitted function) on ``args``: compiles it again with
     an XLA dump into a temporary folder (removed after) and reads the dumps
-    (:func:`~autoshard.hlo.dump_live_peak`).
+    (:func:`~autoshard.verify.hlo.dump_live_peak`).
 
     Returns ``(peak, note)``: ``peak`` is None when it is unknown -- no live-range or
     buffer-assignment file (another backend or XLA version), a format the parser does not

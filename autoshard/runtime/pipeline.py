@@ -7,7 +7,7 @@ backward of each stage on its own sub-mesh of devices, in GPipe or 1F1B order.
 
 How it works:
 
-* the forward of **one microbatch** is traced (:func:`autoshard.trace.trace`) into flat
+* the forward of **one microbatch** is traced (:func:`autoshard.trace.jaxpr.trace`) into flat
   equations tagged with their layer; a stage is a contiguous range of those layers;
 * :func:`split_stages` cuts the flat program into per-stage sub-programs (jax-free): an
   equation runs on the stage of its layer, or later if an input is made later; a stage
@@ -47,25 +47,15 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 
-from autoshard.graph import build_graph, flops_of
-from autoshard.inter import (
+from autoshard.inter.schedules import FORWARD, gpipe, one_f_one_b, validate
+from autoshard.inter.search import (
     InterPlan,
     IntraStageCost,
     cluster_for,
     logical_mesh_costs,
     search_stages,
 )
-from autoshard.models import make_train_step
-from autoshard.records import TensorRecord, TraceRecords
-from autoshard.schedules import FORWARD, gpipe, one_f_one_b, validate
-from autoshard.stage_layout import (
-    SpecFn,
-    StageLayout,
-    data_parallel_spec,
-    intra_op_layout,
-    loss_program,
-)
-from autoshard.stages import (
+from autoshard.inter.stages import (
     StageCost,
     StageCostFn,
     StagePlan,
@@ -74,7 +64,17 @@ from autoshard.stages import (
     optimal_stage_plan,
     place_submeshes,
 )
-from autoshard.trace import TracedProgram, trace_train_step
+from autoshard.ir.graph import build_graph, flops_of
+from autoshard.ir.records import TensorRecord, TraceRecords
+from autoshard.models import make_train_step
+from autoshard.runtime.stage_layout import (
+    SpecFn,
+    StageLayout,
+    data_parallel_spec,
+    intra_op_layout,
+    loss_program,
+)
+from autoshard.trace.jaxpr import TracedProgram, trace_train_step
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 STAGE_METHODS = ("auto", "equal-layer", "equal-flops")
@@ -229,7 +229,7 @@ def flops_stage_cost(
     peak_flops: float = NOMINAL_PEAK_FLOPS,
     state_bytes_per_param_byte: float = 4.0,
 ) -> StageCostFn:
-    """A stage cost for :func:`autoshard.stages.optimal_stage_plan` from FLOPs alone.
+    """A stage cost for :func:`autoshard.inter.stages.optimal_stage_plan` from FLOPs alone.
 
     Latency of layers ``[start, end)`` on a sub-mesh of ``n`` devices: forward + backward
     + recompute = ``3 x forward FLOPs / (n x peak_flops)``; no communication.  Memory per
@@ -681,7 +681,7 @@ def auto_pipeline(
     ``"1f1b"`` or ``"gpipe"``.
 
     ``layout="intra-op"`` (default): stage costs come from intra-op ILPs
-    (:func:`autoshard.inter.search_stages`, on ``cluster``'s costs, with ``solver``;
+    (:func:`autoshard.inter.search.search_stages`, on ``cluster``'s costs, with ``solver``;
     ``intra_cost`` reuses the ILPs of an earlier call on the same step) and every stage
     runs under its own plan on its sub-mesh viewed as a ``(dp, tp)`` logical mesh (axes
     ``data``, ``model``); ``logical_meshes`` fixes each explicit range's view.

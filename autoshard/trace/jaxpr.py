@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from autoshard.records import INPUT_KINDS, EqnRecord, TensorRecord, TraceRecords
+from autoshard.ir.records import INPUT_KINDS, EqnRecord, TensorRecord, TraceRecords
 
 # Call-like primitives whose bodies are inlined; the key is where the body lives.
 _INLINE_BODY = {

@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from autoshard.graph import Graph
-from autoshard.spec import Mesh, ShardingSpec
+from autoshard.ir.graph import Graph
+from autoshard.ir.spec import Mesh, ShardingSpec
 
 BASELINES = ("dp", "zero2", "zero3", "megatron")
 

@@ -1,0 +1,1 @@
+"""The command line: `autoshard inspect | plan | verify | run | simulate | demo`."""

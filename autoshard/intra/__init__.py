@@ -1,0 +1,1 @@
+"""Intra-operator planning: strategies, costs, the ILP problem, the memory model, the solver (no jax)."""

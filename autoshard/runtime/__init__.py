@@ -1,0 +1,1 @@
+"""Running a plan: the sharded step and the pipeline trainer (jax)."""

@@ -1,0 +1,1 @@
+"""Predicted against compiled: HLO reading, XLA:CPU normalisation, live ranges, the report."""
