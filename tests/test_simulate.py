@@ -9,11 +9,11 @@ import pytest
 from autoshard.hardware.clusters import load_cluster
 from autoshard.inter.stages import pipeline_objective
 from autoshard.sim import formulas
+from autoshard.sim.grid import megatron_grid
 from autoshard.sim.megatron import simulate_megatron
 from autoshard.sim.simulate import (
     PLAN_FORMS,
     gpt_shape,
-    megatron_grid,
     parse_plan,
     simulate,
 )
@@ -296,7 +296,8 @@ def test_auto_takes_more_microbatches_only_where_no_megatron_layout_fits():
     """``plan="auto"`` defaults to 64 micro-batches; where no Megatron layout fits a V100's
     16 GB at that micro-batch size (gpt-15b on 32 GPUs: the best needs 16.5 GiB), it takes
     the micro-batch count of the fastest layout that fits, so the search has plans that fit."""
-    from autoshard.sim.simulate import _default_microbatches, gpt_shape
+    from autoshard.sim.auto import _default_microbatches
+    from autoshard.sim.simulate import gpt_shape
 
     small, _ = gpt_shape("gpt-2.6b")
     assert _default_microbatches(1024, small, load_cluster("alpa-v100", 8), "fp16") == 64

@@ -36,7 +36,7 @@ def _plan_text(plan: dict) -> str:
 
 
 def print_report(report) -> None:
-    """A readable table of a :class:`~autoshard.sim.simulate.SimulationReport`."""
+    """A readable table of a :class:`~autoshard.sim.report.SimulationReport`."""
     from rich.console import Console
     from rich.table import Table
 

@@ -1,6 +1,6 @@
 """Exact mode of the simulator: compile a simulated single-mesh plan and read XLA's numbers.
 
-For a :class:`~autoshard.sim.simulate.SimulationReport` whose plan the intra-op runtime can
+For a :class:`~autoshard.sim.report.SimulationReport` whose plan the intra-op runtime can
 build -- ``dp``, ``zero2``, ``zero3``, ``megatron:TPx1xDP`` and an ``auto`` plan with one
 stage -- :func:`exact_check` builds the intra-op plan for the same model on a
 ``(data, model) = (dp, tp)`` mesh of the simulated GPU count (the baseline's pinned input

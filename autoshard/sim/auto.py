@@ -1,0 +1,182 @@
+"""Pricing ``plan="auto"``: Alpa's search on a cluster preset, reported as a simulation.
+
+:func:`simulate_auto` runs :func:`autoshard.inter.search.search_stages` (intra-op ILPs
+with HiGHS on abstract shapes, then the stage DP) over the stage costs of
+:func:`search_stage_cost`. The step time *is* the search objective
+``sum(t) + (m - 1) max(t)``, the memory the chosen stages' peak bytes; with
+``recompute="none"`` the search gets the device's HBM as its budget.
+
+Recompute under ``auto``: a plan dimension of the stage DP. Every stage candidate is
+costed with no, selective and full recompute of its transformer blocks
+(:func:`autoshard.inter.search.recompute_costs`: the forward or attention-core time of the chosen
+intra-op plans added to the latency, the activations Korthikanti et al.'s scheme keeps);
+with ``recompute="auto"`` (the default for ``plan="auto"``) the DP takes, per stage, the
+fastest mode whose memory fits the device's HBM, and records it in ``plan["stages"]``;
+``none`` / ``selective`` / ``full`` force one mode on every stage. If no plan fits, the
+fastest is reported, flagged ``oom``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import MappingProxyType
+
+from autoshard.hardware.clusters import Cluster
+from autoshard.sim import formulas
+from autoshard.sim.grid import best_point, grid_points, megatron_grid
+from autoshard.sim.megatron import GPTShape
+from autoshard.sim.report import SimulationReport
+
+DEFAULT_AUTO_MICROBATCHES = 64  # the most micro-batches ``auto`` uses unless told
+
+
+def _default_microbatches(
+    batch: int, shape: GPTShape | None = None, cluster: Cluster | None = None, dtype=None
+) -> int:
+    """Micro-batches of ``plan="auto"`` when none are given: the largest divisor of the
+    batch up to ``DEFAULT_AUTO_MICROBATCHES``; but if no Megatron layout fits the HBM at
+    that micro-batch size (full recompute), as many as the fastest Megatron layout that
+    fits uses -- smaller micro-batches, so that the search has plans that fit. The grid
+    takes about 0.1 s to simulate; the search itself would take a minute per count."""
+    m = max(d for d in range(1, min(batch, DEFAULT_AUTO_MICROBATCHES) + 1) if batch % d == 0)
+    if shape is None or cluster is None:
+        return m
+    configs = megatron_grid(shape, cluster, batch, None, "full", dtype)
+    fitting = [p for p in grid_points(shape, configs, cluster, 0) if not p.oom]
+    # Megatron's micro-batch is per data-parallel replica; ours is the global micro-batch
+    if not fitting or any(p.cfg.micro_batch == batch // m for p in fitting):
+        return m
+    return max(m, best_point(fitting).cfg.num_microbatches)
+
+
+def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> int:
+    """Model FLOPs plus what each stage's recompute mode adds for its transformer blocks."""
+    s, n_layers, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+    flops = formulas.model_flops_per_step(batch, s, n_layers, h, v)
+    for stage, blocks in zip(stages, layers_per_stage, strict=True):
+        flops += formulas.recompute_flops_per_step(batch, s, blocks, h, stage.recompute)
+    return flops
+
+
+def simulate_auto(
+    model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
+) -> SimulationReport:
+    from autoshard.inter.search import search_stages  # lazy: traces with jax
+
+    if microbatch_size is None:
+        m = _default_microbatches(batch, shape, cluster, dtype)
+    elif batch % microbatch_size:
+        raise ValueError(
+            f"microbatch_size={microbatch_size} does not divide the global batch {batch}"
+        )
+    else:
+        m = batch // microbatch_size
+    b = batch // m
+    hosts, per_host = cluster.num_nodes, cluster.devices_per_node
+    t0 = time.perf_counter()
+    # one set of intra-op ILPs, shared by the search under the HBM budget and, when
+    # nothing fits, by the unconstrained search that reports the fastest plan as OOM
+    cost = search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+    traced_graph = cost.graph
+    t_trace = time.perf_counter()
+    modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
+    kwargs = dict(cost=cost, recompute_modes=modes, model=model)
+    hbm = cluster.device.hbm_bytes
+    try:
+        inter = search_stages(traced_graph, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
+    except ValueError as err:
+        if "budget" not in str(err):
+            raise
+        inter = search_stages(traced_graph, hosts, per_host, m, **kwargs)
+    total = time.perf_counter() - t0
+    phases = {  # over both searches when the fallback ran (the ILPs are solved once)
+        "trace": t_trace - t0,  # trace and stage-cost set-up
+        "intra_op_ilps": cost.seconds,
+        "stage_dp": max(total - (t_trace - t0) - cost.seconds, 0.0),
+    }
+    inter = dataclasses.replace(inter, search_seconds=total, phase_seconds=phases)
+
+    last = len(traced_graph.layers) - 1
+    blocks = [
+        sum(1 for i in range(st.start_layer, st.end_layer) if 0 < i < last) for st in inter.stages
+    ]
+    stages = [
+        {
+            "layers": [st.layers[0], st.layers[-1]],
+            "num_layers": len(st.layers),
+            "submesh": list(st.submesh),
+            "logical_mesh_dp_tp": list(st.logical_mesh),
+            "recompute": st.recompute,
+            "latency_s": st.latency_s,
+            "peak_bytes": st.peak_bytes,
+            "microbatches_in_flight": assigned.microbatches_in_flight,
+        }
+        for st, assigned in zip(inter.stages, inter.stage_plan.stages, strict=True)
+    ]
+    step = inter.objective_s
+    fill = sum(st.latency_s for st in inter.stages)
+    logical = {tuple(st.logical_mesh) for st in inter.stages}
+    dp, tp = next(iter(logical)) if len(logical) == 1 else (None, None)
+    plan_dict = {
+        "kind": "auto",
+        "tp": tp,
+        "pp": len(inter.stages),
+        "dp": dp,
+        "microbatch_size": b,
+        "num_microbatches": m,
+        "global_batch": batch,
+        "recompute": recompute,
+        "dtype": dtype,
+        "zero_stage": None,
+        "stages": stages,
+        "search_objective_s": inter.objective_s,
+        "num_ilps": inter.num_ilps,
+        "phase_seconds": dict(inter.phase_seconds),
+    }
+    peak_bytes = max(st.peak_bytes for st in inter.stages)
+    gpus = cluster.num_gpus
+    s, n_layers, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+    model_flops = formulas.model_flops_per_step(batch, s, n_layers, h, v)
+    hw_flops = _hardware_flops(shape, batch, inter.stages, blocks)
+    return SimulationReport(
+        model=model,
+        cluster=cluster.name,
+        gpus=gpus,
+        step_time_s=step,
+        tokens_per_s=batch * s / step,
+        tflops_per_device=hw_flops / step / gpus / 1e12,
+        mfu=formulas.flops_utilization(model_flops, step, gpus, peak),
+        hfu=formulas.flops_utilization(hw_flops, step, gpus, peak),
+        peak_bytes_per_device=peak_bytes,
+        oom=peak_bytes > hbm,
+        plan=MappingProxyType(plan_dict),
+        breakdown=MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill}),
+        search_seconds=inter.search_seconds,
+    )
+
+
+def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+    """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
+    traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
+    ``cluster`` (an :class:`autoshard.inter.search.IntraStageCost`; its ``graph`` is the step)."""
+    from autoshard.inter.search import (  # lazy: traces with jax
+        IntraStageCost,
+        cluster_for,
+        logical_mesh_costs,
+        trace_microbatch,
+    )
+
+    search_cluster = dataclasses.replace(
+        cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
+    )
+    traced = trace_microbatch(
+        model, m, "adamw", batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
+        **overrides,
+    )  # fmt: skip
+    mesh_for = logical_mesh_costs(
+        cluster_for(search_cluster, cluster.num_nodes, cluster.devices_per_node)
+    )
+    return IntraStageCost(
+        traced.graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m
+    )

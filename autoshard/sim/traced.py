@@ -1,0 +1,150 @@
+"""Pricing a Megatron grid on the traced JAX step (``program="traced"``).
+
+``"traced"`` times the grid on the traced JAX step, exactly as the search sees it:
+Megatron's stage split (:func:`megatron_stages`: the embedding with the first blocks, the
+head with the last; ``layers / PP`` blocks each) on ``TP x DP``-device sub-meshes viewed as
+the logical mesh ``(DP, TP)``, each stage's intra-op plan the ILP's on that mesh
+(:class:`autoshard.inter.search.IntraStageCost`, the search's own stage costs, from
+:func:`autoshard.sim.auto.search_stage_cost`), 1F1B memory, and step time
+``sum(t) + (m - 1) max(t)``. So ``auto`` and the grid are compared on one program and one
+cost model: the search's plan is never slower than a grid point priced this way at the
+same number of micro-batches (tests/test_sim_auto.py). The micro-batch size is
+Megatron's (per data-parallel replica), searched over powers of two when not given, as on
+the Megatron-LM program; each number of micro-batches is one trace.
+"""
+
+from __future__ import annotations
+
+import time
+from types import MappingProxyType
+
+from autoshard.hardware.clusters import Cluster
+from autoshard.sim.auto import search_stage_cost
+from autoshard.sim.grid import GridPoint, best_point, megatron_grid
+from autoshard.sim.report import SimulationReport, utilisation
+
+_TRACED_COSTS: dict = {}  # the last few IntraStageCosts: their ILPs are reused
+
+
+def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+    """The search's IntraStageCost of the traced step of ``m`` micro-batches on
+    ``cluster``; kept for the next call with the same arguments (the ILPs of each logical
+    mesh are solved once per process)."""
+    key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
+    if key not in _TRACED_COSTS:
+        if len(_TRACED_COSTS) >= 4:
+            _TRACED_COSTS.pop(next(iter(_TRACED_COSTS)))
+        _TRACED_COSTS[key] = search_stage_cost(
+            model, cluster, batch, m, dtype, time_limit, overrides
+        )
+    return _TRACED_COSTS[key]
+
+
+def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """Megatron's layer ranges over the traced layers (0: embedding, ``num_blocks + 1``:
+    head): ``num_blocks / pp`` blocks per stage, the embedding in the first, the head in
+    the last."""
+    if num_blocks % pp:
+        raise ValueError(f"PP={pp} must divide the {num_blocks} transformer blocks")
+    per = num_blocks // pp
+    return tuple(
+        (0 if i == 0 else 1 + i * per, num_blocks + 2 if i == pp - 1 else 1 + (i + 1) * per)
+        for i in range(pp)
+    )
+
+
+def _grid_submesh(devices: int, cluster: Cluster) -> tuple[int, int]:
+    per_host = cluster.devices_per_node
+    return (devices // per_host, per_host) if devices >= per_host else (1, devices)
+
+
+def simulate_traced_grid(
+    model, shape, cluster, batch, microbatch_size, grid, recompute, dtype, peak, time_limit,
+    overrides,
+) -> SimulationReport:  # fmt: skip
+    from autoshard.inter.stages import microbatches_in_flight, pipeline_objective
+
+    gpus = cluster.num_gpus
+    if grid is not None and shape.layers % grid[1]:
+        raise ValueError(f"PP={grid[1]} must divide the {shape.layers} transformer blocks")
+    configs = megatron_grid(shape, cluster, batch, microbatch_size, recompute, dtype, grid)
+    if not configs:
+        raise ValueError(
+            f"no Megatron grid of {model} on {gpus} GPUs takes the global batch {batch}"
+            + (f" in micro-batches of {microbatch_size} per replica" if microbatch_size else "")
+            + ": the batch must divide by DP x micro-batch, heads and vocabulary by TP, "
+            "layers by PP"
+        )
+    t0 = time.perf_counter()
+    hbm = cluster.device.hbm_bytes
+    points, stages = [], {}
+    # one trace (and one set of stage ILPs) per number of micro-batches
+    for cfg in sorted(configs, key=lambda c: (c.num_microbatches, c.tp, c.pp, c.dp)):
+        m = cfg.num_microbatches
+        cost = _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+        submesh = _grid_submesh(cfg.tp * cfg.dp, cluster)
+        ranges = megatron_stages(shape.layers, cfg.pp)
+        stage_costs = [cost(a, b, submesh, (cfg.dp, cfg.tp), recompute) for a, b in ranges]
+        latencies = [c.latency_s for c in stage_costs]
+        memory = [
+            c.memory_bytes(microbatches_in_flight(i, cfg.pp, m, "1f1b"))
+            for i, c in enumerate(stage_costs)
+        ]
+        step = pipeline_objective(latencies, m)
+        fill = sum(latencies)
+        breakdown = MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill})
+        points.append(GridPoint(cfg, step, max(memory), max(memory) > hbm, breakdown))
+        names = cost.graph.layers
+        stages[cfg] = [
+            {
+                "layers": [names[a], names[b - 1]],
+                "num_layers": b - a,
+                "submesh": list(submesh),
+                "logical_mesh_dp_tp": [cfg.dp, cfg.tp],
+                "recompute": recompute,
+                "latency_s": lat,
+                "peak_bytes": mem,
+            }
+            for (a, b), lat, mem in zip(ranges, latencies, memory, strict=True)
+        ]
+    best = best_point(points)
+    cfg = best.cfg
+    plan_dict = {
+        "kind": "megatron",
+        "program": "traced",
+        "tp": cfg.tp,
+        "pp": cfg.pp,
+        "dp": cfg.dp,
+        "microbatch_size": cfg.micro_batch,
+        "num_microbatches": cfg.num_microbatches,
+        "global_batch": batch,
+        "recompute": recompute,
+        "dtype": dtype,
+        "zero_stage": 0,
+        "searched_grid": grid is None,
+        "candidates_evaluated": len(points),
+        "stages": stages[cfg],
+        "grid_points": [
+            {
+                "tp": p.cfg.tp,
+                "pp": p.cfg.pp,
+                "dp": p.cfg.dp,
+                "num_microbatches": p.cfg.num_microbatches,
+                "step_time_s": p.step_time_s,
+                "peak_bytes": p.memory_bytes,
+            }
+            for p in points
+        ],
+    }
+    return SimulationReport(
+        model=model,
+        cluster=cluster.name,
+        gpus=gpus,
+        step_time_s=best.step_time_s,
+        **utilisation(shape, batch, recompute, best.step_time_s, gpus, peak),
+        peak_bytes_per_device=best.memory_bytes,
+        oom=best.oom,
+        plan=MappingProxyType(plan_dict),
+        breakdown=best.breakdown,
+        search_seconds=time.perf_counter() - t0,
+    )
