@@ -6,6 +6,11 @@
   activation memory in closed form.
 * :mod:`~autoshard.sim.megatron`: analytic step time of Megatron-LM TP x PP x DP training,
   validated against published A100 measurements (docs/validation.md).
+* :mod:`~autoshard.sim.simulate`: ``simulate()``, the entry point; it checks the request and
+  sends it to :mod:`~autoshard.sim.grid` (Megatron grids, DP, ZeRO on Megatron-LM's
+  program), :mod:`~autoshard.sim.auto` (Alpa's search) or :mod:`~autoshard.sim.traced` (a
+  grid on the traced step); each returns a :mod:`~autoshard.sim.report` ``SimulationReport``.
+* :mod:`~autoshard.sim.exact`: compile a simulated plan and compare with XLA's numbers.
 """
 
 from autoshard.hardware.clusters import (
