@@ -1,0 +1,283 @@
+"""Exact reductions of a :class:`ShardingProblem` before any solver sees it (jax-free).
+
+:func:`_reduce` merges tied nodes onto their roots (blocks), folds fixed and separable
+edges into node costs, sums parallel edges and, with merging, eliminates chains and
+trees and dominated strategies (:func:`_eliminate`). The result, :class:`_Reduced`, is the
+problem in block space, with its memory rows (:mod:`.memory`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoshard.intra.ilp.memory import _memory_rows
+from autoshard.intra.ilp.problem import InfeasibleProblemError, ShardingProblem, resolve_ties
+
+
+@dataclass
+class _Reduced:
+    """The problem after merging and folding, in block space (a block = a root)."""
+
+    problem: ShardingProblem
+    block_of: np.ndarray  # node -> block
+    maps: list[np.ndarray]  # node -> node strategy for each block strategy (-1 forbidden)
+    blocks: list[int]  # block -> its original node
+    cols: list[np.ndarray]  # block -> strategies that get a variable (empty when fixed)
+    fixed: list[int]  # block -> its only strategy, or -1 when it has variables
+    offset: np.ndarray  # block -> index of its first variable
+    costs: list[np.ndarray]  # block -> cost per column (shifted, >= 0)
+    pairs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # cols_a x cols_b
+    constant: float = 0.0
+    mem_rows: list[tuple[float, np.ndarray, np.ndarray]] = field(default_factory=list)
+    # copies' windows (see _copy_windows); memory-row columns >= num_strategy_cols are
+    # window columns
+    windows: list[tuple] = field(default_factory=list)
+    num_strategy_cols: int = 0
+    ties: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # merge=False
+    # blocks eliminated before the solve, in order: (block, its cost, [(neighbour, matrix
+    # block x neighbour)]); decoded in reverse, each given its neighbours' choices
+    eliminated: list[tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]] = field(
+        default_factory=list
+    )
+
+
+def _reduce(
+    pb: ShardingProblem, merge: bool, eliminate: bool = True, memory: bool = False
+) -> _Reduced:
+    """``memory``: build the memory rows even without a budget (to minimise the peak)."""
+    roots, root_maps = resolve_ties(pb)  # also rejects cycles when merge=False
+    n, k = pb.num_nodes, pb.num_strategies
+    if merge:
+        blocks = sorted(set(roots))
+        index = {r: b for b, r in enumerate(blocks)}
+        block_of = np.array([index[r] for r in roots], dtype=int)
+        maps = [np.asarray(m, dtype=int) for m in root_maps]
+    else:
+        blocks, block_of = list(range(n)), np.arange(n)
+        maps = [np.arange(kv) for kv in k]
+    inf = math.inf
+    cost = [np.zeros(k[r]) for r in blocks]
+    for v in range(n):
+        m = maps[v]
+        cost[block_of[v]] += np.where(m >= 0, np.asarray(pb.node_costs[v])[m], inf)
+    pair_acc: dict[tuple[int, int], np.ndarray] = {}
+    for e in pb.edges:
+        a, b, ma, mb = block_of[e.src], block_of[e.dst], maps[e.src], maps[e.dst]
+        c = np.asarray(e.costs)
+        if a == b:  # both ends on one root: a node-cost term of that root
+            cost[a] += np.where((ma >= 0) & (mb >= 0), c[ma, mb], inf)
+            continue
+        mat = c[np.ix_(ma, mb)]
+        mat[ma < 0, :] = inf
+        mat[:, mb < 0] = inf
+        if a > b:
+            a, b, mat = b, a, mat.T
+        prev = pair_acc.get((a, b))
+        pair_acc[(a, b)] = mat if prev is None else prev + mat
+
+    def where(b: int) -> str:
+        r = blocks[b]
+        tied = int(np.sum(block_of == b)) - 1 if merge else 0
+        return pb.node_label(r) + (f" (with the {tied} nodes tied to it)" if tied else "")
+
+    def allowed(b: int, why: str) -> np.ndarray:
+        ok = np.flatnonzero(np.isfinite(cost[b]))
+        if ok.size == 0:
+            raise InfeasibleProblemError(f"every strategy of {where(b)} is forbidden {why}")
+        return ok
+
+    first = [
+        allowed(b, "(infinite node or tie-internal edge cost, or tie mapping -1)")
+        for b in range(len(blocks))
+    ]
+    fixed = [int(ok[0]) if ok.size == 1 else -1 for ok in first]
+    red = _Reduced(pb, block_of, maps, blocks, [], fixed, np.zeros(0, int), cost)
+    free_pairs = []
+    for (a, b), mat in pair_acc.items():
+        fa, fb = fixed[a], fixed[b]
+        if fa >= 0 and fb >= 0:
+            if not math.isfinite(mat[fa, fb]):
+                raise InfeasibleProblemError(
+                    f"the only strategies of {where(a)} and {where(b)} are a forbidden pair"
+                )
+            red.constant += float(mat[fa, fb])
+        elif fa >= 0:
+            cost[b] = cost[b] + mat[fa, :]
+        elif fb >= 0:
+            cost[a] = cost[a] + mat[:, fb]
+        else:
+            free_pairs.append((a, b, mat))
+    if merge and eliminate:
+        free_pairs = _eliminate(red, pb, cost, fixed, free_pairs)
+    gone = {b for b, _, _ in red.eliminated}
+    for b, f in enumerate(fixed):
+        if f >= 0:
+            red.constant += float(cost[b][f])
+            red.cols.append(np.zeros(0, int))
+        elif b in gone:
+            red.cols.append(np.zeros(0, int))
+        else:
+            red.cols.append(allowed(b, "given the only strategies of its neighbours"))
+    red.offset = np.cumsum([0] + [c.size for c in red.cols])[:-1]
+    costs = [cost[b][red.cols[b]] for b in range(len(blocks))]
+    for a, b, mat in free_pairs:
+        sub = mat[np.ix_(red.cols[a], red.cols[b])]
+        finite = np.isfinite(sub)
+        if not finite.any():
+            raise InfeasibleProblemError(
+                f"every strategy pair of {where(a)} and {where(b)} is forbidden"
+            )
+        split = _separable(sub)
+        if split is not None:  # separable (constant included): no edge variables
+            costs[a] = costs[a] + split[0]
+            costs[b] = costs[b] + split[1]
+            continue
+        low = sub[finite].min()
+        red.constant += float(low)
+        red.pairs.append((a, b, sub - low))
+    for b in range(len(blocks)):
+        if costs[b].size:
+            low = costs[b].min()
+            red.constant += float(low)
+            costs[b] = costs[b] - low
+    red.costs = costs
+    if not merge:
+        red.ties = [(v, t.leader, t.mapping) for v, t in enumerate(pb.ties) if t is not None]
+    if (
+        pb.node_memory is not None
+        and pb.live_sets
+        and (memory or pb.memory_budget_bytes is not None)
+    ):
+        red.mem_rows = _memory_rows(red)  # only a budget or the peak needs them
+    return red
+
+
+def _separable(sub: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(a, b) with sub[p, q] = a[p] + b[q] (to rounding), or None."""
+    if not sub.size or not np.isfinite(sub).all():
+        return None
+    row, col = sub[:, 0], sub[0, :] - sub[0, 0]
+    if np.allclose(sub, row[:, None] + col[None, :], rtol=1e-12, atol=1e-12 * np.abs(sub).max()):
+        return row, col
+    return None
+
+
+def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
+    """Exact reductions of the free blocks before the solve (merge=True only).
+
+    * Elimination: a block b with one neighbour u and edge matrix M (b x u) adds
+      min_p (c_b[p] + M[p, :]) to u's cost; with two neighbours u, w it adds
+      min_p (c_b[p] + M_bu[p, :, None] + M_bw[p, None, :]) to the edge (u, w); with one
+      allowed strategy p it adds M[p, :] to every neighbour's cost. The optimum over the
+      remaining blocks is unchanged, and b's best strategy given its neighbours' is
+      recovered after the solve (``_decode``).
+    * Dominance (dead-end elimination): strategy p of b goes when another allowed p' is
+      no worse whatever the neighbours pick, c_b[p'] - c_b[p] +
+      sum_u max_q (M_bu[p', q] - M_bu[p, q]) <= 0 over the neighbours' allowed q. The
+      bound is subadditive, so every dropped strategy keeps a dominator that stays.
+
+    Both repeat until nothing changes: chains and trees of the graph collapse and
+    hopeless strategies disappear, so the program shrinks and its relaxation can only get
+    tighter. With a memory budget, blocks whose memory differs between strategies are
+    left alone (they appear in memory rows).
+    """
+    protected = set()
+    if pb.node_memory is not None and pb.live_sets and pb.memory_budget_bytes is not None:
+        for v in {v for live in pb.live_sets for v in live}:
+            if len(set(pb.node_memory[v])) > 1:
+                protected.add(int(red.block_of[v]))
+        for c in pb.copies:  # their strategies decide whether a copy exists
+            for v in [c.source] + [v for v, _ in c.readers]:
+                protected.add(int(red.block_of[v]))
+    mats: dict[tuple[int, int], np.ndarray] = {}
+    nbrs: dict[int, set[int]] = {}
+    for a, b, mat in free_pairs:
+        ok_a, ok_b = np.isfinite(cost[a]), np.isfinite(cost[b])
+        split = _separable(mat[np.ix_(ok_a, ok_b)])
+        if split is not None:  # no real edge: fold it now, so it links nothing
+            for v, ok, part in ((a, ok_a, split[0]), (b, ok_b, split[1])):
+                add = np.zeros(ok.size)
+                add[ok] = part
+                cost[v] = cost[v] + add
+            continue
+        mats[a, b] = mat
+        nbrs.setdefault(a, set()).add(b)
+        nbrs.setdefault(b, set()).add(a)
+
+    def oriented(b: int, u: int) -> np.ndarray:  # b x u
+        return mats[b, u] if (b, u) in mats else mats[u, b].T
+
+    def can_go(b: int) -> bool:
+        if b not in nbrs or b in protected:
+            return False
+        return 1 <= len(nbrs[b]) <= 2 or np.count_nonzero(np.isfinite(cost[b])) == 1
+
+    def eliminate(b: int) -> list[int]:
+        around = sorted(nbrs.pop(b))
+        parts = [(u, oriented(b, u)) for u in around]
+        for u in around:
+            nbrs[u].discard(b)
+            mats.pop((min(b, u), max(b, u)))
+        c = cost[b]
+        ok = np.isfinite(c)
+        if np.count_nonzero(ok) == 1:
+            p = int(np.flatnonzero(ok)[0])
+            for u, m in parts:
+                cost[u] = cost[u] + (c[p] + m[p, :] if u == around[0] else m[p, :])
+        elif len(parts) == 1:
+            ((u, m),) = parts
+            cost[u] = cost[u] + (c[:, None] + m).min(axis=0)
+        else:
+            (u, mu), (w, mw) = parts
+            new = (c[:, None, None] + mu[:, :, None] + mw[:, None, :]).min(axis=0)
+            if (u, w) in mats:
+                mats[u, w] = mats[u, w] + new
+            else:
+                mats[u, w] = new
+                nbrs[u].add(w)
+                nbrs[w].add(u)
+        red.eliminated.append((b, c, parts))
+        return around
+
+    def dominated(b: int) -> bool:
+        """Drop b's dominated strategies (cost inf); True if any went."""
+        ok = np.flatnonzero(np.isfinite(cost[b]))
+        if ok.size < 2:
+            return False
+        c = cost[b][ok]
+        worst = c[:, None] - c[None, :]  # [p', p]: most p' can cost more than p
+        with np.errstate(invalid="ignore"):
+            for u in nbrs[b]:
+                m = oriented(b, u)[np.ix_(ok, np.isfinite(cost[u]))]
+                diff = m[:, None, :] - m[None, :, :]
+                diff[np.isnan(diff)] = -math.inf  # both forbidden: that q is out either way
+                worst = worst + diff.max(axis=2, initial=-math.inf)
+        gone = np.zeros(ok.size, bool)
+        for i in range(ok.size):
+            others = ~gone
+            others[i] = False
+            if np.any(worst[others, i] <= 0):
+                gone[i] = True
+        if not gone.any():
+            return False
+        c_new = cost[b].copy()
+        c_new[ok[gone]] = math.inf
+        cost[b] = c_new
+        return True
+
+    todo = set(b for b in nbrs if fixed[b] < 0)
+    while todo:
+        queue = sorted(todo)
+        todo = set()
+        while queue:  # eliminate while anything can go
+            b = queue.pop()
+            if can_go(b):
+                queue.extend(u for u in eliminate(b) if can_go(u))
+        for b in sorted(nbrs):
+            if b not in protected and nbrs[b] and dominated(b):
+                todo.add(b)
+                todo.update(nbrs[b])
+    return [(a, b, m) for (a, b), m in mats.items()]

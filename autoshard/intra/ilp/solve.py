@@ -1,0 +1,177 @@
+"""The entry points (jax-free): :func:`solve` and :func:`min_peak_memory` reduce the
+problem, build the model, run the solver and decode the choice back onto the original
+nodes as a :class:`Solution`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from autoshard.intra.ilp.model import _build, _Model
+from autoshard.intra.ilp.problem import (
+    InfeasibleBudgetError,
+    InfeasibleProblemError,
+    ShardingProblem,
+    SolverTimeLimitError,
+    SolverTimeLimitWarning,
+    objective_of,
+    peak_memory,
+    with_preferences,
+)
+from autoshard.intra.ilp.reduce import _reduce, _Reduced
+from autoshard.intra.ilp.solvers import SOLVERS, _Outcome, _run
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The chosen strategy of every original node and how the solve went.
+
+    ``status`` is "optimal" (within ``mip_gap``) or "time_limit" (best incumbent).
+    ``gap`` is (objective - best bound) / |objective|, None where the solver gave no bound.
+    ``seconds`` covers build + solve; ``build_seconds`` the model building alone.
+    """
+
+    strategy: tuple[int, ...]
+    objective: float
+    status: str
+    gap: float | None
+    solver: str
+    seconds: float
+    build_seconds: float
+    num_variables: int
+    num_constraints: int
+    num_roots: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Solution:
+        d = json.loads(text)
+        d["strategy"] = tuple(d["strategy"])
+        return cls(**d)
+
+
+def _decode(red: _Reduced, model: _Model) -> tuple[int, ...]:
+    chosen = []
+    for b, cols in enumerate(red.cols):
+        if cols.size:
+            o = red.offset[b]
+            vals = model.values[o : o + cols.size]
+            chosen.append(int(cols[int(np.argmax(vals))]))
+        else:
+            chosen.append(red.fixed[b])
+    for b, c, parts in reversed(red.eliminated):
+        total = c + sum(m[:, chosen[u]] for u, m in parts)
+        chosen[b] = int(np.argmin(total))
+    return tuple(int(red.maps[v][chosen[red.block_of[v]]]) for v in range(red.problem.num_nodes))
+
+
+def _solve_model(red, model, solver, time_limit_s, mip_gap, seed) -> _Outcome:
+    if model.violated:
+        return _Outcome("infeasible", None)
+    if not model.num_binary:  # everything fixed: nothing for a solver to do
+        return _Outcome("optimal", 0.0)
+    return _run(model, solver, time_limit_s, mip_gap, seed)
+
+
+def _min_peak(pb: ShardingProblem, solver: str, time_limit_s, seed: int) -> tuple[float, bool]:
+    red = _reduce(pb, merge=True, eliminate=False, memory=True)  # eliminating follows costs
+    model = _build(red, minimise_peak=True)
+    out = _solve_model(red, model, solver, time_limit_s, 0.0, seed)
+    if out.status == "infeasible":
+        raise InfeasibleProblemError("no assignment avoids infinite costs while honouring the ties")
+    if out.status == "no_incumbent":
+        raise SolverTimeLimitError(
+            f"{solver} found no feasible assignment (ignoring the budget) within time_limit_s={time_limit_s}"
+        )
+    return peak_memory(pb, _decode(red, model)), out.status == "optimal"
+
+
+def min_peak_memory(
+    problem: ShardingProblem,
+    *,
+    solver: str = "cbc",
+    time_limit_s: float | None = 60.0,
+    seed: int = 0,
+) -> float:
+    """Smallest peak live-set memory any feasible assignment reaches, ignoring costs."""
+    return _min_peak(problem, solver, time_limit_s, seed)[0]
+
+
+def solve(
+    problem: ShardingProblem,
+    solver: str = "cbc",
+    time_limit_s: float | None = 60.0,
+    mip_gap: float = 0.0,
+    seed: int = 0,
+    merge: bool = True,
+) -> Solution:
+    """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
+
+    Raises InfeasibleBudgetError (with ``min_feasible_bytes``) when only the budget is in
+    the way, InfeasibleProblemError when infinite costs and ties leave no assignment,
+    SolverTimeLimitError when the time limit passes with no incumbent, and
+    SolverUnavailableError / ValueError for a missing or unknown solver. Returns the
+    incumbent with a SolverTimeLimitWarning when the time limit passes with one.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    if not 0.0 <= mip_gap < 1.0:
+        raise ValueError(f"mip_gap={mip_gap} is a relative gap; give a value in [0, 1)")
+    start = time.perf_counter()
+    work = with_preferences(problem)
+    red = _reduce(work, merge)
+    model = _build(red, minimise_peak=False)
+    build_seconds = time.perf_counter() - start
+    out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
+    if out.status == "infeasible":
+        if problem.memory_budget_bytes is None or model.violated == "tie" or not red.mem_rows:
+            raise InfeasibleProblemError(
+                "no assignment avoids infinite costs while honouring the ties"
+            )
+        need, proven = _min_peak(problem, solver, time_limit_s, seed)
+        raise InfeasibleBudgetError(problem.memory_budget_bytes, need, proven)
+    if out.status == "no_incumbent":
+        raise SolverTimeLimitError(
+            f"{solver} found no feasible assignment within time_limit_s={time_limit_s} "
+            f"({model.num_binary} binary variables); raise time_limit_s or the budget"
+        )
+    strategy = _decode(red, model)
+    objective = objective_of(problem, strategy)
+    if not math.isfinite(objective):
+        raise RuntimeError(
+            f"internal error: the {solver} solution breaks a tie or picks an infinite cost"
+        )
+    gap = None
+    if out.bound is not None:  # a bound on cost + preferences
+        bound = out.bound * model.scale + red.constant
+        solved = objective_of(work, strategy)
+        gap = max(0.0, solved - bound) / max(abs(solved), 1e-300)
+    elif out.status == "optimal" and mip_gap == 0.0:
+        gap = 0.0
+    if out.status == "time_limit":
+        warnings.warn(
+            f"{solver} stopped at time_limit_s={time_limit_s} with objective {objective:.6g} and "
+            f"relative gap {gap if gap is None else f'{gap:.3g}'}; raise time_limit_s for a better plan",
+            SolverTimeLimitWarning,
+            stacklevel=2,
+        )
+    return Solution(
+        strategy=strategy,
+        objective=objective,
+        status=out.status,
+        gap=gap,
+        solver=solver,
+        seconds=time.perf_counter() - start,
+        build_seconds=build_seconds,
+        num_variables=model.num_cols,
+        num_constraints=model.num_rows,
+        num_roots=len(red.blocks),
+    )

@@ -1,0 +1,199 @@
+"""Running a :class:`_Model` through a solver (jax-free): HiGHS through ``highspy``, CBC
+through PuLP, with their tolerances and gaps, and :func:`solver_output_to_stderr` to
+keep their C-level output off stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import re
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pulp
+
+from autoshard.intra.ilp.model import _Model
+from autoshard.intra.ilp.problem import SolverUnavailableError
+
+SOLVERS = {"cbc": "PULP_CBC_CMD", "highs": "HiGHS"}
+_ABS_GAP = 1e-9  # absolute MIP gap on the rescaled objective (largest coefficient 1)
+_TOLERANCE = 1e-9  # the solvers' optimality tolerances: below problem.TIE_BREAK
+
+
+def _new_var(prob: pulp.LpProblem, name: str, low=None, cat=pulp.LpContinuous) -> pulp.LpVariable:
+    if hasattr(prob, "add_variable"):  # PuLP >= 3.3; constructing LpVariable is deprecated there
+        return prob.add_variable(name, lowBound=low, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, cat=cat)
+
+
+def _expr(terms, constant: float = 0.0) -> pulp.LpAffineExpression:
+    return pulp.LpAffineExpression(terms, constant=constant)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    status: str  # optimal | time_limit | no_incumbent | infeasible
+    bound: float | None  # best bound on the model objective
+
+
+def _check_solver(name: str) -> None:
+    """Clear errors for an unknown solver or one that is not installed."""
+    if name not in SOLVERS:
+        raise ValueError(f"unknown solver {name!r}; choose one of {sorted(SOLVERS)}")
+    available = pulp.listSolvers(onlyAvailable=True)
+    if SOLVERS[name] not in available:
+        ours = sorted(n for n, p in SOLVERS.items() if p in available)
+        raise SolverUnavailableError(
+            f"solver {name!r} (PuLP's {SOLVERS[name]}) is not installed; available here: {ours} "
+            f"(all PuLP solvers found: {available})"
+        )
+
+
+def _cbc(time_limit_s: float | None, mip_gap: float, seed: int, log_path: str):
+    opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}", f"dualT {_TOLERANCE}"]
+    with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(
+            msg=False,
+            timeLimit=time_limit_s,
+            gapRel=mip_gap,
+            gapAbs=_ABS_GAP,
+            options=opts,
+            logPath=log_path,
+        )
+
+
+@contextlib.contextmanager
+def solver_output_to_stderr():
+    """Send whatever is written to file descriptor 1 meanwhile to descriptor 2.
+
+    Solvers print from C and C++ (HiGHS 1.16 prints its banner on stdout when a ``Highs``
+    object is made, before any option can silence it); Python-level redirection cannot
+    catch that, so this swaps the descriptors and flushes C's buffers on the way out. The
+    stdout of a ``--json`` command then holds the JSON alone.
+    """
+    try:
+        sys.stdout.flush()
+        out_fd, err_fd = 1, 2
+        saved = os.dup(out_fd)
+    except (OSError, ValueError):  # no descriptors to swap (embedded interpreters)
+        yield
+        return
+    try:
+        os.dup2(err_fd, out_fd)
+        yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, out_fd)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to reach (not POSIX)
+        pass
+
+
+def _run(
+    model: _Model, solver: str, time_limit_s: float | None, mip_gap: float, seed: int
+) -> _Outcome:
+    with solver_output_to_stderr():
+        _check_solver(solver)
+        if solver == "highs":
+            return _run_highs(model, time_limit_s, mip_gap, seed)
+        return _run_cbc(model, time_limit_s, mip_gap, seed)
+
+
+def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
+    """HiGHS through its own Python API, the matrix passed as is (no PuLP objects)."""
+    import highspy
+
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    if time_limit_s is not None:
+        highs.setOptionValue("time_limit", float(time_limit_s))
+    highs.setOptionValue("mip_rel_gap", float(mip_gap))
+    highs.setOptionValue("mip_abs_gap", _ABS_GAP)
+    # under the default tolerances (1e-7 on reduced costs, 1e-6 in the MIP) an objective
+    # step of TIE_BREAK can pass for zero, and equal-cost plans resolve by the solver's path
+    highs.setOptionValue("dual_feasibility_tolerance", _TOLERANCE)
+    highs.setOptionValue("mip_feasibility_tolerance", _TOLERANCE)
+    highs.setOptionValue("random_seed", int(seed))
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
+    lp.col_cost_ = np.asarray(model.cost, dtype=float)
+    lp.col_lower_ = np.zeros(model.num_cols)
+    upper = np.full(model.num_cols, highspy.kHighsInf)
+    upper[: model.num_binary] = 1.0
+    lp.col_upper_ = upper
+    lp.row_lower_ = np.asarray(model.row_lower, dtype=float).clip(-highspy.kHighsInf)
+    lp.row_upper_ = np.asarray(model.row_upper, dtype=float).clip(None, highspy.kHighsInf)
+    start, index, value = model.csc()
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
+    kinds = highspy.HighsVarType
+    lp.integrality_ = [kinds.kInteger] * model.num_binary + [kinds.kContinuous] * (
+        model.num_cols - model.num_binary
+    )
+    highs.passModel(lp)
+    highs.run()
+    ms, info, status = highs.getModelStatus(), highs.getInfo(), highspy.HighsModelStatus
+    if ms in (status.kInfeasible, status.kUnboundedOrInfeasible):
+        return _Outcome("infeasible", None)
+    has = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    if has:
+        model.values = np.asarray(highs.getSolution().col_value)
+    if ms == status.kOptimal:
+        return _Outcome("optimal", info.mip_dual_bound)
+    if ms in (status.kTimeLimit, status.kIterationLimit, status.kInterrupt):
+        return _Outcome("time_limit" if has else "no_incumbent", info.mip_dual_bound)
+    raise RuntimeError(f"HiGHS ended with model status {highs.modelStatusToString(ms)}")
+
+
+def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
+    """CBC through PuLP: the matrix model rebuilt as a PuLP problem."""
+    prob = pulp.LpProblem("autoshard_intra_op", pulp.LpMinimize)
+    x = [
+        _new_var(
+            prob, f"x{j}", low=0, cat=pulp.LpBinary if j < model.num_binary else pulp.LpContinuous
+        )
+        for j in range(model.num_cols)
+    ]
+    by_row: list[list[tuple]] = [[] for _ in range(model.num_rows)]
+    for r, c, v in zip(model.rows, model.cols, model.vals, strict=True):
+        by_row[r].append((x[c], v))
+    for terms, lo, hi in zip(by_row, model.row_lower, model.row_upper, strict=True):
+        if lo == hi:
+            prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintEQ, rhs=lo))
+            continue
+        if math.isfinite(lo):
+            prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintGE, rhs=lo))
+        if math.isfinite(hi):
+            prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintLE, rhs=hi))
+    prob.setObjective(_expr([(x[j], w) for j, w in enumerate(model.cost) if w]))
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        prob.solve(_cbc(time_limit_s, mip_gap, seed, log_path))
+        log = Path(log_path).read_text() if os.path.exists(log_path) else ""
+    found = re.search(r"Lower bound:\s+(\S+)", log)
+    bound = float(found.group(1)) if found else None
+    status, sol_status = prob.status, prob.sol_status
+    if status == pulp.LpStatusInfeasible:
+        return _Outcome("infeasible", None)
+    if status == pulp.LpStatusNotSolved:
+        return _Outcome("no_incumbent", bound)
+    if status == pulp.LpStatusOptimal:
+        model.values = np.array([v.varValue or 0.0 for v in x])
+        optimal = sol_status == pulp.LpSolutionOptimal
+        return _Outcome("optimal" if optimal else "time_limit", bound)
+    raise RuntimeError(
+        f"CBC ended with PuLP status {pulp.LpStatus[status]}; log tail:\n{log[-2000:]}"
+    )
