@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoshard.intra.ilp.memory import _memory_rows
+from autoshard.intra.ilp.memory_rows import _memory_rows
 from autoshard.intra.ilp.problem import InfeasibleProblemError, ShardingProblem, resolve_ties
 
 
