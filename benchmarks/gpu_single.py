@@ -115,7 +115,7 @@ def measure_one(
     import numpy as np
 
     from autoshard.models import get_workload, make_optimizer, make_train_step
-    from autoshard.verify.hlo import memory_stats
+    from autoshard.verify.memory import memory_stats
 
     dtype = "bfloat16"
     work = get_workload(model, batch_size=batch, num_layers=layers, dtype=dtype)

@@ -1,4 +1,4 @@
-"""autoshard.verify.hlo: collectives and memory read back from what XLA compiled (8 fake CPU devices)."""
+"""autoshard.verify's HLO readers: collectives and memory read back from what XLA compiled (8 fake CPU devices)."""
 
 import math
 import re
@@ -14,7 +14,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autoshard.ir.spec import Collective, Mesh
-from autoshard.verify import hlo
+from autoshard.verify.collectives import analyze_collectives, parse_collectives
+from autoshard.verify.compare import compare_collectives, summarize
+from autoshard.verify.memory import (
+    LIVE_RANGE_DUMP_OPTIONS,
+    buffer_slices,
+    dump_live_peak,
+    live_range_peak,
+    memory_stats,
+    stated_live_peak_bytes,
+)
+from autoshard.verify.replica_groups import UNKNOWN_AXES, parse_replica_groups, replica_group_axes
 
 try:  # the suite's conftest normally does this before any backend starts
     jax.config.update("jax_num_cpu_devices", 8)
@@ -53,7 +63,7 @@ def _matmul(jmesh, out_spec, dtype=jnp.float32, contract=("model",)):
 
 def test_contracting_dim_on_model_all_reduces_over_model(meshes):
     jmesh, mesh, ids = meshes
-    found = hlo.parse_collectives(_matmul(jmesh, P()).as_text(), mesh, ids)
+    found = parse_collectives(_matmul(jmesh, P()).as_text(), mesh, ids)
     assert _kinds(found) == [("all-reduce", ("model",), M * N * 4)]
     assert found[0].dtype == "float32" and not found[0].in_loop
 
@@ -61,7 +71,7 @@ def test_contracting_dim_on_model_all_reduces_over_model(meshes):
 def test_batch_sharded_on_data_all_gathers_over_data(meshes):
     jmesh, mesh, ids = meshes
     compiled = _compile(jmesh, lambda x: 2 * x, (P("data", None),), P(), [(M, N)])
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     assert _kinds(found) == [("all-gather", ("data",), M * N * 4)]  # bytes = gathered output
 
 
@@ -69,8 +79,8 @@ def test_cpu_all_reduce_plus_dynamic_slice_is_normalised_to_reduce_scatter(meshe
     jmesh, mesh, ids = meshes
     text = _matmul(jmesh, P(None, "model")).as_text()
     assert "reduce-scatter(" not in text  # XLA:CPU's GSPMD lowering: all-reduce + slice
-    raw = hlo.parse_collectives(text, mesh, ids, normalize=False)
-    found = hlo.parse_collectives(text, mesh, ids)
+    raw = parse_collectives(text, mesh, ids, normalize=False)
+    found = parse_collectives(text, mesh, ids)
     assert _kinds(raw) == [("all-reduce", ("model",), M * N * 4)]
     assert _kinds(found) == [("reduce-scatter", ("model",), M * N * 4)]  # bytes = input
     assert "reduce-scatter" in found[0].note and "offsets checked" in found[0].note
@@ -91,8 +101,8 @@ def test_reduce_scatter_into_a_data_sharded_view_is_normalised(meshes, cols, out
     assert re.search(r"s32\[8\]\{0\} constant\(\{0, 0, 0, 0, 32, 32, 32, 32\}\)", text), (
         "XLA no longer emits the offset table this test is about"
     )
-    raw = hlo.parse_collectives(text, mesh, ids, normalize=False)
-    found = hlo.parse_collectives(text, mesh, ids)
+    raw = parse_collectives(text, mesh, ids, normalize=False)
+    found = parse_collectives(text, mesh, ids)
     assert _kinds(raw) == [("all-reduce", ("model",), local)]
     assert _kinds(found) == [("reduce-scatter", ("model",), local)]
     assert "offsets checked on all 8 devices" in found[0].note
@@ -105,7 +115,7 @@ def test_slices_of_a_window_of_the_reduced_buffer_stay_an_all_reduce(meshes):
     compiled = _compile(
         jmesh, jnp.matmul, (P(None, "model"), P("model")), P(("data", "model")), [(64, 32), (32,)]
     )
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     assert _kinds(found) == [("all-reduce", ("model",), 64 * 4)]
     assert "keeps 8 of 64 along dim 0, not 1/4" in found[0].note
     assert "bases [0, 32]" in found[0].note
@@ -116,7 +126,7 @@ def test_psum_scatter_under_shard_map_is_a_real_reduce_scatter(meshes):
     body = partial(jax.lax.psum_scatter, axis_name="model", scatter_dimension=0, tiled=True)
     fn = jax.jit(jax.shard_map(body, mesh=jmesh, in_specs=P(), out_specs=P("model")))
     text = fn.lower(jax.ShapeDtypeStruct((M, N), jnp.float32)).compile().as_text()
-    found = hlo.parse_collectives(text, mesh, ids)
+    found = parse_collectives(text, mesh, ids)
     assert _kinds(found) == [("reduce-scatter", ("model",), M * N * 4)]
     assert found[0].hlo_opcode == "reduce-scatter" and found[0].note == ""
 
@@ -124,21 +134,21 @@ def test_psum_scatter_under_shard_map_is_a_real_reduce_scatter(meshes):
 def test_moving_the_sharded_dim_is_an_all_to_all(meshes):
     jmesh, mesh, ids = meshes
     compiled = _compile(jmesh, lambda x: 2 * x, (P("model", None),), P(None, "model"), [(M, M)])
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     assert _kinds(found) == [("all-to-all", ("model",), M * M * 4 // 4)]  # the local block
 
 
 def test_contracting_dim_on_both_axes_all_reduces_over_both(meshes):
     jmesh, mesh, ids = meshes
     compiled = _matmul(jmesh, P(), contract=("data", "model"))
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     assert _kinds(found) == [("all-reduce", ("data", "model"), M * N * 4)]
 
 
 def test_gather_over_both_axes_model_major_notes_the_group_order(meshes):
     jmesh, mesh, ids = meshes
     compiled = _compile(jmesh, lambda x: 2 * x, (P(("model", "data"), None),), P(), [(M, N)])
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     assert _kinds(found) == [("all-gather", ("data", "model"), M * N * 4)]
     assert "model-major" in found[0].note
 
@@ -146,8 +156,8 @@ def test_gather_over_both_axes_model_major_notes_the_group_order(meshes):
 def test_bf16_all_reduce_upcast_on_cpu_is_reported_in_bf16(meshes):
     jmesh, mesh, ids = meshes
     text = _matmul(jmesh, P(), jnp.bfloat16).as_text()
-    raw = hlo.parse_collectives(text, mesh, ids, normalize=False)
-    found = hlo.parse_collectives(text, mesh, ids)
+    raw = parse_collectives(text, mesh, ids, normalize=False)
+    found = parse_collectives(text, mesh, ids)
     assert _kinds(raw) == [("all-reduce", ("model",), M * N * 4)] and raw[0].dtype == "float32"
     assert _kinds(found) == [("all-reduce", ("model",), M * N * 2)]
     assert found[0].dtype == "bfloat16" and "bf16 upcast" in found[0].note
@@ -168,8 +178,8 @@ def test_bf16_all_to_all_parts_converted_back_are_counted_in_bf16(meshes, fn, na
     jmesh, mesh, ids = meshes
     text = _compile(jmesh, fn, (P("model", None),), P(None, "model"), [(M, M)], jnp.bfloat16)
     text = text.as_text()
-    raw = hlo.parse_collectives(text, mesh, ids, normalize=False)
-    found = hlo.parse_collectives(text, mesh, ids)
+    raw = parse_collectives(text, mesh, ids, normalize=False)
+    found = parse_collectives(text, mesh, ids)
     assert _kinds(raw) == [("all-to-all", ("model",), M * M * 4 // 4)]
     assert raw[0].dtype == "float32"
     expect = M * M * (2 if narrow else 4) // 4
@@ -179,9 +189,7 @@ def test_bf16_all_to_all_parts_converted_back_are_counted_in_bf16(meshes, fn, na
 
 def test_bf16_reduce_scatter_gets_both_normalisations(meshes):
     jmesh, mesh, ids = meshes
-    found = hlo.parse_collectives(
-        _matmul(jmesh, P(None, "model"), jnp.bfloat16).as_text(), mesh, ids
-    )
+    found = parse_collectives(_matmul(jmesh, P(None, "model"), jnp.bfloat16).as_text(), mesh, ids)
     assert _kinds(found) == [("reduce-scatter", ("model",), M * N * 2)]
 
 
@@ -191,12 +199,12 @@ def test_combined_tuple_all_reduce_counts_every_operand(meshes):
     lhs, rhs = P(None, "model"), P("model", None)
     fn = lambda x, w1, w2: (x @ w1, x @ w2)  # noqa: E731
     compiled = _compile(jmesh, fn, (lhs, rhs, rhs), (P(), P()), [(M, K), (K, N), (K, n2)])
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     assert len({c.hlo_name for c in found}) == 1  # XLA's combiner made one instruction
     assert sorted(_kinds(found)) == sorted(
         [("all-reduce", ("model",), M * N * 4), ("all-reduce", ("model",), M * n2 * 4)]
     )
-    assert hlo.summarize(found) == {("all-reduce", ("model",)): M * (N + n2) * 4}
+    assert summarize(found) == {("all-reduce", ("model",)): M * (N + n2) * 4}
 
 
 def test_collective_in_while_body_is_counted_once_and_flagged(meshes):
@@ -209,7 +217,7 @@ def test_collective_in_while_body_is_counted_once_and_flagged(meshes):
     compiled = _compile(
         jmesh, fn, (P(None, "model"), P("model", None)), P(None, "model"), [(M, K), (K, K)]
     )
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     assert len(found) == 1 and found[0].in_loop
     assert found[0].collective.axes == ("model",) and f"runs {trips} times" in found[0].note
     # the slice offset reaches the body through the loop tuple; it is still traced and checked
@@ -222,7 +230,7 @@ def test_collective_permute_is_reported_separately(meshes):
     body = partial(jax.lax.ppermute, axis_name="model", perm=ring)
     fn = jax.jit(jax.shard_map(body, mesh=jmesh, in_specs=P("model"), out_specs=P("model")))
     text = fn.lower(jax.ShapeDtypeStruct((M, N), jnp.float32)).compile().as_text()
-    found = hlo.analyze_collectives(text, mesh, ids)
+    found = analyze_collectives(text, mesh, ids)
     assert found.collectives == () and len(found.permutes) == 1
     permute = found.permutes[0]
     assert permute.axes == ("model",) and permute.bytes == M * N * 4 // 4
@@ -234,9 +242,7 @@ def test_logical_ids_follow_mesh_order_not_device_ids():
     devices = np.array(jax.devices()[:8])[order].reshape(2, 4)
     jmesh = jax.sharding.Mesh(devices, ("data", "model"))
     ids = [d.id for d in devices.flat]
-    found = hlo.parse_collectives(
-        _matmul(jmesh, P()).as_text(), Mesh(("data", "model"), (2, 4)), ids
-    )
+    found = parse_collectives(_matmul(jmesh, P()).as_text(), Mesh(("data", "model"), (2, 4)), ids)
     assert _kinds(found) == [("all-reduce", ("model",), M * N * 4)]
 
 
@@ -244,9 +250,9 @@ def test_wrong_mesh_size_or_device_ids_raise(meshes):
     jmesh, _, ids = meshes
     text = _matmul(jmesh, P()).as_text()
     with pytest.raises(ValueError, match="runs on 8 devices"):
-        hlo.parse_collectives(text, Mesh(("x",), (4,)), ids[:4])
+        parse_collectives(text, Mesh(("x",), (4,)), ids[:4])
     with pytest.raises(ValueError, match="distinct device ids"):
-        hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), [0] * 8)
+        parse_collectives(text, Mesh(("data", "model"), (2, 4)), [0] * 8)
 
 
 def test_data_parallel_train_step_all_reduces_exactly_the_gradients(meshes):
@@ -263,13 +269,13 @@ def test_data_parallel_train_step_all_reduces_exactly_the_gradients(meshes):
     jitted = jax.jit(step, in_shardings=(rep, rows), out_shardings=rep)
     abstract = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in params.items()}
     compiled = jitted.lower(abstract, jax.ShapeDtypeStruct((batch, N), jnp.float32)).compile()
-    found = hlo.parse_collectives(compiled.as_text(), mesh, ids)
+    found = parse_collectives(compiled.as_text(), mesh, ids)
     predicted = [
         Collective("all-reduce", ("data", "model"), 4 * math.prod(s)) for s in params.values()
     ]
-    comparison = hlo.compare_collectives(predicted, found)
+    comparison = compare_collectives(predicted, found)
     assert comparison.agree, comparison.format()
-    assert hlo.summarize(found) == hlo.summarize(predicted)
+    assert summarize(found) == summarize(predicted)
 
 
 # --------------------------------------------------------------------------- HLO text by hand
@@ -288,7 +294,7 @@ def test_async_start_done_pairs_are_counted_once():
 %ard = f32[16,8]{1,0} all-reduce-done(%ars)
 %ags = (f32[16,8]{1,0}, f32[32,8]{1,0}) all-gather-start(%ard), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true
 ROOT %agd = f32[32,8]{1,0} all-gather-done(%ags)""")
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert _kinds(found) == [("all-reduce", ("model",), 512), ("all-gather", ("data",), 1024)]
 
 
@@ -306,7 +312,7 @@ ENTRY %main (p: f32[16,8]) -> f32[16,8] {
 }
 """
     )
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert _kinds(found) == [("all-reduce", ("data", "model"), 512)]
 
 
@@ -327,7 +333,7 @@ def test_reduce_scatter_needs_offsets_that_are_the_group_rank(table, normalised)
 %z = s32[] constant(0)
 %ar = f32[16,8]{{1,0}} all-reduce(%p), channel_id=1, replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, use_global_device_ids=true, to_apply=%add
 ROOT %ds = f32[16,2]{{1,0}} dynamic-slice(%ar, %z, %o), dynamic_slice_sizes={{16,2}}""")
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].collective.kind == ("reduce-scatter" if normalised else "all-reduce")
     assert found[0].collective.bytes == 512
 
@@ -373,7 +379,7 @@ ENTRY %main (p: f32[32]) -> f32[8] {
 )
 def test_offset_computed_from_the_partition_id_inside_a_fusion(table, normalised):
     text = _FUSED_SLICE.replace("TABLE", table)
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].collective.axes == ("model",) and found[0].collective.bytes == 32 * 4
     assert found[0].collective.kind == ("reduce-scatter" if normalised else "all-reduce")
     assert ("offsets checked" in found[0].note) == normalised
@@ -430,7 +436,7 @@ def test_offset_expressions_are_evaluated_per_partition(form):
 %ar = f32[16,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
 ROOT %ds = f32[16,2]{1,0} dynamic-slice(%ar, %z, %off), dynamic_slice_sizes={16,2}"""
     )
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].collective.kind == "reduce-scatter", found[0].note
     assert "offsets checked on all 8 devices" in found[0].note
 
@@ -450,7 +456,7 @@ def test_an_op_the_evaluator_does_not_know_falls_back_to_the_rank_table(table, k
 %z = u32[] constant(0)
 %ar = f32[16,8]{{1,0}} all-reduce(%p), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
 ROOT %ds = f32[16,2]{{1,0}} dynamic-slice(%ar, %z, %off), dynamic_slice_sizes={{16,2}}""")
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].collective.kind == kind
     assert "offset evaluation stopped at %two (shift-left)" in found[0].note
 
@@ -499,7 +505,7 @@ ENTRY %main (p: f32[16,8]) -> (s32[], f32[16,8]) {
 @pytest.mark.parametrize("carried", ["%i", "%next"])
 def test_a_loop_carried_offset_is_evaluated_only_when_the_loop_leaves_it_alone(carried):
     text = _LOOP.replace("CARRIED", carried)  # %i: passed on unchanged; %next: i + 2
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].in_loop
     if carried == "%i":
         assert "offsets checked on all 8 devices" in found[0].note
@@ -513,7 +519,7 @@ def test_slice_that_is_not_one_nth_of_the_group_stays_an_all_reduce():
 %z = s32[] constant(0)
 %ar = f32[16,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
 ROOT %ds = f32[16,4]{1,0} dynamic-slice(%ar, %z, %z), dynamic_slice_sizes={16,4}""")
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].collective.kind == "all-reduce"
 
 
@@ -522,7 +528,7 @@ def test_slice_at_a_device_independent_offset_stays_an_all_reduce():
 %z = s32[] constant(0)
 %ar = f32[16,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
 ROOT %ds = f32[16,2]{1,0} dynamic-slice(%ar, %z, %z), dynamic_slice_sizes={16,2}""")
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].collective.kind == "all-reduce" and "do not depend" in found[0].note
 
 
@@ -530,11 +536,8 @@ def test_groups_matching_no_mesh_axes_are_marked_unknown_not_guessed():
     text = _module(
         "ROOT %ar = f32[16,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, use_global_device_ids=true, to_apply=%add"
     )
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
-    assert (
-        found[0].collective.axes == hlo.UNKNOWN_AXES
-        and "match no set of mesh axes" in found[0].note
-    )
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    assert found[0].collective.axes == UNKNOWN_AXES and "match no set of mesh axes" in found[0].note
 
 
 @pytest.mark.parametrize(
@@ -555,7 +558,7 @@ def test_groups_matching_no_mesh_axes_are_marked_unknown_not_guessed():
 def test_group_modes_map_to_the_right_devices(header, attrs, axes):
     text = _module(f"ROOT %ar = f32[16,8]{{1,0}} all-reduce(%p), {attrs}, to_apply=%add")
     text = text.replace("num_partitions=8", header)
-    found = hlo.parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert _kinds(found) == [("all-reduce", axes, 512)]
 
 
@@ -563,7 +566,7 @@ def test_all_to_all_with_a_channel_uses_partition_ids():
     text = _module(
         "ROOT %a2a = f32[16,8]{1,0} all-to-all(%p), channel_id=1, replica_groups={{0,2},{1,3}}, dimensions={0}"
     ).replace("num_partitions=8", "replica_count=2, num_partitions=4")
-    found = hlo.parse_collectives(text, Mesh(("r", "p1", "p2"), (2, 2, 2)), range(8))
+    found = parse_collectives(text, Mesh(("r", "p1", "p2"), (2, 2, 2)), range(8))
     assert _kinds(found) == [("all-to-all", ("p1",), 512)]
 
 
@@ -585,19 +588,19 @@ def test_all_to_all_with_a_channel_uses_partition_ids():
     ],
 )
 def test_replica_group_forms(text, groups):
-    assert hlo.parse_replica_groups(text, 4) == groups
+    assert parse_replica_groups(text, 4) == groups
 
 
 def test_transposed_iota_groups_match_a_numpy_transpose():
-    parsed = hlo.parse_replica_groups("[4,2]<=[2,4]T(1,0)", 8)
+    parsed = parse_replica_groups("[4,2]<=[2,4]T(1,0)", 8)
     expected = np.arange(8).reshape(2, 4).T.reshape(4, 2)
     assert parsed == tuple(map(tuple, expected.tolist()))
-    assert hlo.replica_group_axes(parsed, Mesh(("data", "model"), (2, 4)), range(8)) == ("data",)
+    assert replica_group_axes(parsed, Mesh(("data", "model"), (2, 4)), range(8)) == ("data",)
 
 
 def test_unreadable_replica_groups_raise():
     with pytest.raises(ValueError, match="unrecognised replica_groups"):
-        hlo.parse_replica_groups("<0,1>", 2)
+        parse_replica_groups("<0,1>", 2)
 
 
 @pytest.mark.parametrize(
@@ -615,8 +618,8 @@ def test_unreadable_replica_groups_raise():
 )
 def test_replica_group_axes_on_several_meshes(shape, text, axes):
     mesh = Mesh(("x", "y")[: len(shape)], shape)
-    groups = hlo.parse_replica_groups(text, 8)
-    assert hlo.replica_group_axes(groups, mesh, range(8)) == axes
+    groups = parse_replica_groups(text, 8)
+    assert replica_group_axes(groups, mesh, range(8)) == axes
 
 
 @settings(max_examples=40, deadline=None)
@@ -633,8 +636,8 @@ def test_iota_groups_over_any_axis_subset_map_back_to_that_subset(sizes, data):
         f"[{mesh.num_devices // group_size},{group_size}]<=[{','.join(map(str, sizes))}]T({perm})"
     )
     device_ids = data.draw(st.permutations(range(mesh.num_devices)))
-    groups = hlo.parse_replica_groups(text, mesh.num_devices)
-    axes = hlo.replica_group_axes(groups, mesh, device_ids)
+    groups = parse_replica_groups(text, mesh.num_devices)
+    axes = replica_group_axes(groups, mesh, device_ids)
     assert axes == tuple(names[a] for a in grouped if sizes[a] > 1)
 
 
@@ -643,7 +646,7 @@ def test_iota_groups_over_any_axis_subset_map_back_to_that_subset(sizes, data):
 
 def test_memory_stats_are_consistent(meshes):
     jmesh, *_ = meshes
-    stats = hlo.memory_stats(_matmul(jmesh, P()))
+    stats = memory_stats(_matmul(jmesh, P()))
     per_device_args = (M * K + K * N) * 4 // 4  # both operands split 4 ways over model
     assert stats.argument_bytes == per_device_args and stats.output_bytes == M * N * 4
     assert stats.peak_bytes >= stats.argument_bytes and stats.temp_bytes >= 0
@@ -658,12 +661,12 @@ def test_memory_stats_fall_back_to_the_sum_without_an_xla_peak():
         def memory_analysis(self):
             return Analysis()
 
-    stats = hlo.memory_stats(Compiled())
+    stats = memory_stats(Compiled())
     assert stats.peak_bytes == 100 + 40 + 30 - 20 and not stats.peak_from_xla
 
 
 def _live_range_dump(fn, shapes, folder):
-    options = {"xla_dump_to": str(folder), **hlo.LIVE_RANGE_DUMP_OPTIONS}
+    options = {"xla_dump_to": str(folder), **LIVE_RANGE_DUMP_OPTIONS}
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
     (live_range,) = folder.glob("*after_optimizations-live-range.txt")
@@ -672,7 +675,7 @@ def _live_range_dump(fn, shapes, folder):
 
 
 def _allocated(compiled) -> int:
-    m = hlo.memory_stats(compiled)
+    m = memory_stats(compiled)
     return m.argument_bytes + m.output_bytes - m.alias_bytes + m.temp_bytes
 
 
@@ -680,9 +683,9 @@ def test_live_peak_of_an_elementwise_op_is_its_input_and_output(tmp_path):
     """XLA's live peak, read from its own dumps: an elementwise op holds its input and its
     output at once, nothing else."""
     compiled, live_range, assignment = _live_range_dump(jnp.sin, [(512, 256)], tmp_path)
-    peak = hlo.live_range_peak(live_range, assignment)
+    peak = live_range_peak(live_range, assignment)
     assert peak.bytes == 2 * 512 * 256 * 4 == _allocated(compiled)
-    assert hlo.dump_live_peak(str(tmp_path)) == peak
+    assert dump_live_peak(str(tmp_path)) == peak
     assert sorted(b for _, b in peak.values) == [512 * 256 * 4] * 2
 
 
@@ -696,7 +699,7 @@ def test_the_live_peak_holds_an_instructions_operands_and_result_together(tmp_pa
         return jnp.tanh(x @ w) @ w.T
 
     compiled, live_range, assignment = _live_range_dump(fn, [(256, 512), (512, 512)], tmp_path)
-    peak = hlo.live_range_peak(live_range, assignment)
+    peak = live_range_peak(live_range, assignment)
     act, weight = 256 * 512 * 4, 512 * 512 * 4
     assert 3 * act + weight <= peak.bytes <= _allocated(compiled)
     assert peak.instruction and sum(b for _, b in peak.values) == peak.bytes
@@ -711,11 +714,11 @@ def test_values_sharing_a_buffer_count_once(tmp_path):
         return jnp.zeros((256, 1024), jnp.float32).at[idx.astype(jnp.int32)].add(updates)
 
     compiled, live_range, assignment = _live_range_dump(fn, [(16, 1024), (16,)], tmp_path)
-    slices = hlo.buffer_slices(assignment)
+    slices = buffer_slices(assignment)
     shared = [n for n, pieces in slices.items() if [p[2] for p in pieces] == [256 * 1024 * 4]]
     assert len({tuple(slices[n]) for n in shared}) < len(shared)  # the premise: one slice
-    once = hlo.live_range_peak(live_range, assignment)
-    each = hlo.live_range_peak(live_range, assignment, shared_once=False)
+    once = live_range_peak(live_range, assignment)
+    each = live_range_peak(live_range, assignment, shared_once=False)
     assert once.bytes <= _allocated(compiled) < each.bytes
     assert each.bytes - once.bytes >= 256 * 1024 * 4
 
@@ -731,47 +734,45 @@ def test_the_printed_peak_is_read_but_is_not_the_live_peak(tmp_path):
     compiled, live_range, assignment = _live_range_dump(
         jax.grad(fn, argnums=1), [(256, 512), (512, 512)], tmp_path
     )
-    stated = hlo.stated_live_peak_bytes(live_range)
-    peak = hlo.live_range_peak(live_range, assignment, shared_once=False)
+    stated = stated_live_peak_bytes(live_range)
+    peak = live_range_peak(live_range, assignment, shared_once=False)
     assert stated is not None and stated <= peak.bytes
     block_only = re.sub(r"Stack trace breakdown for peak usage: [\d ]+ bytes", "", live_range)
-    assert block_only != live_range and hlo.stated_live_peak_bytes(block_only) == stated
+    assert block_only != live_range and stated_live_peak_bytes(block_only) == stated
     peak_block = r" *Live ranges at \d+ \(peak\):\n( +.*\(cumulative: \d+ bytes\)\n)+"
     breakdown_only = re.sub(peak_block, "", live_range)
     assert "(peak)" not in breakdown_only and "Stack trace" in breakdown_only
-    assert hlo.stated_live_peak_bytes(breakdown_only) == stated
+    assert stated_live_peak_bytes(breakdown_only) == stated
     grouped = f"{stated + 1:,}".replace(",", " ")
     mismatched = re.sub(r"peak usage: [\d ]+ bytes", f"peak usage: {grouped} bytes", live_range)
-    assert hlo.stated_live_peak_bytes(mismatched) is None
+    assert stated_live_peak_bytes(mismatched) is None
 
 
 def test_unreadable_dumps_are_an_unknown_peak(tmp_path):
-    assert hlo.dump_live_peak(str(tmp_path)) is None
+    assert dump_live_peak(str(tmp_path)) is None
     compiled, live_range, assignment = _live_range_dump(jnp.sin, [(64, 64)], tmp_path)
-    assert hlo.live_range_peak("HloLiveRange (max 0):\n", assignment) is None
-    assert hlo.live_range_peak(live_range, "BufferAssignment:\n") is None
+    assert live_range_peak("HloLiveRange (max 0):\n", assignment) is None
+    assert live_range_peak(live_range, "BufferAssignment:\n") is None
     first = re.search(r"^allocation \d+: .*\n( value: .*\n)", assignment, re.M)
     missing = assignment.replace(first.group(1), "")  # a live value without a slice
-    assert hlo.live_range_peak(live_range, missing) is None
+    assert live_range_peak(live_range, missing) is None
 
 
 def test_compare_agrees_on_a_matching_prediction_and_flags_differences(meshes):
     jmesh, mesh, ids = meshes
-    found = hlo.parse_collectives(_matmul(jmesh, P(None, "model")).as_text(), mesh, ids)
-    good = hlo.compare_collectives([Collective("reduce-scatter", ("model",), M * N * 4)], found)
+    found = parse_collectives(_matmul(jmesh, P(None, "model")).as_text(), mesh, ids)
+    good = compare_collectives([Collective("reduce-scatter", ("model",), M * N * 4)], found)
     assert good.agree and good.rows[0].compiled_count == 1
-    off = hlo.compare_collectives([Collective("reduce-scatter", ("model",), M * N * 4 * 2)], found)
+    off = compare_collectives([Collective("reduce-scatter", ("model",), M * N * 4 * 2)], found)
     assert not off.agree
-    wrong_kind = hlo.compare_collectives([Collective("all-reduce", ("model",), M * N * 4)], found)
+    wrong_kind = compare_collectives([Collective("all-reduce", ("model",), M * N * 4)], found)
     assert [r.agree for r in wrong_kind.rows] == [False, False]
     assert "DISAGREE" in wrong_kind.format() and "reduce-scatter" in wrong_kind.format()
 
 
 def test_compare_treats_axes_as_sets_and_respects_rel_tol():
     pred = [Collective("all-reduce", ("model", "data"), 1000)]
-    assert hlo.compare_collectives(pred, [Collective("all-reduce", ("data", "model"), 1015)]).agree
-    assert not hlo.compare_collectives(
-        pred, [Collective("all-reduce", ("data", "model"), 1030)]
-    ).agree
+    assert compare_collectives(pred, [Collective("all-reduce", ("data", "model"), 1015)]).agree
+    assert not compare_collectives(pred, [Collective("all-reduce", ("data", "model"), 1030)]).agree
     with pytest.raises(ValueError, match="rel_tol"):
-        hlo.compare_collectives(pred, pred, rel_tol=-1)
+        compare_collectives(pred, pred, rel_tol=-1)

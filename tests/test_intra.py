@@ -13,7 +13,7 @@ from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_optimizer
 from autoshard.runtime.sharded import check_against_single_device, make_mesh
 from autoshard.verify.check import verify_plan
-from autoshard.verify.hlo import summarize
+from autoshard.verify.compare import summarize
 
 
 def _mlp(batch, hidden, layers=2):

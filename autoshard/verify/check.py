@@ -3,9 +3,10 @@
 Takes a traced program and a :class:`~autoshard.ir.plan.ParallelPlan`, compiles the
 sharded step with abstract inputs (``jax.ShapeDtypeStruct`` with shardings, so large
 models need no memory), parses the compiled HLO into collectives
-(:mod:`autoshard.verify.hlo`, which normalises XLA:CPU's all-reduce + dynamic-slice into
-reduce-scatter and its bf16 -> f32 upcasts) and reads ``memory_analysis()``.  Returns a
-:class:`VerificationReport` that says whether prediction and compilation agree:
+(:mod:`autoshard.verify.collectives`; :mod:`autoshard.verify.xla_cpu` normalises XLA:CPU's
+all-reduce + dynamic-slice into reduce-scatter and its bf16 -> f32 upcasts) and reads
+``memory_analysis()``.  Returns a :class:`VerificationReport` that says whether prediction
+and compilation agree:
 
 * collectives -- the same (kind, mesh axes) pairs on both sides, and total bytes per pair
   within ``bytes_rtol`` (2%);
@@ -15,8 +16,8 @@ reduce-scatter and its bf16 -> f32 upcasts) and reads ``memory_analysis()``.  Re
 Where memory disagrees, the step is compiled a second time with an XLA dump into a
 temporary folder, and XLA's live peak -- the most bytes its schedule holds live at once,
 computed from its live-range and buffer-assignment dumps
-(:func:`~autoshard.verify.hlo.live_range_peak`) -- is recorded next to the allocation, with the
-instruction where it is reached.  When the prediction is within ``memory_rtol`` of that
+(:func:`~autoshard.verify.memory.live_range_peak`) -- is recorded next to the allocation, with
+the instruction where it is reached.  When the prediction is within ``memory_rtol`` of that
 live peak and the allocation is above it, the disagreement is explained: XLA's heap holds
 gaps above its live peak (fragmentation), which no liveness model predicts.  Otherwise the
 model misses (or adds) live buffers, and the instruction says where to look.
@@ -32,13 +33,12 @@ from dataclasses import dataclass, replace
 
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Collective
-from autoshard.verify.hlo import (
+from autoshard.verify.collectives import analyze_collectives
+from autoshard.verify.compare import CollectiveComparison, compare_collectives
+from autoshard.verify.memory import (
     LIVE_RANGE_DUMP_OPTIONS,
-    CollectiveComparison,
     LivePeak,
     MemoryStats,
-    analyze_collectives,
-    compare_collectives,
     dump_live_peak,
     memory_stats,
 )
@@ -259,7 +259,7 @@ def verify_plan(
 def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[LivePeak | None, str]:
     """XLA's live peak of ``step`` (a jitted function) on ``args``: compiles it again with
     an XLA dump into a temporary folder (removed after) and reads the dumps
-    (:func:`~autoshard.verify.hlo.dump_live_peak`).
+    (:func:`~autoshard.verify.memory.dump_live_peak`).
 
     Returns ``(peak, note)``: ``peak`` is None when it is unknown -- no live-range or
     buffer-assignment file (another backend or XLA version), a format the parser does not

@@ -1,0 +1,209 @@
+"""What XLA actually compiled: the collectives of an executable (jax-free parsing).
+
+Takes the text of ``jax.jit(f).lower(...).compile().as_text()`` plus the logical
+:class:`~autoshard.ir.spec.Mesh` it was compiled for, and returns every collective as a
+:class:`~autoshard.ir.spec.Collective` (kind, mesh axes, per-device bytes), so that a plan's
+predicted collectives can be compared with the compiled ones
+(:func:`~autoshard.verify.compare.compare_collectives`).  Replica groups become mesh axes as
+:mod:`autoshard.verify.replica_groups` says; ``normalize=True`` undoes XLA:CPU's habits as
+:mod:`autoshard.verify.xla_cpu` says.
+
+Counting: each collective instruction is counted once where it is defined (fusions, async
+wrappers and called computations included; ``*-done`` halves are skipped).  Tuple-shaped
+(combined) all-reduces, all-gathers and reduce-scatters give one record per operand; a
+tuple all-to-all is one exchange and gives one record.  Collectives inside while-loop
+bodies are counted once and flagged ``in_loop`` (the note gives the known trip count).
+``collective-permute`` is not an alpha-beta collective kind in :mod:`autoshard.ir.spec`;
+it is reported separately as :class:`CompiledPermute`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoshard.ir.spec import Axes, Collective, Mesh
+from autoshard.verify.hlo import (
+    _HLO_DTYPES,
+    _attr,
+    _called,
+    _Instr,
+    _leaves,
+    _Module,
+    _nbytes,
+    _parse_module,
+)
+from autoshard.verify.replica_groups import (
+    UNKNOWN_AXES,
+    _coords,
+    _global_groups,
+    _group_axes,
+    _group_order_note,
+    parse_replica_groups,
+)
+from autoshard.verify.xla_cpu import _normalise
+
+_COLLECTIVE_OPCODES = {
+    "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
+    "all-gather": "all-gather", "all-gather-start": "all-gather",
+    "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
+    "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CompiledCollective:
+    """One collective found in compiled HLO, in the spec's :class:`Collective` terms."""
+
+    collective: Collective
+    dtype: str
+    hlo_name: str
+    note: str = ""
+    in_loop: bool = False
+    hlo_opcode: str = ""
+
+
+@dataclass(frozen=True)
+class CompiledPermute:
+    """A collective-permute: point-to-point sends along ``axes`` (not a spec Collective)."""
+
+    hlo_name: str
+    axes: Axes
+    bytes: int
+    dtype: str
+    pairs: tuple[tuple[int, int], ...]
+    note: str = ""
+    in_loop: bool = False
+
+
+@dataclass(frozen=True)
+class HloCollectives:
+    """Everything :func:`analyze_collectives` found: normalised, raw and permutes."""
+
+    collectives: tuple[CompiledCollective, ...]
+    raw: tuple[CompiledCollective, ...]
+    permutes: tuple[CompiledPermute, ...]
+
+
+def _loop_notes(mod: _Module) -> dict[str, str]:
+    """computation -> note, for every computation reachable from a while-loop body."""
+    notes: dict[str, str] = {}
+    for ins in mod.instrs.values():
+        if ins.opcode != "while":
+            continue
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+        note = f"inside while loop %{ins.name}" + (
+            f": counted once, runs {trip.group(1)} times"
+            if trip
+            else ": counted once, trip count unknown"
+        )
+        todo = _called(ins.attrs, "body|condition")
+        while todo:
+            c = todo.pop()
+            if c in notes or c not in mod.computations:
+                continue
+            notes[c] = note
+            for n in mod.computations[c]:
+                todo += _called(mod.instrs[n].attrs, "calls|to_apply|body|condition")
+    return notes
+
+
+def _permute(ins: _Instr, mod: _Module, mesh: Mesh, coords: np.ndarray, note: str):
+    text = _attr(ins.attrs, "source_target_pairs") or "{}"
+    pairs = tuple((g[0], g[1]) for g in parse_replica_groups(text, 0) if g)
+    rank = range(len(mesh.shape))
+    moved = sorted({a for s, t in pairs for a in rank if coords[s][a] != coords[t][a]})
+    dtype, dims = _leaves(mod.instrs[ins.operands[0]].shape)[0]
+    axes = tuple(mesh.axis_names[a] for a in moved)
+    return CompiledPermute(
+        ins.name, axes, _nbytes(dtype, dims), _HLO_DTYPES[dtype][0], pairs, note, bool(note)
+    )
+
+
+def _raw_collectives(mod: _Module, mesh: Mesh, coords: np.ndarray):
+    """[(record, instruction, tuple index or None, groups)] and the collective-permutes."""
+    loops = _loop_notes(mod)
+    found, permutes = [], []
+    for ins in mod.instrs.values():
+        kind = _COLLECTIVE_OPCODES.get(ins.opcode)
+        if kind is None:
+            continue
+        loop_note = loops.get(ins.computation, "")
+        if kind == "collective-permute":
+            permutes.append(_permute(ins, mod, mesh, coords, loop_note))
+            continue
+        leaves = [leaf for o in ins.operands for leaf in _leaves(mod.instrs[o].shape)]
+        groups = _global_groups(mod, ins, kind)
+        axes = _group_axes(groups, mesh, coords)
+        notes = [loop_note] if loop_note else []
+        if axes is None:
+            axes = UNKNOWN_AXES
+            notes.append(f"replica groups {groups} match no set of mesh axes of {mesh}")
+        elif order := _group_order_note(groups, mesh, coords, axes):
+            notes.append(order)
+        factor = len(groups[0]) if kind == "all-gather" else 1  # all-gather: gathered output
+        if kind == "all-to-all" or len(leaves) == 1:  # a tuple all-to-all is one exchange
+            parts = [(None, leaves, notes)]
+        else:
+            combined = "operand {} of {} of a combined " + kind
+            parts = [
+                (k, [lf], notes + [combined.format(k, len(leaves))]) for k, lf in enumerate(leaves)
+            ]
+        for index, part, note in parts:
+            nbytes = factor * sum(_nbytes(*lf) for lf in part)
+            dtype = _HLO_DTYPES[part[0][0]][0]
+            record = CompiledCollective(
+                Collective(kind, axes, nbytes),
+                dtype,
+                ins.name,
+                "; ".join(note),
+                bool(loop_note),
+                ins.opcode,
+            )
+            found.append((record, ins, index, groups))
+    return found, permutes
+
+
+def analyze_collectives(
+    hlo_text: str,
+    mesh: Mesh,
+    device_ids: Sequence[int],
+    device_assignment: Sequence[int] | None = None,
+) -> HloCollectives:
+    """Every collective in compiled HLO text, raw and normalised, plus collective-permutes.
+
+    ``device_ids``: the mesh's device ids in row-major mesh order.  ``device_assignment``:
+    the device id of each logical id (replica-major); JAX's default, the mesh order, is
+    used when None.
+    """
+    mod = _parse_module(hlo_text)
+    num_ids = mod.replica_count * mod.num_partitions
+    if num_ids != mesh.num_devices:
+        raise ValueError(
+            f"HLO module runs on {num_ids} devices (replica_count={mod.replica_count}, "
+            f"num_partitions={mod.num_partitions}) but mesh {mesh} has {mesh.num_devices}; "
+            "pass the mesh the function was compiled for"
+        )
+    assignment = list(device_ids if device_assignment is None else device_assignment)
+    if len(assignment) != num_ids:
+        raise ValueError(f"device_assignment has {len(assignment)} entries, expected {num_ids}")
+    coords = _coords(mesh, device_ids, assignment)
+    found, permutes = _raw_collectives(mod, mesh, coords)
+    raw = tuple(cc for cc, *_ in found)
+    normalised = tuple(_normalise(mod, cc, ins, index, groups) for cc, ins, index, groups in found)
+    return HloCollectives(normalised, raw, tuple(permutes))
+
+
+def parse_collectives(
+    hlo_text: str,
+    mesh: Mesh,
+    device_ids: Sequence[int],
+    normalize: bool = True,
+    device_assignment: Sequence[int] | None = None,
+) -> tuple[CompiledCollective, ...]:
+    """The collectives (not permutes) in compiled HLO text; see :func:`analyze_collectives`."""
+    found = analyze_collectives(hlo_text, mesh, device_ids, device_assignment)
+    return found.collectives if normalize else found.raw
