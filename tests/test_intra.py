@@ -334,7 +334,7 @@ def test_deeper_zero3_on_4x2_collectives_match_xla():
 def test_zero3_on_2x4_disagrees_where_xla_exchanges_over_part_of_an_axis(tiny):
     # Known, named disagreement: XLA splits the 4-device model axis and runs an all-to-all
     # over pairs of it, which no spec (whole mesh axes only) can predict; the verifier
-    # reports its axes as "?" (see autoshard/verify/hlo.py).
+    # reports its axes as "?" (see autoshard/verify/replica_groups.py).
     plan = _plan(tiny, (2, 4), "zero3")
     report = verify_plan(tiny.program, plan, devices=jax.devices()[:8])
     assert not report.collectives_agree

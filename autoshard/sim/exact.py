@@ -150,7 +150,7 @@ def _notes(plan: Mapping, recompute: str, dp: int, tp: int) -> tuple[str, ...]:
     if plan["dtype"] != "fp32":
         notes.append(
             "XLA:CPU computes bf16 dots in f32 and moves some of their operands and results "
-            "as f32; the verifier counts those collectives at 16-bit bytes (autoshard.verify.hlo)"
+            "as f32; the verifier counts those collectives at 16-bit bytes (autoshard.verify.xla_cpu)"
         )
     notes.append(
         "predicted collective bytes are the intra-op plan's (same alpha-beta cost model as "
