@@ -27,7 +27,7 @@ Plans (``PLAN_FORMS``):
   DP. ZeRO-3 holds one gathered block (the larger of a transformer layer and the
   embedding, 16-bit) on top of its shards. Nothing is overlapped with compute, as in
   :mod:`~autoshard.sim.megatron`.
-* ``auto`` -- Alpa's search (:func:`autoshard.inter.search.auto_stage_plan`: intra-op ILPs with
+* ``auto`` -- Alpa's search (:func:`autoshard.api_pipeline.auto_stage_plan`: intra-op ILPs with
   HiGHS on abstract shapes, then the stage DP) on the cluster preset. The step time *is*
   the search objective ``sum(t) + (m - 1) max(t)``, the memory the chosen stages' peak
   bytes; with ``recompute="none"`` the search gets the device's HBM as its budget.
@@ -49,7 +49,7 @@ one :mod:`benchmarks.validate_megatron` checks. ``"traced"`` times the grid on t
 JAX step, exactly as the search sees it: Megatron's stage split (the embedding with the
 first blocks, the head with the last; ``layers / PP`` blocks each) on ``TP x DP``-device
 sub-meshes viewed as the logical mesh ``(DP, TP)``, each stage's intra-op plan the ILP's on
-that mesh (:class:`autoshard.inter.search.IntraStageCost`, the search's own stage costs), 1F1B
+that mesh (:class:`autoshard.inter.stage_cost.IntraStageCost`, the search's own stage costs), 1F1B
 memory, and step time ``sum(t) + (m - 1) max(t)``. So ``auto`` and the grid are compared
 on one program and one cost model: the search's plan is never slower than a grid point
 priced this way at the same number of micro-batches (tests/test_sim_auto.py). The
@@ -58,7 +58,7 @@ when not given, as on the Megatron-LM program; each number of micro-batches is o
 
 Recompute under ``auto``: a plan dimension of the stage DP. Every stage candidate is
 costed with no, selective and full recompute of its transformer blocks
-(:func:`autoshard.inter.search.recompute_costs`: the forward or attention-core time of the chosen
+(:func:`autoshard.inter.stage_cost.recompute_costs`: the forward or attention-core time of the chosen
 intra-op plans added to the latency, the activations Korthikanti et al.'s scheme keeps);
 with ``recompute="auto"`` (the default for ``plan="auto"``) the DP takes, per stage, the
 fastest mode whose memory fits the device's HBM, and records it in ``plan["stages"]``;
@@ -513,7 +513,8 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 def _simulate_auto(
     model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
-    from autoshard.inter.search import search_stages  # lazy: traces with jax
+    from autoshard.inter.options import StageSearchOptions
+    from autoshard.inter.search import search_stages
 
     if microbatch_size is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
@@ -532,14 +533,21 @@ def _simulate_auto(
     traced_graph = cost.graph
     t_trace = time.perf_counter()
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
-    kwargs = dict(cost=cost, recompute_modes=modes, model=model)
+    options = StageSearchOptions(m, recompute_modes=modes)
     hbm = cluster.device.hbm_bytes
     try:
-        inter = search_stages(traced_graph, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
+        inter = search_stages(
+            traced_graph,
+            hosts,
+            per_host,
+            dataclasses.replace(options, memory_budget_bytes=hbm),
+            cost=cost,
+            model=model,
+        )
     except ValueError as err:
         if "budget" not in str(err):
             raise
-        inter = search_stages(traced_graph, hosts, per_host, m, **kwargs)
+        inter = search_stages(traced_graph, hosts, per_host, options, cost=cost, model=model)
     total = time.perf_counter() - t0
     phases = {  # over both searches when the fallback ran (the ILPs are solved once)
         "trace": t_trace - t0,  # trace and stage-cost set-up
@@ -630,13 +638,10 @@ def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
 def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
-    ``cluster`` (an :class:`autoshard.inter.search.IntraStageCost`; its ``graph`` is the step)."""
-    from autoshard.inter.search import (  # lazy: traces with jax
-        IntraStageCost,
-        cluster_for,
-        logical_mesh_costs,
-        trace_microbatch,
-    )
+    ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step)."""
+    from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
+    from autoshard.inter.stage_cost import IntraStageCost
+    from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 
     search_cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
