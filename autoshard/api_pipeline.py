@@ -28,7 +28,7 @@ from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Stage
 from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_stages
-from autoshard.inter.search import search_stages
+from autoshard.inter.search import check_positive_int, search_stages
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
     StageCostFn,
@@ -45,7 +45,7 @@ from autoshard.runtime.pipeline import (
     SCHEDULES,
     LayoutFn,
     PipelineTrainer,
-    _data_parallel_layout,
+    data_parallel_layout,
     divisibility_message,
 )
 from autoshard.runtime.stage_layout import (
@@ -113,7 +113,7 @@ def auto_stage_plan(
     """
     t_start = time.perf_counter()
     num_microbatches = options.num_microbatches
-    _positive_int("num_microbatches", num_microbatches)
+    check_positive_int("num_microbatches", num_microbatches)
     if isinstance(workload, TracedWorkload):
         traced = workload
     else:
@@ -132,12 +132,6 @@ def auto_stage_plan(
         search_seconds=time.perf_counter() - t_start,
         phase_seconds={**plan.phase_seconds, "trace": t_trace},
     )
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- the runtime
@@ -273,7 +267,7 @@ def auto_pipeline(
         _check_stage_count(len(stages), num_layers, n)
 
     stage_plan = inter_plan = None
-    layout_fn: LayoutFn = _data_parallel_layout
+    layout_fn: LayoutFn = data_parallel_layout
     if layout == "intra-op":
         options = StageSearchOptions(
             num_microbatches,

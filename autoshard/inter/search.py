@@ -35,7 +35,8 @@ from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.ir.graph import Graph
 
 
-def _positive_int(name: str, value) -> int:
+def check_positive_int(name: str, value) -> int:
+    """``value`` if it is a positive int (not a bool), else a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
@@ -115,9 +116,9 @@ def search_stages(
     schedule, recompute_modes = options.schedule, options.recompute_modes
     memory_budget_bytes = options.memory_budget_bytes
     t_start = time.perf_counter()
-    _positive_int("num_hosts", num_hosts)
-    _positive_int("devices_per_host", devices_per_host)
-    _positive_int("num_microbatches", num_microbatches)
+    check_positive_int("num_hosts", num_hosts)
+    check_positive_int("devices_per_host", devices_per_host)
+    check_positive_int("num_microbatches", num_microbatches)
     explicit = not isinstance(stages, str)
     if not explicit and stages not in STAGE_METHODS:
         raise ValueError(
@@ -132,7 +133,7 @@ def search_stages(
             raise ValueError(f"num_stages={num_stages} but {len(ranges)} layer ranges were given")
         num_stages = len(ranges)
     if num_stages is not None:
-        _positive_int("num_stages", num_stages)
+        check_positive_int("num_stages", num_stages)
         if num_stages > num_layers or num_stages > num_devices:
             raise ValueError(
                 f"num_stages={num_stages} is impossible: {num_layers} layers "

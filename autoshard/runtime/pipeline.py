@@ -104,7 +104,8 @@ class PipelinePlan:
 LayoutFn = Callable[[StageProgram, jax.sharding.Mesh], StageLayout]
 
 
-def _data_parallel_layout(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+def data_parallel_layout(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+    """The default layout: :func:`~autoshard.runtime.stage_layout.data_parallel_spec`."""
     return StageLayout(data_parallel_spec)
 
 
@@ -246,7 +247,7 @@ class PipelineTrainer:
         *,
         num_microbatches: int,
         schedule: str,
-        layout_fn: LayoutFn = _data_parallel_layout,
+        layout_fn: LayoutFn = data_parallel_layout,
         stage_plan: StagePlan | None = None,
         inter_plan: InterPlan | None = None,
         intra_cost: IntraStageCost | None = None,
