@@ -14,7 +14,7 @@ _LAZY = {
     "inspect_model": "autoshard.api",
     "auto_shard": "autoshard.api",
     "plan_workload": "autoshard.api",
-    "auto_pipeline": "autoshard.runtime.pipeline",
+    "auto_pipeline": "autoshard.api_pipeline",
     "ParallelPlan": "autoshard.ir.plan",
     "trace_workload": "autoshard.api",
     "get_workload": "autoshard.models",

@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_inter.json"))
     args = ap.parse_args()
 
-    from autoshard.inter.search import auto_stage_plan
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
 
     rows = []
     for model in args.models:
@@ -45,14 +46,16 @@ def main() -> None:
             model,
             hosts,
             per_host,
-            args.microbatches,
-            cluster=args.cluster,
-            memory_budget_bytes=(
-                None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
+            StageSearchOptions(
+                args.microbatches,
+                memory_budget_bytes=(
+                    None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
+                ),
+                solver=args.solver,
+                time_limit_s=args.time_limit,
+                granularity=args.granularity,
             ),
-            solver=args.solver,
-            time_limit_s=args.time_limit,
-            granularity=args.granularity,
+            cluster=args.cluster,
             batch_size=args.batch,
         )
         wall = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Stage costs from intra-op plans and the inter-operator search (autoshard.inter.search)."""
+"""Stage costs from intra-op plans and the inter-operator search (autoshard.inter)."""
 
 import argparse
 import json
@@ -7,16 +7,14 @@ import math
 import pytest
 
 from autoshard.api import trace_workload
+from autoshard.api_pipeline import auto_stage_plan
 from autoshard.cli.pipeline import register
-from autoshard.inter.search import (
-    IntraStageCost,
-    auto_stage_plan,
-    cluster_for,
-    layer_signatures,
-    logical_mesh_costs,
-    range_subgraph,
-)
+from autoshard.inter.options import StageSearchOptions
+from autoshard.inter.plan import InterPlan
+from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import pipeline_objective
+from autoshard.inter.subgraph import layer_signatures, range_subgraph
+from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 
 SOLVER = "highs"
 
@@ -29,7 +27,7 @@ def tiny4():
 
 @pytest.fixture(scope="module")
 def auto_plan(tiny4):
-    return auto_stage_plan(tiny4, 1, 8, 2, solver=SOLVER)
+    return auto_stage_plan(tiny4, 1, 8, StageSearchOptions(2, solver=SOLVER))
 
 
 def _cost_model(graph, num_hosts=1, devices_per_host=2, granularity="layer"):
@@ -132,6 +130,12 @@ def test_auto_stage_plan_covers_layers_and_devices(tiny4, auto_plan):
     assert plan.search_seconds >= plan.phase_seconds["intra_op_ilps"]
 
 
+def test_searched_plan_round_trips_through_json(auto_plan):
+    assert auto_plan.stage_specs  # the intra-op plans travel too
+    assert InterPlan.loads(auto_plan.dumps()) == auto_plan
+    assert InterPlan.from_json(json.loads(json.dumps(auto_plan.to_json()))) == auto_plan
+
+
 def test_to_json_keys(auto_plan):
     obj = json.loads(json.dumps(auto_plan.to_json()))
     assert {"stages", "objective_s", "search_seconds"} <= set(obj)
@@ -142,7 +146,9 @@ def test_to_json_keys(auto_plan):
 
 @pytest.mark.parametrize("method", ["equal-layer", "equal-flops"])
 def test_equal_stage_methods_are_no_better_than_auto(tiny4, auto_plan, method):
-    plan = auto_stage_plan(tiny4, 1, 8, 2, stages=method, num_stages=2, solver=SOLVER)
+    plan = auto_stage_plan(
+        tiny4, 1, 8, StageSearchOptions(2, stages=method, num_stages=2, solver=SOLVER)
+    )
     assert len(plan.stages) == 2
     assert [s.submesh for s in plan.stages] == [(1, 4), (1, 4)]
     assert [n for s in plan.stages for n in s.layers] == list(tiny4.graph.layers)
@@ -161,33 +167,37 @@ def test_equal_flops_balances_flops_at_least_as_well(tiny4):
         )
 
     kw = dict(num_stages=3, solver=SOLVER)
-    layer = auto_stage_plan(tiny4, 1, 6, 2, stages="equal-layer", **kw)
-    flops = auto_stage_plan(tiny4, 1, 6, 2, stages="equal-flops", **kw)
+    layer = auto_stage_plan(tiny4, 1, 6, StageSearchOptions(2, stages="equal-layer", **kw))
+    flops = auto_stage_plan(tiny4, 1, 6, StageSearchOptions(2, stages="equal-flops", **kw))
     assert layer.stages[0].submesh == (1, 2)
     assert max_stage_flops(flops) <= max_stage_flops(layer)
 
 
 def test_bad_inputs_raise_clear_errors(tiny4):
     with pytest.raises(ValueError, match="does not divide the global batch size 8"):
-        auto_stage_plan("gpt-tiny", 1, 2, 3, solver=SOLVER)
+        auto_stage_plan("gpt-tiny", 1, 2, StageSearchOptions(3, solver=SOLVER))
     with pytest.raises(ValueError, match="num_stages=7 is impossible"):
-        auto_stage_plan(tiny4, 1, 8, 2, stages="equal-layer", num_stages=7)
+        auto_stage_plan(tiny4, 1, 8, StageSearchOptions(2, stages="equal-layer", num_stages=7))
     with pytest.raises(ValueError, match="num_stages=3 is impossible"):
-        auto_stage_plan(tiny4, 1, 2, 2, num_stages=3)
+        auto_stage_plan(tiny4, 1, 2, StageSearchOptions(2, num_stages=3))
     with pytest.raises(ValueError, match="needs num_stages"):
-        auto_stage_plan(tiny4, 1, 8, 2, stages="equal-flops")
+        auto_stage_plan(tiny4, 1, 8, StageSearchOptions(2, stages="equal-flops"))
     with pytest.raises(ValueError, match="cannot be split into 3 equal sub-meshes"):
-        auto_stage_plan(tiny4, 1, 8, 2, stages="equal-layer", num_stages=3)
+        auto_stage_plan(tiny4, 1, 8, StageSearchOptions(2, stages="equal-layer", num_stages=3))
     with pytest.raises(ValueError, match="unknown stages"):
-        auto_stage_plan(tiny4, 1, 8, 2, stages="balanced")
+        auto_stage_plan(tiny4, 1, 8, StageSearchOptions(2, stages="balanced"))
 
 
 def test_a_model_that_fits_nowhere_reports_the_budget_that_would(tiny4):
     with pytest.raises(ValueError, match="smallest budget that admits one is") as err:
-        auto_stage_plan(tiny4, 1, 2, 2, memory_budget_bytes=1024.0, solver=SOLVER)
+        auto_stage_plan(
+            tiny4, 1, 2, StageSearchOptions(2, memory_budget_bytes=1024.0, solver=SOLVER)
+        )
     need = float(str(err.value).rsplit("is ", 1)[1].split()[0])
     assert need > 1024.0
-    plan = auto_stage_plan(tiny4, 1, 2, 2, memory_budget_bytes=need * 1.001, solver=SOLVER)
+    plan = auto_stage_plan(
+        tiny4, 1, 2, StageSearchOptions(2, memory_budget_bytes=need * 1.001, solver=SOLVER)
+    )
     assert max(s.peak_bytes for s in plan.stages) <= need * 1.001
     assert not math.isinf(plan.objective_s)
 

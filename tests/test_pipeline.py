@@ -16,14 +16,10 @@ import numpy as np
 import optax
 import pytest
 
+from autoshard.api_pipeline import auto_pipeline
+from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
+from autoshard.inter.program_cut import split_stages
 from autoshard.models import get_workload, make_optimizer, make_train_step
-from autoshard.runtime.pipeline import (
-    LayerStats,
-    auto_pipeline,
-    flops_stage_cost,
-    layer_stats,
-    split_stages,
-)
 from autoshard.trace.jaxpr import trace
 
 NUM_STEPS = 3
@@ -123,16 +119,16 @@ def test_gpt_stage_choices_match_single_device_sgd(stages, num_stages, schedule)
     )
     plan = trainer.plan
     if isinstance(stages, tuple):
-        assert tuple((s.start_layer, s.end_layer) for s in plan.stages) == stages
+        assert tuple((s.stage.start_layer, s.stage.end_layer) for s in plan.stages) == stages
     if stages == "auto":
         assert plan.stage_plan is not None
-        assert [(s.start_layer, s.end_layer) for s in plan.stages] == [
+        assert [(s.stage.start_layer, s.stage.end_layer) for s in plan.stages] == [
             (a.start_layer, a.end_layer) for a in plan.stage_plan.stages
         ]
     if num_stages is not None:
         assert len(plan.stages) == num_stages
     # every device is used exactly once
-    assert sorted(d for s in plan.stages for d in s.device_ids) == sorted(
+    assert sorted(d for s in plan.stages for d in s.stage.device_ids) == sorted(
         d.id for d in jax.devices()
     )
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -151,14 +147,14 @@ def test_forced_logical_meshes_run_tensor_parallel_stages():
         schedule="1f1b",
     )
     plan = trainer.plan
-    assert [s.logical_shape for s in plan.stages] == [(1, 4), (2, 2)]
+    assert [s.stage.logical_mesh for s in plan.stages] == [(1, 4), (2, 2)]
     assert [s.layout for s in plan.stages] == ["intra-op", "intra-op"]
     assert all(s.tensor_parallel for s in plan.stages)
     for stage, block in ((0, "block_0"), (1, "block_2")):
         compiled = trainer.compiled_forward(stage)
         sharding = compiled.input_shardings[0][0][block]["attn"]["qkv"]["kernel"]
         assert "model" in jax.tree.leaves(sharding.spec[1])  # columns split over "model"
-        tp = plan.stages[stage].logical_shape[1]
+        tp = plan.stages[stage].stage.logical_mesh[1]
         assert sharding.shard_shape((64, 192))[1] <= 192 // tp
         text = compiled.as_text()
         entry = text[text.index("ENTRY") :]
@@ -175,7 +171,7 @@ def test_data_parallel_layout_replicates_parameters():
         "gpt", "sgd", stages="equal-layer", num_stages=2, schedule="gpipe", layout="data-parallel"
     )
     assert [s.layout for s in trainer.plan.stages] == ["data-parallel"] * 2
-    assert [s.logical_shape for s in trainer.plan.stages] == [(4, 1), (4, 1)]
+    assert [s.stage.logical_mesh for s in trainer.plan.stages] == [(4, 1), (4, 1)]
     assert trainer.inter_plan is None
     compiled = trainer.compiled_forward(0)
     specs = [s.spec for s in jax.tree.leaves(compiled.input_shardings[0][0])]

@@ -6,18 +6,14 @@ import math
 
 import pytest
 
+from autoshard.api_pipeline import auto_stage_plan, trace_microbatch
 from autoshard.hardware.clusters import load_cluster
 from autoshard.hardware.gemm import GemmTable
-from autoshard.inter.search import (
-    _NO_TIES,
-    IntraStageCost,
-    auto_stage_plan,
-    cluster_for,
-    logical_mesh_costs,
-    range_subgraph,
-    trace_microbatch,
-)
+from autoshard.inter.options import StageSearchOptions
+from autoshard.inter.stage_cost import _NO_TIES, IntraStageCost
 from autoshard.inter.stages import pipeline_objective
+from autoshard.inter.subgraph import range_subgraph
+from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.intra.cost import uniform_mesh
 from autoshard.intra.ilp import solve
 from autoshard.intra.problem import build_problem, materialized_tensors
@@ -151,7 +147,9 @@ def _grid_search_costs(model: str, batch: int, microbatches: int):
                 end = layers + 2 if i == pp - 1 else 1 + (i + 1) * layers // pp
                 latencies.append(cost(start, end, (1, 8 // pp), (dp, tp)).latency_s)
             rows[tp, pp, dp] = (grid_step, pipeline_objective(latencies, microbatches))
-    auto = auto_stage_plan(traced, 1, 8, microbatches, cluster=V100, time_limit_s=20)
+    auto = auto_stage_plan(
+        traced, 1, 8, StageSearchOptions(microbatches, time_limit_s=20), cluster=V100
+    )
     return rows, auto
 
 

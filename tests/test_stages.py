@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autoshard.inter.plan import StagePlan
 from autoshard.inter.stages import (
     SCHEDULES,
     StageCost,
-    StagePlan,
     cost_stage_choices,
     equal_flops_stages,
     equal_layer_stages,
@@ -149,10 +149,10 @@ def test_stage_dp_matches_brute_force(case):
         assert a.end_layer == b.start_layer
     assert sum(s.num_devices for s in plan.stages) == hosts * per_host
     if budget is not None:
-        assert all(s.memory_bytes <= budget for s in plan.stages)
+        assert all(s.peak_bytes <= budget for s in plan.stages)
     # re-costing the chosen stages by hand gives the same objective
     manual = cost_stage_choices(
-        [((s.start_layer, s.end_layer), s.submesh_shape) for s in plan.stages],
+        [((s.start_layer, s.end_layer), s.submesh) for s in plan.stages],
         layers,
         hosts,
         per_host,
@@ -321,12 +321,12 @@ def test_stage_dp_with_recompute_choice_matches_brute_force(case, modes):
     plan = optimal_stage_plan(layers, hosts, per_host, stage_cost, mb, **kwargs)
     assert plan.objective_s == pytest.approx(expected, rel=1e-9)
     for st_ in plan.stages:
-        assert st_.recompute in modes and st_.memory_bytes <= cap
+        assert st_.recompute in modes and st_.peak_bytes <= cap
         cost = stage_cost(
-            st_.start_layer, st_.end_layer, st_.submesh_shape, st_.logical_shape, st_.recompute
+            st_.start_layer, st_.end_layer, st_.submesh, st_.logical_mesh, st_.recompute
         )
         assert cost.latency_s == st_.latency_s
-        assert cost.memory_bytes(st_.microbatches_in_flight) == st_.memory_bytes
+        assert cost.memory_bytes(st_.microbatches_in_flight) == st_.peak_bytes
     assert StagePlan.from_json(plan.to_json()) == plan
     # with every mode on offer, a budget too tight for no recompute is met by recomputing
     if modes == ("none", "selective", "full") and budget is not None:

@@ -2,11 +2,11 @@
 
 ``plan --pipeline auto|equal-layer|equal-flops --devices N --microbatches K`` searches
 pipeline stages with stage costs from intra-op ILPs
-(:func:`autoshard.inter.search.auto_stage_plan`; abstract shapes, nothing allocated) and prints
+(:func:`autoshard.api_pipeline.auto_stage_plan`; abstract shapes, nothing allocated) and prints
 the stages or JSON (``--json``: ``stages`` with ``layers``, ``submesh``,
 ``logical_mesh``, ``latency_s``, ``peak_bytes``; ``objective_s``; ``search_seconds``).
 ``run --pipeline ... --schedule 1f1b|gpipe --steps N`` trains a small model with the
-pipeline runtime (:func:`autoshard.runtime.pipeline.auto_pipeline`: every stage under its own
+pipeline runtime (:func:`autoshard.api_pipeline.auto_pipeline`: every stage under its own
 intra-op plan) on fake CPU devices, SGD by default, and with ``--check`` compares losses
 and parameters with the single-device training step (exit 1 on a mismatch).
 :func:`add_pipeline_args` adds the flags to ``plan`` and ``run``; :func:`register` adds
@@ -21,13 +21,13 @@ from autoshard.cli.args import add_model_args
 from autoshard.cli.args import gib as _gib
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
-
-STAGE_METHODS = ("auto", "equal-layer", "equal-flops")  # as in autoshard.inter.search
+from autoshard.inter.options import STAGE_METHODS
 
 
 def cmd_pipeline_plan(args) -> int:
     """Search stages and print them (``--json``: the InterPlan's JSON)."""
-    from autoshard.inter.search import auto_stage_plan
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
 
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
     hosts = args.hosts
@@ -40,14 +40,16 @@ def cmd_pipeline_plan(args) -> int:
         args.model,
         hosts,
         per_host,
-        args.microbatches,
+        StageSearchOptions(
+            args.microbatches,
+            stages=args.pipeline,
+            num_stages=args.stages,
+            schedule=args.schedule,
+            memory_budget_bytes=budget,
+            solver=args.solver or "highs",
+            time_limit_s=60.0 if args.time_limit is None else args.time_limit,
+        ),
         cluster=args.cluster,
-        memory_budget_bytes=budget,
-        schedule=args.schedule,
-        stages=args.pipeline,
-        num_stages=args.stages,
-        solver=args.solver or "highs",
-        time_limit_s=60.0 if args.time_limit is None else args.time_limit,
         optimizer=args.optimizer,
         **_overrides(args),
     )
@@ -94,8 +96,8 @@ def cmd_pipeline_run(args) -> int:
     import jax
     import numpy as np
 
+    from autoshard.api_pipeline import auto_pipeline
     from autoshard.models import get_workload, make_optimizer, make_train_step
-    from autoshard.runtime.pipeline import auto_pipeline
 
     devices = _ensure_devices(args.devices)
     workload = get_workload(args.model, **_overrides(args))

@@ -10,8 +10,9 @@ import json
 
 from autoshard.cli.args import gib as _gib
 from autoshard.cli.args import positive_int as _positive_int
+from autoshard.inter.stages import RECOMPUTE_MODES as _PLANNED_MODES
 
-RECOMPUTE_MODES = ("none", "selective", "full", "auto")  # autoshard.sim.formulas + auto
+RECOMPUTE_MODES = (*_PLANNED_MODES, "auto")
 
 
 def _plan_text(plan: dict) -> str:

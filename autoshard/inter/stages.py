@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Shape2 = tuple[int, int]
+from autoshard.inter.plan import Shape2, Stage, StagePlan
+
 SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -75,78 +76,6 @@ class StageCost:
 StageCostFn = Callable[..., StageCost]  # (start, end, submesh, logical[, recompute])
 NO_RECOMPUTE = ("none",)
 RECOMPUTE_MODES = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class StageAssignment:
-    """Layers ``[start_layer, end_layer)`` on one sub-mesh, viewed as ``logical_shape``."""
-
-    start_layer: int
-    end_layer: int
-    submesh_shape: Shape2
-    logical_shape: Shape2
-    latency_s: float
-    memory_bytes: float
-    microbatches_in_flight: int
-    recompute: str = "none"
-
-    @property
-    def num_devices(self) -> int:
-        return self.submesh_shape[0] * self.submesh_shape[1]
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """The chosen stages, the pipeline latency they give, and what the search cost."""
-
-    stages: tuple[StageAssignment, ...]
-    objective_s: float
-    search_seconds: float
-    num_cost_calls: int
-    num_microbatches: int
-    schedule: str
-    num_dp_runs: int = 0
-
-    def to_json(self) -> dict:
-        return {
-            "stages": [
-                {
-                    "start_layer": s.start_layer,
-                    "end_layer": s.end_layer,
-                    "submesh_shape": list(s.submesh_shape),
-                    "logical_shape": list(s.logical_shape),
-                    "latency_s": s.latency_s,
-                    "memory_bytes": s.memory_bytes,
-                    "microbatches_in_flight": s.microbatches_in_flight,
-                    "recompute": s.recompute,
-                }
-                for s in self.stages
-            ],
-            "objective_s": self.objective_s,
-            "search_seconds": self.search_seconds,
-            "num_cost_calls": self.num_cost_calls,
-            "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule,
-            "num_dp_runs": self.num_dp_runs,
-        }
-
-    @staticmethod
-    def from_json(obj: dict) -> StagePlan:
-        stages = tuple(
-            StageAssignment(
-                s["start_layer"],
-                s["end_layer"],
-                tuple(s["submesh_shape"]),
-                tuple(s["logical_shape"]),
-                s["latency_s"],
-                s["memory_bytes"],
-                s["microbatches_in_flight"],
-                s.get("recompute", "none"),
-            )
-            for s in obj["stages"]
-        )
-        keys = ("objective_s", "search_seconds", "num_cost_calls", "num_microbatches", "schedule")
-        return StagePlan(stages, *(obj[k] for k in keys), obj.get("num_dp_runs", 0))
 
 
 def pipeline_objective(stage_latencies: Sequence[float], num_microbatches: int) -> float:
@@ -383,7 +312,7 @@ def cost_stage_choices(
             )
         (logical, mode), cost = found
         stages.append(
-            StageAssignment(
+            Stage(
                 start,
                 end,
                 submesh,
@@ -616,7 +545,7 @@ def optimal_stage_plan(
         (logical, mode), cost = choice[s_left, j, k, i]
         in_flight = microbatches_in_flight(index, s, num_microbatches, schedule)
         stages.append(
-            StageAssignment(
+            Stage(
                 k,
                 i,
                 submeshes[j],

@@ -1,22 +1,19 @@
 """Pipeline runtime of the inter-operator pass: one loss function, S stages on S sub-meshes.
 
-Takes a loss ``loss_fn(params, batch) -> scalar``, an optax optimizer, parameters, an
-example batch and a stage choice, and returns a :class:`PipelineTrainer` whose
+Takes the traced forward of one microbatch, its per-stage sub-programs, the stages
+(:class:`~autoshard.inter.plan.Stage`: layers, sub-mesh, logical mesh, devices), the
+parameters and an optax optimizer, and returns a :class:`PipelineTrainer` whose
 ``step(batch)`` trains on the full batch split into microbatches, with the forward and
-backward of each stage on its own sub-mesh of devices, in GPipe or 1F1B order.
+backward of each stage on its own sub-mesh of devices, in GPipe or 1F1B order.  Built by
+:func:`autoshard.api_pipeline.auto_pipeline`, which traces and searches the stages.
 
 How it works:
 
-* the forward of **one microbatch** is traced (:func:`autoshard.trace.jaxpr.trace`) into flat
-  equations tagged with their layer; a stage is a contiguous range of those layers;
-* :func:`split_stages` cuts the flat program into per-stage sub-programs (jax-free): an
-  equation runs on the stage of its layer, or later if an input is made later; a stage
-  reads the parameters it owns, the batch leaves it uses and the tensors earlier stages
-  send it; it sends on every tensor a later stage reads, and the last one the loss;
-* a parameter read by several stages (the GPT's LM head tied to ``wte``) is **owned** by
-  the first stage that reads it and sent forward like an activation; its cotangent comes
-  back and is added to the owner's gradient.  So each parameter has one copy, one
-  gradient and one optimizer update;
+* the forward of **one microbatch**, traced into flat equations tagged with their layer,
+  is cut into per-stage sub-programs (:func:`autoshard.inter.program_cut.split_stages`);
+* a parameter read by several stages (the GPT's LM head tied to ``wte``) is owned by the
+  first stage that reads it and sent forward like an activation; its cotangent comes
+  back and is added to the owner's gradient;
 * each stage jits a forward (params, received, data) -> sent tensors and a backward that
   **recomputes** the forward under ``jax.vjp`` and returns parameter gradients (added to
   an accumulator) and cotangents for what it received.  Memory: per microbatch in flight
@@ -36,7 +33,7 @@ stages (``clip_by_global_norm``) would see only their stage's leaves.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,209 +44,16 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 
+from autoshard.inter.flops_cost import layer_stats
+from autoshard.inter.plan import LOGICAL_AXES, InterPlan, Stage, StagePlan
+from autoshard.inter.program_cut import StageProgram
 from autoshard.inter.schedules import FORWARD, gpipe, one_f_one_b, validate
-from autoshard.inter.search import (
-    InterPlan,
-    IntraStageCost,
-    cluster_for,
-    logical_mesh_costs,
-    search_stages,
-)
-from autoshard.inter.stages import (
-    StageCost,
-    StageCostFn,
-    StagePlan,
-    equal_flops_stages,
-    equal_layer_stages,
-    optimal_stage_plan,
-    place_submeshes,
-)
-from autoshard.ir.graph import build_graph, flops_of
-from autoshard.ir.records import TensorRecord, TraceRecords
-from autoshard.models import make_train_step
-from autoshard.runtime.stage_layout import (
-    SpecFn,
-    StageLayout,
-    data_parallel_spec,
-    intra_op_layout,
-    loss_program,
-)
-from autoshard.trace.jaxpr import TracedProgram, trace_train_step
+from autoshard.inter.stage_cost import IntraStageCost
+from autoshard.ir.records import TensorRecord
+from autoshard.runtime.stage_layout import StageLayout, data_parallel_spec
+from autoshard.trace.jaxpr import TracedProgram
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
-STAGE_METHODS = ("auto", "equal-layer", "equal-flops")
-LAYOUTS = ("intra-op", "data-parallel")
-NOMINAL_PEAK_FLOPS = 100e12  # a placeholder peak for the FLOPs-only cost model
-STAGE_AXES = ("data", "model")
-
-
-# ---------------------------------------------------------------- cutting the program
-
-
-@dataclass(frozen=True)
-class StageProgram:
-    """The equations of one stage and what flows in and out of it (tensor ids)."""
-
-    index: int
-    start_layer: int
-    end_layer: int
-    eqns: tuple[int, ...]
-    params: tuple[int, ...]  # parameters this stage owns (updates)
-    received: tuple[int, ...]  # tensors from earlier stages: activations, shared params
-    received_from: tuple[int, ...]  # the stage that sends each received tensor
-    data: tuple[int, ...]  # batch leaves it reads
-    outputs: tuple[int, ...]  # tensors later stages read, and the loss where it is made
-    output_consumers: tuple[tuple[int, ...], ...]  # the stages that read each output
-
-
-def split_stages(
-    records: TraceRecords, layer_ranges: Sequence[tuple[int, int]]
-) -> tuple[StageProgram, ...]:
-    """Cut a traced forward program (one scalar output: the loss) into pipeline stages.
-
-    ``layer_ranges`` are contiguous ``[start, end)`` ranges over ``records.layers``.
-    Equations with no layer run on the first stage; an equation never runs before the
-    stage that makes its inputs.  Parameters nobody reads are owned by stage 0 (their
-    gradient is zero, but the optimizer still updates them, as on one device).
-    """
-    num_layers = max(len(records.layers), 1)
-    _check_ranges(layer_ranges, num_layers)
-    if len(records.outputs) != 1 or records.tensors[records.outputs[0]].shape != ():
-        raise ValueError("the loss function must return one scalar (the mean loss)")
-    loss = records.outputs[0]
-    layer_stage = {}
-    for s, (start, end) in enumerate(layer_ranges):
-        for layer in records.layers[start:end]:
-            layer_stage[layer] = s
-    kinds = {t: records.tensors[t].kind for t in range(len(records.tensors))}
-    source: dict[int, int] = {}  # intermediate tensor -> stage that makes it
-    stage_eqns: list[list[int]] = [[] for _ in layer_ranges]
-    readers: dict[int, set[int]] = {}
-    for eqn in records.eqns:
-        s = layer_stage.get(eqn.layer, 0)
-        s = max([s] + [source[t] for t in eqn.inputs if t in source])
-        stage_eqns[s].append(eqn.index)
-        for t in eqn.inputs:
-            if kinds[t] in ("param", "data", "intermediate"):
-                readers.setdefault(t, set()).add(s)
-        for t in eqn.outputs:
-            source[t] = s
-    if loss not in source:
-        raise ValueError("the loss is not computed from the parameters and batch")
-    params = [t for t in records.inputs if kinds[t] == "param"]
-    for t in params:
-        source[t] = min(readers.get(t, {0}))
-    stages = []
-    for s, (start, end) in enumerate(layer_ranges):
-        reads = sorted(t for t, r in readers.items() if s in r)
-        received = [t for t in reads if kinds[t] != "data" and source[t] < s]
-        outputs = [
-            t for t in sorted(source) if source[t] == s and any(c > s for c in readers.get(t, ()))
-        ]
-        if source[loss] == s:
-            outputs.append(loss)
-        stages.append(
-            StageProgram(
-                index=s,
-                start_layer=start,
-                end_layer=end,
-                eqns=tuple(stage_eqns[s]),
-                params=tuple(t for t in params if source[t] == s),
-                received=tuple(received),
-                received_from=tuple(source[t] for t in received),
-                data=tuple(t for t in reads if kinds[t] == "data"),
-                outputs=tuple(outputs),
-                output_consumers=tuple(
-                    tuple(sorted(c for c in readers.get(t, ()) if c > s)) for t in outputs
-                ),
-            )
-        )
-    return tuple(stages)
-
-
-def _check_ranges(layer_ranges: Sequence[tuple[int, int]], num_layers: int) -> None:
-    if not layer_ranges:
-        raise ValueError("no stages given")
-    expected = 0
-    for start, end in layer_ranges:
-        if start != expected or end <= start:
-            raise ValueError(
-                f"stage layer ranges {list(layer_ranges)} must be non-empty, contiguous and "
-                f"cover layers 0..{num_layers}, e.g. {list(equal_layer_stages(num_layers, 1))}"
-            )
-        expected = end
-    if expected != num_layers:
-        raise ValueError(
-            f"stage layer ranges {list(layer_ranges)} end at layer {expected}; the program "
-            f"has {num_layers} layers"
-        )
-
-
-# ---------------------------------------------------------------- a FLOPs-only cost model
-
-
-@dataclass(frozen=True)
-class LayerStats:
-    """Per layer of one microbatch's forward: FLOPs, bytes of parameters first read
-    there, and bytes of activations it reads from earlier layers."""
-
-    layers: tuple[str, ...]
-    forward_flops: tuple[float, ...]
-    param_bytes: tuple[float, ...]
-    input_activation_bytes: tuple[float, ...]
-
-
-def layer_stats(records: TraceRecords) -> LayerStats:
-    """FLOPs (graph's rules; unknown primitives count 0) and bytes per layer."""
-    layers = records.layers or ("model",)
-    index = {name: i for i, name in enumerate(layers)}
-    flops = [0.0] * len(layers)
-    param_bytes = [0.0] * len(layers)
-    act_bytes = [0.0] * len(layers)
-    made_in: dict[int, int] = {}
-    seen_params: set[int] = set()
-    tensors = records.tensors
-    for eqn in records.eqns:
-        li = index.get(eqn.layer, 0)
-        ins = [tensors[t] for t in eqn.inputs]
-        flops[li] += flops_of(eqn, ins, [tensors[t] for t in eqn.outputs]) or 0.0
-        for t in dict.fromkeys(eqn.inputs):
-            if tensors[t].kind == "param" and t not in seen_params:
-                seen_params.add(t)
-                param_bytes[li] += tensors[t].nbytes
-            elif made_in.get(t, li) < li:
-                act_bytes[li] += tensors[t].nbytes
-        for t in eqn.outputs:
-            made_in[t] = li
-    return LayerStats(tuple(layers), tuple(flops), tuple(param_bytes), tuple(act_bytes))
-
-
-def flops_stage_cost(
-    stats: LayerStats,
-    peak_flops: float = NOMINAL_PEAK_FLOPS,
-    state_bytes_per_param_byte: float = 4.0,
-) -> StageCostFn:
-    """A stage cost for :func:`autoshard.inter.stages.optimal_stage_plan` from FLOPs alone.
-
-    Latency of layers ``[start, end)`` on a sub-mesh of ``n`` devices: forward + backward
-    + recompute = ``3 x forward FLOPs / (n x peak_flops)``; no communication.  Memory per
-    device: parameters replicated (weights, gradients, two Adam moments:
-    ``state_bytes_per_param_byte`` = 4) and, per microbatch in flight, the stage's input
-    activations split over data parallelism.  Only the pure data-parallel logical mesh
-    ``(n, 1)`` is runnable, as that is what the default runtime layout does; a cost
-    backed by the intra-op ILP replaces this function later.
-    """
-
-    def cost(start: int, end: int, submesh: tuple[int, int], logical: tuple[int, int]):
-        dp, tp = logical
-        if tp != 1:
-            return StageCost(math.inf, 0.0, 0.0)
-        n = submesh[0] * submesh[1]
-        latency = 3.0 * sum(stats.forward_flops[start:end]) / (n * peak_flops)
-        params = state_bytes_per_param_byte * sum(stats.param_bytes[start:end])
-        return StageCost(latency, params, stats.input_activation_bytes[start] / dp)
-
-    return cost
 
 
 # ---------------------------------------------------------------- the plan
@@ -257,14 +61,11 @@ def flops_stage_cost(
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """One stage as it runs: its layers, devices and parameters."""
+    """One stage as it runs: the planned stage (its ``device_ids`` the devices' own ids)
+    and what the runtime made of it: FLOPs, parameters and layout."""
 
     index: int
-    layers: tuple[str, ...]
-    start_layer: int
-    end_layer: int
-    device_ids: tuple[int, ...]
-    logical_shape: tuple[int, int]
+    stage: Stage
     forward_flops: float  # one microbatch
     owned_params: tuple[str, ...]  # pytree paths this stage updates
     received_params: tuple[str, ...]  # paths owned by an earlier stage and sent here
@@ -289,8 +90,9 @@ class PipelinePlan:
         for st in self.stages:
             shared = f", receives {', '.join(st.received_params)}" if st.received_params else ""
             lines.append(
-                f"  stage {st.index}: layers {st.layers[0]}..{st.layers[-1]} on devices "
-                f"{list(st.device_ids)} as (dp, tp) = {st.logical_shape}, {st.layout}"
+                f"  stage {st.index}: layers {st.stage.layers[0]}..{st.stage.layers[-1]} on "
+                f"devices {list(st.stage.device_ids)} as (dp, tp) = "
+                f"{tuple(st.stage.logical_mesh)}, {st.layout}"
                 f"{' (tensor parallel)' if st.tensor_parallel else ''}{shared}"
             )
         return "\n".join(lines)
@@ -302,7 +104,8 @@ class PipelinePlan:
 LayoutFn = Callable[[StageProgram, jax.sharding.Mesh], StageLayout]
 
 
-def _data_parallel_layout(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+def data_parallel_layout(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+    """The default layout: :func:`~autoshard.runtime.stage_layout.data_parallel_spec`."""
     return StageLayout(data_parallel_spec)
 
 
@@ -426,7 +229,8 @@ class _Stage:
 
 
 class PipelineTrainer:
-    """Trains ``loss_fn`` with ``optimizer`` as a pipeline; build it with :func:`auto_pipeline`.
+    """Trains ``loss_fn`` with ``optimizer`` as a pipeline; build it with
+    :func:`autoshard.api_pipeline.auto_pipeline`.
 
     ``step(batch)`` takes the full global batch and returns its mean loss; ``params`` is
     the full parameter pytree, gathered to host numpy arrays; ``plan`` says what runs where.
@@ -436,17 +240,20 @@ class PipelineTrainer:
         self,
         program: TracedProgram,
         stage_programs: Sequence[StageProgram],
-        stage_devices: Sequence[Sequence[Any]],
-        logical_shapes: Sequence[tuple[int, int]],
+        stages: Sequence[Stage],
+        devices: Sequence[Any],
         params,
         optimizer: optax.GradientTransformation,
+        *,
         num_microbatches: int,
         schedule: str,
-        layout_fn: LayoutFn = _data_parallel_layout,
+        layout_fn: LayoutFn = data_parallel_layout,
         stage_plan: StagePlan | None = None,
         inter_plan: InterPlan | None = None,
         intra_cost: IntraStageCost | None = None,
     ):
+        """``stages[i]`` runs ``stage_programs[i]`` on ``devices[j] for j in
+        stages[i].device_ids``, viewed as its logical mesh (axes ``data``, ``model``)."""
         records = program.records
         self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
         self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
@@ -462,11 +269,12 @@ class PipelineTrainer:
         path_of = {t: path for t, (path, _) in zip(self._param_ids, leaves, strict=True)}
         values = {t: leaf for t, (_, leaf) in zip(self._param_ids, leaves, strict=True)}
         self._stages = []
-        for sp, devs, shape in zip(stage_programs, stage_devices, logical_shapes, strict=True):
+        stage_devices = [[devices[i] for i in st.device_ids] for st in stages]
+        for sp, devs, st in zip(stage_programs, stage_devices, stages, strict=True):
             mesh = jax.sharding.Mesh(
-                np.array(devs, dtype=object).reshape(shape),
-                STAGE_AXES,
-                axis_types=(AxisType.Auto,) * len(STAGE_AXES),  # for with_sharding_constraint
+                np.array(devs, dtype=object).reshape(st.logical_mesh),
+                LOGICAL_AXES,
+                axis_types=(AxisType.Auto,) * len(LOGICAL_AXES),  # for with_sharding_constraint
             )
             items = [(path_of[t], t) for t in sp.params]
             layout = layout_fn(sp, mesh)
@@ -474,16 +282,11 @@ class PipelineTrainer:
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
         keystr = {t: jax.tree_util.keystr(path_of[t]) for t in self._param_ids}
         stats = layer_stats(records)
-        layers = stats.layers
         self.plan = PipelinePlan(
             tuple(
                 PipelineStage(
                     sp.index,
-                    layers[sp.start_layer : sp.end_layer],
-                    sp.start_layer,
-                    sp.end_layer,
-                    tuple(d.id for d in devs),
-                    tuple(shape),
+                    dataclasses.replace(stage, device_ids=tuple(d.id for d in devs)),
                     sum(stats.forward_flops[sp.start_layer : sp.end_layer]),
                     tuple(keystr[t] for t in sp.params),
                     tuple(keystr[t] for t in sp.received if t in keystr),
@@ -491,8 +294,8 @@ class PipelineTrainer:
                     st.layout.name,
                     st.layout.tensor_parallel,
                 )
-                for sp, devs, shape, st in zip(
-                    stage_programs, stage_devices, logical_shapes, self._stages, strict=True
+                for sp, devs, stage, st in zip(
+                    stage_programs, stage_devices, stages, self._stages, strict=True
                 )
             ),
             num_microbatches,
@@ -536,7 +339,7 @@ class PipelineTrainer:
         for t, leaf in zip(self._data_ids, leaves, strict=True):
             size = leaf.shape[0] // m
             if leaf.shape[0] != size * m:
-                raise ValueError(_divisibility_message(leaf.shape[0], m))
+                raise ValueError(divisibility_message(leaf.shape[0], m))
             for k in range(m):
                 out[k][t] = leaf[k * size : (k + 1) * size]
         return out
@@ -604,219 +407,10 @@ def _output_cotangent(stage: _Stage, t: int, box: dict[int, Any], num_microbatch
     return ct
 
 
-# ---------------------------------------------------------------- the public entry point
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _divisibility_message(batch_size: int, num_microbatches: int) -> str:
+def divisibility_message(batch_size: int, num_microbatches: int) -> str:
+    """Why ``num_microbatches`` cannot split ``batch_size``, and the counts that would."""
+    fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     return (
         f"num_microbatches={num_microbatches} does not divide the batch size {batch_size}; "
-        f"use one of {_divisors(batch_size)}"
-    )
-
-
-def _batch_size(batch) -> int:
-    sizes = {leaf.shape[0] if leaf.shape else None for leaf in jax.tree.leaves(batch)}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(
-            f"every batch leaf needs the same leading (batch) dimension to be split into "
-            f"microbatches; got leading sizes {sorted(map(str, sizes))}"
-        )
-    return sizes.pop()
-
-
-def _check_stage_count(
-    num_stages: int, num_layers: int, num_devices: int, equal_submeshes: bool = True
-) -> None:
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
-    if num_stages > num_layers:
-        raise ValueError(
-            f"{num_stages} stages for {num_layers} layers: a stage needs at least one layer; "
-            f"use num_stages <= {num_layers}"
-        )
-    if num_stages > num_devices:
-        raise ValueError(
-            f"{num_stages} stages for {num_devices} devices: a stage needs at least one device; "
-            f"use num_stages <= {num_devices}"
-        )
-    if equal_submeshes and num_devices % num_stages:
-        fits = [d for d in _divisors(num_devices) if d <= num_layers]
-        raise ValueError(
-            f"{num_devices} devices cannot be split evenly among {num_stages} stages; use "
-            f"num_stages in {fits}, or stages='auto' for sub-meshes of different sizes"
-        )
-
-
-def auto_pipeline(
-    loss_fn: Callable,
-    optimizer: optax.GradientTransformation,
-    params,
-    batch,
-    devices: Sequence[Any] | None = None,
-    num_microbatches: int = 4,
-    stages: str | Sequence[tuple[int, int]] = "auto",
-    num_stages: int | None = None,
-    schedule: str = "1f1b",
-    layout: str = "intra-op",
-    logical_meshes: Sequence[tuple[int, int]] | None = None,
-    spec_fn: SpecFn = data_parallel_spec,
-    stage_cost: Callable[[LayerStats], StageCostFn] = flops_stage_cost,
-    memory_budget_bytes: float | None = None,
-    intra_cost: IntraStageCost | None = None,
-    solver: str = "highs",
-    cluster=None,
-) -> PipelineTrainer:
-    """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
-
-    ``batch`` is one global batch (arrays or ``jax.ShapeDtypeStruct`` leaves, all with the
-    batch size as leading dim); it is split into ``num_microbatches`` equal microbatches.
-    ``stages``: ``"auto"`` (Alpa's stage DP over sub-meshes, any number of stages unless
-    ``num_stages`` is given), ``"equal-layer"`` or ``"equal-flops"`` (``num_stages``
-    stages, equal sub-meshes), or explicit ``[(start, end), ...]`` ranges over the traced
-    layers (in ``plan``; for the GPT ``embedding, block_0, ..., head``).  ``schedule``:
-    ``"1f1b"`` or ``"gpipe"``.
-
-    ``layout="intra-op"`` (default): stage costs come from intra-op ILPs
-    (:func:`autoshard.inter.search.search_stages`, on ``cluster``'s costs, with ``solver``;
-    ``intra_cost`` reuses the ILPs of an earlier call on the same step) and every stage
-    runs under its own plan on its sub-mesh viewed as a ``(dp, tp)`` logical mesh (axes
-    ``data``, ``model``); ``logical_meshes`` fixes each explicit range's view.
-    ``layout="data-parallel"``: stage costs from FLOPs (``stage_cost``) and every stage
-    lays its tensors out with ``spec_fn`` on a ``(devices, 1)`` mesh.
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    if (
-        isinstance(num_microbatches, bool)
-        or not isinstance(num_microbatches, int)
-        or (num_microbatches < 1)
-    ):
-        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("no devices given")
-    batch_size = _batch_size(batch)
-    if batch_size % num_microbatches:
-        raise ValueError(_divisibility_message(batch_size, num_microbatches))
-    if isinstance(stages, str) and stages not in STAGE_METHODS:
-        raise ValueError(
-            f"unknown stages={stages!r}; use one of {STAGE_METHODS} or a list of "
-            "(start, end) layer ranges"
-        )
-    if logical_meshes is not None and layout != "intra-op":
-        raise ValueError("logical_meshes needs layout='intra-op'")
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    mb_batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype),
-        batch,
-    )
-    # the train step of one microbatch; the pipeline runs its forward (same tensor ids as
-    # the intra-op plans) and differentiates it per stage
-    step = trace_train_step(
-        make_train_step(loss_fn, optimizer),
-        abstract,
-        jax.eval_shape(optimizer.init, abstract),
-        mb_batch,
-    )
-    loss = loss_program(step)
-    program = loss.program
-    stats = layer_stats(program.records)
-    num_layers, n = len(stats.layers), len(devices)
-
-    if stages == "auto":
-        if num_stages is not None:
-            _check_stage_count(num_stages, num_layers, n, equal_submeshes=False)
-    elif isinstance(stages, str):
-        if num_stages is None:
-            raise ValueError(f"stages={stages!r} needs num_stages")
-        _check_stage_count(num_stages, num_layers, n)
-    else:
-        stages = [tuple(r) for r in stages]
-        if num_stages is not None and num_stages != len(stages):
-            raise ValueError(f"num_stages={num_stages} but {len(stages)} layer ranges were given")
-        _check_ranges(stages, num_layers)
-        _check_stage_count(len(stages), num_layers, n)
-
-    stage_plan = inter_plan = None
-    layout_fn: LayoutFn = _data_parallel_layout
-    if layout == "intra-op":
-        graph = build_graph(step.records)
-        if intra_cost is None:
-            intra_cost = IntraStageCost(
-                graph,
-                logical_mesh_costs(cluster_for(cluster, 1, n)),
-                solver=solver,
-                num_microbatches=num_microbatches,
-            )
-        inter_plan = search_stages(
-            graph,
-            1,
-            n,
-            num_microbatches,
-            cluster=cluster,
-            memory_budget_bytes=memory_budget_bytes,
-            schedule=schedule,
-            stages=stages,
-            num_stages=num_stages,
-            logical_meshes=logical_meshes,
-            cost=intra_cost,
-        )
-        stage_plan = inter_plan.stage_plan
-        ranges = [(s.start_layer, s.end_layer) for s in inter_plan.stages]
-        stage_devices = [[devices[i] for i in s.device_ids] for s in inter_plan.stages]
-        logical = [s.logical_mesh for s in inter_plan.stages]
-
-        def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
-            return intra_op_layout(loss, inter_plan.stage_specs[sp.index], sp.eqns, mesh)
-
-    elif stages == "auto":
-        stage_plan = optimal_stage_plan(
-            num_layers,
-            1,
-            n,
-            stage_cost(stats),
-            num_microbatches,
-            memory_budget_bytes=memory_budget_bytes,
-            schedule=schedule,
-            num_stages=num_stages,
-        )
-        ranges = [(a.start_layer, a.end_layer) for a in stage_plan.stages]
-        ids = place_submeshes([a.submesh_shape for a in stage_plan.stages], 1, n)
-        stage_devices = [[devices[i] for i in group] for group in ids]
-        logical = [a.logical_shape for a in stage_plan.stages]
-    else:
-        if stages == "equal-layer":
-            ranges = list(equal_layer_stages(num_layers, num_stages))
-        elif stages == "equal-flops":
-            ranges = list(equal_flops_stages(stats.forward_flops, num_stages))
-        else:
-            ranges = stages
-        per = n // len(ranges)
-        stage_devices = [devices[s * per : (s + 1) * per] for s in range(len(ranges))]
-        logical = [(per, 1)] * len(ranges)
-    if layout == "data-parallel":
-
-        def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
-            return StageLayout(spec_fn)
-
-    programs = split_stages(program.records, ranges)
-    return PipelineTrainer(
-        program,
-        programs,
-        stage_devices,
-        logical,
-        params,
-        optimizer,
-        num_microbatches,
-        schedule,
-        layout_fn,
-        stage_plan,
-        inter_plan,
-        intra_cost,
+        f"use one of {fits}"
     )

@@ -2,7 +2,7 @@
 
 Takes a traced **train step** (forward, backward, update; traced at the microbatch size)
 and, per stage, the intra-op plan the inter-operator search chose for it
-(:class:`autoshard.inter.search.StageSpecs`, on the step's tensor ids); returns what the
+(:class:`autoshard.inter.plan.StageSpecs`, on the step's tensor ids); returns what the
 pipeline runtime (:mod:`autoshard.runtime.pipeline`) needs:
 
 * :func:`loss_program`: the step's forward equations as a program
@@ -123,7 +123,7 @@ def intra_op_layout(
     loss: LossProgram, specs, stage_eqns: tuple[int, ...], mesh: jax.sharding.Mesh
 ) -> StageLayout:
     """The layout of a stage running equations ``stage_eqns`` (of ``loss``) under the
-    intra-op plan ``specs`` (:class:`autoshard.inter.search.StageSpecs`) on ``mesh``.
+    intra-op plan ``specs`` (:class:`autoshard.inter.plan.StageSpecs`) on ``mesh``.
 
     Node outputs keep the plan's spec (sent ones with partial axes reduced); tensors the
     stage places (parameters, batch leaves, received tensors) take the spec the plan's

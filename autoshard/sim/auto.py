@@ -8,7 +8,7 @@ with HiGHS on abstract shapes, then the stage DP) over the stage costs of
 
 Recompute under ``auto``: a plan dimension of the stage DP. Every stage candidate is
 costed with no, selective and full recompute of its transformer blocks
-(:func:`autoshard.inter.search.recompute_costs`: the forward or attention-core time of the chosen
+(:func:`autoshard.inter.stage_cost.recompute_costs`: the forward or attention-core time of the chosen
 intra-op plans added to the latency, the activations Korthikanti et al.'s scheme keeps);
 with ``recompute="auto"`` (the default for ``plan="auto"``) the DP takes, per stage, the
 fastest mode whose memory fits the device's HBM, and records it in ``plan["stages"]``;
@@ -62,7 +62,8 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 def simulate_auto(
     model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
-    from autoshard.inter.search import search_stages  # lazy: traces with jax
+    from autoshard.inter.options import StageSearchOptions
+    from autoshard.inter.search import search_stages
 
     if microbatch_size is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
@@ -81,14 +82,21 @@ def simulate_auto(
     traced_graph = cost.graph
     t_trace = time.perf_counter()
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
-    kwargs = dict(cost=cost, recompute_modes=modes, model=model)
+    options = StageSearchOptions(m, recompute_modes=modes)
     hbm = cluster.device.hbm_bytes
     try:
-        inter = search_stages(traced_graph, hosts, per_host, m, memory_budget_bytes=hbm, **kwargs)
+        inter = search_stages(
+            traced_graph,
+            hosts,
+            per_host,
+            dataclasses.replace(options, memory_budget_bytes=hbm),
+            cost=cost,
+            model=model,
+        )
     except ValueError as err:
         if "budget" not in str(err):
             raise
-        inter = search_stages(traced_graph, hosts, per_host, m, **kwargs)
+        inter = search_stages(traced_graph, hosts, per_host, options, cost=cost, model=model)
     total = time.perf_counter() - t0
     phases = {  # over both searches when the fallback ran (the ILPs are solved once)
         "trace": t_trace - t0,  # trace and stage-cost set-up
@@ -159,13 +167,10 @@ def simulate_auto(
 def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
-    ``cluster`` (an :class:`autoshard.inter.search.IntraStageCost`; its ``graph`` is the step)."""
-    from autoshard.inter.search import (  # lazy: traces with jax
-        IntraStageCost,
-        cluster_for,
-        logical_mesh_costs,
-        trace_microbatch,
-    )
+    ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step)."""
+    from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
+    from autoshard.inter.stage_cost import IntraStageCost
+    from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 
     search_cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)

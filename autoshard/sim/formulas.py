@@ -24,7 +24,7 @@ size, a heads, V vocabulary, b micro-batch, t tensor-parallel degree.
 
 from __future__ import annotations
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+from autoshard.inter.stages import RECOMPUTE_MODES
 
 
 def _check_recompute(recompute: str) -> None:

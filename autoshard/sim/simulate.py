@@ -16,7 +16,7 @@ Plans (``PLAN_FORMS``):
   the one that needs the least memory, flagged ``oom``).
 * ``dp``, ``zero2``, ``zero3`` -- the Megatron grid ``1 x 1 x gpus`` with the ZeRO stage's
   model-state division and communication (:mod:`autoshard.sim.grid`).
-* ``auto`` -- Alpa's search (:func:`autoshard.inter.search.auto_stage_plan`: intra-op ILPs with
+* ``auto`` -- Alpa's search (:func:`autoshard.api_pipeline.auto_stage_plan`: intra-op ILPs with
   HiGHS on abstract shapes, then the stage DP) on the cluster preset
   (:mod:`autoshard.sim.auto`, which also says how recompute is chosen).
 

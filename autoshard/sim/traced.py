@@ -4,7 +4,7 @@
 Megatron's stage split (:func:`megatron_stages`: the embedding with the first blocks, the
 head with the last; ``layers / PP`` blocks each) on ``TP x DP``-device sub-meshes viewed as
 the logical mesh ``(DP, TP)``, each stage's intra-op plan the ILP's on that mesh
-(:class:`autoshard.inter.search.IntraStageCost`, the search's own stage costs, from
+(:class:`autoshard.inter.stage_cost.IntraStageCost`, the search's own stage costs, from
 :func:`autoshard.sim.auto.search_stage_cost`), 1F1B memory, and step time
 ``sum(t) + (m - 1) max(t)``. So ``auto`` and the grid are compared on one program and one
 cost model: the search's plan is never slower than a grid point priced this way at the

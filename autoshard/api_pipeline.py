@@ -1,0 +1,377 @@
+"""The pipeline's public entry points: trace a step, search its stages, build the runtime.
+
+The inter-operator pass chained as :mod:`autoshard.api` chains the intra-operator one:
+
+* :func:`trace_microbatch`: a preset model's training step traced at the microbatch size;
+* :func:`auto_stage_plan`: trace, then Alpa's stage search
+  (:func:`autoshard.inter.search.search_stages`) with
+  :class:`~autoshard.inter.options.StageSearchOptions`: an
+  :class:`~autoshard.inter.plan.InterPlan`, nothing allocated;
+* :func:`auto_pipeline`: trace a loss function's step, choose stages (the search, or the
+  FLOPs cost model for the data-parallel layout), cut the program
+  (:func:`autoshard.inter.program_cut.split_stages`) and return the runtime's
+  :class:`~autoshard.runtime.pipeline.PipelineTrainer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from autoshard.api import TracedWorkload, trace_workload
+from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
+from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
+from autoshard.inter.plan import InterPlan, Stage
+from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_stages
+from autoshard.inter.search import check_positive_int, search_stages
+from autoshard.inter.stage_cost import IntraStageCost
+from autoshard.inter.stages import (
+    StageCostFn,
+    equal_flops_stages,
+    equal_layer_stages,
+    microbatches_in_flight,
+    optimal_stage_plan,
+    place_submeshes,
+)
+from autoshard.inter.submesh import cluster_for, logical_mesh_costs
+from autoshard.ir.graph import build_graph
+from autoshard.models import Workload, get_workload, make_train_step
+from autoshard.runtime.pipeline import (
+    SCHEDULES,
+    LayoutFn,
+    PipelineTrainer,
+    data_parallel_layout,
+    divisibility_message,
+)
+from autoshard.runtime.stage_layout import (
+    SpecFn,
+    StageLayout,
+    data_parallel_spec,
+    intra_op_layout,
+    loss_program,
+)
+from autoshard.trace.jaxpr import trace_train_step
+
+LAYOUTS = ("intra-op", "data-parallel")
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+def trace_microbatch(workload, num_microbatches: int, optimizer: str = "adamw", **overrides):
+    """Trace ``workload`` (a preset name or a Workload) at the microbatch size.
+
+    The global batch is the workload's (or ``overrides["batch_size"]``); raises if
+    ``num_microbatches`` does not divide it, listing the counts that would.
+    """
+    if isinstance(workload, Workload):
+        cfg = workload.config
+        keep = ("seq_len", "vocab_size", "num_layers", "hidden", "dtype")
+        base = {k: getattr(cfg, k) for k in keep if hasattr(cfg, k)}
+        name = workload.name
+    else:
+        name, base = str(workload), {}
+        cfg = get_workload(name, **overrides).config
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    batch = int(base.pop("batch_size", None) or cfg.batch_size)
+    if batch % num_microbatches:
+        fits = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ValueError(
+            f"num_microbatches={num_microbatches} does not divide the global batch size "
+            f"{batch}; use one of {fits}"
+        )
+    return trace_workload(name, optimizer, batch_size=batch // num_microbatches, **base)
+
+
+def auto_stage_plan(
+    workload,
+    num_hosts: int,
+    devices_per_host: int,
+    options: StageSearchOptions,
+    *,
+    cluster=None,
+    optimizer: str = "adamw",
+    **overrides,
+) -> InterPlan:
+    """Alpa's inter-operator search with stage costs from intra-op ILPs.
+
+    ``workload``: a preset name (``overrides`` such as ``batch_size`` = the global batch
+    apply), a :class:`~autoshard.models.Workload`, or a
+    :class:`~autoshard.api.TracedWorkload` already traced at the microbatch size.
+    ``options``: how to search (:class:`~autoshard.inter.options.StageSearchOptions`:
+    ``"auto"``, ``"equal-layer"`` or ``"equal-flops"`` stages, microbatches, schedule,
+    recompute modes, memory budget, ILP settings).  ``cluster``: a preset name
+    (``alpa-v100``, ...), a Cluster, or None (abstract links, see
+    :func:`~autoshard.inter.submesh.cluster_for`).  Raises ``ValueError`` for
+    microbatches that do not divide the batch, more stages than layers or devices, and a
+    model that fits no stage configuration (with the smallest budget that would).
+    """
+    t_start = time.perf_counter()
+    num_microbatches = options.num_microbatches
+    check_positive_int("num_microbatches", num_microbatches)
+    if isinstance(workload, TracedWorkload):
+        traced = workload
+    else:
+        traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
+    t_trace = time.perf_counter() - t_start
+    plan = search_stages(
+        traced.graph,
+        num_hosts,
+        devices_per_host,
+        options,
+        cluster=cluster,
+        model=traced.workload.name,
+    )
+    return dataclasses.replace(
+        plan,
+        search_seconds=time.perf_counter() - t_start,
+        phase_seconds={**plan.phase_seconds, "trace": t_trace},
+    )
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _batch_size(batch) -> int:
+    sizes = {leaf.shape[0] if leaf.shape else None for leaf in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"every batch leaf needs the same leading (batch) dimension to be split into "
+            f"microbatches; got leading sizes {sorted(map(str, sizes))}"
+        )
+    return sizes.pop()
+
+
+def _check_stage_count(
+    num_stages: int, num_layers: int, num_devices: int, equal_submeshes: bool = True
+) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    if num_stages > num_layers:
+        raise ValueError(
+            f"{num_stages} stages for {num_layers} layers: a stage needs at least one layer; "
+            f"use num_stages <= {num_layers}"
+        )
+    if num_stages > num_devices:
+        raise ValueError(
+            f"{num_stages} stages for {num_devices} devices: a stage needs at least one device; "
+            f"use num_stages <= {num_devices}"
+        )
+    if equal_submeshes and num_devices % num_stages:
+        fits = [d for d in _divisors(num_devices) if d <= num_layers]
+        raise ValueError(
+            f"{num_devices} devices cannot be split evenly among {num_stages} stages; use "
+            f"num_stages in {fits}, or stages='auto' for sub-meshes of different sizes"
+        )
+
+
+def auto_pipeline(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    params,
+    batch,
+    devices: Sequence[Any] | None = None,
+    num_microbatches: int = 4,
+    stages: str | Sequence[tuple[int, int]] = "auto",
+    num_stages: int | None = None,
+    schedule: str = "1f1b",
+    layout: str = "intra-op",
+    logical_meshes: Sequence[tuple[int, int]] | None = None,
+    spec_fn: SpecFn = data_parallel_spec,
+    stage_cost: Callable[[LayerStats], StageCostFn] = flops_stage_cost,
+    memory_budget_bytes: float | None = None,
+    intra_cost: IntraStageCost | None = None,
+    solver: str = "highs",
+    cluster=None,
+) -> PipelineTrainer:
+    """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
+
+    ``batch`` is one global batch (arrays or ``jax.ShapeDtypeStruct`` leaves, all with the
+    batch size as leading dim); it is split into ``num_microbatches`` equal microbatches.
+    ``stages``: ``"auto"`` (Alpa's stage DP over sub-meshes, any number of stages unless
+    ``num_stages`` is given), ``"equal-layer"`` or ``"equal-flops"`` (``num_stages``
+    stages, equal sub-meshes), or explicit ``[(start, end), ...]`` ranges over the traced
+    layers (in ``plan``; for the GPT ``embedding, block_0, ..., head``).  ``schedule``:
+    ``"1f1b"`` or ``"gpipe"``.
+
+    ``layout="intra-op"`` (default): stage costs come from intra-op ILPs
+    (:func:`autoshard.inter.search.search_stages`, on ``cluster``'s costs, with ``solver``;
+    ``intra_cost`` reuses the ILPs of an earlier call on the same step) and every stage
+    runs under its own plan on its sub-mesh viewed as a ``(dp, tp)`` logical mesh (axes
+    ``data``, ``model``); ``logical_meshes`` fixes each explicit range's view.
+    ``layout="data-parallel"``: stage costs from FLOPs (``stage_cost``) and every stage
+    lays its tensors out with ``spec_fn`` on a ``(devices, 1)`` mesh.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    if (
+        isinstance(num_microbatches, bool)
+        or not isinstance(num_microbatches, int)
+        or (num_microbatches < 1)
+    ):
+        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("no devices given")
+    batch_size = _batch_size(batch)
+    if batch_size % num_microbatches:
+        raise ValueError(divisibility_message(batch_size, num_microbatches))
+    if isinstance(stages, str) and stages not in STAGE_METHODS:
+        raise ValueError(
+            f"unknown stages={stages!r}; use one of {STAGE_METHODS} or a list of "
+            "(start, end) layer ranges"
+        )
+    if logical_meshes is not None and layout != "intra-op":
+        raise ValueError("logical_meshes needs layout='intra-op'")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    mb_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype),
+        batch,
+    )
+    # the train step of one microbatch; the pipeline runs its forward (same tensor ids as
+    # the intra-op plans) and differentiates it per stage
+    step = trace_train_step(
+        make_train_step(loss_fn, optimizer),
+        abstract,
+        jax.eval_shape(optimizer.init, abstract),
+        mb_batch,
+    )
+    loss = loss_program(step)
+    program = loss.program
+    stats = layer_stats(program.records)
+    num_layers, n = len(stats.layers), len(devices)
+
+    if stages == "auto":
+        if num_stages is not None:
+            _check_stage_count(num_stages, num_layers, n, equal_submeshes=False)
+    elif isinstance(stages, str):
+        if num_stages is None:
+            raise ValueError(f"stages={stages!r} needs num_stages")
+        _check_stage_count(num_stages, num_layers, n)
+    else:
+        stages = [tuple(r) for r in stages]
+        if num_stages is not None and num_stages != len(stages):
+            raise ValueError(f"num_stages={num_stages} but {len(stages)} layer ranges were given")
+        check_layer_ranges(stages, num_layers)
+        _check_stage_count(len(stages), num_layers, n)
+
+    stage_plan = inter_plan = None
+    layout_fn: LayoutFn = data_parallel_layout
+    if layout == "intra-op":
+        options = StageSearchOptions(
+            num_microbatches,
+            stages=stages,
+            num_stages=num_stages,
+            logical_meshes=logical_meshes,
+            schedule=schedule,
+            memory_budget_bytes=memory_budget_bytes,
+            solver=solver,
+        )
+        graph = build_graph(step.records)
+        if intra_cost is None:
+            intra_cost = IntraStageCost(
+                graph,
+                logical_mesh_costs(cluster_for(cluster, 1, n)),
+                solver=options.solver,
+                time_limit_s=options.time_limit_s,
+                granularity=options.granularity,
+                num_microbatches=num_microbatches,
+            )
+        inter_plan = search_stages(graph, 1, n, options, cluster=cluster, cost=intra_cost)
+        stage_plan = inter_plan.stage_plan
+        planned = list(inter_plan.stages)
+
+        def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+            return intra_op_layout(loss, inter_plan.stage_specs[sp.index], sp.eqns, mesh)
+
+    elif stages == "auto":
+        stage_plan = optimal_stage_plan(
+            num_layers,
+            1,
+            n,
+            stage_cost(stats),
+            num_microbatches,
+            memory_budget_bytes=memory_budget_bytes,
+            schedule=schedule,
+            num_stages=num_stages,
+        )
+        ids = place_submeshes([a.submesh for a in stage_plan.stages], 1, n)
+        planned = [
+            dataclasses.replace(
+                a, layers=stats.layers[a.start_layer : a.end_layer], device_ids=tuple(group)
+            )
+            for a, group in zip(stage_plan.stages, ids, strict=True)
+        ]
+    else:
+        if stages == "equal-layer":
+            ranges = list(equal_layer_stages(num_layers, num_stages))
+        elif stages == "equal-flops":
+            ranges = list(equal_flops_stages(stats.forward_flops, num_stages))
+        else:
+            ranges = stages
+        planned = _equal_data_parallel_stages(
+            ranges, n, stage_cost(stats), stats, num_microbatches, schedule
+        )
+    if layout == "data-parallel":
+
+        def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+            return StageLayout(spec_fn)
+
+    programs = split_stages(program.records, [(s.start_layer, s.end_layer) for s in planned])
+    return PipelineTrainer(
+        program,
+        programs,
+        planned,
+        devices,
+        params,
+        optimizer,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        layout_fn=layout_fn,
+        stage_plan=stage_plan,
+        inter_plan=inter_plan,
+        intra_cost=intra_cost,
+    )
+
+
+def _equal_data_parallel_stages(
+    ranges: Sequence[tuple[int, int]],
+    num_devices: int,
+    cost: StageCostFn,
+    stats: LayerStats,
+    num_microbatches: int,
+    schedule: str,
+) -> list[Stage]:
+    """Stages on equal slices of the devices, each data parallel over its slice, with the
+    latency and memory ``cost`` predicts for them."""
+    per = num_devices // len(ranges)
+    stages = []
+    for i, (start, end) in enumerate(ranges):
+        submesh, logical = (1, per), (per, 1)
+        in_flight = microbatches_in_flight(i, len(ranges), num_microbatches, schedule)
+        c = cost(start, end, submesh, logical)
+        stages.append(
+            Stage(
+                start,
+                end,
+                submesh,
+                logical,
+                c.latency_s,
+                c.memory_bytes(in_flight),
+                in_flight,
+                layers=stats.layers[start:end],
+                device_ids=tuple(range(i * per, (i + 1) * per)),
+            )
+        )
+    return stages

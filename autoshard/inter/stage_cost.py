@@ -1,0 +1,438 @@
+"""Stage costs from intra-operator plans: :class:`IntraStageCost`, the search's callback.
+
+The stage DP asks for the cost of layers ``[start, end)`` on every logical mesh.  Here a
+cost comes from the intra-op ILP (:mod:`autoshard.intra.problem`) run on the range's sub-graph
+(:func:`autoshard.inter.subgraph.range_subgraph`): its forward, backward and update equations; tensors made
+outside the range enter as inputs (kind ``"data"`` for activations and cotangents, the
+original kind for parameters and optimizer state).  Equations with no layer (Adam's
+shared step count: scalars) belong to no range.  Per microbatch::
+
+    latency_s        = compute: each equation's seconds under its chosen strategy
+                       (:func:`autoshard.intra.strategies.strategy_seconds`: on a cluster
+                       preset, GEMMs from the device's GEMM table at their per-device
+                       shard shape and other equations' bytes over HBM bandwidth, as in
+                       the Megatron grid model; FLOPs / (split x peak) otherwise)
+                     + communication: alpha-beta seconds of the plan's resharding
+    param_bytes      = owned params + their gradients + optimizer state, per device
+                       (+ parameters read from a range outside, e.g. a tied embedding)
+    activation_bytes = tensors made in the forward and kept for the backward, per device
+
+Both come from one ILP whose objective is compute + communication (the mesh's peak
+FLOP/s, :data:`~autoshard.inter.submesh.DEFAULT_PEAK_FLOPS` where it has none), so replicated work is not credited
+with devices it does not use.  Gradients are accumulated over the ``B`` microbatches and
+reduced once per step, so the update equations' compute and the resharding into them
+(the gradient all-reduce or reduce-scatter) are scaled by ``1 / B``: the objective is
+seconds per microbatch with the once-per-step work spread over the microbatches.
+Alpa's tie-breaking constants are left out (they are not seconds).
+
+Identical layers are planned once (``granularity``):
+
+* ``"layer"`` (default): every layer is planned alone and a range costs the sum of its
+  layers' plans plus the resharding at each junction between them (the spec one layer's
+  plan produces a crossing tensor in versus the spec the next one reads it in).  Layers
+  with the same structural signature (primitives, phases, shapes) share one ILP per
+  logical mesh, so a GPT needs 3 ILPs (embedding, block, head) per logical mesh whatever
+  its depth.  Exact for the junction costs it adds; it cannot choose layouts jointly
+  across a junction, which the ILP of a whole range could.
+* ``"range"``: every distinct range (sequence of layer signatures) is planned as one
+  sub-graph; ``share_layers`` keeps a k-block ILP as small as a 1-block one, but the
+  number of ILPs grows with the number of distinct ranges (about 4 x depth).
+
+Everything uses abstract shapes: no parameter is allocated.  Jax-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from autoshard.inter.options import GRANULARITIES
+from autoshard.inter.plan import Shape2, StageSpecs
+from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
+from autoshard.inter.subgraph import (
+    RangeGraph,
+    layer_signatures,
+    param_owner_layers,
+    range_subgraph,
+)
+from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
+from autoshard.intra.cost import CostOptions, DeviceMesh, reshard
+from autoshard.intra.ilp import InfeasibleProblemError, solve
+from autoshard.intra.problem import build_problem, mesh_intervals, plan_from_solution
+from autoshard.ir.graph import Graph
+from autoshard.ir.plan import ParallelPlan
+from autoshard.ir.spec import ShardingSpec
+
+_NO_TIES = CostOptions(tie_breakers=False)
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One planned sub-graph (a layer or a range) on one logical mesh."""
+
+    plan: ParallelPlan | None  # None: the ILP found no finite plan
+    flops: float
+    compute_s: float
+    communication_s: float
+    owned_state_bytes: float  # params + gradients + optimizer state the unit updates
+    borrowed_param_bytes: Mapping[int, float]  # owner layer index -> bytes read from it
+    activation_bytes: float
+    # per recompute mode: seconds it adds per microbatch, activation bytes it keeps
+    recompute_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    kept_activation_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def is_attention_sized(shape: tuple[int, ...]) -> bool:
+    """A ``[batch, heads, s, s]`` tensor: attention scores, probabilities, their masks."""
+    return len(shape) == 4 and shape[-1] == shape[-2] > 1
+
+
+def _spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
+    return spec.shard_fraction(mesh.mesh)
+
+
+def activation_bytes_of(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> float:
+    """Per-device bytes of buffers live across the forward -> backward boundary: made (or
+    received) before the last forward equation and still read after it."""
+    return sum(kept_activations(graph, spec_of, mesh).values())
+
+
+def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> dict[int, float]:
+    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts."""
+    forward = [n.index for n in graph.nodes if n.phase == "forward"]
+    if not forward:
+        return {}
+    boundary = max(forward)
+    kept: dict[int, float] = {}
+    for tid, (first, last) in mesh_intervals(graph, mesh).items():
+        t = graph.tensors[tid]
+        if t.kind in ("param", "opt_state") or tid not in spec_of:
+            continue
+        if t.producer is None:  # an input: kept when the forward reads it and a later op too
+            reads = list(t.consumers)
+            keep = (
+                any(graph.nodes[c].phase == "forward" for c in reads)
+                and max(reads, default=-1) > boundary
+            )
+        else:
+            keep = first <= boundary < last and graph.nodes[t.producer].phase == "forward"
+        if keep:
+            kept[tid] = t.nbytes * _spec_fraction(spec_of[tid], mesh)
+    return kept
+
+
+def recompute_costs(graph: Graph, ip, solution, kept: Mapping[int, float]):
+    """Per recompute mode, (seconds added per microbatch, activation bytes kept).
+
+    * ``none``: nothing added; every kept buffer.
+    * ``selective`` (Korthikanti et al.): the attention core is recomputed -- the forward
+      equations that make or read attention-sized tensors (:func:`is_attention_sized`:
+      Q K^T, softmax, dropout, P V) -- and its buffers are not kept.
+    * ``full``: the whole forward (equations at their chosen strategies, plus the
+      resharding into them) runs again; only the unit's inputs (the layer input) are kept.
+    """
+    forward = {n.index for n in graph.nodes if n.phase == "forward"}
+    chosen = [
+        ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]]
+        for n in graph.nodes
+    ]
+    forward_s = sum(chosen[i].compute_cost for i in forward)
+    for edge, operand in zip(ip.problem.edges, ip.operands, strict=True):
+        if operand.dst >= ip.num_inputs and operand.dst - ip.num_inputs in forward:
+            forward_s += edge.costs[solution.strategy[edge.src]][solution.strategy[edge.dst]]
+    attention = [
+        n.index
+        for n in graph.nodes
+        if n.index in forward
+        and any(is_attention_sized(graph.tensors[t].shape) for t in (*n.inputs, *n.outputs))
+    ]
+    selective_s = sum(chosen[i].compute_cost for i in attention)
+    total = sum(kept.values())
+    attention_bytes = sum(b for t, b in kept.items() if is_attention_sized(graph.tensors[t].shape))
+    inputs_bytes = sum(b for t, b in kept.items() if graph.tensors[t].producer is None)
+    seconds = {"none": 0.0, "selective": selective_s, "full": forward_s}
+    kept_bytes = {"none": total, "selective": total - attention_bytes, "full": inputs_bytes}
+    return seconds, kept_bytes
+
+
+def _amortise_update(ip, factor: float):
+    """The ILP with the optimizer update's costs scaled by ``factor`` (= 1 / microbatches).
+
+    Gradients are accumulated over microbatches; the reduction (the resharding into the
+    update equations) and the update itself run once per step.  Scaling their compute
+    costs and the costs of edges into them makes the objective seconds per microbatch.
+    """
+    if factor == 1.0:
+        return ip.problem
+    update = {ip.node_of(n.index) for n in ip.graph.nodes if n.phase == "update"}
+    edges = tuple(
+        dataclasses.replace(e, costs=tuple(tuple(c * factor for c in row) for row in e.costs))
+        if e.dst in update
+        else e
+        for e in ip.problem.edges
+    )
+    node_costs = tuple(
+        tuple(c * factor for c in row) if i in update else row
+        for i, row in enumerate(ip.problem.node_costs)
+    )
+    return dataclasses.replace(ip.problem, edges=edges, node_costs=node_costs)
+
+
+class IntraStageCost:
+    """``stage_cost(start, end, submesh, logical) -> StageCost`` backed by intra-op ILPs.
+
+    Memoised by structural signature (see the module docstring); ``num_ilps``,
+    ``num_cache_hits`` and ``ilp_seconds`` say what the ILPs cost, ``seconds`` the time
+    spent in this callback in all.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        mesh_for: Callable[[Shape2], DeviceMesh],
+        *,
+        solver: str = "highs",
+        time_limit_s: float = 60.0,
+        granularity: str = "layer",
+        num_microbatches: int = 1,
+    ) -> None:
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        self.graph = graph
+        self.mesh_for = mesh_for
+        self.solver = solver
+        self.time_limit_s = time_limit_s
+        self.granularity = granularity
+        self.num_microbatches = num_microbatches
+        self.signatures = layer_signatures(graph)
+        self.owners = param_owner_layers(graph)
+        self.num_ilps = 0
+        self.num_cache_hits = 0
+        self.ilp_seconds = 0.0
+        self.seconds = 0.0
+        self._units: dict[tuple, UnitCost] = {}
+        self._subgraphs: dict[tuple[int, int], RangeGraph] = {}
+        self._junctions: dict[tuple, float] = {}
+        self._tables: dict[Shape2, tuple] = {}
+        # the same ILP from two logical meshes (1 x n and n x 1 give identical programs
+        # with the axes renamed): solved once, the strategy indices carry over
+        self._solutions: dict = {}
+        self._crossings = self._crossing_pairs()
+
+    # -- helpers
+    def subgraph(self, start: int, end: int) -> RangeGraph:
+        if (start, end) not in self._subgraphs:
+            self._subgraphs[start, end] = range_subgraph(self.graph, start, end)
+        return self._subgraphs[start, end]
+
+    def _crossing_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(producer layer, consumer layer) pairs that pass a tensor, as layer indices."""
+        index = {name: i for i, name in enumerate(self.graph.layers)}
+        pairs = set()
+        for n in self.graph.nodes:
+            if n.layer not in index:
+                continue
+            for t in n.inputs:
+                p = self.graph.tensors[t].producer
+                if p is not None and self.graph.nodes[p].layer in index:
+                    a, b = index[self.graph.nodes[p].layer], index[n.layer]
+                    if a != b:
+                        pairs.add((a, b))
+        return tuple(sorted(pairs))
+
+    def unit(self, start: int, end: int, logical: Shape2) -> UnitCost:
+        """The plan of ``[start, end)`` on ``logical``, or of an identical range's."""
+        mesh = self.mesh_for(logical)
+        key = (tuple(self.signatures[start:end]), mesh)
+        if key in self._units:
+            self.num_cache_hits += 1
+            return self._units[key]
+        self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
+        return cost
+
+    def _plan_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
+        graph = rg.graph
+        if not math.isfinite(mesh.peak_flops):
+            mesh = dataclasses.replace(mesh, peak_flops=DEFAULT_PEAK_FLOPS)
+        amortise = 1.0 / self.num_microbatches
+        t0 = time.perf_counter()
+        self.num_ilps += 1
+        try:
+            ip = build_problem(graph, mesh, options=_NO_TIES)
+            problem = _amortise_update(ip, amortise)
+            solution = self._solutions.get(problem)
+            if solution is None:
+                solution = solve(problem, solver=self.solver, time_limit_s=self.time_limit_s)
+                self._solutions[problem] = solution
+            else:
+                self.num_ilps -= 1  # counted as a cache hit, not an ILP
+                self.num_cache_hits += 1
+        except InfeasibleProblemError:
+            self.ilp_seconds += time.perf_counter() - t0
+            return UnitCost(None, graph.flops, math.inf, math.inf, 0.0, {}, 0.0)
+        plan = plan_from_solution(ip, solution, name="stage")
+        self.ilp_seconds += time.perf_counter() - t0
+        compute = sum(
+            ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]].compute_cost
+            * (amortise if n.phase == "update" else 1.0)
+            for n in graph.nodes
+        )
+        kept = kept_activations(graph, plan.specs_by_tensor(graph.inputs), mesh)
+        recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept)
+        aliased = {src for src, _ in graph.aliases}
+        owned = 0.0
+        borrowed: dict[int, float] = {}
+        for tid, spec in zip(graph.inputs, plan.input_specs):
+            t = graph.tensors[tid]
+            if t.kind not in ("param", "opt_state"):
+                continue
+            size = t.nbytes * _spec_fraction(spec, mesh)
+            if tid in aliased:
+                owned += size * (2 if t.kind == "param" else 1)  # a param's gradient too
+            else:
+                owner = self.owners.get(rg.tensor_ids[tid], -1)
+                borrowed[owner] = borrowed.get(owner, 0.0) + size
+        return UnitCost(
+            plan,
+            graph.flops,
+            compute,
+            max(solution.objective - compute, 0.0),
+            owned,
+            borrowed,
+            sum(kept.values()),
+            recompute_s,
+            kept_bytes,
+        )
+
+    def junction(self, a: int, b: int, logical: Shape2) -> float:
+        """Seconds to reshard what layer ``a``'s plan sends layer ``b``'s plan."""
+        mesh = self.mesh_for(logical)
+        key = (self.signatures[a], self.signatures[b], b - a, mesh)
+        if key not in self._junctions:
+            ua, ub = self.unit(a, a + 1, logical), self.unit(b, b + 1, logical)
+            ga, gb = self.subgraph(a, a + 1), self.subgraph(b, b + 1)
+            cost = 0.0
+            if ua.plan is None or ub.plan is None:
+                cost = math.inf
+            else:
+                out_pos = {ga.tensor_ids[t]: k for k, t in enumerate(ga.graph.outputs)}
+                for k, tid in enumerate(gb.graph.inputs):
+                    orig = gb.tensor_ids[tid]
+                    if orig in out_pos:
+                        t = gb.graph.tensors[tid]
+                        src = ua.plan.output_specs[out_pos[orig]]
+                        dst = ub.plan.input_specs[k]
+                        item = max(t.nbytes // max(t.size, 1), 1)
+                        cost += reshard(src, dst, t.shape, item, mesh, _NO_TIES).cost
+            self._junctions[key] = cost
+        return self._junctions[key]
+
+    def stage_specs(self, start: int, end: int, logical: Shape2) -> StageSpecs:
+        """The plan of layers ``[start, end)`` on ``logical``, mapped to the graph's ids.
+
+        With ``granularity="layer"`` it is the union of the layers' own plans (a plan made
+        for an identical layer is applied to this one position by position); with
+        ``"range"`` the range's plan.  Raises if the range has no finite plan there.
+        """
+        logical = tuple(logical)
+        if self.granularity == "range":
+            pieces = [(self.unit(start, end, logical), self.subgraph(start, end))]
+        else:
+            pieces = [
+                (self.unit(i, i + 1, logical), self.subgraph(i, i + 1)) for i in range(start, end)
+            ]
+        tensor_specs: dict[int, ShardingSpec] = {}
+        input_specs: dict[int, ShardingSpec] = {}
+        operand_specs: dict[int, dict[int, ShardingSpec]] = {}
+        for unit, rg in pieces:
+            if unit.plan is None:
+                raise ValueError(
+                    f"layers {list(self.graph.layers[start:end])} have no finite intra-op plan "
+                    f"on the logical mesh {logical}"
+                )
+            plan, g = unit.plan, rg.graph
+            if len(plan.input_specs) != len(g.inputs) or len(plan.node_strategies) != len(g.nodes):
+                raise AssertionError(f"the plan reused for layers [{rg.start}, {rg.end}) differs")
+            for tid, spec in zip(g.inputs, plan.input_specs, strict=True):
+                input_specs.setdefault(rg.tensor_ids[tid], spec)
+            for tid, spec in plan.tensor_specs.items():
+                tensor_specs[rg.tensor_ids[tid]] = spec
+            for node, ops in plan.operand_specs.items():
+                operand_specs[rg.node_ids[node]] = dict(ops)
+        mesh = self.mesh_for(logical).mesh
+        for tid, spec in (*input_specs.items(), *tensor_specs.items()):
+            spec.validate(mesh, self.graph.tensors[tid].shape)  # a reused plan must fit
+        return StageSpecs(logical, tensor_specs, input_specs, operand_specs)
+
+    # -- the callback
+    def recomputes(self, layer: int) -> bool:
+        """Recompute applies to the inner layers (transformer blocks), not to the first
+        (embedding) and last (head, loss: Megatron never recomputes the logits)."""
+        return 0 < layer < len(self.graph.layers) - 1
+
+    @staticmethod
+    def _mode_terms(u: UnitCost, mode: str, recomputed: bool) -> tuple[float, float, float]:
+        """(latency, kept activation bytes, working bytes) of one unit under ``mode``."""
+        latency = u.compute_s + u.communication_s
+        if mode == "none" or not recomputed or not math.isfinite(latency):
+            return latency, u.activation_bytes, 0.0
+        working = u.activation_bytes if mode == "full" else 0.0
+        return latency + u.recompute_s[mode], u.kept_activation_bytes[mode], working
+
+    def _layer_table(self, logical: Shape2, mode: str) -> tuple:
+        """Per layer: (latency, owned bytes, kept activation bytes, working bytes,
+        borrowed) under ``mode``; per crossing pair: junction seconds.  Built once per
+        logical mesh and mode."""
+        if (logical, mode) not in self._tables:
+            units = [self.unit(i, i + 1, logical) for i in range(len(self.graph.layers))]
+            crossings = [(a, b, self.junction(a, b, logical)) for a, b in self._crossings]
+            terms = [self._mode_terms(u, mode, self.recomputes(i)) for i, u in enumerate(units)]
+            self._tables[logical, mode] = (
+                [t[0] for t in terms],
+                [u.owned_state_bytes for u in units],
+                [t[1] for t in terms],
+                [t[2] for t in terms],
+                [dict(u.borrowed_param_bytes) for u in units],
+                crossings,
+            )
+        return self._tables[logical, mode]
+
+    def range_cost(self, start: int, end: int, logical: Shape2, mode: str = "none") -> StageCost:
+        """Latency and memory of layers ``[start, end)`` on ``logical`` (one microbatch)
+        with recompute ``mode`` in its inner layers (see :meth:`recomputes`)."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {mode!r}")
+        if self.granularity == "range":
+            u = self.unit(start, end, logical)
+            inner = any(self.recomputes(i) for i in range(start, end))
+            latency, act, working = self._mode_terms(u, mode, inner)
+            owned = u.owned_state_bytes
+            borrowed_list = [dict(u.borrowed_param_bytes)]
+        else:
+            lat, own, acts, work, borrowed_list, crossings = self._layer_table(logical, mode)
+            latency = sum(lat[start:end]) + sum(
+                c for a, b, c in crossings if start <= a < end and start <= b < end
+            )
+            owned, act = sum(own[start:end]), sum(acts[start:end])
+            working = max(work[start:end])
+            borrowed_list = borrowed_list[start:end]
+        if not math.isfinite(latency):
+            return StageCost(math.inf, 0.0, 0.0)
+        borrowed: dict[int, float] = {}
+        for items in borrowed_list:
+            for owner, size in items.items():
+                if not start <= owner < end:
+                    borrowed[owner] = max(borrowed.get(owner, 0.0), size)
+        return StageCost(latency, owned + sum(borrowed.values()), act, working)
+
+    def __call__(
+        self, start: int, end: int, submesh: Shape2, logical: Shape2, recompute: str = "none"
+    ) -> StageCost:
+        t0 = time.perf_counter()
+        try:
+            return self.range_cost(start, end, tuple(logical), recompute)
+        finally:
+            self.seconds += time.perf_counter() - t0
