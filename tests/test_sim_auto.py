@@ -8,6 +8,7 @@ import pytest
 
 from autoshard.hardware.clusters import load_cluster
 from autoshard.hardware.gemm import GemmTable
+from autoshard.hardware.mesh import uniform_mesh
 from autoshard.inter.search import (
     _NO_TIES,
     IntraStageCost,
@@ -18,9 +19,9 @@ from autoshard.inter.search import (
     trace_microbatch,
 )
 from autoshard.inter.stages import pipeline_objective
-from autoshard.intra.cost import uniform_mesh
 from autoshard.intra.ilp import solve
-from autoshard.intra.problem import build_problem, materialized_tensors
+from autoshard.intra.memory import materialized_tensors
+from autoshard.intra.problem import build_problem
 from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron
 from autoshard.sim.simulate import gpt_shape
 

@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from autoshard.hardware.mesh import DeviceMesh, uniform_mesh
 from autoshard.inter.stages import (
     NO_RECOMPUTE,
     RECOMPUTE_MODES,
@@ -68,9 +69,10 @@ from autoshard.inter.stages import (
     place_submeshes,
     submesh_shapes,
 )
-from autoshard.intra.cost import CostOptions, DeviceMesh, reshard, uniform_mesh
+from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
-from autoshard.intra.problem import build_problem, mesh_intervals, plan_from_solution
+from autoshard.intra.memory import mesh_intervals
+from autoshard.intra.problem import build_problem, plan_from_solution
 from autoshard.ir.graph import Graph, build_graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.records import EqnRecord, TensorRecord, TraceRecords
@@ -646,8 +648,8 @@ def logical_mesh_costs(cluster, dtype: str | None = None):
     memory-bound operations their bytes over HBM bandwidth: the compute model of
     :mod:`autoshard.sim.megatron`.  The abstract cluster keeps FLOPs at peak.
     """
-    from autoshard.hardware.clusters import to_device_mesh
     from autoshard.hardware.gemm import GemmTable
+    from autoshard.hardware.mesh import to_device_mesh
 
     cache: dict[Shape2, DeviceMesh] = {}
     table = None
