@@ -361,7 +361,8 @@ def predicted_peak_bytes(
 
 @dataclass(frozen=True)
 class MemoryRows:
-    """What the sharding ILP's memory rows are built from (:class:`~autoshard.intra.ilp.ShardingProblem`)."""
+    """What the sharding ILP's memory rows are made of (the memory fields of
+    :class:`~autoshard.intra.ilp.ShardingProblem`)."""
 
     node_memory: tuple[tuple[float, ...], ...]  # ILP node -> bytes per device per strategy
     live_sets: tuple[tuple[int, ...], ...]  # ILP nodes live where a buffer may be born
