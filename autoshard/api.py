@@ -109,7 +109,7 @@ def default_axis_names(shape: tuple[int, ...]) -> tuple[str, ...]:
 
 
 def device_mesh_for(mesh, axis_names=None, cluster=None):
-    """A cost-model mesh (:class:`autoshard.intra.cost.DeviceMesh`) for ``mesh``.
+    """A cost-model mesh (:class:`autoshard.hardware.mesh.DeviceMesh`) for ``mesh``.
 
     ``mesh`` may be a DeviceMesh (used as is), a ``jax.sharding.Mesh``, a shape tuple or
     a string like ``"2x4"``.  The default costs are Alpa's test mesh (alpha 1, beta 1
@@ -117,7 +117,13 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     With ``cluster`` (a preset name such as ``dgx-a100`` or a preset file) the costs are
     in seconds: NVLink for axes inside a node, the network for axes across nodes.
     """
-    from autoshard.intra.cost import XLA_CPU_MEMORY, XLA_GPU_MEMORY, DeviceMesh, uniform_mesh
+    from autoshard.hardware.mesh import (
+        XLA_CPU_MEMORY,
+        XLA_GPU_MEMORY,
+        DeviceMesh,
+        preset_mesh,
+        relative_mesh,
+    )
 
     if isinstance(mesh, DeviceMesh):
         return mesh
@@ -132,20 +138,8 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     if len(names) != len(shape):
         raise ValueError(f"mesh shape {shape} has {len(shape)} axes but axis names {names}")
     if cluster is not None:  # real units: the preset's links, GEMM table, HBM and memory
-        from autoshard.hardware.clusters import load_cluster, to_device_mesh
-        from autoshard.hardware.gemm import GemmTable
-
-        n = 1
-        for s in shape:
-            n *= s
-        the_cluster = load_cluster(cluster, num_gpus=n)
-        table = the_cluster.device.gemm_table
-        return to_device_mesh(
-            the_cluster, shape, names, gemm_table=None if table is None else GemmTable.load(table)
-        )
-    betas = tuple(0.1 if i == len(shape) - 1 and len(shape) > 1 else 1.0 for i in range(len(shape)))
-    layout = XLA_CPU_MEMORY if _runs_on_cpu(mesh) else XLA_GPU_MEMORY
-    return uniform_mesh(shape, names, 1.0, betas, **layout)
+        return preset_mesh(cluster, shape, names)
+    return relative_mesh(shape, names, XLA_CPU_MEMORY if _runs_on_cpu(mesh) else XLA_GPU_MEMORY)
 
 
 def _runs_on_cpu(mesh) -> bool:

@@ -288,8 +288,8 @@ def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") 
     mesh = device_mesh_for((1,), ("data",), cluster=cluster)  # GPU layout: flags off
     flags = ("narrow_dots_in_f32", "reductions_read_memory", "late_updates",
              "early_input_reshards")  # fmt: skip
-    assert not any(getattr(mesh, f) for f in flags), "expected the GPU memory layout"
-    assert mesh.fused_transcendentals, "expected the GPU memory layout"
+    assert not any(getattr(mesh.memory_layout, f) for f in flags), "expected the GPU memory layout"
+    assert mesh.memory_layout.fused_transcendentals, "expected the GPU memory layout"
     plan = auto_shard_graph(traced.graph, mesh, solver="highs", time_limit_s=60.0)
     out["intra_predicted_peak_bytes"] = float(plan.predicted_peak_bytes)
     cfg = traced.workload.config
@@ -303,10 +303,10 @@ def traced_breakdown(graph, mesh, seq_len: int, batch_heads: int) -> dict:
     """The traced step's 1-device cost by kind, node by node as the search prices it:
     GEMMs (the GEMM table), and memory-bound work (bytes over HBM bandwidth) split into
     the attention's S x S elementwise ops, the optimizer update and the rest."""
-    from autoshard.intra.problem import materialized_tensors
+    from autoshard.intra.memory import streamed_tensors
     from autoshard.intra.strategies import node_context, replicated_strategy
 
-    kept = materialized_tensors(graph, mesh.reductions_read_memory)  # as the search prices
+    kept = streamed_tensors(graph, mesh)  # as the search prices
     out = dict.fromkeys(BREAKDOWN_KINDS, 0.0)
     for node in graph.nodes:
         seconds = replicated_strategy(node_context(graph, node, kept), mesh).compute_cost

@@ -8,15 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autoshard.hardware.mesh import DeviceMesh, alpa_test_mesh, uniform_mesh
 from autoshard.intra.cost import (
     ALPA_TIE_BREAKERS,
     CostOptions,
-    DeviceMesh,
     Reshard,
     all_gather_cost,
     all_reduce_cost,
     all_to_all_cost,
-    alpa_test_mesh,
     collective_cost,
     compute_cost,
     gather_then_slice,
@@ -24,7 +23,6 @@ from autoshard.intra.cost import (
     reduce_scatter_cost,
     reshard,
     reshard_to_consumers,
-    uniform_mesh,
 )
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from autoshard.api import trace_workload
+from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.baselines import baseline_inputs
-from autoshard.intra.cost import alpa_test_mesh
 from autoshard.intra.problem import auto_shard_graph, build_problem
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_optimizer

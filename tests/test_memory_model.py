@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from autoshard.intra.problem import live_intervals
+from autoshard.intra.memory import live_intervals
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace
 
@@ -110,8 +110,8 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
     an element, one that does not (a GPU cluster) at 2."""
     import re
 
-    from autoshard.intra.cost import alpa_test_mesh
-    from autoshard.intra.problem import buffer_bytes, predicted_peak_bytes
+    from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
+    from autoshard.intra.memory import buffer_bytes, predicted_peak_bytes
     from autoshard.ir.spec import ShardingSpec
 
     def fn(x, w):
@@ -129,7 +129,7 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
     assert dots and all("f32" in "".join(d) for d in dots), text
     g = _graph(fn, *args)
     dot = _node(g, "dot_general").outputs[0]
-    cpu = alpa_test_mesh((1,), ("x",), narrow_dots_in_f32=True)
+    cpu = alpa_test_mesh((1,), ("x",), MemoryLayout(narrow_dots_in_f32=True))
     gpu = alpa_test_mesh((1,), ("x",))
     assert buffer_bytes(g, dot, cpu) == 256 * 1024 * 4 == 2 * buffer_bytes(g, dot, gpu)
     x = g.inputs[0]
@@ -144,8 +144,8 @@ def test_narrow_dot_operands_get_f32_copies_on_cpu():
     counts one copy per cast (not a bf16 buffer and an f32 one), on CPU meshes only."""
     import re
 
-    from autoshard.intra.cost import alpa_test_mesh
-    from autoshard.intra.problem import predicted_peak_bytes, widened_dot_operands
+    from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
+    from autoshard.intra.memory import predicted_peak_bytes, widened_dot_operands
     from autoshard.ir.spec import ShardingSpec
 
     def loss(w1, w2, x):
@@ -165,7 +165,9 @@ def test_narrow_dot_operands_get_f32_copies_on_cpu():
         made = re.findall(rf"= f32\[{shape}\]\S* fusion\(%{param}\b", text)
         assert len(made) == 1, text
     g = _graph(fn, *args)
-    cpu = alpa_test_mesh((1,), ("x",), narrow_dots_in_f32=True, reductions_read_memory=True)
+    cpu = alpa_test_mesh(
+        (1,), ("x",), MemoryLayout(narrow_dots_in_f32=True, reductions_read_memory=True)
+    )
     gpu = alpa_test_mesh((1,), ("x",))
     copies = widened_dot_operands(g, cpu)
     casts = [n.outputs[0] for n in g.nodes if n.primitive == "convert_element_type"][:2]
@@ -210,7 +212,7 @@ def test_late_updates_keep_every_gradient_until_the_backward_ends():
 def test_a_causal_mask_is_never_a_buffer():
     """A mask built from iotas (no program input) is regenerated inside every reader's
     fusion by XLA, even when the backward pass reads it: no buffer in the model."""
-    from autoshard.intra.problem import materialized_tensors
+    from autoshard.intra.memory import materialized_tensors
 
     def loss(x):
         mask = jnp.tril(jnp.ones((256, 256), bool))
@@ -258,8 +260,8 @@ def test_simulator_memory_rows_are_within_10_percent_of_xla(model, dtype):
 def test_an_input_resharded_copy_starts_with_the_step_on_cpu():
     """XLA:CPU makes what depends on program inputs only (a weight's all-gather) at the
     start of the step; elsewhere a resharded copy starts at its first reader."""
-    from autoshard.intra.cost import alpa_test_mesh
-    from autoshard.intra.problem import _reshard_buffers
+    from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
+    from autoshard.intra.memory import _reshard_buffers
     from autoshard.ir.spec import ShardingSpec
 
     def fn(w, x):
@@ -272,7 +274,7 @@ def test_an_input_resharded_copy_starts_with_the_step_on_cpu():
     dot = [n for n in g.nodes if n.primitive == "dot_general"][-1]  # reads w, late
     slot = dot.inputs.index(g.inputs[0])
     gathered = {dot.index: {slot: ShardingSpec(((), ()))}}
-    cpu = alpa_test_mesh((2,), ("x",), early_input_reshards=True)
+    cpu = alpa_test_mesh((2,), ("x",), MemoryLayout(early_input_reshards=True))
     other = alpa_test_mesh((2,), ("x",))
     ((first_cpu, last_cpu, size),) = _reshard_buffers(g, gathered, cpu)
     ((first_other, last_other, _),) = _reshard_buffers(g, gathered, other)
@@ -357,7 +359,7 @@ def test_softmax_exp_is_kept_on_cpu_and_recomputed_on_gpu():
     was 18-28% over XLA:GPU's peak with the exp kept, within 3% without it,
     docs/validation.md). Cluster presets carry the GPU layout, CPU meshes the CPU one."""
     from autoshard.api import device_mesh_for
-    from autoshard.intra.problem import materialized_tensors, mesh_intervals
+    from autoshard.intra.memory import materialized_tensors, mesh_intervals
 
     def loss(q, k):
         scores = jnp.einsum("bqd,bkd->bqk", q, k)
@@ -371,5 +373,5 @@ def test_softmax_exp_is_kept_on_cpu_and_recomputed_on_gpu():
     assert not set(exps) & materialized_tensors(g, fused_transcendentals=True)
     gpu = device_mesh_for((1,), ("data",), cluster="dgx-h100")
     cpu = device_mesh_for((1,), ("data",))
-    assert gpu.fused_transcendentals and not cpu.fused_transcendentals
+    assert gpu.memory_layout.fused_transcendentals and not cpu.memory_layout.fused_transcendentals
     assert set(exps) & set(mesh_intervals(g, cpu)) and not set(exps) & set(mesh_intervals(g, gpu))

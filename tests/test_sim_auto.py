@@ -9,14 +9,15 @@ import pytest
 from autoshard.api_pipeline import auto_stage_plan, trace_microbatch
 from autoshard.hardware.clusters import load_cluster
 from autoshard.hardware.gemm import GemmTable
+from autoshard.hardware.mesh import uniform_mesh
 from autoshard.inter.options import StageSearchOptions
 from autoshard.inter.stage_cost import _NO_TIES, IntraStageCost
 from autoshard.inter.stages import pipeline_objective
 from autoshard.inter.subgraph import range_subgraph
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
-from autoshard.intra.cost import uniform_mesh
 from autoshard.intra.ilp import solve
-from autoshard.intra.problem import build_problem, materialized_tensors
+from autoshard.intra.memory import materialized_tensors
+from autoshard.intra.problem import build_problem
 from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron
 from autoshard.sim.simulate import gpt_shape
 

@@ -16,8 +16,8 @@ from autoshard.hardware.clusters import (
     axis_links,
     cluster_mesh_costs,
     load_cluster,
-    to_device_mesh,
 )
+from autoshard.hardware.mesh import to_device_mesh
 
 PRESETS = ("alpa-v100", "dgx-a100", "dgx-h100")
 

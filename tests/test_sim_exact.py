@@ -8,10 +8,10 @@ import jax
 import pytest
 
 from autoshard.api import plan_workload
-from autoshard.hardware.clusters import load_cluster, to_device_mesh
+from autoshard.hardware.clusters import load_cluster
 from autoshard.hardware.gemm import GemmTable
-from autoshard.intra.cost import XLA_CPU_MEMORY
-from autoshard.intra.problem import predicted_peak_bytes
+from autoshard.hardware.mesh import XLA_CPU_MEMORY, to_device_mesh
+from autoshard.intra.memory import predicted_peak_bytes
 from autoshard.sim.exact import MAX_EXACT_DEVICES, check_exact_devices
 from autoshard.sim.simulate import simulate
 from autoshard.verify.check import verify_plan
@@ -50,7 +50,7 @@ def test_dp_exact_numbers_are_the_compiled_executables():
     assert exact.compiled_peak_bytes == want.compiled_peak_bytes > 0
     # the intra-op prediction in XLA:CPU's layout (what was compiled), not the GPUs' one
     spec_of = bound.plan.specs_by_tensor(bound.graph.inputs)
-    cpu = dataclasses.replace(mesh, fused_transcendentals=False, **XLA_CPU_MEMORY)
+    cpu = dataclasses.replace(mesh, memory_layout=XLA_CPU_MEMORY)
     cpu_layout = predicted_peak_bytes(bound.graph, spec_of, cpu, bound.plan.operand_specs)
     assert exact.intra_predicted_peak_bytes == cpu_layout
     assert exact.intra_predicted_peak_bytes != want.predicted_peak_bytes  # the GPU layout

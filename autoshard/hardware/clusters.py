@@ -289,38 +289,3 @@ def cluster_mesh_costs(
         )
     links = axis_links(cluster, mesh_shape)
     return tuple(link.alpha for link in links), tuple(link.beta for link in links)
-
-
-def to_device_mesh(
-    cluster: Cluster,
-    mesh_shape: tuple[int, ...],
-    axis_names: tuple[str, ...],
-    dtype: str | None = None,
-    gemm_table=None,
-):
-    """An :class:`autoshard.intra.cost.DeviceMesh` for ``mesh_shape`` on ``cluster``.
-
-    ``dtype`` picks the peak FLOP/s (None: the device's default 16-bit dtype, bf16 on A100
-    and H100, fp16 on V100, which has no bf16 tensor cores). ``gemm_table`` (a loaded
-    :class:`~autoshard.hardware.gemm.GemmTable`) makes the mesh time GEMMs with it at the
-    device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak.
-    """
-    from autoshard.hardware.gemm import GemmTiming
-    from autoshard.intra.cost import XLA_GPU_MEMORY, DeviceMesh  # lazy: cost is another pass
-    from autoshard.ir.spec import Mesh
-
-    alpha, beta = cluster_mesh_costs(cluster, mesh_shape, axis_names)
-    return DeviceMesh(
-        mesh=Mesh(tuple(axis_names), tuple(int(s) for s in mesh_shape)),
-        alpha=alpha,
-        beta=beta,
-        peak_flops=cluster.device.peak_flops_for(dtype),
-        memory_bytes=cluster.device.hbm_bytes,
-        hbm_bandwidth=cluster.device.hbm_bandwidth,
-        **XLA_GPU_MEMORY,  # the presets are GPU clusters
-        gemm=None
-        if gemm_table is None
-        else GemmTiming.for_device(
-            gemm_table, dtype or cluster.device.default_dtype, cluster.device.peak_flops
-        ),
-    )

@@ -23,7 +23,7 @@ Batched GEMMs are timed as one GEMM with the batch folded into M (see :meth:`gem
 
 :class:`GemmTiming` binds a table to a device's peaks: the per-device seconds of one
 ``dot_general`` shard, which the intra-op cost model (:mod:`autoshard.intra.strategies`) uses
-when its :class:`~autoshard.intra.cost.DeviceMesh` carries one, so that the ILPs, the stage DP
+when its :class:`~autoshard.hardware.mesh.DeviceMesh` carries one, so that the ILPs, the stage DP
 and the Megatron grid model (:mod:`autoshard.sim.megatron`) time a GEMM the same way.
 """
 
@@ -215,7 +215,7 @@ class GemmTiming:
     ``half_dtype`` is the table dtype used for 2-byte operands (``fp16`` or ``bf16``: the
     dtype the step is simulated in); 4-byte operands use ``fp32``. ``peak_flops`` maps
     those dtypes to the device's FLOP/s. Equal timings compare (and hash) equal by table
-    device, dtype and peaks, so a :class:`~autoshard.intra.cost.DeviceMesh` carrying one stays a
+    device, dtype and peaks, so a :class:`~autoshard.hardware.mesh.DeviceMesh` carrying one stays a
     usable cache key. Results are memoised per shape (identical layers repeat shapes).
     """
 

@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from autoshard.hardware.mesh import DeviceMesh
 from autoshard.inter.options import GRANULARITIES
 from autoshard.inter.plan import Shape2, StageSpecs
 from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
@@ -59,9 +60,10 @@ from autoshard.inter.subgraph import (
     range_subgraph,
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
-from autoshard.intra.cost import CostOptions, DeviceMesh, reshard
+from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
-from autoshard.intra.problem import build_problem, mesh_intervals, plan_from_solution
+from autoshard.intra.memory import mesh_intervals
+from autoshard.intra.problem import build_problem, plan_from_solution
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import ShardingSpec

@@ -18,11 +18,10 @@ from autoshard.hardware.clusters import (
     LinkSpec,
     cluster_mesh_costs,
     load_cluster,
-    to_device_mesh,
 )
 from autoshard.hardware.gemm import GemmTable
+from autoshard.hardware.mesh import DeviceMesh, to_device_mesh, uniform_mesh
 from autoshard.inter.plan import LOGICAL_AXES, Shape2
-from autoshard.intra.cost import DeviceMesh, uniform_mesh
 
 DEFAULT_PEAK_FLOPS = 100e12  # FLOP/s per device when the mesh has no finite peak
 # Without a cluster preset: an abstract cluster with round link figures (bytes/s, s).

@@ -1,7 +1,7 @@
-"""Cost model: an alpha-beta device mesh, collective costs and resharding (jax-free).
+"""Cost model: alpha-beta collective costs and resharding (jax-free).
 
-Takes a logical :class:`~autoshard.ir.spec.Mesh` dressed with per-axis link figures
-(:class:`DeviceMesh`), sharding specs and global tensor shapes; returns times in seconds.
+Takes a priced mesh (:class:`~autoshard.hardware.mesh.DeviceMesh`: a logical mesh with
+per-axis link figures), sharding specs and global tensor shapes; returns times in seconds.
 
 Collectives use the ring alpha-beta formulas (REFERENCE.md), ``n`` being the number of
 devices in the group and ``bytes`` the per-device size with the conventions of
@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autoshard.ir.spec import Axes, Collective, Mesh, ShardingSpec
+from autoshard.hardware.mesh import DeviceMesh, check_nonnegative
+from autoshard.ir.spec import Axes, Collective, ShardingSpec
 
 # Alpa's constants (auto_sharding.py, LogicalDeviceMesh.*_cost).
 ALPA_TIE_BREAKERS = MappingProxyType(
@@ -69,178 +70,11 @@ class CostOptions:
 DEFAULT_COST_OPTIONS = CostOptions()
 
 
-def _check_nonnegative(name: str, value: float, *, allow_inf: bool, positive: bool = False) -> None:
-    ok = isinstance(value, numbers.Real) and not math.isnan(value)
-    ok = ok and (value > 0 if positive else value >= 0) and (allow_inf or math.isfinite(value))
-    if not ok:
-        need = "> 0" if positive else ">= 0"
-        raise ValueError(
-            f"{name} must be a number {need}{'' if allow_inf else ' and finite'}, got {value!r}"
-        )
-
-
-@dataclass(frozen=True)
-class DeviceMesh:
-    """A logical mesh plus the figures the cost model needs, per axis and per device.
-
-    ``alpha[i]`` is the latency (seconds) and ``beta[i]`` the inverse bandwidth
-    (seconds per byte) of a collective along mesh axis ``i``; ``peak_flops`` (FLOP/s),
-    ``memory_bytes`` and ``hbm_bandwidth`` (bytes/s) are per device. The defaults
-    (``inf``) make compute and memory-bound time free and memory unbounded, as in
-    Alpa's intra-operator tests, which cost communication only.
-
-    ``gemm`` (a :class:`~autoshard.hardware.gemm.GemmTiming`, or None) times every
-    ``dot_general`` shard from a GEMM efficiency table instead of at ``peak_flops``; a
-    finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
-    :func:`autoshard.intra.strategies.strategy_seconds`).
-    """
-
-    mesh: Mesh
-    alpha: tuple[float, ...]
-    beta: tuple[float, ...]
-    peak_flops: float = math.inf
-    memory_bytes: float = math.inf
-    hbm_bandwidth: float = math.inf
-    gemm: object | None = None  # autoshard.hardware.gemm.GemmTiming (kept jax- and sim-free)
-    # XLA:CPU computes bf16/f16 dots in f32: a narrow dot's result is an f32 buffer
-    # (the convert down is fused into its readers). The memory model counts it so.
-    narrow_dots_in_f32: bool = False
-    # XLA:CPU runs reductions as library calls (XNNPACK) that read their operand from
-    # memory, so whatever a reduction reads is a buffer (a LayerNorm's input, kept for its
-    # backward); a GPU fuses the producer into the reduction. The memory model counts it so.
-    reductions_read_memory: bool = False
-    # XLA:CPU combines the gradient all-reduces into one at the end of the backward pass,
-    # so every gradient is live until then (XLA on GPUs updates each parameter as soon as
-    # its gradient is ready). The memory model counts it so.
-    late_updates: bool = False
-    # XLA:CPU's scheduler makes what depends on program inputs only (a weight's all-gather,
-    # the labels' one-hot) at the start of the step, so such a resharded copy is live from
-    # there to its last reader. The memory model counts it so.
-    early_input_reshards: bool = False
-    # XLA:GPU fuses a transcendental (softmax's exp) into every kernel that reads it and
-    # recomputes it in the backward pass from what it is made of (the bf16 attention
-    # scores), so no f32 exp(scores - max) is kept (measured on one H100,
-    # docs/validation.md); XLA:CPU keeps it. The memory model counts it so.
-    fused_transcendentals: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "alpha", tuple(self.alpha))
-        object.__setattr__(self, "beta", tuple(self.beta))
-        rank = len(self.mesh.shape)
-        for name in ("alpha", "beta"):
-            values = getattr(self, name)
-            if len(values) != rank:
-                raise ValueError(
-                    f"{name} has {len(values)} entries {values} but mesh {self.mesh} has "
-                    f"{rank} axes {self.mesh.axis_names}; give one value per axis"
-                )
-            for axis, v in zip(self.mesh.axis_names, values, strict=True):
-                _check_nonnegative(f"{name} of mesh axis {axis!r}", v, allow_inf=False)
-        _check_nonnegative("peak_flops", self.peak_flops, allow_inf=True, positive=True)
-        _check_nonnegative("memory_bytes", self.memory_bytes, allow_inf=True)
-        _check_nonnegative("hbm_bandwidth", self.hbm_bandwidth, allow_inf=True, positive=True)
-
-    @property
-    def axis_names(self) -> tuple[str, ...]:
-        return self.mesh.axis_names
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.mesh.shape
-
-    @property
-    def num_devices(self) -> int:
-        return self.mesh.num_devices
-
-    def link(self, axes: str | Sequence[str]) -> tuple[float, float]:
-        """(alpha, beta) of a ring over ``axes``: the slowest link among axes of size > 1."""
-        group = _as_group(self, axes)
-        idx = [self.mesh.index(a) for a in group if self.mesh.size(a) > 1]
-        if not idx:
-            return 0.0, 0.0
-        return max(self.alpha[i] for i in idx), max(self.beta[i] for i in idx)
-
-
-# How XLA:CPU lays memory out: every backend flag of DeviceMesh on (docs/truth.md).
-XLA_CPU_MEMORY = MappingProxyType(
-    {
-        "narrow_dots_in_f32": True,
-        "reductions_read_memory": True,
-        "late_updates": True,
-        "early_input_reshards": True,
-    }
-)
-
-
-# How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).
-XLA_GPU_MEMORY = MappingProxyType({"fused_transcendentals": True})
-
-
-def uniform_mesh(
-    shape: Sequence[int],
-    axis_names: Sequence[str],
-    alpha: float | Sequence[float],
-    beta: float | Sequence[float],
-    peak_flops: float = math.inf,
-    memory_bytes: float = math.inf,
-    hbm_bandwidth: float = math.inf,
-    **memory_layout: bool,
-) -> DeviceMesh:
-    """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis.
-    ``memory_layout``: DeviceMesh's backend flags (``XLA_CPU_MEMORY`` sets them all)."""
-    rank = len(shape)
-    alphas = (alpha,) * rank if isinstance(alpha, int | float) else tuple(alpha)
-    betas = (beta,) * rank if isinstance(beta, int | float) else tuple(beta)
-    return DeviceMesh(
-        Mesh(tuple(axis_names), tuple(shape)),
-        alphas,
-        betas,
-        peak_flops,
-        memory_bytes,
-        hbm_bandwidth,
-        **memory_layout,
-    )
-
-
-def alpa_test_mesh(
-    shape: Sequence[int],
-    axis_names: Sequence[str] | None = None,
-    **memory_layout: bool,
-) -> DeviceMesh:
-    """The logical mesh of Alpa's intra-operator tests: alpha = (1, 1), beta = (1, 0.1).
-
-    Axis 1 is the fast (intra-node) axis. For a 1-D mesh we use alpha = 1, beta = 1:
-    Alpa's 1-D cases are meshes of shape (1, n) whose only real axis is the fast one, but
-    a lone axis has nothing to be fast relative to, and unit costs keep the arithmetic of
-    tests obvious. Compute, HBM time and memory are left free/unbounded (see DeviceMesh).
-    ``memory_layout``: DeviceMesh's backend flags, e.g. ``**XLA_CPU_MEMORY`` to predict
-    memory as XLA:CPU lays it out.
-    """
-    shape = tuple(shape)
-    if len(shape) not in (1, 2):
-        raise ValueError(
-            f"alpa_test_mesh takes a 1-D or 2-D shape, got {shape}; use uniform_mesh for others"
-        )
-    names = tuple(axis_names) if axis_names is not None else ("x", "y")[: len(shape)]
-    if len(shape) == 1:
-        return uniform_mesh(shape, names, (1.0,), (1.0,), **memory_layout)
-    return uniform_mesh(shape, names, (1.0, 1.0), (1.0, 0.1), **memory_layout)
-
-
-def _as_group(mesh: DeviceMesh, axes: str | Sequence[str]) -> Axes:
-    group = (axes,) if isinstance(axes, str) else tuple(axes)
-    for a in group:
-        mesh.mesh.index(a)  # raises ValueError naming the axis and the mesh's axes
-    if len(set(group)) != len(group):
-        raise ValueError(f"collective group {group} repeats a mesh axis")
-    return group
-
-
 def _ring_cost(
     kind: str, mesh: DeviceMesh, axes: str | Sequence[str], nbytes: float, options: CostOptions
 ) -> float:
-    group = _as_group(mesh, axes)
-    _check_nonnegative("nbytes", nbytes, allow_inf=False)
+    group = mesh.group(axes)
+    check_nonnegative("nbytes", nbytes, allow_inf=False)
     n = mesh.mesh.size(group)
     if n == 1:
         return 0.0
@@ -307,13 +141,13 @@ def collective_cost(
 
 def compute_cost(mesh: DeviceMesh, flops: float) -> float:
     """Seconds to run ``flops`` on one device at peak."""
-    _check_nonnegative("flops", flops, allow_inf=False)
+    check_nonnegative("flops", flops, allow_inf=False)
     return flops / mesh.peak_flops
 
 
 def memory_bound_cost(mesh: DeviceMesh, nbytes: float) -> float:
     """Seconds to stream ``nbytes`` through one device's HBM."""
-    _check_nonnegative("nbytes", nbytes, allow_inf=False)
+    check_nonnegative("nbytes", nbytes, allow_inf=False)
     return nbytes / mesh.hbm_bandwidth
 
 

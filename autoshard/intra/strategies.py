@@ -29,8 +29,9 @@ import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from autoshard.intra.cost import DeviceMesh
-from autoshard.ir.graph import ELEMENTWISE, Graph, Node
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.ir.graph import Graph, Node
+from autoshard.ir.primitives import ELEMENTWISE
 from autoshard.ir.spec import ShardingSpec
 
 HEAVY = frozenset({"dot_general", "conv_general_dilated"})
@@ -62,7 +63,7 @@ class NodeContext:
     """A node with its operand shapes and what it streams through memory.
 
     ``in_bytes`` / ``out_bytes``: global bytes of each operand / result the node reads
-    from or writes to memory (materialised buffers, :func:`autoshard.intra.problem.
+    from or writes to memory (materialised buffers, :func:`autoshard.intra.memory.
     materialized_tensors`; 0 for values fused away); empty when not modelled.
     ``itemsize``: bytes per element of the first operand (a dot's GEMM dtype).
     """

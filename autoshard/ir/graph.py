@@ -28,23 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from autoshard.ir.primitives import ALL_REDUCTIONS, ELEMENTWISE, ZERO_FLOP
 from autoshard.ir.records import EqnRecord, TensorRecord, TraceRecords
-
-ZERO_FLOP = frozenset(
-    "reshape transpose broadcast_in_dim gather slice dynamic_slice dynamic_update_slice "
-    "concatenate split convert_element_type iota select_n copy copy_p stop_gradient squeeze "
-    "expand_dims pad rev reduce_precision bitcast_convert_type sharding_constraint "
-    "optimization_barrier".split()
-)
-ELEMENTWISE = frozenset(
-    "add sub mul div neg max min abs sign exp exp2 log log1p tanh logistic sqrt rsqrt cbrt "
-    "square pow sin cos tan erf erfc erf_inv is_finite floor ceil round eq ne lt le gt ge "
-    "and or not xor add_any rem atan2 clamp nextafter select_and_scatter_add expm1 "
-    "integer_pow".split()
-)
-REDUCTIONS = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
-)
 
 FlopRule = Callable[[EqnRecord, list[TensorRecord], list[TensorRecord]], float]
 FLOP_RULES: dict[str, FlopRule] = {}
@@ -82,7 +67,7 @@ def _elementwise_flops(eqn, ins, outs) -> float:
     return n
 
 
-@register_flops(*REDUCTIONS, "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+@register_flops(*ALL_REDUCTIONS, "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def _reduction_flops(eqn, ins, outs) -> float:
     return float(ins[0].size)
 

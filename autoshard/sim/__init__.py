@@ -20,9 +20,9 @@ from autoshard.hardware.clusters import (
     available_presets,
     cluster_mesh_costs,
     load_cluster,
-    to_device_mesh,
 )
 from autoshard.hardware.gemm import GemmTable, memory_bound_time
+from autoshard.hardware.mesh import to_device_mesh
 
 __all__ = [
     "Cluster",

@@ -183,10 +183,9 @@ def exact_check(
     import jax
 
     from autoshard.api import plan_workload
-    from autoshard.hardware.clusters import load_cluster, to_device_mesh
-    from autoshard.hardware.gemm import GemmTable
-    from autoshard.intra.cost import XLA_CPU_MEMORY
-    from autoshard.intra.problem import predicted_peak_bytes
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.hardware.mesh import XLA_CPU_MEMORY, preset_mesh
+    from autoshard.intra.memory import predicted_peak_bytes
 
     devices = jax.devices("cpu")
     if len(devices) < gpus:
@@ -205,14 +204,7 @@ def exact_check(
         recompute, baseline = plan["recompute"], plan["kind"]
         batch = plan["microbatch_size"] * dp  # Megatron's micro-batch is per replica
     the_cluster = load_cluster(cluster, gpus)
-    table = the_cluster.device.gemm_table
-    mesh = to_device_mesh(
-        the_cluster,
-        (dp, tp),
-        ("data", "model"),
-        plan["dtype"],
-        gemm_table=None if table is None else GemmTable.load(table),
-    )
+    mesh = preset_mesh(the_cluster, (dp, tp), ("data", "model"), plan["dtype"])
     t0 = time.perf_counter()
     bound = plan_workload(
         report.model,
@@ -232,7 +224,7 @@ def exact_check(
     intra_cpu = predicted_peak_bytes(
         bound.graph,
         bound.plan.specs_by_tensor(bound.graph.inputs),
-        dataclasses.replace(mesh, fused_transcendentals=False, **XLA_CPU_MEMORY),
+        dataclasses.replace(mesh, memory_layout=XLA_CPU_MEMORY),
         bound.plan.operand_specs,
     )
     return ExactReport(

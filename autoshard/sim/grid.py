@@ -28,8 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autoshard.hardware.clusters import Cluster, to_device_mesh
+from autoshard.hardware.clusters import Cluster
 from autoshard.hardware.gemm import GemmTable
+from autoshard.hardware.mesh import to_device_mesh
 from autoshard.intra.cost import all_gather_cost, reduce_scatter_cost
 from autoshard.sim import formulas
 from autoshard.sim.megatron import (

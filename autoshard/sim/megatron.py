@@ -51,11 +51,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autoshard.hardware.clusters import Cluster, to_device_mesh
+from autoshard.hardware.clusters import Cluster
 from autoshard.hardware.gemm import GemmTable, memory_bound_time
+from autoshard.hardware.mesh import DeviceMesh, to_device_mesh
 from autoshard.intra.cost import (
     CostOptions,
-    DeviceMesh,
     all_gather_cost,
     all_reduce_cost,
     reduce_scatter_cost,

@@ -1,0 +1,282 @@
+"""The priced mesh: a logical mesh with the figures the planner prices it by (jax-free).
+
+:class:`DeviceMesh` is a :class:`~autoshard.ir.spec.Mesh` with, per axis, the alpha-beta
+figures of a collective along it and, per device, peak FLOP/s, memory, HBM bandwidth, an
+optional GEMM timing, and the :class:`MemoryLayout` of the backend that compiles the plan
+(read by the memory model, :mod:`autoshard.intra.memory`).
+
+Every priced mesh is made here: :func:`uniform_mesh` and :func:`alpa_test_mesh` in
+relative units (Alpa's intra-operator tests), :func:`relative_mesh` for any rank, and
+from a cluster preset, :func:`to_device_mesh` (the one conversion: links, peaks, memory)
+and :func:`preset_mesh` (a preset by name, file or :class:`Cluster`, with its device's
+GEMM table).  Guarantees: every figure is a number >= 0 (finite for alpha and beta), one
+alpha and one beta per mesh axis; a bad one raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autoshard.hardware.clusters import Cluster, cluster_mesh_costs, load_cluster
+from autoshard.hardware.gemm import GemmTable, GemmTiming
+from autoshard.ir.spec import Axes, Mesh
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """How a backend's compiler lays a step's buffers out, where XLA backends differ.
+
+    The memory model (:mod:`autoshard.intra.memory`) reads these; every flag off is a
+    plain model (narrow dots in their own dtype, reductions fused with their producer,
+    each parameter updated as soon as its gradient is ready, a resharded input made when
+    first read, transcendentals kept when shared).
+    """
+
+    # XLA:CPU computes bf16/f16 dots in f32: a narrow dot's result is an f32 buffer
+    # (the convert down is fused into its readers). The memory model counts it so.
+    narrow_dots_in_f32: bool = False
+    # XLA:CPU runs reductions as library calls (XNNPACK) that read their operand from
+    # memory, so whatever a reduction reads is a buffer (a LayerNorm's input, kept for its
+    # backward); a GPU fuses the producer into the reduction. The memory model counts it so.
+    reductions_read_memory: bool = False
+    # XLA:CPU combines the gradient all-reduces into one at the end of the backward pass,
+    # so every gradient is live until then (XLA on GPUs updates each parameter as soon as
+    # its gradient is ready). The memory model counts it so.
+    late_updates: bool = False
+    # XLA:CPU's scheduler makes what depends on program inputs only (a weight's all-gather,
+    # the labels' one-hot) at the start of the step, so such a resharded copy is live from
+    # there to its last reader. The memory model counts it so.
+    early_input_reshards: bool = False
+    # XLA:GPU fuses a transcendental (softmax's exp) into every kernel that reads it and
+    # recomputes it in the backward pass from what it is made of (the bf16 attention
+    # scores), so no f32 exp(scores - max) is kept (measured on one H100,
+    # docs/validation.md); XLA:CPU keeps it. The memory model counts it so.
+    fused_transcendentals: bool = False
+
+
+# How XLA:CPU lays memory out: every flag but the GPU's on (docs/truth.md).
+XLA_CPU_MEMORY = MemoryLayout(
+    narrow_dots_in_f32=True,
+    reductions_read_memory=True,
+    late_updates=True,
+    early_input_reshards=True,
+)
+
+# How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).
+XLA_GPU_MEMORY = MemoryLayout(fused_transcendentals=True)
+
+
+def check_nonnegative(name: str, value: float, *, allow_inf: bool, positive: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a real number >= 0 (> 0 with
+    ``positive``), finite unless ``allow_inf``."""
+    ok = isinstance(value, numbers.Real) and not math.isnan(value)
+    ok = ok and (value > 0 if positive else value >= 0) and (allow_inf or math.isfinite(value))
+    if not ok:
+        need = "> 0" if positive else ">= 0"
+        raise ValueError(
+            f"{name} must be a number {need}{'' if allow_inf else ' and finite'}, got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """A logical mesh plus the figures the cost model needs, per axis and per device.
+
+    ``alpha[i]`` is the latency (seconds) and ``beta[i]`` the inverse bandwidth
+    (seconds per byte) of a collective along mesh axis ``i``; ``peak_flops`` (FLOP/s),
+    ``memory_bytes`` and ``hbm_bandwidth`` (bytes/s) are per device. The defaults
+    (``inf``) make compute and memory-bound time free and memory unbounded, as in
+    Alpa's intra-operator tests, which cost communication only.
+
+    ``gemm`` (a :class:`~autoshard.hardware.gemm.GemmTiming`, or None) times every
+    ``dot_general`` shard from a GEMM efficiency table instead of at ``peak_flops``; a
+    finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
+    :func:`autoshard.intra.strategies.strategy_seconds`). ``memory_layout``: how the
+    backend lays buffers out (:class:`MemoryLayout`; default all flags off).
+    """
+
+    mesh: Mesh
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+    peak_flops: float = math.inf
+    memory_bytes: float = math.inf
+    hbm_bandwidth: float = math.inf
+    gemm: GemmTiming | None = None
+    memory_layout: MemoryLayout = field(default_factory=MemoryLayout)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "alpha", tuple(self.alpha))
+        object.__setattr__(self, "beta", tuple(self.beta))
+        rank = len(self.mesh.shape)
+        for name in ("alpha", "beta"):
+            values = getattr(self, name)
+            if len(values) != rank:
+                raise ValueError(
+                    f"{name} has {len(values)} entries {values} but mesh {self.mesh} has "
+                    f"{rank} axes {self.mesh.axis_names}; give one value per axis"
+                )
+            for axis, v in zip(self.mesh.axis_names, values, strict=True):
+                check_nonnegative(f"{name} of mesh axis {axis!r}", v, allow_inf=False)
+        check_nonnegative("peak_flops", self.peak_flops, allow_inf=True, positive=True)
+        check_nonnegative("memory_bytes", self.memory_bytes, allow_inf=True)
+        check_nonnegative("hbm_bandwidth", self.hbm_bandwidth, allow_inf=True, positive=True)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return self.mesh.axis_names
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.mesh.shape
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.num_devices
+
+    def group(self, axes: str | Sequence[str]) -> Axes:
+        """``axes`` as a collective group: a tuple of distinct axes of this mesh."""
+        group = (axes,) if isinstance(axes, str) else tuple(axes)
+        for a in group:
+            self.mesh.index(a)  # raises ValueError naming the axis and the mesh's axes
+        if len(set(group)) != len(group):
+            raise ValueError(f"collective group {group} repeats a mesh axis")
+        return group
+
+    def link(self, axes: str | Sequence[str]) -> tuple[float, float]:
+        """(alpha, beta) of a ring over ``axes``: the slowest link among axes of size > 1."""
+        group = self.group(axes)
+        idx = [self.mesh.index(a) for a in group if self.mesh.size(a) > 1]
+        if not idx:
+            return 0.0, 0.0
+        return max(self.alpha[i] for i in idx), max(self.beta[i] for i in idx)
+
+
+def uniform_mesh(
+    shape: Sequence[int],
+    axis_names: Sequence[str],
+    alpha: float | Sequence[float],
+    beta: float | Sequence[float],
+    peak_flops: float = math.inf,
+    memory_bytes: float = math.inf,
+    hbm_bandwidth: float = math.inf,
+    memory_layout: MemoryLayout = MemoryLayout(),
+) -> DeviceMesh:
+    """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis."""
+    rank = len(shape)
+    alphas = (alpha,) * rank if isinstance(alpha, int | float) else tuple(alpha)
+    betas = (beta,) * rank if isinstance(beta, int | float) else tuple(beta)
+    return DeviceMesh(
+        Mesh(tuple(axis_names), tuple(shape)),
+        alphas,
+        betas,
+        peak_flops,
+        memory_bytes,
+        hbm_bandwidth,
+        memory_layout=memory_layout,
+    )
+
+
+def alpa_test_mesh(
+    shape: Sequence[int],
+    axis_names: Sequence[str] | None = None,
+    memory_layout: MemoryLayout = MemoryLayout(),
+) -> DeviceMesh:
+    """The logical mesh of Alpa's intra-operator tests: alpha = (1, 1), beta = (1, 0.1).
+
+    Axis 1 is the fast (intra-node) axis. For a 1-D mesh we use alpha = 1, beta = 1:
+    Alpa's 1-D cases are meshes of shape (1, n) whose only real axis is the fast one, but
+    a lone axis has nothing to be fast relative to, and unit costs keep the arithmetic of
+    tests obvious. Compute, HBM time and memory are left free/unbounded (see DeviceMesh).
+    ``memory_layout``: e.g. ``XLA_CPU_MEMORY`` to predict memory as XLA:CPU lays it out.
+    """
+    shape = tuple(shape)
+    if len(shape) not in (1, 2):
+        raise ValueError(
+            f"alpa_test_mesh takes a 1-D or 2-D shape, got {shape}; use uniform_mesh for others"
+        )
+    names = tuple(axis_names) if axis_names is not None else ("x", "y")[: len(shape)]
+    if len(shape) == 1:
+        return uniform_mesh(shape, names, (1.0,), (1.0,), memory_layout=memory_layout)
+    return uniform_mesh(shape, names, (1.0, 1.0), (1.0, 0.1), memory_layout=memory_layout)
+
+
+def relative_mesh(
+    shape: Sequence[int], axis_names: Sequence[str], memory_layout: MemoryLayout = MemoryLayout()
+) -> DeviceMesh:
+    """Alpa's test costs on a mesh of any rank, in relative units: alpha 1 on every axis,
+    beta 1 on every axis but the last, fast one of a multi-axis mesh (0.1)."""
+    shape = tuple(shape)
+    betas = tuple(0.1 if i == len(shape) - 1 and len(shape) > 1 else 1.0 for i in range(len(shape)))
+    return uniform_mesh(shape, axis_names, 1.0, betas, memory_layout=memory_layout)
+
+
+def to_device_mesh(
+    cluster: Cluster,
+    mesh_shape: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    dtype: str | None = None,
+    gemm_table: GemmTable | None = None,
+) -> DeviceMesh:
+    """A :class:`DeviceMesh` for ``mesh_shape`` on ``cluster``: its links per axis
+    (:func:`~autoshard.hardware.clusters.cluster_mesh_costs`), its device's peak, memory
+    and HBM bandwidth, and XLA:GPU's memory layout (the presets are GPU clusters).
+
+    ``dtype`` picks the peak FLOP/s (None: the device's default 16-bit dtype, bf16 on A100
+    and H100, fp16 on V100, which has no bf16 tensor cores). ``gemm_table`` (a loaded
+    :class:`~autoshard.hardware.gemm.GemmTable`) makes the mesh time GEMMs with it at the
+    device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak.
+    """
+    alpha, beta = cluster_mesh_costs(cluster, mesh_shape, axis_names)
+    return DeviceMesh(
+        mesh=Mesh(tuple(axis_names), tuple(int(s) for s in mesh_shape)),
+        alpha=alpha,
+        beta=beta,
+        peak_flops=cluster.device.peak_flops_for(dtype),
+        memory_bytes=cluster.device.hbm_bytes,
+        hbm_bandwidth=cluster.device.hbm_bandwidth,
+        gemm=None
+        if gemm_table is None
+        else GemmTiming.for_device(
+            gemm_table, dtype or cluster.device.default_dtype, cluster.device.peak_flops
+        ),
+        memory_layout=XLA_GPU_MEMORY,
+    )
+
+
+def preset_mesh(
+    cluster: Cluster | str | Path,
+    mesh_shape: Sequence[int],
+    axis_names: Sequence[str],
+    dtype: str | None = None,
+) -> DeviceMesh:
+    """:func:`to_device_mesh` timing GEMMs with the device's own GEMM table, if its preset
+    names one. ``cluster``: a :class:`Cluster`, or a preset name or file, loaded for the
+    mesh's number of GPUs."""
+    mesh_shape, axis_names = tuple(int(s) for s in mesh_shape), tuple(axis_names)
+    if not isinstance(cluster, Cluster):
+        cluster = load_cluster(cluster, num_gpus=math.prod(mesh_shape))
+    table = cluster.device.gemm_table
+    return to_device_mesh(
+        cluster,
+        mesh_shape,
+        axis_names,
+        dtype,
+        gemm_table=None if table is None else GemmTable.load(table),
+    )
+
+
+__all__ = [
+    "DeviceMesh",
+    "MemoryLayout",
+    "XLA_CPU_MEMORY",
+    "XLA_GPU_MEMORY",
+    "alpa_test_mesh",
+    "preset_mesh",
+    "relative_mesh",
+    "to_device_mesh",
+    "uniform_mesh",
+]

@@ -1,0 +1,508 @@
+"""The memory model: which buffers a compiled step holds, when, and how large (jax-free).
+
+One model of XLA's buffers, used alike by the sharding ILP's memory rows
+(:func:`memory_rows`, for :mod:`autoshard.intra.problem`) and by the plan's prediction
+(:func:`predicted_peak_bytes`), so that a plan's predicted peak is the peak its memory
+rows constrain.  It takes an op :class:`~autoshard.ir.graph.Graph` and a priced mesh
+(:class:`~autoshard.hardware.mesh.DeviceMesh`, whose
+:class:`~autoshard.hardware.mesh.MemoryLayout` says how the backend lays memory out):
+
+* fusion -- which values are materialised (:func:`materialized_tensors`);
+* schedule -- each buffer's live interval in program order (:func:`live_intervals`);
+* sizes -- a buffer's bytes, f32 copies of narrow dot operands (:func:`tensor_buffers`),
+  and one buffer per value and resharded layout (:func:`_resharded_copy`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.ilp import CopyBuffer
+from autoshard.intra.strategies import Strategy
+from autoshard.ir.graph import Graph
+from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
+from autoshard.ir.spec import ShardingSpec
+
+# Ops after which XLA materialises a buffer; elementwise producers are fused into their
+# consumers, reshapes are bitcasts.
+MATERIALIZING = frozenset(
+    "dot_general gather scatter-add scatter_add reduce_sum reduce_max reduce_min argmax argmin "
+    "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
+)
+# Ops that read their operands from memory (no fusion into them).
+UNFUSED_CONSUMERS = frozenset("dot_general gather scatter-add scatter_add concatenate".split())
+EXPENSIVE = TRANSCENDENTAL | {"div"}  # not recomputed in the backward pass when saved
+FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradient"})
+
+
+def materialized_tensors(
+    graph: Graph, reductions_read_memory: bool = False, fused_transcendentals: bool = False
+) -> set[int]:
+    """Tensors that occupy memory in the compiled step (a model of XLA's fusion).
+
+    A tensor is materialised when it is a program input or output, when an op that
+    always writes a buffer made it (dots, reductions, gathers, scatters, transposes,
+    concatenations), or when an unfused op reads it (a dot's operands; with
+    ``reductions_read_memory``, as on XLA:CPU, whose reductions are library calls, a
+    reduction's operand too).
+
+    Cheap elementwise values (anything but transcendentals and divisions) are fused into
+    every reader, the backward pass's included: XLA recomputes them there from the
+    buffers they are made of (a LayerNorm's centred and normalised input, from its input
+    and statistics) rather than keeping them; :func:`live_intervals` keeps those buffers
+    alive until then.  A transcendental or a division read by several ops is kept; one
+    made in the forward pass and read in the backward is kept unless its operands are
+    kept until then anyway.
+
+    With ``fused_transcendentals`` (XLA:GPU) transcendentals are cheap too: fused into
+    every reader and recomputed in the backward pass (softmax's ``exp``).
+
+    Values that depend on no program input (an attention mask: iota, compare,
+    broadcast) never are: XLA folds them or regenerates them inside each reader's fusion.
+    """
+    expensive = EXPENSIVE - TRANSCENDENTAL if fused_transcendentals else EXPENSIVE
+    kept_when_shared = frozenset() if fused_transcendentals else TRANSCENDENTAL
+    out = set(graph.inputs) | set(graph.outputs)
+    data_free = _data_free_tensors(graph)
+    unfused = UNFUSED_CONSUMERS | (ALL_REDUCTIONS if reductions_read_memory else frozenset())
+    for node in graph.nodes:
+        for tid in node.outputs:
+            t = graph.tensors[tid]
+            if node.primitive in FREE_VIEWS or not t.shape:
+                continue
+            if tid in data_free and tid not in out:
+                continue
+            users = [graph.nodes[c] for c in t.consumers]
+            if node.primitive in MATERIALIZING or any(u.primitive in unfused for u in users):
+                out.add(tid)
+            elif node.primitive in kept_when_shared and len({u.index for u in users}) > 1:
+                out.add(tid)  # too dear to recompute in every consumer's fusion
+            elif node.primitive not in expensive:
+                continue  # recomputed wherever it is read
+            elif node.phase == "forward" and any(u.phase != "forward" for u in users):
+                # saved for the backward pass -- unless XLA can recompute it inside the
+                # backward fusion from operands that are kept until then anyway
+                last = t.last_use
+                recomputable = all(
+                    graph.tensors[i].kind in ("literal", "const")
+                    or not graph.tensors[i].shape
+                    or (i in out and graph.tensors[i].last_use >= last)
+                    for i in node.inputs
+                )
+                if not recomputable:
+                    out.add(tid)
+    return out
+
+
+def _data_free_tensors(graph: Graph) -> set[int]:
+    """Tensors computed from literals and constants only, by ops XLA fuses or folds (no
+    dots, reductions, gathers, scatters: whatever always writes a buffer)."""
+    free: set[int] = set()
+    for node in graph.nodes:
+        if node.primitive in MATERIALIZING:
+            continue
+        if all(graph.tensors[i].kind in ("literal", "const") or i in free for i in node.inputs):
+            free.update(node.outputs)
+    return free
+
+
+def streamed_tensors(graph: Graph, mesh: DeviceMesh) -> set[int]:
+    """The buffers memory-bound ops are charged for streaming: :func:`materialized_tensors`
+    under XLA:CPU's fusion model on every backend (with the mesh's
+    ``reductions_read_memory``): on one H100 the attention's softmax kernels took 18.5 ms a
+    step, where the values XLA:GPU keeps (``fused_transcendentals``) would price 7.7 ms and
+    these 27.0 ms (docs/validation.md)."""
+    return materialized_tensors(graph, mesh.memory_layout.reductions_read_memory)
+
+
+def program_positions(graph: Graph, late_updates: bool = False) -> list[int]:
+    """Node index -> position in the modelled schedule: program order, except that XLA
+    schedules each parameter's update as soon as its gradient is ready (update ops move
+    to just after their last input) -- unless ``late_updates`` (XLA:CPU, which combines
+    the gradient reductions into one at the end of the backward pass, so every gradient
+    waits for it)."""
+    pos = list(range(len(graph.nodes)))
+    if late_updates:
+        return pos
+    for node in graph.nodes:
+        if node.phase == "update":
+            ready = [
+                pos[graph.tensors[t].producer]
+                for t in node.inputs
+                if graph.tensors[t].producer is not None
+            ]
+            pos[node.index] = max(ready, default=0)
+    return pos
+
+
+def live_intervals(
+    graph: Graph,
+    reductions_read_memory: bool = False,
+    late_updates: bool = False,
+    fused_transcendentals: bool = False,
+) -> dict[int, tuple[int, int]]:
+    """Tensor id -> (first, last) program position of every buffer that occupies memory.
+
+    Program inputs live throughout ((-1, n)); updated state reuses its donated input, so
+    aliased outputs take no extra room.  Positions are :func:`program_positions`.
+    The flags are :class:`~autoshard.hardware.mesh.MemoryLayout`'s (:func:`mesh_intervals`).  Only
+    materialised tensors count (:func:`materialized_tensors`); a buffer lives until the
+    last op that reads it, directly or through values fused away (:func:`_readers`: a
+    value recomputed in the backward pass keeps what it is made of alive until then).
+    """
+    n = len(graph.nodes)
+    pos = program_positions(graph, late_updates)
+    keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals)
+    aliased_outputs = {dst for _, dst in graph.aliases}
+    out: dict[int, tuple[int, int]] = {}
+    for t in graph.tensors:
+        if t.id not in keep or t.id in aliased_outputs or t.kind in ("literal", "const"):
+            continue
+        if t.producer is None:
+            out[t.id] = (-1, n)
+            continue
+        first = pos[t.producer]
+        if t.last_use >= n:
+            last = n
+        else:
+            last = max([pos[c] for c in _readers(graph, t.id, keep)] + [first])
+        out[t.id] = (first, last)
+    for node in graph.nodes:  # outputs written into a dying operand's buffer
+        shared = _shared_operand(graph, node, out)
+        if shared is not None:
+            first, _ = out[shared]
+            out[shared] = (first, max(first, pos[node.index] - 1))
+    return out
+
+
+def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
+    """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
+    layout = mesh.memory_layout
+    return live_intervals(
+        graph, layout.reductions_read_memory, layout.late_updates, layout.fused_transcendentals
+    )
+
+
+def _readers(graph: Graph, tid: int, keep: set[int]) -> set[int]:
+    """Nodes that read ``tid``'s buffer: its consumers and, through every value that is
+    not materialised (fused into its readers), the readers of that value in turn."""
+    seen: set[int] = set()
+    stack, readers = [tid], set()
+    while stack:
+        for c in graph.tensors[stack.pop()].consumers:
+            readers.add(c)
+            for o in graph.nodes[c].outputs:
+                constant = graph.tensors[o].kind in ("literal", "const")
+                if o not in keep and o not in seen and not constant:
+                    seen.add(o)
+                    stack.append(o)
+    return readers
+
+
+# Ops whose output XLA writes into an operand's buffer when that operand dies there:
+# scatters and dynamic-update-slice update in place.  Elementwise loop fusions could, but
+# XLA:CPU's buffer assignment rarely lets them: in the compiled gpt-350m dp step, 11 of 117
+# loop fusions whose same-size operand dies there share its buffer (the scatters and a few
+# optimizer updates), the other 106 get a buffer of their own -- among them
+# ``exp(logits - max) * g``, which holds a second 200 MiB logits-sized buffer at XLA's peak.
+# The model therefore shares for in-place updates only.
+IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "dynamic_update_slice"})
+
+
+def _shared_operand(graph: Graph, node, intervals) -> int | None:
+    """The operand whose buffer ``node``'s output reuses, if any (XLA's buffer sharing)."""
+    if len(node.outputs) != 1 or node.outputs[0] not in intervals:
+        return None
+    if node.primitive not in IN_PLACE:
+        return None
+    candidates = node.inputs[:1]
+    out = graph.tensors[node.outputs[0]]
+    for tid in candidates:
+        t = graph.tensors[tid]
+        if (
+            tid in intervals
+            and t.producer is not None
+            and t.nbytes == out.nbytes
+            and t.shape == out.shape
+            and t.last_use == node.index
+            and max(t.consumers) == node.index
+        ):
+            return tid
+    return None
+
+
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def buffer_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
+    """Bytes of tensor ``tid``'s whole (unsharded) buffer on ``mesh``'s devices: its own
+    size, except a bf16/f16 dot result on a device that computes narrow dots in f32
+    (XLA:CPU, ``narrow_dots_in_f32``), whose buffer is f32."""
+    t = graph.tensors[tid]
+    if (
+        mesh.memory_layout.narrow_dots_in_f32
+        and t.dtype in NARROW_FLOATS
+        and t.producer is not None
+        and graph.nodes[t.producer].primitive == "dot_general"
+    ):
+        return 2 * t.nbytes
+    return t.nbytes
+
+
+def widened_dot_operands(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
+    """bf16/f16 tensors that dots read, on a device that computes narrow dots in f32
+    (``narrow_dots_in_f32``) -> the (first, last) program position of their f32 copy.
+
+    XLA:CPU converts each narrow dot operand to an f32 buffer of its own and shares the
+    copy between every dot that reads the same value (a weight's copy serves its forward
+    and backward dots, so it lives across the step): in the compiled gpt-350m bf16 dp
+    step, 45 of the 39 dot fusions' operands are such converts, among them an f32 copy
+    of the 51200 x 1024 embedding read by the logits dot and its gradient (made straight
+    from the f32 parameter: see :func:`_replaced_by_copies`)."""
+    if not mesh.memory_layout.narrow_dots_in_f32:
+        return {}
+    out = {}
+    for t in graph.tensors:
+        if t.dtype not in NARROW_FLOATS or not t.shape or t.kind in ("literal", "const"):
+            continue
+        dots = [c for c in t.consumers if graph.nodes[c].primitive == "dot_general"]
+        if dots:
+            out[t.id] = (min(dots), max(dots))
+    return out
+
+
+def _replaced_by_copies(graph: Graph, widened) -> set[int]:
+    """Narrow tensors that only dots read, made by anything but a dot: XLA fuses their
+    producer into the convert that makes the f32 copy (an f32 weight converted to bf16
+    for its dots is one f32 buffer, not a bf16 one and an f32 one)."""
+    boundary = set(graph.inputs) | set(graph.outputs)
+    out = set()
+    for tid in widened:
+        t = graph.tensors[tid]
+        if tid in boundary or t.producer is None:
+            continue
+        if graph.nodes[t.producer].primitive == "dot_general":
+            continue
+        if all(graph.nodes[c].primitive == "dot_general" for c in t.consumers):
+            out.add(tid)
+    return out
+
+
+def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
+    """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
+    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces)
+    and the f32 copies of :func:`widened_dot_operands`.  The ILP's memory rows and
+    :func:`predicted_peak_bytes` both count these."""
+    widened = widened_dot_operands(graph, mesh)
+    replaced = _replaced_by_copies(graph, widened)
+    out = [
+        (tid, first, last, buffer_bytes(graph, tid, mesh))
+        for tid, (first, last) in mesh_intervals(graph, mesh).items()
+        if tid not in replaced
+    ]
+    out += [
+        (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+    ]
+    return out
+
+
+def _reshard_buffers(graph: Graph, operand_specs, mesh: DeviceMesh) -> list:
+    """(first, last, bytes per device) of each value in each layout it is resharded to."""
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    uses: dict[tuple[int, ShardingSpec], list[int]] = {}
+    for node_index, slots in operand_specs.items():
+        node = graph.nodes[node_index]
+        for slot, spec in slots.items():
+            uses.setdefault((node.inputs[slot], spec), []).append(pos[node_index])
+    out = []
+    for (tid, spec), where in uses.items():
+        copy = _resharded_copy(graph, tid, spec, mesh)
+        if copy is not None:
+            nbytes, early = copy
+            out.append((0 if early else min(where), max(where), nbytes))
+    return out
+
+
+def predicted_peak_bytes(
+    graph: Graph,
+    spec_of: Mapping[int, ShardingSpec],
+    mesh: DeviceMesh,
+    operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+) -> float:
+    """Peak per-device bytes of live buffers over the program: :func:`live_intervals`,
+    the f32 copies of :func:`widened_dot_operands`, and, given the plan's
+    ``operand_specs`` (node -> operand slot -> the spec it is resharded to), one buffer
+    per value and resharded layout, from its first reader in that layout to its last
+    (XLA gathers a weight once for its forward and backward dots and keeps the gathered
+    copy; a reduced partial sum is a buffer of its own)."""
+    n = len(graph.nodes)
+    delta = [0.0] * (n + 3)
+    buffers = [
+        (first, last, nbytes * spec_of[tid].shard_fraction(mesh.mesh))
+        for tid, first, last, nbytes in tensor_buffers(graph, mesh)
+        if tid in spec_of
+    ]
+    buffers += _reshard_buffers(graph, operand_specs or {}, mesh)
+    for first, last, size in buffers:
+        delta[first + 1] += size
+        delta[min(last, n) + 2] -= size
+    peak = cur = 0.0
+    for d in delta:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+# ----------------------------------------------------------------------------- ILP rows
+
+
+@dataclass(frozen=True)
+class MemoryRows:
+    """What the sharding ILP's memory rows are made of (the memory fields of
+    :class:`~autoshard.intra.ilp.ShardingProblem`)."""
+
+    node_memory: tuple[tuple[float, ...], ...]  # ILP node -> bytes per device per strategy
+    live_sets: tuple[tuple[int, ...], ...]  # ILP nodes live where a buffer may be born
+    copies: tuple[CopyBuffer, ...]  # the resharded copies
+
+
+def memory_rows(
+    graph: Graph,
+    strategies: Sequence[Sequence[Strategy]],
+    producer: Mapping[int, tuple[int, int]],
+    n_in: int,
+    mesh: DeviceMesh,
+    operands: Sequence,
+) -> MemoryRows:
+    """Per-strategy bytes of each ILP node's live buffers, the live sets at every position
+    where a buffer may be born, and the resharded copies as :class:`CopyBuffer` -- the
+    same model as :func:`predicted_peak_bytes`.  ``strategies``: ILP node -> its
+    strategies (inputs first); ``producer``: tensor -> (ILP node, output index);
+    ``operands``: the problem's operand edges (:class:`autoshard.intra.problem.Operand`)."""
+    # a tensor's buffers (itself, its f32 copy) count together, over the union of their
+    # intervals (the tensor's holds the copy's unless the tensor is fused away)
+    intervals: dict[int, tuple[int, int]] = {}
+    sizes: dict[int, float] = {}
+    for tid, first, last, nbytes in tensor_buffers(graph, mesh):
+        a, b = intervals.get(tid, (first, last))
+        intervals[tid] = (min(a, first), max(b, last))
+        sizes[tid] = sizes.get(tid, 0.0) + nbytes
+
+    node_memory = []
+    for i, strats in enumerate(strategies):
+        tids = (graph.inputs[i],) if i < n_in else graph.nodes[i - n_in].outputs
+        row = []
+        for s in strats:
+            row.append(
+                float(
+                    sum(
+                        sizes[t] * spec.shard_fraction(mesh.mesh)
+                        for t, spec in zip(tids, s.output_specs)
+                        if t in intervals
+                    )
+                )
+            )
+        node_memory.append(tuple(row))
+    owner = {}
+    for tid in intervals:
+        node, _ = producer[tid]
+        owner[tid] = node
+    groups = _copy_groups(graph, strategies, producer, n_in, mesh, operands)
+    # one sweep over program order: the live set at each position where a buffer is born
+    # (a copy is born at one of its readers, or at the start)
+    born: dict[int, list[int]] = {}
+    for t, (first, _) in intervals.items():
+        born.setdefault(first, []).append(t)
+    checkpoints = set(born)
+    for _, _, early, readers in groups:
+        checkpoints.update([0] if early else [r[0] for r in readers])
+    by_end = sorted(intervals, key=lambda t: intervals[t][1])
+    active: dict[int, int] = {}  # ILP node -> number of its live buffers
+    live_sets, at, done = [], [], 0
+    for c in sorted(checkpoints):
+        for t in born.get(c, ()):
+            active[owner[t]] = active.get(owner[t], 0) + 1
+        while done < len(by_end) and intervals[by_end[done]][1] < c:
+            t = by_end[done]
+            done += 1
+            if intervals[t][0] <= c:
+                active[owner[t]] -= 1
+                if not active[owner[t]]:
+                    del active[owner[t]]
+        if c >= 0:
+            live_sets.append(tuple(sorted(active)))
+            at.append(c)
+    copies = []
+    for (src, src_strategies), nbytes, early, readers in groups:
+        where = [r[0] for r in readers]
+        lo = bisect.bisect_left(at, 0 if early else where[0])
+        hi = bisect.bisect_right(at, where[-1])
+        windows = []
+        for i in range(lo, hi):
+            b = bisect.bisect_left(where, at[i])
+            a = -1 if early else bisect.bisect_right(where, at[i]) - 1
+            windows.append((i, a, b))
+        copies.append(
+            CopyBuffer(nbytes, src, src_strategies, tuple(r[1:] for r in readers), windows)
+        )
+    return MemoryRows(tuple(node_memory), tuple(live_sets), tuple(copies))
+
+
+def _copy_groups(graph, strategies, producer, n_in, mesh, operands) -> list:
+    """One entry per value and layout some reader may want that its producer may not
+    give (the buffers of :func:`_reshard_buffers`): ((producer ILP node, its strategies
+    that give another layout), bytes per device, made at the start of the step?,
+    [(program position, reader ILP node, its strategies that want the layout)] in
+    program order)."""
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    found: dict[tuple[int, ShardingSpec], list] = {}
+    for op in operands:
+        if op.slot < 0 or op.dst < n_in:
+            continue
+        wants: dict[ShardingSpec, list[int]] = {}
+        for q, s in enumerate(strategies[op.dst]):
+            spec = s.input_specs[op.slot]
+            if spec is not None:
+                wants.setdefault(spec, []).append(q)
+        for spec, qs in wants.items():
+            found.setdefault((op.tensor, spec), []).append((pos[op.dst - n_in], op.dst, tuple(qs)))
+    out = []
+    for (tid, spec), readers in found.items():
+        src, k = producer[tid]
+        other = tuple(p for p, s in enumerate(strategies[src]) if s.output_specs[k] != spec)
+        copy = _resharded_copy(graph, tid, spec, mesh)
+        if other and copy is not None and copy[0]:
+            out.append(((src, other), copy[0], copy[1], sorted(readers)))
+    return out
+
+
+def _resharded_copy(graph: Graph, tid: int, spec: ShardingSpec, mesh: DeviceMesh):
+    """(bytes per device, made at the start of the step?) of ``tid``'s copy in layout
+    ``spec``, or None where no copy is a buffer (literals, constants, scalars). The one
+    rule of the ILP's copies (:func:`_copy_groups`) and the prediction's
+    (:func:`_reshard_buffers`)."""
+    t = graph.tensors[tid]
+    if t.kind in ("literal", "const") or not t.shape:
+        return None
+    # a program input's resharded copy needs nothing computed: XLA:CPU's scheduler makes
+    # it at the start of the step (a weight's all-gather, the labels' one-hot)
+    early = mesh.memory_layout.early_input_reshards and t.producer is None
+    return t.nbytes * spec.shard_fraction(mesh.mesh), early
+
+
+__all__ = [
+    "MemoryRows",
+    "buffer_bytes",
+    "live_intervals",
+    "materialized_tensors",
+    "memory_rows",
+    "mesh_intervals",
+    "predicted_peak_bytes",
+    "program_positions",
+    "streamed_tensors",
+    "tensor_buffers",
+    "widened_dot_operands",
+]

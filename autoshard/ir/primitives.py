@@ -1,0 +1,47 @@
+"""Classes of jaxpr primitives, by name, shared by the passes (no jax).
+
+One definition each of the primitive sets more than one module classifies by: the op
+graph's FLOP rules (:mod:`autoshard.ir.graph`), the sharding rules
+(:mod:`autoshard.intra.strategies`), the sharding problem (:mod:`autoshard.intra.problem`)
+and the memory model (:mod:`autoshard.intra.memory`).  Tables that encode one module's
+own decisions (what XLA materialises, which ops follow their operand) live beside it.
+"""
+
+from __future__ import annotations
+
+# Data movement and bookkeeping: no arithmetic.
+ZERO_FLOP = frozenset(
+    "reshape transpose broadcast_in_dim gather slice dynamic_slice dynamic_update_slice "
+    "concatenate split convert_element_type iota select_n copy copy_p stop_gradient squeeze "
+    "expand_dims pad rev reduce_precision bitcast_convert_type sharding_constraint "
+    "optimization_barrier".split()
+)
+
+# Elementwise arithmetic, comparisons and transcendentals: one result per output element.
+ELEMENTWISE = frozenset(
+    "add sub mul div neg max min abs sign exp exp2 log log1p tanh logistic sqrt rsqrt cbrt "
+    "square pow sin cos tan erf erfc erf_inv is_finite floor ceil round eq ne lt le gt ge "
+    "and or not xor add_any rem atan2 clamp nextafter select_and_scatter_add expm1 "
+    "integer_pow".split()
+)
+
+# Elementwise ops dear enough that XLA keeps a value rather than recompute it.
+TRANSCENDENTAL = frozenset("exp log tanh logistic log1p expm1 erf pow sin cos".split())
+
+# Every reduction over array dims (one FLOP per input element; on XLA:CPU a library
+# call that reads its operand from memory).
+ALL_REDUCTIONS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
+)
+
+# The reductions whose partial results XLA's partitioner all-reduces one summed dim's
+# mesh axes at a time (see :func:`autoshard.intra.cost.reshard_to_consumers`).
+SUM_MAX_MIN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+
+__all__ = [
+    "ALL_REDUCTIONS",
+    "ELEMENTWISE",
+    "SUM_MAX_MIN_REDUCTIONS",
+    "TRANSCENDENTAL",
+    "ZERO_FLOP",
+]
