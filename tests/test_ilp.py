@@ -589,13 +589,13 @@ def test_preferences_break_ties_the_same_way_on_every_solver(pb):
 
 def test_preferences_decide_only_between_near_equal_costs():
     """A preference step weighs TIE_BREAK x the largest cost: a cost difference above the
-    preferences' whole range (here 1e-7 of the largest cost against 5 steps of 1e-8) wins
-    although the other strategy is preferred; an exact tie goes to the preference."""
+    preferences' whole range (here 1e-6 of the largest cost against 5 steps) wins although
+    the other strategy is preferred; an exact tie goes to the preference."""
     from autoshard.intra.ilp import TIE_BREAK
 
-    assert 5 * TIE_BREAK < 1e-7
+    assert 5 * TIE_BREAK * 1e6 < 1.0
     pb = ShardingProblem(
-        (2, 2), [(1.0, 1.0 + 0.1), (0.0, 1e6)], preferences=[(5.0, 0.0), (0.0, 1.0)]
+        (2, 2), [(1.0, 1.0 + 1.0), (0.0, 1e6)], preferences=[(5.0, 0.0), (0.0, 1.0)]
     )
     for solver in ("highs", "cbc"):
         assert solve(pb, solver=solver).strategy == (0, 0)

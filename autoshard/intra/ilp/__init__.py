@@ -32,10 +32,13 @@ is recovered after the solve), folds roots left with one allowed strategy into t
 neighbours and drops strategies that another strategy of the same root beats whatever the
 neighbours pick (dead-end elimination) -- all of it, repeated until nothing changes, only
 on roots whose memory does not enter a budget row. The optimum is unchanged; among equal
-optima the one returned may differ from the unreduced program's.
+optima the one returned may differ from the unreduced program's -- unless the problem has
+``preferences``: then the solver minimises cost plus TIE_BREAK (1e-8) x the largest cost
+per preference step, and equal-cost plans resolve by the preferences on every solver.
 
 Solver details that are approximate: the objective is rescaled so that its largest
-coefficient is 1 and solved to an absolute gap of 1e-9 on that scale; CBC's best bound
+coefficient is 1e5 (``OBJECTIVE_RANGE``, above the solvers' absolute tolerances) and
+solved to an absolute gap of 1e-9 of that; CBC's best bound
 is read from its log, which prints about 5 significant digits, so ``gap`` under CBC is
 approximate; HiGHS's bound comes from ``Highs.getInfo().mip_dual_bound``. CBC treats a
 random seed of 0 as "time of day", so seeds are passed to CBC as ``seed + 1``.

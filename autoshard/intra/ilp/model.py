@@ -13,6 +13,14 @@ import numpy as np
 
 from autoshard.intra.ilp.reduce import _Reduced
 
+# The objective is rescaled so that its largest coefficient is this. Solvers' tolerances
+# are absolute (HiGHS and CBC treat reduced costs under 1e-7 as zero, CBC's preprocessing
+# drops smaller objective differences): with the largest cost at 1e5, a preference step of
+# TIE_BREAK x the largest cost is 1e-3, which every solver sees, so equal-cost plans
+# resolve by the preferences on HiGHS and CBC alike (tests/test_ilp.py); at 1 it was
+# 1e-8, below those tolerances, and ties went by each solver's (and version's) path.
+OBJECTIVE_RANGE = 1e5
+
 
 @dataclass
 class _Model:
@@ -87,7 +95,8 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
             o = int(red.offset[b])
             model.row([(o + i, 1.0) for i in range(cols.size)], 1.0, 1.0)
     finite = [c for c in red.costs if c.size] + [m[np.isfinite(m)] for _, _, m in red.pairs]
-    model.scale = max([float(np.abs(c).max()) for c in finite if c.size] + [0.0]) or 1.0
+    largest = max([float(np.abs(c).max()) for c in finite if c.size] + [0.0]) or 1.0
+    model.scale = largest / OBJECTIVE_RANGE
     if not minimise_peak:
         for b, c in enumerate(red.costs):
             o = int(red.offset[b])

@@ -19,12 +19,13 @@ from pathlib import Path
 import numpy as np
 import pulp
 
-from autoshard.intra.ilp.model import _Model
+from autoshard.intra.ilp.model import OBJECTIVE_RANGE, _Model
 from autoshard.intra.ilp.problem import SolverUnavailableError
 
 SOLVERS = {"cbc": "PULP_CBC_CMD", "highs": "HiGHS"}
-_ABS_GAP = 1e-9  # absolute MIP gap on the rescaled objective (largest coefficient 1)
-_TOLERANCE = 1e-9  # the solvers' optimality tolerances: below problem.TIE_BREAK
+# absolute MIP gap on the rescaled objective: 1e-9 of its largest coefficient, a tenth of a
+# preference step (TIE_BREAK)
+_ABS_GAP = 1e-9 * OBJECTIVE_RANGE
 
 
 def _new_var(prob: pulp.LpProblem, name: str, low=None, cat=pulp.LpContinuous) -> pulp.LpVariable:
@@ -57,7 +58,7 @@ def _check_solver(name: str) -> None:
 
 
 def _cbc(time_limit_s: float | None, mip_gap: float, seed: int, log_path: str):
-    opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}", f"dualT {_TOLERANCE}"]
+    opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}"]
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(
@@ -122,10 +123,6 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
         highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("mip_rel_gap", float(mip_gap))
     highs.setOptionValue("mip_abs_gap", _ABS_GAP)
-    # under the default tolerances (1e-7 on reduced costs, 1e-6 in the MIP) an objective
-    # step of TIE_BREAK can pass for zero, and equal-cost plans resolve by the solver's path
-    highs.setOptionValue("dual_feasibility_tolerance", _TOLERANCE)
-    highs.setOptionValue("mip_feasibility_tolerance", _TOLERANCE)
     highs.setOptionValue("random_seed", int(seed))
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
