@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from autoshard.intra.options import IntraOptions
 from autoshard.ir.graph import Graph, build_graph
 from autoshard.models import Workload, get_workload, make_optimizer, make_train_step
 from autoshard.trace.jaxpr import TracedProgram, trace_train_step
@@ -156,26 +157,22 @@ def auto_shard(
     fn,
     *example_args,
     mesh,
+    options: IntraOptions | None = None,
     arg_kinds=("param", "opt_state", "data"),
     aliases=None,
-    memory_budget=None,
-    solver: str = "cbc",
-    time_limit_s: float = 60.0,
-    mip_gap: float = 0.0,
-    seed: int = 0,
     baseline: str | None = None,
-    share_layers: bool = True,
     check_compiled_memory: bool = True,
     cluster=None,
-    merge_elementwise: bool = False,
 ):
     """Plan ``fn(*example_args)`` on ``mesh`` with Alpa's intra-operator ILP.
 
     ``example_args`` are pytrees of ``jax.ShapeDtypeStruct`` (or arrays). By default the
     function is a training step ``(params, opt_state, batch) -> (params, opt_state, loss)``;
-    pass ``arg_kinds``/``aliases`` for other signatures. ``memory_budget`` is bytes per
-    device; with ``check_compiled_memory`` (the default) the plan is compiled and re-planned
-    until XLA's peak fits it (:func:`fit_compiled_budget`). ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
+    pass ``arg_kinds``/``aliases`` for other signatures. ``options``
+    (:class:`~autoshard.intra.options.IntraOptions`) holds the planner's settings: solver,
+    time limit, memory budget (``memory_budget_bytes``, bytes per device), merging, layer
+    sharing and Alpa's knobs. With a budget and ``check_compiled_memory`` (the default) the
+    plan is compiled and re-planned until XLA's peak fits it (:func:`fit_compiled_budget`). ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
     that baseline does and lets the ILP place the rest.
 
     Returns a :class:`BoundPlan`: the jax-free :class:`~autoshard.ir.plan.ParallelPlan`
@@ -192,31 +189,15 @@ def auto_shard(
     graph = build_graph(program.records)
     dmesh = device_mesh_for(mesh, cluster=cluster)
     pinned = baseline_inputs(graph, dmesh.mesh, baseline) if baseline else None
-    solve_kw = dict(
-        solver=solver,
-        time_limit_s=time_limit_s,
-        mip_gap=mip_gap,
-        seed=seed,
-        share_layers=share_layers,
-        merge_elementwise=merge_elementwise,
-    )
-    plan = auto_shard_graph(
-        graph,
-        dmesh,
-        memory_budget_bytes=memory_budget,
-        pinned_inputs=pinned,
-        name=baseline or "auto",
-        **solve_kw,
-    )
+    options = options if options is not None else IntraOptions()
+    plan = auto_shard_graph(graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto")
     bound = BoundPlan(plan, program, graph, mesh if hasattr(mesh, "devices") else None)
-    if memory_budget is not None and check_compiled_memory:
-        bound = fit_compiled_budget(bound, dmesh, memory_budget, pinned=pinned, **solve_kw)
+    if options.memory_budget_bytes is not None and check_compiled_memory:
+        bound = fit_compiled_budget(bound, dmesh, options, pinned=pinned)
     return bound
 
 
-def fit_compiled_budget(
-    bound, dmesh, memory_budget: float, *, pinned=None, max_rounds: int = 4, **solve_kw
-):
+def fit_compiled_budget(bound, dmesh, options: IntraOptions, *, pinned=None, max_rounds: int = 4):
     """Close the loop on memory: compile the plan, and while XLA's peak exceeds the budget,
     re-plan with the model's budget scaled by budget / compiled peak.
 
@@ -229,6 +210,7 @@ def fit_compiled_budget(
     from autoshard.intra.ilp import InfeasibleBudgetError
     from autoshard.intra.problem import auto_shard_graph
 
+    memory_budget = options.memory_budget_bytes
     notes = list(bound.plan.notes)
     target = memory_budget
     for round_ in range(max_rounds + 1):
@@ -249,10 +231,9 @@ def fit_compiled_budget(
             plan = auto_shard_graph(
                 bound.graph,
                 dmesh,
-                memory_budget_bytes=target,
+                options.replace(memory_budget_bytes=target),
                 pinned_inputs=pinned,
                 name=bound.plan.name,
-                **solve_kw,
             )
         except InfeasibleBudgetError as err:
             ratio = compiled / bound.plan.predicted_peak_bytes
@@ -310,14 +291,12 @@ def plan_workload(
     *,
     optimizer: str = "adamw",
     baseline: str | None = None,
-    memory_budget=None,
-    solver: str = "cbc",
-    time_limit_s: float = 60.0,
+    options: IntraOptions | None = None,
     cluster=None,
-    merge_elementwise: bool = False,
     **overrides,
 ):
-    """``auto_shard`` for a preset model's training step (abstract shapes)."""
+    """``auto_shard`` for a preset model's training step (abstract shapes); ``overrides``
+    change the preset's sizes (``num_layers=2``, ``batch_size=8``, ...)."""
     if isinstance(workload, str):
         workload = get_workload(workload, **overrides)
     opt = make_optimizer(optimizer)
@@ -327,9 +306,6 @@ def plan_workload(
         *workload.abstract_train_args(opt),
         mesh=mesh,
         baseline=baseline,
-        memory_budget=memory_budget,
-        solver=solver,
-        time_limit_s=time_limit_s,
+        options=options,
         cluster=cluster,
-        merge_elementwise=merge_elementwise,
     )

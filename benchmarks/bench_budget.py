@@ -40,6 +40,7 @@ def _state_fractions(bound) -> dict[str, float]:
 def run(budgets, solver: str) -> list[dict]:
     from autoshard.api import plan_workload
     from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.options import IntraOptions
 
     rows = []
     cases = [("dp", None), ("auto", None)] + [("auto", b * 1e9) for b in budgets]
@@ -51,8 +52,7 @@ def run(budgets, solver: str) -> list[dict]:
                 "gpt-350m",
                 "8",
                 baseline=None if which == "auto" else which,
-                memory_budget=budget,
-                solver=solver,
+                options=IntraOptions(solver=solver, memory_budget_bytes=budget),
                 **SETTING,
             )
             report = bound.verify()

@@ -30,6 +30,7 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
     from autoshard.api import trace_workload
     from autoshard.intra.cost import CostOptions
     from autoshard.intra.ilp import resolve_ties, solve
+    from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import build_problem, plan_from_solution
     from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
 
@@ -41,8 +42,10 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
     ip = build_problem(
         traced.graph,
         dmesh,
-        merge_elementwise=args.merge_elementwise,
-        options=CostOptions(tie_breakers=args.cluster is None),
+        IntraOptions(
+            merge_elementwise=args.merge_elementwise,
+            cost=CostOptions(tie_breakers=args.cluster is None),
+        ),
     )
     t2 = time.perf_counter()
     sol = solve(ip.problem, solver=args.solver, time_limit_s=args.time_limit)

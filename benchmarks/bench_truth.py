@@ -51,6 +51,7 @@ def _label(model: str, overrides: dict) -> str:
 def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> list[dict]:
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.verify.check import verify_plan
 
@@ -69,10 +70,9 @@ def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> li
                 plan = auto_shard_graph(
                     traced.graph,
                     mesh,
+                    IntraOptions(solver="highs", time_limit_s=time_limit),
                     pinned_inputs=pinned,
                     name=which,
-                    solver="highs",
-                    time_limit_s=time_limit,
                 )
                 plan_s = time.perf_counter() - t0
                 report = verify_plan(traced.program, plan, live_peak=live_peak)

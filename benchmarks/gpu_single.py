@@ -267,6 +267,7 @@ def cmd_one(args) -> int:
 def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") -> dict:
     """What autoshard predicts for one configuration on one GPU of ``cluster``."""
     from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.sim.simulate import simulate
 
@@ -290,7 +291,7 @@ def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") 
              "early_input_reshards")  # fmt: skip
     assert not any(getattr(mesh.memory_layout, f) for f in flags), "expected the GPU memory layout"
     assert mesh.memory_layout.fused_transcendentals, "expected the GPU memory layout"
-    plan = auto_shard_graph(traced.graph, mesh, solver="highs", time_limit_s=60.0)
+    plan = auto_shard_graph(traced.graph, mesh, IntraOptions(solver="highs", time_limit_s=60.0))
     out["intra_predicted_peak_bytes"] = float(plan.predicted_peak_bytes)
     cfg = traced.workload.config
     out["traced_breakdown_s"] = traced_breakdown(

@@ -8,12 +8,15 @@ import pytest
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.baselines import baseline_inputs
+from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import auto_shard_graph, build_problem
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_optimizer
 from autoshard.runtime.sharded import check_against_single_device, make_mesh
 from autoshard.verify.check import verify_plan
 from autoshard.verify.compare import summarize
+
+HIGHS = IntraOptions(solver="highs")
 
 
 def _mlp(batch, hidden, layers=2):
@@ -118,9 +121,7 @@ def _plan(traced, shape, which=None):
     """The ILP's plan, or baseline ``which`` (inputs pinned), on Alpa's test mesh."""
     mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)])
     pinned = baseline_inputs(traced.graph, mesh.mesh, which) if which else None
-    return auto_shard_graph(
-        traced.graph, mesh, pinned_inputs=pinned, name=which or "auto", solver="highs"
-    )
+    return auto_shard_graph(traced.graph, mesh, HIGHS, pinned_inputs=pinned, name=which or "auto")
 
 
 def _assert_trains_like_one_device(traced, plan, optimizer="sgd", num_steps=1):
@@ -180,17 +181,17 @@ def test_memory_budget_sweep_trades_communication_for_memory(gpt350m_2l):
         pairs = [(t, s) for t, s in zip(g.inputs, plan.input_specs) if g.tensors[t].kind != "data"]
         return sum(g.tensors[t].nbytes * s.shard_fraction(mesh.mesh) for t, s in pairs)
 
-    free = auto_shard_graph(g, mesh, solver="highs")
+    free = auto_shard_graph(g, mesh, HIGHS)
     assert free.predicted_peak_bytes > 2.0e9  # 2.99 GB when written
     plans = [free]
     for budget in (2.0e9, 1.2e9):  # 1.52 and 1.20 GB predicted when written
-        plans.append(auto_shard_graph(g, mesh, memory_budget_bytes=budget, solver="highs"))
+        plans.append(auto_shard_graph(g, mesh, HIGHS.replace(memory_budget_bytes=budget)))
         assert plans[-1].predicted_peak_bytes <= budget
         assert not plans[-1].notes  # planned in one solve
     assert plans[0].objective < plans[1].objective < plans[2].objective
     assert state(plans[0]) >= state(plans[1]) > state(plans[2])  # 22% -> 13% when written
     with pytest.raises(InfeasibleBudgetError, match="smallest peak") as err:
-        auto_shard_graph(g, mesh, memory_budget_bytes=1.0e9, solver="highs")
+        auto_shard_graph(g, mesh, HIGHS.replace(memory_budget_bytes=1.0e9))
     assert err.value.proven
     assert 1.0e9 < err.value.min_feasible_bytes <= plans[2].predicted_peak_bytes
 
@@ -225,7 +226,7 @@ def test_open_loop_memory_model_keeps_compiled_within_budget(gpt350m_2l):
     """Without the compile loop: the plan auto_shard_graph makes for a 1.6 GB budget
     (predicted 1.52 GB) compiles to 1.58 GB, within it (the model is 4% under XLA here)."""
     mesh = alpa_test_mesh((8,), ("data",))
-    plan = auto_shard_graph(gpt350m_2l.graph, mesh, memory_budget_bytes=1.6e9, solver="highs")
+    plan = auto_shard_graph(gpt350m_2l.graph, mesh, HIGHS.replace(memory_budget_bytes=1.6e9))
     report = verify_plan(gpt350m_2l.program, plan, devices=jax.devices()[:8])
     assert plan.predicted_peak_bytes <= 1.6e9
     assert report.compiled_peak_bytes <= 1.6e9
@@ -236,15 +237,17 @@ def test_closed_loop_budget_holds_for_the_compiled_step():
     from autoshard.api import plan_workload
     from autoshard.intra.ilp import InfeasibleBudgetError
 
-    kw = dict(optimizer="adamw", solver="highs", batch_size=8, num_layers=2)
+    kw = dict(optimizer="adamw", batch_size=8, num_layers=2)
     for budget in (2.0e9, 1.6e9):
-        bound = plan_workload("gpt-350m", "8", memory_budget=budget, **kw)
+        bound = plan_workload(
+            "gpt-350m", "8", options=HIGHS.replace(memory_budget_bytes=budget), **kw
+        )
         assert bound.verify().compiled_peak_bytes <= budget
         assert any("compiled" in note for note in bound.plan.notes)
     # 1.2 GB: the model already finds no plan (its error states the smallest peak found);
     # budgets the model accepts but XLA does not get "no plan compiles within"
     with pytest.raises(InfeasibleBudgetError, match="no plan compiles within|smallest peak"):
-        plan_workload("gpt-350m", "8", memory_budget=1.2e9, **kw)
+        plan_workload("gpt-350m", "8", options=HIGHS.replace(memory_budget_bytes=1.2e9), **kw)
 
 
 def test_bad_inputs_get_clear_errors(tiny):
@@ -278,9 +281,9 @@ def test_zero2_with_optimizer_state_trains_like_one_device():
     plan = auto_shard_graph(
         graph,
         mesh,
+        HIGHS,
         pinned_inputs=baseline_inputs(graph, mesh.mesh, "zero2"),
         name="zero2",
-        solver="highs",
     )
     momenta = [
         s for t, s in zip(graph.inputs, plan.input_specs) if graph.tensors[t].kind == "opt_state"

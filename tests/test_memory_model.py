@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import pytest
 
 from autoshard.intra.memory import live_intervals
+from autoshard.intra.options import IntraOptions
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace
+
+HIGHS = IntraOptions(solver="highs")
 
 
 def _graph(fn, *args):
@@ -250,7 +253,7 @@ def test_simulator_memory_rows_are_within_10_percent_of_xla(model, dtype):
     errors = {}
     for which in ("auto", "dp", "zero3", "megatron"):
         pinned = None if which == "auto" else baseline_inputs(traced.graph, mesh.mesh, which)
-        plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, solver="highs")
+        plan = auto_shard_graph(traced.graph, mesh, HIGHS, pinned_inputs=pinned)
         report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
         compiled = report.compiled_peak_bytes
         errors[which] = (plan.predicted_peak_bytes - compiled) / compiled
@@ -325,7 +328,7 @@ def test_deeper_gpt_tiny_memory_misses_the_combined_gradient_all_reduce(
     shape = tuple(int(s) for s in mesh_text.split("x"))
     mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
     pinned = None if which == "auto" else baseline_inputs(traced.graph, mesh.mesh, which)
-    plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, name=which, solver="highs")
+    plan = auto_shard_graph(traced.graph, mesh, HIGHS, pinned_inputs=pinned, name=which)
     report = _named_live_buffer_miss(traced, plan)
     assert "misses live buffers" in report.memory_explanation
     assert report.compiled_live_peak_instruction.startswith("all-reduce")
@@ -349,7 +352,7 @@ def test_gpt350m_bf16_zero2_memory_misses_the_logits_gradient_all_to_all_in_f32(
     )
     mesh = device_mesh_for((8,), ("data",))
     pinned = baseline_inputs(traced.graph, mesh.mesh, "zero2")
-    plan = auto_shard_graph(traced.graph, mesh, pinned_inputs=pinned, name="zero2", solver="highs")
+    plan = auto_shard_graph(traced.graph, mesh, HIGHS, pinned_inputs=pinned, name="zero2")
     _named_live_buffer_miss(traced, plan)
 
 

@@ -17,6 +17,7 @@ from autoshard.inter.subgraph import range_subgraph
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.intra.ilp import solve
 from autoshard.intra.memory import materialized_tensors
+from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import build_problem
 from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron
 from autoshard.sim.simulate import gpt_shape
@@ -55,7 +56,7 @@ def test_dot_costs_come_from_the_gemm_table_at_the_shard_shape(one_block, logica
     mesh = _mesh(logical)
     table = GemmTable.load("v100")
     peak = V100.device.peak_flops_for("fp16")
-    ip = build_problem(one_block, mesh, options=_NO_TIES)
+    ip = build_problem(one_block, mesh, IntraOptions(cost=_NO_TIES))
     dots = [n for n in one_block.nodes if n.primitive == "dot_general"]
     assert len(dots) == 18  # forward: QKV, scores, values, projection, 2 MLP; 2 each backward
     checked = 0
@@ -72,7 +73,7 @@ def test_dot_costs_come_from_the_gemm_table_at_the_shard_shape(one_block, logica
 
 def test_memory_bound_ops_pay_bytes_over_hbm_bandwidth(one_block):
     mesh = _mesh((1, 1))
-    ip = build_problem(one_block, mesh, options=_NO_TIES)
+    ip = build_problem(one_block, mesh, IntraOptions(cost=_NO_TIES))
     kept = materialized_tensors(one_block)
     charged = 0
     for node in one_block.nodes:
@@ -91,7 +92,7 @@ def test_memory_bound_ops_pay_bytes_over_hbm_bandwidth(one_block):
 def test_abstract_meshes_keep_flops_at_peak(one_block):
     """Alpa's test meshes (no GEMM table, no HBM figure): the classic FLOPs / (split x peak)."""
     mesh = uniform_mesh((2, 4), ("data", "model"), 1.0, (1.0, 0.1), peak_flops=1e12)
-    ip = build_problem(one_block, mesh, options=_NO_TIES)
+    ip = build_problem(one_block, mesh, IntraOptions(cost=_NO_TIES))
     for node in one_block.nodes:
         for s in ip.strategies[ip.node_of(node.index)]:
             assert s.compute_cost == pytest.approx(node.flops / s.parallel_factor / 1e12)
@@ -104,7 +105,7 @@ def test_block_gemm_time_matches_the_megatron_grid_model(one_block):
     (``[h/a, s]`` results where Megatron's model has ``[s, h/a]``), which the table, not
     symmetric in M and N, prices a little differently; hence 5%."""
     mesh = _mesh((1, 1))
-    ip = build_problem(one_block, mesh, options=_NO_TIES)
+    ip = build_problem(one_block, mesh, IntraOptions(cost=_NO_TIES))
     solution = solve(ip.problem, solver="highs", time_limit_s=30)
     traced = sum(
         ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]].compute_cost

@@ -12,6 +12,7 @@ from autoshard.hardware.clusters import load_cluster
 from autoshard.hardware.gemm import GemmTable
 from autoshard.hardware.mesh import XLA_CPU_MEMORY, to_device_mesh
 from autoshard.intra.memory import predicted_peak_bytes
+from autoshard.intra.options import IntraOptions
 from autoshard.sim.exact import MAX_EXACT_DEVICES, check_exact_devices
 from autoshard.sim.simulate import simulate
 from autoshard.verify.check import verify_plan
@@ -43,7 +44,7 @@ def test_dp_exact_numbers_are_the_compiled_executables():
         cluster, (8, 1), ("data", "model"), "bf16", GemmTable.load(cluster.device.gemm_table)
     )
     bound = plan_workload(
-        "gpt-125m", mesh, baseline="dp", solver="highs", time_limit_s=20.0,
+        "gpt-125m", mesh, baseline="dp", options=IntraOptions(solver="highs", time_limit_s=20.0),
         num_layers=2, batch_size=16, dtype="bfloat16",
     )  # fmt: skip
     want = verify_plan(bound.program, bound.plan, devices=jax.devices()[:8])

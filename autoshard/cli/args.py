@@ -42,3 +42,36 @@ def model_overrides(args) -> dict:
 
 def gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
+
+
+def add_intra_option_args(p: argparse.ArgumentParser) -> None:
+    """Alpa's ``AutoShardingOption`` knobs, as fields of
+    :class:`~autoshard.intra.options.IntraOptions` (solver, time limit, budget and
+    merging have their own flags on each command)."""
+    p.add_argument(
+        "--force-batch-axis",
+        metavar="AXIS",
+        help="split every data input's batch dimension over this mesh axis (e.g. data)",
+    )
+    p.add_argument(
+        "--no-mixed-mesh-shape",
+        action="store_true",
+        help="split each tensor dimension over at most one mesh axis "
+        "(Alpa's allow_mixed_mesh_shape=False)",
+    )
+
+
+def intra_options(args):
+    """The :class:`~autoshard.intra.options.IntraOptions` the flags in ``args`` ask for
+    (ValueError, with the flag's meaning, for a value it refuses)."""
+    from autoshard.intra.options import IntraOptions
+
+    budget = getattr(args, "memory_budget", None)
+    return IntraOptions(
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+        merge_elementwise=getattr(args, "merge_elementwise", False),
+        memory_budget_bytes=None if budget is None else budget * 2**30,
+        force_batch_dim_to_mesh_axis=getattr(args, "force_batch_axis", None),
+        allow_mixed_mesh_shape=not getattr(args, "no_mixed_mesh_shape", False),
+    )

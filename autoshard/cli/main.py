@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from autoshard.cli.args import add_intra_option_args, intra_options
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
@@ -44,17 +45,13 @@ def cmd_inspect(args) -> int:
 def _plan(args):
     from autoshard.api import plan_workload
 
-    budget = None if args.memory_budget is None else args.memory_budget * 2**30
     return plan_workload(
         args.model,
         args.mesh,
         optimizer=args.optimizer,
         baseline=args.baseline,
-        memory_budget=budget,
-        solver=args.solver,
-        time_limit_s=args.time_limit,
+        options=intra_options(args),
         cluster=getattr(args, "cluster", None),
-        merge_elementwise=getattr(args, "merge_elementwise", False),
         **_overrides(args),
     )
 
@@ -102,6 +99,19 @@ def _route(args, command: str) -> bool:
         raise ValueError(f"{command}: give --mesh (one mesh) or --pipeline (stages), not both")
     if args.baseline:
         raise ValueError(f"{command} --pipeline plans stages with the ILP; drop --baseline")
+    knobs = [
+        flag
+        for flag, on in (
+            ("--force-batch-axis", getattr(args, "force_batch_axis", None)),
+            ("--no-mixed-mesh-shape", getattr(args, "no_mixed_mesh_shape", False)),
+        )
+        if on
+    ]
+    if knobs:
+        raise ValueError(
+            f"{command} --pipeline: {', '.join(knobs)} set the one-mesh ILP; the stage "
+            "search's ILPs do not take them yet: drop them, or plan one mesh with --mesh"
+        )
     args.devices = args.pipeline_devices or args.devices
     if not args.devices:
         raise ValueError(f"{command} --pipeline needs --devices N")
@@ -295,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="Alpa's follower rule for binary elementwise ops: a smaller, faster ILP "
             "(plans can be a few percent worse)",
         )
+        add_intra_option_args(p)
         p.add_argument("--json", action="store_true", help="print JSON")
         if name == "plan":
             p.add_argument("--verify", action="store_true", help="also compile and compare")

@@ -63,12 +63,14 @@ from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.memory import mesh_intervals
+from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import build_problem, plan_from_solution
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import ShardingSpec
 
 _NO_TIES = CostOptions(tie_breakers=False)
+_NO_TIES_OPTIONS = IntraOptions(cost=_NO_TIES)  # the stage ILPs price in seconds
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,7 @@ class IntraStageCost:
         t0 = time.perf_counter()
         self.num_ilps += 1
         try:
-            ip = build_problem(graph, mesh, options=_NO_TIES)
+            ip = build_problem(graph, mesh, _NO_TIES_OPTIONS)
             problem = _amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:

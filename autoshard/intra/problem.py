@@ -33,7 +33,6 @@ from functools import lru_cache
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.cost import (
     DEFAULT_COST_OPTIONS,
-    CostOptions,
     reshard,
     reshard_to_consumers,
 )
@@ -46,6 +45,7 @@ from autoshard.intra.ilp import (
     solve,
 )
 from autoshard.intra.memory import memory_rows, predicted_peak_bytes, streamed_tensors
+from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
@@ -119,7 +119,15 @@ def _xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
 
 
 def _edge_matrix(
-    src_strategies, k, dst_strategies, slot, shape, item, mesh, options, in_place=False
+    src_strategies,
+    k,
+    dst_strategies,
+    slot,
+    shape,
+    item,
+    mesh,
+    options,
+    in_place=False,
 ):
     """Resharding cost of output ``k`` of every source strategy into operand ``slot`` of
     every destination strategy (``math.inf`` where XLA cannot resolve a partial sum).
@@ -149,25 +157,25 @@ def _input_strategy(spec: ShardingSpec) -> Strategy:
 def build_problem(
     graph: Graph,
     mesh: DeviceMesh,
+    options: IntraOptions = DEFAULT_INTRA_OPTIONS,
     *,
-    memory_budget_bytes: float | None = None,
     pinned_inputs: Mapping[int, ShardingSpec] | None = None,
-    share_layers: bool = True,
     followers: bool = True,
-    merge_elementwise: bool = False,
-    options: CostOptions = DEFAULT_COST_OPTIONS,
     copy_buffers: bool | None = None,
 ) -> IntraProblem:
-    """Alpa's intra-operator ILP for ``graph`` on ``mesh``.
+    """Alpa's intra-operator ILP for ``graph`` on ``mesh``, set up by ``options``
+    (:class:`~autoshard.intra.options.IntraOptions`: the budget, merging, layer sharing,
+    the cost formulas' knobs and Alpa's ``AutoShardingOption`` knobs; the solver settings
+    are for :func:`auto_shard_graph`).
 
     ``pinned_inputs`` maps input positions (index into ``graph.inputs``) to a fixed spec.
-    ``merge_elementwise`` also makes binary elementwise ops follow their deepest operand
-    (Alpa's rule): a smaller, faster ILP that can miss the best plan.
     ``copy_buffers``: give the problem the resharded copies (:class:`CopyBuffer`), so that
     its memory rows and ``peak_memory`` count what :func:`predicted_peak_bytes` counts;
     default: only with a budget (without one nothing reads them, and they take a second
     to list on a large graph).
     """
+    memory_budget_bytes = options.memory_budget_bytes
+    cost_options = options.cost_options(relative_units=math.isinf(mesh.peak_flops))
     if copy_buffers is None:
         copy_buffers = memory_budget_bytes is not None
     pinned = dict(pinned_inputs or {})
@@ -212,6 +220,7 @@ def build_problem(
                     c = math.inf  # program outputs cannot be unreduced
             costs.append(c)
         node_costs.append(tuple(costs))
+    _apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options)
     preferences = _preferences(graph, strategies, n_in, mesh)
 
     def out_spec(ilp_node: int, k: int, p: int) -> ShardingSpec:
@@ -234,8 +243,8 @@ def build_problem(
             matrix = matrices.get(key)
             if matrix is None:
                 matrix = matrices[key] = _edge_matrix(
-                    strategies[src], k, strategies[dst], slot, t.shape, item, mesh, options,
-                    in_place,
+                    strategies[src], k, strategies[dst], slot, t.shape, item, mesh,
+                    cost_options, in_place,
                 )  # fmt: skip
             operands.append(Operand(src, dst, tid, slot))
             edges.append(EdgeCost(src, dst, matrix))
@@ -257,8 +266,10 @@ def build_problem(
 
     ties: list[Tie | None] = [None] * len(strategies)
     if followers:
-        _follower_ties(graph, strategies, producer, n_in, ties, follow_deepest=merge_elementwise)
-    if share_layers:
+        _follower_ties(
+            graph, strategies, producer, n_in, ties, follow_deepest=options.merge_elementwise
+        )
+    if options.share_layers:
         _layer_ties(graph, strategies, n_in, ties)
 
     memory = memory_rows(graph, strategies, producer, n_in, mesh, operands if copy_buffers else ())
@@ -274,6 +285,52 @@ def build_problem(
         preferences=preferences,
     )
     return IntraProblem(graph, mesh, problem, tuple(strategies), tuple(operands), n_in)
+
+
+def _apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> None:
+    """Forbid (infinite cost) the strategies that ``options``' Alpa knobs rule out:
+    ``allow_mixed_mesh_shape=False`` (a dim split over several mesh axes) and
+    ``force_batch_dim_to_mesh_axis`` (a data input whose batch dim is not split over that
+    axis). Raises ValueError, naming the input, where no strategy is left."""
+    axis = options.force_batch_dim_to_mesh_axis
+    names = mesh.mesh.axis_names
+    if axis is not None and axis not in names:
+        raise ValueError(
+            f"force_batch_dim_to_mesh_axis={axis!r} is not an axis of the mesh {mesh.mesh}; "
+            f"choose one of {list(names)}"
+        )
+
+    def mixed(s) -> bool:
+        specs = [*s.input_specs, *s.output_specs]
+        return any(len(d) > 1 for spec in specs if spec is not None for d in spec.dims)
+
+    for i, strats in enumerate(strategies):
+        costs = list(node_costs[i])
+        if not options.allow_mixed_mesh_shape:
+            costs = [math.inf if mixed(s) else c for s, c in zip(strats, costs, strict=True)]
+        if axis is not None and i < n_in:
+            t = graph.tensors[graph.inputs[i]]
+            if t.kind == "data" and t.shape:
+                size = mesh.mesh.shape[names.index(axis)]
+                if t.shape[0] % size:
+                    raise ValueError(
+                        f"force_batch_dim_to_mesh_axis={axis!r}: the batch dim of data input "
+                        f"{i} (shape {t.shape}) is not divisible by the {size} devices of axis "
+                        f"{axis!r}; use a batch that is a multiple of {size}, or another axis"
+                    )
+                costs = [
+                    c if axis in s.output_specs[0].dims[0] else math.inf
+                    for s, c in zip(strats, costs, strict=True)
+                ]
+        if costs != list(node_costs[i]):
+            if all(math.isinf(c) for c in costs):
+                what = f"input {i}" if i < n_in else f"node {graph.nodes[i - n_in].primitive}"
+                raise ValueError(
+                    f"the intra-op options leave {what} no strategy (force_batch_dim_to_mesh_axis"
+                    f"={axis!r}, allow_mixed_mesh_shape={options.allow_mixed_mesh_shape}); a "
+                    f"pinned spec may contradict them"
+                )
+            node_costs[i] = tuple(costs)
 
 
 def _preferences(graph, strategies, n_in, mesh) -> tuple[tuple[float, ...], ...]:
@@ -498,40 +555,27 @@ def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
 def auto_shard_graph(
     graph: Graph,
     mesh: DeviceMesh,
+    options: IntraOptions = DEFAULT_INTRA_OPTIONS,
     *,
-    memory_budget_bytes: float | None = None,
     pinned_inputs: Mapping[int, ShardingSpec] | None = None,
-    solver: str = "cbc",
-    time_limit_s: float = 60.0,
-    mip_gap: float = 0.0,
-    seed: int = 0,
-    share_layers: bool = True,
-    merge_elementwise: bool = False,
     name: str = "auto",
-    options: CostOptions | None = None,
 ) -> ParallelPlan:
     """Plan ``graph`` on ``mesh`` with the ILP and return the plan with its predictions.
 
-    ``options`` default: Alpa's tie-breakers on for meshes in relative units (no finite
-    peak FLOP/s, like Alpa's test mesh), off for meshes in seconds (cluster presets),
-    where a 0.1 s constant per all-gather would swamp real costs.
+    ``options`` (:class:`~autoshard.intra.options.IntraOptions`) holds every setting: the
+    solver, its limits, the memory budget, merging, layer sharing, the cost formulas and
+    Alpa's knobs. ``pinned_inputs`` fixes the specs of some inputs (a baseline's).
     """
-    if options is None:
-        options = CostOptions(tie_breakers=math.isinf(mesh.peak_flops))
-
-    ip = build_problem(
-        graph,
-        mesh,
-        memory_budget_bytes=memory_budget_bytes,
-        pinned_inputs=pinned_inputs,
-        share_layers=share_layers,
-        merge_elementwise=merge_elementwise,
-        options=options,
-    )
+    memory_budget_bytes = options.memory_budget_bytes
+    ip = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
     # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,
     # resharded copies included (CopyBuffer), so the plan's prediction is its peak
     solution = solve(
-        ip.problem, solver=solver, time_limit_s=time_limit_s, mip_gap=mip_gap, seed=seed
+        ip.problem,
+        solver=options.solver,
+        time_limit_s=options.time_limit_s,
+        mip_gap=options.mip_gap,
+        seed=options.seed,
     )
     plan = plan_from_solution(ip, solution, name=name)
     if memory_budget_bytes is not None:

@@ -186,6 +186,7 @@ def exact_check(
     from autoshard.hardware.clusters import load_cluster
     from autoshard.hardware.mesh import XLA_CPU_MEMORY, preset_mesh
     from autoshard.intra.memory import predicted_peak_bytes
+    from autoshard.intra.options import IntraOptions
 
     devices = jax.devices("cpu")
     if len(devices) < gpus:
@@ -210,8 +211,7 @@ def exact_check(
         report.model,
         mesh,
         baseline=baseline,
-        solver=solver,
-        time_limit_s=time_limit_s,
+        options=IntraOptions(solver=solver, time_limit_s=time_limit_s),
         batch_size=batch,
         dtype="float32" if plan["dtype"] == "fp32" else "bfloat16",
         **overrides,

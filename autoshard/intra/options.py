@@ -1,0 +1,103 @@
+"""The settings of one intra-operator planning run, as one frozen object (no jax).
+
+:class:`IntraOptions` gathers what used to be loose keywords threaded through every
+signature from the CLI down to the solver: the solver and its limits, the problem's
+shape (merging, layer sharing), the memory budget, the cost formulas' knobs
+(:class:`~autoshard.intra.cost.CostOptions`) and the knobs Alpa users know from its
+``AutoShardingOption``. The CLI builds one from its flags; the Python API takes one whole.
+Every field is honoured: a setting the planner cannot meet is refused with a message,
+never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+from autoshard.intra.cost import CostOptions
+from autoshard.intra.ilp import SOLVERS
+
+
+@dataclass(frozen=True)
+class IntraOptions:
+    """Settings of :func:`autoshard.intra.problem.auto_shard_graph` and the problem it solves.
+
+    Solver: ``solver`` ("cbc" through PuLP or "highs" through its own API),
+    ``time_limit_s`` (None: no limit), ``mip_gap`` (relative, in [0, 1)) and ``seed``.
+
+    Problem: ``merge_elementwise`` makes binary elementwise ops follow their deepest
+    operand (Alpa's rule: a smaller ILP that can miss the best plan); ``share_layers``
+    ties identical layers to one strategy; ``memory_budget_bytes`` bounds the predicted
+    peak per device (None: no bound).
+
+    ``cost``: the collective cost formulas' knobs; None picks Alpa's tie-breaking
+    constants on meshes in relative units (no finite peak FLOP/s, like Alpa's test mesh)
+    and none on meshes in seconds (cluster presets), where a 0.1 s constant per
+    all-gather would swamp real costs.
+
+    Alpa's ``AutoShardingOption`` knobs:
+
+    * ``force_batch_dim_to_mesh_axis``: the batch dimension (dim 0) of every data input
+      is split over this mesh axis (what data parallelism means); a batch that the axis
+      does not divide is refused.
+    * ``allow_mixed_mesh_shape``: False forbids splitting one tensor dimension over
+      several mesh axes at once (each dimension uses at most one axis).
+
+    Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet: both need
+    the ILP to charge a resharding once per value, as the prediction does (issue #14);
+    charged per consumer edge, forbidding all-gathers on the edges still leaves the
+    all-gathers XLA adds after one reduce-scatter for several consumers.
+    """
+
+    solver: str = "cbc"
+    time_limit_s: float | None = 60.0
+    mip_gap: float = 0.0
+    seed: int = 0
+    merge_elementwise: bool = False
+    share_layers: bool = True
+    memory_budget_bytes: float | None = None
+    cost: CostOptions | None = None
+    force_batch_dim_to_mesh_axis: str | None = None
+    allow_mixed_mesh_shape: bool = True
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise ValueError(f"unknown solver {self.solver!r}; choose one of {sorted(SOLVERS)}")
+        limit = self.time_limit_s
+        if limit is not None and not (_real(limit) and 0 < limit < math.inf):
+            raise ValueError(
+                f"time_limit_s={limit!r}: give a number of seconds > 0, or None for no limit"
+            )
+        if not (_real(self.mip_gap) and 0.0 <= self.mip_gap < 1.0):
+            raise ValueError(f"mip_gap={self.mip_gap!r} is a relative gap; give a value in [0, 1)")
+        budget = self.memory_budget_bytes
+        if budget is not None and not (_real(budget) and 0 < budget < math.inf):
+            raise ValueError(
+                f"memory_budget_bytes={budget!r}: give bytes per device > 0, or None for no budget"
+            )
+        if not isinstance(self.seed, numbers.Integral) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r}: give an integer >= 0")
+        if self.cost is not None and not isinstance(self.cost, CostOptions):
+            raise TypeError(f"cost must be a CostOptions or None, got {type(self.cost).__name__}")
+        axis = self.force_batch_dim_to_mesh_axis
+        if axis is not None and not (isinstance(axis, str) and axis):
+            raise ValueError(
+                f"force_batch_dim_to_mesh_axis={axis!r}: give a mesh axis name, or None"
+            )
+
+    def replace(self, **changes) -> IntraOptions:
+        """A copy with ``changes`` (validated like a new one)."""
+        return dataclasses.replace(self, **changes)
+
+    def cost_options(self, relative_units: bool) -> CostOptions:
+        """``cost``, or the default for a mesh in relative units / in seconds."""
+        return self.cost if self.cost is not None else CostOptions(tie_breakers=relative_units)
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+DEFAULT_INTRA_OPTIONS = IntraOptions()

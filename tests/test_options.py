@@ -1,0 +1,116 @@
+"""IntraOptions: one frozen object for an intra-op planning run; every field honoured."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.api import trace_workload
+from autoshard.hardware.mesh import alpa_test_mesh
+from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem import auto_shard_graph
+
+HIGHS = IntraOptions(solver="highs")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return trace_workload("gpt-tiny", optimizer="adamw")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(solver="gurobi"), "unknown solver"),
+        (dict(time_limit_s=-5), "time_limit_s=-5"),
+        (dict(time_limit_s=0), "time_limit_s=0"),
+        (dict(time_limit_s=math.nan), "time_limit_s=nan"),
+        (dict(mip_gap=1.5), "relative gap"),
+        (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
+        (dict(seed=-1), "seed=-1"),
+        (dict(force_batch_dim_to_mesh_axis=""), "mesh axis name"),
+    ],
+)
+def test_bad_options_are_refused_with_what_would_work(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        IntraOptions(**kwargs)
+
+
+def test_options_are_frozen_and_replace_validates():
+    opts = IntraOptions()
+    with pytest.raises(AttributeError):
+        opts.solver = "highs"
+    assert opts.replace(solver="highs").solver == "highs"
+    with pytest.raises(ValueError, match="time_limit_s"):
+        opts.replace(time_limit_s=-1)
+
+
+def _data_specs(tiny, plan):
+    g = tiny.graph
+    return [s for t, s in zip(g.inputs, plan.input_specs) if g.tensors[t].kind == "data"]
+
+
+def test_force_batch_dim_puts_every_batch_on_the_axis(tiny):
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    free = auto_shard_graph(tiny.graph, mesh, HIGHS)
+    forced = auto_shard_graph(tiny.graph, mesh, HIGHS.replace(force_batch_dim_to_mesh_axis="model"))
+    assert not all("model" in s.dims[0] for s in _data_specs(tiny, free))  # it does bind
+    assert all("model" in s.dims[0] for s in _data_specs(tiny, forced))
+    assert forced.objective >= free.objective - 1e-6 * abs(free.objective)
+
+
+def test_force_batch_dim_refuses_an_unknown_axis_or_an_undivided_batch(tiny):
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    with pytest.raises(ValueError, match=r"not an axis of the mesh.*\['data', 'model'\]"):
+        auto_shard_graph(tiny.graph, mesh, HIGHS.replace(force_batch_dim_to_mesh_axis="batch"))
+    odd = trace_workload("gpt-tiny", optimizer="sgd", batch_size=6)
+    with pytest.raises(ValueError, match="not divisible by the 4 devices of axis 'model'"):
+        auto_shard_graph(odd.graph, mesh, HIGHS.replace(force_batch_dim_to_mesh_axis="model"))
+
+
+def test_no_mixed_mesh_shape_splits_each_dim_over_one_axis_at_most(tiny):
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+
+    def mixed(plan):
+        specs = [*plan.input_specs, *plan.tensor_specs.values()]
+        return [s for s in specs if any(len(d) > 1 for d in s.dims)]
+
+    free = auto_shard_graph(tiny.graph, mesh, HIGHS)
+    plain = auto_shard_graph(tiny.graph, mesh, HIGHS.replace(allow_mixed_mesh_shape=False))
+    assert mixed(free)  # the option has something to forbid
+    assert not mixed(plain)
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "autoshard", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_cli_flags_build_the_options():
+    argv = "plan --model gpt-tiny --mesh 2x4 --solver highs --no-mixed-mesh-shape --json"
+    proc = _cli(*argv.split())
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    specs = out["specs"].values()
+    assert specs and not any("+" in s for s in specs)  # "d0@data+model": two axes
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("plan --model gpt-tiny --mesh 2x4 --force-batch-axis batch", "not an axis of the mesh"),
+        ("plan --model gpt-tiny --mesh 2x4 --time-limit -5", "time_limit_s=-5"),
+        (
+            "plan --model gpt-tiny --layers 2 --devices 8 --pipeline auto --no-mixed-mesh-shape",
+            "--no-mixed-mesh-shape",
+        ),
+    ],
+)
+def test_cli_refuses_options_it_cannot_honour(argv, message):
+    proc = _cli(*argv.split())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
