@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -191,7 +192,10 @@ def auto_shard(
     pinned = baseline_inputs(graph, dmesh.mesh, baseline) if baseline else None
     options = options if options is not None else IntraOptions()
     plan = auto_shard_graph(graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto")
-    bound = BoundPlan(plan, program, graph, mesh if hasattr(mesh, "devices") else None)
+    made_for = {"options": dataclasses.asdict(options), "cluster": _cluster_name(cluster)}
+    bound = BoundPlan(
+        plan, program, graph, mesh if hasattr(mesh, "devices") else None, made_for=made_for
+    )
     if options.memory_budget_bytes is not None and check_compiled_memory:
         bound = fit_compiled_budget(bound, dmesh, options, pinned=pinned)
     return bound
@@ -263,6 +267,20 @@ class BoundPlan:
     graph: Graph
     jax_mesh: object = None
     report: object = None  # the VerificationReport, when planning already compiled the plan
+    # what the plan was made for, beyond the program and mesh: model, overrides,
+    # optimizer, options, cluster (the keywords of ``make_fingerprint``)
+    made_for: dict | None = None
+
+    def plan_file(self):
+        """The plan with its fingerprint (:class:`~autoshard.ir.planfile.PlanFile`)."""
+        from autoshard.ir.planfile import PlanFile, make_fingerprint
+
+        fp = make_fingerprint(self.graph, self.plan.mesh, **(self.made_for or {}))
+        return PlanFile(self.plan, fp)
+
+    def save(self, path) -> None:
+        """Write the plan file (``autoshard run --plan`` and :func:`bind_plan` read it)."""
+        self.plan_file().save(path)
 
     def mesh(self, devices=None):
         from autoshard.runtime.sharded import make_mesh
@@ -301,7 +319,7 @@ def plan_workload(
         workload = get_workload(workload, **overrides)
     opt = make_optimizer(optimizer)
     step = make_train_step(workload.loss_fn, opt)
-    return auto_shard(
+    bound = auto_shard(
         step,
         *workload.abstract_train_args(opt),
         mesh=mesh,
@@ -309,3 +327,40 @@ def plan_workload(
         options=options,
         cluster=cluster,
     )
+    made_for = dict(bound.made_for or {}, model=workload.name, optimizer=optimizer)
+    made_for["overrides"] = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(bound, made_for=made_for)
+
+
+def _cluster_name(cluster) -> str | None:
+    if cluster is None or isinstance(cluster, str):
+        return cluster
+    return str(getattr(cluster, "name", cluster))
+
+
+def bind_plan(plan_file, mesh=None) -> BoundPlan:
+    """A saved plan (a path or a :class:`~autoshard.ir.planfile.PlanFile`) bound to its
+    program, re-traced from the model preset, sizes and optimizer the file names.
+
+    Nothing is solved again. Raises PlanFileError (a ValueError) when the file names no
+    model, or the re-traced program or ``mesh`` (a jax mesh, optional) is not the one the
+    plan was made for.
+    """
+    from autoshard.ir.planfile import PlanFileError, check_fingerprint, load_plan
+    from autoshard.ir.spec import Mesh
+
+    pf = plan_file if hasattr(plan_file, "fingerprint") else load_plan(plan_file)
+    if not pf.model:
+        raise PlanFileError(
+            "the plan file names no model preset (it was saved from auto_shard on your own "
+            "function): bind it in Python with BoundPlan(plan, program, graph)"
+        )
+    traced = trace_workload(pf.model, pf.optimizer or "adamw", **pf.overrides)
+    logical = None
+    if mesh is not None:
+        shape = tuple(int(s) for s in mesh.devices.shape)
+        logical = Mesh(tuple(mesh.axis_names), shape)
+    check_fingerprint(pf, traced.graph, logical)
+    made_for = {k: pf.fingerprint.get(k) for k in ("model", "optimizer", "options", "cluster")}
+    made_for["overrides"] = pf.overrides
+    return BoundPlan(pf.plan, traced.program, traced.graph, mesh, made_for=made_for)

@@ -15,9 +15,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser, optimizer: bool = True) -> None:
+def add_model_args(
+    p: argparse.ArgumentParser, optimizer: bool = True, model_required: bool = True
+) -> None:
     """``--model`` and the size overrides (and ``--optimizer``)."""
-    p.add_argument("--model", required=True, help="preset name, e.g. gpt-tiny, gpt-1.3b, mlp")
+    p.add_argument(
+        "--model", required=model_required, help="preset name, e.g. gpt-tiny, gpt-1.3b, mlp"
+    )
     p.add_argument("--batch", type=positive_int, help="global batch size")
     p.add_argument("--seq", type=positive_int, help="sequence length")
     p.add_argument("--vocab", type=positive_int, help="vocabulary size")

@@ -16,6 +16,7 @@ from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.cli.pipeline import add_pipeline_args, cmd_pipeline_plan, cmd_pipeline_run
+from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file, bound_from_args, needs_model
 
 
 def _setup_devices(n: int | None) -> None:
@@ -57,6 +58,9 @@ def _plan(args):
 
 
 def _plan_json(model: str, bound, report) -> dict:
+    """The plan file's document (:mod:`autoshard.ir.planfile`) with a readable summary."""
+    import dataclasses
+
     plan, graph = bound.plan, bound.graph
     out = {
         "model": model,
@@ -82,7 +86,7 @@ def _plan_json(model: str, bound, report) -> dict:
             agree=report.agree,
             verification=verification,
         )
-    return out
+    return dataclasses.replace(bound.plan_file(), extra=out).to_json()
 
 
 def _route(args, command: str) -> bool:
@@ -99,6 +103,8 @@ def _route(args, command: str) -> bool:
         raise ValueError(f"{command}: give --mesh (one mesh) or --pipeline (stages), not both")
     if args.baseline:
         raise ValueError(f"{command} --pipeline plans stages with the ILP; drop --baseline")
+    if getattr(args, "out", None):
+        raise ValueError(f"{command} --pipeline: --out saves one-mesh plans only (for now)")
     knobs = [
         flag
         for flag, on in (
@@ -131,8 +137,18 @@ def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
     _single_mesh_defaults(args)
     bound = bound or _plan(args)
     report = bound.verify() if (args.verify or verify_exit) else None
-    if args.json:
+    out_path = getattr(args, "out", None)
+    if args.json or out_path:
         obj = _plan_json(args.model, bound, report)
+    if out_path:
+        try:
+            with open(out_path, "w") as f:
+                json.dump(obj, f, indent=2)
+                f.write("\n")
+        except OSError as err:
+            raise ValueError(f"cannot write the plan to {out_path!r}: {err.strerror}") from None
+        print(f"plan saved to {out_path}", file=sys.stderr)
+    if args.json:
         print(json.dumps(obj, indent=2))
     else:
         print_plan(bound.plan, bound.graph)
@@ -145,6 +161,12 @@ def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
 
 def cmd_verify(args) -> int:
     args.verify = True
+    needs_model(args, "verify")
+    if getattr(args, "loaded_plan", None) is not None:
+        return cmd_plan(args, verify_exit=True, bound=bound_from_args(args))
+    if not args.mesh:
+        raise ValueError("verify needs --mesh (e.g. 2x4), or --plan FILE")
+    args.optimizer = args.optimizer or "adamw"
     return cmd_plan(args, verify_exit=True)
 
 
@@ -154,6 +176,9 @@ def cmd_run(args, bound=None) -> int:
     from autoshard.models import get_workload, make_optimizer
     from autoshard.runtime.sharded import check_against_single_device, run_steps
 
+    needs_model(args, "run")
+    if bound is None and getattr(args, "loaded_plan", None) is not None:
+        bound = bound_from_args(args)
     if bound is None and _route(args, "run"):
         return cmd_pipeline_run(args)
     _single_mesh_defaults(args)
@@ -276,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("run", cmd_run, "plan and run training steps (fake CPU devices when no accelerator)"),
     ):
         p = sub.add_parser(name, help=text)
-        _model_args(p)
-        required = name == "verify"  # plan and run may pipeline instead (--pipeline)
-        p.add_argument("--mesh", required=required, help="device mesh shape, e.g. 8, 2x4, 1x8")
+        _model_args(p, model_required=name == "plan")  # run and verify may read --plan
+        p.add_argument("--mesh", help="device mesh shape, e.g. 8, 2x4, 1x8")
+        add_plan_file_arg(p, name)
         p.add_argument(
             "--baseline",
             choices=("dp", "zero2", "zero3", "megatron"),
@@ -317,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--rtol", type=float, default=1e-5)
         if name != "verify":
             add_pipeline_args(p, run=name == "run")
-        p.set_defaults(func=func, optimizer=None if name == "run" else "adamw")
+        # None on run and verify: a --plan file's optimizer, else sgd / adamw
+        p.set_defaults(func=func, optimizer="adamw" if name == "plan" else None)
 
     p = sub.add_parser("demo", help="plan, run and verify gpt-tiny on 8 fake CPU devices")
     p.add_argument("--solver", choices=("cbc", "highs"), default="cbc")
@@ -337,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "plan_file", None):
+        try:  # before the devices are set up: the mesh comes from the file
+            apply_plan_file(args, args.command)
+        except ValueError as err:
+            print(f"autoshard: error: {err}", file=sys.stderr)
+            return 2
     devices = args.devices or getattr(args, "pipeline_devices", None)
     if devices is None and args.command == "demo":
         devices = 8

@@ -1,0 +1,188 @@
+"""Plan files: ``plan --out``, ``run --plan``, ``verify --plan`` and their refusals."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.cli.main import main
+from autoshard.ir.planfile import SCHEMA, PlanFileError, load_plan
+
+MODEL = ["--model", "mlp", "--batch", "64", "--hidden", "32", "--optimizer", "sgd"]
+
+
+def _run(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "autoshard", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    proc = _run("plan", *MODEL, "--mesh", "2x2", "--out", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)  # --json prints the document --out writes
+    assert printed == json.loads(path.read_text())
+    assert printed["schema"] == SCHEMA and printed["kind"] == "intra"
+    for key in ("objective", "specs", "predicted_collectives", "solver", "plan", "mesh"):
+        assert key in printed  # the summary keys plan --json always had
+    return path
+
+
+def _edited(plan_path, tmp_path, edit) -> str:
+    doc = json.loads(plan_path.read_text())
+    edit(doc)
+    out = tmp_path / "edited.json"
+    out.write_text(json.dumps(doc))
+    return str(out)
+
+
+def test_round_trip_in_python(tmp_path):
+    import autoshard
+    from autoshard.api import plan_workload
+
+    bound = plan_workload("mlp", "2x2", optimizer="sgd", batch_size=64, hidden=32)
+    path = tmp_path / "p.json"
+    bound.save(path)
+    loaded = autoshard.load_plan(path)
+    assert loaded.plan == bound.plan
+    assert loaded.model == "mlp" and loaded.overrides == {"batch_size": 64, "hidden": 32}
+    assert loaded.fingerprint == bound.plan_file().fingerprint
+    rebound = autoshard.bind_plan(path)
+    assert rebound.plan == bound.plan
+    assert len(rebound.graph.nodes) == len(bound.graph.nodes)
+
+
+NO_SOLVER = (
+    "import sys\n"
+    "import autoshard.intra.problem as problem\n"
+    "def refuse(*a, **k):\n"
+    "    raise AssertionError('the planner ran')\n"
+    "problem.auto_shard_graph = refuse\n"
+    "from autoshard.cli.main import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def _run_without_planner(*args):
+    return subprocess.run(
+        [sys.executable, "-c", NO_SOLVER, *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_run_plan_matches_one_device_without_solving(plan_path):
+    proc = _run_without_planner("run", "--plan", str(plan_path), "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert "MATCH" in proc.stdout and "MISMATCH" not in proc.stdout
+    assert "not solving again" in proc.stderr
+    # the same run without --plan needs the planner, which the harness removed
+    proc = _run_without_planner("run", *MODEL, "--mesh", "2x2")
+    assert proc.returncode != 0 and "the planner ran" in proc.stderr
+
+
+def test_verify_plan_agrees(plan_path):
+    proc = _run("verify", "--plan", str(plan_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["schema"] == SCHEMA and out["agree"] is True
+    assert out["parallel_plan"] == json.loads(plan_path.read_text())["parallel_plan"]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--mesh", "4"], "made for mesh 2x2 (data, model), not 4 (data)"),
+        (["--layers", "3"], "--layers 3"),
+        (["--hidden", "64"], "--hidden 64 (the plan is for --hidden 32)"),
+        (["--model", "gpt-tiny"], "--model gpt-tiny (the plan is for mlp)"),
+        (["--optimizer", "adamw"], "--optimizer adamw"),
+        (["--solver", "highs"], "drop --solver"),
+        (["--baseline", "dp"], "drop --baseline"),
+    ],
+)
+def test_flags_that_contradict_the_file_are_refused(plan_path, capsys, flags, says):
+    assert main(["run", "--plan", str(plan_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_plan_for_another_program_is_refused(plan_path, tmp_path):
+    def more_layers(doc):
+        doc["fingerprint"]["overrides"]["num_layers"] = 5
+
+    proc = _run("verify", "--plan", _edited(plan_path, tmp_path, more_layers))
+    assert proc.returncode == 2
+    assert "the program differs" in proc.stderr and "nodes in the plan's" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _drop(*keys):
+    def edit(doc):
+        target = doc
+        for k in keys[:-1]:
+            target = target[k]
+        del target[keys[-1]]
+
+    return edit
+
+
+def _set(value, *keys):
+    def edit(doc):
+        target = doc
+        for k in keys[:-1]:
+            target = target[k]
+        target[keys[-1]] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (_set("autoshard.plan/99", "schema"), "schema 'autoshard.plan/99'"),
+        (_drop("schema"), "no 'schema' key"),
+        (_set("pipeline", "kind"), "kind 'pipeline'"),
+        (_drop("parallel_plan"), "no 'parallel_plan' object"),
+        (_drop("fingerprint", "program"), "no 'program' object"),
+        (_drop("parallel_plan", "input_specs"), "missing key 'input_specs'"),
+        (_set([4, 1], "parallel_plan", "mesh", "shape"), "the file was edited"),
+        (_set("x", "parallel_plan", "predicted_peak_bytes"), "cannot be read"),
+    ],
+)
+def test_malformed_plan_files_get_a_clear_message(plan_path, tmp_path, capsys, edit, says):
+    path = _edited(plan_path, tmp_path, edit)
+    with pytest.raises(PlanFileError, match="plan file"):
+        load_plan(path)
+    assert main(["verify", "--plan", path]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text, says", [("{not json", "not valid JSON"), ("[1, 2]", "not a JSON object")]
+)
+def test_plan_file_that_is_not_a_plan(tmp_path, capsys, text, says):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    assert main(["run", "--plan", str(path)]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_missing_plan_file(tmp_path, capsys):
+    assert main(["run", "--plan", str(tmp_path / "nope.json")]) == 2
+    assert "cannot read plan file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_run_and_verify_need_a_model_or_a_plan(command):
+    proc = _run(command, "--mesh", "2")
+    assert proc.returncode == 2 and "--plan FILE" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_pipeline_plans_cannot_be_saved_yet(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["plan", *MODEL, "--devices", "8", "--pipeline", "auto", "--out", str(out)]) == 2
+    assert "--out saves one-mesh plans" in capsys.readouterr().err and not out.exists()
