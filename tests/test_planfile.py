@@ -94,7 +94,7 @@ def test_verify_plan_agrees(plan_path):
     "flags, says",
     [
         (["--mesh", "4"], "made for mesh 2x2 (data, model), not 4 (data)"),
-        (["--layers", "3"], "--layers 3"),
+        (["--layers", "3"], "--layers 3 (the plan is for --layers 2)"),
         (["--hidden", "64"], "--hidden 64 (the plan is for --hidden 32)"),
         (["--model", "gpt-tiny"], "--model gpt-tiny (the plan is for mlp)"),
         (["--optimizer", "adamw"], "--optimizer adamw"),
@@ -106,6 +106,19 @@ def test_flags_that_contradict_the_file_are_refused(plan_path, capsys, flags, sa
     assert main(["run", "--plan", str(plan_path), *flags]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_flags_that_agree_with_the_file_are_accepted(plan_path):
+    # --layers 2 is the mlp preset's default: the plan's own program
+    proc = _run("run", "--plan", str(plan_path), "--layers", "2", "--hidden", "32", "--mesh", "2x2")
+    assert proc.returncode == 0, proc.stderr
+    assert "not solving again" in proc.stderr
+
+
+def test_plan_out_to_an_unwritable_path(tmp_path):
+    proc = _run("plan", *MODEL, "--mesh", "2", "--out", str(tmp_path / "no" / "plan.json"))
+    assert proc.returncode == 2 and "cannot write the plan" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_plan_for_another_program_is_refused(plan_path, tmp_path):

@@ -75,14 +75,15 @@ def apply_plan_file(args, command: str) -> None:
     if args.model is not None and args.model != pf.model:
         differ.append(f"--model {args.model} (the plan is for {pf.model})")
     overrides = pf.overrides
-    for flag, dest, key in SIZE_FLAGS:
-        given = getattr(args, dest, None)
-        if given is not None and given != overrides.get(key):
-            made = overrides.get(key)
-            differ.append(
-                f"{flag} {given} (the plan is for "
-                + (f"{flag} {made})" if made is not None else f"the preset's {key})")
-            )
+    given_sizes = [(f, d, k) for f, d, k in SIZE_FLAGS if getattr(args, d, None) is not None]
+    if given_sizes:  # compare with the sizes the plan was made for, preset defaults included
+        from autoshard.models import get_workload
+
+        config = get_workload(pf.model, **overrides).config
+        for flag, dest, key in given_sizes:
+            given, made = getattr(args, dest), getattr(config, key, None)
+            if given != made:
+                differ.append(f"{flag} {given} (the plan is for {flag} {made})")
     if args.optimizer is not None and pf.optimizer and args.optimizer != pf.optimizer:
         differ.append(f"--optimizer {args.optimizer} (the plan is for {pf.optimizer})")
     mesh = pf.plan.mesh
