@@ -100,6 +100,7 @@ def test_verify_plan_agrees(plan_path):
         (["--optimizer", "adamw"], "--optimizer adamw"),
         (["--solver", "highs"], "drop --solver"),
         (["--baseline", "dp"], "drop --baseline"),
+        (["--pipeline", "auto", "--devices", "4"], "drop --pipeline, run --devices"),
     ],
 )
 def test_flags_that_contradict_the_file_are_refused(plan_path, capsys, flags, says):

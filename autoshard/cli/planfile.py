@@ -33,6 +33,8 @@ PLANNING_FLAGS = (
     ("--force-batch-axis", "force_batch_axis"),
     ("--no-mixed-mesh-shape", "no_mixed_mesh_shape"),
     ("--pipeline", "pipeline"),
+    ("--stages", "stages"),
+    ("run --devices", "pipeline_devices"),  # the mesh in the file sets the devices
 )
 
 
