@@ -58,6 +58,9 @@ class MemoryLayout:
     fused_transcendentals: bool = False
 
 
+# Every flag off: the plain model, no backend's habits.
+PLAIN_MEMORY = MemoryLayout()
+
 # How XLA:CPU lays memory out: every flag but the GPU's on (docs/truth.md).
 XLA_CPU_MEMORY = MemoryLayout(
     narrow_dots_in_f32=True,
@@ -163,7 +166,7 @@ def uniform_mesh(
     peak_flops: float = math.inf,
     memory_bytes: float = math.inf,
     hbm_bandwidth: float = math.inf,
-    memory_layout: MemoryLayout = MemoryLayout(),
+    memory_layout: MemoryLayout = PLAIN_MEMORY,
 ) -> DeviceMesh:
     """A :class:`DeviceMesh`; a scalar ``alpha`` or ``beta`` applies to every axis."""
     rank = len(shape)
@@ -183,7 +186,7 @@ def uniform_mesh(
 def alpa_test_mesh(
     shape: Sequence[int],
     axis_names: Sequence[str] | None = None,
-    memory_layout: MemoryLayout = MemoryLayout(),
+    memory_layout: MemoryLayout = PLAIN_MEMORY,
 ) -> DeviceMesh:
     """The logical mesh of Alpa's intra-operator tests: alpha = (1, 1), beta = (1, 0.1).
 
@@ -205,7 +208,7 @@ def alpa_test_mesh(
 
 
 def relative_mesh(
-    shape: Sequence[int], axis_names: Sequence[str], memory_layout: MemoryLayout = MemoryLayout()
+    shape: Sequence[int], axis_names: Sequence[str], memory_layout: MemoryLayout = PLAIN_MEMORY
 ) -> DeviceMesh:
     """Alpa's test costs on a mesh of any rank, in relative units: alpha 1 on every axis,
     beta 1 on every axis but the last, fast one of a multi-axis mesh (0.1)."""
