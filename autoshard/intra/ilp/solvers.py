@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,15 +76,23 @@ def _cbc(time_limit_s: float | None, mip_gap: float, seed: int) -> pulp.PULP_CBC
         )
 
 
-def _solve_cbc_owned(prob: pulp.LpProblem, cmd: pulp.PULP_CBC_CMD, tmp: str, wall_s) -> bool:
+def _solve_cbc_owned(prob: pulp.LpProblem, opts: tuple, time_limit_s, started: float, tmp) -> bool:
     """Run CBC on ``prob`` the way PuLP's ``solve_CBC`` does, but with its files in ``tmp``
     (a directory the caller owns and deletes) and its process in its own group, killed at
-    ``wall_s`` seconds and on any exception (Ctrl-C included). False: killed, no solution."""
+    the wall-clock deadline (``time_limit_s`` after ``started``, plus the grace) and on any
+    exception (Ctrl-C included). False: the deadline passed, no solution."""
     mps, sol, log = (os.path.join(tmp, f) for f in ("model.mps", "model.sol", "cbc.log"))
     vs, var_names, con_names, _ = prob.writeMPS(mps, rename=1)
+    wall_s = None
+    if time_limit_s is not None:  # building and writing the model count against the limit
+        time_limit_s -= time.monotonic() - started
+        if time_limit_s < 0.001:
+            return False
+        wall_s = time_limit_s + CBC_GRACE_S
+    cmd = _cbc(time_limit_s, *opts)
     args = [cmd.path, mps]
-    if cmd.timeLimit is not None:
-        args += ["-sec", str(cmd.timeLimit)]
+    if time_limit_s is not None:
+        args += ["-sec", f"{time_limit_s:.3f}"]
     for option in cmd.options + cmd.getOptions():
         args += ["-" + w for w in option.split()[:1]] + option.split()[1:]
     args += ["-solve", "-printingOptions", "all", "-solution", sol]
@@ -200,6 +209,7 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
 
 def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
     """CBC through PuLP: the matrix model rebuilt as a PuLP problem."""
+    started = time.monotonic()
     prob = pulp.LpProblem("autoshard_intra_op", pulp.LpMinimize)
     x = [
         _new_var(
@@ -219,9 +229,8 @@ def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: in
         if math.isfinite(hi):
             prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintLE, rhs=hi))
     prob.setObjective(_expr([(x[j], w) for j, w in enumerate(model.cost) if w]))
-    wall_s = None if time_limit_s is None else time_limit_s + CBC_GRACE_S
     with tempfile.TemporaryDirectory(prefix="autoshard-cbc-") as tmp:
-        if not _solve_cbc_owned(prob, _cbc(time_limit_s, mip_gap, seed), tmp, wall_s):
+        if not _solve_cbc_owned(prob, (mip_gap, seed), time_limit_s, started, tmp):
             return _Outcome("no_incumbent", None)
         log = Path(tmp, "cbc.log").read_text()
     found = re.search(r"Lower bound:\s+(\S+)", log)
