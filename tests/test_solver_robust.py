@@ -45,3 +45,11 @@ def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(limit):
     proc = _cli("plan", "--model", "gpt-tiny", "--mesh", "2x4", f"--time-limit={limit}")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "time_limit_s=" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback():
+    argv = "plan --model gpt-tiny --mesh 2x4 --memory-budget 0.00001 --time-limit 0.01"
+    proc = _cli(*argv.split())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "autoshard: error:" in proc.stderr and "--time-limit" in proc.stderr

@@ -396,9 +396,14 @@ def main(argv: list[str] | None = None) -> int:
             devices = args.gpus  # simulate --exact compiles on one fake device per GPU
     _setup_devices(devices)
     warnings.showwarning = _warn_plainly
+    from autoshard.intra.ilp import SolverTimeLimitError
+
     try:
         return args.func(args)
     except ValueError as err:  # bad input: say what was wrong, no traceback
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        return 2
+    except SolverTimeLimitError as err:  # nothing feasible found in time: say how to get a plan
         print(f"autoshard: error: {err}", file=sys.stderr)
         return 2
 

@@ -92,7 +92,8 @@ def _min_peak(pb: ShardingProblem, solver: str, time_limit_s, seed: int) -> tupl
         raise InfeasibleProblemError("no assignment avoids infinite costs while honouring the ties")
     if out.status == "no_incumbent":
         raise SolverTimeLimitError(
-            f"{solver} found no feasible assignment (ignoring the budget) within time_limit_s={time_limit_s}"
+            f"{solver} found no feasible assignment (ignoring the budget) within "
+            f"time_limit_s={time_limit_s}; raise the time limit (--time-limit)"
         )
     return peak_memory(pb, _decode(red, model)), out.status == "optimal"
 
@@ -147,7 +148,8 @@ def solve(
         if greedy is None:
             raise SolverTimeLimitError(
                 f"{solver} found no feasible assignment within time_limit_s={time_limit_s} "
-                f"({model.num_binary} binary variables); raise time_limit_s or the budget"
+                f"({model.num_binary} binary variables), and no greedy plan fits; raise the time "
+                "limit (--time-limit) or the memory budget"
             )
         strategy, fallback = greedy, "greedy"
         out = _Outcome("time_limit", out.bound)
