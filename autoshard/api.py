@@ -173,7 +173,11 @@ def auto_shard(
     (:class:`~autoshard.intra.options.IntraOptions`) holds the planner's settings: solver,
     time limit, memory budget (``memory_budget_bytes``, bytes per device), merging, layer
     sharing and Alpa's knobs. With a budget and ``check_compiled_memory`` (the default) the
-    plan is compiled and re-planned until XLA's peak fits it (:func:`fit_compiled_budget`). ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
+    plan is compiled and re-planned until XLA's peak fits it (:func:`fit_compiled_budget`).
+    With ``cluster`` the preset's HBM per device is the default budget, and the budget
+    bounds the predicted peak only (compiling here is not the GPU's compile); the plan's
+    notes say so, and a model that cannot fit raises InfeasibleBudgetError with the least
+    peak any plan reaches. ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
     that baseline does and lets the ILP place the rest.
 
     Returns a :class:`BoundPlan`: the jax-free :class:`~autoshard.ir.plan.ParallelPlan`
@@ -181,6 +185,7 @@ def auto_shard(
     ``.verify()`` the predicted-vs-compiled report.
     """
     from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.ilp import InfeasibleBudgetError
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.trace.jaxpr import trace
 
@@ -191,14 +196,53 @@ def auto_shard(
     dmesh = device_mesh_for(mesh, cluster=cluster)
     pinned = baseline_inputs(graph, dmesh.mesh, baseline) if baseline else None
     options = options if options is not None else IntraOptions()
-    plan = auto_shard_graph(graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto")
+    options, notes = _cluster_memory_budget(options, dmesh, cluster)
+    try:
+        plan = auto_shard_graph(
+            graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto"
+        )
+    except InfeasibleBudgetError as err:
+        if notes:  # the budget is the device's memory: say so, with the least a plan needs
+            err.args = (
+                f"the plan cannot fit the device ({notes[0]}): {err}; or pass a larger "
+                "memory budget (--memory-budget GiB) to plan past the device's memory",
+            )
+        raise
+    if notes:
+        plan = dataclasses.replace(plan, notes=plan.notes + notes)
     made_for = {"options": dataclasses.asdict(options), "cluster": _cluster_name(cluster)}
     bound = BoundPlan(
         plan, program, graph, mesh if hasattr(mesh, "devices") else None, made_for=made_for
     )
+    if cluster is not None:  # XLA:CPU's compile is not the GPU's: the budget bounds the prediction
+        check_compiled_memory = False
     if options.memory_budget_bytes is not None and check_compiled_memory:
         bound = fit_compiled_budget(bound, dmesh, options, pinned=pinned)
     return bound
+
+
+def _cluster_memory_budget(options: IntraOptions, dmesh, cluster) -> tuple[IntraOptions, tuple]:
+    """With a cluster preset, its HBM per device is the default memory budget; returns the
+    options to plan with and the notes that say where the budget comes from."""
+    import math
+
+    if cluster is None:
+        return options, ()
+    where = "checked against the predicted peak only (compiling here is not the GPU's compile)"
+    budget = options.memory_budget_bytes
+    if budget is not None:
+        return options, (f"memory budget: {_gib(budget)} per device, {where}",)
+    hbm = dmesh.memory_bytes
+    if not math.isfinite(hbm):
+        return options, ()
+    source = f"the {cluster} preset's HBM" if isinstance(cluster, str) else "the cluster's HBM"
+    note = f"memory budget: {_gib(hbm)} per device, {source}, {where}"
+    return options.replace(memory_budget_bytes=float(hbm)), (note,)
+
+
+def _gib(nbytes: float) -> str:
+    gib = nbytes / 2**30
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib:.3g} GiB"
 
 
 def fit_compiled_budget(bound, dmesh, options: IntraOptions, *, pinned=None, max_rounds: int = 4):

@@ -3,6 +3,7 @@ small problems (with and without merging, CBC and HiGHS)."""
 
 import itertools
 import math
+import os
 
 import numpy as np
 import pulp
@@ -503,9 +504,76 @@ def dense_random(n: int, k: int, seed: int) -> ShardingProblem:
 
 
 @pytest.mark.parametrize("solver", ["cbc", "highs"])
-def test_time_limit_without_incumbent_raises(solver):
+def test_time_limit_without_incumbent_returns_a_feasible_plan_and_warns(solver):
+    pb = dense_random(30, 6, seed=0)
+    with pytest.warns(SolverTimeLimitWarning, match=r"greedy feasible plan.*--time-limit"):
+        sol = solve(pb, solver=solver, time_limit_s=0.001)
+    assert sol.status == "time_limit" and sol.fallback == "greedy"
+    assert sol.objective == objective_of(pb, sol.strategy) < INF
+    assert Solution.from_json(sol.to_json()) == sol
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_time_limit_raises_when_no_feasible_plan_is_found(solver):
+    base = dense_random(30, 6, seed=0)
+    first = int(np.argmin(base.node_costs[0]))  # what the greedy pass gives node 0
+    trap = np.zeros((6, 1))
+    trap[first, 0] = INF  # ... and the one strategy of a last node forbids it
+    pb = ShardingProblem(
+        base.num_strategies + (1,),
+        base.node_costs + ((0.0,),),
+        base.edges + (EdgeCost(0, 30, trap),),
+    )
     with pytest.raises(SolverTimeLimitError, match="time_limit_s"):
-        solve(dense_random(30, 6, seed=0), solver=solver, time_limit_s=0.001)
+        solve(pb, solver=solver, time_limit_s=0.001)
+
+
+def _cbc_children() -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "cbc" in line and "autoshard-cbc-" in line]
+
+
+def test_interrupted_cbc_leaves_no_process_and_no_file(monkeypatch, tmp_path):
+    import subprocess
+    import tempfile
+
+    import autoshard.intra.ilp.solvers as solvers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    started = []
+    real_popen = subprocess.Popen
+
+    class InterruptedPopen(real_popen):
+        def wait(self, timeout=None):
+            if not started:  # the CBC run: Ctrl-C while it solves
+                started.append(self.pid)
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    monkeypatch.setattr(solvers.subprocess, "Popen", InterruptedPopen)
+    with pytest.raises(KeyboardInterrupt):
+        solve(dense_random(30, 6, seed=0), solver="cbc", time_limit_s=30)
+    assert started
+    with pytest.raises(ProcessLookupError):
+        os.kill(started[0], 0)
+    assert list(tmp_path.iterdir()) == []
+    assert _cbc_children() == []
+
+
+def test_cbc_past_its_own_limit_is_killed_at_the_wall_clock(monkeypatch, tmp_path):
+    import tempfile
+
+    import autoshard.intra.ilp.solvers as solvers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(solvers, "CBC_GRACE_S", -0.999)  # wall limit 1 ms, CBC's own 1 s
+    with pytest.warns(SolverTimeLimitWarning, match="greedy"):
+        sol = solve(dense_random(30, 6, seed=0), solver="cbc", time_limit_s=1.0)
+    assert sol.fallback == "greedy"
+    assert list(tmp_path.iterdir()) == []
+    assert _cbc_children() == []
 
 
 def test_time_limit_with_incumbent_warns_and_returns_it():

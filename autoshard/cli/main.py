@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from autoshard.cli.args import add_intra_option_args, intra_options
 from autoshard.cli.args import add_model_args as _model_args
@@ -74,6 +75,7 @@ def _plan_json(model: str, bound, report) -> dict:
         "predicted_collectives": [c.to_json() for c in plan.predicted_collectives],
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "solver": dict(plan.solver),
+        "notes": list(plan.notes),
     }
     if report is not None:
         verification = report.to_json()
@@ -360,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warn_plainly(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as ``autoshard: warning: ...`` lines on stderr (no source lines)."""
+    print(f"autoshard: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -388,9 +395,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus <= MAX_EXACT_DEVICES:  # more: simulate() says why
             devices = args.gpus  # simulate --exact compiles on one fake device per GPU
     _setup_devices(devices)
+    warnings.showwarning = _warn_plainly
+    from autoshard.intra.ilp import SolverTimeLimitError
+
     try:
         return args.func(args)
     except ValueError as err:  # bad input: say what was wrong, no traceback
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        return 2
+    except SolverTimeLimitError as err:  # nothing feasible found in time: say how to get a plan
         print(f"autoshard: error: {err}", file=sys.stderr)
         return 2
 

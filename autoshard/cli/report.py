@@ -58,6 +58,8 @@ def print_plan(plan, graph, console: Console | None = None) -> None:
         f"solver {solver.get('solver', '?')} {solver.get('status', '')} in "
         f"{float(solver.get('seconds', 0.0)):.2f} s, {solver.get('num_variables', '?')} variables"
     )
+    for note in plan.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
     table = Table(title="inputs (identical blocks folded as block_*)")
     table.add_column("input")
     table.add_column("kind")

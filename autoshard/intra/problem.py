@@ -31,11 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.intra.cost import (
-    DEFAULT_COST_OPTIONS,
-    reshard,
-    reshard_to_consumers,
-)
+from autoshard.intra.cost import DEFAULT_COST_OPTIONS, reshard, reshard_to_consumers
 from autoshard.intra.ilp import (
     EdgeCost,
     ShardingProblem,
@@ -578,7 +574,11 @@ def auto_shard_graph(
         seed=options.seed,
     )
     plan = plan_from_solution(ip, solution, name=name)
-    if memory_budget_bytes is not None:
+    if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
+        from autoshard.intra.fallback import cheapest_fallback
+
+        plan, solution = cheapest_fallback(plan, solution, graph, mesh, options), None
+    if memory_budget_bytes is not None and solution is not None:
         rows = peak_memory(ip.problem, solution.strategy)
         if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
             raise RuntimeError(

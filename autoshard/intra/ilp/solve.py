@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from autoshard.intra.ilp.greedy import greedy_assignment
 from autoshard.intra.ilp.model import _build, _Model
 from autoshard.intra.ilp.problem import (
     InfeasibleBudgetError,
@@ -32,7 +33,8 @@ from autoshard.intra.ilp.solvers import SOLVERS, _Outcome, _run
 class Solution:
     """The chosen strategy of every original node and how the solve went.
 
-    ``status`` is "optimal" (within ``mip_gap``) or "time_limit" (best incumbent).
+    ``status`` is "optimal" (within ``mip_gap``) or "time_limit" (best incumbent; when the
+    solver found none, ``fallback`` says which feasible assignment was returned instead).
     ``gap`` is (objective - best bound) / |objective|, None where the solver gave no bound.
     ``seconds`` covers build + solve; ``build_seconds`` the model building alone.
     """
@@ -47,6 +49,7 @@ class Solution:
     num_variables: int
     num_constraints: int
     num_roots: int
+    fallback: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -89,7 +92,8 @@ def _min_peak(pb: ShardingProblem, solver: str, time_limit_s, seed: int) -> tupl
         raise InfeasibleProblemError("no assignment avoids infinite costs while honouring the ties")
     if out.status == "no_incumbent":
         raise SolverTimeLimitError(
-            f"{solver} found no feasible assignment (ignoring the budget) within time_limit_s={time_limit_s}"
+            f"{solver} found no feasible assignment (ignoring the budget) within "
+            f"time_limit_s={time_limit_s}; raise the time limit (--time-limit)"
         )
     return peak_memory(pb, _decode(red, model)), out.status == "optimal"
 
@@ -138,12 +142,19 @@ def solve(
             )
         need, proven = _min_peak(problem, solver, time_limit_s, seed)
         raise InfeasibleBudgetError(problem.memory_budget_bytes, need, proven)
+    fallback = None
     if out.status == "no_incumbent":
-        raise SolverTimeLimitError(
-            f"{solver} found no feasible assignment within time_limit_s={time_limit_s} "
-            f"({model.num_binary} binary variables); raise time_limit_s or the budget"
-        )
-    strategy = _decode(red, model)
+        greedy = greedy_assignment(problem)
+        if greedy is None:
+            raise SolverTimeLimitError(
+                f"{solver} found no feasible assignment within time_limit_s={time_limit_s} "
+                f"({model.num_binary} binary variables), and no greedy plan fits; raise the time "
+                "limit (--time-limit) or the memory budget"
+            )
+        strategy, fallback = greedy, "greedy"
+        out = _Outcome("time_limit", out.bound)
+    else:
+        strategy = _decode(red, model)
     objective = objective_of(problem, strategy)
     if not math.isfinite(objective):
         raise RuntimeError(
@@ -157,9 +168,15 @@ def solve(
     elif out.status == "optimal" and mip_gap == 0.0:
         gap = 0.0
     if out.status == "time_limit":
+        found = (
+            "found no plan; returning a greedy feasible plan"
+            if fallback
+            else "stopped with its best plan"
+        )
         warnings.warn(
-            f"{solver} stopped at time_limit_s={time_limit_s} with objective {objective:.6g} and "
-            f"relative gap {gap if gap is None else f'{gap:.3g}'}; raise time_limit_s for a better plan",
+            f"{solver} {found} at time_limit_s={time_limit_s}: objective {objective:.6g}, "
+            f"relative gap {'unknown' if gap is None else f'{gap:.3g}'}; raise the time limit "
+            "(--time-limit) for a better plan",
             SolverTimeLimitWarning,
             stacklevel=2,
         )
@@ -174,4 +191,5 @@ def solve(
         num_variables=model.num_cols,
         num_constraints=model.num_rows,
         num_roots=len(red.blocks),
+        fallback=fallback,
     )

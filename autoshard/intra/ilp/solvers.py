@@ -10,8 +10,11 @@ import ctypes
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,18 +60,67 @@ def _check_solver(name: str) -> None:
         )
 
 
-def _cbc(time_limit_s: float | None, mip_gap: float, seed: int, log_path: str):
+# CBC honours its -sec limit only between branch-and-bound steps: on a large model its
+# root LP and preprocessing run on past it (gpt-tiny on 2x2x2 with megatron's pins: over a
+# minute at -sec 20, and SIGINT does not stop it). The wall clock bounds it instead: a CBC
+# still running at the limit plus this grace is killed, and the solve has no incumbent.
+CBC_GRACE_S = 2.0
+
+
+def _cbc(time_limit_s: float | None, mip_gap: float, seed: int) -> pulp.PULP_CBC_CMD:
     opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}"]
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(
-            msg=False,
-            timeLimit=time_limit_s,
-            gapRel=mip_gap,
-            gapAbs=_ABS_GAP,
-            options=opts,
-            logPath=log_path,
+            msg=False, timeLimit=time_limit_s, gapRel=mip_gap, gapAbs=_ABS_GAP, options=opts
         )
+
+
+def _solve_cbc_owned(prob: pulp.LpProblem, opts: tuple, time_limit_s, started: float, tmp) -> bool:
+    """Run CBC on ``prob`` the way PuLP's ``solve_CBC`` does, but with its files in ``tmp``
+    (a directory the caller owns and deletes) and its process in its own group, killed at
+    the wall-clock deadline (``time_limit_s`` after ``started``, plus the grace) and on any
+    exception (Ctrl-C included). False: the deadline passed, no solution."""
+    mps, sol, log = (os.path.join(tmp, f) for f in ("model.mps", "model.sol", "cbc.log"))
+    vs, var_names, con_names, _ = prob.writeMPS(mps, rename=1)
+    wall_s = None
+    if time_limit_s is not None:  # building and writing the model count against the limit
+        time_limit_s -= time.monotonic() - started
+        if time_limit_s < 0.001:
+            return False
+        wall_s = time_limit_s + CBC_GRACE_S
+    cmd = _cbc(time_limit_s, *opts)
+    args = [cmd.path, mps]
+    if time_limit_s is not None:
+        args += ["-sec", f"{time_limit_s:.3f}"]
+    for option in cmd.options + cmd.getOptions():
+        args += ["-" + w for w in option.split()[:1]] + option.split()[1:]
+    args += ["-solve", "-printingOptions", "all", "-solution", sol]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=wall_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return False
+        except BaseException:
+            _kill_group(proc)
+            raise
+    if proc.returncode != 0 or not os.path.exists(sol):
+        tail = Path(log).read_text()[-2000:]
+        raise RuntimeError(f"CBC exited with status {proc.returncode}; log tail:\n{tail}")
+    status, values, _, _, _, sol_status = cmd.readsol_MPS(sol, prob, vs, var_names, con_names)
+    prob.assignVarsVals(values)
+    prob.assignStatus(status, sol_status)
+    return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @contextlib.contextmanager
@@ -157,6 +209,7 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
 
 def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
     """CBC through PuLP: the matrix model rebuilt as a PuLP problem."""
+    started = time.monotonic()
     prob = pulp.LpProblem("autoshard_intra_op", pulp.LpMinimize)
     x = [
         _new_var(
@@ -176,10 +229,10 @@ def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: in
         if math.isfinite(hi):
             prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintLE, rhs=hi))
     prob.setObjective(_expr([(x[j], w) for j, w in enumerate(model.cost) if w]))
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = os.path.join(tmp, "cbc.log")
-        prob.solve(_cbc(time_limit_s, mip_gap, seed, log_path))
-        log = Path(log_path).read_text() if os.path.exists(log_path) else ""
+    with tempfile.TemporaryDirectory(prefix="autoshard-cbc-") as tmp:
+        if not _solve_cbc_owned(prob, (mip_gap, seed), time_limit_s, started, tmp):
+            return _Outcome("no_incumbent", None)
+        log = Path(tmp, "cbc.log").read_text()
     found = re.search(r"Lower bound:\s+(\S+)", log)
     bound = float(found.group(1)) if found else None
     status, sol_status = prob.status, prob.sol_status

@@ -1,0 +1,89 @@
+"""Issue #14, finding 10: with a cluster preset the device's HBM is the default memory
+budget, the output says so, and a model that cannot fit is refused with the least peak
+any plan reaches."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoshard.api import plan_workload
+from autoshard.hardware.clusters import load_cluster
+from autoshard.intra.ilp import InfeasibleBudgetError
+from autoshard.intra.options import IntraOptions
+
+HIGHS = IntraOptions(solver="highs", time_limit_s=120)
+TINY = dict(num_layers=1)
+
+
+def _preset_with_hbm(tmp_path, hbm_bytes: int) -> str:
+    from importlib import resources
+
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"] = "small-hbm"
+    preset["device"]["hbm_bytes"] = hbm_bytes
+    path = tmp_path / "small-hbm.json"
+    path.write_text(json.dumps(preset))
+    return str(path)
+
+
+def test_cluster_hbm_is_the_default_budget_and_the_plan_says_so():
+    bound = plan_workload("gpt-tiny", "2x4", options=HIGHS, cluster="alpa-v100", **TINY)
+    hbm = load_cluster("alpa-v100").device.hbm_bytes
+    (note,) = [n for n in bound.plan.notes if n.startswith("memory budget")]
+    assert "16.0 GiB per device, the alpa-v100 preset's HBM" in note
+    assert "predicted peak only" in note
+    assert bound.plan.predicted_peak_bytes <= hbm
+    assert bound.report is None  # no CPU compile stands in for the GPU's
+
+
+def test_cluster_budget_binds_the_plan(tmp_path):
+    free = plan_workload("gpt-tiny", "2x4", options=HIGHS, cluster="alpa-v100", **TINY)
+    least = free.plan.predicted_peak_bytes * 0.9  # the unbounded plan does not fit this
+    bound = plan_workload(
+        "gpt-tiny", "2x4", options=HIGHS, cluster=_preset_with_hbm(tmp_path, int(least)), **TINY
+    )
+    assert bound.plan.predicted_peak_bytes <= int(least)
+
+
+def test_model_that_cannot_fit_the_device_is_refused_with_its_least_peak(tmp_path):
+    path = _preset_with_hbm(tmp_path, 2**16)
+    with pytest.raises(InfeasibleBudgetError, match="cannot fit the device") as caught:
+        plan_workload("gpt-tiny", "2x4", options=HIGHS, cluster=path, **TINY)
+    err = caught.value
+    assert err.memory_budget_bytes == 2**16
+    assert err.min_feasible_bytes > 2**16
+    assert "preset's HBM" in str(err) and "--memory-budget" in str(err)
+
+
+def test_explicit_budget_wins_over_the_cluster_hbm():
+    opts = HIGHS.replace(memory_budget_bytes=64 * 2**30)
+    bound = plan_workload("gpt-tiny", "2x4", options=opts, cluster="alpa-v100", **TINY)
+    (note,) = [n for n in bound.plan.notes if n.startswith("memory budget")]
+    assert note.startswith("memory budget: 64.0 GiB per device, checked against")
+    assert bound.report is None
+
+
+def test_cli_cluster_that_cannot_fit_exits_2_with_the_least_peak(tmp_path):
+    path = _preset_with_hbm(tmp_path, 2**16)
+    argv = f"plan --model gpt-tiny --layers 1 --mesh 2x4 --solver highs --cluster {path}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", *argv.split()], capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "cannot fit the device" in proc.stderr
+    assert "the smallest peak any plan reaches is" in proc.stderr
+
+
+def test_cli_cluster_json_carries_the_budget_note():
+    argv = "plan --model gpt-tiny --layers 1 --mesh 2x4 --solver highs --cluster alpa-v100 --json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", *argv.split()], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert any("alpa-v100 preset's HBM" in n for n in out["notes"])
+    assert out["predicted_peak_bytes"] <= 16 * 2**30
