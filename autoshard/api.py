@@ -196,11 +196,27 @@ def auto_shard(
     dmesh = device_mesh_for(mesh, cluster=cluster)
     pinned = baseline_inputs(graph, dmesh.mesh, baseline) if baseline else None
     options = options if options is not None else IntraOptions()
+    given_budget = options.memory_budget_bytes is not None
     options, notes = _cluster_memory_budget(options, dmesh, cluster)
     try:
-        plan = auto_shard_graph(
-            graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto"
-        )
+        plan = None
+        if notes and not given_budget:
+            # the device's HBM is only a default: plan without it first (a budget makes the
+            # ILP list every resharded copy, slow and large on big models) and solve again
+            # under it only when the unbudgeted plan is predicted not to fit
+            free = auto_shard_graph(
+                graph,
+                dmesh,
+                options.replace(memory_budget_bytes=None),
+                pinned_inputs=pinned,
+                name=baseline or "auto",
+            )
+            if free.predicted_peak_bytes <= options.memory_budget_bytes:
+                plan = free
+        if plan is None:
+            plan = auto_shard_graph(
+                graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto"
+            )
     except InfeasibleBudgetError as err:
         if notes:  # the budget is the device's memory: say so, with the least a plan needs
             err.args = (
