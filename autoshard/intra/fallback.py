@@ -1,10 +1,10 @@
 """The plan to hand back when the solver's time limit passes with no incumbent (jax-free).
 
 Takes the greedy plan the ILP layer fell back to (:func:`autoshard.intra.ilp.greedy`)
-and the problem's graph and mesh; plans each baseline (dp, zero2, zero3, megatron) the
-same greedy way through the same problem with its inputs pinned, and returns the cheapest
-feasible one, with a note naming what was compared. Guarantees a plan whenever the greedy
-pass finds one; never calls a solver (the time is already spent).
+and the problem it was made from; plans each baseline (dp, zero2, zero3, megatron) the
+same greedy way on that same problem, its inputs restricted to the baseline's specs (no
+second problem is built: the time is already spent), and returns the cheapest feasible
+one, with a note naming what was compared. Never calls a solver.
 """
 
 from __future__ import annotations
@@ -17,20 +17,29 @@ from autoshard.intra.ilp import objective_of
 from autoshard.intra.ilp.greedy import greedy_assignment
 
 
-def cheapest_fallback(plan, solution, graph, mesh, options):
-    """The cheapest of ``plan`` (greedy, unpinned, from ``solution``) and the greedy
-    baseline plans."""
-    from autoshard.intra.problem import build_problem, plan_from_solution  # it calls us
+def _pinned(ip, pinned):
+    """``ip.problem`` with every input in ``pinned`` held to its spec (the other strategies
+    of that input forbidden); None when a spec is not among the input's candidates."""
+    costs = list(ip.problem.node_costs)
+    for pos, spec in pinned.items():
+        keep = [p for p, s in enumerate(ip.strategies[pos]) if s.output_specs[0] == spec]
+        if not keep:
+            return None
+        costs[pos] = tuple(c if p in keep else math.inf for p, c in enumerate(costs[pos]))
+    return dataclasses.replace(ip.problem, node_costs=tuple(costs))
 
+
+def cheapest_fallback(plan, solution, ip, options, plan_from_solution):
+    """The cheapest of ``plan`` (greedy, unpinned, from ``solution``) and the greedy
+    baseline plans on ``ip`` (an IntraProblem; ``plan_from_solution`` reads a plan off it)."""
     best, costs = plan, {"greedy": plan.objective}
     for name in BASELINES:
         try:
-            ip = build_problem(
-                graph, mesh, options, pinned_inputs=baseline_inputs(graph, mesh.mesh, name)
-            )
+            pinned = baseline_inputs(ip.graph, ip.mesh.mesh, name)
         except ValueError:  # the baseline does not apply to this graph and mesh
             continue
-        choice = greedy_assignment(ip.problem)
+        problem = _pinned(ip, pinned)
+        choice = None if problem is None else greedy_assignment(problem)
         if choice is None:
             continue
         costs[name] = objective = objective_of(ip.problem, choice)

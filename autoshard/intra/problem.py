@@ -577,7 +577,8 @@ def auto_shard_graph(
     if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
         from autoshard.intra.fallback import cheapest_fallback
 
-        plan, solution = cheapest_fallback(plan, solution, graph, mesh, options), None
+        plan = cheapest_fallback(plan, solution, ip, options, plan_from_solution)
+        solution = None
     if memory_budget_bytes is not None and solution is not None:
         rows = peak_memory(ip.problem, solution.strategy)
         if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
