@@ -64,11 +64,7 @@ def main() -> None:
             kw = {}
             if plan == "auto":
                 kw = dict(
-                    microbatch_size=(
-                        None
-                        if args.auto_microbatches is None
-                        else args.global_batch // args.auto_microbatches
-                    ),
+                    num_microbatches=args.auto_microbatches,
                     ilp_time_limit_s=args.time_limit,
                 )
             t0 = time.perf_counter()

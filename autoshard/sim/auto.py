@@ -24,6 +24,7 @@ from types import MappingProxyType
 
 from autoshard.hardware.clusters import Cluster
 from autoshard.sim import formulas
+from autoshard.sim.breakdown import pipeline_step_breakdown
 from autoshard.sim.grid import best_point, grid_points, megatron_grid
 from autoshard.sim.megatron import GPTShape
 from autoshard.sim.report import SimulationReport
@@ -60,19 +61,22 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 
 
 def simulate_auto(
-    model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
+    model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
+    """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
+    :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
+    global micro-batch ``batch / m``, which each stage splits over its own DP degree."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.search import search_stages
 
-    if microbatch_size is None:
+    if num_microbatches is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
-    elif batch % microbatch_size:
+    elif batch % num_microbatches:
         raise ValueError(
-            f"microbatch_size={microbatch_size} does not divide the global batch {batch}"
+            f"num_microbatches={num_microbatches} does not divide the global batch {batch}"
         )
     else:
-        m = batch // microbatch_size
+        m = num_microbatches
     b = batch // m
     hosts, per_host = cluster.num_nodes, cluster.devices_per_node
     t0 = time.perf_counter()
@@ -137,6 +141,9 @@ def simulate_auto(
         "recompute": recompute,
         "dtype": dtype,
         "zero_stage": None,
+        "sequence_parallel": False,
+        "virtual_stages": 1,
+        "program": "traced",
         "stages": stages,
         "search_objective_s": inter.objective_s,
         "num_ilps": inter.num_ilps,
@@ -161,6 +168,15 @@ def simulate_auto(
         plan=MappingProxyType(plan_dict),
         breakdown=MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill}),
         search_seconds=inter.search_seconds,
+        step_breakdown=pipeline_step_breakdown(
+            cost,
+            [
+                (st.start_layer, st.end_layer, st.logical_mesh, st.recompute, st.latency_s)
+                for st in inter.stages
+            ],
+            m,
+            step,
+        ),
     )
 
 

@@ -20,7 +20,8 @@ from types import MappingProxyType
 
 from autoshard.hardware.clusters import Cluster
 from autoshard.sim.auto import search_stage_cost
-from autoshard.sim.grid import GridPoint, best_point, megatron_grid
+from autoshard.sim.breakdown import pipeline_step_breakdown
+from autoshard.sim.grid import GridPoint, Schedule, best_point, megatron_grid
 from autoshard.sim.report import SimulationReport, utilisation
 
 _TRACED_COSTS: dict = {}  # the last few IntraStageCosts: their ILPs are reused
@@ -59,7 +60,7 @@ def _grid_submesh(devices: int, cluster: Cluster) -> tuple[int, int]:
 
 
 def simulate_traced_grid(
-    model, shape, cluster, batch, microbatch_size, grid, recompute, dtype, peak, time_limit,
+    model, shape, cluster, batch, schedule: Schedule, grid, recompute, dtype, peak, time_limit,
     overrides,
 ) -> SimulationReport:  # fmt: skip
     from autoshard.inter.stages import microbatches_in_flight, pipeline_objective
@@ -67,11 +68,14 @@ def simulate_traced_grid(
     gpus = cluster.num_gpus
     if grid is not None and shape.layers % grid[1]:
         raise ValueError(f"PP={grid[1]} must divide the {shape.layers} transformer blocks")
-    configs = megatron_grid(shape, cluster, batch, microbatch_size, recompute, dtype, grid)
+    configs = megatron_grid(
+        shape, cluster, batch, schedule.microbatch_size, recompute, dtype, grid,
+        num_microbatches=schedule.num_microbatches,
+    )  # fmt: skip
     if not configs:
         raise ValueError(
             f"no Megatron grid of {model} on {gpus} GPUs takes the global batch {batch}"
-            + (f" in micro-batches of {microbatch_size} per replica" if microbatch_size else "")
+            + schedule.describe()
             + ": the batch must divide by DP x micro-batch, heads and vocabulary by TP, "
             "layers by PP"
         )
@@ -93,7 +97,16 @@ def simulate_traced_grid(
         step = pipeline_objective(latencies, m)
         fill = sum(latencies)
         breakdown = MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill})
-        points.append(GridPoint(cfg, step, max(memory), max(memory) > hbm, breakdown))
+        parts = pipeline_step_breakdown(
+            cost,
+            [
+                (a, b, (cfg.dp, cfg.tp), recompute, lat)
+                for (a, b), lat in zip(ranges, latencies, strict=True)
+            ],
+            m,
+            step,
+        )
+        points.append(GridPoint(cfg, step, max(memory), max(memory) > hbm, breakdown, parts))
         names = cost.graph.layers
         stages[cfg] = [
             {
@@ -121,6 +134,8 @@ def simulate_traced_grid(
         "recompute": recompute,
         "dtype": dtype,
         "zero_stage": 0,
+        "sequence_parallel": False,
+        "virtual_stages": 1,
         "searched_grid": grid is None,
         "candidates_evaluated": len(points),
         "stages": stages[cfg],
@@ -147,4 +162,5 @@ def simulate_traced_grid(
         plan=MappingProxyType(plan_dict),
         breakdown=best.breakdown,
         search_seconds=time.perf_counter() - t0,
+        step_breakdown=best.step_breakdown,
     )
