@@ -82,7 +82,8 @@ def simulate_auto(
     t0 = time.perf_counter()
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
-    cost = search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+    cost = shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+    ilp_seconds_before = cost.seconds  # the cost may come from an earlier call
     traced_graph = cost.graph
     t_trace = time.perf_counter()
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
@@ -104,8 +105,8 @@ def simulate_auto(
     total = time.perf_counter() - t0
     phases = {  # over both searches when the fallback ran (the ILPs are solved once)
         "trace": t_trace - t0,  # trace and stage-cost set-up
-        "intra_op_ilps": cost.seconds,
-        "stage_dp": max(total - (t_trace - t0) - cost.seconds, 0.0),
+        "intra_op_ilps": cost.seconds - ilp_seconds_before,
+        "stage_dp": max(total - (t_trace - t0) - (cost.seconds - ilp_seconds_before), 0.0),
     }
     inter = dataclasses.replace(inter, search_seconds=total, phase_seconds=phases)
 
@@ -178,6 +179,24 @@ def simulate_auto(
             step,
         ),
     )
+
+
+_STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused
+
+
+def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+    """:func:`search_stage_cost`, kept for the next call with the same arguments, so that
+    ``plan="auto"`` and a Megatron grid on the traced program (:mod:`autoshard.sim.traced`)
+    at the same micro-batches price the same plans from the same ILPs (each logical mesh's
+    ILPs are solved once per process)."""
+    key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
+    if key not in _STAGE_COSTS:
+        if len(_STAGE_COSTS) >= 4:
+            _STAGE_COSTS.pop(next(iter(_STAGE_COSTS)))
+        _STAGE_COSTS[key] = search_stage_cost(
+            model, cluster, batch, m, dtype, time_limit, overrides
+        )
+    return _STAGE_COSTS[key]
 
 
 def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):

@@ -38,6 +38,14 @@ JAX step, exactly as the search sees it (:mod:`autoshard.sim.traced`).
 
 MFU and HFU always come from :mod:`autoshard.sim.formulas` (model FLOPs, and model plus
 recompute FLOPs), so ``hfu / mfu`` is exactly hardware over model FLOPs.
+
+Other model families (GPT-MoE, Wide-ResNet): :func:`gpt_shape` is the one place a preset
+name becomes the shape the pricing modules read, and it accepts GPT presets only (a clear
+``ValueError`` otherwise). A family that the planner can trace can be priced by
+``plan="auto"`` (the traced program needs no closed form); what it needs here is a branch
+in :func:`gpt_shape` and FLOPs for MFU (the traced graph's, instead of
+:mod:`~autoshard.sim.formulas`). The Megatron grid model (:mod:`~autoshard.sim.megatron`)
+is GPT-only.
 """
 
 from __future__ import annotations

@@ -19,26 +19,10 @@ import time
 from types import MappingProxyType
 
 from autoshard.hardware.clusters import Cluster
-from autoshard.sim.auto import search_stage_cost
+from autoshard.sim.auto import shared_stage_cost
 from autoshard.sim.breakdown import pipeline_step_breakdown
 from autoshard.sim.grid import GridPoint, Schedule, best_point, megatron_grid
 from autoshard.sim.report import SimulationReport, utilisation
-
-_TRACED_COSTS: dict = {}  # the last few IntraStageCosts: their ILPs are reused
-
-
-def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
-    """The search's IntraStageCost of the traced step of ``m`` micro-batches on
-    ``cluster``; kept for the next call with the same arguments (the ILPs of each logical
-    mesh are solved once per process)."""
-    key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
-    if key not in _TRACED_COSTS:
-        if len(_TRACED_COSTS) >= 4:
-            _TRACED_COSTS.pop(next(iter(_TRACED_COSTS)))
-        _TRACED_COSTS[key] = search_stage_cost(
-            model, cluster, batch, m, dtype, time_limit, overrides
-        )
-    return _TRACED_COSTS[key]
 
 
 def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
@@ -85,7 +69,7 @@ def simulate_traced_grid(
     # one trace (and one set of stage ILPs) per number of micro-batches
     for cfg in sorted(configs, key=lambda c: (c.num_microbatches, c.tp, c.pp, c.dp)):
         m = cfg.num_microbatches
-        cost = _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+        cost = shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
         submesh = _grid_submesh(cfg.tp * cfg.dp, cluster)
         ranges = megatron_stages(shape.layers, cfg.pp)
         stage_costs = [cost(a, b, submesh, (cfg.dp, cfg.tp), recompute) for a, b in ranges]
