@@ -69,6 +69,7 @@ def test_dimension_flags_reach_the_model(capsys):
         (["--plan", "zero3", "--virtual-stages", "2"], "has none"),
         (["--plan", "megatron:2x2x2", "--virtual-stages", "3"], "layers 32 do not split"),
         (["--plan", "megatron:2x2x2", "--global-batch", "31"], "global batch 31"),
+        (["--plan", "megatron:2x1x4", "--sequence-parallel", "--exact"], "drop --exact"),
     ],
 )
 def test_bad_combinations_exit_2_with_a_message(capsys, argv, message):
@@ -145,3 +146,24 @@ def test_json_parses_with_and_without_auto(capsys):
         code, out, _ = _run(capsys, *argv, "--json")
         data = json.loads(out)
         assert code == 0 and "step_breakdown" in data and "program" in data["plan"]
+
+
+def test_a_published_configuration_runs_from_the_cli(capsys):
+    """Korthikanti et al.'s 175B row (TP 8, PP 8, sequence parallel, selective recompute)
+    written as flags gives the validation script's prediction for that row."""
+    from conftest import load_benchmark
+
+    bench = load_benchmark("validate_megatron")
+    run = next(r for r in load_benchmark("published_runs").ALL_RUNS if r.name == "175B")
+    code = main(
+        [
+            "simulate", "--model", "gpt-39b", "--layers", str(run.layers), "--hidden",
+            str(run.hidden), "--heads", str(run.heads), "--seq", str(run.seq_len), "--cluster",
+            run.cluster, "--gpus", str(run.gpus), "--plan", f"megatron:{run.tp}x{run.pp}x{run.dp}",
+            "--global-batch", str(run.global_batch), "--microbatch-size", str(run.micro_batch),
+            "--sequence-parallel", "--recompute", run.recompute, "--dtype", run.dtype, "--json",
+        ]
+    )  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["plan"]["sequence_parallel"] is True
+    assert data["mfu"] == pytest.approx(bench.price(run)["predicted"], rel=1e-12)

@@ -162,6 +162,11 @@ def simulate(
     schedule = _schedule(
         plan, program, microbatch_size, num_microbatches, sequence_parallel, virtual_stages
     )
+    if exact and sequence_parallel:
+        raise ValueError(
+            "exact mode compiles the plan with autoshard's intra-op runtime, which has no "
+            "sequence parallelism; drop --exact or --sequence-parallel"
+        )
     report = _simulate(
         model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
         ilp_time_limit_s, exact, overrides, program,
