@@ -122,10 +122,19 @@ def validate() -> list[dict]:
     return rows
 
 
-def calibrate(device: str) -> dict:
+def calibrate(device: str, source: str | None = None) -> dict:
     """The 16-bit large-GEMM efficiency of ``device``'s modelled table that minimises the
-    worst |error| over its calibration rows, and that worst error, on the grid."""
-    runs = [r for r in ALL_RUNS if r.role == "calibration" and device_of(r) == device]
+    worst |error| over its calibration rows, and that worst error, on the grid.
+    ``source``: fit on that source's rows instead (those not compared relative to another
+    row) -- what-if only, the shipped tables stay calibrated on the calibration rows."""
+    if source is None:
+        runs = [r for r in ALL_RUNS if r.role == "calibration" and device_of(r) == device]
+    else:
+        runs = [
+            r
+            for r in ALL_RUNS
+            if r.source == source and r.relative_to is None and device_of(r) == device
+        ]
     if not runs:
         raise ValueError(f"no calibration rows for {device!r}")
     best = None
@@ -206,10 +215,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--calibrate", action="store_true", help="refit each modelled device's efficiency"
     )
+    parser.add_argument(
+        "--source", help="with --calibrate: fit on this source's rows instead (what-if)"
+    )
     args = parser.parse_args(argv)
     if args.calibrate:
-        for device in sorted(make_gemm_tables.CALIBRATED):
-            fit = calibrate(device)
+        devices = sorted(make_gemm_tables.CALIBRATED)
+        if args.source:
+            devices = sorted({device_of(r) for r in ALL_RUNS if r.source == args.source})
+        for device in devices:
+            fit = calibrate(device, args.source)
             print(
                 f"{device}: efficiency {fit['efficiency']:.2f} (worst |error| "
                 f"{fit['worst_error_percent']:.1f}% over {fit['rows']} calibration rows); "
