@@ -111,6 +111,11 @@ def validate() -> list[dict]:
                 "error_percent": round(100 * priced["error"], 2),
                 "relative_to": run.relative_to,
                 "relative_error_percent": relative,
+                # every row also as hardware TFLOP/s per GPU, the published figure converted
+                # with the row's own FLOP count (what experiments/sim_validation.py plots)
+                "published_tflops_per_gpu": round(
+                    result.tflops_per_device / (1 + priced["error"]), 2
+                ),
                 "predicted_tflops_per_gpu": round(result.tflops_per_device, 2),
                 "predicted_mfu": round(result.mfu, 4),
                 "step_time_s": round(result.step_time_s, 5),
