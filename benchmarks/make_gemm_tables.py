@@ -15,11 +15,12 @@ Model, for C[M, N] = A[M, K] @ B[K, N] with element size e bytes:
     tail  = waves / (waves + 0.15)                  (smoothed last-wave under-occupancy)
     time  = max(flops / (peak eff_large tail), bytes / hbm_bandwidth) + 4 us launch
 
-``eff_large`` is the efficiency of large square GEMMs. A100 16-bit: 0.66, the single
-calibration of the Megatron validation (docs/validation.md): an effective figure that also
-absorbs the overheads the step model leaves out; cuBLAS alone reaches more on large fp16
-GEMMs. V100: 0.80 (about 100 of 125 TFLOP/s for large fp16 GEMMs). Non-tensor-core fp32:
-0.90; tf32: 0.75.
+``eff_large`` is the efficiency of large square GEMMs. 16-bit: the device's calibration
+(A100 0.65 on Megatron-LM's SC21 Table 1, V100 0.49 on Alpa's published p3.16xlarge step;
+``python benchmarks/validate_megatron.py --calibrate`` refits them, docs/validation.md):
+effective figures that also absorb the overheads the step model leaves out; cuBLAS alone
+reaches more on large fp16 GEMMs. Non-tensor-core fp32: 0.90; tf32: 0.75 (assumptions,
+not calibrated).
 
 Usage: python benchmarks/make_gemm_tables.py
 """
