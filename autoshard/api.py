@@ -333,10 +333,10 @@ class BoundPlan:
 
     def plan_file(self):
         """The plan with its fingerprint (:class:`~autoshard.ir.planfile.PlanFile`)."""
-        from autoshard.ir.planfile import PlanFile, make_fingerprint
+        from autoshard.ir.planfile import PlanFile, input_table, make_fingerprint
 
         fp = make_fingerprint(self.graph, self.plan.mesh, **(self.made_for or {}))
-        return PlanFile(self.plan, fp)
+        return PlanFile(self.plan, fp, inputs=input_table(self.graph))
 
     def save(self, path) -> None:
         """Write the plan file (``autoshard run --plan`` and :func:`bind_plan` read it)."""

@@ -7,7 +7,12 @@ optimizer, planner options); returns one versioned JSON document::
     {"schema": "autoshard.plan/1", "kind": "intra",
      "fingerprint": {"program": {...}, "mesh": {...}, "model": ..., "overrides": {...},
                      "optimizer": ..., "options": {...}},
+     "inputs": [{"path": ..., "kind": "param", "shape": [...], "dtype": ..., "bytes": ...}],
      "parallel_plan": {...}}
+
+``inputs`` (one row per program input, in the plan's ``input_specs`` order) lets a reader
+that has no jax (``autoshard explain``, ``autoshard export``) know each input's shape,
+dtype and kind; files written before it existed read back with ``inputs == ()``.
 
 Reading one back (:func:`load_plan`, :func:`plan_file_from_json`) checks the schema and
 every key and raises :class:`PlanFileError` (a ValueError) with what is wrong, never a
@@ -63,6 +68,45 @@ def describe_mesh(mesh: Mesh) -> str:
 
 
 @dataclass(frozen=True)
+class PlanInput:
+    """One program input as a plan file lists it: pytree path, kind (param, opt_state,
+    data, ...), shape, dtype and bytes (of the whole, unsharded array)."""
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.nbytes,
+        }
+
+    @staticmethod
+    def from_json(obj: dict) -> PlanInput:
+        return PlanInput(
+            str(obj["path"]),
+            str(obj["kind"]),
+            tuple(int(s) for s in obj["shape"]),
+            str(obj["dtype"]),
+            int(obj["bytes"]),
+        )
+
+
+def input_table(graph: Graph) -> tuple[PlanInput, ...]:
+    """The graph's program inputs as :class:`PlanInput` rows, in ``graph.inputs`` order."""
+    return tuple(
+        PlanInput(t.path, t.kind, tuple(t.shape), t.dtype, int(t.nbytes))
+        for t in (graph.tensors[i] for i in graph.inputs)
+    )
+
+
+@dataclass(frozen=True)
 class PlanFile:
     """A loaded plan file: the plan, and the fingerprint of what it was made for."""
 
@@ -70,6 +114,7 @@ class PlanFile:
     fingerprint: Mapping[str, Any]
     kind: str = "intra"
     extra: Mapping[str, Any] = field(default_factory=dict)  # summary keys, kept as read
+    inputs: tuple[PlanInput, ...] = ()  # one per program input, () in older files
 
     @property
     def model(self) -> str | None:
@@ -89,6 +134,7 @@ class PlanFile:
             "kind": self.kind,
             **self.extra,
             "fingerprint": dict(self.fingerprint),
+            **({"inputs": [i.to_json() for i in self.inputs]} if self.inputs else {}),
             "parallel_plan": self.plan.to_json(),
         }
 
@@ -152,6 +198,7 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
     try:
         plan = ParallelPlan.from_json(obj["parallel_plan"])
         fp_mesh = Mesh(tuple(fp["mesh"]["axis_names"]), tuple(fp["mesh"]["shape"]))
+        inputs = tuple(PlanInput.from_json(row) for row in obj.get("inputs", ()))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
         what = f"missing key {err}" if isinstance(err, KeyError) else str(err)
         raise PlanFileError(f"{source}: the plan cannot be read ({what})") from None
@@ -160,10 +207,17 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
             f"{source}: the plan is on mesh {describe_mesh(plan.mesh)} but its fingerprint "
             f"says {describe_mesh(fp_mesh)} (the file was edited)"
         )
+    if inputs and len(inputs) != len(plan.input_specs):
+        raise PlanFileError(
+            f"{source}: {len(inputs)} rows in 'inputs' but {len(plan.input_specs)} input specs "
+            "in the plan (the file was edited)"
+        )
     extra = {
-        k: v for k, v in obj.items() if k not in ("schema", "kind", "fingerprint", "parallel_plan")
+        k: v
+        for k, v in obj.items()
+        if k not in ("schema", "kind", "fingerprint", "inputs", "parallel_plan")
     }
-    return PlanFile(plan, fp, kind, extra)
+    return PlanFile(plan, fp, kind, extra, inputs)
 
 
 def load_plan(path) -> PlanFile:
