@@ -166,8 +166,7 @@ def register(sub) -> None:
     p.add_argument(
         "--tensor",
         metavar="REGEX",
-        help="the tensor whose blocks the sharding picture shows (default: the largest "
-        "parameter)",
+        help="the tensor whose blocks the sharding picture shows (default: the largest parameter)",
     )
     p.add_argument(
         "--cluster",
@@ -182,4 +181,3 @@ def register(sub) -> None:
     p.add_argument("--to", choices=TARGETS, required=True, help="the framework to export to")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_export)
-

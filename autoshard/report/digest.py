@@ -183,7 +183,9 @@ def _layer_groups(plan_file: PlanFile) -> tuple[LayerGroup, ...]:
         layer = layer_of(inp.path)
         inner = name[len(layer) + 1 :] if name.startswith(layer + "/") else name
         by_layer.setdefault(layer, []).append(
-            ParamRow(inner, spec.format(inp.shape, inp.dtype), inp.nbytes * spec.shard_fraction(mesh))
+            ParamRow(
+                inner, spec.format(inp.shape, inp.dtype), inp.nbytes * spec.shard_fraction(mesh)
+            )
         )
     groups: list[LayerGroup] = []
     folded: dict[tuple, int] = {}  # (prefix, rows) -> index in groups

@@ -51,7 +51,9 @@ class Pictures:
                 path.write_bytes(data)
                 paths.append(str(path))
         except OSError as err:
-            raise ValueError(f"cannot write pictures into {str(folder)!r}: {err.strerror}") from None
+            raise ValueError(
+                f"cannot write pictures into {str(folder)!r}: {err.strerror}"
+            ) from None
         return paths
 
 
@@ -154,7 +156,9 @@ def memory_picture(d: PlanDigest) -> bytes:
             m = re.search(r"\['([^']+)'\]", inp.path)
             if m is None:
                 continue  # a counter, not a layer's state
-        row = per_layer.setdefault(layer, {"weights": 0.0, "gradients": 0.0, "optimizer state": 0.0})
+        row = per_layer.setdefault(
+            layer, {"weights": 0.0, "gradients": 0.0, "optimizer state": 0.0}
+        )
         nbytes = inp.nbytes * spec.shard_fraction(mesh)
         if inp.kind == "param":
             row["weights"] += nbytes
@@ -205,7 +209,11 @@ def tensor_picture(d: PlanDigest, tensor: str | None = None) -> tuple[bytes, str
         holders.setdefault((idx[0], idx[1]), []).append(dev)
     plt, fig, ax = _figure(max(6.5, 2.0 + 1.3 * ncol), 1.6 + 0.8 * nrow)
     for (r, c), devs in holders.items():
-        ax.add_patch(plt.Rectangle((c, nrow - 1 - r), 0.96, 0.94, color=STAGE_COLOURS[(r * ncol + c) % 6], alpha=0.8))
+        ax.add_patch(
+            plt.Rectangle(
+                (c, nrow - 1 - r), 0.96, 0.94, color=STAGE_COLOURS[(r * ncol + c) % 6], alpha=0.8
+            )
+        )
         ax.text(c + 0.48, nrow - 1 - r + 0.47, "dev " + ",".join(map(str, devs)), ha="center",
                 va="center", color="white", fontsize=8, wrap=True)  # fmt: skip
     ax.set_xlim(0, ncol)

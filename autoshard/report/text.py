@@ -34,7 +34,11 @@ class Section:
 
 def _objective(d: PlanDigest) -> str:
     cluster = d.plan_file.fingerprint.get("cluster")
-    unit = f"s (costed on cluster {cluster})" if cluster else "(Alpa's relative cost units: no --cluster)"
+    unit = (
+        f"s (costed on cluster {cluster})"
+        if cluster
+        else "(Alpa's relative cost units: no --cluster)"
+    )
     return f"ILP objective {d.plan.objective:.6g} {unit}"
 
 
@@ -69,7 +73,9 @@ def sections(d: PlanDigest, simulated: Mapping | None = None) -> list[Section]:
     rows = []
     for group in d.layers:
         for i, p in enumerate(group.params):
-            rows.append((group.label if i == 0 else "", p.name, p.spec, human_bytes(p.bytes_per_device)))
+            rows.append(
+                (group.label if i == 0 else "", p.name, p.spec, human_bytes(p.bytes_per_device))
+            )
     out.append(
         Section(
             "Parameters (scaling-book notation: dim@mesh-axis; identical layers folded)",
