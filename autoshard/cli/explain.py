@@ -150,8 +150,13 @@ def cmd_export(args) -> int:
             f"{args.to} configuration (plan -> {args.to}):",
             file=sys.stderr,
         )
+        folded: dict[tuple[str, str, str], int] = {}  # identical layers' rows folded
         for diff in out.differences:
-            print(f"  {diff.path}: {diff.plan_spec} -> {diff.export_spec}", file=sys.stderr)
+            key = (re.sub(r"_\d+(?=\W)", "_*", diff.path), diff.plan_spec, diff.export_spec)
+            folded[key] = folded.get(key, 0) + 1
+        for (path, planned, exported), n in folded.items():
+            times = f" (x{n})" if n > 1 else ""
+            print(f"  {path}{times}: {planned} -> {exported}", file=sys.stderr)
     return 0
 
 

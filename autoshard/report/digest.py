@@ -39,6 +39,8 @@ def short_path(path: str) -> str:
 def layer_of(path: str) -> str:
     """The first pytree key of an input's path (``block_0``, ``embedding``, ``head``)."""
     keys = _KEY.findall(path)
+    if len(keys) > 1 and keys[0] == "params":  # Flax's top-level collection
+        keys = keys[1:]
     return keys[0] if keys else "(top)"
 
 
@@ -179,7 +181,7 @@ def _layer_groups(plan_file: PlanFile) -> tuple[LayerGroup, ...]:
     for inp, spec in zip(plan_file.inputs, plan_file.plan.input_specs, strict=True):
         if inp.kind != "param":
             continue
-        name = short_path(inp.path)
+        name = short_path(inp.path).removeprefix("params/")
         layer = layer_of(inp.path)
         inner = name[len(layer) + 1 :] if name.startswith(layer + "/") else name
         by_layer.setdefault(layer, []).append(

@@ -22,6 +22,7 @@ Exporters sit in a registry (:data:`EXPORTERS`, ``@register("megatron")``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -113,6 +114,13 @@ def _split_free_dim(spec: ShardingSpec, shape, axes: tuple[str, ...], mesh: Mesh
     return spec
 
 
+def _has_rule(path: str) -> bool:
+    """Whether the Megatron rule table places this parameter (GPT and MLP presets)."""
+    from autoshard.intra.baselines import MEGATRON_RULES
+
+    return any(re.search(p, path) for p, _ in MEGATRON_RULES)
+
+
 def layout_specs(d: PlanDigest, layout: Layout) -> list[ShardingSpec]:
     """The spec of every program input under ``layout`` (input order)."""
     from autoshard.intra.baselines import baseline_inputs
@@ -127,8 +135,12 @@ def layout_specs(d: PlanDigest, layout: Layout) -> list[ShardingSpec]:
         base = baseline_inputs(_as_graph(d), mesh, "dp")
     dp = tuple(a for a in d.mesh.axis_names if a in layout.dp_axes)
     out = []
-    for k, inp in enumerate(d.plan_file.inputs):
+    for k, (inp, planned) in enumerate(d.specs()):
         spec = base[k]
+        if layout.tp_axes and inp.kind in ("param", "opt_state") and not _has_rule(inp.path):
+            # no Megatron rule knows this tensor (your own model): keep the plan's split
+            # over the TP axis, which a Megatron-style layer would have to reproduce
+            spec = ShardingSpec(tuple(tuple(a for a in ax if a == tp) for ax in planned.dims))
         if inp.kind == "data" and inp.shape:
             spec = ShardingSpec.replicated(len(inp.shape))
             if inp.shape[0] % d.mesh.size(dp) == 0:
