@@ -67,7 +67,7 @@ def simulated_step(d, cluster: str) -> dict:
         "cluster": cluster,
         "gpus": gpus,
         "plan": plan,
-        "what": f"simulated as {plan}, the plan's nearest Megatron-LM configuration",
+        "what": f"simulated as {plan}, the nearest Megatron-LM grid or ZeRO baseline to the plan",
         "step_time_s": report.step_time_s,
         "mfu": report.mfu,
         "tokens_per_s": report.tokens_per_s,

@@ -137,7 +137,7 @@ def sections(d: PlanDigest, simulated: Mapping | None = None) -> list[Section]:
                     + (f" (error {err:.1%})" if err is not None else ""),
                     f"collectives agree: {v['collectives_agree']}; overall agree: {v['agree']}",
                 ),
-                ("mesh axes", "collective", "predicted", "compiled"),
+                ("mesh axes", "collective", "predicted bytes", "compiled bytes"),
                 vrows,
             )
         )
@@ -147,7 +147,7 @@ def sections(d: PlanDigest, simulated: Mapping | None = None) -> list[Section]:
                 f"Simulated on {simulated['gpus']} GPUs of {simulated['cluster']}",
                 (
                     f"step time {simulated['step_time_s'] * 1e3:.4g} ms, MFU "
-                    f"{simulated['mfu']:.1%} ({simulated['what']})",
+                    f"{simulated['mfu'] * 100:.3g}% ({simulated['what']})",
                 ),
             )
         )
