@@ -12,7 +12,7 @@ import json
 import sys
 import warnings
 
-from autoshard.cli.args import add_intra_option_args, intra_options, positive_float
+from autoshard.cli.args import HelpfulParser, add_intra_option_args, intra_options, positive_float
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
@@ -368,7 +368,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.splitlines()[0])
+    parser = HelpfulParser(prog="autoshard", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"autoshard {version()}")
     parser.add_argument(
         "--quiet",
@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="number of fake CPU devices to create (default: what JAX finds)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=HelpfulParser)
 
     p = sub.add_parser("inspect", help="parameters, FLOPs and equations of a training step")
     _model_args(p)
@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--cluster",
             help="cost the plan on a cluster preset (dgx-a100, dgx-h100, alpa-v100, or a preset "
-            ".json): seconds instead of Alpa's relative units",
+            ".json): seconds instead of Alpa's relative units (default: no cluster)",
         )
         p.add_argument(
             "--solver",
@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--verify", action="store_true", help="also compile and compare")
         if name == "run":
-            p.add_argument("--steps", type=_positive_int, default=2)
+            p.add_argument("--steps", type=_positive_int, default=2, help="training steps")
             p.add_argument(
                 "--check", action="store_true", help="compare with the single-device step"
             )

@@ -196,9 +196,11 @@ def add_pipeline_args(p, run: bool) -> None:
         type=_positive_int,
         help="devices to pipeline over (fake CPU devices when no accelerator)",
     )
-    g.add_argument("--microbatches", type=_positive_int, default=4)
+    g.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per step")
     g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    g.add_argument(
+        "--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule"
+    )
     if not run:
         g.add_argument("--hosts", type=_positive_int, default=1, help="hosts the devices span")
 
