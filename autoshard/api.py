@@ -406,10 +406,11 @@ def bind_plan(plan_file, mesh=None) -> BoundPlan:
     model, or the re-traced program or ``mesh`` (a jax mesh, optional) is not the one the
     plan was made for.
     """
-    from autoshard.ir.planfile import PlanFileError, check_fingerprint, load_plan
+    from autoshard.ir.planfile import PlanFileError, check_fingerprint, load_plan, require_one_mesh
     from autoshard.ir.spec import Mesh
 
     pf = plan_file if hasattr(plan_file, "fingerprint") else load_plan(plan_file)
+    require_one_mesh(pf)
     if not pf.model:
         raise PlanFileError(
             "the plan file names no model preset (it was saved from auto_shard on your own "

@@ -43,7 +43,7 @@ CASES = [
     ("run --model gpt-tiny --devices 8 --pipeline auto --time-limit 5", "--time-limit"),
     ("plan --model gpt-tiny --devices 8 --pipeline auto --verify", "does not use --verify"),
     ("plan --model gpt-tiny --devices 8 --pipeline auto --merge-elementwise", "do not merge"),
-    ("plan --model gpt-tiny --devices 8 --pipeline auto --out {x}", "one-mesh plans only"),
+    ("run --plan {pipeline}", "is a pipeline plan: `autoshard explain` and `autoshard export`"),
     ("export {plan} --to alpa", "invalid choice: 'alpa'"),
     ("explain {plan} --tensor nope --pictures {pics}", "--tensor 'nope' matches no input"),
     ("explain {plan} --cluster dgx-a100", "--cluster simulates GPT presets"),
@@ -69,6 +69,8 @@ def files(tmp_path_factory):
         return str(tmp / name)
 
     (tmp / "broken.json").write_text('{"schema": \n')
+    pipeline = {"schema": doc["schema"], "kind": "pipeline", "fingerprint": {}, "inter_plan": {}}
+    (tmp / "pipeline.json").write_text(json.dumps(pipeline))
     return {
         "plan": str(plan),
         "missing": str(tmp / "missing.json"),
@@ -77,7 +79,7 @@ def files(tmp_path_factory):
         "edited_key": edited("key.json", lambda d: d["parallel_plan"].pop("input_specs")),
         "old_schema": edited("old.json", lambda d: d.update(schema="autoshard.plan/0")),
         "no_inputs": edited("noinputs.json", lambda d: d.pop("inputs")),
-        "x": str(tmp / "x.json"),
+        "pipeline": str(tmp / "pipeline.json"),
         "pics": str(tmp / "pics"),
     }
 

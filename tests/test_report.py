@@ -204,3 +204,87 @@ def test_tensor_regex_that_matches_nothing(gpt_plan, tmp_path, capsys):
     argv = ["explain", str(gpt_plan), "--pictures", str(tmp_path), "--tensor", "nope"]
     assert main(argv) == 2
     assert "--tensor 'nope' matches no input" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- pipelines
+
+
+def _pipeline_file(grid, microbatches=4, batch=32, recompute="none", views=None):
+    """A pipeline plan file of ``pp`` stages, each (dp, tp), as the stage search writes."""
+    from autoshard.inter.plan import InterPlan, Stage, StagePlan
+    from autoshard.ir.planfile import PipelinePlanFile
+
+    tp, pp, dp = grid
+    views = views or [(dp, tp)] * pp
+    per = dp * tp
+    stages = tuple(
+        Stage(
+            i,
+            i + 1,
+            (1, per),
+            views[i],
+            1e-3,
+            1e6,
+            pp - i,
+            recompute,
+            (f"block_{i}",),
+            tuple(range(i * per, (i + 1) * per)),
+        )  # fmt: skip
+        for i in range(pp)
+    )
+    inter = InterPlan("gpt-tiny", stages, 4e-3, 1.0, {}, 0, 0, microbatches, "1f1b",
+                      "auto", "layer", StagePlan(stages, 4e-3, 1.0, 0, microbatches, "1f1b"))  # fmt: skip
+    fp = {"model": "gpt-tiny", "devices": {"hosts": 1, "per_host": tp * pp * dp}}
+    return PipelinePlanFile(inter.to_json(), fp, {"global_batch": batch})
+
+
+@pytest.mark.parametrize("grid", [(4, 2, 1), (2, 2, 2), (1, 4, 2), (2, 4, 1), (1, 2, 4)])
+def test_pipeline_grid_exports_exactly_tp_pp_dp(grid, tmp_path):
+    from autoshard.report.pipeline import export_pipeline, pipeline_digest
+
+    path = tmp_path / "pipe.json"
+    _pipeline_file(grid).save(path)
+    d = pipeline_digest(load_plan(path))  # through the file
+    tp, pp, dp = grid
+    out = export_pipeline(d, "megatron")
+    assert out.exact
+    assert out.text.split() == [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--micro-batch-size", str(32 // (dp * 4)), "--global-batch-size", "32",
+    ]  # fmt: skip
+    mt = dict(line.split("=") for line in export_pipeline(d, "maxtext").text.splitlines())
+    assert (mt["ici_tensor_parallelism"], mt["ici_pipeline_parallelism"]) == (str(tp), str(pp))
+    assert mt["ici_data_parallelism"] == str(dp) and mt["num_pipeline_microbatches"] == "4"
+    ds = json.loads(export_pipeline(d, "deepspeed").text)
+    assert ds["gradient_accumulation_steps"] == 4
+    assert d.summary() == f"{pp} stages x (DP {dp}, TP {tp}), no recompute"
+
+
+def test_pipeline_with_uneven_stages_lists_the_stage_that_differs():
+    from autoshard.ir.planfile import plan_file_from_json
+    from autoshard.report.pipeline import export_pipeline, pipeline_digest
+
+    pf = _pipeline_file((2, 3, 2), recompute="full", views=[(2, 2), (2, 2), (1, 4)])
+    d = pipeline_digest(plan_file_from_json(json.loads(json.dumps(pf.to_json()))))
+    out = export_pipeline(d, "megatron")
+    assert out.config["tensor-model-parallel-size"] == 2  # the view most stages use
+    assert out.config["recompute-granularity"] == "full"
+    assert [(x.path, x.plan_spec, x.export_spec) for x in out.differences] == [
+        ("stage 2 (block_2)", "DP 1, TP 4", "DP 2, TP 2")
+    ]
+
+
+def test_pipeline_plan_file_from_the_cli(tmp_path, capsys):
+    path, page = tmp_path / "pipe.json", tmp_path / "pipe.html"
+    argv = "plan --model gpt-tiny --layers 2 --devices 8 --pipeline equal-layer --stages 2 "
+    argv += f"--microbatches 2 --solver highs --out {path}"
+    assert main(argv.split()) == 0
+    capsys.readouterr()
+    assert main(["export", str(path), "--to", "megatron"]) == 0
+    args = capsys.readouterr().out.split()
+    assert args[args.index("--pipeline-model-parallel-size") + 1] == "2"
+    assert main(["explain", str(path), "--html", str(page)]) == 0
+    assert "2 stages x" in capsys.readouterr().out
+    assert page.read_text().count("data:image/png;base64,") == 2
+    assert main(["run", "--plan", str(path)]) == 2  # run takes one-mesh plans only
+    assert "is a pipeline plan" in capsys.readouterr().err

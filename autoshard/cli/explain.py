@@ -28,10 +28,62 @@ TARGETS = ("megatron", "deepspeed", "maxtext")
 
 
 def _digest(path: str):
+    """A PlanDigest, or a PipelineDigest for a pipeline plan file."""
     from autoshard.ir.planfile import load_plan
     from autoshard.report.digest import digest
 
-    return digest(load_plan(path))
+    pf = load_plan(path)
+    if pf.kind == "pipeline":
+        from autoshard.report.pipeline import pipeline_digest
+
+        return pipeline_digest(pf)
+    return digest(pf)
+
+
+def _explain_pipeline(d, args) -> int:
+    """``explain`` of a pipeline plan file: stages, timeline, mesh, exports."""
+    from autoshard.report.html import render_page, write_page
+    from autoshard.report.pictures import Pictures
+    from autoshard.report.pipeline import (
+        export_pipeline,
+        pipeline_json,
+        pipeline_pictures,
+        pipeline_sections,
+    )
+
+    for flag, given in (("--cluster", args.cluster), ("--tensor", args.tensor)):
+        if given:
+            raise ValueError(
+                f"explain {flag} reads one-mesh plans; a pipeline plan file keeps no per-tensor "
+                "specs and is simulated with `autoshard simulate --plan auto`: drop it"
+            )
+    written = []
+    if args.pictures or args.html:
+        png = pipeline_pictures(d)
+        if args.pictures:
+            written += Pictures(png, "").save(args.pictures)
+        if args.html:
+            exports = {}
+            for target in TARGETS:
+                try:
+                    exports[target] = export_pipeline(d, target)
+                except ValueError as err:
+                    exports[target] = str(err)
+            captions = {
+                "mesh": "Devices coloured by pipeline stage.",
+                "timeline": "The pipeline schedule per stage: forward, backward, update; "
+                "idle is the bubble.",
+            }
+            title = f"autoshard pipeline plan for {d.plan_file.model}"
+            write_page(render_page(title, pipeline_sections(d), png, captions, exports), args.html)
+            written.append(args.html)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(pipeline_json(d), indent=2))
+    else:
+        _print_sections(pipeline_sections(d))
+    return 0
 
 
 def simulated_step(d, cluster: str) -> dict:
@@ -97,6 +149,8 @@ def cmd_explain(args) -> int:
     from autoshard.report.text import explain_json, sections
 
     d = _digest(args.plan_path)
+    if not hasattr(d, "parallelism"):
+        return _explain_pipeline(d, args)
     simulated = simulated_step(d, args.cluster) if args.cluster else None
     if args.tensor is not None:
         _check_tensor(d, args.tensor)
@@ -134,7 +188,12 @@ def cmd_export(args) -> int:
     from autoshard.report.export import export
 
     d = _digest(args.plan_path)
-    out = export(d, args.to)
+    if hasattr(d, "parallelism"):
+        out = export(d, args.to)
+    else:
+        from autoshard.report.pipeline import export_pipeline
+
+        out = export_pipeline(d, args.to)
     if args.json:
         print(json.dumps(out.to_json(), indent=2))
         return 0

@@ -115,8 +115,6 @@ def _route(args, command: str) -> bool:
         raise ValueError(f"{command}: give --mesh (one mesh) or --pipeline (stages), not both")
     if args.baseline:
         raise ValueError(f"{command} --pipeline plans stages with the ILP; drop --baseline")
-    if getattr(args, "out", None):
-        raise ValueError(f"{command} --pipeline: --out saves one-mesh plans only (for now)")
     knobs = [
         flag
         for flag, on in (

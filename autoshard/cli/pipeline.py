@@ -53,6 +53,8 @@ def cmd_pipeline_plan(args) -> int:
         optimizer=args.optimizer,
         **_overrides(args),
     )
+    if getattr(args, "out", None):
+        _save_pipeline_plan(args, plan, hosts, per_host)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
@@ -79,6 +81,31 @@ def cmd_pipeline_plan(args) -> int:
         f"({phases}); {plan.num_ilps} ILPs, {plan.num_cache_hits} cache hits"
     )
     return 0
+
+
+def _save_pipeline_plan(args, plan, hosts: int, per_host: int) -> None:
+    """``plan --pipeline ... --out FILE``: a pipeline plan file
+    (:class:`~autoshard.ir.planfile.PipelinePlanFile`) that explain and export read."""
+    import sys
+
+    from autoshard.ir.planfile import PipelinePlanFile
+    from autoshard.models import get_workload
+
+    overrides = {k: v for k, v in _overrides(args).items() if v is not None}
+    config = get_workload(args.model, **overrides).config
+    fingerprint = {
+        "model": args.model,
+        "overrides": overrides,
+        "optimizer": args.optimizer,
+        "devices": {"hosts": hosts, "per_host": per_host},
+        "cluster": args.cluster,
+    }
+    extra = {
+        "global_batch": config.batch_size,
+        "dtype": getattr(config, "dtype", None) and str(config.dtype),
+    }
+    PipelinePlanFile(plan.to_json(), fingerprint, extra).save(args.out)
+    print(f"plan saved to {args.out}", file=sys.stderr)
 
 
 def _ensure_devices(n: int):

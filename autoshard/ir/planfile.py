@@ -14,6 +14,9 @@ optimizer, planner options); returns one versioned JSON document::
 that has no jax (``autoshard explain``, ``autoshard export``) know each input's shape,
 dtype and kind; files written before it existed read back with ``inputs == ()``.
 
+A pipeline plan (``"kind": "pipeline"``) holds ``"inter_plan"`` (the inter-operator plan's
+JSON) instead of ``"parallel_plan"`` and loads as a :class:`PipelinePlanFile`.
+
 Reading one back (:func:`load_plan`, :func:`plan_file_from_json`) checks the schema and
 every key and raises :class:`PlanFileError` (a ValueError) with what is wrong, never a
 KeyError; :func:`check_fingerprint` refuses a re-traced program or a mesh that is not
@@ -33,7 +36,7 @@ from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Mesh
 
 SCHEMA = "autoshard.plan/1"
-KINDS = ("intra",)
+KINDS = ("intra", "pipeline")
 
 
 class PlanFileError(ValueError):
@@ -144,6 +147,48 @@ class PlanFile:
             f.write("\n")
 
 
+@dataclass(frozen=True)
+class PipelinePlanFile:
+    """A saved pipeline plan (``plan --pipeline ... --out``): the inter-operator pass's
+    plan as its JSON (``inter_plan``: read it with ``autoshard.inter.plan.InterPlan.
+    from_json``; the ir layer does not know the type), what it was made for, and the global
+    batch. ``explain`` and ``export`` read it; ``run --plan`` does not run it yet."""
+
+    inter_plan: Mapping[str, Any]
+    fingerprint: Mapping[str, Any]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    kind: str = "pipeline"
+
+    @property
+    def model(self) -> str | None:
+        return self.fingerprint.get("model")
+
+    @property
+    def overrides(self) -> dict:
+        return dict(self.fingerprint.get("overrides") or {})
+
+    @property
+    def optimizer(self) -> str | None:
+        return self.fingerprint.get("optimizer")
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "kind": self.kind,
+            **self.extra,
+            "fingerprint": dict(self.fingerprint),
+            "inter_plan": dict(self.inter_plan),
+        }
+
+    def save(self, path) -> None:
+        try:
+            with open(path, "w") as f:
+                json.dump(self.to_json(), f, indent=2)
+                f.write("\n")
+        except OSError as err:
+            raise PlanFileError(f"cannot write the plan to {str(path)!r}: {err.strerror}") from None
+
+
 def make_fingerprint(
     graph: Graph,
     mesh: Mesh,
@@ -167,7 +212,7 @@ def make_fingerprint(
     }
 
 
-def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
+def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile | PipelinePlanFile:
     """Read a plan file's document; PlanFileError naming what is wrong."""
     if not isinstance(obj, dict):
         raise PlanFileError(f"{source} is not a JSON object (a plan file written by plan --out)")
@@ -188,6 +233,14 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
             f"{source} is a plan of kind {kind!r}; this autoshard runs plans of kind "
             f"{', '.join(map(repr, KINDS))}"
         )
+    if kind == "pipeline":
+        for key in ("fingerprint", "inter_plan"):
+            if not isinstance(obj.get(key), dict):
+                raise PlanFileError(f"{source} has no {key!r} object (the file was cut or edited)")
+        extra = {
+            k: v for k, v in obj.items() if k not in ("schema", "kind", "fingerprint", "inter_plan")
+        }
+        return PipelinePlanFile(obj["inter_plan"], obj["fingerprint"], extra)
     for key in ("fingerprint", "parallel_plan"):
         if not isinstance(obj.get(key), dict):
             raise PlanFileError(f"{source} has no {key!r} object (the file was cut or edited)")
@@ -220,7 +273,7 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
     return PlanFile(plan, fp, kind, extra, inputs)
 
 
-def load_plan(path) -> PlanFile:
+def load_plan(path) -> PlanFile | PipelinePlanFile:
     """Read a plan file from ``path`` (PlanFileError: missing, not JSON, not a plan file)."""
     try:
         with open(path) as f:
@@ -235,6 +288,16 @@ def load_plan(path) -> PlanFile:
             f"{err.msg})"
         ) from None
     return plan_file_from_json(obj, f"plan file {str(path)!r}")
+
+
+def require_one_mesh(plan_file, source: str = "the plan file") -> PlanFile:
+    """``plan_file`` if it is a one-mesh plan; PlanFileError for a pipeline plan."""
+    if plan_file.kind != "intra":
+        raise PlanFileError(
+            f"{source} is a pipeline plan: `autoshard explain` and `autoshard export` read "
+            "it; run and verify take one-mesh plans only (for now)"
+        )
+    return plan_file
 
 
 def check_fingerprint(plan_file: PlanFile, graph: Graph, mesh: Mesh | None = None) -> None:

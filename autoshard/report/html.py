@@ -36,17 +36,32 @@ CAPTIONS = {
 
 
 def render_html(d: PlanDigest, pictures: Pictures, simulated: Mapping | None = None) -> str:
+    """The page of a one-mesh plan (module docstring)."""
     from autoshard.report.export import EXPORTERS
 
-    esc = html.escape
     title = f"autoshard plan {d.plan.name} for {d.plan_file.model or 'your function'}"
+    captions = {k: v.format(tensor=pictures.tensor_path) for k, v in CAPTIONS.items()}
+    exports = {}
+    for target, exporter in EXPORTERS.items():
+        try:
+            exports[target] = exporter(d)
+        except ValueError as err:
+            exports[target] = str(err)
+    return render_page(title, sections(d, simulated), pictures.png, captions, exports)
+
+
+def render_page(title: str, secs, png: Mapping[str, bytes], captions, exports) -> str:
+    """One page: ``secs`` (:class:`~autoshard.report.text.Section`), the PNGs inlined,
+    and ``exports`` (target -> :class:`~autoshard.report.export.Export`, or the reason
+    there is none)."""
+    esc = html.escape
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
     ]
-    for s in sections(d, simulated):
+    for s in secs:
         parts.append(f"<h2>{esc(s.title)}</h2>")
         parts += [f"<p>{esc(line)}</p>" for line in s.lines]
         if s.rows:
@@ -59,19 +74,16 @@ def render_html(d: PlanDigest, pictures: Pictures, simulated: Mapping | None = N
                 parts.append(f"<tr>{cells}</tr>")
             parts.append("</table>")
     parts.append("<h2>Pictures</h2>")
-    for name, data in pictures.png.items():
-        caption = CAPTIONS[name].format(tensor=pictures.tensor_path)
+    for name, data in png.items():
         b64 = base64.b64encode(data).decode("ascii")
         parts.append(
             f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{b64}">'
-            f"<figcaption>{esc(caption)}</figcaption></figure>"
+            f"<figcaption>{esc(captions.get(name, name))}</figcaption></figure>"
         )
     parts.append("<h2>Exports</h2>")
-    for target, exporter in EXPORTERS.items():
-        try:
-            out = exporter(d)
-        except ValueError as err:
-            parts.append(f"<h3>{esc(target)}</h3><p>no export: {esc(str(err))}</p>")
+    for target, out in exports.items():
+        if isinstance(out, str):
+            parts.append(f"<h3>{esc(target)}</h3><p>no export: {esc(out)}</p>")
             continue
         parts.append(f"<h3>{esc(target)}</h3><pre>{esc(out.text)}</pre>")
         parts += [f"<p>note: {esc(n)}</p>" for n in out.notes]
@@ -79,8 +91,8 @@ def render_html(d: PlanDigest, pictures: Pictures, simulated: Mapping | None = N
             parts.append("<p>every tensor laid out as the plan lays it out</p>")
         else:
             parts.append(
-                f"<p>{len(out.differences)} tensor(s) laid out otherwise:</p>"
-                "<table><tr><th>tensor</th><th>plan</th><th>export</th></tr>"
+                f"<p>{len(out.differences)} tensor(s) or stage(s) laid out otherwise:</p>"
+                "<table><tr><th>tensor or stage</th><th>plan</th><th>export</th></tr>"
             )
             for diff in out.differences:
                 parts.append(
@@ -92,9 +104,13 @@ def render_html(d: PlanDigest, pictures: Pictures, simulated: Mapping | None = N
     return "\n".join(parts)
 
 
-def write_html(d: PlanDigest, pictures: Pictures, path, simulated: Mapping | None = None) -> None:
+def write_page(text: str, path) -> None:
     try:
         with open(path, "w") as f:
-            f.write(render_html(d, pictures, simulated))
+            f.write(text)
     except OSError as err:
         raise ValueError(f"cannot write the HTML page to {str(path)!r}: {err.strerror}") from None
+
+
+def write_html(d: PlanDigest, pictures: Pictures, path, simulated: Mapping | None = None) -> None:
+    write_page(render_html(d, pictures, simulated), path)
