@@ -89,3 +89,34 @@ def test_tables_are_full_width_when_piped(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert max(len(line) for line in lines) > 80  # rich alone would cut a pipe at 80
     assert not any("…" in line for line in lines)  # no column cut short
+
+
+def test_a_toml_config_stands_in_for_flags_and_typed_flags_win(tmp_path, capsys):
+    config = tmp_path / "autoshard.toml"
+    config.write_text(
+        '[plan]\nmodel = "mlp"\nbatch = 64\nhidden = 32\nmesh = "2x4"\nsolver = "highs"\n'
+        'baseline = "megatron"\njson = true\n\n[run]\nsteps = 5\n'
+    )
+    assert main(["--config", str(config), "plan"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"] == "megatron" and doc["mesh"]["shape"] == [2, 4]
+    assert doc["fingerprint"]["overrides"] == {"batch_size": 64, "hidden": 32}
+    assert main(["--config", str(config), "plan", "--baseline", "dp"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"] == "dp"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[plan]\nmodle = "mlp"\n', "[plan] has no flag 'modle'; it takes baseline, batch"),
+        ("[plan\n", "is not valid TOML"),
+        ('[plna]\nmodel = "mlp"\n', "'plna' is not a [command] table"),
+        ("[plan]\nmesh = true\n", "[plan] mesh takes a value, not True"),
+    ],
+)
+def test_bad_config_files_are_clear(tmp_path, capsys, text, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    assert main(["--config", str(config), "plan"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -16,6 +16,7 @@ from autoshard.cli.args import HelpfulParser, add_intra_option_args, intra_optio
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
+from autoshard.cli.config_file import expand_config
 from autoshard.cli.console import out_console, progress, version
 from autoshard.cli.pipeline import (
     add_pipeline_args,
@@ -369,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = HelpfulParser(prog="autoshard", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"autoshard {version()}")
     parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of flags, one [command] table each (flags typed after it win)",
+    )
+    parser.add_argument(
         "--quiet",
         action="store_true",
         help="no progress spinners (they are off anyway when stderr is not a terminal)",
@@ -476,6 +482,12 @@ def _warn_plainly(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_config(argv, parser)
+    except ValueError as err:
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if getattr(args, "plan_file", None):
         try:  # before the devices are set up: the mesh comes from the file
