@@ -125,3 +125,20 @@ def test_bad_config_files_are_clear(tmp_path, capsys, text, message):
     assert main(["--config", str(config), "plan"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_quiet_before_or_after_the_command():
+    parser = build_parser()
+    assert parser.parse_args(["--quiet", "inspect", "--model", "mlp"]).quiet is True
+    assert parser.parse_args(["inspect", "--model", "mlp", "--quiet"]).quiet is True
+    assert not hasattr(parser.parse_args(["inspect", "--model", "mlp"]), "quiet")
+
+
+def test_no_spinner_when_stderr_is_not_a_terminal(capsys):
+    import argparse
+
+    from autoshard.cli.console import progress
+
+    with progress(argparse.Namespace(), "working ..."):
+        pass
+    assert capsys.readouterr().err == ""  # pipes and logs stay clean

@@ -34,6 +34,14 @@ class HelpfulParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
+        # on every command and before it; SUPPRESS: a command's parser leaves a --quiet
+        # given before the command alone
+        self.add_argument(
+            "--quiet",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="no progress spinners (off anyway when stderr is not a terminal)",
+        )
 
 
 def positive_int(text: str) -> int:

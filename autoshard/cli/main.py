@@ -340,7 +340,7 @@ def cmd_demo(args) -> int:
         hidden=None,
         dtype=None,
         json=False,
-        quiet=args.quiet,
+        quiet=getattr(args, "quiet", False),
         verify=True,
         steps=2,
         check=True,
@@ -373,11 +373,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         metavar="FILE",
         help="a TOML file of flags, one [command] table each (flags typed after it win)",
-    )
-    parser.add_argument(
-        "--quiet",
-        action="store_true",
-        help="no progress spinners (they are off anyway when stderr is not a terminal)",
     )
     parser.add_argument(
         "--devices",
