@@ -22,6 +22,7 @@ from autoshard.cli.pipeline import (
     add_pipeline_args,
     cmd_pipeline_plan,
     cmd_pipeline_run,
+    pipeline_defaults,
     refuse_ignored_pipeline_flags,
 )
 from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file, bound_from_args, needs_model
@@ -105,6 +106,7 @@ def _plan_json(model: str, bound, report) -> dict:
 def _route(args, command: str) -> bool:
     """Whether ``plan`` / ``run`` should pipeline (``--pipeline``); checks the flags."""
     pipeline = getattr(args, "pipeline", None)
+    pipeline_defaults(args, command, pipeline is not None)
     if pipeline is None:
         if not args.mesh:
             raise ValueError(

@@ -223,13 +223,38 @@ def add_pipeline_args(p, run: bool) -> None:
         type=_positive_int,
         help="devices to pipeline over (fake CPU devices when no accelerator)",
     )
-    g.add_argument("--microbatches", type=_positive_int, default=4, help="microbatches per step")
+    # defaults filled in by pipeline_defaults(): None here tells a typed flag from a default
+    g.add_argument("--microbatches", type=_positive_int, help="microbatches per step (default: 4)")
     g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
     g.add_argument(
-        "--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule"
+        "--schedule", choices=("1f1b", "gpipe"), help="pipeline schedule (default: 1f1b)"
     )
     if not run:
-        g.add_argument("--hosts", type=_positive_int, default=1, help="hosts the devices span")
+        g.add_argument("--hosts", type=_positive_int, help="hosts the devices span (default: 1)")
+
+
+PIPELINE_ONLY = (
+    ("--microbatches", "microbatches", 4),
+    ("--stages", "stages", None),
+    ("--schedule", "schedule", "1f1b"),
+    ("--hosts", "hosts", 1),
+)
+
+
+def pipeline_defaults(args, command: str, pipeline: bool) -> None:
+    """Fill in the pipeline flags' defaults under ``--pipeline``; without it, refuse any
+    that was typed (ValueError): one mesh has no stages to use them."""
+    if not pipeline:
+        typed = [flag for flag, dest, _ in PIPELINE_ONLY if getattr(args, dest, None) is not None]
+        if typed:
+            raise ValueError(
+                f"{command}: {', '.join(typed)} set pipeline stages; add --pipeline "
+                "auto|equal-layer|equal-flops (with --devices N instead of --mesh), or drop them"
+            )
+        return
+    for _flag, dest, default in PIPELINE_ONLY:
+        if hasattr(args, dest) and getattr(args, dest) is None:
+            setattr(args, dest, default)
 
 
 def register(subparsers) -> None:

@@ -34,6 +34,8 @@ PLANNING_FLAGS = (
     ("--no-mixed-mesh-shape", "no_mixed_mesh_shape"),
     ("--pipeline", "pipeline"),
     ("--stages", "stages"),
+    ("--microbatches", "microbatches"),
+    ("--schedule", "schedule"),
     ("run --devices", "pipeline_devices"),  # the mesh in the file sets the devices
 )
 
