@@ -44,6 +44,8 @@ CASES = [
     ("plan --model gpt-tiny --devices 8 --pipeline auto --verify", "does not use --verify"),
     ("plan --model gpt-tiny --devices 8 --pipeline auto --merge-elementwise", "do not merge"),
     ("run --plan {pipeline}", "is a pipeline plan: `autoshard explain` and `autoshard export`"),
+    ("plan --model mlp --mesh 2x4 --microbatches 4", "--microbatches set pipeline stages"),
+    ("run --plan {plan} --schedule gpipe", "drop --schedule"),
     ("export {plan} --to alpa", "invalid choice: 'alpa'"),
     ("explain {plan} --tensor nope --pictures {pics}", "--tensor 'nope' matches no input"),
     ("explain {plan} --cluster dgx-a100", "--cluster simulates GPT presets"),
