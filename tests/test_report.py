@@ -288,3 +288,18 @@ def test_pipeline_plan_file_from_the_cli(tmp_path, capsys):
     assert page.read_text().count("data:image/png;base64,") == 2
     assert main(["run", "--plan", str(path)]) == 2  # run takes one-mesh plans only
     assert "is a pipeline plan" in capsys.readouterr().err
+
+
+def test_export_and_explain_load_no_jax(plans, tmp_path):
+    """They read the file alone: no jax, no tracing (fast, and usable where jax is not)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom autoshard.cli.main import main\n"
+        f"assert main(['export', {str(plans['megatron'])!r}, '--to', 'megatron']) == 0\n"
+        f"assert main(['explain', {str(plans['zero2'])!r}, '--pictures', {str(tmp_path)!r}]) == 0\n"
+        "assert 'jax' not in sys.modules, 'jax was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from autoshard.api import default_axis_names, parse_mesh_shape
-
 # flag -> (argparse dest, the get_workload keyword it sets)
 SIZE_FLAGS = (
     ("--batch", "batch", "batch_size"),
@@ -92,6 +90,8 @@ def apply_plan_file(args, command: str) -> None:
         differ.append(f"--optimizer {args.optimizer} (the plan is for {pf.optimizer})")
     mesh = pf.plan.mesh
     if args.mesh:
+        from autoshard.api import default_axis_names, parse_mesh_shape  # jax: only here
+
         shape = parse_mesh_shape(args.mesh)
         if shape != mesh.shape:
             from autoshard.ir.planfile import describe_mesh
