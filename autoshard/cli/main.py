@@ -305,7 +305,8 @@ def _mismatch_hint(args, report) -> str | None:
         return None
     return (
         f"the default --rtol 1e-5 is meant for float32 SGD; {' and '.join(reasons)}: "
-        "compare with --optimizer sgd --dtype float32, or give a looser --rtol on purpose"
+        "to check a plan at 1e-5, plan it with --optimizer sgd in float32; or give a looser "
+        "--rtol on purpose"
     )
 
 
