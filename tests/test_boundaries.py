@@ -3,7 +3,7 @@
 ARCHITECTURE.md's contract: "only trace reads jaxpr internals; from graph to plan nothing
 imports jax". Each sub-package of ``autoshard`` is one pass and sits on one layer; a module
 may import from its own layer or a lower one, so a pass never reaches up into the code that
-drives it. The planning packages (ir, hardware, intra, inter) must not import jax, jaxlib,
+drives it. The planning packages (ir, hardware, intra, inter) and report must not import jax, jaxlib,
 flax or optax anywhere, not even inside a function: the planner stays fast to test and
 runs where JAX does not. Every module under ``autoshard/`` is read with ``ast``, so imports
 inside functions count as much as those at the top.

@@ -316,12 +316,11 @@ def cmd_demo(args) -> int:
     Exit status: 0 when the planned step runs and matches the single-device step (the
     demo worked); whether the predictions agree with XLA is printed, not folded into the
     status (``autoshard verify`` exits 1 on a disagreement)."""
-    from rich.console import Console
 
     from autoshard.api import inspect_model
     from autoshard.cli.report import human
 
-    console = Console()
+    console = out_console()
     s = inspect_model("gpt-tiny", "sgd")
     console.rule("[bold]autoshard demo: gpt-tiny on a 2x4 mesh of 8 devices")
     console.print(
