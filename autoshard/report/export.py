@@ -137,8 +137,14 @@ def layout_specs(d: PlanDigest, layout: Layout) -> list[ShardingSpec]:
     out = []
     for k, (inp, planned) in enumerate(d.specs()):
         spec = base[k]
-        if layout.tp_axes and inp.kind in ("param", "opt_state") and not _has_rule(inp.path):
-            # no Megatron rule knows this tensor (your own model): keep the plan's split
+        own_model = d.plan_file.model is None  # the rule table knows only the presets
+        if (
+            own_model
+            and layout.tp_axes
+            and inp.kind in ("param", "opt_state")
+            and not _has_rule(inp.path)
+        ):
+            # no Megatron rule knows this tensor of your own model: keep the plan's split
             # over the TP axis, which a Megatron-style layer would have to reproduce
             spec = ShardingSpec(tuple(tuple(a for a in ax if a == tp) for ax in planned.dims))
         if inp.kind == "data" and inp.shape:
