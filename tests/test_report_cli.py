@@ -142,3 +142,17 @@ def test_no_spinner_when_stderr_is_not_a_terminal(capsys):
     with progress(argparse.Namespace(), "working ..."):
         pass
     assert capsys.readouterr().err == ""  # pipes and logs stay clean
+
+
+def test_readme_round_trip_save_explain_export_run(tmp_path, capsys):
+    """The README's "Save, explain, export" steps, on a small model."""
+    plan, page, pics = tmp_path / "plan.json", tmp_path / "plan.html", tmp_path / "pics"
+    argv = f"plan {MLP} --mesh 2x4 --optimizer sgd --solver highs --out {plan}"
+    assert main(argv.split()) == 0
+    assert main(["explain", str(plan), "--html", str(page), "--pictures", str(pics)]) == 0
+    assert page.exists() and len(list(pics.glob("*.png"))) == 4
+    assert main(["export", str(plan), "--to", "megatron"]) == 0
+    capsys.readouterr()
+    assert main(["run", "--plan", str(plan), "--steps", "2", "--check", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["check"]["ok"] is True and len(doc["losses"]) == 2
