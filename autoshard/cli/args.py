@@ -79,6 +79,11 @@ def add_model_args(
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the preset's)"
     )
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="write the GPT's blocks as one nn.scan over stacked parameters (same plan)",
+    )
     if optimizer:
         p.add_argument(
             "--optimizer",
@@ -97,6 +102,7 @@ def model_overrides(args) -> dict:
         num_layers=args.layers,
         hidden=args.hidden,
         dtype=args.dtype,
+        scan_layers=getattr(args, "scan_layers", False) or None,
     )
 
 

@@ -582,3 +582,6 @@ __all__ = [
     "enumerate_strategies",
     "strategy_seconds",
 ]
+
+# rule families kept in modules of their own register themselves on import
+from autoshard.intra import rules_slice  # noqa: E402,F401  (slice)
