@@ -14,6 +14,7 @@ from autoshard.report.digest import digest, short_path
 from autoshard.report.export import export, layout_specs
 
 MLP = dict(batch_size=64, hidden=32)
+MLP_FLAGS = ("--model", "mlp", "--batch", "64", "--hidden", "32")
 
 
 def _save(tmp, model, mesh, baseline=None, **sizes):
@@ -303,3 +304,21 @@ def test_export_and_explain_load_no_jax(plans, tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_ilp_plan_export_names_its_differences(tmp_path, capsys):
+    """The ILP's own plan for the MLP is not a Megatron grid: its export lists each tensor
+    that differs, with the spec the plan file itself records for it."""
+    path = tmp_path / "auto.json"
+    assert main(f"plan {' '.join(MLP_FLAGS)} --mesh 2x4 --solver highs --out {path}".split()) == 0
+    capsys.readouterr()
+    assert main(["export", str(path), "--to", "megatron", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    recorded = json.loads(path.read_text())["specs"]  # path -> spec, written by plan --out
+    params = {short_path(p): s for p, s in recorded.items() if p.startswith("[0]")}
+    assert out["exact"] is False and out["differences"]
+    for diff in out["differences"]:
+        assert diff["plan"] != diff["export"]
+        if diff["kind"] == "param":
+            assert params[diff["path"]] == diff["plan"]
+    assert any(d["kind"] == "param" for d in out["differences"])
