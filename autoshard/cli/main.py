@@ -369,7 +369,11 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = HelpfulParser(prog="autoshard", description=__doc__.splitlines()[0])
+    parser = HelpfulParser(
+        prog="autoshard",
+        description="Plan, run, verify, explain and export parallel training plans for JAX.",
+        epilog="`autoshard COMMAND --help` lists a command's flags and their defaults.",
+    )
     parser.add_argument("--version", action="version", version=f"autoshard {version()}")
     parser.add_argument(
         "--config",
