@@ -333,10 +333,10 @@ class BoundPlan:
 
     def plan_file(self):
         """The plan with its fingerprint (:class:`~autoshard.ir.planfile.PlanFile`)."""
-        from autoshard.ir.planfile import PlanFile, make_fingerprint
+        from autoshard.ir.planfile import PlanFile, input_table, make_fingerprint
 
         fp = make_fingerprint(self.graph, self.plan.mesh, **(self.made_for or {}))
-        return PlanFile(self.plan, fp)
+        return PlanFile(self.plan, fp, inputs=input_table(self.graph))
 
     def save(self, path) -> None:
         """Write the plan file (``autoshard run --plan`` and :func:`bind_plan` read it)."""
@@ -406,10 +406,11 @@ def bind_plan(plan_file, mesh=None) -> BoundPlan:
     model, or the re-traced program or ``mesh`` (a jax mesh, optional) is not the one the
     plan was made for.
     """
-    from autoshard.ir.planfile import PlanFileError, check_fingerprint, load_plan
+    from autoshard.ir.planfile import PlanFileError, check_fingerprint, load_plan, require_one_mesh
     from autoshard.ir.spec import Mesh
 
     pf = plan_file if hasattr(plan_file, "fingerprint") else load_plan(plan_file)
+    require_one_mesh(pf)
     if not pf.model:
         raise PlanFileError(
             "the plan file names no model preset (it was saved from auto_shard on your own "

@@ -3,7 +3,7 @@
 ARCHITECTURE.md's contract: "only trace reads jaxpr internals; from graph to plan nothing
 imports jax". Each sub-package of ``autoshard`` is one pass and sits on one layer; a module
 may import from its own layer or a lower one, so a pass never reaches up into the code that
-drives it. The planning packages (ir, hardware, intra, inter) must not import jax, jaxlib,
+drives it. The planning packages (ir, hardware, intra, inter) and report must not import jax, jaxlib,
 flax or optax anywhere, not even inside a function: the planner stays fast to test and
 runs where JAX does not. Every module under ``autoshard/`` is read with ``ast``, so imports
 inside functions count as much as those at the top.
@@ -24,6 +24,10 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"ir", "hardware"}),  # artifacts between passes; cluster and GEMM data
     frozenset({"trace", "intra"}),  # the jaxpr reader; the intra-op planner
     frozenset({"inter"}),  # layer clustering, the stage DP, pipeline schedules
+    # plans read for people and exported (explain, export): they read plan files, the
+    # baselines' rule tables (intra) and pipeline schedules (inter), never a traced step,
+    # so they sit above inter and stay jax-free; the simulator is called from cli
+    frozenset({"report"}),
     frozenset({"runtime", "verify"}),  # plans made real with jax; compiled HLO read back
     frozenset({"models"}),  # the GPT and MLP workloads
     frozenset({"api"}),  # the one place that chains the passes
@@ -35,7 +39,8 @@ ALLOWED_ONLY: dict[str, frozenset[str]] = {
     "trace": frozenset({"trace", "ir"}),
     "intra": frozenset({"intra", "ir", "hardware"}),
 }
-PLANNING = frozenset({"ir", "hardware", "intra", "inter"})  # jax-free, even in functions
+# jax-free, even in functions
+PLANNING = frozenset({"ir", "hardware", "intra", "inter", "report"})
 JAX_PACKAGES = frozenset({"jax", "jaxlib", "flax", "optax"})
 # autoshard/__init__.py loads its public names lazily from every layer; __main__.py is the
 # entry point. Neither belongs to a layer.

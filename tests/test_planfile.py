@@ -157,7 +157,8 @@ def _set(value, *keys):
     [
         (_set("autoshard.plan/99", "schema"), "schema 'autoshard.plan/99'"),
         (_drop("schema"), "no 'schema' key"),
-        (_set("pipeline", "kind"), "kind 'pipeline'"),
+        (_set("tensor", "kind"), "kind 'tensor'"),
+        (_set("pipeline", "kind"), "no 'inter_plan' object"),
         (_drop("parallel_plan"), "no 'parallel_plan' object"),
         (_drop("fingerprint", "program"), "no 'program' object"),
         (_drop("parallel_plan", "input_specs"), "missing key 'input_specs'"),
@@ -196,7 +197,10 @@ def test_run_and_verify_need_a_model_or_a_plan(command):
     assert "Traceback" not in proc.stderr
 
 
-def test_pipeline_plans_cannot_be_saved_yet(tmp_path, capsys):
+def test_pipeline_plans_are_saved_and_run_refuses_them(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["plan", *MODEL, "--devices", "8", "--pipeline", "auto", "--out", str(out)]) == 2
-    assert "--out saves one-mesh plans" in capsys.readouterr().err and not out.exists()
+    assert main(["plan", *MODEL, "--devices", "8", "--pipeline", "auto", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["kind"] == "pipeline"
+    capsys.readouterr()
+    assert main(["verify", "--plan", str(out)]) == 2
+    assert "is a pipeline plan" in capsys.readouterr().err

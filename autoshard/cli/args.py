@@ -4,6 +4,45 @@ from __future__ import annotations
 
 import argparse
 
+# the model presets, kept here so that building the parser imports no jax (the models do);
+# tests/test_report_cli.py checks it against autoshard.models.model_names()
+MODEL_PRESETS = (
+    "gpt-tiny", "gpt-125m", "gpt-350m", "gpt-760m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b",
+    "gpt-15b", "gpt-39b", "gpt-76b", "mlp",
+)  # fmt: skip
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help when it has a default worth saying
+    (not None, not False) and its help does not already name one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+class HelpfulParser(argparse.ArgumentParser):
+    """An ArgumentParser whose ``--help`` shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+        # on every command and before it; SUPPRESS: a command's parser leaves a --quiet
+        # given before the command alone
+        self.add_argument(
+            "--quiet",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="no progress spinners (off anyway when stderr is not a terminal)",
+        )
+
 
 def positive_int(text: str) -> int:
     try:
@@ -15,26 +54,43 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def add_model_args(
     p: argparse.ArgumentParser, optimizer: bool = True, model_required: bool = True
 ) -> None:
     """``--model`` and the size overrides (and ``--optimizer``)."""
     p.add_argument(
-        "--model", required=model_required, help="preset name, e.g. gpt-tiny, gpt-1.3b, mlp"
+        "--model", required=model_required, help="model preset: " + ", ".join(MODEL_PRESETS)
     )
-    p.add_argument("--batch", type=positive_int, help="global batch size")
-    p.add_argument("--seq", type=positive_int, help="sequence length")
-    p.add_argument("--vocab", type=positive_int, help="vocabulary size")
-    p.add_argument("--layers", type=positive_int, help="number of layers (transformer blocks)")
-    p.add_argument("--hidden", type=positive_int, help="hidden size")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+    p.add_argument("--batch", type=positive_int, help="global batch size (default: the preset's)")
+    p.add_argument("--seq", type=positive_int, help="sequence length (default: the preset's)")
+    p.add_argument("--vocab", type=positive_int, help="vocabulary size (default: the preset's)")
+    p.add_argument("--layers", type=positive_int, help="transformer blocks (default: the preset's)")
+    p.add_argument("--hidden", type=positive_int, help="hidden size (default: the preset's)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the preset's)"
+    )
     p.add_argument(
         "--scan-layers",
         action="store_true",
         help="write the GPT's blocks as one nn.scan over stacked parameters (same plan)",
     )
     if optimizer:
-        p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+        p.add_argument(
+            "--optimizer",
+            choices=("adamw", "sgd"),
+            default="adamw",
+            help="optimizer of the training step (run: sgd, or the --plan file's)",
+        )
 
 
 def model_overrides(args) -> dict:

@@ -12,11 +12,19 @@ import json
 import sys
 import warnings
 
-from autoshard.cli.args import add_intra_option_args, intra_options
+from autoshard.cli.args import HelpfulParser, add_intra_option_args, intra_options, positive_float
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
-from autoshard.cli.pipeline import add_pipeline_args, cmd_pipeline_plan, cmd_pipeline_run
+from autoshard.cli.config_file import expand_config
+from autoshard.cli.console import out_console, progress, version
+from autoshard.cli.pipeline import (
+    add_pipeline_args,
+    cmd_pipeline_plan,
+    cmd_pipeline_run,
+    pipeline_defaults,
+    refuse_ignored_pipeline_flags,
+)
 from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file, bound_from_args, needs_model
 
 
@@ -33,14 +41,18 @@ def _setup_devices(n: int | None) -> None:
 
 def cmd_inspect(args) -> int:
     from autoshard.api import inspect_model
+    from autoshard.models import get_workload
 
-    summary = inspect_model(args.model, args.optimizer, **_overrides(args))
+    with progress(args, f"tracing {args.model} ..."):
+        summary = inspect_model(args.model, args.optimizer, **_overrides(args))
+    config = get_workload(args.model, **_overrides(args)).config
+    shape = {"batch": config.batch_size, "seq_len": getattr(config, "seq_len", None)}
     if args.json:
-        print(json.dumps(summary.to_json(), indent=2))
+        print(json.dumps({**summary.to_json(), **shape, "optimizer": args.optimizer}, indent=2))
         return 0
     from autoshard.cli.report import print_summary
 
-    print_summary(summary)
+    print_summary(summary, out_console(), batch=shape["batch"], seq_len=shape["seq_len"])
     return 0
 
 
@@ -94,6 +106,7 @@ def _plan_json(model: str, bound, report) -> dict:
 def _route(args, command: str) -> bool:
     """Whether ``plan`` / ``run`` should pipeline (``--pipeline``); checks the flags."""
     pipeline = getattr(args, "pipeline", None)
+    pipeline_defaults(args, command, pipeline is not None)
     if pipeline is None:
         if not args.mesh:
             raise ValueError(
@@ -105,8 +118,6 @@ def _route(args, command: str) -> bool:
         raise ValueError(f"{command}: give --mesh (one mesh) or --pipeline (stages), not both")
     if args.baseline:
         raise ValueError(f"{command} --pipeline plans stages with the ILP; drop --baseline")
-    if getattr(args, "out", None):
-        raise ValueError(f"{command} --pipeline: --out saves one-mesh plans only (for now)")
     knobs = [
         flag
         for flag, on in (
@@ -120,6 +131,7 @@ def _route(args, command: str) -> bool:
             f"{command} --pipeline: {', '.join(knobs)} set the one-mesh ILP; the stage "
             "search's ILPs do not take them yet: drop them, or plan one mesh with --mesh"
         )
+    refuse_ignored_pipeline_flags(args, command)
     args.devices = args.pipeline_devices or args.devices
     if not args.devices:
         raise ValueError(f"{command} --pipeline needs --devices N")
@@ -137,8 +149,13 @@ def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
     if bound is None and not verify_exit and _route(args, "plan"):
         return cmd_pipeline_plan(args)
     _single_mesh_defaults(args)
-    bound = bound or _plan(args)
-    report = bound.verify() if (args.verify or verify_exit) else None
+    if bound is None:
+        with progress(args, f"planning {args.model} on mesh {args.mesh} ..."):
+            bound = _plan(args)
+    report = None
+    if args.verify or verify_exit:
+        with progress(args, "compiling the plan to compare with XLA ..."):
+            report = bound.verify()
     out_path = getattr(args, "out", None)
     if args.json or out_path:
         obj = _plan_json(args.model, bound, report)
@@ -153,12 +170,23 @@ def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
     if args.json:
         print(json.dumps(obj, indent=2))
     else:
-        print_plan(bound.plan, bound.graph)
+        console = out_console()
+        print_plan(bound.plan, bound.graph, console, cluster=getattr(args, "cluster", None))
+        _print_in_words(bound, console)
         if report is not None:
-            print_verification(report)
+            print_verification(report, console)
     if verify_exit and report is not None and not report.agree:  # collectives or memory
         return 1
     return 0
+
+
+def _print_in_words(bound, console) -> None:
+    """The plan's parallelism in one line (:mod:`autoshard.report.digest`)."""
+    from autoshard.report.digest import parallelism_of
+
+    console.print(
+        f"in words: {parallelism_of(bound.plan_file()).summary()}", markup=False, highlight=False
+    )
 
 
 def cmd_verify(args) -> int:
@@ -173,8 +201,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_run(args, bound=None) -> int:
-    from rich.console import Console
-
     from autoshard.models import get_workload, make_optimizer
     from autoshard.runtime.sharded import check_against_single_device, run_steps
 
@@ -184,29 +210,60 @@ def cmd_run(args, bound=None) -> int:
     if bound is None and _route(args, "run"):
         return cmd_pipeline_run(args)
     _single_mesh_defaults(args)
-    console = Console()
+    console = out_console()
     args.optimizer = args.optimizer or "sgd"
-    bound = bound or _plan(args)
+    if bound is None:
+        with progress(args, f"planning {args.model} on mesh {args.mesh} ..."):
+            bound = _plan(args)
     workload = get_workload(args.model, **_overrides(args))
     opt = make_optimizer(args.optimizer)
     concrete = workload.init_train_args(opt, seed=0)
     step = bound.jit()
-    _, losses = run_steps(step, concrete, args.steps)
-    console.print(
-        f"plan {bound.plan.name} on {bound.plan.mesh}: losses "
-        + ", ".join(f"{x:.6f}" for x in losses)
-    )
-    if not args.check:
+    seconds: list[float] = []
+    with progress(args, f"compiling and running {args.steps} step(s) ..."):
+        _, losses = run_steps(step, concrete, args.steps, seconds=seconds)
+    out = {
+        "model": args.model,
+        "plan": bound.plan.name,
+        "mesh": {
+            "axis_names": list(bound.plan.mesh.axis_names),
+            "shape": list(bound.plan.mesh.shape),
+        },
+        "optimizer": args.optimizer,
+        "losses": losses,
+        "step_seconds": seconds,
+    }
+    if not args.json:
+        console.print(
+            f"plan {bound.plan.name} on {bound.plan.mesh}: losses "
+            + ", ".join(f"{x:.6f}" for x in losses)
+        )
+        console.print(_step_times(seconds))
+    report = None
+    if args.check:
+        with progress(args, "running the single-device step to compare ..."):
+            report = check_against_single_device(
+                bound.program,
+                bound.plan,
+                step.mesh,
+                concrete,
+                num_steps=args.steps,
+                rtol=args.rtol,
+                step=step,
+            )
+        out["check"] = {
+            "rtol": report.rtol,
+            "loss_rel_error": report.loss_rel_error,
+            "params_rel_error": report.params_rel_error,
+            "update_rel_error": report.update_rel_error,
+            "ok": report.ok,
+            "worst_output": report.worst_output,
+        }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0 if report is None or report.ok else 1
+    if report is None:
         return 0
-    report = check_against_single_device(
-        bound.program,
-        bound.plan,
-        step.mesh,
-        concrete,
-        num_steps=args.steps,
-        rtol=args.rtol,
-        step=step,
-    )
     console.print(
         f"vs single device over {report.num_steps} step(s): loss rel. error "
         f"{report.loss_rel_error:.2e}, parameter rel. error {report.params_rel_error:.2e}, "
@@ -217,7 +274,40 @@ def cmd_run(args, bound=None) -> int:
             else f"[red]MISMATCH[/red] (worst: {report.worst_output})"
         )
     )
+    hint = _mismatch_hint(args, report)
+    if hint:
+        console.print(f"[yellow]hint:[/yellow] {hint}")
     return 0 if report.ok else 1
+
+
+def _step_times(seconds: list[float]) -> str:
+    first = f"step 1 {seconds[0] * 1e3:.1f} ms (includes compilation)"
+    if len(seconds) == 1:
+        return f"step time: {first}"
+    rest = seconds[1:]
+    later = "step 2" if len(rest) == 1 else f"steps 2-{len(seconds)}"
+    return (
+        f"step time: {first}; {later} {sum(rest) / len(rest) * 1e3:.1f} ms each "
+        "(wall time on these devices)"
+    )
+
+
+def _mismatch_hint(args, report) -> str | None:
+    """Why a mismatch may be rounding, not a wrong plan: the default rtol is for f32 SGD."""
+    if report.ok:
+        return None
+    reasons = []
+    if args.optimizer == "adamw":
+        reasons.append("AdamW divides by the root of tiny second moments, which magnifies rounding")
+    if args.dtype == "bfloat16":
+        reasons.append("bfloat16 keeps 8 bits of mantissa")
+    if not reasons or args.rtol > 1e-5:
+        return None
+    return (
+        f"the default --rtol 1e-5 is meant for float32 SGD; {' and '.join(reasons)}: "
+        "to check a plan at 1e-5, plan it with --optimizer sgd in float32; or give a looser "
+        "--rtol on purpose"
+    )
 
 
 def cmd_demo(args) -> int:
@@ -226,17 +316,16 @@ def cmd_demo(args) -> int:
     Exit status: 0 when the planned step runs and matches the single-device step (the
     demo worked); whether the predictions agree with XLA is printed, not folded into the
     status (``autoshard verify`` exits 1 on a disagreement)."""
-    from rich.console import Console
 
     from autoshard.api import inspect_model
     from autoshard.cli.report import human
 
-    console = Console()
-    s = inspect_model("gpt-tiny")
+    console = out_console()
+    s = inspect_model("gpt-tiny", "sgd")
     console.rule("[bold]autoshard demo: gpt-tiny on a 2x4 mesh of 8 devices")
     console.print(
         f"gpt-tiny: {s.params:,} parameters, {human(s.flops_per_step)} FLOPs per step, "
-        f"{s.num_eqns} equations traced (forward, backward, AdamW update)"
+        f"{s.num_eqns} equations traced (forward, backward, SGD update)"
     )
     ns = argparse.Namespace(
         model="gpt-tiny",
@@ -253,6 +342,7 @@ def cmd_demo(args) -> int:
         hidden=None,
         dtype=None,
         json=False,
+        quiet=getattr(args, "quiet", False),
         verify=True,
         steps=2,
         check=True,
@@ -279,14 +369,24 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.splitlines()[0])
+    parser = HelpfulParser(
+        prog="autoshard",
+        description="Plan, run, verify, explain and export parallel training plans for JAX.",
+        epilog="`autoshard COMMAND --help` lists a command's flags and their defaults.",
+    )
+    parser.add_argument("--version", action="version", version=f"autoshard {version()}")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of flags, one [command] table each (flags typed after it win)",
+    )
     parser.add_argument(
         "--devices",
         type=_positive_int,
         default=None,
         help="number of fake CPU devices to create (default: what JAX finds)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=HelpfulParser)
 
     p = sub.add_parser("inspect", help="parameters, FLOPs and equations of a training step")
     _model_args(p)
@@ -311,11 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
             choices=("dp", "zero2", "zero3", "megatron"),
             help="a hand-written plan instead of the ILP's",
         )
-        p.add_argument("--memory-budget", type=float, help="per-device memory budget in GiB")
+        p.add_argument(
+            "--memory-budget", type=positive_float, help="per-device memory budget in GiB"
+        )
         p.add_argument(
             "--cluster",
             help="cost the plan on a cluster preset (dgx-a100, dgx-h100, alpa-v100, or a preset "
-            ".json): seconds instead of Alpa's relative units",
+            ".json): seconds instead of Alpa's relative units (default: no cluster)",
         )
         p.add_argument(
             "--solver",
@@ -324,7 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
             help="ILP solver (default: cbc for one mesh, highs for --pipeline)",
         )
         p.add_argument(
-            "--time-limit", type=float, default=None, help="ILP time limit (s; 120, 60 per ILP)"
+            "--time-limit",
+            type=positive_float,
+            default=None,
+            help="ILP time limit in s (default 120; 60 per ILP with --pipeline)",
         )
         p.add_argument(
             "--merge-elementwise",
@@ -337,11 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--verify", action="store_true", help="also compile and compare")
         if name == "run":
-            p.add_argument("--steps", type=_positive_int, default=2)
+            p.add_argument("--steps", type=_positive_int, default=2, help="training steps")
             p.add_argument(
                 "--check", action="store_true", help="compare with the single-device step"
             )
-            p.add_argument("--rtol", type=float, default=1e-5)
+            p.add_argument(
+                "--rtol",
+                type=positive_float,
+                default=1e-5,
+                help="relative tolerance of --check (meant for float32 SGD)",
+            )
         if name != "verify":
             add_pipeline_args(p, run=name == "run")
         # None on run and verify: a --plan file's optimizer, else sgd / adamw
@@ -349,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="plan, run and verify gpt-tiny on 8 fake CPU devices")
     p.add_argument("--solver", choices=("cbc", "highs"), default="cbc")
-    p.add_argument("--time-limit", type=float, default=120.0)
+    p.add_argument("--time-limit", type=positive_float, default=120.0, help="ILP time limit (s)")
     p.set_defaults(func=cmd_demo)
 
     from autoshard.cli.pipeline import register as register_pipeline
@@ -359,6 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
     from autoshard.cli.simulate import register as register_simulate
 
     register_simulate(sub)
+
+    from autoshard.cli.explain import register as register_explain
+
+    register_explain(sub)
     return parser
 
 
@@ -369,6 +483,12 @@ def _warn_plainly(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_config(argv, parser)
+    except ValueError as err:
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if getattr(args, "plan_file", None):
         try:  # before the devices are set up: the mesh comes from the file

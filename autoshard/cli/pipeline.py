@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from autoshard.cli.args import add_model_args
+from autoshard.cli.args import add_model_args, positive_float
 from autoshard.cli.args import gib as _gib
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
@@ -53,6 +53,8 @@ def cmd_pipeline_plan(args) -> int:
         optimizer=args.optimizer,
         **_overrides(args),
     )
+    if getattr(args, "out", None):
+        _save_pipeline_plan(args, plan, hosts, per_host)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
@@ -60,19 +62,50 @@ def cmd_pipeline_plan(args) -> int:
         f"{plan.model}: {len(plan.stages)} stages on {hosts}x{per_host} "
         f"devices, {plan.num_microbatches} microbatches, {plan.schedule} ({plan.method})"
     )
+
+    def cost(seconds: float) -> str:  # seconds on a named cluster, else abstract units
+        if args.cluster:
+            return f"{seconds * 1e3:.4g} ms"
+        return f"{seconds:.4g} (abstract cost units: no --cluster)"
+
     for i, s in enumerate(plan.stages):
         first, last = s.layers[0], s.layers[-1]
         print(
             f"  stage {i}: {first}..{last} ({len(s.layers)} layers) on sub-mesh "
             f"{s.submesh[0]}x{s.submesh[1]} as (dp, tp) = {tuple(s.logical_mesh)}: "
-            f"{s.latency_s * 1e3:.4g} ms per microbatch, peak {_gib(s.peak_bytes)}"
+            f"{cost(s.latency_s)} per microbatch, peak {_gib(s.peak_bytes)}"
         )
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in plan.phase_seconds.items())
     print(
-        f"pipeline latency {plan.objective_s * 1e3:.4g} ms; search {plan.search_seconds:.2f} s "
+        f"pipeline latency {cost(plan.objective_s)}; search {plan.search_seconds:.2f} s "
         f"({phases}); {plan.num_ilps} ILPs, {plan.num_cache_hits} cache hits"
     )
     return 0
+
+
+def _save_pipeline_plan(args, plan, hosts: int, per_host: int) -> None:
+    """``plan --pipeline ... --out FILE``: a pipeline plan file
+    (:class:`~autoshard.ir.planfile.PipelinePlanFile`) that explain and export read."""
+    import sys
+
+    from autoshard.ir.planfile import PipelinePlanFile
+    from autoshard.models import get_workload
+
+    overrides = {k: v for k, v in _overrides(args).items() if v is not None}
+    config = get_workload(args.model, **overrides).config
+    fingerprint = {
+        "model": args.model,
+        "overrides": overrides,
+        "optimizer": args.optimizer,
+        "devices": {"hosts": hosts, "per_host": per_host},
+        "cluster": args.cluster,
+    }
+    extra = {
+        "global_batch": config.batch_size,
+        "dtype": getattr(config, "dtype", None) and str(config.dtype),
+    }
+    PipelinePlanFile(plan.to_json(), fingerprint, extra).save(args.out)
+    print(f"plan saved to {args.out}", file=sys.stderr)
 
 
 def _ensure_devices(n: int):
@@ -146,6 +179,36 @@ def cmd_pipeline_run(args) -> int:
     return 0 if ok else 1
 
 
+# flags of `plan` / `run` that the pipeline path does not use yet, with the reason
+IGNORED_BY_PIPELINE = {
+    "plan": (
+        ("--verify", "verify", "the verifier checks one-mesh plans; stage plans are not compiled"),
+        ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
+    ),
+    "run": (
+        ("--cluster", "cluster", "the pipeline runtime plans its stages on abstract costs"),
+        ("--memory-budget", "memory_budget", "the pipeline runtime takes no budget yet"),
+        ("--json", "json", "the pipeline runtime prints text only"),
+        ("--time-limit", "time_limit", "the pipeline runtime's ILPs use their own limit"),
+        ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
+    ),
+}
+
+
+def refuse_ignored_pipeline_flags(args, command: str) -> None:
+    """ValueError naming every flag ``command --pipeline`` would ignore, and why."""
+    given = [
+        f"{flag} ({why})"
+        for flag, dest, why in IGNORED_BY_PIPELINE.get(command, ())
+        if getattr(args, dest, None) not in (None, False)
+    ]
+    if given:
+        raise ValueError(
+            f"{command} --pipeline does not use {'; '.join(given)}: drop "
+            + ("it" if len(given) == 1 else "them")
+        )
+
+
 def add_pipeline_args(p, run: bool) -> None:
     """The ``--pipeline`` flags of ``plan`` (``run=False``) and ``run``."""
     g = p.add_argument_group("pipeline (instead of --mesh)")
@@ -160,11 +223,38 @@ def add_pipeline_args(p, run: bool) -> None:
         type=_positive_int,
         help="devices to pipeline over (fake CPU devices when no accelerator)",
     )
-    g.add_argument("--microbatches", type=_positive_int, default=4)
+    # defaults filled in by pipeline_defaults(): None here tells a typed flag from a default
+    g.add_argument("--microbatches", type=_positive_int, help="microbatches per step (default: 4)")
     g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    g.add_argument(
+        "--schedule", choices=("1f1b", "gpipe"), help="pipeline schedule (default: 1f1b)"
+    )
     if not run:
-        g.add_argument("--hosts", type=_positive_int, default=1, help="hosts the devices span")
+        g.add_argument("--hosts", type=_positive_int, help="hosts the devices span (default: 1)")
+
+
+PIPELINE_ONLY = (
+    ("--microbatches", "microbatches", 4),
+    ("--stages", "stages", None),
+    ("--schedule", "schedule", "1f1b"),
+    ("--hosts", "hosts", 1),
+)
+
+
+def pipeline_defaults(args, command: str, pipeline: bool) -> None:
+    """Fill in the pipeline flags' defaults under ``--pipeline``; without it, refuse any
+    that was typed (ValueError): one mesh has no stages to use them."""
+    if not pipeline:
+        typed = [flag for flag, dest, _ in PIPELINE_ONLY if getattr(args, dest, None) is not None]
+        if typed:
+            raise ValueError(
+                f"{command}: {', '.join(typed)} set pipeline stages; add --pipeline "
+                "auto|equal-layer|equal-flops (with --devices N instead of --mesh), or drop them"
+            )
+        return
+    for _flag, dest, default in PIPELINE_ONLY:
+        if hasattr(args, dest) and getattr(args, dest) is None:
+            setattr(args, dest, default)
 
 
 def register(subparsers) -> None:
@@ -197,5 +287,5 @@ def register(subparsers) -> None:
     p.add_argument("--microbatches", type=_positive_int, default=4)
     p.add_argument("--steps", type=_positive_int, default=2)
     p.add_argument("--check", action="store_true", help="compare with the single-device step")
-    p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--rtol", type=positive_float, default=1e-5)
     p.set_defaults(func=cmd_pipeline_run)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from autoshard.api import default_axis_names, parse_mesh_shape
-
 # flag -> (argparse dest, the get_workload keyword it sets)
 SIZE_FLAGS = (
     ("--batch", "batch", "batch_size"),
@@ -34,6 +32,8 @@ PLANNING_FLAGS = (
     ("--no-mixed-mesh-shape", "no_mixed_mesh_shape"),
     ("--pipeline", "pipeline"),
     ("--stages", "stages"),
+    ("--microbatches", "microbatches"),
+    ("--schedule", "schedule"),
     ("run --devices", "pipeline_devices"),  # the mesh in the file sets the devices
 )
 
@@ -59,7 +59,7 @@ def add_plan_file_arg(p, command: str) -> None:
 def apply_plan_file(args, command: str) -> None:
     """Load ``args.plan_file`` into ``args`` (``args.loaded_plan``, model, sizes,
     optimizer, mesh); ValueError when a flag contradicts the file or the file is bad."""
-    from autoshard.ir.planfile import load_plan
+    from autoshard.ir.planfile import load_plan, require_one_mesh
 
     refused = [flag for flag, dest in PLANNING_FLAGS if getattr(args, dest, None)]
     if refused:
@@ -67,7 +67,7 @@ def apply_plan_file(args, command: str) -> None:
             f"{command} --plan runs the saved plan without planning again; drop "
             f"{', '.join(refused)} (to plan with other settings, run `autoshard plan ... --out`)"
         )
-    pf = load_plan(args.plan_file)
+    pf = require_one_mesh(load_plan(args.plan_file), f"plan file {args.plan_file!r}")
     if not pf.model:
         raise ValueError(
             f"plan file {args.plan_file!r} names no model preset (it was saved from auto_shard "
@@ -90,6 +90,8 @@ def apply_plan_file(args, command: str) -> None:
         differ.append(f"--optimizer {args.optimizer} (the plan is for {pf.optimizer})")
     mesh = pf.plan.mesh
     if args.mesh:
+        from autoshard.api import default_axis_names, parse_mesh_shape  # jax: only here
+
         shape = parse_mesh_shape(args.mesh)
         if shape != mesh.shape:
             from autoshard.ir.planfile import describe_mesh

@@ -15,12 +15,19 @@ def human(n: float, unit: str = "") -> str:
     return f"{n:.3g}{unit}"
 
 
-def print_summary(s: ModelSummary, console: Console | None = None) -> None:
+def print_summary(
+    s: ModelSummary,
+    console: Console | None = None,
+    batch: int | None = None,
+    seq_len: int | None = None,
+) -> None:
     console = console or Console()
     console.print(f"[bold]{s.model}[/bold]: {s.params:,} parameters ({human(s.params)})")
+    shape = f"global batch {batch}" + (f", sequence {seq_len}" if seq_len else "")
     console.print(
-        f"FLOPs per step (forward + backward): matmul {human(s.matmul_flops_per_step)}, "
-        f"all ops {human(s.flops_per_step)}; optimizer update {human(s.update_flops_per_step)}"
+        f"FLOPs per step ({shape}; forward + backward): matmul {human(s.matmul_flops_per_step, ' FLOP')}, "
+        f"all ops {human(s.flops_per_step, ' FLOP')}; optimizer update "
+        f"{human(s.update_flops_per_step, ' FLOP')}"
     )
     if s.unknown_flops:
         console.print(f"[yellow]no FLOP rule (counted as 0): {', '.join(s.unknown_flops)}[/yellow]")
@@ -30,7 +37,7 @@ def print_summary(s: ModelSummary, console: Console | None = None) -> None:
     for prim, count in s.eqns_by_primitive.items():
         table.add_row(prim, str(count))
     console.print(table)
-    table = Table(title="FLOPs per layer")
+    table = Table(title="FLOP per layer")
     for col in ("layer", "forward", "backward", "update"):
         table.add_column(col, justify="right" if col != "layer" else "left")
     for layer in s.layers:
@@ -46,15 +53,17 @@ def _short_path(path: str) -> str:
     return "/".join(keys) if keys else path
 
 
-def print_plan(plan, graph, console: Console | None = None) -> None:
+def print_plan(plan, graph, console: Console | None = None, cluster: str | None = None) -> None:
     """The plan in scaling-book notation: every parameter / data input and its spec
     (identical blocks folded), then the predicted collectives and memory."""
     import re
 
     console = console or Console()
     solver = plan.solver or {}
+    unit = f"s on {cluster}" if cluster else "(Alpa's relative cost units; --cluster for seconds)"
     console.print(
-        f"[bold]plan {plan.name}[/bold] on mesh {plan.mesh} — objective {plan.objective:.6g}; "
+        f"[bold]plan {plan.name}[/bold] on mesh {plan.mesh} — objective {plan.objective:.6g} "
+        f"{unit}; "
         f"solver {solver.get('solver', '?')} {solver.get('status', '')} in "
         f"{float(solver.get('seconds', 0.0)):.2f} s, {solver.get('num_variables', '?')} variables"
     )

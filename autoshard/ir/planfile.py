@@ -7,7 +7,15 @@ optimizer, planner options); returns one versioned JSON document::
     {"schema": "autoshard.plan/1", "kind": "intra",
      "fingerprint": {"program": {...}, "mesh": {...}, "model": ..., "overrides": {...},
                      "optimizer": ..., "options": {...}},
+     "inputs": [{"path": ..., "kind": "param", "shape": [...], "dtype": ..., "bytes": ...}],
      "parallel_plan": {...}}
+
+``inputs`` (one row per program input, in the plan's ``input_specs`` order) lets a reader
+that has no jax (``autoshard explain``, ``autoshard export``) know each input's shape,
+dtype and kind; files written before it existed read back with ``inputs == ()``.
+
+A pipeline plan (``"kind": "pipeline"``) holds ``"inter_plan"`` (the inter-operator plan's
+JSON) instead of ``"parallel_plan"`` and loads as a :class:`PipelinePlanFile`.
 
 Reading one back (:func:`load_plan`, :func:`plan_file_from_json`) checks the schema and
 every key and raises :class:`PlanFileError` (a ValueError) with what is wrong, never a
@@ -28,7 +36,7 @@ from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Mesh
 
 SCHEMA = "autoshard.plan/1"
-KINDS = ("intra",)
+KINDS = ("intra", "pipeline")
 
 
 class PlanFileError(ValueError):
@@ -63,6 +71,45 @@ def describe_mesh(mesh: Mesh) -> str:
 
 
 @dataclass(frozen=True)
+class PlanInput:
+    """One program input as a plan file lists it: pytree path, kind (param, opt_state,
+    data, ...), shape, dtype and bytes (of the whole, unsharded array)."""
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.nbytes,
+        }
+
+    @staticmethod
+    def from_json(obj: dict) -> PlanInput:
+        return PlanInput(
+            str(obj["path"]),
+            str(obj["kind"]),
+            tuple(int(s) for s in obj["shape"]),
+            str(obj["dtype"]),
+            int(obj["bytes"]),
+        )
+
+
+def input_table(graph: Graph) -> tuple[PlanInput, ...]:
+    """The graph's program inputs as :class:`PlanInput` rows, in ``graph.inputs`` order."""
+    return tuple(
+        PlanInput(t.path, t.kind, tuple(t.shape), t.dtype, int(t.nbytes))
+        for t in (graph.tensors[i] for i in graph.inputs)
+    )
+
+
+@dataclass(frozen=True)
 class PlanFile:
     """A loaded plan file: the plan, and the fingerprint of what it was made for."""
 
@@ -70,6 +117,7 @@ class PlanFile:
     fingerprint: Mapping[str, Any]
     kind: str = "intra"
     extra: Mapping[str, Any] = field(default_factory=dict)  # summary keys, kept as read
+    inputs: tuple[PlanInput, ...] = ()  # one per program input, () in older files
 
     @property
     def model(self) -> str | None:
@@ -89,6 +137,7 @@ class PlanFile:
             "kind": self.kind,
             **self.extra,
             "fingerprint": dict(self.fingerprint),
+            **({"inputs": [i.to_json() for i in self.inputs]} if self.inputs else {}),
             "parallel_plan": self.plan.to_json(),
         }
 
@@ -96,6 +145,48 @@ class PlanFile:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=2)
             f.write("\n")
+
+
+@dataclass(frozen=True)
+class PipelinePlanFile:
+    """A saved pipeline plan (``plan --pipeline ... --out``): the inter-operator pass's
+    plan as its JSON (``inter_plan``: read it with ``autoshard.inter.plan.InterPlan.
+    from_json``; the ir layer does not know the type), what it was made for, and the global
+    batch. ``explain`` and ``export`` read it; ``run --plan`` does not run it yet."""
+
+    inter_plan: Mapping[str, Any]
+    fingerprint: Mapping[str, Any]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    kind: str = "pipeline"
+
+    @property
+    def model(self) -> str | None:
+        return self.fingerprint.get("model")
+
+    @property
+    def overrides(self) -> dict:
+        return dict(self.fingerprint.get("overrides") or {})
+
+    @property
+    def optimizer(self) -> str | None:
+        return self.fingerprint.get("optimizer")
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "kind": self.kind,
+            **self.extra,
+            "fingerprint": dict(self.fingerprint),
+            "inter_plan": dict(self.inter_plan),
+        }
+
+    def save(self, path) -> None:
+        try:
+            with open(path, "w") as f:
+                json.dump(self.to_json(), f, indent=2)
+                f.write("\n")
+        except OSError as err:
+            raise PlanFileError(f"cannot write the plan to {str(path)!r}: {err.strerror}") from None
 
 
 def make_fingerprint(
@@ -121,7 +212,7 @@ def make_fingerprint(
     }
 
 
-def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
+def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile | PipelinePlanFile:
     """Read a plan file's document; PlanFileError naming what is wrong."""
     if not isinstance(obj, dict):
         raise PlanFileError(f"{source} is not a JSON object (a plan file written by plan --out)")
@@ -142,6 +233,14 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
             f"{source} is a plan of kind {kind!r}; this autoshard runs plans of kind "
             f"{', '.join(map(repr, KINDS))}"
         )
+    if kind == "pipeline":
+        for key in ("fingerprint", "inter_plan"):
+            if not isinstance(obj.get(key), dict):
+                raise PlanFileError(f"{source} has no {key!r} object (the file was cut or edited)")
+        extra = {
+            k: v for k, v in obj.items() if k not in ("schema", "kind", "fingerprint", "inter_plan")
+        }
+        return PipelinePlanFile(obj["inter_plan"], obj["fingerprint"], extra)
     for key in ("fingerprint", "parallel_plan"):
         if not isinstance(obj.get(key), dict):
             raise PlanFileError(f"{source} has no {key!r} object (the file was cut or edited)")
@@ -152,6 +251,7 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
     try:
         plan = ParallelPlan.from_json(obj["parallel_plan"])
         fp_mesh = Mesh(tuple(fp["mesh"]["axis_names"]), tuple(fp["mesh"]["shape"]))
+        inputs = tuple(PlanInput.from_json(row) for row in obj.get("inputs", ()))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
         what = f"missing key {err}" if isinstance(err, KeyError) else str(err)
         raise PlanFileError(f"{source}: the plan cannot be read ({what})") from None
@@ -160,13 +260,20 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile:
             f"{source}: the plan is on mesh {describe_mesh(plan.mesh)} but its fingerprint "
             f"says {describe_mesh(fp_mesh)} (the file was edited)"
         )
+    if inputs and len(inputs) != len(plan.input_specs):
+        raise PlanFileError(
+            f"{source}: {len(inputs)} rows in 'inputs' but {len(plan.input_specs)} input specs "
+            "in the plan (the file was edited)"
+        )
     extra = {
-        k: v for k, v in obj.items() if k not in ("schema", "kind", "fingerprint", "parallel_plan")
+        k: v
+        for k, v in obj.items()
+        if k not in ("schema", "kind", "fingerprint", "inputs", "parallel_plan")
     }
-    return PlanFile(plan, fp, kind, extra)
+    return PlanFile(plan, fp, kind, extra, inputs)
 
 
-def load_plan(path) -> PlanFile:
+def load_plan(path) -> PlanFile | PipelinePlanFile:
     """Read a plan file from ``path`` (PlanFileError: missing, not JSON, not a plan file)."""
     try:
         with open(path) as f:
@@ -181,6 +288,16 @@ def load_plan(path) -> PlanFile:
             f"{err.msg})"
         ) from None
     return plan_file_from_json(obj, f"plan file {str(path)!r}")
+
+
+def require_one_mesh(plan_file, source: str = "the plan file") -> PlanFile:
+    """``plan_file`` if it is a one-mesh plan; PlanFileError for a pipeline plan."""
+    if plan_file.kind != "intra":
+        raise PlanFileError(
+            f"{source} is a pipeline plan: `autoshard explain` and `autoshard export` read "
+            "it; run and verify take one-mesh plans only (for now)"
+        )
+    return plan_file
 
 
 def check_fingerprint(plan_file: PlanFile, graph: Graph, mesh: Mesh | None = None) -> None:

@@ -25,6 +25,7 @@ SGD that is ``-lr * grad``, so it checks gradients) and every output after N ste
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -339,13 +340,16 @@ def _loss_of(program: TracedProgram, outputs) -> float:
     return float(rest[0])
 
 
-def run_steps(step, args, num_steps: int) -> tuple[Any, list[float]]:
+def run_steps(
+    step, args, num_steps: int, seconds: list[float] | None = None
+) -> tuple[Any, list[float]]:
     """Run a train step ``num_steps`` times, feeding the updated state back in.
 
     ``step`` is a :class:`ShardedStep` (or any callable on the same program's arguments
     with a ``program`` attribute).  The caller's ``args`` are copied, not donated.
     Returns the final arguments (updated params and optimizer state, the same batch)
-    and the loss of every step.
+    and the loss of every step; ``seconds``, when given, gets each step's wall time
+    (up to its loss on the host; the first step's includes compilation).
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be at least 1, got {num_steps}")
@@ -359,8 +363,11 @@ def run_steps(step, args, num_steps: int) -> tuple[Any, list[float]]:
         args = step.place(*args, copy=True)
     losses = []
     for _ in range(num_steps):
+        start = time.perf_counter()
         outputs = step(*args)
         losses.append(_loss_of(program, outputs))
+        if seconds is not None:
+            seconds.append(time.perf_counter() - start)
         args = _next_args(program, args, outputs)
     return args, losses
 
