@@ -16,6 +16,7 @@ from autoshard.cli.args import add_intra_option_args, intra_options
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
+from autoshard.cli.launch import add_launch_args
 from autoshard.cli.pipeline import add_pipeline_args, cmd_pipeline_plan, cmd_pipeline_run
 from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file, bound_from_args, needs_model
 
@@ -342,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--check", action="store_true", help="compare with the single-device step"
             )
             p.add_argument("--rtol", type=float, default=1e-5)
+            add_launch_args(p)
         if name != "verify":
             add_pipeline_args(p, run=name == "run")
         # None on run and verify: a --plan file's optimizer, else sgd / adamw
@@ -365,6 +367,32 @@ def build_parser() -> argparse.ArgumentParser:
 def _warn_plainly(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings as ``autoshard: warning: ...`` lines on stderr (no source lines)."""
     print(f"autoshard: warning: {message}", file=sys.stderr)
+
+
+def _multi_process(args, argv: list[str] | None, devices: int | None) -> bool:
+    """Start the local processes (``--processes N``: True, status in ``args.launch_status``),
+    or join a multi-process run (a launched child, ``--distributed``), or set up the fake
+    devices of a one-process run (False)."""
+    from autoshard.runtime.distributed import initialize, process_group_from_env
+
+    group = process_group_from_env()
+    processes = getattr(args, "processes", 1)
+    if group is None and processes > 1:
+        from autoshard.cli.launch import launch
+
+        try:
+            args.launch_status = launch(
+                list(sys.argv[1:] if argv is None else argv), processes, devices or processes
+            )
+        except ValueError as err:
+            print(f"autoshard: error: {err}", file=sys.stderr)
+            args.launch_status = 2
+        return True
+    if group is not None or getattr(args, "distributed", False):
+        initialize(group)  # the child's share of the devices, or the cluster's settings
+    else:
+        _setup_devices(devices)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.gpus <= MAX_EXACT_DEVICES:  # more: simulate() says why
             devices = args.gpus  # simulate --exact compiles on one fake device per GPU
-    _setup_devices(devices)
+    if _multi_process(args, argv, devices):
+        return args.launch_status
     warnings.showwarning = _warn_plainly
     from autoshard.intra.ilp import SolverTimeLimitError
 

@@ -5,7 +5,8 @@ pipeline stages with stage costs from intra-op ILPs
 (:func:`autoshard.api_pipeline.auto_stage_plan`; abstract shapes, nothing allocated) and prints
 the stages or JSON (``--json``: ``stages`` with ``layers``, ``submesh``,
 ``logical_mesh``, ``latency_s``, ``peak_bytes``; ``objective_s``; ``search_seconds``).
-``run --pipeline ... --schedule 1f1b|gpipe --steps N`` trains a small model with the
+``run --pipeline ... --schedule 1f1b|gpipe|interleaved [--virtual-stages V]
+[--recompute none|selective|full|auto] --steps N`` trains a small model with the
 pipeline runtime (:func:`autoshard.api_pipeline.auto_pipeline`: every stage under its own
 intra-op plan) on fake CPU devices, SGD by default, and with ``--check`` compares losses
 and parameters with the single-device training step (exit 1 on a mismatch).
@@ -22,6 +23,9 @@ from autoshard.cli.args import gib as _gib
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.inter.options import STAGE_METHODS
+
+RUN_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RUN_RECOMPUTE = ("none", "selective", "full", "auto")
 
 
 def cmd_pipeline_plan(args) -> int:
@@ -116,6 +120,8 @@ def cmd_pipeline_run(args) -> int:
         num_stages=args.stages,
         schedule=args.schedule,
         solver=getattr(args, "solver", None) or "highs",
+        recompute=getattr(args, "recompute", None) or "none",
+        virtual_stages=getattr(args, "virtual_stages", None) or 1,
     )
     print(trainer.plan)
     losses = [float(trainer.step(batch)) for _ in range(args.steps)]
@@ -162,7 +168,23 @@ def add_pipeline_args(p, run: bool) -> None:
     )
     g.add_argument("--microbatches", type=_positive_int, default=4)
     g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    g.add_argument(
+        "--schedule", choices=RUN_SCHEDULES if run else ("1f1b", "gpipe"), default="1f1b"
+    )
+    if run:
+        g.add_argument(
+            "--virtual-stages",
+            type=_positive_int,
+            default=1,
+            help="model chunks per stage (--schedule interleaved: Megatron's interleaved 1F1B)",
+        )
+        g.add_argument(
+            "--recompute",
+            choices=RUN_RECOMPUTE,
+            default="none",
+            help="activation recompute of every stage's inner layers, or auto (the stage "
+            "search chooses per stage)",
+        )
     if not run:
         g.add_argument("--hosts", type=_positive_int, default=1, help="hosts the devices span")
 
