@@ -221,8 +221,10 @@ def auto_pipeline(
     :mod:`autoshard.runtime.stage`), or ``"auto"`` (intra-op layout: the stage search
     chooses per stage, the fastest mode that fits ``memory_budget_bytes``).
     ``schedule="interleaved"`` with ``virtual_stages = V``: the stages are chosen as for
-    1F1B (the search prices 1F1B), then the layers are cut into ``S * V`` equal-layer
-    chunks, chunk ``c * S + s`` on stage ``s``'s devices, logical mesh and recompute mode.
+    1F1B (the search prices 1F1B; with ``stages="auto"`` it runs once per stage count ``S``
+    that interleaving allows, ``S * V <= layers`` and ``S`` dividing the microbatches, and
+    keeps the fastest), then the layers are cut into ``S * V`` equal-layer chunks, chunk
+    ``c * S + s`` on stage ``s``'s devices, logical mesh and recompute mode.
     ``probe(stage, layer)`` is called each time a layer's forward runs (for counting).
     """
     check_virtual_stages(schedule, virtual_stages)
@@ -311,7 +313,35 @@ def auto_pipeline(
                 granularity=options.granularity,
                 num_microbatches=num_microbatches,
             )
-        inter_plan = search_stages(graph, 1, n, options, cluster=cluster, cost=intra_cost)
+        if virtual_stages > 1 and stages == "auto" and num_stages is None:
+            # the DP over the stage counts interleaving allows: S * V <= layers, and the
+            # microbatches a multiple of S (Megatron's schedule); the fastest plan wins
+            counts = [
+                s
+                for s in range(1, min(num_layers // virtual_stages, n) + 1)
+                if num_microbatches % s == 0
+            ]
+            if not counts:
+                raise ValueError(
+                    f"interleaved 1F1B with {virtual_stages} virtual stages needs at least "
+                    f"{virtual_stages} layers; the model has {num_layers}"
+                )
+            inter_plan = min(
+                (
+                    search_stages(
+                        graph,
+                        1,
+                        n,
+                        dataclasses.replace(options, num_stages=s),
+                        cluster=cluster,
+                        cost=intra_cost,
+                    )
+                    for s in counts
+                ),
+                key=lambda plan: plan.objective_s,
+            )
+        else:
+            inter_plan = search_stages(graph, 1, n, options, cluster=cluster, cost=intra_cost)
         stage_plan = inter_plan.stage_plan
         planned = list(inter_plan.stages)
         if virtual_stages > 1:

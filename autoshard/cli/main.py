@@ -116,6 +116,19 @@ def _route(args, command: str) -> bool:
         )
         if on
     ]
+    saved = [
+        f
+        for f, on in (
+            ("--save", getattr(args, "save", None)),
+            ("--resume", getattr(args, "resume", None)),
+        )
+        if on
+    ]
+    if saved:
+        raise ValueError(
+            f"{command} --pipeline: {', '.join(saved)} checkpoint one-mesh runs only (for now); "
+            "drop them, or run one mesh with --mesh"
+        )
     if knobs:
         raise ValueError(
             f"{command} --pipeline: {', '.join(knobs)} set the one-mesh ILP; the stage "
@@ -192,11 +205,18 @@ def cmd_run(args, bound=None) -> int:
     opt = make_optimizer(args.optimizer)
     concrete = workload.init_train_args(opt, seed=0)
     step = bound.jit()
-    _, losses = run_steps(step, concrete, args.steps)
+    concrete, first = _resume(args, bound, step, concrete)
+    final, losses = run_steps(step, concrete, args.steps)
     console.print(
         f"plan {bound.plan.name} on {bound.plan.mesh}: losses "
         + ", ".join(f"{x:.6f}" for x in losses)
+        + (f" (steps {first + 1}..{first + args.steps})" if first else "")
     )
+    if getattr(args, "save", None):
+        from autoshard.runtime.checkpoint import save_state
+
+        path = save_state(args.save, tuple(final[:2]), first + args.steps)
+        print(f"saved the state after step {first + args.steps} to {path}", file=sys.stderr)
     if not args.check:
         return 0
     report = check_against_single_device(
@@ -219,6 +239,19 @@ def cmd_run(args, bound=None) -> int:
         )
     )
     return 0 if report.ok else 1
+
+
+def _resume(args, bound, step, concrete):
+    """``run --resume DIR``: the saved params and optimizer state, laid out as this run's
+    plan says (any mesh), with the concrete batch; and the step they were saved after."""
+    if not getattr(args, "resume", None):
+        return concrete, 0
+    from autoshard.runtime.checkpoint import restore_state
+    from autoshard.runtime.sharded import abstract_args
+
+    params, opt_state, _ = abstract_args(bound.program, bound.plan, step.mesh)
+    (params, opt_state), first = restore_state(args.resume, (params, opt_state))
+    return (params, opt_state, concrete[2]), first
 
 
 def cmd_demo(args) -> int:
@@ -343,6 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "--check", action="store_true", help="compare with the single-device step"
             )
             p.add_argument("--rtol", type=float, default=1e-5)
+            p.add_argument(
+                "--save", metavar="DIR", help="save params and optimizer state (Orbax) at the end"
+            )
+            p.add_argument(
+                "--resume",
+                metavar="DIR",
+                help="start from a state --save wrote, resharded to this run's plan",
+            )
             add_launch_args(p)
         if name != "verify":
             add_pipeline_args(p, run=name == "run")

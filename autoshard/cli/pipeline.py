@@ -82,10 +82,11 @@ def cmd_pipeline_plan(args) -> int:
 def _ensure_devices(n: int):
     import jax
 
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass  # a backend already started: use what it has
+    if not jax.distributed.is_initialized():  # a launched process has made its share
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass  # a backend already started: use what it has
     devices = jax.devices()
     if len(devices) < n:
         raise ValueError(
@@ -124,7 +125,9 @@ def cmd_pipeline_run(args) -> int:
         virtual_stages=getattr(args, "virtual_stages", None) or 1,
     )
     print(trainer.plan)
-    losses = [float(trainer.step(batch)) for _ in range(args.steps)]
+    from autoshard.runtime.distributed import to_host
+
+    losses = [float(to_host(trainer.step(batch))) for _ in range(args.steps)]
     print("pipeline losses:      " + ", ".join(f"{x:.6f}" for x in losses))
     if not args.check:
         return 0

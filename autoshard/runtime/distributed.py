@@ -92,12 +92,68 @@ def is_multi_process() -> bool:
 
 
 def to_host(x) -> np.ndarray:
-    """``x`` as a host numpy array on every process (gathered across processes if it is
-    spread over devices this process cannot address)."""
+    """``x`` as a host numpy array.
+
+    A global array (a ``NamedSharding``, possibly on other processes' devices) is gathered
+    to every process: with several processes every process must call this for it, in the
+    same order.  An array on one device (``SingleDeviceSharding``: a process's own value)
+    and a host value are read where they are.
+    """
     import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+    if not isinstance(x, jax.Array) or isinstance(x.sharding, SingleDeviceSharding):
+        return np.asarray(x)
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+    return np.asarray(transfer(x, everywhere).addressable_data(0))
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
+
+def transfer(x, target):
+    """``x`` laid out as ``target`` (a ``NamedSharding``), also when the two sit on
+    different processes' devices, which ``jax.device_put`` refuses on CPU and GPU.
+
+    In one process, or when both lie on one process's devices, it is ``jax.device_put``
+    (other processes get the array's empty global handle).  Across processes: ``x`` is
+    replicated over its own devices, written into rows of a ``[len(union), ...]`` array
+    over the union of both device sets (zeros on the target's other devices), every row
+    is set to the source's first row by one jitted broadcast (XLA's cross-process
+    collectives move the bytes), and the target's rows become ``x`` on its devices.
+    With several processes every process must call it, in the same order.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if jax.process_count() == 1:
+        return jax.device_put(x, target)
+    src = sorted(x.sharding.device_set, key=lambda d: d.id)
+    dst = list(target.mesh.devices.flat)
+    owners = {d.process_index for d in (*src, *dst)}
+    if len(owners) == 1:  # one process holds both: the others keep an empty handle
+        if owners == {jax.process_index()}:
+            return jax.device_put(x, target)
+        return jax.make_array_from_single_device_arrays(x.shape, target, [], dtype=x.dtype)
+    full = jax.jit(
+        lambda v: v, out_shardings=NamedSharding(Mesh(np.array(src), ("s",)), PartitionSpec())
+    )(x)
+    union = src + [d for d in dst if d not in set(src)]
+    rows = NamedSharding(Mesh(np.array(union), ("u",)), PartitionSpec("u"))
+    local = {s.device: s.data for s in full.addressable_shards}
+    pieces = [
+        local[d][None] if d in local else jax.device_put(np.zeros((1, *x.shape), x.dtype), d)
+        for d in union
+        if d.process_index == jax.process_index()
+    ]
+    stacked = jax.make_array_from_single_device_arrays(
+        (len(union), *x.shape), rows, pieces, dtype=x.dtype
+    )
+    spread = jax.jit(lambda s: jnp.broadcast_to(s[0], s.shape), out_shardings=rows)(stacked)
+    on_dst = set(dst)
+    mine = [s.data[0] for s in spread.addressable_shards if s.device in on_dst]
+    replicated = jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(Mesh(np.array(dst), ("d",)), PartitionSpec()), mine, dtype=x.dtype
+    )
+    # the same devices in the same order: a layout change within them
+    return jax.jit(lambda v: v, out_shardings=target)(replicated)

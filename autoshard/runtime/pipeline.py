@@ -26,7 +26,10 @@ How it works:
   cut into ``S * V`` chunks; chunk ``c`` of stage ``s`` (virtual stage ``c * S + s``)
   runs on stage ``s``'s devices, in Megatron-LM's order
   (:func:`~autoshard.inter.schedules.interleaved_one_f_one_b`);
-* tensors cross sub-meshes with ``jax.device_put`` to the receiving stage's sharding.
+* tensors cross sub-meshes with :func:`~autoshard.runtime.distributed.transfer` to the
+  receiving stage's sharding (``jax.device_put`` within a process; across the processes of a
+  ``jax.distributed`` run, one collective over both stages' devices: every process runs the
+  same schedule, so stages may sit on different processes).
   Within a stage the default layout is data parallel (:func:`data_parallel_spec`); any
   ``spec_fn`` with the same signature (e.g. one read from an intra-op plan) replaces it.
 
@@ -62,6 +65,7 @@ from autoshard.inter.schedules import (
     validate,
 )
 from autoshard.inter.stage_cost import IntraStageCost
+from autoshard.runtime.distributed import to_host, transfer
 from autoshard.runtime.stage import Probe, StageExecutable
 from autoshard.runtime.stage_layout import StageLayout, data_parallel_spec
 from autoshard.trace.jaxpr import TracedProgram
@@ -265,7 +269,7 @@ class PipelineTrainer:
         for stage in self._stages:
             by_id.update(zip(stage.param_ids, jax.tree.leaves(stage.params), strict=True))
         return jax.tree.unflatten(
-            self._params_treedef, [np.asarray(jax.device_get(by_id[t])) for t in self._param_ids]
+            self._params_treedef, [to_host(by_id[t]) for t in self._param_ids]
         )
 
     def _microbatches(self, batch) -> list[dict[int, Any]]:
@@ -275,6 +279,7 @@ class PipelineTrainer:
         m = self.num_microbatches
         out: list[dict[int, Any]] = [{} for _ in range(m)]
         for t, leaf in zip(self._data_ids, leaves, strict=True):
+            leaf = to_host(leaf)  # placed from the host: stages may be on other processes
             size = leaf.shape[0] // m
             if leaf.shape[0] != size * m:
                 raise ValueError(divisibility_message(leaf.shape[0], m))
@@ -309,9 +314,7 @@ class PipelineTrainer:
                     ):
                         for c in consumers:
                             sh = stages[c].received_shardings[stages[c].sp.received.index(t)]
-                            inbox.setdefault((c, task.microbatch), {})[t] = jax.device_put(
-                                value, sh
-                            )
+                            inbox.setdefault((c, task.microbatch), {})[t] = transfer(value, sh)
                         if t == st.loss:
                             losses.append(value)
                     saved[key] = (received, data, residuals)
@@ -327,7 +330,7 @@ class PipelineTrainer:
                         t, src = sp.received[i], sp.received_from[i]
                         sender = stages[src]
                         sh = sender.output_shardings[sender.sp.outputs.index(t)]
-                        ct = jax.device_put(ct, sh)
+                        ct = transfer(ct, sh)
                         box_src = cotangents.setdefault((src, task.microbatch), {})
                         box_src[t] = box_src[t] + ct if t in box_src else ct
         for st, g in zip(stages, grads, strict=True):
@@ -340,10 +343,12 @@ def _output_cotangent(stage: StageExecutable, t: int, box: dict[int, Any], num_m
     ``1 / num_microbatches`` (the global loss is the mean of the microbatch losses)."""
     rec = stage.tensors[t]
     ct = box.get(t)
+    seed = 1.0 / num_microbatches if t == stage.loss else 0.0
     if ct is None:  # the loss, or read later only through non-differentiable paths
-        ct = jnp.zeros(rec.shape, rec.dtype)
-    if t == stage.loss:
-        ct = ct + jnp.asarray(1.0 / num_microbatches, rec.dtype)
+        sharding = stage.output_shardings[stage.sp.outputs.index(t)]
+        return jax.device_put(np.full(rec.shape, seed, rec.dtype), sharding)
+    if seed:
+        ct = ct + jnp.asarray(seed, rec.dtype)
     return ct
 
 

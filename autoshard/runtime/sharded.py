@@ -449,7 +449,7 @@ def check_against_single_device(
     ``args`` are concrete arguments of a train step (copied to the host first, so they
     are never donated).  Both runs take ``num_steps`` steps from the same arguments.
     """
-    host_args = jax.tree_util.tree_map(np.asarray, args)
+    host_args = jax.tree_util.tree_map(to_host, args)
     records = program.records
     params_pos = [i for i, tid in enumerate(records.inputs) if records.tensors[tid].kind == "param"]
     aliases = _alias_positions(program)

@@ -47,6 +47,7 @@ from autoshard.inter.program_cut import StageProgram
 from autoshard.inter.stage_cost import is_attention_sized
 from autoshard.inter.stages import RECOMPUTE_MODES
 from autoshard.ir.records import TensorRecord
+from autoshard.runtime.distributed import to_host
 from autoshard.runtime.stage_layout import StageLayout
 from autoshard.trace.jaxpr import TracedProgram
 
@@ -134,7 +135,8 @@ class StageExecutable:
         self.data_shardings = [sharding(t, "data") for t in sp.data]
         self.output_shardings = [sharding(t, "activation") for t in sp.outputs]
         self.params = jax.tree.unflatten(
-            treedef, [jax.device_put(values[t], sharding(t, "param")) for t in self.param_ids]
+            treedef,
+            [jax.device_put(to_host(values[t]), sharding(t, "param")) for t in self.param_ids],
         )
         self.opt_state_shardings = layout.opt_state_sharding(
             mesh, jax.eval_shape(optimizer.init, self.params)
