@@ -101,3 +101,41 @@ def test_intra_op_plan_across_processes_matches_one_device(processes):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "MATCH" in out.stdout and "MISMATCH" not in out.stdout
     assert "[Gloo]" not in out.stdout
+
+
+@pytest.mark.slow
+def test_pipeline_stages_on_two_processes_match_one_device():
+    # 2 stages on 4 devices each: stage 0 on process 0's devices, stage 1 on process 1's
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoshard",
+            "run",
+            "--model",
+            "gpt-tiny",
+            "--layers",
+            "4",
+            "--devices",
+            "8",
+            "--pipeline",
+            "equal-layer",
+            "--stages",
+            "2",
+            "--processes",
+            "2",
+            "--steps",
+            "2",
+            "--check",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        "on devices [0, 1, 2, 3]" in out.stdout
+        and "on devices [2048, 2049, 2050, 2051]" in out.stdout
+    )
+    assert "MATCH" in out.stdout and "MISMATCH" not in out.stdout
