@@ -144,3 +144,22 @@ def test_bad_runtime_requests_are_rejected(kw, message):
     kw = {"stages": "equal-layer", "num_stages": 2, **kw}
     with pytest.raises(ValueError, match=message):
         auto_pipeline(workload.loss_fn, opt, params, batch, num_microbatches=2, **kw)
+
+
+def test_stage_memory_reads_the_compiled_terms_and_recompute_shrinks_residuals():
+    from autoshard.runtime.stage_memory import stage_memory
+
+    kept = {}
+    for mode in ("none", "full"):
+        trainer, _ = _run(stages="equal-layer", num_stages=2, schedule="1f1b", recompute=mode)
+        rows = stage_memory(trainer)
+        assert [m.in_flight for m in rows] == [2, 1]  # 1F1B: S - i, capped by microbatches
+        for m, planned in zip(rows, trainer.plan.stages, strict=True):
+            assert m.predicted_bytes == planned.stage.peak_bytes > 0
+            assert m.state_bytes > 0 and m.residual_bytes > 0 and m.working_bytes >= 0
+            assert m.compiled_bytes == (
+                m.state_bytes + m.in_flight * m.residual_bytes + m.working_bytes
+            )
+        kept[mode] = [m.residual_bytes for m in rows]
+    # stage 0 holds two blocks: full recompute keeps only their inputs
+    assert kept["full"][0] < kept["none"][0] / 4

@@ -152,7 +152,41 @@ def cmd_pipeline_run(args) -> int:
         f"{f' ({worst_name})' if worst_name else ''} (rtol {args.rtol:g}): "
         + ("MATCH" if ok else "MISMATCH")
     )
+    _print_stage_memory(trainer)
     return 0 if ok else 1
+
+
+def _print_stage_memory(trainer) -> None:
+    """Predicted (stage search) vs compiled (runtime) peak memory per stage; printed, not
+    folded into the exit status (as ``demo`` does with verify)."""
+    from autoshard.runtime.stage_memory import AGREEMENT, stage_memory
+
+    if trainer.virtual_stages > 1:
+        print("peak memory per stage: not reported for interleaved schedules yet")
+        return
+
+    def mib(b: float) -> str:
+        return f"{b / 2**20:.3f} MiB"
+
+    rows = stage_memory(trainer)
+    print("peak memory per device, predicted (stage search) vs compiled (runtime):")
+    for m in rows:
+        print(
+            f"  stage {m.stage}: predicted {mib(m.predicted_bytes)}, compiled "
+            f"{mib(m.compiled_bytes)} = state {mib(m.state_bytes)} + {m.in_flight} x "
+            f"residuals {mib(m.residual_bytes)} + working {mib(m.working_bytes)}: "
+            f"ratio {m.ratio:.2f}, " + ("agrees" if m.agrees else "DIFFERS")
+        )
+    if not all(m.agrees for m in rows):
+        print(
+            f"  note: more than {AGREEMENT:.0%} apart on "
+            f"{sum(not m.agrees for m in rows)} stage(s). The runtime keeps what jax.vjp "
+            "of each stage saves (its residuals, at the shardings XLA chose, plus received "
+            "activations and batch slices); the stage search counts the buffers the traced "
+            "single-program step keeps live from forward to backward, and no working "
+            "memory without recompute: the gap is the residuals jax.vjp keeps beyond those "
+            "(see docs/distributed.md)"
+        )
 
 
 def add_pipeline_args(p, run: bool) -> None:

@@ -252,6 +252,11 @@ class PipelineTrainer:
         )
 
     @property
+    def schedule(self):
+        """The schedule that runs (:mod:`autoshard.inter.schedules`: ticks of tasks)."""
+        return self._schedule
+
+    @property
     def stage_executables(self) -> tuple[StageExecutable, ...]:
         """The stages as they run (one per program: ``S * V`` with virtual stages)."""
         return tuple(self._stages)

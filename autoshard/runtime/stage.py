@@ -21,9 +21,9 @@ the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` pri
 
 * ``none``: every residual kept;
 * ``selective`` (Korthikanti et al., Megatron-LM): the layer runs under
-  ``jax.checkpoint`` with ``save_anything_except_these_names``; outputs of equations
-  that make attention-sized tensors (:func:`~autoshard.inter.stage_cost.is_attention_sized`:
-  scores, softmax, masks) are named and so recomputed, everything else is kept;
+  ``jax.checkpoint`` with a policy that saves every value except attention-sized ones
+  (:func:`~autoshard.inter.stage_cost.is_attention_sized`: scores, softmax, masks) and
+  those computed from them: the attention core is recomputed, everything else is kept;
 * ``full``: the layer runs under ``jax.checkpoint`` with nothing saveable: only its
   inputs are kept and its forward runs again in the backward.
 
@@ -40,7 +40,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from autoshard.inter.program_cut import StageProgram
@@ -51,7 +50,6 @@ from autoshard.runtime.distributed import to_host
 from autoshard.runtime.stage_layout import StageLayout
 from autoshard.trace.jaxpr import TracedProgram
 
-ATTENTION_NAME = "autoshard_attention"
 Probe = Callable[[int, str], None]
 
 
@@ -84,8 +82,18 @@ def recompute_policy(mode: str):
     if mode == "none":
         return None
     if mode == "selective":
-        return jax.checkpoint_policies.save_anything_except_these_names(ATTENTION_NAME)
+        return _save_all_but_attention
     return jax.checkpoint_policies.nothing_saveable
+
+
+def _save_all_but_attention(prim, *avals, **params) -> bool:
+    """Selective recompute's policy: keep a value unless it is attention-sized or made
+    from one (scores, softmax and their masks are rebuilt from the saved Q, K, V)."""
+    if any(is_attention_sized(getattr(a, "shape", ())) for a in avals):
+        return False
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    out = jax.eval_shape(lambda *xs: prim.bind(*xs, **params), *structs)
+    return not any(is_attention_sized(o.shape) for o in jax.tree.leaves(out))
 
 
 def _layer_groups(eqns, recomputed: Callable[[str | None], bool]):
@@ -160,7 +168,7 @@ class StageExecutable:
             reads_after.update(t for e, _ in group for t in e.inputs)
         later_reads.reverse()
 
-        def run_eqns(group, env, selective: bool) -> None:
+        def run_eqns(group, env) -> None:
             for eqn, (prim, bind_params) in group:
                 invals = [env[t] for t in eqn.inputs]
                 if constraints is not None:  # the plan's reshards and node output specs
@@ -169,15 +177,13 @@ class StageExecutable:
                 outs = list(outs) if prim.multiple_results else [outs]
                 if constraints is not None:
                     outs = constraints.outputs_hook(eqn.index, outs)
-                if selective and any(is_attention_sized(tensors[t].shape) for t in eqn.outputs):
-                    outs = [checkpoint_name(o, ATTENTION_NAME) for o in outs]
                 env.update(zip(eqn.outputs, outs, strict=True))
 
         def run_group(index: int, layer, recomputed: bool, group, env) -> None:
             def body(group_env):
                 if probe is not None:
                     jax.debug.callback(probe, sp.index, str(layer))
-                run_eqns(group, group_env, recompute == "selective")
+                run_eqns(group, group_env)
                 return group_env
 
             if not recomputed:
