@@ -183,9 +183,9 @@ def _print_stage_memory(trainer) -> None:
             f"{sum(not m.agrees for m in rows)} stage(s). The runtime keeps what jax.vjp "
             "of each stage saves (its residuals, at the shardings XLA chose, plus received "
             "activations and batch slices); the stage search counts the buffers the traced "
-            "single-program step keeps live from forward to backward, and no working "
-            "memory without recompute: the gap is the residuals jax.vjp keeps beyond those "
-            "(see docs/distributed.md)"
+            "single-program step keeps live from forward to backward. Without full "
+            "recompute the gap is in that per-microbatch term; which residuals make it is "
+            "not broken down yet (docs/distributed.md)"
         )
 
 
