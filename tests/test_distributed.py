@@ -139,3 +139,12 @@ def test_pipeline_stages_on_two_processes_match_one_device():
         and "on devices [2048, 2049, 2050, 2051]" in out.stdout
     )
     assert "MATCH" in out.stdout and "MISMATCH" not in out.stdout
+
+
+def test_distributed_outside_a_cluster_job_says_what_to_use():
+    proc = subprocess.run(
+        [*RUN, "--distributed", "--steps", "1"], env=ENV, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "cannot join the multi-process run" in proc.stderr
+    assert "--processes N starts local ones" in proc.stderr and "Traceback" not in proc.stderr

@@ -430,7 +430,17 @@ def _multi_process(args, argv: list[str] | None, devices: int | None) -> bool:
             args.launch_status = 2
         return True
     if group is not None or getattr(args, "distributed", False):
-        initialize(group)  # the child's share of the devices, or the cluster's settings
+        try:  # the child's share of the devices, or the cluster's settings
+            initialize(group)
+        except (ValueError, RuntimeError) as err:
+            print(
+                f"autoshard: error: cannot join the multi-process run: {err}; --distributed "
+                "is for processes a cluster job started (SLURM, ...), --processes N starts "
+                "local ones",
+                file=sys.stderr,
+            )
+            args.launch_status = 2
+            return True
     else:
         _setup_devices(devices)
     return False

@@ -127,8 +127,13 @@ class PipelinePlan:
         ]
         for st in self.stages:
             shared = f", receives {', '.join(st.received_params)}" if st.received_params else ""
+            name = (
+                f"chunk {st.index} on stage {st.index % (len(self.stages) // self.virtual_stages)}"
+                if self.virtual_stages > 1
+                else f"stage {st.index}"
+            )
             lines.append(
-                f"  stage {st.index}: layers {st.stage.layers[0]}..{st.stage.layers[-1]} on "
+                f"  {name}: layers {st.stage.layers[0]}..{st.stage.layers[-1]} on "
                 f"devices {list(st.stage.device_ids)} as (dp, tp) = "
                 f"{tuple(st.stage.logical_mesh)}, {st.layout}"
                 f"{' (tensor parallel)' if st.tensor_parallel else ''}, recompute "
