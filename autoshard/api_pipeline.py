@@ -31,6 +31,7 @@ from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_
 from autoshard.inter.search import check_positive_int, search_stages
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
+    RECOMPUTE_MODES,
     StageCostFn,
     equal_flops_stages,
     equal_layer_stages,
@@ -42,12 +43,13 @@ from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.ir.graph import build_graph
 from autoshard.models import Workload, get_workload, make_train_step
 from autoshard.runtime.pipeline import (
-    SCHEDULES,
     LayoutFn,
     PipelineTrainer,
+    check_virtual_stages,
     data_parallel_layout,
     divisibility_message,
 )
+from autoshard.runtime.stage import Probe
 from autoshard.runtime.stage_layout import (
     SpecFn,
     StageLayout,
@@ -192,6 +194,9 @@ def auto_pipeline(
     intra_cost: IntraStageCost | None = None,
     solver: str = "highs",
     cluster=None,
+    recompute: str = "none",
+    virtual_stages: int = 1,
+    probe: Probe | None = None,
 ) -> PipelineTrainer:
     """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
 
@@ -210,9 +215,28 @@ def auto_pipeline(
     ``data``, ``model``); ``logical_meshes`` fixes each explicit range's view.
     ``layout="data-parallel"``: stage costs from FLOPs (``stage_cost``) and every stage
     lays its tensors out with ``spec_fn`` on a ``(devices, 1)`` mesh.
+
+    ``recompute``: ``"none"`` (every stage keeps its forward's residuals), ``"selective"``
+    or ``"full"`` (every stage recomputes so in its inner layers, see
+    :mod:`autoshard.runtime.stage`), or ``"auto"`` (intra-op layout: the stage search
+    chooses per stage, the fastest mode that fits ``memory_budget_bytes``).
+    ``schedule="interleaved"`` with ``virtual_stages = V``: the stages are chosen as for
+    1F1B (the search prices 1F1B; with ``stages="auto"`` it runs once per stage count ``S``
+    that interleaving allows, ``S * V <= layers`` and ``S`` dividing the microbatches, and
+    keeps the fastest), then the layers are cut into ``S * V`` equal-layer chunks, chunk
+    ``c * S + s`` on stage ``s``'s devices, logical mesh and recompute mode.
+    ``probe(stage, layer)`` is called each time a layer's forward runs (for counting).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    check_virtual_stages(schedule, virtual_stages)
+    if recompute not in (*RECOMPUTE_MODES, "auto"):
+        raise ValueError(
+            f"unknown recompute {recompute!r}; choose one of {(*RECOMPUTE_MODES, 'auto')}"
+        )
+    if recompute == "auto" and layout != "intra-op":
+        raise ValueError(
+            "recompute='auto' lets the stage search choose: it needs layout='intra-op'"
+        )
+    search_schedule = "1f1b" if schedule == "interleaved" else schedule
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     if (
@@ -274,7 +298,8 @@ def auto_pipeline(
             stages=stages,
             num_stages=num_stages,
             logical_meshes=logical_meshes,
-            schedule=schedule,
+            schedule=search_schedule,
+            recompute_modes=RECOMPUTE_MODES if recompute == "auto" else (recompute,),
             memory_budget_bytes=memory_budget_bytes,
             solver=solver,
         )
@@ -288,12 +313,47 @@ def auto_pipeline(
                 granularity=options.granularity,
                 num_microbatches=num_microbatches,
             )
-        inter_plan = search_stages(graph, 1, n, options, cluster=cluster, cost=intra_cost)
+        if virtual_stages > 1 and stages == "auto" and num_stages is None:
+            # the DP over the stage counts interleaving allows: S * V <= layers, and the
+            # microbatches a multiple of S (Megatron's schedule); the fastest plan wins
+            counts = [
+                s
+                for s in range(1, min(num_layers // virtual_stages, n) + 1)
+                if num_microbatches % s == 0
+            ]
+            if not counts:
+                raise ValueError(
+                    f"interleaved 1F1B with {virtual_stages} virtual stages needs at least "
+                    f"{virtual_stages} layers; the model has {num_layers}"
+                )
+            inter_plan = min(
+                (
+                    search_stages(
+                        graph,
+                        1,
+                        n,
+                        dataclasses.replace(options, num_stages=s),
+                        cluster=cluster,
+                        cost=intra_cost,
+                    )
+                    for s in counts
+                ),
+                key=lambda plan: plan.objective_s,
+            )
+        else:
+            inter_plan = search_stages(graph, 1, n, options, cluster=cluster, cost=intra_cost)
         stage_plan = inter_plan.stage_plan
         planned = list(inter_plan.stages)
+        if virtual_stages > 1:
+            planned = _chunks(planned, virtual_stages, stats)
+            chunk_specs = [
+                intra_cost.stage_specs(s.start_layer, s.end_layer, s.logical_mesh) for s in planned
+            ]
+        else:
+            chunk_specs = list(inter_plan.stage_specs)
 
         def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
-            return intra_op_layout(loss, inter_plan.stage_specs[sp.index], sp.eqns, mesh)
+            return intra_op_layout(loss, chunk_specs[sp.index], sp.eqns, mesh)
 
     elif stages == "auto":
         stage_plan = optimal_stage_plan(
@@ -303,7 +363,7 @@ def auto_pipeline(
             stage_cost(stats),
             num_microbatches,
             memory_budget_bytes=memory_budget_bytes,
-            schedule=schedule,
+            schedule=search_schedule,
             num_stages=num_stages,
         )
         ids = place_submeshes([a.submesh for a in stage_plan.stages], 1, n)
@@ -321,9 +381,12 @@ def auto_pipeline(
         else:
             ranges = stages
         planned = _equal_data_parallel_stages(
-            ranges, n, stage_cost(stats), stats, num_microbatches, schedule
+            ranges, n, stage_cost(stats), stats, num_microbatches, search_schedule
         )
     if layout == "data-parallel":
+        planned = [dataclasses.replace(s, recompute=recompute) for s in planned]
+        if virtual_stages > 1:
+            planned = _chunks(planned, virtual_stages, stats)
 
         def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
             return StageLayout(spec_fn)
@@ -338,11 +401,33 @@ def auto_pipeline(
         optimizer,
         num_microbatches=num_microbatches,
         schedule=schedule,
+        virtual_stages=virtual_stages,
         layout_fn=layout_fn,
         stage_plan=stage_plan,
         inter_plan=inter_plan,
         intra_cost=intra_cost,
+        probe=probe,
     )
+
+
+def _chunks(stages: Sequence[Stage], virtual_stages: int, stats: LayerStats) -> list[Stage]:
+    """Interleaved 1F1B's model chunks: the layers cut into ``S * V`` equal-layer ranges,
+    chunk ``v`` on stage ``v % S`` (its devices, logical mesh and recompute mode)."""
+    num_stages, num_layers = len(stages), len(stats.layers)
+    count = num_stages * virtual_stages
+    if count > num_layers:
+        fits = [v for v in range(1, num_layers + 1) if num_stages * v <= num_layers]
+        raise ValueError(
+            f"{num_stages} stages x {virtual_stages} virtual stages = {count} model chunks "
+            f"for {num_layers} layers: a chunk needs a layer; use virtual_stages in {fits} "
+            "or fewer stages"
+        )
+    return [
+        dataclasses.replace(
+            stages[v % num_stages], start_layer=a, end_layer=b, layers=stats.layers[a:b]
+        )
+        for v, (a, b) in enumerate(equal_layer_stages(num_layers, count))
+    ]
 
 
 def _equal_data_parallel_stages(

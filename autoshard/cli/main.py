@@ -18,6 +18,7 @@ from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.cli.config_file import expand_config
 from autoshard.cli.console import out_console, progress, version
+from autoshard.cli.launch import add_launch_args
 from autoshard.cli.pipeline import (
     add_pipeline_args,
     cmd_pipeline_plan,
@@ -126,6 +127,19 @@ def _route(args, command: str) -> bool:
         )
         if on
     ]
+    saved = [
+        f
+        for f, on in (
+            ("--save", getattr(args, "save", None)),
+            ("--resume", getattr(args, "resume", None)),
+        )
+        if on
+    ]
+    if saved:
+        raise ValueError(
+            f"{command} --pipeline: {', '.join(saved)} checkpoint one-mesh runs only (for now); "
+            "drop them, or run one mesh with --mesh"
+        )
     if knobs:
         raise ValueError(
             f"{command} --pipeline: {', '.join(knobs)} set the one-mesh ILP; the stage "
@@ -219,9 +233,10 @@ def cmd_run(args, bound=None) -> int:
     opt = make_optimizer(args.optimizer)
     concrete = workload.init_train_args(opt, seed=0)
     step = bound.jit()
+    concrete, first = _resume(args, bound, step, concrete)
     seconds: list[float] = []
     with progress(args, f"compiling and running {args.steps} step(s) ..."):
-        _, losses = run_steps(step, concrete, args.steps, seconds=seconds)
+        final, losses = run_steps(step, concrete, args.steps, seconds=seconds)
     out = {
         "model": args.model,
         "plan": bound.plan.name,
@@ -230,6 +245,7 @@ def cmd_run(args, bound=None) -> int:
             "shape": list(bound.plan.mesh.shape),
         },
         "optimizer": args.optimizer,
+        "first_step": first + 1,
         "losses": losses,
         "step_seconds": seconds,
     }
@@ -237,8 +253,14 @@ def cmd_run(args, bound=None) -> int:
         console.print(
             f"plan {bound.plan.name} on {bound.plan.mesh}: losses "
             + ", ".join(f"{x:.6f}" for x in losses)
+            + (f" (steps {first + 1}..{first + args.steps})" if first else "")
         )
         console.print(_step_times(seconds))
+    if getattr(args, "save", None):
+        from autoshard.runtime.checkpoint import save_state
+
+        path = save_state(args.save, tuple(final[:2]), first + args.steps)
+        print(f"saved the state after step {first + args.steps} to {path}", file=sys.stderr)
     report = None
     if args.check:
         with progress(args, "running the single-device step to compare ..."):
@@ -308,6 +330,19 @@ def _mismatch_hint(args, report) -> str | None:
         "to check a plan at 1e-5, plan it with --optimizer sgd in float32; or give a looser "
         "--rtol on purpose"
     )
+
+
+def _resume(args, bound, step, concrete):
+    """``run --resume DIR``: the saved params and optimizer state, laid out as this run's
+    plan says (any mesh), with the concrete batch; and the step they were saved after."""
+    if not getattr(args, "resume", None):
+        return concrete, 0
+    from autoshard.runtime.checkpoint import restore_state
+    from autoshard.runtime.sharded import abstract_args
+
+    params, opt_state, _ = abstract_args(bound.program, bound.plan, step.mesh)
+    (params, opt_state), first = restore_state(args.resume, (params, opt_state))
+    return (params, opt_state, concrete[2]), first
 
 
 def cmd_demo(args) -> int:
@@ -452,6 +487,15 @@ def build_parser() -> argparse.ArgumentParser:
                 default=1e-5,
                 help="relative tolerance of --check (meant for float32 SGD)",
             )
+            p.add_argument(
+                "--save", metavar="DIR", help="save params and optimizer state (Orbax) at the end"
+            )
+            p.add_argument(
+                "--resume",
+                metavar="DIR",
+                help="start from a state --save wrote, resharded to this run's plan",
+            )
+            add_launch_args(p)
         if name != "verify":
             add_pipeline_args(p, run=name == "run")
         # None on run and verify: a --plan file's optimizer, else sgd / adamw
@@ -479,6 +523,42 @@ def build_parser() -> argparse.ArgumentParser:
 def _warn_plainly(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings as ``autoshard: warning: ...`` lines on stderr (no source lines)."""
     print(f"autoshard: warning: {message}", file=sys.stderr)
+
+
+def _multi_process(args, argv: list[str] | None, devices: int | None) -> bool:
+    """Start the local processes (``--processes N``: True, status in ``args.launch_status``),
+    or join a multi-process run (a launched child, ``--distributed``), or set up the fake
+    devices of a one-process run (False)."""
+    from autoshard.runtime.distributed import initialize, process_group_from_env
+
+    group = process_group_from_env()
+    processes = getattr(args, "processes", 1)
+    if group is None and processes > 1:
+        from autoshard.cli.launch import launch
+
+        try:
+            args.launch_status = launch(
+                list(sys.argv[1:] if argv is None else argv), processes, devices or processes
+            )
+        except ValueError as err:
+            print(f"autoshard: error: {err}", file=sys.stderr)
+            args.launch_status = 2
+        return True
+    if group is not None or getattr(args, "distributed", False):
+        try:  # the child's share of the devices, or the cluster's settings
+            initialize(group)
+        except (ValueError, RuntimeError) as err:
+            print(
+                f"autoshard: error: cannot join the multi-process run: {err}; --distributed "
+                "is for processes a cluster job started (SLURM, ...), --processes N starts "
+                "local ones",
+                file=sys.stderr,
+            )
+            args.launch_status = 2
+            return True
+    else:
+        _setup_devices(devices)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -514,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.gpus <= MAX_EXACT_DEVICES:  # more: simulate() says why
             devices = args.gpus  # simulate --exact compiles on one fake device per GPU
-    _setup_devices(devices)
+    if _multi_process(args, argv, devices):
+        return args.launch_status
     warnings.showwarning = _warn_plainly
     from autoshard.intra.ilp import SolverTimeLimitError
 

@@ -5,7 +5,8 @@ pipeline stages with stage costs from intra-op ILPs
 (:func:`autoshard.api_pipeline.auto_stage_plan`; abstract shapes, nothing allocated) and prints
 the stages or JSON (``--json``: ``stages`` with ``layers``, ``submesh``,
 ``logical_mesh``, ``latency_s``, ``peak_bytes``; ``objective_s``; ``search_seconds``).
-``run --pipeline ... --schedule 1f1b|gpipe --steps N`` trains a small model with the
+``run --pipeline ... --schedule 1f1b|gpipe|interleaved [--virtual-stages V]
+[--recompute none|selective|full|auto] --steps N`` trains a small model with the
 pipeline runtime (:func:`autoshard.api_pipeline.auto_pipeline`: every stage under its own
 intra-op plan) on fake CPU devices, SGD by default, and with ``--check`` compares losses
 and parameters with the single-device training step (exit 1 on a mismatch).
@@ -22,6 +23,9 @@ from autoshard.cli.args import gib as _gib
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.inter.options import STAGE_METHODS
+
+RUN_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RUN_RECOMPUTE = ("none", "selective", "full", "auto")
 
 
 def cmd_pipeline_plan(args) -> int:
@@ -111,10 +115,11 @@ def _save_pipeline_plan(args, plan, hosts: int, per_host: int) -> None:
 def _ensure_devices(n: int):
     import jax
 
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass  # a backend already started: use what it has
+    if not jax.distributed.is_initialized():  # a launched process has made its share
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass  # a backend already started: use what it has
     devices = jax.devices()
     if len(devices) < n:
         raise ValueError(
@@ -149,9 +154,13 @@ def cmd_pipeline_run(args) -> int:
         num_stages=args.stages,
         schedule=args.schedule,
         solver=getattr(args, "solver", None) or "highs",
+        recompute=getattr(args, "recompute", None) or "none",
+        virtual_stages=getattr(args, "virtual_stages", None) or 1,
     )
     print(trainer.plan)
-    losses = [float(trainer.step(batch)) for _ in range(args.steps)]
+    from autoshard.runtime.distributed import to_host
+
+    losses = [float(to_host(trainer.step(batch))) for _ in range(args.steps)]
     print("pipeline losses:      " + ", ".join(f"{x:.6f}" for x in losses))
     if not args.check:
         return 0
@@ -176,6 +185,7 @@ def cmd_pipeline_run(args) -> int:
         f"{f' ({worst_name})' if worst_name else ''} (rtol {args.rtol:g}): "
         + ("MATCH" if ok else "MISMATCH")
     )
+    _print_stage_memory(trainer)
     return 0 if ok else 1
 
 
@@ -209,6 +219,39 @@ def refuse_ignored_pipeline_flags(args, command: str) -> None:
         )
 
 
+def _print_stage_memory(trainer) -> None:
+    """Predicted (stage search) vs compiled (runtime) peak memory per stage; printed, not
+    folded into the exit status (as ``demo`` does with verify)."""
+    from autoshard.runtime.stage_memory import AGREEMENT, stage_memory
+
+    if trainer.virtual_stages > 1:
+        print("peak memory per stage: not reported for interleaved schedules yet")
+        return
+
+    def mib(b: float) -> str:
+        return f"{b / 2**20:.3f} MiB"
+
+    rows = stage_memory(trainer)
+    print("peak memory per device, predicted (stage search) vs compiled (runtime):")
+    for m in rows:
+        print(
+            f"  stage {m.stage}: predicted {mib(m.predicted_bytes)}, compiled "
+            f"{mib(m.compiled_bytes)} = state {mib(m.state_bytes)} + {m.in_flight} x "
+            f"residuals {mib(m.residual_bytes)} + working {mib(m.working_bytes)}: "
+            f"ratio {m.ratio:.2f}, " + ("agrees" if m.agrees else "DIFFERS")
+        )
+    if not all(m.agrees for m in rows):
+        print(
+            f"  note: more than {AGREEMENT:.0%} apart on "
+            f"{sum(not m.agrees for m in rows)} stage(s). The runtime keeps what jax.vjp "
+            "of each stage saves (its residuals, at the shardings XLA chose, plus received "
+            "activations and batch slices); the stage search counts the buffers the traced "
+            "single-program step keeps live from forward to backward. Without full "
+            "recompute the gap is in that per-microbatch term; which residuals make it is "
+            "not broken down yet (docs/distributed.md)"
+        )
+
+
 def add_pipeline_args(p, run: bool) -> None:
     """The ``--pipeline`` flags of ``plan`` (``run=False``) and ``run``."""
     g = p.add_argument_group("pipeline (instead of --mesh)")
@@ -227,8 +270,23 @@ def add_pipeline_args(p, run: bool) -> None:
     g.add_argument("--microbatches", type=_positive_int, help="microbatches per step (default: 4)")
     g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
     g.add_argument(
-        "--schedule", choices=("1f1b", "gpipe"), help="pipeline schedule (default: 1f1b)"
+        "--schedule",
+        choices=RUN_SCHEDULES if run else ("1f1b", "gpipe"),
+        help="pipeline schedule (default: 1f1b)",
     )
+    if run:
+        g.add_argument(
+            "--virtual-stages",
+            type=_positive_int,
+            help="model chunks per stage (--schedule interleaved: Megatron's interleaved 1F1B; "
+            "default: 1)",
+        )
+        g.add_argument(
+            "--recompute",
+            choices=RUN_RECOMPUTE,
+            help="activation recompute of every stage's inner layers, or auto (the stage "
+            "search chooses per stage; default: none)",
+        )
     if not run:
         g.add_argument("--hosts", type=_positive_int, help="hosts the devices span (default: 1)")
 
@@ -238,6 +296,8 @@ PIPELINE_ONLY = (
     ("--stages", "stages", None),
     ("--schedule", "schedule", "1f1b"),
     ("--hosts", "hosts", 1),
+    ("--virtual-stages", "virtual_stages", 1),
+    ("--recompute", "recompute", "none"),
 )
 
 

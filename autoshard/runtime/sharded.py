@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.ir import spec as aspec
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.records import EqnRecord
+from autoshard.runtime.distributed import to_host
 from autoshard.trace.jaxpr import TracedProgram
 
 
@@ -293,6 +294,14 @@ class ShardedStep:
             args = jax.tree_util.tree_map(
                 lambda a: a.copy() if isinstance(a, jax.Array) else a, args
             )
+        if jax.process_count() > 1:
+            # across processes JAX puts host values on a global sharding, not a local array
+            args = jax.tree_util.tree_map(
+                lambda a: (
+                    np.asarray(a) if isinstance(a, jax.Array) and a.is_fully_addressable else a
+                ),
+                args,
+            )
         return jax.device_put(args, tuple(self.in_shardings))
 
     def __call__(self, *args):
@@ -337,7 +346,7 @@ def _loss_of(program: TracedProgram, outputs) -> float:
             f"loss, e.g. (params, opt_state, batch) -> (params, opt_state, loss); this one has "
             f"{len(rest)} other outputs with shapes {[np.shape(v) for v in rest]}"
         )
-    return float(rest[0])
+    return float(to_host(rest[0]))
 
 
 def run_steps(
@@ -393,8 +402,8 @@ class CheckReport:
 
 
 def _rel_error(a, b) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
+    a = to_host(a).astype(np.float64)
+    b = to_host(b).astype(np.float64)
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
     if a.size == 0:
@@ -412,7 +421,7 @@ def _update_rel_error(old, new_sharded, new_reference) -> float:
     over that is counted (an update of 1e-3 on a weight of 1 would otherwise show a
     relative error of ~1e-4 in float32).
     """
-    new_reference = np.asarray(new_reference)
+    new_reference = to_host(new_reference)
     # eps * |x| bounds the spacing of floats at x from above (by at most a factor of 2)
     eps = (
         float(jnp.finfo(new_reference.dtype).eps)
@@ -422,7 +431,7 @@ def _update_rel_error(old, new_sharded, new_reference) -> float:
     ulp = eps * np.abs(new_reference.astype(np.float64))
     old = np.asarray(old, np.float64)
     ref_update = new_reference.astype(np.float64) - old
-    shd_update = np.asarray(new_sharded, np.float64) - old
+    shd_update = to_host(new_sharded).astype(np.float64) - old
     excess = np.maximum(np.abs(shd_update - ref_update) - ulp, 0.0)
     if excess.size == 0:
         return 0.0
@@ -447,12 +456,13 @@ def check_against_single_device(
     ``args`` are concrete arguments of a train step (copied to the host first, so they
     are never donated).  Both runs take ``num_steps`` steps from the same arguments.
     """
-    host_args = jax.tree_util.tree_map(np.asarray, args)
+    host_args = jax.tree_util.tree_map(to_host, args)
     records = program.records
     params_pos = [i for i, tid in enumerate(records.inputs) if records.tensors[tid].kind == "param"]
     aliases = _alias_positions(program)
 
-    device = mesh.devices.flat[0]
+    # the reference runs on this process's first device of the mesh (every process runs it)
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     reference = jax.jit(program.evaluate)
     ref_args = jax.device_put(host_args, device)
     sharded = step if step is not None else build_sharded_step(program, plan, mesh)

@@ -1,0 +1,286 @@
+"""One pipeline stage as it runs: a jitted forward that keeps its residuals, a backward
+that uses them, recompute per stage as the plan chose.
+
+Takes the traced forward of one microbatch (:class:`~autoshard.trace.jaxpr.TracedProgram`),
+one stage's sub-program (:class:`~autoshard.inter.program_cut.StageProgram`), the stage's
+mesh and layout, its parameters, an optax optimizer and the stage's recompute mode; builds
+:class:`StageExecutable`, whose
+
+* ``forward(params, received, data) -> (sent tensors, residuals)`` runs the stage's
+  equations once under ``jax.vjp`` and returns the backward's residuals (the forward's
+  saved activations) next to what it sends on.  Residuals that are the forward's own
+  arguments (weights, received activations, batch leaves) are not copied out: the
+  backward takes the arguments again and puts them back in place;
+* ``backward(params, received, data, residuals, output cotangents, grad accumulator)``
+  applies the stored ``vjp``: no second forward unless the plan asked for recompute;
+* ``update`` applies the optimizer to the accumulated gradient.
+
+Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
+to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
+the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` prices):
+
+* ``none``: every residual kept;
+* ``selective`` (Korthikanti et al., Megatron-LM): the layer runs under
+  ``jax.checkpoint`` with a policy that saves every value except attention-sized ones
+  (:func:`~autoshard.inter.stage_cost.is_attention_sized`: scores, softmax, masks) and
+  those computed from them: the attention core is recomputed, everything else is kept;
+* ``full``: the layer runs under ``jax.checkpoint`` with nothing saveable: only its
+  inputs are kept and its forward runs again in the backward.
+
+``probe(stage, layer)``, when given, is called through ``jax.debug.callback`` each time
+a layer's forward equations run (inside the checkpoint, so a recomputed layer reports
+twice): it counts forward executions without changing what runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from autoshard.inter.program_cut import StageProgram
+from autoshard.inter.stage_cost import is_attention_sized
+from autoshard.inter.stages import RECOMPUTE_MODES
+from autoshard.ir.records import TensorRecord
+from autoshard.runtime.distributed import to_host
+from autoshard.runtime.stage_layout import StageLayout
+from autoshard.trace.jaxpr import TracedProgram
+
+Probe = Callable[[int, str], None]
+
+
+def _path_key(entry) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return str(entry)
+
+
+def nest(items) -> dict:
+    """Nested dict from (pytree path, value): a sub-tree that keeps the original keys."""
+    root: dict = {}
+    for path, value in items:
+        node = root
+        for entry in path[:-1]:
+            node = node.setdefault(_path_key(entry), {})
+        node[_path_key(path[-1])] = value
+    return root
+
+
+def inexact(rec: TensorRecord) -> bool:
+    return jnp.issubdtype(jnp.dtype(rec.dtype), jnp.inexact)
+
+
+def recompute_policy(mode: str):
+    """The ``jax.checkpoint`` policy of a recompute mode (None: no checkpoint)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    if mode == "none":
+        return None
+    if mode == "selective":
+        return _save_all_but_attention
+    return jax.checkpoint_policies.nothing_saveable
+
+
+def _save_all_but_attention(prim, *avals, **params) -> bool:
+    """Selective recompute's policy: keep a value unless it is attention-sized or made
+    from one (scores, softmax and their masks are rebuilt from the saved Q, K, V)."""
+    if any(is_attention_sized(getattr(a, "shape", ())) for a in avals):
+        return False
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    out = jax.eval_shape(lambda *xs: prim.bind(*xs, **params), *structs)
+    return not any(is_attention_sized(o.shape) for o in jax.tree.leaves(out))
+
+
+def _layer_groups(eqns, recomputed: Callable[[str | None], bool]):
+    """Consecutive runs of equations of one layer: ``[(layer, recomputed, eqns)]``."""
+    groups: list[tuple[str | None, bool, list]] = []
+    for item in eqns:
+        layer = item[0].layer
+        if groups and groups[-1][0] == layer:
+            groups[-1][2].append(item)
+        else:
+            groups.append((layer, recomputed(layer), [item]))
+    return groups
+
+
+class StageExecutable:
+    """The jitted functions and state of one stage (see the module docstring)."""
+
+    def __init__(
+        self,
+        prog: TracedProgram,
+        sp: StageProgram,
+        mesh,
+        layout: StageLayout,
+        param_items: list[tuple[tuple, int]],
+        values: dict[int, Any],
+        optimizer,
+        recompute: str = "none",
+        probe: Probe | None = None,
+    ):
+        self.sp, self.mesh, self.layout, self.recompute = sp, mesh, layout, recompute
+        policy = recompute_policy(recompute)
+        spec_fn = layout.spec_fn
+        self.tensors = tensors = prog.records.tensors
+        self.loss = prog.records.outputs[0]
+        layers = prog.records.layers
+        inner = set(layers[1:-1])
+
+        def sharding(t: int, role: str) -> NamedSharding:
+            role = "param" if tensors[t].kind == "param" else role
+            return NamedSharding(mesh, spec_fn(sp.index, tensors[t], role, mesh))
+
+        tid_tree = nest(param_items)
+        self.param_ids = jax.tree.leaves(tid_tree)
+        treedef = jax.tree.structure(tid_tree)
+        self.param_shardings = jax.tree.map(lambda t: sharding(t, "param"), tid_tree)
+        self.received_shardings = [sharding(t, "activation") for t in sp.received]
+        self.data_shardings = [sharding(t, "data") for t in sp.data]
+        self.output_shardings = [sharding(t, "activation") for t in sp.outputs]
+        self.params = jax.tree.unflatten(
+            treedef,
+            [jax.device_put(to_host(values[t]), sharding(t, "param")) for t in self.param_ids],
+        )
+        self.opt_state_shardings = layout.opt_state_sharding(
+            mesh, jax.eval_shape(optimizer.init, self.params)
+        )
+        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(
+            self.params
+        )
+
+        eqns = [(prog.records.eqns[i], prog._impls[i]) for i in sp.eqns]
+        needed = {t for e, _ in eqns for t in e.inputs}
+        consts = {t: v for t, v in prog._consts.items() if t in needed}
+        param_ids = self.param_ids
+        constraints = layout.constraints
+        groups = _layer_groups(eqns, lambda layer: policy is not None and layer in inner)
+        self.recomputed_layers = tuple(layer for layer, r, _ in groups if r)
+        # per group: the tensors it reads from outside and those read after it
+        later_reads: list[set[int]] = []
+        reads_after = set(sp.outputs)
+        for _, _, group in reversed(groups):
+            later_reads.append(set(reads_after))
+            reads_after.update(t for e, _ in group for t in e.inputs)
+        later_reads.reverse()
+
+        def run_eqns(group, env) -> None:
+            for eqn, (prim, bind_params) in group:
+                invals = [env[t] for t in eqn.inputs]
+                if constraints is not None:  # the plan's reshards and node output specs
+                    invals = constraints.operands_hook(eqn.index, invals)
+                outs = prim.bind(*invals, **bind_params)
+                outs = list(outs) if prim.multiple_results else [outs]
+                if constraints is not None:
+                    outs = constraints.outputs_hook(eqn.index, outs)
+                env.update(zip(eqn.outputs, outs, strict=True))
+
+        def run_group(index: int, layer, recomputed: bool, group, env) -> None:
+            def body(group_env):
+                if probe is not None:
+                    jax.debug.callback(probe, sp.index, str(layer))
+                run_eqns(group, group_env)
+                return group_env
+
+            if not recomputed:
+                body(env)
+                return
+            made = {t for e, _ in group for t in e.outputs}
+            ins = sorted({t for e, _ in group for t in e.inputs if t not in made and t in env})
+            outs = sorted(made & later_reads[index])
+
+            def f(*in_values):
+                local = dict(zip(ins, in_values, strict=True))
+                local.update((t, v) for t, v in consts.items() if t not in local)
+                body(local)
+                return [local[t] for t in outs]
+
+            values_out = jax.checkpoint(f, policy=policy)(*[env[t] for t in ins])
+            env.update(zip(outs, values_out, strict=True))
+
+        def evaluate(params, received, data):
+            env = dict(consts)
+            env.update(zip(param_ids, jax.tree.leaves(params), strict=True))
+            env.update(zip(sp.received, received, strict=True))
+            env.update(zip(sp.data, data, strict=True))
+            for i, (layer, recomputed, group) in enumerate(groups):
+                run_group(i, layer, recomputed, group, env)
+            return [env[t] for t in sp.outputs]
+
+        float_out = [i for i, t in enumerate(sp.outputs) if inexact(tensors[t])]
+        self.float_out = [sp.outputs[i] for i in float_out]
+        float_in = [i for i, t in enumerate(sp.received) if inexact(tensors[t])]
+        self.float_in = float_in
+        self._residual_layout = None  # (vjp treedef, per leaf: argument slot or None)
+
+        def forward(params, received, data):
+            def f(p, diff_received):
+                full = list(received)
+                for i, v in zip(float_in, diff_received, strict=True):
+                    full[i] = v
+                outs = evaluate(p, full, data)
+                return [outs[i] for i in float_out], outs
+
+            _, vjp, outs = jax.vjp(f, params, [received[i] for i in float_in], has_aux=True)
+            outs = [
+                jax.lax.with_sharding_constraint(o, sh)
+                for o, sh in zip(outs, self.output_shardings, strict=True)
+            ]
+            # residuals that are arguments go back in place in the backward, not copied
+            args = {id(x): k for k, x in enumerate(jax.tree.leaves((params, received, data)))}
+            leaves, vjp_tree = jax.tree.flatten(vjp)
+            slots = tuple(args.get(id(leaf)) for leaf in leaves)
+            self._residual_layout = (vjp_tree, slots)
+            return outs, [leaf for leaf, s in zip(leaves, slots, strict=True) if s is None]
+
+        def backward(params, received, data, residuals, out_cts, grad_acc):
+            vjp_tree, slots = self._residual_layout
+            args = jax.tree.leaves((params, received, data))
+            kept = iter(residuals)
+            leaves = [next(kept) if s is None else args[s] for s in slots]
+            vjp = jax.tree.unflatten(vjp_tree, leaves)
+            grads, in_cts = vjp(list(out_cts))
+            return jax.tree.map(jnp.add, grad_acc, grads), in_cts
+
+        def update(params, opt_state, grads):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        self.forward = jax.jit(forward)
+        self.backward = jax.jit(
+            backward,
+            out_shardings=(self.param_shardings, [self.received_shardings[i] for i in float_in]),
+        )
+        self.update = jax.jit(
+            update, out_shardings=(self.param_shardings, self.opt_state_shardings)
+        )
+        self.zero_grads = jax.jit(
+            lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings
+        )
+
+    def abstract_args(self):
+        """``(params, received, data)`` of one microbatch as abstract arrays with the
+        stage's shardings: what :meth:`compile_forward` compiles for."""
+
+        def abstract(ids, shardings):
+            return [
+                jax.ShapeDtypeStruct(
+                    self.tensors[t].shape, jnp.dtype(self.tensors[t].dtype), sharding=sh
+                )
+                for t, sh in zip(ids, shardings, strict=True)
+            ]
+
+        params = jax.tree.map(
+            lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
+            self.params,
+            self.param_shardings,
+        )
+        return (
+            params,
+            abstract(self.sp.received, self.received_shardings),
+            abstract(self.sp.data, self.data_shardings),
+        )
