@@ -181,8 +181,13 @@ def test_data_parallel_layout_replicates_parameters():
 
 
 def test_adamw_per_stage_updates_equal_the_whole_model_update():
-    # one microbatch and one device per stage: the gradients are the single-device ones, so
-    # this isolates the per-stage optimizer (state, step count, weight decay per leaf)
+    # Each stage runs AdamW on its own leaves. Fed the same gradients, the stages' updates
+    # must equal one whole-model AdamW update (state, step count, weight decay per leaf).
+    # The gradients are captured from the stages themselves: compared with the
+    # single-device step's instead, Adam's per-element scaling magnifies the rounding of a
+    # forward and a backward compiled apart (1.04x the bound on one element of 64 once the
+    # stages kept their activations), which says nothing about the optimizer. The losses
+    # are still compared with the single-device step.
     workload = _workload("gpt")
     opt = make_optimizer("adamw")
     params, opt_state, batch = workload.init_train_args(opt, seed=1)
@@ -197,11 +202,25 @@ def test_adamw_per_stage_updates_equal_the_whole_model_update():
         stages="equal-layer",
         num_stages=2,
     )
-    p = params
+    captured: dict[int, object] = {}
+    for st in trainer._stages:
+        update = st.update
+
+        def recording(p, state, grads, st=st, update=update):
+            captured.update(zip(st.param_ids, jax.tree.leaves(grads), strict=True))
+            return update(p, state, grads)
+
+        st.update = recording
+    p, ref_params, ref_state = params, params, opt_state
     for _ in range(NUM_STEPS):
         p, opt_state, want = step(p, opt_state, batch)
         np.testing.assert_allclose(float(trainer.step(batch)), float(want), rtol=1e-5)
-    _assert_params_close(trainer.params, jax.device_get(p), params, rtol=1e-5)
+        grads = jax.tree.unflatten(
+            trainer._params_treedef, [np.asarray(captured[t]) for t in trainer._param_ids]
+        )
+        updates, ref_state = opt.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+    _assert_params_close(trainer.params, jax.device_get(ref_params), params, rtol=1e-5)
 
 
 def _key_bias_mask(workload) -> np.ndarray:
