@@ -26,14 +26,25 @@ from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
 
+# Convolutions, pooling and max pooling's gradient: library calls (or their own loops)
+# that read their operands from memory and write a buffer.
+CONV_AND_WINDOW = frozenset(
+    "conv_general_dilated reduce_window_max reduce_window_min reduce_window_sum reduce_window "
+    "select_and_scatter_add select_and_gather_add".split()
+)
 # Ops after which XLA materialises a buffer; elementwise producers are fused into their
 # consumers, reshapes are bitcasts.
-MATERIALIZING = frozenset(
-    "dot_general gather scatter-add scatter_add reduce_sum reduce_max reduce_min argmax argmin "
-    "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
+MATERIALIZING = (
+    frozenset(
+        "dot_general gather scatter-add scatter_add reduce_sum reduce_max reduce_min argmax argmin "
+        "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
+    )
+    | CONV_AND_WINDOW
 )
 # Ops that read their operands from memory (no fusion into them).
-UNFUSED_CONSUMERS = frozenset("dot_general gather scatter-add scatter_add concatenate".split())
+UNFUSED_CONSUMERS = (
+    frozenset("dot_general gather scatter-add scatter_add concatenate".split()) | CONV_AND_WINDOW
+)
 EXPENSIVE = TRANSCENDENTAL | {"div"}  # not recomputed in the backward pass when saved
 FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradient"})
 

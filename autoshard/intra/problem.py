@@ -49,19 +49,8 @@ from autoshard.ir.primitives import SUM_MAX_MIN_REDUCTIONS
 from autoshard.ir.spec import Collective, ShardingSpec
 
 NOT_FOLLOWERS = frozenset(
-    {
-        "dot_general",
-        "gather",
-        "scatter-add",
-        "scatter_add",
-        "iota",
-        "broadcast_in_dim",
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "argmax",
-        "argmin",
-    }
+    "dot_general conv_general_dilated gather scatter-add scatter_add iota broadcast_in_dim "
+    "reduce_sum reduce_max reduce_min argmax argmin".split()
 )
 
 

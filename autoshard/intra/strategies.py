@@ -582,3 +582,6 @@ __all__ = [
     "enumerate_strategies",
     "strategy_seconds",
 ]
+
+# rule modules register themselves on import (kept after the registry they fill)
+from autoshard.intra import rules_conv as _rules_conv  # noqa: E402, F401

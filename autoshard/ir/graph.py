@@ -13,7 +13,12 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
 * elementwise arithmetic, comparisons and transcendentals: 1 per output element
   (``exp`` counts 1, not a weighted cost; ``integer_pow`` with exponent y counts
   max(|y| - 1, 1) multiplications per element).
+* ``conv_general_dilated``: 2 x output elements x (kernel elements / output features),
+  one multiply-add per kernel tap.
 * reductions (``reduce_sum``, ``reduce_max``, ...): 1 per input element.
+* pooling (``reduce_window_*``): 1 per output element per window tap; max pooling's
+  gradient (``select_and_scatter_add``, ``select_and_gather_add``): 2 per pooled element
+  per window tap (the comparison that selects and the add).
 * ``scatter-add``: 1 per update element; ``cumsum`` and friends: 1 per element.
 * data movement and bookkeeping (reshape, transpose, broadcast, gather, slicing,
   concatenate, convert, iota, select_n, copy, stop_gradient): 0.
@@ -57,6 +62,26 @@ def _dot_flops(eqn, ins, outs) -> float:
         np.prod([s for d, s in enumerate(rhs) if d not in rc and d not in rb], dtype=np.int64)
     )
     return 2.0 * batch * lhs_free * rhs_free * contract
+
+
+@register_flops("conv_general_dilated")
+def _conv_flops(eqn, ins, outs) -> float:
+    dn = eqn.params["dimension_numbers"]
+    rhs_spec = dn["rhs_spec"] if isinstance(dn, dict) else dn[1]
+    rhs = ins[1].shape
+    per_output = int(np.prod(rhs, dtype=np.int64)) // max(rhs[rhs_spec[0]], 1)
+    return 2.0 * outs[0].size * per_output
+
+
+@register_flops("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window")
+def _pool_flops(eqn, ins, outs) -> float:
+    return float(outs[0].size) * int(np.prod(eqn.params["window_dimensions"], dtype=np.int64))
+
+
+@register_flops("select_and_scatter_add", "select_and_gather_add")
+def _select_window_flops(eqn, ins, outs) -> float:
+    window = int(np.prod(eqn.params["window_dimensions"], dtype=np.int64))
+    return 2.0 * min(ins[0].size, outs[0].size) * window  # the pooled side
 
 
 @register_flops(*ELEMENTWISE)
