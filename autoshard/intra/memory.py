@@ -302,10 +302,50 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
+def _conv_dims(params: dict) -> tuple[tuple[int, ...], ...]:
+    dn = params["dimension_numbers"]
+    if isinstance(dn, dict):
+        return tuple(dn["lhs_spec"]), tuple(dn["rhs_spec"]), tuple(dn["out_spec"])
+    return tuple(tuple(d) for d in dn)
+
+
+def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:
+    """(tensor, first, last node index) of each conv operand or result XLA:CPU transposes
+    for the conv (``conv_layout_copies``): its one conv layout is (batch, spatial...,
+    feature) for the input and the result and (spatial..., in, out) for the kernel; any
+    other order (a weight gradient reads the activation as (feature, spatial..., batch),
+    an input gradient reads the kernel with in and out swapped) costs a copy of the
+    value, made just before the conv and freed after it -- or, for a program input (the
+    images, a kernel) with ``early_input_reshards``, made at the start of the step (seen
+    in the compiled wresnet-tiny step: ``transpose_copy_fusion`` buffers beside each
+    gradient conv, the images' from the start to the stem's weight gradient)."""
+    if not mesh.memory_layout.conv_layout_copies:
+        return []
+    early = set(graph.inputs) if mesh.memory_layout.early_input_reshards else set()
+    out = []
+    for node in graph.nodes:
+        if node.primitive != "conv_general_dilated":
+            continue
+        lhs, rhs, res = _conv_dims(node.params)
+        n = len(lhs)
+        spatial = tuple(range(1, n - 1))
+        canonical = (
+            (0, n - 1, *spatial),  # lhs: batch, feature, spatial (as dims of NHWC)
+            (n - 1, n - 2, *range(n - 2)),  # rhs: out, in, spatial (as dims of HWIO)
+            (0, n - 1, *spatial),
+        )
+        values = (node.inputs[0], node.inputs[1], node.outputs[0])
+        for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
+            if tuple(spec) != want:
+                out.append((tid, 0 if tid in early else node.index, node.index))
+    return out
+
+
 def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
     """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
-    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces)
-    and the f32 copies of :func:`widened_dot_operands`.  The ILP's memory rows and
+    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
+    the f32 copies of :func:`widened_dot_operands` and the transposed copies of
+    :func:`transposed_conv_values`.  The ILP's memory rows and
     :func:`predicted_peak_bytes` both count these."""
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
@@ -316,6 +356,10 @@ def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, 
     ]
     out += [
         (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+    ]
+    out += [
+        (tid, first, last, graph.tensors[tid].nbytes)
+        for tid, first, last in transposed_conv_values(graph, mesh)
     ]
     return out
 
@@ -515,5 +559,6 @@ __all__ = [
     "program_positions",
     "streamed_tensors",
     "tensor_buffers",
+    "transposed_conv_values",
     "widened_dot_operands",
 ]
