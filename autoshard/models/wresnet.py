@@ -26,7 +26,10 @@ every convolution a gradient in the first step, which the sharded == single-devi
 need).  Under a batch split the statistics are reduced over all devices, as in Alpa.
 
 Parameters are float32; ``dtype`` is the compute dtype (float32, as in Alpa's suite, or
-bfloat16 with float32 statistics and loss).  Top-level modules are named after the layer
+bfloat16 with float32 statistics and loss).  ``float64`` (parameters, statistics and loss
+too; needs ``jax.enable_x64``) is a numerical reference: batch norm's gradients cancel
+(a shift of a channel feeding a later batch norm is nearly undone by it), so float32
+gradients of some leaves carry relative rounding errors of ~1e-2 however they are summed.  Top-level modules are named after the layer
 tags the tracer uses: ``stem``, ``block_0`` ... ``block_{n-1}``, ``head``.
 """
 
@@ -40,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-_DTYPES = ("float32", "bfloat16")
+_DTYPES = ("float32", "bfloat16", "float64")
 
 # num_layers -> blocks per stage (3 weighted layers per block + stem conv + classifier)
 STAGE_SIZES: dict[int, tuple[int, ...]] = {
@@ -93,6 +96,11 @@ class WResNetConfig:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @property
+    def param_dtype(self) -> str:
+        """Parameters and statistics: float64 in a float64 model, else float32."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
     def stage_sizes(self) -> tuple[int, ...]:
         return STAGE_SIZES[self.num_layers]
 
@@ -127,18 +135,23 @@ class BatchNorm(nn.Module):
     """Training-mode batch norm over every dim but the last (see the module docstring)."""
 
     dtype: str
+    param_dtype: str = "float32"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
-        bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
-        x32 = x.astype(jnp.float32)
+        scale = self.param("scale", nn.initializers.ones, (c,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (c,), self.param_dtype)
+        x32 = x.astype(self.param_dtype)
         axes = tuple(range(x.ndim - 1))
         mean = jnp.mean(x32, axis=axes)  # [C]
         var = jnp.mean(jnp.square(x32 - mean), axis=axes)  # [C]
         y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
         return y.astype(self.dtype)
+
+
+def _norm(cfg: WResNetConfig, name: str) -> BatchNorm:
+    return BatchNorm(cfg.dtype, cfg.param_dtype, name=name)
 
 
 def _conv(features: int, kernel: int, stride: int, cfg: WResNetConfig, name: str, padding="SAME"):
@@ -149,7 +162,7 @@ def _conv(features: int, kernel: int, stride: int, cfg: WResNetConfig, name: str
         padding=padding,
         use_bias=False,
         dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.float32,
+        param_dtype=jnp.dtype(cfg.param_dtype),
         name=name,
     )
 
@@ -161,7 +174,7 @@ class Stem(nn.Module):
     def __call__(self, images: jax.Array) -> jax.Array:
         x = images.astype(self.cfg.dtype)  # [B, I, I, 3]
         x = _conv(self.cfg.num_channels, 7, 2, self.cfg, "conv", ((3, 3), (3, 3)))(x)
-        x = nn.relu(BatchNorm(self.cfg.dtype, name="bn")(x))  # [B, I/2, I/2, C]
+        x = nn.relu(_norm(self.cfg, "bn")(x))  # [B, I/2, I/2, C]
         return nn.max_pool(x, (3, 3), (2, 2), "SAME")  # [B, I/4, I/4, C]
 
 
@@ -173,13 +186,13 @@ class Bottleneck(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg, f = self.cfg, self.filters
-        y = nn.relu(BatchNorm(cfg.dtype, name="bn1")(_conv(f, 1, 1, cfg, "conv1")(x)))
+        y = nn.relu(_norm(cfg, "bn1")(_conv(f, 1, 1, cfg, "conv1")(x)))
         y = _conv(f * cfg.width_factor, 3, self.stride, cfg, "conv2")(y)
-        y = nn.relu(BatchNorm(cfg.dtype, name="bn2")(y))
-        y = BatchNorm(cfg.dtype, name="bn3")(_conv(4 * f, 1, 1, cfg, "conv3")(y))
+        y = nn.relu(_norm(cfg, "bn2")(y))
+        y = _norm(cfg, "bn3")(_conv(4 * f, 1, 1, cfg, "conv3")(y))
         if x.shape != y.shape:
             x = _conv(4 * f, 1, self.stride, cfg, "proj")(x)
-            x = BatchNorm(cfg.dtype, name="bn_proj")(x)
+            x = _norm(cfg, "bn_proj")(x)
         return nn.relu(x + y)  # [B, H/stride, W/stride, 4 f]
 
 
@@ -190,7 +203,9 @@ class Head(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = jnp.mean(x, axis=(1, 2))  # global average pool: [B, 4 f]
         dense = nn.Dense(
-            self.cfg.num_classes, dtype=jnp.dtype(self.cfg.dtype), param_dtype=jnp.float32
+            self.cfg.num_classes,
+            dtype=jnp.dtype(self.cfg.dtype),
+            param_dtype=jnp.dtype(self.cfg.param_dtype),
         )
         return dense(x)  # [B, classes]
 
@@ -218,7 +233,7 @@ def wresnet_loss_fn(cfg: WResNetConfig):
     def loss(params, batch):
         logits = model.apply({"params": params}, batch["images"])
         losses = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch["labels"]
+            logits.astype(cfg.param_dtype), batch["labels"]
         )
         return jnp.mean(losses)
 
@@ -230,7 +245,7 @@ def wresnet_init_fn(cfg: WResNetConfig):
     model = WideResNet(cfg)
 
     def init(rng):
-        images = jnp.zeros((1, cfg.image_size, cfg.image_size, 3), jnp.float32)
+        images = jnp.zeros((1, cfg.image_size, cfg.image_size, 3), cfg.param_dtype)
         return model.init(rng, images)["params"]
 
     return init
@@ -239,7 +254,7 @@ def wresnet_init_fn(cfg: WResNetConfig):
 def wresnet_batch_spec(cfg: WResNetConfig) -> dict[str, jax.ShapeDtypeStruct]:
     B, size = cfg.batch_size, cfg.image_size
     return {
-        "images": jax.ShapeDtypeStruct((B, size, size, 3), jnp.float32),
+        "images": jax.ShapeDtypeStruct((B, size, size, 3), cfg.param_dtype),
         "labels": jax.ShapeDtypeStruct((B,), jnp.int32),
     }
 
@@ -248,6 +263,6 @@ def wresnet_random_batch(cfg: WResNetConfig, rng: jax.Array) -> dict[str, jax.Ar
     k1, k2 = jax.random.split(rng)
     B, size = cfg.batch_size, cfg.image_size
     return {
-        "images": jax.random.normal(k1, (B, size, size, 3), jnp.float32),
+        "images": jax.random.normal(k1, (B, size, size, 3), cfg.param_dtype),
         "labels": jax.random.randint(k2, (B,), 0, cfg.num_classes, jnp.int32),
     }
