@@ -214,3 +214,20 @@ def test_each_conv_split_trains_like_one_device_and_matches_xla(name):
     assert report.ok, report
     verified = verify_plan(program, plan, devices=devices)
     assert verified.collectives_agree, verified.comparison.format()
+
+
+def test_a_strided_conv_gradients_cost_what_the_forward_costs():
+    """The input gradient of a stride-2 conv dilates its input with zeros; FLOPs count
+    the taps that meet real elements, so each gradient costs the forward's FLOPs."""
+
+    def loss(params, batch):
+        return jnp.sum((_conv(params["x"], params["w"], stride=2) * batch["t"]) ** 2)
+
+    params = {"w": jnp.ones((3, 3, C, F)), "x": jnp.ones((N, H, H, C))}
+    batch = {"t": jnp.ones((N, H // 2, H // 2, F))}
+    opt = optax.sgd(0.1)
+    program = trace_train_step(make_train_step(loss, opt), params, opt.init(params), batch)
+    convs = _conv_nodes(build_graph(program.records))
+    assert [n.phase for n in convs] == ["forward", "backward", "backward"]
+    assert convs[0].flops == 2 * N * (H // 2) ** 2 * F * 9 * C
+    assert [n.flops for n in convs[1:]] == [convs[0].flops] * 2

@@ -13,8 +13,9 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
 * elementwise arithmetic, comparisons and transcendentals: 1 per output element
   (``exp`` counts 1, not a weighted cost; ``integer_pow`` with exponent y counts
   max(|y| - 1, 1) multiplications per element).
-* ``conv_general_dilated``: 2 x output elements x (kernel elements / output features),
-  one multiply-add per kernel tap.
+* ``conv_general_dilated``: 2 x output elements x (kernel elements / output features) /
+  the product of ``lhs_dilation``: one multiply-add per kernel tap that meets a real
+  input element (an input gradient of a strided conv dilates its input with zeros).
 * reductions (``reduce_sum``, ``reduce_max``, ...): 1 per input element.
 * pooling (``reduce_window_*``): 1 per output element per window tap; max pooling's
   gradient (``select_and_scatter_add``, ``select_and_gather_add``): 2 per pooled element
@@ -70,7 +71,8 @@ def _conv_flops(eqn, ins, outs) -> float:
     rhs_spec = dn["rhs_spec"] if isinstance(dn, dict) else dn[1]
     rhs = ins[1].shape
     per_output = int(np.prod(rhs, dtype=np.int64)) // max(rhs[rhs_spec[0]], 1)
-    return 2.0 * outs[0].size * per_output
+    zeros = int(np.prod(eqn.params.get("lhs_dilation") or (1,), dtype=np.int64))
+    return 2.0 * outs[0].size * per_output / zeros
 
 
 @register_flops("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window")
