@@ -395,12 +395,26 @@ def predicted_peak_bytes(
     copy; a reduced partial sum is a buffer of its own)."""
     n = len(graph.nodes)
     delta = [0.0] * (n + 3)
+    operand_specs = operand_specs or {}
+    # a conv's transposed copy of an operand is made from the operand as the conv reads
+    # it: in the layout it is resharded to, if it is
+    at_conv = {}
+    for tid, first, last in transposed_conv_values(graph, mesh):
+        node = graph.nodes[last]
+        if tid in node.inputs:
+            spec = operand_specs.get(last, {}).get(node.inputs.index(tid))
+            if spec is not None:
+                at_conv[(tid, first, last)] = spec
     buffers = [
-        (first, last, nbytes * spec_of[tid].shard_fraction(mesh.mesh))
+        (
+            first,
+            last,
+            nbytes * at_conv.get((tid, first, last), spec_of[tid]).shard_fraction(mesh.mesh),
+        )
         for tid, first, last, nbytes in tensor_buffers(graph, mesh)
         if tid in spec_of
     ]
-    buffers += _reshard_buffers(graph, operand_specs or {}, mesh)
+    buffers += _reshard_buffers(graph, operand_specs, mesh)
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
