@@ -13,6 +13,7 @@ import pytest
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import XLA_CPU_MEMORY, alpa_test_mesh
+from autoshard.intra.ilp.problem import SolverTimeLimitWarning
 from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import auto_shard_graph
 from autoshard.models import WRESNET_PRESETS, get_workload, make_optimizer, model_names
@@ -78,6 +79,8 @@ def _plan(traced, shape):
     mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)], XLA_CPU_MEMORY)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no primitive planned replicated for want of a rule
+        # (on 2x4 HiGHS may stop at its time limit with a feasible plan: that plan is used)
+        warnings.simplefilter("ignore", SolverTimeLimitWarning)
         return auto_shard_graph(traced.graph, mesh, HIGHS)
 
 
