@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.strategies import Strategy
-from autoshard.ir.graph import Graph
+from autoshard.ir.graph import Graph, conv_dimension_numbers
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
 
@@ -302,13 +302,6 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
-def _conv_dims(params: dict) -> tuple[tuple[int, ...], ...]:
-    dn = params["dimension_numbers"]
-    if isinstance(dn, dict):
-        return tuple(dn["lhs_spec"]), tuple(dn["rhs_spec"]), tuple(dn["out_spec"])
-    return tuple(tuple(d) for d in dn)
-
-
 def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:
     """(tensor, first, last node index) of each conv operand or result XLA:CPU transposes
     for the conv (``conv_layout_copies``): its one conv layout is (batch, spatial...,
@@ -326,7 +319,7 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
     for node in graph.nodes:
         if node.primitive != "conv_general_dilated":
             continue
-        lhs, rhs, res = _conv_dims(node.params)
+        lhs, rhs, res = conv_dimension_numbers(node.params)
         n = len(lhs)
         spatial = tuple(range(1, n - 1))
         canonical = (

@@ -35,17 +35,9 @@ collective inside the op other than the partial sum a ``reduce`` slot declares.
 from __future__ import annotations
 
 from autoshard.intra.strategies import OUT, NodeContext, Slot, register
+from autoshard.ir.graph import conv_dimension_numbers
 
 __all__ = ["conv_slots", "rev_slots", "select_window_slots", "window_slots"]
-
-
-def _conv_dims(params: dict) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(lhs_spec, rhs_spec, out_spec): each (batch-or-out-feature, feature, spatial...)."""
-    dn = params["dimension_numbers"]
-    if isinstance(dn, dict):
-        return tuple(dn["lhs_spec"]), tuple(dn["rhs_spec"]), tuple(dn["out_spec"])
-    lhs, rhs, out = dn
-    return tuple(lhs), tuple(rhs), tuple(out)
 
 
 def _pointwise_spatial(params: dict, rhs_shape: tuple[int, ...], rhs_spec, k: int) -> bool:
@@ -68,7 +60,7 @@ def _pointwise_spatial(params: dict, rhs_shape: tuple[int, ...], rhs_spec, k: in
 def conv_slots(ctx: NodeContext) -> list[Slot]:
     """Batch, output-channel, input-channel (partial sum) and pointwise-spatial slots."""
     params = ctx.node.params
-    lhs_spec, rhs_spec, out_spec = _conv_dims(params)
+    lhs_spec, rhs_spec, out_spec = conv_dimension_numbers(params)
     groups = int(params.get("feature_group_count", 1) or 1)
     batch_groups = int(params.get("batch_group_count", 1) or 1)
     slots: list[Slot] = []

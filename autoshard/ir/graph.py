@@ -65,10 +65,19 @@ def _dot_flops(eqn, ins, outs) -> float:
     return 2.0 * batch * lhs_free * rhs_free * contract
 
 
+def conv_dimension_numbers(params: dict) -> tuple[tuple[int, ...], ...]:
+    """A ``conv_general_dilated``'s (lhs_spec, rhs_spec, out_spec): the input's (batch,
+    feature, spatial...) dims, the kernel's (out feature, in feature, spatial...) dims
+    and the result's (batch, feature, spatial...) dims."""
+    dn = params["dimension_numbers"]
+    if isinstance(dn, dict):
+        return tuple(dn["lhs_spec"]), tuple(dn["rhs_spec"]), tuple(dn["out_spec"])
+    return tuple(tuple(d) for d in dn)
+
+
 @register_flops("conv_general_dilated")
 def _conv_flops(eqn, ins, outs) -> float:
-    dn = eqn.params["dimension_numbers"]
-    rhs_spec = dn["rhs_spec"] if isinstance(dn, dict) else dn[1]
+    _, rhs_spec, _ = conv_dimension_numbers(eqn.params)
     rhs = ins[1].shape
     per_output = int(np.prod(rhs, dtype=np.int64)) // max(rhs[rhs_spec[0]], 1)
     zeros = int(np.prod(eqn.params.get("lhs_dilation") or (1,), dtype=np.int64))
