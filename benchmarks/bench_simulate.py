@@ -4,15 +4,19 @@ Points (REFERENCE.md): gpt-350m on 1 GPU, 760m on 2, 1.3b on 4, 2.6b on 8, 6.7b 
 15b on 32, 39b on 64; cluster preset ``alpa-v100`` (8 x V100-16GB per node, 25 Gbps
 between nodes), global batch 1024, sequence 1024, fp16, full activation recompute.
 For every point: ``plan="megatron"`` (every TP x PP x DP grid and micro-batch size,
-best that fits) and ``plan="auto"`` (intra-op ILPs with HiGHS + stage DP). Records the
-reports and the wall time of each, and the suite's totals; writes
-``benchmarks/results/bench_simulate.json``.
+best that fits, on Megatron-LM's program), ``plan="auto"`` (intra-op ILPs with HiGHS +
+stage DP, on the traced JAX step) and ``megatron-traced`` (every grid on the traced step,
+the program ``auto`` is priced on, at auto's number of micro-batches: one program, so the
+comparison with ``auto`` compares plans). Records the reports and the wall time of each,
+and the suite's totals; writes ``benchmarks/results/bench_simulate.json``.
 
-    python benchmarks/bench_simulate.py [--plans megatron auto] [--time-limit 20]
-        [--auto-microbatches M] [--auto-budget-s 600] [--models gpt-350m gpt-2.6b]
+    python benchmarks/bench_simulate.py [--plans megatron auto megatron-traced]
+        [--time-limit 20] [--auto-microbatches M] [--auto-budget-s 600]
+        [--models gpt-350m gpt-2.6b]
 
-``--auto-microbatches``: fix the micro-batch count of ``auto``; by default ``simulate``
-chooses it (64, or more where no Megatron layout fits at that micro-batch size).
+``--auto-microbatches``: fix the micro-batch count of ``auto`` (and ``megatron-traced``);
+by default ``simulate`` chooses it (64, or more where no Megatron layout fits at that
+micro-batch size).
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ SUITE = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(SUITE), choices=list(SUITE))
-    ap.add_argument("--plans", nargs="+", default=["megatron", "auto"])
+    ap.add_argument(
+        "--plans",
+        nargs="+",
+        default=["megatron", "auto", "megatron-traced"],
+        choices=["megatron", "auto", "megatron-traced", "dp", "zero2", "zero3"],
+    )
     ap.add_argument("--cluster", default="alpa-v100")
     ap.add_argument("--global-batch", type=int, default=1024)
     ap.add_argument("--recompute", default="full")
@@ -50,7 +59,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_simulate.json"))
     args = ap.parse_args()
 
-    from autoshard.sim.simulate import simulate
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.sim.auto import _default_microbatches
+    from autoshard.sim.simulate import gpt_shape, simulate
 
     rows, totals = [], {plan: 0.0 for plan in args.plans}
     t_suite = time.perf_counter()
@@ -62,21 +73,22 @@ def main() -> None:
                 print(f"{plan:9s} {model:9s} on {gpus:2d}: skipped (auto budget spent)")
                 continue
             kw = {}
-            if plan == "auto":
-                kw = dict(
-                    microbatch_size=(
-                        None
-                        if args.auto_microbatches is None
-                        else args.global_batch // args.auto_microbatches
-                    ),
-                    ilp_time_limit_s=args.time_limit,
-                )
+            if plan in ("auto", "megatron-traced"):
+                kw = dict(num_microbatches=args.auto_microbatches, ilp_time_limit_s=args.time_limit)
+            if plan == "megatron-traced":
+                if args.auto_microbatches is None:  # auto's own default
+                    shape, _ = gpt_shape(model)
+                    cluster = load_cluster(args.cluster, gpus)
+                    kw["num_microbatches"] = _default_microbatches(
+                        args.global_batch, shape, cluster, args.dtype
+                    )
+                kw["program"] = "traced"
             t0 = time.perf_counter()
             report = simulate(
                 model,
                 args.cluster,
                 gpus,
-                plan,
+                "megatron" if plan == "megatron-traced" else plan,
                 global_batch=args.global_batch,
                 recompute=args.recompute,
                 dtype=args.dtype,

@@ -15,11 +15,12 @@ Model, for C[M, N] = A[M, K] @ B[K, N] with element size e bytes:
     tail  = waves / (waves + 0.15)                  (smoothed last-wave under-occupancy)
     time  = max(flops / (peak eff_large tail), bytes / hbm_bandwidth) + 4 us launch
 
-``eff_large`` is the efficiency of large square GEMMs. A100 16-bit: 0.66, the single
-calibration of the Megatron validation (docs/validation.md): an effective figure that also
-absorbs the overheads the step model leaves out; cuBLAS alone reaches more on large fp16
-GEMMs. V100: 0.80 (about 100 of 125 TFLOP/s for large fp16 GEMMs). Non-tensor-core fp32:
-0.90; tf32: 0.75.
+``eff_large`` is the efficiency of large square GEMMs. 16-bit: the device's calibration
+(A100 0.65 on Megatron-LM's SC21 Table 1, V100 0.49 on Alpa's published p3.16xlarge step;
+``python benchmarks/validate_megatron.py --calibrate`` refits them, docs/validation.md):
+effective figures that also absorb the overheads the step model leaves out; cuBLAS alone
+reaches more on large fp16 GEMMs. Non-tensor-core fp32: 0.90; tf32: 0.75 (assumptions,
+not calibrated).
 
 Usage: python benchmarks/make_gemm_tables.py
 """
@@ -30,23 +31,28 @@ import json
 import math
 from pathlib import Path
 
-OUT_DIR = Path(__file__).resolve().parents[1] / "autoshard" / "sim" / "gemm_tables"
+OUT_DIR = Path(__file__).resolve().parents[1] / "autoshard" / "hardware" / "gemm_tables"
 SIZES = [2**i for i in range(5, 17)]  # 32 .. 65536
 LAUNCH_OVERHEAD_S = 4e-6
 TILE = 128
 TAIL_SMOOTHING = 0.15
-# The one calibration of the simulator: chosen on a 0.02 grid to minimise the worst |error| of
-# benchmarks/validate_megatron.py against Megatron-LM's published A100 throughput. It is an
-# *effective* efficiency that also absorbs what the step model leaves out (see
-# docs/validation.md); measured cuBLAS figures for large fp16 GEMMs on A100 are higher.
-A100_CALIBRATED_EFFICIENCY = 0.66
+# The simulator's calibrations, one per modelled device: the 16-bit large-GEMM efficiency
+# that minimises the worst |error| over that device's calibration rows, on a 0.01 grid
+# (`python benchmarks/validate_megatron.py --calibrate` finds them; benchmarks/
+# published_runs.py lists the rows): A100 on Megatron-LM's SC21 Table 1, V100 on the
+# single-GPU baseline of Megatron-LM's 2019 paper (39 TFLOP/s). They are *effective*
+# efficiencies that also absorb what the step model leaves out (docs/validation.md);
+# cuBLAS alone reaches more on large fp16 GEMMs.
+A100_CALIBRATED_EFFICIENCY = 0.65
+V100_CALIBRATED_EFFICIENCY = 0.49
+CALIBRATED = {"a100": A100_CALIBRATED_EFFICIENCY, "v100": V100_CALIBRATED_EFFICIENCY}
 
 DEVICES = {
     "v100": {
         "device": "V100-SXM2-16GB",
         "sms": 80,
         "hbm_bandwidth": 900e9,
-        "dtypes": {"fp16": (125.0, 0.80, 2), "fp32": (15.7, 0.90, 4)},
+        "dtypes": {"fp16": (125.0, V100_CALIBRATED_EFFICIENCY, 2), "fp32": (15.7, 0.90, 4)},
     },
     "a100": {
         "device": "A100-SXM4-80GB",
@@ -77,10 +83,14 @@ def roofline_gemm_tflops(
     return flops / (max(compute_s, memory_s) + LAUNCH_OVERHEAD_S) / 1e12
 
 
-def make_table(name: str) -> dict:
+def make_table(name: str, half_efficiency: float | None = None) -> dict:
+    """The modelled table of ``name``; ``half_efficiency`` replaces the 16-bit large-GEMM
+    efficiency (the calibrated one) -- what calibration scans."""
     spec = DEVICES[name]
     rows, peaks, effs = {}, {}, []
     for dtype, (peak, eff, itemsize) in spec["dtypes"].items():
+        if half_efficiency is not None and itemsize == 2:
+            eff = half_efficiency
         peaks[dtype] = peak
         effs.append(f"{dtype} {eff:.0%}")
         rows[dtype] = [
@@ -91,9 +101,10 @@ def make_table(name: str) -> dict:
         ]
     source = (
         f"Modelled, not measured: large GEMMs at {', '.join(effs)} of the data-sheet peak "
-        "(the A100 16-bit figure is the "
-        "single calibration of the Megatron-LM validation, an effective value that absorbs "
-        "overheads the step model omits; V100 from published cuBLAS figures); smaller and "
+        "(the 16-bit figure is this device's calibration, fitted to published end-to-end "
+        "training throughput -- A100: Megatron-LM SC21 Table 1; V100: the single-GPU "
+        "baseline of Megatron-LM 2019 -- an effective value that absorbs overheads the step "
+        "model omits; benchmarks/published_runs.py, docs/validation.md); smaller and "
         "skinny shapes follow a roofline, time = max(flops / (peak x eff x wave tail), "
         "bytes / HBM bandwidth) + 4 us launch, written by benchmarks/make_gemm_tables.py."
     )

@@ -165,8 +165,41 @@ def test_bad_configurations_say_what_is_wrong():
 
 
 def test_megatron_table_1_within_15_percent():
-    rows = load_benchmark("validate_megatron").validate()
+    rows = [
+        r for r in load_benchmark("validate_megatron").validate() if r["source"] == "sc21-table1"
+    ]
     assert len(rows) == 10
     for row in rows:
         assert not row["oom"], row["model"]
         assert abs(row["error_percent"]) <= 15.0, row
+
+
+def test_a100_and_h100_hold_on_rows_they_were_not_calibrated_on():
+    """Validation rows (never used to fit): on A100 (Korthikanti et al. 2022: sequence
+    parallel + selective recompute) and H100 (the step measured here) the mean |error| is
+    at most 10% and no row is above 15%."""
+    rows = load_benchmark("validate_megatron").validate()
+    for device in ("a100", "h100"):
+        errors = [
+            abs(r["error_percent"])
+            for r in rows
+            if r["device"] == device and r["role"] == "validation"
+        ]
+        assert len(errors) >= 3, device
+        assert max(errors) <= 15.0 and sum(errors) / len(errors) <= 10.0, (device, errors)
+
+
+def test_calibration_and_validation_rows_are_apart_and_the_fit_is_reproduced():
+    """Each modelled table's 16-bit efficiency is what calibration on its device's
+    calibration rows finds (and nothing else is fitted); no row is in both sets."""
+    bench = load_benchmark("validate_megatron")
+    runs = load_benchmark("published_runs").ALL_RUNS
+    assert {r.role for r in runs} == {"calibration", "validation"}
+    assert len({(r.source, r.name) for r in runs}) == len(runs)
+    tables = load_benchmark("make_gemm_tables")
+    for device, shipped in tables.CALIBRATED.items():
+        fit = bench.calibrate(device)
+        assert fit["efficiency"] == shipped, fit
+        assert GemmTable.load(device).efficiency(8192, 8192, 8192, "fp16") == pytest.approx(
+            shipped, rel=0.02
+        )

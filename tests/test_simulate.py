@@ -177,7 +177,7 @@ def test_auto_forced_full_recompute_costs_time_and_saves_memory():
 def test_auto_recompute_is_chosen_only_where_memory_is_tight():
     """gpt-1.3b on 4 V100s (16 GB) at micro-batch 8: without recompute no plan fits; with
     the DP choosing, every stage fits and the plan is no slower than forcing full."""
-    kw = dict(global_batch=128, microbatch_size=8)
+    kw = dict(global_batch=128, num_microbatches=16)
     none = simulate("gpt-1.3b", "alpa-v100", 4, "auto", recompute="none", **kw)
     chosen = simulate("gpt-1.3b", "alpa-v100", 4, "auto", **kw)
     full = simulate("gpt-1.3b", "alpa-v100", 4, "auto", recompute="full", **kw)
@@ -267,7 +267,7 @@ def test_bad_inputs_say_what_is_wrong():
     with pytest.raises(ValueError, match="global batch"):
         simulate("gpt-350m", "alpa-v100", 8, "dp", global_batch=4)
     with pytest.raises(ValueError, match="override"):
-        simulate("gpt-350m", "alpa-v100", 8, num_heads=4)
+        simulate("gpt-350m", "alpa-v100", 8, dropout=0.1)
 
 
 def _cli(*argv):

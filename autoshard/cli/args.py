@@ -28,6 +28,11 @@ def add_model_args(
     p.add_argument("--layers", type=positive_int, help="number of layers (transformer blocks)")
     p.add_argument("--hidden", type=positive_int, help="hidden size")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="write the GPT's blocks as one nn.scan over stacked parameters (same plan)",
+    )
     if optimizer:
         p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
 
@@ -41,6 +46,7 @@ def model_overrides(args) -> dict:
         num_layers=args.layers,
         hidden=args.hidden,
         dtype=args.dtype,
+        scan_layers=getattr(args, "scan_layers", False) or None,
     )
 
 

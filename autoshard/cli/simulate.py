@@ -13,6 +13,10 @@ from autoshard.cli.args import positive_int as _positive_int
 from autoshard.inter.stages import RECOMPUTE_MODES as _PLANNED_MODES
 
 RECOMPUTE_MODES = (*_PLANNED_MODES, "auto")
+PROGRAM_TEXT = {
+    "megatron-lm": "Megatron-LM's fused kernels (the program published measurements ran)",
+    "traced": "the traced JAX step, op by op, as the search prices it (XLA:GPU fusion model)",
+}
 
 
 def _plan_text(plan: dict) -> str:
@@ -26,6 +30,10 @@ def _plan_text(plan: dict) -> str:
         return f"auto: {plan['pp']} stage(s): {stages}"
     grid = f"TP {plan['tp']} x PP {plan['pp']} x DP {plan['dp']}"
     extra = f", ZeRO-{plan['zero_stage']}" if plan["zero_stage"] else ""
+    if plan.get("sequence_parallel"):
+        extra += ", sequence parallel"
+    if plan.get("virtual_stages", 1) > 1:
+        extra += f", {plan['virtual_stages']} virtual stages (interleaved 1F1B)"
     if plan.get("program") == "traced":
         extra += ", timed on the traced JAX step (the search's cost model)"
     searched = (
@@ -46,12 +54,14 @@ def print_report(report) -> None:
     table = Table(title=f"{report.model} on {report.gpus} x {report.cluster}", show_header=False)
     table.add_column("quantity", style="bold")
     table.add_column("value")
+    per = "global, split over each stage's DP" if plan["kind"] == "auto" else "per DP replica"
     rows = [
         ("plan", _plan_text(plan)),
+        ("program priced", PROGRAM_TEXT[plan.get("program", "megatron-lm")]),
         (
             "batch",
-            f"global {plan['global_batch']}, micro-batch {plan['microbatch_size']} "
-            f"x {plan['num_microbatches']}, recompute {plan['recompute']}, {plan['dtype']}",
+            f"global {plan['global_batch']}, {plan['num_microbatches']} micro-batches of "
+            f"{plan['microbatch_size']} ({per}), recompute {plan['recompute']}, {plan['dtype']}",
         ),
         ("step time", f"{report.step_time_s:.4g} s"),
         ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
@@ -63,9 +73,10 @@ def print_report(report) -> None:
             + ("  [red]OUT OF MEMORY[/red]" if report.oom else ""),
         ),
     ]
+    rows.append(("step breakdown", "compute, recompute, exposed comm per mesh axis, ..."))
     rows += [
         (f"  {name}", f"{seconds:.4g} s ({seconds / report.step_time_s:.1%})")
-        for name, seconds in report.breakdown.items()
+        for name, seconds in report.step_breakdown.items()
         if seconds > 0
     ]
     rows.append(("search", f"{report.search_seconds:.2f} s"))
@@ -118,6 +129,18 @@ def print_exact(exact) -> None:
         console.print(f"  note: {note}")
 
 
+def _model_overrides(args) -> dict:
+    """The model-dimension flags that were given, as ``simulate`` overrides."""
+    given = {
+        "num_layers": args.layers,
+        "hidden": args.hidden,
+        "num_heads": args.heads,
+        "seq_len": args.seq,
+        "vocab_size": args.vocab,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def cmd_simulate(args) -> int:
     from autoshard.sim.simulate import simulate
 
@@ -133,6 +156,10 @@ def cmd_simulate(args) -> int:
         ilp_time_limit_s=args.time_limit,
         exact=args.exact,
         program=args.program,
+        num_microbatches=args.microbatches,
+        sequence_parallel=args.sequence_parallel,
+        virtual_stages=args.virtual_stages,
+        **_model_overrides(args),
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -154,7 +181,17 @@ def register(subparsers) -> None:
             "grid), or Alpa's search (auto)."
         ),
     )
-    p.add_argument("--model", required=True, help="GPT preset, e.g. gpt-350m, gpt-39b")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="GPT preset, e.g. gpt-350m, gpt-39b; the dimension flags below override its sizes",
+    )
+    dims = p.add_argument_group("model dimensions (override the preset's)")
+    dims.add_argument("--layers", type=_positive_int, help="transformer layers")
+    dims.add_argument("--hidden", type=_positive_int, help="hidden size")
+    dims.add_argument("--heads", type=_positive_int, help="attention heads (divide --hidden)")
+    dims.add_argument("--seq", type=_positive_int, help="sequence length (tokens)")
+    dims.add_argument("--vocab", type=_positive_int, help="vocabulary size")
     p.add_argument("--cluster", required=True, help="cluster preset or preset .json path")
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
     p.add_argument(
@@ -162,8 +199,36 @@ def register(subparsers) -> None:
         default="megatron",
         help="auto | dp | zero2 | zero3 | megatron | megatron:TPxPPxDP (default: megatron)",
     )
-    p.add_argument("--microbatch-size", type=_positive_int, help="default: searched / chosen")
-    p.add_argument("--global-batch", type=_positive_int, help="default: the preset's batch")
+    p.add_argument(
+        "--microbatch-size",
+        type=_positive_int,
+        help="sequences per micro-batch per data-parallel replica (Megatron-LM's "
+        "--micro-batch-size); not with --plan auto, which picks a DP degree per stage: give "
+        "--microbatches there. Default: searched",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        help="micro-batches per step (gradient-accumulation steps), on every plan; default: "
+        "searched (grids) or chosen (auto)",
+    )
+    p.add_argument(
+        "--global-batch", type=_positive_int, help="sequences per step; default: the preset's"
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron-LM sequence parallelism (needs TP > 1; Megatron plans on the "
+        "megatron-lm program only)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=_positive_int,
+        default=1,
+        help="model chunks per pipeline stage, interleaved 1F1B (Megatron-LM: layers / (PP x "
+        "this) layers per virtual stage); needs PP > 1, layers divisible by PP x this and "
+        "micro-batches by PP (default: 1)",
+    )
     p.add_argument(
         "--recompute",
         choices=RECOMPUTE_MODES,

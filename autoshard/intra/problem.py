@@ -7,7 +7,8 @@ resharding costs on every edge from :mod:`autoshard.intra.cost`, memory rows fro
 :mod:`autoshard.intra.memory`), solves it with :mod:`autoshard.intra.ilp` and returns a
 :class:`~autoshard.ir.plan.ParallelPlan` with the predicted collectives and peak memory.
 
-Problem-size reductions, all exact with respect to the plans they allow:
+Problem-size reductions, all exact with respect to the plans they allow (written by
+:mod:`autoshard.intra.ties`; the plan is read off a solution by :mod:`autoshard.intra.predict`):
 
 * followers -- a light op with one array operand (unary elementwise, broadcasts,
   reshapes, transposes, reductions) takes the strategy that matches its operand's;
@@ -23,35 +24,32 @@ data parallel, ZeRO and Megatron fix the inputs and let the ILP place the rest.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.intra.cost import DEFAULT_COST_OPTIONS, reshard, reshard_to_consumers
+from autoshard.intra.cost import reshard
 from autoshard.intra.ilp import (
     EdgeCost,
     ShardingProblem,
-    Solution,
     Tie,
     peak_memory,
     solve,
 )
-from autoshard.intra.memory import memory_rows, predicted_peak_bytes, streamed_tensors
+from autoshard.intra.memory import memory_rows, streamed_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
+from autoshard.intra.predict import (
+    REDUCED_IN_PLACE,
+    plan_from_solution,
+    predicted_collectives,
+)
 from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
+from autoshard.intra.ties import apply_alpa_options, follower_ties, layer_ties, preferences
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
-from autoshard.ir.primitives import SUM_MAX_MIN_REDUCTIONS
-from autoshard.ir.spec import Collective, ShardingSpec
-
-NOT_FOLLOWERS = frozenset(
-    "dot_general conv_general_dilated gather scatter-add scatter_add iota broadcast_in_dim "
-    "reduce_sum reduce_max reduce_min argmax argmin".split()
-)
+from autoshard.ir.spec import ShardingSpec
 
 
 @dataclass(frozen=True)
@@ -205,8 +203,8 @@ def build_problem(
                     c = math.inf  # program outputs cannot be unreduced
             costs.append(c)
         node_costs.append(tuple(costs))
-    _apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options)
-    preferences = _preferences(graph, strategies, n_in, mesh)
+    apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options)
+    prefs = preferences(graph, strategies, n_in, mesh)
 
     def out_spec(ilp_node: int, k: int, p: int) -> ShardingSpec:
         return strategies[ilp_node][p].output_specs[k]
@@ -251,11 +249,11 @@ def build_problem(
 
     ties: list[Tie | None] = [None] * len(strategies)
     if followers:
-        _follower_ties(
+        follower_ties(
             graph, strategies, producer, n_in, ties, follow_deepest=options.merge_elementwise
         )
     if options.share_layers:
-        _layer_ties(graph, strategies, n_in, ties)
+        layer_ties(graph, strategies, n_in, ties)
 
     memory = memory_rows(graph, strategies, producer, n_in, mesh, operands if copy_buffers else ())
     problem = ShardingProblem(
@@ -267,274 +265,9 @@ def build_problem(
         live_sets=memory.live_sets,
         memory_budget_bytes=memory_budget_bytes,
         copies=memory.copies,
-        preferences=preferences,
+        preferences=prefs,
     )
     return IntraProblem(graph, mesh, problem, tuple(strategies), tuple(operands), n_in)
-
-
-def _apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> None:
-    """Forbid (infinite cost) the strategies that ``options``' Alpa knobs rule out:
-    ``allow_mixed_mesh_shape=False`` (a dim split over several mesh axes) and
-    ``force_batch_dim_to_mesh_axis`` (a data input whose batch dim is not split over that
-    axis). Raises ValueError, naming the input, where no strategy is left."""
-    axis = options.force_batch_dim_to_mesh_axis
-    names = mesh.mesh.axis_names
-    if axis is not None and axis not in names:
-        raise ValueError(
-            f"force_batch_dim_to_mesh_axis={axis!r} is not an axis of the mesh {mesh.mesh}; "
-            f"choose one of {list(names)}"
-        )
-
-    def mixed(s) -> bool:
-        specs = [*s.input_specs, *s.output_specs]
-        return any(len(d) > 1 for spec in specs if spec is not None for d in spec.dims)
-
-    for i, strats in enumerate(strategies):
-        costs = list(node_costs[i])
-        if not options.allow_mixed_mesh_shape:
-            costs = [math.inf if mixed(s) else c for s, c in zip(strats, costs, strict=True)]
-        if axis is not None and i < n_in:
-            t = graph.tensors[graph.inputs[i]]
-            if t.kind == "data" and t.shape:
-                size = mesh.mesh.shape[names.index(axis)]
-                if t.shape[0] % size:
-                    raise ValueError(
-                        f"force_batch_dim_to_mesh_axis={axis!r}: the batch dim of data input "
-                        f"{i} (shape {t.shape}) is not divisible by the {size} devices of axis "
-                        f"{axis!r}; use a batch that is a multiple of {size}, or another axis"
-                    )
-                costs = [
-                    c if axis in s.output_specs[0].dims[0] else math.inf
-                    for s, c in zip(strats, costs, strict=True)
-                ]
-        if costs != list(node_costs[i]):
-            if all(math.isinf(c) for c in costs):
-                what = f"input {i}" if i < n_in else f"node {graph.nodes[i - n_in].primitive}"
-                raise ValueError(
-                    f"the intra-op options leave {what} no strategy (force_batch_dim_to_mesh_axis"
-                    f"={axis!r}, allow_mixed_mesh_shape={options.allow_mixed_mesh_shape}); a "
-                    f"pinned spec may contradict them"
-                )
-            node_costs[i] = tuple(costs)
-
-
-def _preferences(graph, strategies, n_in, mesh) -> tuple[tuple[float, ...], ...]:
-    """The tie-break between equal-cost plans (:class:`ShardingProblem` ``preferences``):
-    a node's strategies ranked by the bytes per device of its outputs, then by their
-    order. So equal-cost plans keep data split and state sharded (Alpa, too, adds a small
-    penalty for replicated parameters), and resolve the same way on every solver."""
-    ranked: dict[int, tuple[float, ...]] = {}  # by strategy tuple: identical layers share
-    out = []
-    for i, strats in enumerate(strategies):
-        tids = (graph.inputs[i],) if i < n_in else graph.nodes[i - n_in].outputs
-        key = (id(strats), tuple(graph.tensors[t].nbytes for t in tids))
-        if key not in ranked:
-            held = [
-                sum(
-                    graph.tensors[t].nbytes * spec.shard_fraction(mesh.mesh)
-                    for t, spec in zip(tids, s.output_specs, strict=False)
-                    if spec is not None
-                )
-                for s in strats
-            ]
-            order = sorted(range(len(strats)), key=lambda p: (round(held[p]), p))
-            rank = [0.0] * len(strats)
-            for r, p in enumerate(order):
-                rank[p] = float(r)
-            ranked[key] = tuple(rank)
-        out.append(ranked[key])
-    return tuple(out)
-
-
-def _follower_ties(graph, strategies, producer, n_in, ties, follow_deepest=False) -> None:
-    for node in graph.nodes:
-        if node.primitive in NOT_FOLLOWERS or len(node.outputs) != 1:
-            continue
-        out_shape = graph.tensors[node.outputs[0]].shape
-        arrays = [
-            (k, t) for k, t in enumerate(node.inputs) if t in producer and graph.tensors[t].shape
-        ]
-        if not arrays:
-            continue
-        if len(arrays) > 1:
-            # only operands broadcast along size-1 dims besides one full-shape operand
-            full = [(k, t) for k, t in arrays if graph.tensors[t].shape == out_shape]
-            # (with follow_deepest: Alpa's rule, the latest-made of several full operands)
-            if not full or (len(full) > 1 and not follow_deepest):
-                continue
-            arrays = [max(full, key=lambda kt: producer[kt[1]][0])]
-        slot, tid = arrays[0]
-        src, k = producer[tid]
-        if any(s.output_specs[k].partial for s in strategies[src]):
-            continue  # the reduction's target (all-reduce or reduce-scatter) stays a choice
-        me = n_in + node.index
-        by_input: dict[ShardingSpec, int] = {}
-        for q, s in enumerate(strategies[me]):
-            spec = s.input_specs[slot]
-            if spec is not None:
-                by_input.setdefault(spec, q)
-        mapping = []
-        for p in range(len(strategies[src])):
-            want = strategies[src][p].output_specs[k]
-            q = by_input.get(want)
-            if q is None:
-                break
-            mapping.append(q)
-        else:
-            ties[me] = Tie(src, tuple(mapping))
-
-
-_LAYER_KEY = re.compile(r"\['([^']+)'\]")
-
-
-def _layer_ties(graph, strategies, n_in, ties) -> None:
-    by_layer: dict[str, list[int]] = {}
-    for node in graph.nodes:
-        if node.layer is not None:
-            by_layer.setdefault(node.layer, []).append(node.index)
-    signature_owner: dict[tuple, str] = {}
-    rep_of: dict[str, str] = {}
-    for layer in graph.layers:
-        idx = by_layer.get(layer, [])
-        sig = tuple(
-            (
-                graph.nodes[i].primitive,
-                graph.nodes[i].phase,
-                tuple(graph.tensors[t].shape for t in graph.nodes[i].inputs),
-                tuple(graph.tensors[t].shape for t in graph.nodes[i].outputs),
-            )
-            for i in idx
-        )
-        owner = signature_owner.setdefault(sig, layer)
-        if owner == layer:
-            continue
-        rep_of[layer] = owner
-        for a, b in zip(by_layer[owner], idx):
-            me = n_in + b
-            if ties[me] is None and len(strategies[me]) > 1:
-                ties[me] = Tie(n_in + a, tuple(range(len(strategies[me]))))
-    # parameters and optimizer state of a shared layer follow the first layer's
-    path_index = {graph.tensors[t].path: pos for pos, t in enumerate(graph.inputs)}
-    for pos, tid in enumerate(graph.inputs):
-        path = graph.tensors[tid].path
-        keys = _LAYER_KEY.findall(path)
-        layer = next((k for k in keys if k in rep_of), None)
-        if layer is None:
-            continue
-        twin = path_index.get(path.replace(f"['{layer}']", f"['{rep_of[layer]}']"))
-        if twin is not None and len(strategies[twin]) == len(strategies[pos]) and ties[pos] is None:
-            ties[pos] = Tie(twin, tuple(range(len(strategies[pos]))))
-
-
-# ----------------------------------------------------------------------------- plan
-
-
-def plan_from_solution(
-    ip: IntraProblem, solution: Solution, name: str = "auto", notes: tuple[str, ...] = ()
-) -> ParallelPlan:
-    graph, mesh = ip.graph, ip.mesh
-    choice = solution.strategy
-    chosen = [ip.strategies[i][choice[i]] for i in range(len(choice))]
-    input_specs = tuple(chosen[i].output_specs[0] for i in range(ip.num_inputs))
-    tensor_specs: dict[int, ShardingSpec] = {}
-    names = []
-    for node in graph.nodes:
-        s = chosen[ip.num_inputs + node.index]
-        names.append(s.name)
-        for tid, spec in zip(node.outputs, s.output_specs):
-            tensor_specs[tid] = spec
-    spec_of = dict(zip(graph.inputs, input_specs))
-    spec_of.update(tensor_specs)
-    output_specs = tuple(spec_of[t] for t in graph.outputs)
-    collectives = predicted_collectives(ip, choice)
-    operand_specs: dict[int, dict[int, ShardingSpec]] = {}
-    for op in ip.operands:
-        if op.slot < 0 or op.dst < ip.num_inputs:
-            continue
-        want = chosen[op.dst].input_specs[op.slot]
-        if want is not None and want != spec_of.get(op.tensor):
-            operand_specs.setdefault(op.dst - ip.num_inputs, {})[op.slot] = want
-    return ParallelPlan(
-        name=name,
-        mesh=mesh.mesh,
-        input_specs=input_specs,
-        input_paths=tuple(graph.tensors[t].path for t in graph.inputs),
-        output_specs=output_specs,
-        tensor_specs=tensor_specs,
-        operand_specs=operand_specs,
-        node_strategies=tuple(names),
-        predicted_collectives=collectives,
-        predicted_peak_bytes=predicted_peak_bytes(graph, spec_of, mesh, operand_specs),
-        objective=solution.objective,
-        solver=json.loads(solution.to_json()),
-        notes=notes,
-    )
-
-
-def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
-    """The collectives XLA will emit for the plan ``choice``: every value is resharded
-    once per distinct spec its consumers want (:func:`autoshard.intra.cost.reshard_to_consumers`),
-    in program order of first use."""
-    graph = ip.graph
-    source: dict[int, ShardingSpec] = {}
-    steps: dict[int, tuple[tuple[str, ...], ...]] = {}
-    targets: dict[int, list[ShardingSpec]] = {}
-    for op in ip.operands:
-        if op.slot < 0:
-            continue
-        src_s = ip.strategies[op.src][choice[op.src]]
-        dst_s = ip.strategies[op.dst][choice[op.dst]]
-        k = (
-            0
-            if op.src < ip.num_inputs
-            else graph.nodes[op.src - ip.num_inputs].outputs.index(op.tensor)
-        )
-        b = dst_s.input_specs[op.slot]
-        if b is None:
-            continue
-        source[op.tensor] = src_s.output_specs[k]
-        if op.src >= ip.num_inputs:
-            steps[op.tensor] = _reduce_steps(graph.nodes[op.src - ip.num_inputs], src_s)
-        wants = targets.setdefault(op.tensor, [])
-        if b not in wants:
-            wants.append(b)
-    out: list[Collective] = []
-    for tid, wants in targets.items():
-        t = graph.tensors[tid]
-        r = reshard_to_consumers(
-            source[tid],
-            wants,
-            t.shape,
-            _itemsize(t.dtype),
-            ip.mesh,
-            DEFAULT_COST_OPTIONS,
-            reduce_first=steps.get(tid, ()),
-        )
-        out.extend(r.collectives)
-    return tuple(out)
-
-
-# ops whose partial sums XLA reduces where they are made, before any new split
-REDUCED_IN_PLACE = SUM_MAX_MIN_REDUCTIONS | {"scatter-add", "scatter_add"}
-
-
-def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
-    """For a reduce or scatter-add whose output is partial: its partial axes, reduced
-    where the op makes them; for a reduce grouped by the summed dim of the operand they
-    split, last dim first (the order XLA all-reduces them in, see
-    :func:`autoshard.intra.cost.reshard_to_consumers`); otherwise ()."""
-    out = strategy.output_specs[0] if strategy.output_specs else None
-    operand = strategy.input_specs[0] if strategy.input_specs else None
-    if node.primitive not in REDUCED_IN_PLACE or out is None or not out.partial:
-        return ()
-    groups = ()
-    if node.primitive in SUM_MAX_MIN_REDUCTIONS and operand is not None:
-        groups = tuple(
-            g
-            for g in (tuple(a for a in d if a in out.partial) for d in reversed(operand.dims))
-            if g
-        )
-    return groups or (tuple(out.partial),)  # a scatter-add: all at once, where it is made
 
 
 def auto_shard_graph(

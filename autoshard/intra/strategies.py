@@ -583,5 +583,5 @@ __all__ = [
     "strategy_seconds",
 ]
 
-# rule modules register themselves on import (kept after the registry they fill)
-from autoshard.intra import rules_conv as _rules_conv  # noqa: E402, F401
+# rule families kept in modules of their own register themselves on import
+from autoshard.intra import rules_conv, rules_slice  # noqa: E402,F401  (conv, pooling, rev; slice)

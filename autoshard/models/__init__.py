@@ -95,6 +95,7 @@ def get_workload(
     num_layers: int | None = None,
     hidden: int | None = None,
     dtype: str | None = None,
+    scan_layers: bool | None = None,
 ) -> Workload:
     """Build a workload by preset name with optional overrides.
 
@@ -107,6 +108,8 @@ def get_workload(
         )
         if seq_len is not None or vocab_size is not None:
             raise ValueError("the MLP has no sequence length or vocabulary; drop --seq/--vocab")
+        if scan_layers:
+            raise ValueError("the MLP has no scanned form; --scan-layers is for the GPT presets")
         return Workload(
             name,
             cfg,
@@ -139,6 +142,7 @@ def get_workload(
         num_layers=num_layers,
         hidden=hidden,
         dtype=dtype,
+        scan_layers=scan_layers,
     )
     return Workload(
         name,

@@ -15,7 +15,10 @@ Parameters are always float32 ("master weights"); ``dtype`` is the compute dtype
 statistics and the loss stay in float32).
 
 Top-level modules are named after the layer tags the tracer uses: ``embedding``,
-``block_0`` ... ``block_{L-1}``, ``head``.
+``block_0`` ... ``block_{L-1}``, ``head``.  With ``scan_layers=True`` the blocks are one
+``nn.scan`` named ``block`` (parameters stacked ``[L, ...]`` under ``params["block"]``,
+as MaxText and Levanter write deep models); the tracer unrolls the scan and tags its
+iterations ``block_0`` ... ``block_{L-1}``, so both forms get the same plan.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class GPTConfig:
     seq_len: int = 1024
     batch_size: int = 8
     dtype: str = "float32"
+    scan_layers: bool = False  # the blocks as one nn.scan over stacked parameters
 
     def __post_init__(self) -> None:
         for field in ("hidden", "num_layers", "num_heads", "vocab_size", "seq_len", "batch_size"):
@@ -58,6 +62,8 @@ class GPTConfig:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
 
     def replace(self, **changes) -> GPTConfig:
         """A copy with some fields changed (None values are ignored)."""
@@ -175,6 +181,16 @@ class Block(nn.Module):
         return x
 
 
+class ScannedBlock(nn.Module):
+    """One block in ``nn.scan``'s calling convention: ``(carry, x) -> (carry, y)``."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+        return Block(self.cfg, name="layer")(x), None
+
+
 class Head(nn.Module):
     """Final LayerNorm and the LM head, tied to the token embedding ``wte``."""
 
@@ -193,8 +209,17 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         embedding = Embedding(self.cfg, name="embedding")
         x = embedding(tokens)
-        for i in range(self.cfg.num_layers):
-            x = Block(self.cfg, name=f"block_{i}")(x)
+        if self.cfg.scan_layers:
+            blocks = nn.scan(
+                ScannedBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.cfg.num_layers,
+            )
+            x, _ = blocks(self.cfg, name="block")(x, None)
+        else:
+            for i in range(self.cfg.num_layers):
+                x = Block(self.cfg, name=f"block_{i}")(x)
         wte = embedding.variables["params"]["wte"]
         return Head(self.cfg, name="head")(x, wte)
 

@@ -24,6 +24,7 @@ from types import MappingProxyType
 
 from autoshard.hardware.clusters import Cluster
 from autoshard.sim import formulas
+from autoshard.sim.breakdown import pipeline_step_breakdown
 from autoshard.sim.grid import best_point, grid_points, megatron_grid
 from autoshard.sim.megatron import GPTShape
 from autoshard.sim.report import SimulationReport
@@ -60,25 +61,29 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 
 
 def simulate_auto(
-    model, shape, cluster, batch, microbatch_size, recompute, dtype, peak, time_limit, overrides
+    model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides
 ) -> SimulationReport:
+    """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
+    :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
+    global micro-batch ``batch / m``, which each stage splits over its own DP degree."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.search import search_stages
 
-    if microbatch_size is None:
+    if num_microbatches is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
-    elif batch % microbatch_size:
+    elif batch % num_microbatches:
         raise ValueError(
-            f"microbatch_size={microbatch_size} does not divide the global batch {batch}"
+            f"num_microbatches={num_microbatches} does not divide the global batch {batch}"
         )
     else:
-        m = batch // microbatch_size
+        m = num_microbatches
     b = batch // m
     hosts, per_host = cluster.num_nodes, cluster.devices_per_node
     t0 = time.perf_counter()
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
-    cost = search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+    cost = shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+    ilp_seconds_before = cost.seconds  # the cost may come from an earlier call
     traced_graph = cost.graph
     t_trace = time.perf_counter()
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
@@ -100,8 +105,8 @@ def simulate_auto(
     total = time.perf_counter() - t0
     phases = {  # over both searches when the fallback ran (the ILPs are solved once)
         "trace": t_trace - t0,  # trace and stage-cost set-up
-        "intra_op_ilps": cost.seconds,
-        "stage_dp": max(total - (t_trace - t0) - cost.seconds, 0.0),
+        "intra_op_ilps": cost.seconds - ilp_seconds_before,
+        "stage_dp": max(total - (t_trace - t0) - (cost.seconds - ilp_seconds_before), 0.0),
     }
     inter = dataclasses.replace(inter, search_seconds=total, phase_seconds=phases)
 
@@ -137,6 +142,9 @@ def simulate_auto(
         "recompute": recompute,
         "dtype": dtype,
         "zero_stage": None,
+        "sequence_parallel": False,
+        "virtual_stages": 1,
+        "program": "traced",
         "stages": stages,
         "search_objective_s": inter.objective_s,
         "num_ilps": inter.num_ilps,
@@ -161,7 +169,34 @@ def simulate_auto(
         plan=MappingProxyType(plan_dict),
         breakdown=MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill}),
         search_seconds=inter.search_seconds,
+        step_breakdown=pipeline_step_breakdown(
+            cost,
+            [
+                (st.start_layer, st.end_layer, st.logical_mesh, st.recompute, st.latency_s)
+                for st in inter.stages
+            ],
+            m,
+            step,
+        ),
     )
+
+
+_STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused
+
+
+def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+    """:func:`search_stage_cost`, kept for the next call with the same arguments, so that
+    ``plan="auto"`` and a Megatron grid on the traced program (:mod:`autoshard.sim.traced`)
+    at the same micro-batches price the same plans from the same ILPs (each logical mesh's
+    ILPs are solved once per process)."""
+    key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
+    if key not in _STAGE_COSTS:
+        if len(_STAGE_COSTS) >= 4:
+            _STAGE_COSTS.pop(next(iter(_STAGE_COSTS)))
+        _STAGE_COSTS[key] = search_stage_cost(
+            model, cluster, batch, m, dtype, time_limit, overrides
+        )
+    return _STAGE_COSTS[key]
 
 
 def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):

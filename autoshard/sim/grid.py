@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from autoshard.hardware.clusters import Cluster
@@ -33,6 +33,7 @@ from autoshard.hardware.gemm import GemmTable
 from autoshard.hardware.mesh import to_device_mesh
 from autoshard.intra.cost import all_gather_cost, reduce_scatter_cost
 from autoshard.sim import formulas
+from autoshard.sim.breakdown import step_breakdown
 from autoshard.sim.megatron import (
     GRAD_ALLREDUCE_BYTES_PER_PARAM,
     MESH_AXES,
@@ -45,6 +46,30 @@ from autoshard.sim.megatron import (
 from autoshard.sim.report import SimulationReport, utilisation
 
 ZERO_STAGES = {"dp": 0, "zero2": 2, "zero3": 3}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a step is cut into micro-batches and pipelined (what ``simulate`` was asked).
+
+    ``microbatch_size``: sequences per micro-batch *per data-parallel replica*
+    (Megatron-LM's ``--micro-batch-size``); ``num_microbatches``: micro-batches per step,
+    the same on every plan; at most one of the two, or neither (then searched).
+    ``sequence_parallel`` and ``virtual_stages`` (interleaved 1F1B) are Megatron-LM's.
+    """
+
+    microbatch_size: int | None = None
+    num_microbatches: int | None = None
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+
+    def describe(self) -> str:
+        """The micro-batch request in words (for error messages)."""
+        if self.microbatch_size is not None:
+            return f" in micro-batches of {self.microbatch_size} per replica"
+        if self.num_microbatches is not None:
+            return f" in {self.num_microbatches} micro-batches"
+        return ""
 
 
 def _powers_of_two_dividing(n: int, cap: int | None = None) -> list[int]:
@@ -64,13 +89,23 @@ def megatron_grid(
     recompute: str = "none",
     dtype: str | None = None,
     grid: tuple[int, int, int] | None = None,
+    *,
+    sequence_parallel: bool = False,
+    virtual_stages: int = 1,
+    num_microbatches: int | None = None,
 ) -> tuple[MegatronConfig, ...]:
     """The Megatron configurations ``plan="megatron"`` simulates on all of ``cluster``.
 
     TP: powers of two up to ``cluster.devices_per_node`` dividing heads and vocabulary;
-    PP: divisors of the layers that divide the rest; DP: the rest. Micro-batch: powers of
-    two dividing ``global_batch / DP`` (only ``microbatch_size`` if given). ``grid`` pins
-    ``(tp, pp, dp)`` and leaves only the micro-batch to choose.
+    PP: divisors of the layers that divide the rest; DP: the rest. Micro-batch (sequences
+    per data-parallel replica, Megatron-LM's ``--micro-batch-size``): powers of two
+    dividing ``global_batch / DP``; only ``microbatch_size`` if given, only
+    ``global_batch / (DP x num_microbatches)`` if ``num_microbatches`` is given. ``grid``
+    pins ``(tp, pp, dp)`` and leaves only the micro-batch to choose. With
+    ``virtual_stages`` v > 1 (interleaved 1F1B) only grids with PP > 1, layers divisible
+    by PP x v and a number of micro-batches divisible by PP are kept (a pinned grid that
+    breaks this is kept, and :func:`~autoshard.sim.megatron.simulate_megatron` says why).
+    ``sequence_parallel`` applies to every grid (it is a no-op at TP = 1).
     """
     gpus = cluster.num_gpus
     if grid is not None:
@@ -81,7 +116,9 @@ def megatron_grid(
             for tp in _powers_of_two_dividing(gpus, cluster.devices_per_node)
             if shape.heads % tp == 0 and shape.vocab % tp == 0
             for pp in range(1, gpus // tp + 1)
-            if (gpus // tp) % pp == 0 and shape.layers % pp == 0
+            if (gpus // tp) % pp == 0
+            and shape.layers % (pp * virtual_stages) == 0
+            and (virtual_stages == 1 or pp > 1)
         ]
     configs = []
     for tp, pp, dp in grids:
@@ -91,8 +128,15 @@ def megatron_grid(
         sizes = _powers_of_two_dividing(per_replica)
         if microbatch_size is not None:
             sizes = [microbatch_size] if per_replica % microbatch_size == 0 else []
+        if num_microbatches is not None:
+            sizes = [per_replica // num_microbatches] if per_replica % num_microbatches == 0 else []
+        if virtual_stages > 1 and grid is None:
+            sizes = [b for b in sizes if (per_replica // b) % pp == 0]
         configs += [
-            MegatronConfig(tp, pp, dp, b, global_batch, recompute, dtype=dtype) for b in sizes
+            MegatronConfig(
+                tp, pp, dp, b, global_batch, recompute, sequence_parallel, virtual_stages, dtype
+            )
+            for b in sizes
         ]
     return tuple(configs)
 
@@ -106,6 +150,7 @@ class GridPoint:
     memory_bytes: float
     oom: bool
     breakdown: Mapping[str, float]
+    step_breakdown: Mapping[str, float] = field(default_factory=dict)
 
 
 def zero_point(
@@ -114,7 +159,12 @@ def zero_point(
     """A data-parallel Megatron result with ZeRO-``zero_stage`` memory and communication."""
     if zero_stage == 0:
         return GridPoint(
-            cfg, result.step_time_s, result.memory_bytes_per_device, result.oom, result.breakdown
+            cfg,
+            result.step_time_s,
+            result.memory_bytes_per_device,
+            result.oom,
+            result.breakdown,
+            result.step_breakdown,
         )
     if cfg.tp != 1 or cfg.pp != 1:
         raise ValueError(f"ZeRO is modelled on a pure data-parallel grid, got {cfg}")
@@ -139,12 +189,17 @@ def zero_point(
         breakdown["zero3_all_gather"] = (2 * m - 1) * all_gather_cost(
             mesh, "data", grad_bytes, NO_TIE_BREAKERS
         )
+    step = sum(breakdown.values())
+    parts = dict(result.step_breakdown)
+    parts["optimizer"] = breakdown["optimizer"]
+    parts["comm_data"] += breakdown["zero_reduce_scatter"] + breakdown.get("zero3_all_gather", 0)
     return GridPoint(
         cfg,
-        sum(breakdown.values()),
+        step,
         memory,
         memory > cluster.device.hbm_bytes,
         MappingProxyType(breakdown),
+        step_breakdown(step, parts),
     )
 
 
@@ -167,7 +222,7 @@ def best_point(points: list[GridPoint]) -> GridPoint:
 
 
 def simulate_grid(
-    model, shape, the_cluster, gpus, request, batch, microbatch_size, recompute, dtype, peak
+    model, shape, the_cluster, gpus, request, batch, schedule: Schedule, recompute, dtype, peak
 ) -> SimulationReport:
     """``plan`` = ``dp``, ``zero2``, ``zero3``, ``megatron`` or ``megatron:TPxPPxDP`` (the
     parsed ``request``) on Megatron-LM's program: every configuration of
@@ -175,14 +230,22 @@ def simulate_grid(
     t0 = time.perf_counter()
     zero_stage = ZERO_STAGES.get(request.kind, 0)
     grid = request.grid if request.kind == "megatron" else (1, 1, gpus)
-    configs = megatron_grid(shape, the_cluster, batch, microbatch_size, recompute, dtype, grid)
+    configs = megatron_grid(
+        shape, the_cluster, batch, schedule.microbatch_size, recompute, dtype, grid,
+        sequence_parallel=schedule.sequence_parallel, virtual_stages=schedule.virtual_stages,
+        num_microbatches=schedule.num_microbatches,
+    )  # fmt: skip
     if not configs:
         raise ValueError(
             f"no {request.kind} configuration of {model} fits {gpus} GPUs with global batch "
-            f"{batch}"
-            + (f" and micro-batch {microbatch_size}" if microbatch_size else "")
+            f"{batch}{schedule.describe()}"
+            + (
+                f" and {schedule.virtual_stages} virtual stages"
+                if schedule.virtual_stages > 1
+                else ""
+            )
             + ": the batch must divide by DP x micro-batch, heads and vocabulary by TP, "
-            "layers by PP"
+            "layers by PP (x virtual stages, which need PP > 1 and micro-batches divisible by PP)"
         )
     points = grid_points(shape, configs, the_cluster, zero_stage)
     best = best_point(points)
@@ -198,6 +261,9 @@ def simulate_grid(
         "recompute": recompute,
         "dtype": dtype,
         "zero_stage": zero_stage,
+        "sequence_parallel": cfg.sequence_parallel,
+        "virtual_stages": cfg.virtual_stages,
+        "program": "megatron-lm",
         "searched_grid": request.kind == "megatron" and request.grid is None,
         "candidates_evaluated": len(points),
     }
@@ -212,4 +278,5 @@ def simulate_grid(
         plan=MappingProxyType(plan_dict),
         breakdown=best.breakdown,
         search_seconds=time.perf_counter() - t0,
+        step_breakdown=best.step_breakdown,
     )

@@ -48,7 +48,7 @@ The model, per micro-batch and per device:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from autoshard.hardware.clusters import Cluster
@@ -62,6 +62,7 @@ from autoshard.intra.cost import (
 )
 from autoshard.ir.spec import Mesh
 from autoshard.sim import formulas
+from autoshard.sim.breakdown import step_breakdown
 
 NO_TIE_BREAKERS = CostOptions(tie_breakers=False)
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -125,6 +126,8 @@ class SimResult:
     memory_bytes_per_device: float
     oom: bool
     breakdown: Mapping[str, float]
+    # compute, recompute, comm per mesh axis, bubble, optimizer (autoshard.sim.breakdown)
+    step_breakdown: Mapping[str, float] = field(default_factory=dict)
 
 
 def _validate(model: GPTShape, cfg: MegatronConfig, cluster: Cluster) -> None:
@@ -227,11 +230,14 @@ def simulate_megatron(
     gemm = att_fwd + dense_fwd + att_bwd + dense_bwd
     elementwise = 3 * ew_fwd
     tp_comm = 2 * tp_fwd
+    recomputed = 0.0  # GEMM and elementwise seconds recompute adds per layer
     if cfg.recompute == "full":
+        recomputed = att_fwd + dense_fwd + ew_fwd
         gemm += att_fwd + dense_fwd
         elementwise += ew_fwd
         tp_comm += tp_fwd
     elif cfg.recompute == "selective":
+        recomputed = att_fwd + memory_bound_time(softmax_bytes, hbm)
         gemm += att_fwd
         elementwise += memory_bound_time(softmax_bytes, hbm)
     layers_per_device = n_layers // p
@@ -295,6 +301,16 @@ def simulate_megatron(
         )
     breakdown["optimizer"] = memory_bound_time(stage_params * OPTIMIZER_BYTES_PER_PARAM, hbm)
     step = sum(breakdown.values())
+    recompute_s = m * layers_per_device * recomputed
+    parts = {
+        "compute": breakdown["compute_gemm"] + breakdown["compute_elementwise"] - recompute_s,
+        "recompute": recompute_s,
+        "comm_model": breakdown["tp_comm"],
+        "comm_data": breakdown["dp_allreduce"],
+        "comm_pipe": breakdown["pp_p2p"] + breakdown["embedding_allreduce"],
+        "pipeline_bubble": breakdown["pipeline_bubble"],
+        "optimizer": breakdown["optimizer"],
+    }
 
     # --- memory of the fullest stage ------------------------------------------------
     act_layer = formulas.activation_bytes_per_layer(s, b, h, a, t, sp, cfg.recompute)
@@ -325,6 +341,7 @@ def simulate_megatron(
         memory_bytes_per_device=memory,
         oom=memory > device.hbm_bytes,
         breakdown=MappingProxyType(breakdown),
+        step_breakdown=step_breakdown(step, parts),
     )
 
 

@@ -2,14 +2,16 @@
 
 A report holds one plan's predicted training step (step time, tokens/s, TFLOP/s per
 device, MFU, HFU, peak bytes per device, an out-of-memory flag, the plan as a dict and a
-breakdown that adds up to ``step_time_s``); :func:`utilisation` derives tokens/s,
+breakdown that adds up to ``step_time_s``, and ``step_breakdown``: the same step as
+compute, recompute, exposed communication per mesh axis, pipeline bubble and optimizer,
+:mod:`autoshard.sim.breakdown`); :func:`utilisation` derives tokens/s,
 TFLOP/s, MFU and HFU from a step time with :mod:`autoshard.sim.formulas`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoshard.sim import formulas
 from autoshard.sim.exact import ExactReport
@@ -34,6 +36,9 @@ class SimulationReport:
     breakdown: Mapping[str, float]  # seconds per step; sums to step_time_s
     search_seconds: float = 0.0
     exact: ExactReport | None = None  # with simulate(..., exact=True)
+    # compute, recompute, exposed comm per mesh axis, bubble, optimizer; sums to step_time_s
+    # (autoshard.sim.breakdown)
+    step_breakdown: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = {
@@ -49,6 +54,7 @@ class SimulationReport:
             "oom": self.oom,
             "plan": _plain(self.plan),
             "breakdown": dict(self.breakdown),
+            "step_breakdown": dict(self.step_breakdown),
             "search_seconds": self.search_seconds,
         }
         if self.exact is not None:

@@ -38,6 +38,14 @@ JAX step, exactly as the search sees it (:mod:`autoshard.sim.traced`).
 
 MFU and HFU always come from :mod:`autoshard.sim.formulas` (model FLOPs, and model plus
 recompute FLOPs), so ``hfu / mfu`` is exactly hardware over model FLOPs.
+
+Other model families (GPT-MoE, Wide-ResNet): :func:`gpt_shape` is the one place a preset
+name becomes the shape the pricing modules read, and it accepts GPT presets only (a clear
+``ValueError`` otherwise). A family that the planner can trace can be priced by
+``plan="auto"`` (the traced program needs no closed form); what it needs here is a branch
+in :func:`gpt_shape` and FLOPs for MFU (the traced graph's, instead of
+:mod:`~autoshard.sim.formulas`). The Megatron grid model (:mod:`~autoshard.sim.megatron`)
+is GPT-only.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from autoshard.hardware.clusters import Cluster, load_cluster
 from autoshard.sim import formulas
 from autoshard.sim.auto import simulate_auto
 from autoshard.sim.exact import check_exact_devices, exact_check
-from autoshard.sim.grid import simulate_grid
+from autoshard.sim.grid import Schedule, simulate_grid
 from autoshard.sim.megatron import GPTShape
 from autoshard.sim.report import SimulationReport
 from autoshard.sim.traced import simulate_traced_grid
@@ -59,7 +67,7 @@ PLAN_FORMS = ("auto", "dp", "zero2", "zero3", "megatron", "megatron:TPxPPxDP")
 PROGRAMS = ("megatron-lm", "traced")  # what the Megatron grid is timed on
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_ILP_TIME_LIMIT_S = 20.0
-MODEL_OVERRIDES = ("seq_len", "vocab_size", "num_layers", "hidden")
+MODEL_OVERRIDES = ("seq_len", "vocab_size", "num_layers", "hidden", "num_heads")
 _GRID = re.compile(r"^megatron:(\d+)x(\d+)x(\d+)$")
 
 
@@ -122,6 +130,9 @@ def simulate(
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
     exact: bool = False,
     program: str = "megatron-lm",
+    num_microbatches: int | None = None,
+    sequence_parallel: bool = False,
+    virtual_stages: int = 1,
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
@@ -138,9 +149,26 @@ def simulate(
     give, a grid whose product is not ``gpus``, sizes that do not divide, or ``exact`` with
     more than ``MAX_EXACT_DEVICES`` GPUs or fewer JAX CPU devices than ``gpus``.
     ``program``: what a Megatron grid is timed on (``PROGRAMS``; module docstring).
+
+    Micro-batches, one meaning per argument: ``microbatch_size`` is sequences per
+    micro-batch *per data-parallel replica* (Megatron-LM's ``--micro-batch-size``; grid
+    plans only: ``plan="auto"`` chooses a DP degree per stage, so it takes
+    ``num_microbatches``); ``num_microbatches`` is micro-batches per step, on every plan.
+    Give at most one; neither: searched (grids) or chosen (``auto``).
+    ``sequence_parallel`` and ``virtual_stages`` (interleaved 1F1B, Megatron-LM's
+    ``--num-layers-per-virtual-pipeline-stage`` = layers / (PP x v)) are modelled on
+    Megatron-LM's program only.
     """
+    schedule = _schedule(
+        plan, program, microbatch_size, num_microbatches, sequence_parallel, virtual_stages
+    )
+    if exact and sequence_parallel:
+        raise ValueError(
+            "exact mode compiles the plan with autoshard's intra-op runtime, which has no "
+            "sequence parallelism; drop --exact or --sequence-parallel"
+        )
     report = _simulate(
-        model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
+        model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
         ilp_time_limit_s, exact, overrides, program,
     )  # fmt: skip
     if not exact:
@@ -149,8 +177,55 @@ def simulate(
     return dataclasses.replace(report, exact=checked)
 
 
+def _positive(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _schedule(
+    plan, program, microbatch_size, num_microbatches, sequence_parallel, virtual_stages
+) -> Schedule:
+    """The micro-batch and pipeline request, checked against the plan (docstring of
+    :func:`simulate`)."""
+    request = parse_plan(plan)
+    _positive("microbatch_size", microbatch_size)
+    _positive("num_microbatches", num_microbatches)
+    _positive("virtual_stages", virtual_stages)
+    if microbatch_size is not None and num_microbatches is not None:
+        raise ValueError(
+            "give microbatch_size (sequences per data-parallel replica) or num_microbatches "
+            "(micro-batches per step), not both"
+        )
+    if microbatch_size is not None and request.kind == "auto":
+        raise ValueError(
+            "plan='auto' chooses a data-parallel degree per stage, so a micro-batch size "
+            "per replica (microbatch_size, --microbatch-size) does not define it; give "
+            "num_microbatches (--microbatches), the micro-batches per step"
+        )
+    megatron_lm = request.kind != "auto" and program == "megatron-lm"
+    if (sequence_parallel or virtual_stages > 1) and not megatron_lm:
+        raise ValueError(
+            "sequence parallelism and virtual (interleaved) pipeline stages are modelled on "
+            "Megatron-LM's program only (plan megatron or megatron:TPxPPxDP, program "
+            f"megatron-lm), not on plan {plan!r} with program {program!r}"
+        )
+    if virtual_stages > 1 and request.kind != "megatron":
+        raise ValueError(
+            f"virtual stages interleave a pipeline; plan {plan!r} has none (use plan "
+            "megatron or megatron:TPxPPxDP with PP > 1)"
+        )
+    if sequence_parallel and request.kind != "megatron":
+        raise ValueError(
+            f"sequence parallelism splits activations over the tensor-parallel group; plan "
+            f"{plan!r} has none (use plan megatron or megatron:TPxPPxDP with TP > 1)"
+        )
+    if sequence_parallel and request.grid is not None and request.grid[0] == 1:
+        raise ValueError(f"sequence parallelism needs tensor parallelism: plan {plan} has TP = 1")
+    return Schedule(microbatch_size, num_microbatches, bool(sequence_parallel), virtual_stages)
+
+
 def _simulate(
-    model, cluster, gpus, plan, microbatch_size, global_batch, recompute, dtype,
+    model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
     ilp_time_limit_s, exact, overrides, program="megatron-lm",
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
@@ -190,26 +265,20 @@ def _simulate(
     batch = preset_batch if global_batch is None else global_batch
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"global_batch must be a positive int, got {batch!r}")
-    if microbatch_size is not None and (
-        isinstance(microbatch_size, bool)
-        or not isinstance(microbatch_size, int)
-        or microbatch_size < 1
-    ):
-        raise ValueError(f"microbatch_size must be a positive int, got {microbatch_size!r}")
     peak = the_cluster.device.peak_flops_for(dtype)
     if request.kind == "auto":
         return simulate_auto(
-            model, shape, the_cluster, batch, microbatch_size, recompute, dtype, peak,
+            model, shape, the_cluster, batch, schedule.num_microbatches, recompute, dtype, peak,
             ilp_time_limit_s, overrides,
         )  # fmt: skip
 
     if program == "traced":
         return simulate_traced_grid(
-            model, shape, the_cluster, batch, microbatch_size, request.grid, recompute,
+            model, shape, the_cluster, batch, schedule, request.grid, recompute,
             dtype, peak, ilp_time_limit_s, overrides,
         )  # fmt: skip
     return simulate_grid(
-        model, shape, the_cluster, gpus, request, batch, microbatch_size, recompute, dtype, peak
+        model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak
     )
 
 

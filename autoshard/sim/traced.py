@@ -19,25 +19,10 @@ import time
 from types import MappingProxyType
 
 from autoshard.hardware.clusters import Cluster
-from autoshard.sim.auto import search_stage_cost
-from autoshard.sim.grid import GridPoint, best_point, megatron_grid
+from autoshard.sim.auto import shared_stage_cost
+from autoshard.sim.breakdown import pipeline_step_breakdown
+from autoshard.sim.grid import GridPoint, Schedule, best_point, megatron_grid
 from autoshard.sim.report import SimulationReport, utilisation
-
-_TRACED_COSTS: dict = {}  # the last few IntraStageCosts: their ILPs are reused
-
-
-def _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
-    """The search's IntraStageCost of the traced step of ``m`` micro-batches on
-    ``cluster``; kept for the next call with the same arguments (the ILPs of each logical
-    mesh are solved once per process)."""
-    key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
-    if key not in _TRACED_COSTS:
-        if len(_TRACED_COSTS) >= 4:
-            _TRACED_COSTS.pop(next(iter(_TRACED_COSTS)))
-        _TRACED_COSTS[key] = search_stage_cost(
-            model, cluster, batch, m, dtype, time_limit, overrides
-        )
-    return _TRACED_COSTS[key]
 
 
 def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
@@ -59,7 +44,7 @@ def _grid_submesh(devices: int, cluster: Cluster) -> tuple[int, int]:
 
 
 def simulate_traced_grid(
-    model, shape, cluster, batch, microbatch_size, grid, recompute, dtype, peak, time_limit,
+    model, shape, cluster, batch, schedule: Schedule, grid, recompute, dtype, peak, time_limit,
     overrides,
 ) -> SimulationReport:  # fmt: skip
     from autoshard.inter.stages import microbatches_in_flight, pipeline_objective
@@ -67,11 +52,14 @@ def simulate_traced_grid(
     gpus = cluster.num_gpus
     if grid is not None and shape.layers % grid[1]:
         raise ValueError(f"PP={grid[1]} must divide the {shape.layers} transformer blocks")
-    configs = megatron_grid(shape, cluster, batch, microbatch_size, recompute, dtype, grid)
+    configs = megatron_grid(
+        shape, cluster, batch, schedule.microbatch_size, recompute, dtype, grid,
+        num_microbatches=schedule.num_microbatches,
+    )  # fmt: skip
     if not configs:
         raise ValueError(
             f"no Megatron grid of {model} on {gpus} GPUs takes the global batch {batch}"
-            + (f" in micro-batches of {microbatch_size} per replica" if microbatch_size else "")
+            + schedule.describe()
             + ": the batch must divide by DP x micro-batch, heads and vocabulary by TP, "
             "layers by PP"
         )
@@ -81,7 +69,7 @@ def simulate_traced_grid(
     # one trace (and one set of stage ILPs) per number of micro-batches
     for cfg in sorted(configs, key=lambda c: (c.num_microbatches, c.tp, c.pp, c.dp)):
         m = cfg.num_microbatches
-        cost = _traced_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+        cost = shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
         submesh = _grid_submesh(cfg.tp * cfg.dp, cluster)
         ranges = megatron_stages(shape.layers, cfg.pp)
         stage_costs = [cost(a, b, submesh, (cfg.dp, cfg.tp), recompute) for a, b in ranges]
@@ -93,7 +81,16 @@ def simulate_traced_grid(
         step = pipeline_objective(latencies, m)
         fill = sum(latencies)
         breakdown = MappingProxyType({"pipeline_fill": fill, "pipeline_steady": step - fill})
-        points.append(GridPoint(cfg, step, max(memory), max(memory) > hbm, breakdown))
+        parts = pipeline_step_breakdown(
+            cost,
+            [
+                (a, b, (cfg.dp, cfg.tp), recompute, lat)
+                for (a, b), lat in zip(ranges, latencies, strict=True)
+            ],
+            m,
+            step,
+        )
+        points.append(GridPoint(cfg, step, max(memory), max(memory) > hbm, breakdown, parts))
         names = cost.graph.layers
         stages[cfg] = [
             {
@@ -121,6 +118,8 @@ def simulate_traced_grid(
         "recompute": recompute,
         "dtype": dtype,
         "zero_stage": 0,
+        "sequence_parallel": False,
+        "virtual_stages": 1,
         "searched_grid": grid is None,
         "candidates_evaluated": len(points),
         "stages": stages[cfg],
@@ -147,4 +146,5 @@ def simulate_traced_grid(
         plan=MappingProxyType(plan_dict),
         breakdown=best.breakdown,
         search_seconds=time.perf_counter() - t0,
+        step_breakdown=best.step_breakdown,
     )

@@ -5,7 +5,8 @@ returns a :class:`TracedProgram`:
 
 * ``records`` -- plain Python (:class:`TraceRecords`): every equation of the step after
   differentiation, with nested ``jit``/``closed_call``/``custom_jvp_call``/
-  ``custom_vjp_call``/``remat2`` inlined, each tagged with its **layer** (from the Flax
+  ``custom_vjp_call``/``remat2`` inlined and every ``scan`` (``nn.scan`` over layers,
+  ``fori_loop`` with static bounds) unrolled, each tagged with its **layer** (from the Flax
   linen name stack: the first module under the root, e.g. ``embedding``, ``block_3``,
   ``head``), its **phase** (``forward``, ``backward``, ``update``) and its module path.
   Optimizer-update equations carry the layer of the parameter they update (found by data
@@ -15,6 +16,17 @@ returns a :class:`TracedProgram`:
   which the runtime uses to insert sharding constraints equation by equation.
 
 Tracing never allocates parameters: a 76B-parameter step traces on a laptop.
+
+Unrolling a scan: iteration ``i`` of the body is inlined with its own layer tag (the
+scanned module's name with ``_i``: ``blocks/attn`` becomes ``blocks_3/attn``), so the
+planner sees the same per-layer program as for the unrolled model, identical layers are
+planned once, and the stage search can cut between iterations.  A stacked input (the
+``[L, ...]`` parameters of ``nn.scan``) is sliced where each iteration reads it
+(``slice`` and ``squeeze``, as XLA's loop does: no slice outlives its iteration);
+stacked outputs are rebuilt with ``concatenate`` only where something reads them
+(per-iteration values that the backward scan reads back are passed through, as XLA
+keeps them).  A scan longer than :data:`MAX_UNROLLED_EQNS`
+equations unrolled stays one opaque equation (planned replicated, with a warning).
 """
 
 from __future__ import annotations
@@ -44,6 +56,10 @@ _INLINE_BODY = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
+
+
+# A scan whose unrolled body would exceed this many equations is left as one equation.
+MAX_UNROLLED_EQNS = 200_000
 
 
 class TraceError(ValueError):
@@ -135,6 +151,12 @@ class _Flattener:
     tensors: list[TensorRecord] = field(default_factory=list)
     eqns: list[tuple[str, tuple, tuple, Any, dict, str]] = field(default_factory=list)
     consts: dict[int, Any] = field(default_factory=dict)
+    # a stacked tensor made by unrolling a scan -> its per-iteration slices
+    stacked: dict[int, list[int]] = field(default_factory=dict)
+    # indices into ``eqns`` of the equations that rebuild stacks (dropped if unread)
+    stacking: set[int] = field(default_factory=set)
+    # modules run by an unrolled scan (their iterations are tagged ``name_i``)
+    scanned: set[str] = field(default_factory=set)
 
     def new_tensor(self, aval, kind: str, path: str = "") -> int:
         tid = len(self.tensors)
@@ -151,8 +173,16 @@ class _Flattener:
         return env[atom]
 
     def flatten(
-        self, jaxpr: jcore.Jaxpr, consts: Sequence, in_ids: Sequence[int], stack: str
+        self,
+        jaxpr: jcore.Jaxpr,
+        consts: Sequence,
+        in_ids: Sequence[int],
+        stack: str,
+        iteration: int | None = None,
     ) -> list[int]:
+        """Inline ``jaxpr`` reading ``in_ids``; returns its outputs' tensor ids.
+        ``iteration``: the body of a scan being unrolled, whose name stacks get the
+        iteration number on their first module (``blocks/fc`` -> ``blocks_3/fc``)."""
         env: dict = {}
         for var, value in zip(jaxpr.constvars, consts):
             tid = self.new_tensor(var.aval, "const")
@@ -161,10 +191,14 @@ class _Flattener:
         env.update(zip(jaxpr.invars, in_ids))
         for eqn in jaxpr.eqns:
             inner_stack = str(eqn.source_info.name_stack)
+            if iteration is not None:
+                inner_stack = _iteration_stack(inner_stack, iteration)
             full_stack = "/".join(s for s in (stack, inner_stack) if s)
             in_ids_e = [self.read(env, v) for v in eqn.invars]
             body_key = _INLINE_BODY.get(eqn.primitive.name)
-            if body_key is not None and body_key in eqn.params:
+            if eqn.primitive.name == "scan" and _unrollable(eqn):
+                out_ids = self.unroll_scan(eqn, in_ids_e, full_stack)
+            elif body_key is not None and body_key in eqn.params:
                 body = eqn.params[body_key]
                 if isinstance(body, jcore.ClosedJaxpr):
                     out_ids = self.flatten(body.jaxpr, body.consts, in_ids_e, full_stack)
@@ -188,6 +222,124 @@ class _Flattener:
             for var, tid in zip(eqn.outvars, out_ids):
                 env[var] = tid
         return [self.read(env, v) for v in jaxpr.outvars]
+
+    def emit(self, fn: Callable, in_ids: Sequence[int], stack: str) -> list[int]:
+        """Inline the equations JAX makes for ``fn`` on the tensors ``in_ids``."""
+        avals = [
+            jax.ShapeDtypeStruct(self.tensors[t].shape, np.dtype(self.tensors[t].dtype))
+            for t in in_ids
+        ]
+        closed = jax.make_jaxpr(fn)(*avals)
+        return self.flatten(closed.jaxpr, closed.consts, in_ids, stack)
+
+    def iteration_slice(self, tid: int, i: int, stack: str) -> int:
+        """Slice ``i`` of the stacked tensor ``tid`` along dim 0, made where iteration ``i``
+        reads it (``slice`` and ``squeeze``): a short-lived buffer, as XLA's loop makes it
+        -- the slices of a stack the unrolling itself built are passed through instead."""
+        if tid in self.stacked:
+            return self.stacked[tid][i]
+
+        def take(x, i=i):
+            return jax.lax.squeeze(jax.lax.slice_in_dim(x, i, i + 1, axis=0), (0,))
+
+        return self.emit(take, [tid], stack)[0]
+
+    def unroll_scan(self, eqn, in_ids: list[int], stack: str) -> list[int]:
+        """Inline every iteration of a ``scan`` equation; returns its outputs' ids."""
+        p = eqn.params
+        body, length = p["jaxpr"], int(p["length"])
+        n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+        consts, carry = in_ids[:n_consts], in_ids[n_consts : n_consts + n_carry]
+        xs = in_ids[n_consts + n_carry :]
+        first = _body_module(body.jaxpr)
+        if first:
+            self.scanned.add(first)
+        stacks = [
+            "/".join(s for s in (stack, f"{first}_{i}" if first else "") if s)
+            for i in range(length)
+        ]
+        ys_avals = [v.aval for v in eqn.outvars[n_carry:]]
+        ys_slices: list[list[int]] = [[0] * length for _ in ys_avals]
+        order = reversed(range(length)) if p["reverse"] else range(length)
+        for i in order:
+            outs = self.flatten(
+                body.jaxpr,
+                body.consts,
+                [*consts, *carry, *(self.iteration_slice(t, i, stacks[i]) for t in xs)],
+                stack,
+                iteration=i,
+            )
+            carry = outs[:n_carry]
+            for k, y in enumerate(outs[n_carry:]):
+                ys_slices[k][i] = y
+        ys = []
+        for parts in ys_slices:
+            start = len(self.eqns)
+            (stacked,) = self.emit(_stack, parts, stack)
+            self.stacking.update(range(start, len(self.eqns)))
+            self.stacked[stacked] = list(parts)
+            ys.append(stacked)
+        return [*carry, *ys]
+
+    def drop_unread_stacks(self, out_ids: Sequence[int]) -> None:
+        """Drop the stack-rebuilding equations whose results nothing reads."""
+        while self.stacking:
+            read = set(out_ids)
+            for _, ins, _, _, _, _ in self.eqns:
+                read.update(ins)
+            dead = {i for i in self.stacking if not any(t in read for t in self.eqns[i][2])}
+            if not dead:
+                break
+            self.eqns = [e for i, e in enumerate(self.eqns) if i not in dead]
+            # indices shift: recompute the stacking set on the new list
+            kept = sorted(self.stacking - dead)
+            shift = sorted(dead)
+            self.stacking = {i - sum(1 for d in shift if d < i) for i in kept}
+
+
+def _stack(*ys):
+    """Stack along a new dim 0 with ``reshape`` and ``concatenate`` (primitives the planner
+    has rules for)."""
+    return jax.lax.concatenate([jax.lax.reshape(y, (1, *y.shape)) for y in ys], 0)
+
+
+def _unrollable(eqn) -> bool:
+    """A scan whose unrolled body stays under :data:`MAX_UNROLLED_EQNS` equations."""
+    length = int(eqn.params.get("length", 0))
+    body = eqn.params.get("jaxpr")
+    if length <= 0 or body is None:
+        return False
+    return length * max(1, _count_eqns(body.jaxpr)) <= MAX_UNROLLED_EQNS
+
+
+def _count_eqns(jaxpr) -> int:
+    n = 0
+    for e in jaxpr.eqns:
+        inner = [v for v in e.params.values() if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+        n += sum(_count_eqns(getattr(b, "jaxpr", b)) for b in inner) or 1
+    return n
+
+
+def _body_module(jaxpr) -> str | None:
+    """The module a scan body runs in: the first part of its equations' name stacks
+    (``blocks`` for an ``nn.scan`` named ``blocks``), or None outside a module."""
+    for e in jaxpr.eqns:
+        parts = _module_path(str(e.source_info.name_stack))
+        if parts:
+            return parts[0]
+    return None
+
+
+def _iteration_stack(stack: str, i: int) -> str:
+    """``blocks/attn`` in iteration 3 -> ``blocks_3/attn`` (wrappers such as ``jvp(`` kept)."""
+    if not stack:
+        return stack
+    head, _, rest = stack.partition("/")
+    m = re.match(r"^((?:[\w.]+\()*)([^()]*)(\)*)$", head)
+    if m is None or not m.group(2):
+        return stack
+    head = f"{m.group(1)}{m.group(2)}_{i}{m.group(3)}"
+    return f"{head}/{rest}" if rest else head
 
 
 def _layer_of_path(keys, layers: set[str]) -> str | None:
@@ -247,6 +399,7 @@ def trace(
             in_ids.append(flat.new_tensor(leaf, kind, f"[{argnum}]{jax.tree_util.keystr(path)}"))
     in_tree = jax.tree_util.tree_structure(args)
     out_ids = flat.flatten(closed.jaxpr, closed.consts, in_ids, "")
+    flat.drop_unread_stacks(out_ids)
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     # Give outputs their paths (an output may also be an input or a repeated tensor).
     for tid, (path, _) in zip(out_ids, out_leaves):
@@ -274,8 +427,11 @@ def _tag(flat, in_ids, out_ids, out_leaves, args, aliases, layer_of) -> TraceRec
             phases.append("forward")
         else:
             phases.append("update")
+    # a path through a scanned module under its own name is a loop invariant that JAX
+    # hoisted out of the scan: it belongs to no one iteration (it inherits, below)
     layers: list[str | None] = [
-        layer_of(p) if ph != "update" else None for p, ph in zip(paths, phases)
+        layer_of(p) if ph != "update" and not flat.scanned.intersection(p) else None
+        for p, ph in zip(paths, phases)
     ]
     order: list[str] = []
     for layer, phase in zip(layers, phases):

@@ -1,0 +1,137 @@
+"""Reading a solved intra-operator problem (jax-free): the plan, and the collectives XLA
+will emit for it.
+
+Takes an :class:`autoshard.intra.problem.IntraProblem` and a solver's assignment; returns
+the :class:`~autoshard.ir.plan.ParallelPlan` with its predicted collectives (each value
+resharded once per distinct spec its consumers want) and predicted peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from autoshard.intra.cost import DEFAULT_COST_OPTIONS, reshard_to_consumers
+from autoshard.intra.ilp import Solution
+from autoshard.intra.memory import predicted_peak_bytes
+from autoshard.intra.strategies import Strategy
+from autoshard.ir.plan import ParallelPlan
+from autoshard.ir.primitives import SUM_MAX_MIN_REDUCTIONS
+from autoshard.ir.spec import Collective, ShardingSpec
+
+if TYPE_CHECKING:
+    from autoshard.intra.problem import IntraProblem
+
+
+def _itemsize(dtype: str) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+def plan_from_solution(
+    ip: IntraProblem, solution: Solution, name: str = "auto", notes: tuple[str, ...] = ()
+) -> ParallelPlan:
+    graph, mesh = ip.graph, ip.mesh
+    choice = solution.strategy
+    chosen = [ip.strategies[i][choice[i]] for i in range(len(choice))]
+    input_specs = tuple(chosen[i].output_specs[0] for i in range(ip.num_inputs))
+    tensor_specs: dict[int, ShardingSpec] = {}
+    names = []
+    for node in graph.nodes:
+        s = chosen[ip.num_inputs + node.index]
+        names.append(s.name)
+        for tid, spec in zip(node.outputs, s.output_specs):
+            tensor_specs[tid] = spec
+    spec_of = dict(zip(graph.inputs, input_specs))
+    spec_of.update(tensor_specs)
+    output_specs = tuple(spec_of[t] for t in graph.outputs)
+    collectives = predicted_collectives(ip, choice)
+    operand_specs: dict[int, dict[int, ShardingSpec]] = {}
+    for op in ip.operands:
+        if op.slot < 0 or op.dst < ip.num_inputs:
+            continue
+        want = chosen[op.dst].input_specs[op.slot]
+        if want is not None and want != spec_of.get(op.tensor):
+            operand_specs.setdefault(op.dst - ip.num_inputs, {})[op.slot] = want
+    return ParallelPlan(
+        name=name,
+        mesh=mesh.mesh,
+        input_specs=input_specs,
+        input_paths=tuple(graph.tensors[t].path for t in graph.inputs),
+        output_specs=output_specs,
+        tensor_specs=tensor_specs,
+        operand_specs=operand_specs,
+        node_strategies=tuple(names),
+        predicted_collectives=collectives,
+        predicted_peak_bytes=predicted_peak_bytes(graph, spec_of, mesh, operand_specs),
+        objective=solution.objective,
+        solver=json.loads(solution.to_json()),
+        notes=notes,
+    )
+
+
+def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
+    """The collectives XLA will emit for the plan ``choice``: every value is resharded
+    once per distinct spec its consumers want (:func:`autoshard.intra.cost.reshard_to_consumers`),
+    in program order of first use."""
+    graph = ip.graph
+    source: dict[int, ShardingSpec] = {}
+    steps: dict[int, tuple[tuple[str, ...], ...]] = {}
+    targets: dict[int, list[ShardingSpec]] = {}
+    for op in ip.operands:
+        if op.slot < 0:
+            continue
+        src_s = ip.strategies[op.src][choice[op.src]]
+        dst_s = ip.strategies[op.dst][choice[op.dst]]
+        k = (
+            0
+            if op.src < ip.num_inputs
+            else graph.nodes[op.src - ip.num_inputs].outputs.index(op.tensor)
+        )
+        b = dst_s.input_specs[op.slot]
+        if b is None:
+            continue
+        source[op.tensor] = src_s.output_specs[k]
+        if op.src >= ip.num_inputs:
+            steps[op.tensor] = _reduce_steps(graph.nodes[op.src - ip.num_inputs], src_s)
+        wants = targets.setdefault(op.tensor, [])
+        if b not in wants:
+            wants.append(b)
+    out: list[Collective] = []
+    for tid, wants in targets.items():
+        t = graph.tensors[tid]
+        r = reshard_to_consumers(
+            source[tid],
+            wants,
+            t.shape,
+            _itemsize(t.dtype),
+            ip.mesh,
+            DEFAULT_COST_OPTIONS,
+            reduce_first=steps.get(tid, ()),
+        )
+        out.extend(r.collectives)
+    return tuple(out)
+
+
+# ops whose partial sums XLA reduces where they are made, before any new split
+REDUCED_IN_PLACE = SUM_MAX_MIN_REDUCTIONS | {"scatter-add", "scatter_add"}
+
+
+def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
+    """For a reduce or scatter-add whose output is partial: its partial axes, reduced
+    where the op makes them; for a reduce grouped by the summed dim of the operand they
+    split, last dim first (the order XLA all-reduces them in, see
+    :func:`autoshard.intra.cost.reshard_to_consumers`); otherwise ()."""
+    out = strategy.output_specs[0] if strategy.output_specs else None
+    operand = strategy.input_specs[0] if strategy.input_specs else None
+    if node.primitive not in REDUCED_IN_PLACE or out is None or not out.partial:
+        return ()
+    groups = ()
+    if node.primitive in SUM_MAX_MIN_REDUCTIONS and operand is not None:
+        groups = tuple(
+            g
+            for g in (tuple(a for a in d if a in out.partial) for d in reversed(operand.dims))
+            if g
+        )
+    return groups or (tuple(out.partial),)  # a scatter-add: all at once, where it is made

@@ -1,0 +1,24 @@
+"""Sharding rules for static slices (jax-free): ``slice``.
+
+A ``slice`` keeps every dim it does not cut, so a dim taken whole (start 0, full length,
+stride 1) may stay split over the same mesh axes on operand and output; a cut dim is
+never split (XLA would have to move data to re-align the pieces).  Partial sums pass
+through (a slice is linear).  The tracer makes these when it unrolls a ``scan``: slice
+``i`` of a stacked ``[L, ...]`` parameter is read by iteration ``i``.
+"""
+
+from __future__ import annotations
+
+from autoshard.intra.strategies import OUT, NodeContext, Slot, register
+
+
+@register("slice")
+def _slice(ctx: NodeContext) -> list[Slot]:
+    shape = ctx.in_shapes[0]
+    start = ctx.node.params["start_indices"]
+    limit = ctx.node.params["limit_indices"]
+    strides = ctx.node.params.get("strides") or (1,) * len(shape)
+    whole = [
+        d for d in range(len(shape)) if start[d] == 0 and limit[d] == shape[d] and strides[d] == 1
+    ]
+    return [Slot("shard", ((0, d), (OUT, d))) for d in whole] + [Slot("through", ((0, -1),))]
