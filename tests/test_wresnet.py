@@ -52,6 +52,7 @@ def test_presets_have_the_sizes_alpa_names_them_by(name, millions):
         ({"num_layers": 7}, "num_layers must be one of"),
         ({"seq_len": 16}, "no sequence length"),
         ({"batch_size": 0}, "batch_size"),
+        ({"scan_layers": True}, "no scanned form"),
     ],
 )
 def test_bad_sizes_get_clear_errors(overrides, message):

@@ -119,6 +119,10 @@ def get_workload(
             lambda rng: mlp_random_batch(cfg, rng),
         )
     if name in WRESNET_PRESETS:
+        if scan_layers:
+            raise ValueError(
+                "a Wide-ResNet has no scanned form; --scan-layers is for the GPT presets"
+            )
         return _wresnet_workload(name, batch_size, seq_len, vocab_size, num_layers, hidden, dtype)
     if name not in GPT_PRESETS:
         close = difflib.get_close_matches(name, model_names(), n=1)
