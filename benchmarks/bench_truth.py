@@ -15,7 +15,8 @@ Writes one JSON row per plan and prints a table; ``--markdown FILE`` also writes
 table for the docs; ``--suite intra|memory`` re-runs one suite and keeps the other's rows
 in ``--out``.  Defaults: the intra-op suite (gpt-tiny and a 4-block gpt-tiny on
 meshes 8, 2x4, 4x2, 1x8 with SGD) and the simulator's memory suite (gpt-350m and
-gpt-1.3b shapes, two blocks, batch 8, AdamW, f32 and bf16, on 8 devices)::
+gpt-1.3b shapes, two blocks, batch 8, AdamW, f32 and bf16, on 8 devices); ``--suite conv``
+is a two-block wresnet-tiny (convolutions, batch norm, max pooling) on meshes 8 and 2x4::
 
     python benchmarks/bench_truth.py [--suite intra|memory|all] [--out FILE] [--markdown FILE]
 """
@@ -40,6 +41,8 @@ SUITES = {
         for model in ("gpt-350m", "gpt-1.3b")
         for dtype in ("float32", "bfloat16")
     ],
+    # Wide-ResNet: wresnet-250m's structure, reduced (2 bottleneck blocks, 32x32 images)
+    "conv": [("wresnet-tiny", {"num_layers": 8}, "sgd", ("8", "2x4"))],
 }
 
 

@@ -56,6 +56,11 @@ class MemoryLayout:
     # scores), so no f32 exp(scores - max) is kept (measured on one H100,
     # docs/validation.md); XLA:CPU keeps it. The memory model counts it so.
     fused_transcendentals: bool = False
+    # XLA:CPU runs every convolution in one layout (batch, spatial, feature; kernel
+    # spatial, in, out): a conv whose operands or result are laid out otherwise (both
+    # gradients of a conv are) reads a transposed copy of each and writes its result
+    # through one. The memory model counts those copies at the conv.
+    conv_layout_copies: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -67,6 +72,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     reductions_read_memory=True,
     late_updates=True,
     early_input_reshards=True,
+    conv_layout_copies=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).

@@ -22,18 +22,29 @@ from dataclasses import dataclass
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.strategies import Strategy
-from autoshard.ir.graph import Graph
+from autoshard.ir.graph import Graph, conv_dimension_numbers
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
 
+# Convolutions, pooling and max pooling's gradient: library calls (or their own loops)
+# that read their operands from memory and write a buffer.
+CONV_AND_WINDOW = frozenset(
+    "conv_general_dilated reduce_window_max reduce_window_min reduce_window_sum reduce_window "
+    "select_and_scatter_add select_and_gather_add".split()
+)
 # Ops after which XLA materialises a buffer; elementwise producers are fused into their
 # consumers, reshapes are bitcasts.
-MATERIALIZING = frozenset(
-    "dot_general gather scatter-add scatter_add reduce_sum reduce_max reduce_min argmax argmin "
-    "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
+MATERIALIZING = (
+    frozenset(
+        "dot_general gather scatter-add scatter_add reduce_sum reduce_max reduce_min argmax argmin "
+        "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
+    )
+    | CONV_AND_WINDOW
 )
 # Ops that read their operands from memory (no fusion into them).
-UNFUSED_CONSUMERS = frozenset("dot_general gather scatter-add scatter_add concatenate".split())
+UNFUSED_CONSUMERS = (
+    frozenset("dot_general gather scatter-add scatter_add concatenate".split()) | CONV_AND_WINDOW
+)
 EXPENSIVE = TRANSCENDENTAL | {"div"}  # not recomputed in the backward pass when saved
 FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradient"})
 
@@ -291,10 +302,43 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
+def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:
+    """(tensor, first, last node index) of each conv operand or result XLA:CPU transposes
+    for the conv (``conv_layout_copies``): its one conv layout is (batch, spatial...,
+    feature) for the input and the result and (spatial..., in, out) for the kernel; any
+    other order (a weight gradient reads the activation as (feature, spatial..., batch),
+    an input gradient reads the kernel with in and out swapped) costs a copy of the
+    value, made just before the conv and freed after it -- or, for a program input (the
+    images, a kernel) with ``early_input_reshards``, made at the start of the step (seen
+    in the compiled wresnet-tiny step: ``transpose_copy_fusion`` buffers beside each
+    gradient conv, the images' from the start to the stem's weight gradient)."""
+    if not mesh.memory_layout.conv_layout_copies:
+        return []
+    early = set(graph.inputs) if mesh.memory_layout.early_input_reshards else set()
+    out = []
+    for node in graph.nodes:
+        if node.primitive != "conv_general_dilated":
+            continue
+        lhs, rhs, res = conv_dimension_numbers(node.params)
+        n = len(lhs)
+        spatial = tuple(range(1, n - 1))
+        canonical = (
+            (0, n - 1, *spatial),  # lhs: batch, feature, spatial (as dims of NHWC)
+            (n - 1, n - 2, *range(n - 2)),  # rhs: out, in, spatial (as dims of HWIO)
+            (0, n - 1, *spatial),
+        )
+        values = (node.inputs[0], node.inputs[1], node.outputs[0])
+        for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
+            if tuple(spec) != want:
+                out.append((tid, 0 if tid in early else node.index, node.index))
+    return out
+
+
 def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
     """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
-    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces)
-    and the f32 copies of :func:`widened_dot_operands`.  The ILP's memory rows and
+    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
+    the f32 copies of :func:`widened_dot_operands` and the transposed copies of
+    :func:`transposed_conv_values`.  The ILP's memory rows and
     :func:`predicted_peak_bytes` both count these."""
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
@@ -305,6 +349,10 @@ def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, 
     ]
     out += [
         (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+    ]
+    out += [
+        (tid, first, last, graph.tensors[tid].nbytes)
+        for tid, first, last in transposed_conv_values(graph, mesh)
     ]
     return out
 
@@ -340,12 +388,26 @@ def predicted_peak_bytes(
     copy; a reduced partial sum is a buffer of its own)."""
     n = len(graph.nodes)
     delta = [0.0] * (n + 3)
+    operand_specs = operand_specs or {}
+    # a conv's transposed copy of an operand is made from the operand as the conv reads
+    # it: in the layout it is resharded to, if it is
+    at_conv = {}
+    for tid, first, last in transposed_conv_values(graph, mesh):
+        node = graph.nodes[last]
+        if tid in node.inputs:
+            spec = operand_specs.get(last, {}).get(node.inputs.index(tid))
+            if spec is not None:
+                at_conv[(tid, first, last)] = spec
     buffers = [
-        (first, last, nbytes * spec_of[tid].shard_fraction(mesh.mesh))
+        (
+            first,
+            last,
+            nbytes * at_conv.get((tid, first, last), spec_of[tid]).shard_fraction(mesh.mesh),
+        )
         for tid, first, last, nbytes in tensor_buffers(graph, mesh)
         if tid in spec_of
     ]
-    buffers += _reshard_buffers(graph, operand_specs or {}, mesh)
+    buffers += _reshard_buffers(graph, operand_specs, mesh)
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -504,5 +566,6 @@ __all__ = [
     "program_positions",
     "streamed_tensors",
     "tensor_buffers",
+    "transposed_conv_values",
     "widened_dot_operands",
 ]

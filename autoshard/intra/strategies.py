@@ -584,4 +584,4 @@ __all__ = [
 ]
 
 # rule families kept in modules of their own register themselves on import
-from autoshard.intra import rules_slice  # noqa: E402,F401  (slice)
+from autoshard.intra import rules_conv, rules_slice  # noqa: E402,F401  (conv, pooling, rev; slice)

@@ -22,6 +22,7 @@ from autoshard.ir.spec import ShardingSpec
 NOT_FOLLOWERS = frozenset(
     {
         "dot_general",
+        "conv_general_dilated",
         "gather",
         "scatter-add",
         "scatter_add",

@@ -13,7 +13,13 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
 * elementwise arithmetic, comparisons and transcendentals: 1 per output element
   (``exp`` counts 1, not a weighted cost; ``integer_pow`` with exponent y counts
   max(|y| - 1, 1) multiplications per element).
+* ``conv_general_dilated``: 2 x output elements x (kernel elements / output features) /
+  the product of ``lhs_dilation``: one multiply-add per kernel tap that meets a real
+  input element (an input gradient of a strided conv dilates its input with zeros).
 * reductions (``reduce_sum``, ``reduce_max``, ...): 1 per input element.
+* pooling (``reduce_window_*``): 1 per output element per window tap; max pooling's
+  gradient (``select_and_scatter_add``, ``select_and_gather_add``): 2 per pooled element
+  per window tap (the comparison that selects and the add).
 * ``scatter-add``: 1 per update element; ``cumsum`` and friends: 1 per element.
 * data movement and bookkeeping (reshape, transpose, broadcast, gather, slicing,
   concatenate, convert, iota, select_n, copy, stop_gradient): 0.
@@ -57,6 +63,36 @@ def _dot_flops(eqn, ins, outs) -> float:
         np.prod([s for d, s in enumerate(rhs) if d not in rc and d not in rb], dtype=np.int64)
     )
     return 2.0 * batch * lhs_free * rhs_free * contract
+
+
+def conv_dimension_numbers(params: dict) -> tuple[tuple[int, ...], ...]:
+    """A ``conv_general_dilated``'s (lhs_spec, rhs_spec, out_spec): the input's (batch,
+    feature, spatial...) dims, the kernel's (out feature, in feature, spatial...) dims
+    and the result's (batch, feature, spatial...) dims."""
+    dn = params["dimension_numbers"]
+    if isinstance(dn, dict):
+        return tuple(dn["lhs_spec"]), tuple(dn["rhs_spec"]), tuple(dn["out_spec"])
+    return tuple(tuple(d) for d in dn)
+
+
+@register_flops("conv_general_dilated")
+def _conv_flops(eqn, ins, outs) -> float:
+    _, rhs_spec, _ = conv_dimension_numbers(eqn.params)
+    rhs = ins[1].shape
+    per_output = int(np.prod(rhs, dtype=np.int64)) // max(rhs[rhs_spec[0]], 1)
+    zeros = int(np.prod(eqn.params.get("lhs_dilation") or (1,), dtype=np.int64))
+    return 2.0 * outs[0].size * per_output / zeros
+
+
+@register_flops("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window")
+def _pool_flops(eqn, ins, outs) -> float:
+    return float(outs[0].size) * int(np.prod(eqn.params["window_dimensions"], dtype=np.int64))
+
+
+@register_flops("select_and_scatter_add", "select_and_gather_add")
+def _select_window_flops(eqn, ins, outs) -> float:
+    window = int(np.prod(eqn.params["window_dimensions"], dtype=np.int64))
+    return 2.0 * min(ins[0].size, outs[0].size) * window  # the pooled side
 
 
 @register_flops(*ELEMENTWISE)

@@ -21,7 +21,7 @@ ZERO_FLOP = frozenset(
 ELEMENTWISE = frozenset(
     "add sub mul div neg max min abs sign exp exp2 log log1p tanh logistic sqrt rsqrt cbrt "
     "square pow sin cos tan erf erfc erf_inv is_finite floor ceil round eq ne lt le gt ge "
-    "and or not xor add_any rem atan2 clamp nextafter select_and_scatter_add expm1 "
+    "and or not xor add_any rem atan2 clamp nextafter expm1 "
     "integer_pow".split()
 )
 

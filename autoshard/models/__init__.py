@@ -31,11 +31,21 @@ from autoshard.models.mlp import (
     mlp_loss_fn,
     mlp_random_batch,
 )
+from autoshard.models.wresnet import (
+    WRESNET_PRESETS,
+    WResNetConfig,
+    wresnet_batch_spec,
+    wresnet_init_fn,
+    wresnet_loss_fn,
+    wresnet_random_batch,
+)
 
 __all__ = [
     "GPT_PRESETS",
     "GPTConfig",
     "MLPConfig",
+    "WRESNET_PRESETS",
+    "WResNetConfig",
     "Workload",
     "get_workload",
     "make_optimizer",
@@ -73,7 +83,7 @@ class Workload:
 
 
 def model_names() -> list[str]:
-    return [*GPT_PRESETS, "mlp"]
+    return [*GPT_PRESETS, "mlp", *WRESNET_PRESETS]
 
 
 def get_workload(
@@ -108,6 +118,12 @@ def get_workload(
             mlp_batch_spec(cfg),
             lambda rng: mlp_random_batch(cfg, rng),
         )
+    if name in WRESNET_PRESETS:
+        if scan_layers:
+            raise ValueError(
+                "a Wide-ResNet has no scanned form; --scan-layers is for the GPT presets"
+            )
+        return _wresnet_workload(name, batch_size, seq_len, vocab_size, num_layers, hidden, dtype)
     if name not in GPT_PRESETS:
         close = difflib.get_close_matches(name, model_names(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -139,6 +155,26 @@ def get_workload(
         gpt_init_fn(cfg),
         gpt_batch_spec(cfg),
         lambda rng: gpt_random_batch(cfg, rng),
+    )
+
+
+def _wresnet_workload(name, batch_size, seq_len, vocab_size, num_layers, hidden, dtype) -> Workload:
+    """A Wide-ResNet preset; ``hidden`` overrides its base channels."""
+    if seq_len is not None or vocab_size is not None:
+        raise ValueError(
+            "a Wide-ResNet has no sequence length or vocabulary; drop --seq/--vocab "
+            "(--hidden sets its base channels, --layers its depth)"
+        )
+    cfg = WRESNET_PRESETS[name].replace(
+        batch_size=batch_size, num_layers=num_layers, num_channels=hidden, dtype=dtype
+    )
+    return Workload(
+        name,
+        cfg,
+        wresnet_loss_fn(cfg),
+        wresnet_init_fn(cfg),
+        wresnet_batch_spec(cfg),
+        lambda rng: wresnet_random_batch(cfg, rng),
     )
 
 
