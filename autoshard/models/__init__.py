@@ -31,11 +31,14 @@ from autoshard.models.mlp import (
     mlp_loss_fn,
     mlp_random_batch,
 )
+from autoshard.models.moe import MOE_PRESETS, MoEConfig, moe_init_fn, moe_loss_fn
 
 __all__ = [
     "GPT_PRESETS",
     "GPTConfig",
     "MLPConfig",
+    "MOE_PRESETS",
+    "MoEConfig",
     "Workload",
     "get_workload",
     "make_optimizer",
@@ -73,7 +76,7 @@ class Workload:
 
 
 def model_names() -> list[str]:
-    return [*GPT_PRESETS, "mlp"]
+    return [*GPT_PRESETS, *MOE_PRESETS, "mlp"]
 
 
 def get_workload(
@@ -105,7 +108,7 @@ def get_workload(
             mlp_batch_spec(cfg),
             lambda rng: mlp_random_batch(cfg, rng),
         )
-    if name not in GPT_PRESETS:
+    if name not in GPT_PRESETS and name not in MOE_PRESETS:
         close = difflib.get_close_matches(name, model_names(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown model {name!r}.{hint} Presets: {', '.join(model_names())}")
@@ -120,7 +123,7 @@ def get_workload(
             isinstance(value, bool) or not isinstance(value, int) or value <= 0
         ):
             raise ValueError(f"{field} must be a positive integer, got {value!r}")
-    cfg = GPT_PRESETS[name].replace(
+    cfg = (GPT_PRESETS.get(name) or MOE_PRESETS[name]).replace(
         batch_size=batch_size,
         seq_len=seq_len,
         vocab_size=vocab_size,
@@ -128,11 +131,12 @@ def get_workload(
         hidden=hidden,
         dtype=dtype,
     )
+    moe = isinstance(cfg, MoEConfig)
     return Workload(
         name,
         cfg,
-        gpt_loss_fn(cfg),
-        gpt_init_fn(cfg),
+        moe_loss_fn(cfg) if moe else gpt_loss_fn(cfg),
+        moe_init_fn(cfg) if moe else gpt_init_fn(cfg),
         gpt_batch_spec(cfg),
         lambda rng: gpt_random_batch(cfg, rng),
     )
