@@ -582,3 +582,6 @@ __all__ = [
     "enumerate_strategies",
     "strategy_seconds",
 ]
+
+# rules kept in modules of their own join RULES when imported (they import this module)
+from autoshard.intra import rules_moe  # noqa: E402, F401

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from autoshard.models.gpt import CausalSelfAttention, Embedding, Head, _dense, _layer_norm
 
@@ -173,10 +172,11 @@ def top2_gating(gates: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     expert's capacity is dropped (its gate is 0).
     """
     num_experts = gates.shape[-1]
-    _, best = lax.top_k(gates, 2)  # [G, S, 2]
-    first, second = jnp.split(best, 2, axis=-1)
-    mask_1 = jax.nn.one_hot(first[..., 0], num_experts, dtype=jnp.int32)  # [G, S, E]
-    mask_2 = jax.nn.one_hot(second[..., 0], num_experts, dtype=jnp.int32)
+    # two argmaxes rather than lax.top_k: XLA's partitioner runs a TopK whole (it gathers
+    # the operand, docs/moe.md), an argmax it splits on the token dimensions
+    mask_1 = jax.nn.one_hot(jnp.argmax(gates, axis=-1), num_experts, dtype=jnp.int32)
+    second = jnp.argmax(gates * (1 - mask_1), axis=-1)
+    mask_2 = jax.nn.one_hot(second, num_experts, dtype=jnp.int32)  # [G, S, E]
     # position of each token in its expert's queue: first choices, then second choices
     pos_1 = jnp.cumsum(mask_1, axis=1) - mask_1
     mask_1 = mask_1 * (pos_1 < capacity)
