@@ -50,9 +50,7 @@ def test_ring_formulas_on_one_axis(alpha, beta, n):
     assert reduce_scatter_cost(mesh, ("d",), b, NO_TIES) == pytest.approx(
         alpha + beta * (n - 1) / n * b
     )
-    assert all_to_all_cost(mesh, "d", b, NO_TIES) == pytest.approx(
-        alpha + beta * (n - 1) / n * b
-    )
+    assert all_to_all_cost(mesh, "d", b, NO_TIES) == pytest.approx(alpha + beta * (n - 1) / n * b)
 
 
 def test_all_reduce_of_one_megabyte_on_four_devices():

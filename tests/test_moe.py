@@ -1,0 +1,181 @@
+"""GPT-MoE: presets, gating, expert parallelism in the plan, and a plan that trains like one
+device and agrees with what XLA compiled; Alpa's MoE layer planned the way Alpa plans it."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from autoshard.api import auto_shard, plan_workload
+from autoshard.hardware.mesh import uniform_mesh
+from autoshard.intra.cost import CostOptions
+from autoshard.intra.options import IntraOptions
+from autoshard.ir.spec import ShardingSpec
+from autoshard.models import MOE_PRESETS, get_workload, make_optimizer, make_train_step
+from autoshard.models.gpt import CausalSelfAttention, _layer_norm
+from autoshard.models.moe import MoEConfig, MoEFeedForward, top2_gating
+from autoshard.runtime.sharded import check_against_single_device
+
+HIGHS = IntraOptions(solver="highs")
+
+
+@pytest.mark.parametrize("name", list(MOE_PRESETS))
+def test_param_count_matches_closed_form(name):
+    w = get_workload(name)
+    leaves = jax.tree_util.tree_leaves(w.abstract_params())
+    assert sum(int(np.prod(x.shape)) for x in leaves) == w.config.num_params
+    params = w.abstract_params()
+    assert "moe" in params["block_0"] and "mlp" in params.get("block_1", {"mlp": 0})
+
+
+@pytest.mark.parametrize(
+    "name, billions", [("moe-380m", 0.38), ("moe-690m", 0.69), ("moe-1.3b", 1.3), ("moe-10b", 10)]
+)
+def test_presets_are_the_size_alpa_names_them(name, billions):
+    assert MOE_PRESETS[name].num_params / 1e9 == pytest.approx(
+        billions, rel=0.05
+    )  # Alpa rounds its names
+
+
+def test_a_group_size_that_does_not_divide_the_tokens_is_refused():
+    with pytest.raises(ValueError, match="multiple of expert_group_size"):
+        get_workload("moe-tiny", batch_size=3)
+
+
+def test_top2_gating_respects_capacity_and_renormalises():
+    gates = jax.nn.softmax(jax.random.normal(jax.random.key(1), (2, 16, 4)), axis=-1)
+    combine, dispatch = top2_gating(gates, capacity=4)
+    dispatch = np.asarray(dispatch)
+    assert dispatch.sum(axis=(1, 3)).max() <= 4  # no expert takes more than C per group
+    assert dispatch.sum(axis=(2, 3)).max() <= 2  # a token goes to at most two experts
+    assert (dispatch.sum(axis=1) <= 1).all()  # a slot holds at most one token
+    kept = dispatch.sum(axis=(2, 3)) == 2
+    np.testing.assert_allclose(np.asarray(combine).sum(axis=(2, 3))[kept], 1.0, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return plan_workload("moe-tiny", (8,), optimizer="sgd", options=HIGHS)
+
+
+def _spec(plan, path: str) -> ShardingSpec:
+    return dict(zip(plan.input_paths, plan.input_specs))[path]
+
+
+def test_moe_tiny_on_8_devices_is_expert_parallel(tiny_plan):
+    plan = tiny_plan.plan
+    for w in ("wi", "wo"):
+        assert _spec(plan, f"[0]['block_0']['moe']['{w}']").dims[0] == ("data",)
+    assert any(c.kind == "all-to-all" for c in plan.predicted_collectives)
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tiny_plan):
+    return tiny_plan.verify(jax.devices()[:8])
+
+
+def test_moe_tiny_plan_trains_like_one_device(tiny_plan):
+    w = get_workload("moe-tiny")
+    report = check_against_single_device(
+        tiny_plan.program,
+        tiny_plan.plan,
+        tiny_plan.mesh(jax.devices()[:8]),
+        w.init_train_args(make_optimizer("sgd")),
+        num_steps=2,
+        rtol=1e-5,
+    )
+    assert report.ok, report
+
+
+def test_moe_tiny_plan_collectives_are_what_xla_compiled(tiny_report):
+    assert tiny_report.collectives_agree, tiny_report.comparison.format()
+    kinds = {row.kind for row in tiny_report.comparison.rows}
+    assert "all-to-all" in kinds  # the token exchange of expert parallelism
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the memory model misses 14.5% of XLA's allocation on this plan (live peak "
+    "-14.4%); gpt-tiny at batch 16 on the same mesh misses 10.1%, so most of the gap is "
+    "the memory model's, not the MoE layer's (docs/moe.md)",
+)
+def test_moe_tiny_plan_memory_within_10_percent(tiny_report):
+    assert tiny_report.memory_agree, (tiny_report.memory_error, tiny_report.memory_explanation)
+
+
+# --- Alpa's MoE layer (tests/shard_parallel/test_moe.py::test_moe_layer) -------------------
+
+ALPA_LAYER = MoEConfig(
+    name="alpa-moe-layer", hidden=64, num_layers=1, num_heads=16, num_experts=16,
+    expert_group_size=32, vocab_size=32, seq_len=16, batch_size=64, ffn_ratio=4,
+)  # fmt: skip
+
+
+class AlpaMoELayer(nn.Module):
+    """Attention then MoE, each with a residual and a LayerNorm after it (BERT-style)."""
+
+    @nn.compact
+    def __call__(self, x):
+        a = _layer_norm(ALPA_LAYER, "ln_1")(x + CausalSelfAttention(ALPA_LAYER, name="attn")(x))
+        return _layer_norm(ALPA_LAYER, "ln_2")(a + MoEFeedForward(ALPA_LAYER, name="moe")(a))
+
+
+def _alpa_objective(n: int) -> float:
+    """Alpa's expected objective: 4 all-to-alls of the dispatched tokens (whole tensor,
+    B s h x 2 x 4 bytes) and all-reduces of the replicated weights' gradients, with its
+    formulas (alpha 1, beta 1, its tie-breakers and its n/2 all-to-all penalty)."""
+    b, s, h, e = 64, 16, 64, 16
+
+    def a2a(nbytes):
+        return 1 + (n - 1) / n / n * nbytes * n / 2 + 0.001
+
+    def ar(nbytes):
+        return 1 + 2 * (n - 1) / n * nbytes + 0.01
+
+    return (
+        a2a(b * s * h * 2 * 4) * 4
+        + ar(h * h * 3 * 4)
+        + ar(h * 3 * 4)
+        + ar(h * h * 4)
+        + ar(h * 4)
+        + ar(h * 4) * 4
+        + ar(h * e * 4)
+    )
+
+
+@pytest.fixture(scope="module")
+def alpa_layer_step():
+    model = AlpaMoELayer()
+    x = jax.ShapeDtypeStruct((64, 16, 64), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+
+    def loss(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    opt = optax.adam(1e-2)
+    return make_train_step(loss, opt), (params, jax.eval_shape(opt.init, params), {"x": x, "y": x})
+
+
+@pytest.mark.parametrize("shape, axis", [((4, 1), "x"), ((1, 4), "y")])
+def test_alpa_moe_layer_plans_expert_parallel_at_alpas_cost(alpa_layer_step, shape, axis):
+    """Issue #14 finding 9: priced the way Alpa prices an all-to-all (the whole tensor, n/2
+    penalty), the plan is Alpa's: experts split on their expert dim, attention and gate
+    weights whole, 4 all-to-alls; the objective is Alpa's expected one."""
+    step, args = alpa_layer_step
+    options = HIGHS.replace(cost=CostOptions(all_to_all_penalty_scales_with_n=True))
+    mesh = uniform_mesh(shape, ("x", "y"), 1.0, 1.0)
+    bound = auto_shard(step, *args, mesh=mesh, options=options)
+    plan = bound.plan
+    for w in ("wi", "wo"):
+        assert _spec(plan, f"[0]['moe']['{w}']").dims[0] == (axis,)
+    for w in ("['moe']['wg']", "['attn']['proj']['kernel']"):
+        assert _spec(plan, f"[0]{w}").is_replicated
+    assert sum(c.kind == "all-to-all" for c in plan.predicted_collectives) == 4
+    assert plan.objective == pytest.approx(_alpa_objective(4), rel=1e-4)
+    if shape == (4, 1):
+        report = bound.verify(jax.devices()[:4])
+        assert report.collectives_agree, report.comparison.format()
