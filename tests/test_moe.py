@@ -3,21 +3,18 @@ device and agrees with what XLA compiled; Alpa's MoE layer planned the way Alpa 
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from conftest import load_benchmark
 
 from autoshard.api import auto_shard, plan_workload
 from autoshard.hardware.mesh import uniform_mesh
 from autoshard.intra.cost import CostOptions
 from autoshard.intra.options import IntraOptions
 from autoshard.ir.spec import ShardingSpec
-from autoshard.models import MOE_PRESETS, get_workload, make_optimizer, make_train_step
-from autoshard.models.gpt import CausalSelfAttention, _layer_norm
-from autoshard.models.moe import MoEConfig, MoEFeedForward, top2_gating
+from autoshard.models import MOE_PRESETS, get_workload, make_optimizer
+from autoshard.models.moe import alpa_moe_layer_step, top2_gating
 from autoshard.runtime.sharded import check_against_single_device
 
 HIGHS = IntraOptions(solver="highs")
@@ -109,63 +106,13 @@ def test_moe_tiny_plan_memory_within_10_percent(tiny_report):
 
 # --- Alpa's MoE layer (tests/shard_parallel/test_moe.py::test_moe_layer) -------------------
 
-ALPA_LAYER = MoEConfig(
-    name="alpa-moe-layer", hidden=64, num_layers=1, num_heads=16, num_experts=16,
-    expert_group_size=32, vocab_size=32, seq_len=16, batch_size=64, ffn_ratio=4,
-)  # fmt: skip
-
-
-class AlpaMoELayer(nn.Module):
-    """Attention then MoE, each with a residual and a LayerNorm after it (BERT-style)."""
-
-    @nn.compact
-    def __call__(self, x):
-        a = _layer_norm(ALPA_LAYER, "ln_1")(x + CausalSelfAttention(ALPA_LAYER, name="attn")(x))
-        return _layer_norm(ALPA_LAYER, "ln_2")(a + MoEFeedForward(ALPA_LAYER, name="moe")(a))
-
-
-def _alpa_objective(n: int) -> float:
-    """Alpa's expected objective: 4 all-to-alls of the dispatched tokens (whole tensor,
-    B s h x 2 x 4 bytes) and all-reduces of the replicated weights' gradients, with its
-    formulas (alpha 1, beta 1, its tie-breakers and its n/2 all-to-all penalty)."""
-    b, s, h, e = 64, 16, 64, 16
-
-    def a2a(nbytes):
-        return 1 + (n - 1) / n / n * nbytes * n / 2 + 0.001
-
-    def ar(nbytes):
-        return 1 + 2 * (n - 1) / n * nbytes + 0.01
-
-    return (
-        a2a(b * s * h * 2 * 4) * 4
-        + ar(h * h * 3 * 4)
-        + ar(h * 3 * 4)
-        + ar(h * h * 4)
-        + ar(h * 4)
-        + ar(h * 4) * 4
-        + ar(h * e * 4)
-    )
-
-
-@pytest.fixture(scope="module")
-def alpa_layer_step():
-    model = AlpaMoELayer()
-    x = jax.ShapeDtypeStruct((64, 16, 64), jnp.float32)
-    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
-
-    def loss(p, batch):
-        return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
-
-    opt = optax.adam(1e-2)
-    return make_train_step(loss, opt), (params, jax.eval_shape(opt.init, params), {"x": x, "y": x})
-
 
 @pytest.mark.parametrize("shape, axis", [((4, 1), "x"), ((1, 4), "y")])
-def test_alpa_moe_layer_plans_expert_parallel_at_alpas_cost(alpa_layer_step, shape, axis):
+def test_alpa_moe_layer_plans_expert_parallel_at_alpas_cost(shape, axis):
     """Issue #14 finding 9: priced the way Alpa prices an all-to-all (the whole tensor, n/2
     penalty), the plan is Alpa's: experts split on their expert dim, attention and gate
     weights whole, 4 all-to-alls; the objective is Alpa's expected one."""
-    step, args = alpa_layer_step
+    step, args = alpa_moe_layer_step()
     options = HIGHS.replace(cost=CostOptions(all_to_all_penalty_scales_with_n=True))
     mesh = uniform_mesh(shape, ("x", "y"), 1.0, 1.0)
     bound = auto_shard(step, *args, mesh=mesh, options=options)
@@ -175,7 +122,9 @@ def test_alpa_moe_layer_plans_expert_parallel_at_alpas_cost(alpa_layer_step, sha
     for w in ("['moe']['wg']", "['attn']['proj']['kernel']"):
         assert _spec(plan, f"[0]{w}").is_replicated
     assert sum(c.kind == "all-to-all" for c in plan.predicted_collectives) == 4
-    assert plan.objective == pytest.approx(_alpa_objective(4), rel=1e-4)
+    assert plan.objective == pytest.approx(
+        load_benchmark("bench_moe").alpa_expected_objective(4), rel=1e-4
+    )
     if shape == (4, 1):
         report = bound.verify(jax.devices()[:4])
         assert report.collectives_agree, report.comparison.format()

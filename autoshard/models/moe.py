@@ -82,9 +82,11 @@ class MoEConfig:
             )
         tokens = self.batch_size * self.seq_len
         if tokens % self.expert_group_size:
+            step = self.expert_group_size // math.gcd(self.expert_group_size, self.seq_len)
             raise ValueError(
                 f"batch_size x seq_len = {tokens} tokens must be a multiple of "
-                f"expert_group_size ({self.expert_group_size}); pick a group size that divides it"
+                f"expert_group_size ({self.expert_group_size}): with seq_len {self.seq_len} "
+                f"use a batch_size that is a multiple of {step}"
             )
         if 2 * self.expert_group_size < self.num_experts:
             raise ValueError(
@@ -251,6 +253,48 @@ class GPTMoE(nn.Module):
             x = MoEBlock(self.cfg, moe=i % 2 == 0, name=f"block_{i}")(x)
         wte = embedding.variables["params"]["wte"]
         return Head(self.cfg, name="head")(x, wte)
+
+
+class AlpaMoELayer(nn.Module):
+    """The layer of Alpa's MoE tests (``tests/shard_parallel/test_moe.py``): attention,
+    then the MoE, each with a residual and a LayerNorm after it (BERT-style)."""
+
+    cfg: MoEConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        a = _layer_norm(cfg, "ln_1")(x + CausalSelfAttention(cfg, name="attn")(x))
+        return _layer_norm(cfg, "ln_2")(a + MoEFeedForward(cfg, name="moe")(a))
+
+
+# Alpa's test_moe_layer: batch 64, sequence 16, hidden 64, 16 heads, 16 experts, groups of 32
+ALPA_MOE_LAYER = MoEConfig(
+    name="alpa-moe-layer", hidden=64, num_layers=1, num_heads=16, num_experts=16,
+    expert_group_size=32, vocab_size=32, seq_len=16, batch_size=64, ffn_ratio=4,
+)  # fmt: skip
+
+
+def alpa_moe_layer_step(cfg: MoEConfig = ALPA_MOE_LAYER):
+    """``(step, abstract args)`` of Alpa's MoE-layer test: an MSE loss on ``[B, s, h]``
+    hidden states, Adam (lr 1e-2), as ``step(params, opt_state, batch)``."""
+    import optax
+
+    model = AlpaMoELayer(cfg)
+    x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len, cfg.hidden), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+
+    def loss(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    opt = optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step, (params, jax.eval_shape(opt.init, params), {"x": x, "y": x})
 
 
 def moe_loss_fn(cfg: MoEConfig):
