@@ -1,10 +1,12 @@
-"""Alpa's MoE layer under two all-to-all pricings: what the plan is and what it costs.
+"""Alpa's MoE layer under three all-to-all pricings: what the plan is and what it costs.
 
 Plans the layer of Alpa's ``test_moe_layer`` (batch 64, sequence 16, hidden 64, 16 heads,
 16 experts, groups of 32 tokens; MSE loss, Adam) on Alpa's 4x1 and 1x4 test meshes
 (alpha 1, beta 1) with
 
-* ``alpa``: ``CostOptions(all_to_all_penalty_scales_with_n=True)``, Alpa's pricing, and
+* ``alpa``: ``CostOptions(all_to_all_penalty_scales_with_n=True)``, Alpa's pricing,
+* ``alpa-before-fix``: what the Alpa option charged before all-to-alls were priced on
+  the per-device buffer with (n-1)/n (``(n-1)/n^2`` of it times n/2), and
 * ``default``: autoshard's own (per-device buffer, (n-1)/n, no penalty),
 
 and prints, per mesh and pricing, the objective, Alpa's expected objective for its
@@ -56,7 +58,13 @@ def run(verify: bool) -> list[dict]:
     from autoshard.models.moe import alpa_moe_layer_step
 
     step, args = alpa_moe_layer_step()
-    pricings = {"alpa": CostOptions(all_to_all_penalty_scales_with_n=True), "default": None}
+    pricings = {
+        "alpa": CostOptions(all_to_all_penalty_scales_with_n=True),
+        # what autoshard charged with Alpa's option before pricing the per-device buffer
+        # with (n-1)/n: (n-1)/n^2 x n/2 of it, i.e. a penalty of 1/2 on one axis of any n
+        "alpa-before-fix": CostOptions(all_to_all_penalty=0.5),
+        "default": None,
+    }
     rows = []
     for shape in ((4, 1), (1, 4)):
         mesh = uniform_mesh(shape, ("x", "y"), 1.0, 1.0)
