@@ -27,6 +27,15 @@ def _scatter_set(x):
     return x.at[:, rows, :].set(jnp.split(x, 4, axis=1)[0] * 2.0)
 
 
+def _scatter_add(x):
+    rows = jnp.array([3, 0, 3, 1], jnp.int32)  # a repeated row adds up
+    return x.at[:, rows, :].add(jnp.split(x, 4, axis=1)[0] * 2.0)
+
+
+def _gather_rows(x):  # index-based dispatch: tokens picked by position
+    return jnp.take(x, jnp.array([3, 0, 5, 1, 7, 2], jnp.int32), axis=1) * 2.0
+
+
 # (name, function of x [8, 16, 8], the primitive under test)
 CASES = [
     ("cumsum", lambda x: jnp.cumsum(x, axis=1) * 2.0, "cumsum"),
@@ -37,6 +46,8 @@ CASES = [
     ("rev", lambda x: jnp.flip(x, axis=1) + x, "rev"),
     ("top_k", lambda x: jax.lax.top_k(x, 2)[0] * 2.0, "top_k"),
     ("scatter", _scatter_set, "scatter"),
+    ("scatter_add", _scatter_add, "scatter-add"),
+    ("gather", _gather_rows, "gather"),
 ]
 
 
