@@ -274,6 +274,38 @@ def widened_dot_operands(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int,
     return out
 
 
+def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> set[int]:
+    """Program inputs that a batched ``dot_general`` reads in a non-canonical layout, on a
+    backend that copies them (``batched_dot_weight_copies``, XLA:CPU).
+
+    XLA canonicalises a batched dot to ``lhs [batch, free, contracting]`` and
+    ``rhs [batch, contracting, free]``; an operand laid out otherwise is transposed into a
+    buffer of its own. For a weight that copy depends on the program inputs only, so
+    XLA:CPU makes it at the start of the step: on moe-tiny's 8-device plan XLA holds the
+    transposed ``wi`` and ``wo`` of the experts (for the backward dots that contract their
+    last dim) at its peak. Activations and unbatched dots are left out (not measured)."""
+    if not mesh.memory_layout.batched_dot_weight_copies:
+        return set()
+    out = set()
+    inputs = set(graph.inputs)
+    for node in graph.nodes:
+        if node.primitive != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+        if not lb:
+            continue
+        for k, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
+            tid = node.inputs[k]
+            if tid not in inputs or graph.tensors[tid].kind in ("literal", "const", "data"):
+                continue
+            rank = len(graph.tensors[tid].shape)
+            free = [d for d in range(rank) if d not in contract and d not in batch]
+            canonical = (*batch, *free, *contract) if k == 0 else (*batch, *contract, *free)
+            if tuple(canonical) != tuple(range(rank)):
+                out.add(tid)
+    return out
+
+
 def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     """Narrow tensors that only dots read, made by anything but a dot: XLA fuses their
     producer into the convert that makes the f32 copy (an f32 weight converted to bf16
@@ -305,6 +337,12 @@ def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, 
     ]
     out += [
         (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+    ]
+    # a weight's transposed copy: made at the start of the step and counted to its end,
+    # the weight's own interval (the ILP's rows hold a tensor's buffers over one interval)
+    n = len(graph.nodes)
+    out += [
+        (tid, -1, n, graph.tensors[tid].nbytes) for tid in transposed_weight_copies(graph, mesh)
     ]
     return out
 
@@ -504,5 +542,6 @@ __all__ = [
     "program_positions",
     "streamed_tensors",
     "tensor_buffers",
+    "transposed_weight_copies",
     "widened_dot_operands",
 ]
