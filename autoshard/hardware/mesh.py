@@ -56,8 +56,8 @@ class MemoryLayout:
     # scores), so no f32 exp(scores - max) is kept (measured on one H100,
     # docs/validation.md); XLA:CPU keeps it. The memory model counts it so.
     fused_transcendentals: bool = False
-    # XLA:CPU copies a weight that a batched dot reads in a non-canonical layout (the
-    # backward dots of MoE expert weights [E, h, f], contracting f) into a transposed
+    # XLA:CPU copies a split weight that a batched dot reads in a non-canonical layout
+    # (the backward dots of MoE expert weights [E, h, f], contracting f) into a transposed
     # buffer of its own, made at the start of the step (measured on moe-tiny, docs/moe.md).
     batched_dot_weight_copies: bool = False
 
