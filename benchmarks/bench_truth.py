@@ -16,7 +16,8 @@ table for the docs; ``--suite intra|moe|memory`` re-runs one suite and keeps the
 in ``--out``.  Defaults: the intra-op suite (gpt-tiny and a 4-block gpt-tiny on
 meshes 8, 2x4, 4x2, 1x8 with SGD) and the simulator's memory suite (gpt-350m and
 gpt-1.3b shapes, two blocks, batch 8, AdamW, f32 and bf16, on 8 devices), and the
-GPT-MoE suite (moe-tiny on the intra suite's meshes, SGD)::
+GPT-MoE suite (moe-tiny on the intra suite's meshes, SGD; moe-380m's dimensions, two
+blocks, batch 16, AdamW, on 8 devices)::
 
     python benchmarks/bench_truth.py [--suite intra|moe|memory|all] [--out FILE] [--markdown FILE]
 """
@@ -37,7 +38,10 @@ SUITES = {
         ("gpt-tiny", {"num_layers": 4}, "sgd", ("8", "2x4", "4x2", "1x8")),
     ],
     # GPT-MoE (GShard top-2 gating, experts split by the plan): the rules of rules_moe.py
-    "moe": [("moe-tiny", {}, "sgd", ("8", "2x4", "4x2", "1x8"))],
+    "moe": [
+        ("moe-tiny", {}, "sgd", ("8", "2x4", "4x2", "1x8")),
+        ("moe-380m", {"num_layers": 2, "batch_size": 16}, "adamw", ("8",)),
+    ],
     "memory": [
         (model, {"num_layers": 2, "batch_size": 8, "dtype": dtype}, "adamw", ("8",))
         for model in ("gpt-350m", "gpt-1.3b")
