@@ -75,6 +75,7 @@ def tiny_report(tiny_plan):
     return tiny_plan.verify(jax.devices()[:8])
 
 
+@pytest.mark.slow  # 28 s: compiles the sharded and the single-device step
 def test_moe_tiny_plan_trains_like_one_device(tiny_plan):
     w = get_workload("moe-tiny")
     report = check_against_single_device(
