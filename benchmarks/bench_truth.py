@@ -12,13 +12,15 @@ compare with the plan's predictions:
   gap)", separately.  ``--live-peaks always`` reads the live peak for every row.
 
 Writes one JSON row per plan and prints a table; ``--markdown FILE`` also writes the
-table for the docs; ``--suite intra|memory`` re-runs one suite and keeps the other's rows
+table for the docs; ``--suite intra|moe|memory|conv`` re-runs one suite and keeps the other's rows
 in ``--out``.  Defaults: the intra-op suite (gpt-tiny and a 4-block gpt-tiny on
 meshes 8, 2x4, 4x2, 1x8 with SGD) and the simulator's memory suite (gpt-350m and
-gpt-1.3b shapes, two blocks, batch 8, AdamW, f32 and bf16, on 8 devices); ``--suite conv``
-is a two-block wresnet-tiny (convolutions, batch norm, max pooling) on meshes 8 and 2x4::
+gpt-1.3b shapes, two blocks, batch 8, AdamW, f32 and bf16, on 8 devices), the GPT-MoE
+suite (moe-tiny on the intra suite's meshes, SGD; moe-380m's dimensions, two blocks, batch
+16, AdamW, on 8 devices) and ``--suite conv``, a two-block wresnet-tiny (convolutions,
+batch norm, max pooling) on meshes 8 and 2x4::
 
-    python benchmarks/bench_truth.py [--suite intra|memory|all] [--out FILE] [--markdown FILE]
+    python benchmarks/bench_truth.py [--suite intra|moe|memory|conv|all] [--out FILE] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ SUITES = {
     "intra": [
         ("gpt-tiny", {}, "sgd", ("8", "2x4", "4x2", "1x8")),
         ("gpt-tiny", {"num_layers": 4}, "sgd", ("8", "2x4", "4x2", "1x8")),
+    ],
+    # GPT-MoE (GShard top-2 gating, experts split by the plan): the rules of rules_moe.py
+    "moe": [
+        ("moe-tiny", {}, "sgd", ("8", "2x4", "4x2", "1x8")),
+        ("moe-380m", {"num_layers": 2, "batch_size": 16}, "adamw", ("8",)),
     ],
     "memory": [
         (model, {"num_layers": 2, "batch_size": 8, "dtype": dtype}, "adamw", ("8",))

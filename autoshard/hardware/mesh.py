@@ -61,6 +61,10 @@ class MemoryLayout:
     # gradients of a conv are) reads a transposed copy of each and writes its result
     # through one. The memory model counts those copies at the conv.
     conv_layout_copies: bool = False
+    # XLA:CPU copies a split weight that a batched dot reads in a non-canonical layout
+    # (the backward dots of MoE expert weights [E, h, f], contracting f) into a transposed
+    # buffer of its own, made at the start of the step (measured on moe-tiny, docs/moe.md).
+    batched_dot_weight_copies: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -73,6 +77,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     late_updates=True,
     early_input_reshards=True,
     conv_layout_copies=True,
+    batched_dot_weight_copies=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).

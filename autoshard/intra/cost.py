@@ -10,7 +10,16 @@ devices in the group and ``bytes`` the per-device size with the conventions of
     all-reduce      alpha + beta * 2 (n-1)/n   * bytes    (the reduced buffer)
     all-gather      alpha + beta *   (n-1)/n   * bytes    (the gathered output)
     reduce-scatter  alpha + beta *   (n-1)/n   * bytes    (the input)
-    all-to-all      alpha + beta *   (n-1)/n^2 * bytes * penalty
+    all-to-all      alpha + beta *   (n-1)/n   * bytes * penalty  (the per-device buffer)
+
+An all-to-all sends (n-1)/n of every device's buffer to the others, all at once: on a
+switched network (NVSwitch, a non-blocking fabric) each device's link carries
+(n-1)/n x bytes, which is how NCCL's tests define its bus bandwidth, and one launch
+latency alpha is paid, not one per peer (the n-1 messages are in flight together).
+REFERENCE.md's ``(n-1)/n^2`` is the same cost written on the whole tensor (n x bytes),
+the way Alpa passes it; on the per-device buffer Collective records carry it is
+``(n-1)/n``. Alpa's ``n / 2`` penalty (``all_to_all_penalty_scales_with_n``) on top
+reproduces its objectives exactly (docs/moe.md).
 
 A group of several mesh axes runs one ring over all their devices, and a ring is as slow
 as its slowest link: the group uses the *largest* alpha and the *largest* beta among its
@@ -50,7 +59,8 @@ class CostOptions:
     ``tie_breakers`` adds Alpa's per-collective constants (:data:`ALPA_TIE_BREAKERS`).
     ``all_to_all_penalty`` multiplies the beta term of an all-to-all; with
     ``all_to_all_penalty_scales_with_n`` it is further multiplied by ``n / 2``, which is
-    what Alpa does to match all-to-all timings on V100 + NVLink.
+    what Alpa does to match all-to-all timings on V100 + NVLink (a hybrid cube-mesh, not a
+    switch): with it, an all-to-all costs exactly what Alpa's objective charges.
     ``group_reductions`` reduces several partial axes with one all-reduce over all of
     them, as XLA's SPMD partitioner does; off, it may split them when that is cheaper.
     """
@@ -85,7 +95,7 @@ def _ring_cost(
         penalty = options.all_to_all_penalty
         if options.all_to_all_penalty_scales_with_n:
             penalty *= n / 2
-        volume = (n - 1) / (n * n) * nbytes * penalty
+        volume = (n - 1) / n * nbytes * penalty
     else:  # all-gather, reduce-scatter
         volume = (n - 1) / n * nbytes
     tie = ALPA_TIE_BREAKERS[kind] if options.tie_breakers else 0.0

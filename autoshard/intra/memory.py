@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import CopyBuffer
+from autoshard.intra.layout_copies import transposed_conv_values, transposed_weight_copies
 from autoshard.intra.strategies import Strategy
-from autoshard.ir.graph import Graph, conv_dimension_numbers
+from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
 
@@ -302,38 +303,6 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
-def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:
-    """(tensor, first, last node index) of each conv operand or result XLA:CPU transposes
-    for the conv (``conv_layout_copies``): its one conv layout is (batch, spatial...,
-    feature) for the input and the result and (spatial..., in, out) for the kernel; any
-    other order (a weight gradient reads the activation as (feature, spatial..., batch),
-    an input gradient reads the kernel with in and out swapped) costs a copy of the
-    value, made just before the conv and freed after it -- or, for a program input (the
-    images, a kernel) with ``early_input_reshards``, made at the start of the step (seen
-    in the compiled wresnet-tiny step: ``transpose_copy_fusion`` buffers beside each
-    gradient conv, the images' from the start to the stem's weight gradient)."""
-    if not mesh.memory_layout.conv_layout_copies:
-        return []
-    early = set(graph.inputs) if mesh.memory_layout.early_input_reshards else set()
-    out = []
-    for node in graph.nodes:
-        if node.primitive != "conv_general_dilated":
-            continue
-        lhs, rhs, res = conv_dimension_numbers(node.params)
-        n = len(lhs)
-        spatial = tuple(range(1, n - 1))
-        canonical = (
-            (0, n - 1, *spatial),  # lhs: batch, feature, spatial (as dims of NHWC)
-            (n - 1, n - 2, *range(n - 2)),  # rhs: out, in, spatial (as dims of HWIO)
-            (0, n - 1, *spatial),
-        )
-        values = (node.inputs[0], node.inputs[1], node.outputs[0])
-        for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
-            if tuple(spec) != want:
-                out.append((tid, 0 if tid in early else node.index, node.index))
-    return out
-
-
 def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
     """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
     layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
@@ -407,7 +376,17 @@ def predicted_peak_bytes(
         for tid, first, last, nbytes in tensor_buffers(graph, mesh)
         if tid in spec_of
     ]
-    buffers += _reshard_buffers(graph, operand_specs, mesh)
+    buffers += _reshard_buffers(graph, operand_specs or {}, mesh)
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    buffers += [  # transposed weight copies: made at the start, live to their last reader
+        (
+            0,
+            max(pos[d] for d in dots),
+            graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh),
+        )
+        for tid, dots in transposed_weight_copies(graph, mesh).items()
+        if tid in spec_of and not spec_of[tid].is_replicated
+    ]
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -473,6 +452,8 @@ def memory_rows(
         node, _ = producer[tid]
         owner[tid] = node
     groups = _copy_groups(graph, strategies, producer, n_in, mesh, operands)
+    if operands:  # copies are listed when asked for, the transposed weights' with the rest
+        groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}
@@ -511,6 +492,25 @@ def memory_rows(
             CopyBuffer(nbytes, src, src_strategies, tuple(r[1:] for r in readers), windows)
         )
     return MemoryRows(tuple(node_memory), tuple(live_sets), tuple(copies))
+
+
+def _transposed_copy_groups(graph, strategies, producer, n_in, mesh) -> list:
+    """:func:`transposed_weight_copies` as :func:`_copy_groups` entries: per weight and
+    size, the weight's strategies that give that size; made at the start of the step; read
+    by its dots under any strategy."""
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    out = []
+    for tid, dots in transposed_weight_copies(graph, mesh).items():
+        src, k = producer[tid]
+        by_size: dict[float, list[int]] = {}
+        for p, s in enumerate(strategies[src]):
+            if s.output_specs[k].is_replicated:
+                continue
+            size = graph.tensors[tid].nbytes * s.output_specs[k].shard_fraction(mesh.mesh)
+            by_size.setdefault(size, []).append(p)
+        readers = sorted((pos[d], n_in + d, tuple(range(len(strategies[n_in + d])))) for d in dots)
+        out += [((src, tuple(ps)), size, True, readers) for size, ps in by_size.items()]
+    return out
 
 
 def _copy_groups(graph, strategies, producer, n_in, mesh, operands) -> list:
@@ -567,5 +567,6 @@ __all__ = [
     "streamed_tensors",
     "tensor_buffers",
     "transposed_conv_values",
+    "transposed_weight_copies",
     "widened_dot_operands",
 ]

@@ -583,5 +583,6 @@ __all__ = [
     "strategy_seconds",
 ]
 
-# rule families kept in modules of their own register themselves on import
-from autoshard.intra import rules_conv, rules_slice  # noqa: E402,F401  (conv, pooling, rev; slice)
+# rule families kept in modules of their own register themselves on import (they import
+# this module); a later import wins a primitive both register (rev: the same splits)
+from autoshard.intra import rules_conv, rules_moe, rules_slice  # noqa: E402,F401

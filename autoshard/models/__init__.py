@@ -31,6 +31,7 @@ from autoshard.models.mlp import (
     mlp_loss_fn,
     mlp_random_batch,
 )
+from autoshard.models.moe import MOE_PRESETS, MoEConfig, moe_init_fn, moe_loss_fn
 from autoshard.models.wresnet import (
     WRESNET_PRESETS,
     WResNetConfig,
@@ -44,6 +45,8 @@ __all__ = [
     "GPT_PRESETS",
     "GPTConfig",
     "MLPConfig",
+    "MOE_PRESETS",
+    "MoEConfig",
     "WRESNET_PRESETS",
     "WResNetConfig",
     "Workload",
@@ -83,7 +86,7 @@ class Workload:
 
 
 def model_names() -> list[str]:
-    return [*GPT_PRESETS, "mlp", *WRESNET_PRESETS]
+    return [*GPT_PRESETS, *MOE_PRESETS, "mlp", *WRESNET_PRESETS]
 
 
 def get_workload(
@@ -124,7 +127,11 @@ def get_workload(
                 "a Wide-ResNet has no scanned form; --scan-layers is for the GPT presets"
             )
         return _wresnet_workload(name, batch_size, seq_len, vocab_size, num_layers, hidden, dtype)
-    if name not in GPT_PRESETS:
+    if name in MOE_PRESETS and scan_layers:
+        raise ValueError(
+            "the MoE presets have no scanned form; --scan-layers is for the GPT presets"
+        )
+    if name not in GPT_PRESETS and name not in MOE_PRESETS:
         close = difflib.get_close_matches(name, model_names(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown model {name!r}.{hint} Presets: {', '.join(model_names())}")
@@ -139,7 +146,7 @@ def get_workload(
             isinstance(value, bool) or not isinstance(value, int) or value <= 0
         ):
             raise ValueError(f"{field} must be a positive integer, got {value!r}")
-    cfg = GPT_PRESETS[name].replace(
+    cfg = (GPT_PRESETS.get(name) or MOE_PRESETS[name]).replace(
         batch_size=batch_size,
         seq_len=seq_len,
         vocab_size=vocab_size,
@@ -148,11 +155,12 @@ def get_workload(
         dtype=dtype,
         scan_layers=scan_layers,
     )
+    moe = isinstance(cfg, MoEConfig)
     return Workload(
         name,
         cfg,
-        gpt_loss_fn(cfg),
-        gpt_init_fn(cfg),
+        moe_loss_fn(cfg) if moe else gpt_loss_fn(cfg),
+        moe_init_fn(cfg) if moe else gpt_init_fn(cfg),
         gpt_batch_spec(cfg),
         lambda rng: gpt_random_batch(cfg, rng),
     )

@@ -1,0 +1,85 @@
+"""XLA:CPU's layout copies, as the memory model counts them (jax-free).
+
+Takes a graph and a priced mesh; returns the values a backend copies into a transposed
+layout of its own, when its :class:`~autoshard.hardware.mesh.MemoryLayout` says it does:
+the weights a batched dot reads in a non-canonical layout (``batched_dot_weight_copies``)
+and the operands and results of convolutions (``conv_layout_copies``). Used by
+:mod:`autoshard.intra.memory` for the predicted peak and the ILP's memory rows.
+"""
+
+from __future__ import annotations
+
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.ir.graph import Graph, conv_dimension_numbers
+
+
+def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Program inputs that a batched ``dot_general`` reads in a non-canonical layout, on a
+    backend that copies them (``batched_dot_weight_copies``, XLA:CPU).
+
+    XLA canonicalises a batched dot to ``lhs [batch, free, contracting]`` and
+    ``rhs [batch, contracting, free]``; an operand laid out otherwise is transposed into a
+    buffer of its own. For a weight that copy depends on the program inputs only, so
+    XLA:CPU makes it at the start of the step: on moe-tiny's 8-device plan XLA holds the
+    transposed ``wi`` and ``wo`` of the experts (for the backward dots that contract their
+    last dim) at its peak. Activations and unbatched dots are left out (not measured),
+    and so are replicated weights: the data-parallel, ZeRO-2 and Megatron baselines of
+    moe-tiny (experts replicated) are over-predicted by 14-20% with their copies counted,
+    under-predicted without, so XLA does not keep them there (bench_truth's moe suite).
+
+    Returns weight tensor id -> the dot nodes that read the copy, in program order. The
+    copy lives from the start of the step to its last reader (a resharded copy made early,
+    :func:`_reshard_buffers`; in the ILP, a :class:`CopyBuffer` of every layout of the
+    weight)."""
+    if not mesh.memory_layout.batched_dot_weight_copies:
+        return {}
+    out: dict[int, list[int]] = {}
+    inputs = set(graph.inputs)
+    for node in graph.nodes:
+        if node.primitive != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+        if not lb:
+            continue
+        for k, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
+            tid = node.inputs[k]
+            if tid not in inputs or graph.tensors[tid].kind in ("literal", "const", "data"):
+                continue
+            rank = len(graph.tensors[tid].shape)
+            free = [d for d in range(rank) if d not in contract and d not in batch]
+            canonical = (*batch, *free, *contract) if k == 0 else (*batch, *contract, *free)
+            if tuple(canonical) != tuple(range(rank)):
+                out.setdefault(tid, []).append(node.index)
+    return {tid: tuple(dots) for tid, dots in out.items()}
+
+
+def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:
+    """(tensor, first, last node index) of each conv operand or result XLA:CPU transposes
+    for the conv (``conv_layout_copies``): its one conv layout is (batch, spatial...,
+    feature) for the input and the result and (spatial..., in, out) for the kernel; any
+    other order (a weight gradient reads the activation as (feature, spatial..., batch),
+    an input gradient reads the kernel with in and out swapped) costs a copy of the
+    value, made just before the conv and freed after it -- or, for a program input (the
+    images, a kernel) with ``early_input_reshards``, made at the start of the step (seen
+    in the compiled wresnet-tiny step: ``transpose_copy_fusion`` buffers beside each
+    gradient conv, the images' from the start to the stem's weight gradient)."""
+    if not mesh.memory_layout.conv_layout_copies:
+        return []
+    early = set(graph.inputs) if mesh.memory_layout.early_input_reshards else set()
+    out = []
+    for node in graph.nodes:
+        if node.primitive != "conv_general_dilated":
+            continue
+        lhs, rhs, res = conv_dimension_numbers(node.params)
+        n = len(lhs)
+        spatial = tuple(range(1, n - 1))
+        canonical = (
+            (0, n - 1, *spatial),  # lhs: batch, feature, spatial (as dims of NHWC)
+            (n - 1, n - 2, *range(n - 2)),  # rhs: out, in, spatial (as dims of HWIO)
+            (0, n - 1, *spatial),
+        )
+        values = (node.inputs[0], node.inputs[1], node.outputs[0])
+        for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
+            if tuple(spec) != want:
+                out.append((tid, 0 if tid in early else node.index, node.index))
+    return out
