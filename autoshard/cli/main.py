@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     from autoshard.cli.simulate import register as register_simulate
 
     register_simulate(sub)
+
+    from autoshard.cli.reproduce import register as register_reproduce
+
+    register_reproduce(sub)
     return parser
 
 
