@@ -28,7 +28,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -84,6 +84,15 @@ def machine() -> dict:
     return info
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its children so far."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def record(module, data: dict, quick: bool, wall_s: float) -> dict:
     """The JSON document of one run: the figure's data plus where and when it was made."""
     return {
@@ -96,6 +105,7 @@ def record(module, data: dict, quick: bool, wall_s: float) -> dict:
         "machine": machine(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "wall_seconds": wall_s,
+        "cpu_seconds": cpu_seconds(),
         "data": data,
     }
 
@@ -209,15 +219,15 @@ def stacked_bars(
     ax,
     groups: Sequence[str],
     phases: Sequence[str],
-    value: Callable[[str, str], float],
+    cells: Mapping[tuple[str, str], float],
     *,
     ylabel: str,
     xlabel: str = "The number of GPUs",
 ) -> None:
-    """Bars per group, stacked by phase (``value(phase, group)``, 0 for none)."""
+    """Bars per group, stacked by phase (``cells[(phase, group)]``: seconds; missing: 0)."""
     bottom = [0.0] * len(groups)
     for i, phase in enumerate(phases):
-        heights = [value(phase, g) or 0.0 for g in groups]
+        heights = [cells.get((phase, g)) or 0.0 for g in groups]
         bars = ax.bar(range(len(groups)), heights, 0.6, bottom=bottom, label=phase,
                       color=PALETTE[i % len(PALETTE)])  # fmt: skip
         for bar, g in zip(bars, groups, strict=True):

@@ -114,6 +114,10 @@ def run(quick: bool, progress) -> dict:
     }
 
 
+def panel_title(doc: dict) -> str:
+    return f"GPT on {doc['data']['config']['cluster']}"
+
+
 def plot(doc: dict):
     rows = doc["data"]["rows"]
     groups = [f"{r['gpus']}" for r in rows if r["method"] == "auto"]
@@ -126,7 +130,7 @@ def plot(doc: dict):
         labels=LABELS,
         xlabel="The number of GPUs (model: " + ", ".join(models) + ")",
     )  # fmt: skip
-    ax.set_title(f"GPT on {doc['data']['config']['cluster']}", fontsize=9)
+    ax.set_title(panel_title(doc), fontsize=9)
     fig.suptitle(figure.title(doc))
     fig.tight_layout()
     return fig

@@ -82,26 +82,46 @@ def run(quick: bool, progress) -> dict:
     }
 
 
+def megatron_points(data: dict) -> list[tuple[str, float, float]]:
+    """(series, published TFLOP/s, simulated TFLOP/s) per Table 1 row."""
+    return [
+        ("Megatron-LM Table 1", r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"])
+        for r in data["megatron_table_1"]
+    ]
+
+
+def h100_points(data: dict) -> list[tuple[str, float, float]]:
+    """(program, measured ms, simulated ms) per H100 row and program."""
+    return [
+        (f"{p} program", 1e3 * r["measured_step_time_s"], 1e3 * r[f"predicted_step_time_s[{p}]"])
+        for r in data["h100"]
+        for p in ("megatron-lm", "traced")
+    ]
+
+
+def scatter_points(doc: dict) -> list[tuple[float, float]]:
+    """Every (x, y) the figure plots."""
+    data = doc["data"]
+    return [(x, y) for _, x, y in megatron_points(data) + h100_points(data)]
+
+
 def plot(doc: dict):
     data = doc["data"]
     fig, (a, b) = figure.plt.subplots(1, 2, figsize=(11, 4.4))
     figure.truth_scatter(
-        a,
-        [("Megatron-LM Table 1", r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"])
-         for r in data["megatron_table_1"]],
+        a, megatron_points(data),
         xlabel="Published TFLOP/s per GPU", ylabel="Simulated TFLOP/s per GPU", log=False,
     )  # fmt: skip
     for r in data["megatron_table_1"]:
         a.annotate(r["model"], (r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"]),
                    fontsize=6, xytext=(3, 3), textcoords="offset points")  # fmt: skip
     a.set_title("DGX A100, Megatron-LM (published)", fontsize=9)
-    points = []
-    for r in data["h100"]:
-        for program in ("megatron-lm", "traced"):
-            points.append((f"{program} program", 1e3 * r["measured_step_time_s"],
-                           1e3 * r[f"predicted_step_time_s[{program}]"]))  # fmt: skip
     figure.truth_scatter(
-        b, points, xlabel="Measured step time (ms)", ylabel="Simulated step time (ms)", log=False
+        b,
+        h100_points(data),
+        xlabel="Measured step time (ms)",
+        ylabel="Simulated step time (ms)",
+        log=False,
     )
     for r in data["h100"]:
         b.annotate(r["config"], (1e3 * r["measured_step_time_s"],
