@@ -90,12 +90,14 @@ def plot(doc: dict):
     )  # fmt: skip
     for g, ref in doc["data"]["reported"].items():
         if g in by:
-            x = groups.index(g) + 0.38
-            ax.bar(x, ref["seconds"], 0.16, fill=False, hatch="//", edgecolor="black",
+            x = groups.index(g) + 0.42
+            ax.bar(x, ref["seconds"], 0.2, fill=False, hatch="//", edgecolor="black",
                    gid=f"bar|reported|{g}")  # fmt: skip
             ax.annotate(f"{ref['label']}: {ref['seconds']:,.0f} s", (x, ref["seconds"]),
                         fontsize=7, ha="right", xytext=(0, 3), textcoords="offset points")  # fmt: skip
     ax.set_yscale("log")
+    smallest = min(s for r in rows for s in r["phase_seconds"].values() if s > 0)
+    ax.set_ylim(bottom=smallest / 3)  # the first phase of every bar stays visible
     ax.set_title(f"autoshard's search on {doc['data']['config']['cluster']} + XLA compile; "
                  "hatched: reported, not measured", fontsize=8)  # fmt: skip
     load = doc.get("machine", {}).get("load_average_1m")
