@@ -38,33 +38,38 @@ def _mesh(gpus: int) -> str:
     return str(gpus) if gpus <= 8 else f"{gpus // 8}x8"
 
 
+def measure_point(model: str, gpus: int, progress=lambda *a: None) -> dict:
+    """The phases of one point (needs ``gpus`` fake CPU devices set up before jax starts)."""
+    import autoshard
+    from autoshard.sim.simulate import simulate
+
+    progress(f"{model} on {gpus}: search")
+    report = simulate(model, CLUSTER, gpus, "auto", global_batch=1024)
+    phases = report.plan["phase_seconds"]
+    progress(f"{model} on {gpus}: XLA compile")
+    options = autoshard.IntraOptions(solver="highs", time_limit_s=60.0)
+    bound = autoshard.plan_workload(model, _mesh(gpus), options=options, batch_size=2 * gpus)
+    verified = bound.verify()
+    return {
+        "model": model, "gpus": gpus, "mesh": _mesh(gpus),
+        "phase_seconds": {
+            PHASES[0]: phases["trace"], PHASES[1]: phases["intra_op_ilps"],
+            PHASES[2]: phases["stage_dp"], PHASES[3]: verified.compile_seconds,
+        },
+        "search_seconds": report.search_seconds,
+        "num_ilps": report.plan["num_ilps"],
+        "compile_batch": 2 * gpus,
+    }  # fmt: skip
+
+
 def run(quick: bool, progress) -> dict:
     import jax
 
     points = [p for p in SUITE if p[1] <= (8 if quick else 64)]
     jax.config.update("jax_num_cpu_devices", max(g for _, g in points))
-    import autoshard
-    from autoshard.sim.simulate import simulate
-
     rows = []
     for i, (model, gpus) in enumerate(points):
-        progress(i, len(points), f"{model} on {gpus}: search")
-        report = simulate(model, CLUSTER, gpus, "auto", global_batch=1024)
-        phases = report.plan["phase_seconds"]
-        progress(i, len(points), f"{model} on {gpus}: XLA compile")
-        options = autoshard.IntraOptions(solver="highs", time_limit_s=60.0)
-        bound = autoshard.plan_workload(model, _mesh(gpus), options=options, batch_size=2 * gpus)
-        verified = bound.verify()
-        rows.append({
-            "model": model, "gpus": gpus, "mesh": _mesh(gpus),
-            "phase_seconds": {
-                PHASES[0]: phases["trace"], PHASES[1]: phases["intra_op_ilps"],
-                PHASES[2]: phases["stage_dp"], PHASES[3]: verified.compile_seconds,
-            },
-            "search_seconds": report.search_seconds,
-            "num_ilps": report.plan["num_ilps"],
-            "compile_batch": 2 * gpus,
-        })  # fmt: skip
+        rows.append(measure_point(model, gpus, lambda text, i=i: progress(i, len(points), text)))
     progress(len(points), len(points), "done")
     return {
         "config": {
