@@ -129,7 +129,7 @@ def cmd_reproduce(args) -> int:
             for e in experiments:
                 print(f"{e.name:{width}}  [{e.source}]  {e.title}")
         return 0
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the scripts run in experiments/, not here
     out.mkdir(parents=True, exist_ok=True)
     results = []
     t0 = time.perf_counter()
