@@ -91,7 +91,7 @@ def run(quick: bool, progress) -> dict:
             "plan_seconds": time.perf_counter() - t0,
         }
         if not oom:  # the same plan, compiled by XLA on fake CPU devices
-            report = bound.verify()
+            report = bound.verify(devices=jax.devices()[:gpus])
             row |= {
                 "compiled_peak_bytes": report.compiled_peak_bytes,
                 "compiled_collective_bytes": sum(r.compiled_bytes for r in report.comparison.rows),

@@ -40,6 +40,8 @@ def _mesh(gpus: int) -> str:
 
 def measure_point(model: str, gpus: int, progress=lambda *a: None) -> dict:
     """The phases of one point (needs ``gpus`` fake CPU devices set up before jax starts)."""
+    import jax
+
     import autoshard
     from autoshard.sim.simulate import simulate
 
@@ -49,7 +51,7 @@ def measure_point(model: str, gpus: int, progress=lambda *a: None) -> dict:
     progress(f"{model} on {gpus}: XLA compile")
     options = autoshard.IntraOptions(solver="highs", time_limit_s=60.0)
     bound = autoshard.plan_workload(model, _mesh(gpus), options=options, batch_size=2 * gpus)
-    verified = bound.verify()
+    verified = bound.verify(devices=jax.devices()[:gpus])
     return {
         "model": model, "gpus": gpus, "mesh": _mesh(gpus),
         "phase_seconds": {
