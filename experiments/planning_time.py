@@ -104,7 +104,11 @@ def plot(doc: dict):
                         fontsize=7, ha="right", xytext=(0, 3), textcoords="offset points")  # fmt: skip
     ax.set_yscale("log")
     smallest = min(s for r in rows for s in r["phase_seconds"].values() if s > 0)
-    ax.set_ylim(bottom=smallest / 3)  # the first phase of every bar stays visible
+    tallest = max(
+        [sum(r["phase_seconds"].values()) for r in rows]
+        + [ref["seconds"] for g, ref in doc["data"]["reported"].items() if g in by]
+    )
+    ax.set_ylim(smallest / 3, tallest * 5)  # every first phase visible, room for the labels
     ax.set_title(f"autoshard's search on {doc['data']['config']['cluster']} + XLA compile; "
                  "hatched: reported, not measured", fontsize=8)  # fmt: skip
     load = doc.get("machine", {}).get("load_average_1m")
