@@ -14,10 +14,10 @@ def _ruff(*args):
 
 
 def test_ruff_check():
-    proc = _ruff("check", "autoshard", "tests", "benchmarks")
+    proc = _ruff("check", "autoshard", "tests", "benchmarks", "experiments")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_ruff_format():
-    proc = _ruff("format", "--check", "autoshard", "tests", "benchmarks")
+    proc = _ruff("format", "--check", "autoshard", "tests", "benchmarks", "experiments")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -517,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     from autoshard.cli.explain import register as register_explain
 
     register_explain(sub)
+
+    from autoshard.cli.reproduce import register as register_reproduce
+
+    register_reproduce(sub)
     return parser
 
 

@@ -1,0 +1,157 @@
+"""Truth: predicted vs compiled communication bytes per mesh axis and peak memory per device.
+
+On 8 fake CPU devices, for the ILP's plan and every baseline (dp, zero2, zero3,
+megatron): ``plan_workload(...)`` then ``bound.verify()`` compiles the step with XLA and
+reads back its collectives and its memory. Models: gpt-tiny (meshes 8 and 2x4; full run
+also 4x2 and 1x8) and mid-size GPTs at their real width with 2 blocks, batch 8 (gpt-350m
+on 8, full run also on 2x4 and gpt-1.3b on 8); further model families join when
+``autoshard.models.model_names()`` lists them (``EXTRA_FAMILIES``). One point per
+(model, mesh, plan, mesh axes) for bytes, one per plan for memory.
+
+    python experiments/truth.py [--quick] [--out docs/figures]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import figure
+
+NAME = "truth"
+TITLE = "Truth: predicted vs compiled collectives and memory"
+SOURCE = "compiled"
+FIGURE = 5
+
+PLANS = ("auto", "dp", "zero2", "zero3", "megatron")
+MID = {"num_layers": 2, "batch_size": 8}
+QUICK_CASES = (("gpt-tiny", {}, ("8", "2x4")), ("gpt-350m", MID, ("8",)))
+FULL_CASES = (
+    ("gpt-tiny", {}, ("8", "2x4", "4x2", "1x8")),
+    ("gpt-350m", MID, ("8", "2x4")),
+    ("gpt-1.3b", MID, ("8",)),
+)
+EXTRA_FAMILIES = ("moe-", "wresnet-")  # the smallest preset of each joins when it exists
+
+
+def _cases(quick: bool):
+    from autoshard.models import model_names
+
+    cases = list(QUICK_CASES if quick else FULL_CASES)
+    names = model_names()
+    for prefix in EXTRA_FAMILIES:
+        family = [n for n in names if n.startswith(prefix)]
+        if family:
+            cases.append((family[0], {"batch_size": 8}, ("8",)))
+    return cases
+
+
+def run(quick: bool, progress) -> dict:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import autoshard
+
+    options = autoshard.IntraOptions(solver="highs", time_limit_s=60.0)
+    todo = [(m, o, mesh, p) for m, o, meshes in _cases(quick) for mesh in meshes for p in PLANS]
+    rows = []
+    for i, (model, overrides, mesh, plan) in enumerate(todo):
+        label = model + "".join(f" {k}={v}" for k, v in overrides.items())
+        progress(i, len(todo), f"{label} on {mesh}: {plan}")
+        t0 = time.perf_counter()
+        bound = autoshard.plan_workload(
+            model, mesh, baseline=None if plan == "auto" else plan, options=options, **overrides
+        )
+        report = bound.verify()
+        by_axes = {}
+        for r in report.comparison.rows:
+            axes = ",".join(r.axes) or "?"
+            pred, comp = by_axes.get(axes, (0, 0))
+            by_axes[axes] = (pred + r.predicted_bytes, comp + r.compiled_bytes)
+        rows.append({
+            "model": label, "mesh": mesh, "plan": plan,
+            "bytes_by_axes": {a: {"predicted": p, "compiled": c} for a, (p, c) in by_axes.items()},
+            "collectives_agree": report.collectives_agree,
+            "predicted_peak_bytes": report.predicted_peak_bytes,
+            "compiled_peak_bytes": report.compiled_peak_bytes,
+            "memory_agree": report.memory_agree,
+            "seconds": time.perf_counter() - t0,
+        })  # fmt: skip
+    progress(len(todo), len(todo), "done")
+    return {
+        "config": {
+            "devices": "8 fake CPU devices (XLA:CPU)",
+            "solver": "highs, 60 s",
+            "optimizer": "adamw",
+            "bytes": "per device, summed over the step's collectives on those mesh axes",
+        },
+        "rows": rows,
+        "summary": summary(rows),
+    }
+
+
+def summary(rows: list[dict]) -> dict:
+    def within(p, c, tol=0.10):
+        return abs(p - c) <= tol * max(c, 1)
+
+    points = [(v["predicted"], v["compiled"]) for r in rows for v in r["bytes_by_axes"].values()]
+    return {
+        "plans": len(rows),
+        "collectives_agree": sum(r["collectives_agree"] for r in rows),
+        "memory_within_10_percent": sum(
+            within(r["predicted_peak_bytes"], r["compiled_peak_bytes"]) for r in rows
+        ),
+        "byte_points": len(points),
+        "byte_points_within_10_percent": sum(within(p, c) for p, c in points),
+    }
+
+
+def byte_points(rows) -> list[tuple[str, float, float]]:
+    """(plan, compiled MiB, predicted MiB) per (model, mesh, plan, mesh axes) with traffic."""
+    return [
+        (r["plan"], v["compiled"] / 2**20, v["predicted"] / 2**20)
+        for r in rows
+        for v in r["bytes_by_axes"].values()
+        if v["compiled"] or v["predicted"]
+    ]
+
+
+def memory_points(rows) -> list[tuple[str, float, float]]:
+    """(plan, compiled MiB, predicted MiB) of the peak memory per device, one per plan."""
+    return [
+        (r["plan"], r["compiled_peak_bytes"] / 2**20, r["predicted_peak_bytes"] / 2**20)
+        for r in rows
+    ]
+
+
+def scatter_points(doc: dict) -> list[tuple[float, float]]:
+    """Every (x, y) the figure plots."""
+    rows = doc["data"]["rows"]
+    return [(x, y) for _, x, y in byte_points(rows) + memory_points(rows)]
+
+
+def plot(doc: dict):
+    rows = doc["data"]["rows"]
+    fig, (a, b) = figure.plt.subplots(1, 2, figsize=(11, 4.6))
+    figure.truth_scatter(
+        a, byte_points(rows),
+        xlabel="Compiled bytes per device (MiB)", ylabel="Predicted bytes per device (MiB)",
+    )  # fmt: skip
+    s = doc["data"]["summary"]
+    a.set_title(f"Collectives per (model, mesh, plan, mesh axes): "
+                f"{s['byte_points_within_10_percent']}/{s['byte_points']} within 10%", fontsize=8)  # fmt: skip
+    figure.truth_scatter(
+        b, memory_points(rows),
+        xlabel="Compiled peak memory per device (MiB)",
+        ylabel="Predicted peak memory per device (MiB)",
+    )  # fmt: skip
+    b.set_title(f"Peak memory per plan: {s['memory_within_10_percent']}/{s['plans']} within 10%",
+                fontsize=8)  # fmt: skip
+    models = ", ".join(dict.fromkeys(r["model"] for r in rows))
+    fig.suptitle(figure.title(doc, f"{TITLE} on 8 fake CPU devices\n{models}"), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    figure.main(sys.modules[__name__])

@@ -1,0 +1,184 @@
+"""experiments/ and `autoshard reproduce`: discovery, bad input, and figures that match their JSON.
+
+The figure tests draw each committed figure (docs/figures/<name>.json) again from its
+JSON, read back what was drawn (bar heights, out-of-memory crosses, scatter points) and
+compare it with the numbers in the JSON, so a figure cannot drift from its data.  No
+experiment is run here (they take minutes); `autoshard reproduce --quick` runs them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoshard.cli.main import main
+from autoshard.cli.reproduce import default_experiments_dir, discover
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = ROOT / "experiments"
+FIGURES = ROOT / "docs" / "figures"
+EXPECTED = {
+    "weak-scaling", "intra-ablation", "inter-ablation", "planning-time", "truth",
+    "planner-scaling", "sim-validation",
+}  # fmt: skip
+
+
+def _script(name: str):
+    """The experiment module called ``name`` (imported by path; figure.py beside it)."""
+    exp = {e.name: e for e in discover(EXPERIMENTS)}[name]
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"exp_{exp.script.stem}", exp.script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    return module
+
+
+def _drawn(module, doc):
+    fig = module.plot(doc)
+    import figure  # noqa: E402  (on sys.modules once a script imported it)
+
+    out = figure.drawn(fig)
+    figure.plt.close(fig)
+    return fig, out
+
+
+def test_discovery_finds_every_figure_in_order():
+    found = discover(default_experiments_dir())
+    assert {e.name for e in found} == EXPECTED
+    assert all(e.source in ("simulated", "compiled", "measured") for e in found)
+    assert [e.name for e in found][0] == "weak-scaling"
+
+
+def test_reproduce_list_json(capsys):
+    assert main(["reproduce", "--list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {e["name"] for e in listed} == EXPECTED
+
+
+def test_reproduce_unknown_name_is_exit_2_with_the_names(capsys):
+    assert main(["reproduce", "--only", "no-such-figure", "--list"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-figure" in err and "weak-scaling" in err
+
+
+def test_reproduce_without_experiments_folder_says_where_to_run(tmp_path, capsys):
+    assert main(["reproduce", "--list", "--experiments", str(tmp_path / "absent")]) == 2
+    assert "clone of the repository" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_committed_figure_has_json_png_and_provenance(name):
+    doc = json.loads((FIGURES / f"{name}.json").read_text())
+    assert (FIGURES / f"{name}.png").stat().st_size > 10_000
+    assert doc["name"] == name and doc["source"] in ("simulated", "compiled", "measured")
+    assert doc["git_commit"] and doc["date"] and doc["machine"]["cpus"] >= 1
+
+
+def _bars_match(drawn: dict, rows, panel: str, height_key: str, series_key: str, group_key):
+    for r in rows:
+        cell = f"{r[series_key]}|{r[group_key]}"
+        if r["oom"]:
+            assert f"{panel}::oom|{cell}" in drawn, cell
+            assert f"{panel}::bar|{cell}" not in drawn, cell
+        else:
+            x, h = drawn[f"{panel}::bar|{cell}"]
+            assert h == pytest.approx(r[height_key], rel=1e-12), cell
+            assert f"{panel}::oom|{cell}" not in drawn, cell
+
+
+def test_weak_scaling_bars_and_crosses_are_the_json():
+    module = _script("weak-scaling")
+    doc = json.loads((FIGURES / "weak-scaling.json").read_text())
+    _, drawn = _drawn(module, doc)
+    for cluster, family in module.panels(doc):
+        rows = [r for r in doc["data"]["rows"] if (r["cluster"], r["family"]) == (cluster, family)]
+        _bars_match(drawn, rows, f"{family.upper()} on {cluster}", "pflops", "method", "gpus")
+        # the linear-scaling outline: the best 1-GPU value times the GPU count
+        base = max(r["pflops"] for r in rows if r["gpus"] == rows[0]["gpus"] and not r["oom"])
+        for g in {r["gpus"] for r in rows}:
+            _, h = drawn[f"{family.upper()} on {cluster}::bar|linear|{g}"]
+            assert h == pytest.approx(base * g / rows[0]["gpus"])
+
+
+def test_weak_scaling_draws_a_cross_not_a_bar_where_out_of_memory():
+    module = _script("weak-scaling")
+    row = dict(cluster="c", family="gpt", model="gpt-x", plan={}, step_time_s=1.0)
+    rows = [
+        row | dict(gpus=1, method="auto", pflops=1.0, oom=False),
+        row | dict(gpus=1, method="megatron", pflops=0.5, oom=True),
+        row | dict(gpus=2, method="auto", pflops=1.8, oom=False),
+        row | dict(gpus=2, method="megatron", pflops=2.5, oom=True),
+    ]
+    doc = {"title": "t", "source": "simulated", "data": {"rows": rows}}
+    _, drawn = _drawn(module, doc)
+    _bars_match(drawn, rows, "GPT on c", "pflops", "method", "gpus")
+    # the OOM bar's 2.5 is not drawn, and the linear outline comes from fitting bars only
+    assert drawn["GPT on c::bar|linear|2"][1] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("name", ["inter-ablation", "intra-ablation"])
+def test_ablation_bars_are_the_json(name):
+    module = _script(name)
+    doc = json.loads((FIGURES / f"{name}.json").read_text())
+    _, drawn = _drawn(module, doc)
+    panel = module.panel_title(doc)
+    _bars_match(drawn, doc["data"]["rows"], panel, "pflops", "method", "gpus")
+
+
+def test_planning_time_stacks_are_the_json():
+    module = _script("planning-time")
+    doc = json.loads((FIGURES / "planning-time.json").read_text())
+    fig, drawn = _drawn(module, doc)
+    title = fig.axes[0].get_title()
+    for r in doc["data"]["rows"]:
+        for phase, seconds in r["phase_seconds"].items():
+            _, h = drawn[f"{title}::bar|{phase}|{r['gpus']}"]
+            assert h == pytest.approx(seconds)
+    for g, ref in doc["data"]["reported"].items():
+        if any(str(r["gpus"]) == g for r in doc["data"]["rows"]):
+            assert drawn[f"{title}::bar|reported|{g}"][1] == ref["seconds"]
+
+
+@pytest.mark.parametrize("name", ["truth", "sim-validation"])
+def test_scatter_points_are_the_json(name):
+    module = _script(name)
+    doc = json.loads((FIGURES / f"{name}.json").read_text())
+    fig = module.plot(doc)
+    points = sorted(
+        (round(float(x), 9), round(float(y), 9))
+        for ax in fig.axes
+        for coll in ax.collections
+        if (coll.get_gid() or "").startswith("points|")
+        for x, y in coll.get_offsets()
+    )
+    assert points == sorted((round(x, 9), round(y, 9)) for x, y in module.scatter_points(doc))
+
+
+def test_reproduce_runs_scripts_and_writes_under_the_given_out(tmp_path, monkeypatch, capsys):
+    """A relative --out is the caller's folder, not the scripts' (they run in experiments/)."""
+    folder = tmp_path / "exps"
+    folder.mkdir()
+    (folder / "tiny.py").write_text(
+        'NAME = "tiny"\nTITLE = "a tiny figure"\nSOURCE = "measured"\n'
+        "import json, pathlib, sys\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "print('##progress 1 1 done', flush=True)\n"
+        "(out / 'tiny.json').write_text(json.dumps({'quick': '--quick' in sys.argv}))\n"
+    )
+    (folder / "broken.py").write_text(
+        'NAME = "broken"\nTITLE = "fails"\nSOURCE = "measured"\nraise SystemExit(3)\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    code = main(["reproduce", "--experiments", str(folder), "--quick", "--out", "rel", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1  # one script failed
+    assert {r["name"]: r["returncode"] for r in report["experiments"]} == {"broken": 3, "tiny": 0}
+    assert json.loads((tmp_path / "rel" / "tiny.json").read_text()) == {"quick": True}
+    assert "##progress 1 1 done" in (tmp_path / "rel" / "tiny.log").read_text()
