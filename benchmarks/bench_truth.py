@@ -62,7 +62,12 @@ def _objective_split(graph, mesh, plan, pinned, exact_values) -> tuple[float, fl
 
 
 def run(
-    suite: str, time_limit: float, live_peak: str = "on_disagreement", exact_values: bool = False
+    suite: str,
+    time_limit: float,
+    live_peak: str = "on_disagreement",
+    exact_values: bool = False,
+    only_models: tuple[str, ...] = (),
+    only_meshes: tuple[str, ...] = (),
 ) -> list[dict]:
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines import baseline_inputs
@@ -72,8 +77,12 @@ def run(
 
     rows = []
     for model, overrides, optimizer, meshes in SUITES[suite]:
+        if only_models and _label(model, overrides) not in only_models:
+            continue
         traced = trace_workload(model, optimizer=optimizer, **overrides)
         for mesh_text in meshes:
+            if only_meshes and mesh_text not in only_meshes:
+                continue
             shape = tuple(int(s) for s in mesh_text.split("x"))
             # Alpa's test-mesh costs, laid out for the backend that compiles (XLA:CPU here)
             mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
@@ -171,6 +180,8 @@ def main() -> None:
         default="on_disagreement",
         help="when to read XLA's live peak (a second, dumped compile per plan)",
     )
+    ap.add_argument("--models", default="", help="only these row labels, e.g. gpt-tiny")
+    ap.add_argument("--meshes", default="", help="only these meshes, e.g. 8,1x8")
     ap.add_argument(
         "--exact-values",
         action="store_true",
@@ -185,7 +196,16 @@ def main() -> None:
     print(HEADER)
     t_start = time.perf_counter()
     rows = [
-        row for s in suites for row in run(s, args.time_limit, args.live_peaks, args.exact_values)
+        row
+        for s in suites
+        for row in run(
+            s,
+            args.time_limit,
+            args.live_peaks,
+            args.exact_values,
+            tuple(m for m in args.models.split(";") if m),
+            tuple(m for m in args.meshes.split(",") if m),
+        )
     ]
     wall = time.perf_counter() - t_start
     out = Path(args.out)
