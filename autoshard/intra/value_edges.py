@@ -49,8 +49,13 @@ def xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
     into the sharding its consumer needs; when that sharding drops or moves a split of
     the output, it re-partitions the producing op instead (gathering its operands), a
     different plan.  So from a partial sum we only allow targets that keep every split
-    the producer has (and may add the reduced axes to a dim: a reduce-scatter).
+    the producer has (and may add the reduced axes to a dim: a reduce-scatter).  A partial
+    max or min is resolved by an all-reduce into the producer's own layout only (on 2x4
+    gpt-tiny, XLA did not reduce-scatter the log-softmax's partial max into the split
+    the consumer wanted, and the prediction that it would disagreed with the compiled step).
     """
+    if src.partial and src.partial_op != "sum":
+        return dst.dims == src.dims
     return all(d[: len(s)] == s for s, d in zip(src.dims, dst.dims))
 
 
