@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,7 +34,9 @@ from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import (
     EdgeCost,
     ShardingProblem,
+    SolverTimeLimitWarning,
     Tie,
+    objective_of,
     peak_memory,
     solve,
 )
@@ -42,7 +45,7 @@ from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.predict import plan_from_solution, predicted_collectives, reduce_steps
 from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
 from autoshard.intra.ties import apply_alpa_options, follower_ties, layer_ties, preferences
-from autoshard.intra.value_edges import Use, Value, value_edges
+from autoshard.intra.value_edges import Use, Value, ValueEdges, value_edges
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import ShardingSpec
@@ -70,6 +73,7 @@ class IntraProblem:
     # problem.edges[i] prices the reads of these ILP nodes (() for an alias edge); ILP
     # nodes past len(strategies) only price values (autoshard.intra.value_edges)
     edge_consumers: tuple[tuple[int, ...], ...] = ()
+    values: ValueEdges | None = None  # the values' extra nodes (exact_values)
 
     def node_of(self, graph_node: int) -> int:
         return self.num_inputs + graph_node
@@ -236,7 +240,29 @@ def build_problem(
         preferences=prefs,
     )
     return IntraProblem(
-        graph, mesh, problem, tuple(strategies), tuple(operands), n_in, tuple(edge_consumers)
+        graph,
+        mesh,
+        problem,
+        tuple(strategies),
+        tuple(operands),
+        n_in,
+        tuple(edge_consumers),
+        per_value,
+    )
+
+
+def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings):
+    """Solve the exact per-value program from the per-demand program's plan (a starting
+    point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
+    nodes as XLA's behaviour implies, so the objective is the predicted resharding."""
+    demand = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverTimeLimitWarning)
+        start = solve(demand.problem, **settings).strategy
+    solution = solve(ip.problem, **settings, initial=ip.values.complete(ip.strategies, start, mesh))
+    strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
+    return dataclasses.replace(
+        solution, strategy=strategy, objective=objective_of(ip.problem, strategy)
     )
 
 
@@ -260,13 +286,16 @@ def auto_shard_graph(
     ip = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs, exact_values=exact_values)
     # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,
     # resharded copies included (CopyBuffer), so the plan's prediction is its peak
-    solution = solve(
-        ip.problem,
+    settings = dict(
         solver=options.solver,
         time_limit_s=options.time_limit_s,
         mip_gap=options.mip_gap,
         seed=options.seed,
     )
+    if ip.values is not None and ip.values.groups:
+        solution = _solve_exact(ip, graph, mesh, options, pinned_inputs, settings)
+    else:
+        solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name=name)
     if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
         from autoshard.intra.fallback import cheapest_fallback

@@ -93,16 +93,48 @@ class Value:
 
 
 @dataclass(frozen=True)
+class CopyGroup:
+    """The extra nodes of one value: a copy node per target spec, and the resolution node
+    (-1: the producer never makes a partial result)."""
+
+    value: Value
+    targets: tuple[ShardingSpec, ...]
+    copies: tuple[int, ...]
+    resolution: int
+
+
+@dataclass(frozen=True)
 class ValueEdges:
     """What the values add to the problem: ``num_strategies`` of the new nodes (numbered
-    from ``first_node``), ``edges``, the ``ties`` of the new nodes (None: free), and for
-    every edge the ILP nodes whose reads it prices (``edge_consumers``)."""
+    from ``first_node``), ``edges``, the ``ties`` of the new nodes (None: free), for
+    every edge the ILP nodes whose reads it prices (``edge_consumers``), and the values'
+    extra nodes (``groups``)."""
 
     first_node: int
     num_strategies: tuple[int, ...]
     edges: tuple[EdgeCost, ...]
     ties: tuple[Tie | None, ...]
     edge_consumers: tuple[tuple[int, ...], ...]
+    groups: tuple[CopyGroup, ...] = ()
+
+    def complete(self, strategies, choice, mesh: DeviceMesh) -> tuple[int, ...]:
+        """``choice`` for the real nodes (the first ``first_node`` entries) extended with
+        the extra nodes' choices XLA's behaviour implies: a copy wherever some use wants
+        the spec, the partial result resolved into the spec XLA prefers among them (so
+        the objective is the predicted resharding)."""
+        out = list(choice[: self.first_node]) + [0] * len(self.num_strategies)
+        for g in self.groups:
+            v = g.value
+            wanted = {strategies[u.dst][out[u.dst]].input_specs[u.slot] for u in v.uses}
+            for b, y in zip(g.targets, g.copies, strict=True):
+                out[y] = int(b in wanted)
+            if g.resolution >= 0 and strategies[v.src][out[v.src]].output_specs[v.k].partial:
+                first = min(
+                    (b for b in g.targets if b in wanted),
+                    key=lambda b: producer_preference(b, mesh),
+                )
+                out[g.resolution] = 1 + g.targets.index(first)
+        return tuple(out)
 
 
 def _roots(ties, strategies):
@@ -173,6 +205,7 @@ def value_edges(
     new_ties: list[Tie | None] = []
     edges: list[EdgeCost] = []
     consumers: list[tuple[int, ...]] = []
+    groups: list[CopyGroup] = []
     roots, maps = _roots(ties, strategies)
     seen: dict[tuple, list[int]] = {}  # signature of a value -> its aux nodes
     matrices: dict[tuple, tuple] = {}
@@ -277,9 +310,16 @@ def value_edges(
                     matrices[key] = tuple(rows)
                 edges.append(EdgeCost(r, copy_of[b], matrices[key]))
                 consumers.append(readers)
+        groups.append(
+            CopyGroup(
+                v, tuple(targets), tuple(copy_of[b] for b in targets), r if partial_src else -1
+            )
+        )
         if leaders is None:
             seen[sig] = aux
-    return ValueEdges(first, tuple(sizes), tuple(edges), tuple(new_ties), tuple(consumers))
+    return ValueEdges(
+        first, tuple(sizes), tuple(edges), tuple(new_ties), tuple(consumers), tuple(groups)
+    )
 
 
-__all__ = ["Use", "Value", "ValueEdges", "value_edges", "xla_resolves"]
+__all__ = ["CopyGroup", "Use", "Value", "ValueEdges", "value_edges", "xla_resolves"]
