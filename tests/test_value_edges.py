@@ -11,7 +11,7 @@ from autoshard.api import device_mesh_for, trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.baselines import baseline_inputs
 from autoshard.intra.cost import collective_cost, reshard_to_consumers
-from autoshard.intra.ilp import ShardingProblem, objective_of
+from autoshard.intra.ilp import ShardingProblem, objective_of, solve
 from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import auto_shard_graph, build_problem
 from autoshard.intra.strategies import Strategy
@@ -131,3 +131,30 @@ def test_gpt_tiny_dp_objective_is_its_predicted_collectives():
 def test_gpt_tiny_objective_is_its_predicted_collectives(which):
     objective, predicted = _objective_and_prediction(*_gpt_case(which))
     assert objective == pytest.approx(predicted, rel=0.01)
+
+
+def test_a_starting_point_changes_the_time_not_the_optimum():
+    graph, mesh, pinned = _gpt_case("zero3")
+    ip = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned, exact_values=True)
+    demand = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned)
+    start = solve(demand.problem, solver="highs").strategy
+    initial = ip.values.complete(ip.strategies, start, mesh)
+    # the completed start prices the per-demand plan exactly as predicted
+    assert math.isfinite(objective_of(ip.problem, initial))
+    cold = solve(ip.problem, solver="highs")
+    warm = solve(ip.problem, solver="highs", initial=initial)
+    assert warm.objective == pytest.approx(cold.objective, rel=1e-9)
+    assert warm.objective <= objective_of(ip.problem, initial) * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_exact_pricing_on_a_2d_mesh_is_the_predicted_cost():
+    traced = trace_workload("gpt-tiny", optimizer="sgd")
+    mesh = device_mesh_for((2, 4), ("data", "model"))
+    opts = IntraOptions(solver="highs", time_limit_s=20)
+    ip = build_problem(traced.graph, mesh, opts, exact_values=True)
+    plan = auto_shard_graph(traced.graph, mesh, opts, exact_values=True)
+    choice = plan.solver["strategy"]
+    compute = math.fsum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
+    comm = math.fsum(collective_cost(mesh, c) for c in plan.predicted_collectives)
+    assert plan.objective == pytest.approx(comm + compute, rel=0.01)
