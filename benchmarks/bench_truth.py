@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -58,7 +59,26 @@ def _label(model: str, overrides: dict) -> str:
     return f"{model}({extra})" if extra else model
 
 
-def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> list[dict]:
+def _objective_split(graph, mesh, plan, pinned, exact_values) -> tuple[float, float]:
+    """(seconds of the plan's predicted collectives, its compute term), as the ILP prices them."""
+    from autoshard.intra.cost import collective_cost
+    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem import build_problem
+
+    ip = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned, exact_values=exact_values)
+    choice = plan.solver["strategy"]
+    compute = sum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
+    return sum(collective_cost(mesh, c) for c in plan.predicted_collectives), compute
+
+
+def run(
+    suite: str,
+    time_limit: float,
+    live_peak: str = "on_disagreement",
+    exact_values: bool = False,
+    only_models: tuple[str, ...] = (),
+    only_meshes: tuple[str, ...] = (),
+) -> list[dict]:
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines import baseline_inputs
     from autoshard.intra.options import IntraOptions
@@ -67,8 +87,12 @@ def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> li
 
     rows = []
     for model, overrides, optimizer, meshes in SUITES[suite]:
+        if only_models and _label(model, overrides) not in only_models:
+            continue
         traced = trace_workload(model, optimizer=optimizer, **overrides)
         for mesh_text in meshes:
+            if only_meshes and mesh_text not in only_meshes:
+                continue
             shape = tuple(int(s) for s in mesh_text.split("x"))
             # Alpa's test-mesh costs, laid out for the backend that compiles (XLA:CPU here)
             mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
@@ -83,8 +107,10 @@ def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> li
                     IntraOptions(solver="highs", time_limit_s=time_limit),
                     pinned_inputs=pinned,
                     name=which,
+                    exact_values=exact_values,
                 )
                 plan_s = time.perf_counter() - t0
+                comm_s, compute_s = _objective_split(traced.graph, mesh, plan, pinned, exact_values)
                 report = verify_plan(traced.program, plan, live_peak=live_peak)
                 disagree = [
                     f"{r.kind}@{','.join(r.axes) or '?'}"
@@ -115,6 +141,10 @@ def run(suite: str, time_limit: float, live_peak: str = "on_disagreement") -> li
                     "memory_explained_by_heap_gap": report.memory_explained_by_heap_gap,
                     "memory_explanation": report.memory_explanation,
                     "solver_status": plan.solver.get("status"),
+                    "objective": plan.objective,
+                    "predicted_collectives_cost": comm_s,
+                    "compute_cost": compute_s,
+                    "objective_over_prediction": plan.objective / (comm_s + compute_s),
                     "plan_seconds": plan_s,
                     "compile_seconds": report.compile_seconds,
                 }
@@ -160,6 +190,13 @@ def main() -> None:
         default="on_disagreement",
         help="when to read XLA's live peak (a second, dumped compile per plan)",
     )
+    ap.add_argument("--models", default="", help="only these row labels, e.g. gpt-tiny")
+    ap.add_argument("--meshes", default="", help="only these meshes, e.g. 8,1x8")
+    ap.add_argument(
+        "--exact-values",
+        action="store_true",
+        help="price each resharding once per value with copy nodes (slower ILPs)",
+    )
     args = ap.parse_args()
 
     import jax
@@ -168,7 +205,18 @@ def main() -> None:
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     print(HEADER)
     t_start = time.perf_counter()
-    rows = [row for s in suites for row in run(s, args.time_limit, args.live_peaks)]
+    rows = [
+        row
+        for s in suites
+        for row in run(
+            s,
+            args.time_limit,
+            args.live_peaks,
+            args.exact_values,
+            tuple(m for m in args.models.split(";") if m),
+            tuple(m for m in args.meshes.split(",") if m),
+        )
+    ]
     wall = time.perf_counter() - t_start
     out = Path(args.out)
     if args.suite != "all" and out.exists():  # keep the other suites' rows from the last run
@@ -184,6 +232,9 @@ def main() -> None:
         "memory_within_10pct": mem,
         "memory_explained_heap_gap": gap,
         "memory_unexplained": n - mem - gap,
+        "objective_within_1pct_of_prediction": sum(
+            abs(r.get("objective_over_prediction", math.inf) - 1) <= 0.01 for r in rows
+        ),
         "jax": jax.__version__,
         "suites_run": suites,
         "wall_seconds_of_suites_run": wall,

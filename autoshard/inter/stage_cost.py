@@ -144,8 +144,9 @@ def recompute_costs(graph: Graph, ip, solution, kept: Mapping[int, float]):
         for n in graph.nodes
     ]
     forward_s = sum(chosen[i].compute_cost for i in forward)
-    for edge, operand in zip(ip.problem.edges, ip.operands, strict=True):
-        if operand.dst >= ip.num_inputs and operand.dst - ip.num_inputs in forward:
+    forward_nodes = {ip.node_of(i) for i in forward}
+    for edge, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True):
+        if any(r in forward_nodes for r in readers):  # a value resharded for the forward
             forward_s += edge.costs[solution.strategy[edge.src]][solution.strategy[edge.dst]]
     attention = [
         n.index
@@ -167,16 +168,17 @@ def _amortise_update(ip, factor: float):
 
     Gradients are accumulated over microbatches; the reduction (the resharding into the
     update equations) and the update itself run once per step.  Scaling their compute
-    costs and the costs of edges into them makes the objective seconds per microbatch.
+    costs and the costs of resharding the values only they read makes the objective
+    seconds per microbatch.
     """
     if factor == 1.0:
         return ip.problem
     update = {ip.node_of(n.index) for n in ip.graph.nodes if n.phase == "update"}
     edges = tuple(
         dataclasses.replace(e, costs=tuple(tuple(c * factor for c in row) for row in e.costs))
-        if e.dst in update
+        if readers and all(r in update for r in readers)
         else e
-        for e in ip.problem.edges
+        for e, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True)
     )
     node_costs = tuple(
         tuple(c * factor for c in row) if i in update else row

@@ -490,13 +490,15 @@ def reshard(
     return best
 
 
-def _producer_preference(spec: ShardingSpec, mesh: DeviceMesh) -> tuple:
+def producer_preference(spec: ShardingSpec, mesh: DeviceMesh) -> tuple:
     """Sort key of the sharding XLA gives a value its consumers disagree about: the most
     devices split over first; on a tie, the one that puts its axes on the lower dims
-    (propagation resolves an axis two consumers want on different dims for the lower dim)."""
+    (propagation resolves an axis two consumers want on different dims for the lower dim);
+    then by the axes themselves, so that the order is total and does not depend on the
+    order of the consumers (the ILP prices it per value, :mod:`autoshard.intra.value_edges`)."""
     used = tuple(a for d in spec.dims for a in d)
     dims = sorted(i for i, d in enumerate(spec.dims) for _ in d)
-    return (-mesh.mesh.size(used), dims)
+    return (-mesh.mesh.size(used), dims, spec.dims)
 
 
 def reshard_to_consumers(
@@ -547,7 +549,7 @@ def reshard_to_consumers(
             reshard(src, d, shape, itemsize, mesh, options, reduce_in_place=in_place) for d in dsts
         ]
     else:
-        first = min(dsts, key=lambda d: _producer_preference(d, mesh))
+        first = min(dsts, key=lambda d: producer_preference(d, mesh))
         parts = [reshard(src, first, shape, itemsize, mesh, options, reduce_in_place=in_place)]
         parts += [reshard(first, d, shape, itemsize, mesh, options) for d in dsts if d != first]
     return Reshard(

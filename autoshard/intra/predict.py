@@ -34,7 +34,7 @@ def plan_from_solution(
 ) -> ParallelPlan:
     graph, mesh = ip.graph, ip.mesh
     choice = solution.strategy
-    chosen = [ip.strategies[i][choice[i]] for i in range(len(choice))]
+    chosen = [ip.strategies[i][choice[i]] for i in range(len(ip.strategies))]
     input_specs = tuple(chosen[i].output_specs[0] for i in range(ip.num_inputs))
     tensor_specs: dict[int, ShardingSpec] = {}
     names = []
@@ -94,7 +94,7 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
             continue
         source[op.tensor] = src_s.output_specs[k]
         if op.src >= ip.num_inputs:
-            steps[op.tensor] = _reduce_steps(graph.nodes[op.src - ip.num_inputs], src_s)
+            steps[op.tensor] = reduce_steps(graph.nodes[op.src - ip.num_inputs], src_s)
         wants = targets.setdefault(op.tensor, [])
         if b not in wants:
             wants.append(b)
@@ -118,7 +118,7 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
 REDUCED_IN_PLACE = SUM_MAX_MIN_REDUCTIONS | {"scatter-add", "scatter_add"}
 
 
-def _reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
+def reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
     """For a reduce or scatter-add whose output is partial: its partial axes, reduced
     where the op makes them; for a reduce grouped by the summed dim of the operand they
     split, last dim first (the order XLA all-reduces them in, see

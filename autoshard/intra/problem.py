@@ -24,29 +24,28 @@ data parallel, ZeRO and Megatron fix the inputs and let the ILP place the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.intra.cost import reshard
 from autoshard.intra.ilp import (
     EdgeCost,
     ShardingProblem,
+    SolverTimeLimitWarning,
     Tie,
+    objective_of,
     peak_memory,
     solve,
 )
 from autoshard.intra.memory import memory_rows, streamed_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
-from autoshard.intra.predict import (
-    REDUCED_IN_PLACE,
-    plan_from_solution,
-    predicted_collectives,
-)
+from autoshard.intra.predict import plan_from_solution, predicted_collectives, reduce_steps
 from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
 from autoshard.intra.ties import apply_alpa_options, follower_ties, layer_ties, preferences
+from autoshard.intra.value_edges import Use, Value, ValueEdges, value_edges
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import ShardingSpec
@@ -71,6 +70,10 @@ class IntraProblem:
     strategies: tuple[tuple[Strategy, ...], ...]
     operands: tuple[Operand, ...]
     num_inputs: int
+    # problem.edges[i] prices the reads of these ILP nodes (() for an alias edge); ILP
+    # nodes past len(strategies) only price values (autoshard.intra.value_edges)
+    edge_consumers: tuple[tuple[int, ...], ...] = ()
+    values: ValueEdges | None = None  # the values' extra nodes (exact_values)
 
     def node_of(self, graph_node: int) -> int:
         return self.num_inputs + graph_node
@@ -82,55 +85,10 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
-@lru_cache(maxsize=1_000_000)
-def _reshard_cached(
-    src: ShardingSpec, dst: ShardingSpec, shape, itemsize, mesh, options, in_place=False
-):
-    return reshard(src, dst, shape, itemsize, mesh, options, reduce_in_place=in_place)
-
-
-def _xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
-    """Can XLA turn the partial sum ``src`` into ``dst`` right at the producing op?
-
-    XLA's SPMD partitioner resolves a partial sum with one all-reduce or reduce-scatter
-    into the sharding its consumer needs; when that sharding drops or moves a split of
-    the output, it re-partitions the producing op instead (gathering its operands), a
-    different plan.  So from a partial sum we only allow targets that keep every split
-    the producer has (and may add the reduced axes to a dim: a reduce-scatter).
-    """
-    return all(d[: len(s)] == s for s, d in zip(src.dims, dst.dims))
-
-
-def _edge_matrix(
-    src_strategies,
-    k,
-    dst_strategies,
-    slot,
-    shape,
-    item,
-    mesh,
-    options,
-    in_place=False,
-):
-    """Resharding cost of output ``k`` of every source strategy into operand ``slot`` of
-    every destination strategy (``math.inf`` where XLA cannot resolve a partial sum).
-    ``in_place``: the source op reduces its partial sums where it makes them (a reduction
-    or a scatter-add, see :func:`autoshard.intra.cost.reshard`)."""
-    wants = [s.input_specs[slot] for s in dst_strategies]
-    matrix = []
-    for s in src_strategies:
-        a = s.output_specs[k]
-        row = []
-        for b in wants:
-            if b is None:
-                row.append(0.0)
-            elif a.partial and not _xla_resolves(a, b):
-                row.append(math.inf)
-            else:
-                cost = _reshard_cached(a, b, shape, item, mesh, options, in_place and a.partial)
-                row.append(cost.cost)
-        matrix.append(tuple(row))
-    return tuple(matrix)
+def _with_aux_nodes(memory, num_strategies):
+    """``memory`` with zero bytes for the nodes that only price values (value_edges)."""
+    extra = tuple((0.0,) * k for k in num_strategies)
+    return dataclasses.replace(memory, node_memory=memory.node_memory + extra)
 
 
 def _input_strategy(spec: ShardingSpec) -> Strategy:
@@ -145,6 +103,7 @@ def build_problem(
     pinned_inputs: Mapping[int, ShardingSpec] | None = None,
     followers: bool = True,
     copy_buffers: bool | None = None,
+    exact_values: bool = False,
 ) -> IntraProblem:
     """Alpa's intra-operator ILP for ``graph`` on ``mesh``, set up by ``options``
     (:class:`~autoshard.intra.options.IntraOptions`: the budget, merging, layer sharing,
@@ -156,6 +115,9 @@ def build_problem(
     its memory rows and ``peak_memory`` count what :func:`predicted_peak_bytes` counts;
     default: only with a budget (without one nothing reads them, and they take a second
     to list on a large graph).
+    ``exact_values``: price every value's resharding once, as predicted, with copy and
+    resolution nodes (:mod:`autoshard.intra.value_edges`); off, one edge per distinct
+    demand on a value (no extra nodes; a spec two independent consumers want is paid twice).
     """
     memory_budget_bytes = options.memory_budget_bytes
     cost_options = options.cost_options(relative_units=math.isinf(mesh.peak_flops))
@@ -209,28 +171,30 @@ def build_problem(
     def out_spec(ilp_node: int, k: int, p: int) -> ShardingSpec:
         return strategies[ilp_node][p].output_specs[k]
 
-    # operand edges
+    # operand edges: every value's resharding priced once (value_edges)
     operands: list[Operand] = []
-    edges: list[EdgeCost] = []
-    matrices: dict[tuple, tuple[tuple[float, ...], ...]] = {}  # by strategy tuples' identity
+    uses: dict[int, list[Use]] = {}
     for node in graph.nodes:
         dst = n_in + node.index
         for slot, tid in enumerate(node.inputs):
             if tid not in producer:
                 continue  # literal or closed-over constant: available everywhere
-            src, k = producer[tid]
-            t = graph.tensors[tid]
-            item = _itemsize(t.dtype)
-            in_place = src >= n_in and graph.nodes[src - n_in].primitive in REDUCED_IN_PLACE
-            key = (id(strategies[src]), k, id(strategies[dst]), slot, t.shape, item, in_place)
-            matrix = matrices.get(key)
-            if matrix is None:
-                matrix = matrices[key] = _edge_matrix(
-                    strategies[src], k, strategies[dst], slot, t.shape, item, mesh,
-                    cost_options, in_place,
-                )  # fmt: skip
-            operands.append(Operand(src, dst, tid, slot))
-            edges.append(EdgeCost(src, dst, matrix))
+            operands.append(Operand(producer[tid][0], dst, tid, slot))
+            uses.setdefault(tid, []).append(Use(dst, slot))
+    values = []
+    steps_cache: dict[tuple, tuple] = {}
+    for tid, used in uses.items():
+        src, k = producer[tid]
+        t = graph.tensors[tid]
+        key = (id(strategies[src]), src if src >= n_in else -1)
+        if key not in steps_cache:
+            steps_cache[key] = tuple(
+                reduce_steps(graph.nodes[src - n_in], s) if src >= n_in else ()
+                for s in strategies[src]
+            )
+        values.append(Value(src, k, t.shape, _itemsize(t.dtype), steps_cache[key], tuple(used)))
+    edges: list[EdgeCost] = []
+    edge_consumers: list[tuple[int, ...]] = []
     # alias edges: state input and its updated output share a spec
     for in_tid, out_tid in graph.aliases:
         if out_tid not in producer or producer[out_tid][0] < n_in:
@@ -246,6 +210,7 @@ def build_problem(
         )
         operands.append(Operand(src, dst, out_tid, -1))
         edges.append(EdgeCost(src, dst, matrix))
+        edge_consumers.append(())
 
     ties: list[Tie | None] = [None] * len(strategies)
     if followers:
@@ -255,9 +220,16 @@ def build_problem(
     if options.share_layers:
         layer_ties(graph, strategies, n_in, ties)
 
+    per_value = value_edges(values, strategies, ties, mesh, cost_options, exact_values)
+    edges.extend(per_value.edges)
+    edge_consumers.extend(per_value.edge_consumers)
+    ties.extend(per_value.ties)
+    node_costs.extend((0.0,) * k for k in per_value.num_strategies)
+    prefs = tuple(prefs) + tuple((0.0,) * k for k in per_value.num_strategies)
     memory = memory_rows(graph, strategies, producer, n_in, mesh, operands if copy_buffers else ())
+    memory = _with_aux_nodes(memory, per_value.num_strategies)
     problem = ShardingProblem(
-        num_strategies=tuple(len(s) for s in strategies),
+        num_strategies=tuple(len(s) for s in strategies) + per_value.num_strategies,
         node_costs=tuple(node_costs),
         edges=tuple(edges),
         ties=tuple(ties),
@@ -267,7 +239,31 @@ def build_problem(
         copies=memory.copies,
         preferences=prefs,
     )
-    return IntraProblem(graph, mesh, problem, tuple(strategies), tuple(operands), n_in)
+    return IntraProblem(
+        graph,
+        mesh,
+        problem,
+        tuple(strategies),
+        tuple(operands),
+        n_in,
+        tuple(edge_consumers),
+        per_value,
+    )
+
+
+def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings):
+    """Solve the exact per-value program from the per-demand program's plan (a starting
+    point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
+    nodes as XLA's behaviour implies, so the objective is the predicted resharding."""
+    demand = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverTimeLimitWarning)
+        start = solve(demand.problem, **settings).strategy
+    solution = solve(ip.problem, **settings, initial=ip.values.complete(ip.strategies, start, mesh))
+    strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
+    return dataclasses.replace(
+        solution, strategy=strategy, objective=objective_of(ip.problem, strategy)
+    )
 
 
 def auto_shard_graph(
@@ -277,24 +273,29 @@ def auto_shard_graph(
     *,
     pinned_inputs: Mapping[int, ShardingSpec] | None = None,
     name: str = "auto",
+    exact_values: bool = False,
 ) -> ParallelPlan:
     """Plan ``graph`` on ``mesh`` with the ILP and return the plan with its predictions.
 
     ``options`` (:class:`~autoshard.intra.options.IntraOptions`) holds every setting: the
     solver, its limits, the memory budget, merging, layer sharing, the cost formulas and
     Alpa's knobs. ``pinned_inputs`` fixes the specs of some inputs (a baseline's).
+    ``exact_values``: see :func:`build_problem`.
     """
     memory_budget_bytes = options.memory_budget_bytes
-    ip = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
+    ip = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs, exact_values=exact_values)
     # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,
     # resharded copies included (CopyBuffer), so the plan's prediction is its peak
-    solution = solve(
-        ip.problem,
+    settings = dict(
         solver=options.solver,
         time_limit_s=options.time_limit_s,
         mip_gap=options.mip_gap,
         seed=options.seed,
     )
+    if ip.values is not None and ip.values.groups:
+        solution = _solve_exact(ip, graph, mesh, options, pinned_inputs, settings)
+    else:
+        solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name=name)
     if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
         from autoshard.intra.fallback import cheapest_fallback

@@ -44,6 +44,7 @@ class Slot:
     positions: tuple[
         tuple[int, int], ...
     ]  # (operand index or OUT-k for output k, dim); dim -1 for "through"
+    op: str = "sum"  # reduce: how the partial results combine (ShardingSpec.partial_op)
 
     def __post_init__(self) -> None:
         assert self.kind in ("shard", "reduce", "through"), self.kind
@@ -221,33 +222,6 @@ def _reshape(ctx: NodeContext) -> list[Slot]:
     return slots + [Slot("through", ((0, -1),))]
 
 
-@register(
-    "reduce_sum",
-    "reduce_max",
-    "reduce_min",
-    "argmax",
-    "argmin",
-    "reduce_prod",
-    "reduce_and",
-    "reduce_or",
-)
-def _reduce(ctx: NodeContext) -> list[Slot]:
-    axes = tuple(ctx.node.params["axes"])
-    src = ctx.in_shapes[0]
-    slots = []
-    out_dim = 0
-    for d in range(len(src)):
-        if d in axes:
-            if ctx.node.primitive == "reduce_sum":
-                slots.append(Slot("reduce", ((0, d),)))
-        else:
-            slots.append(Slot("shard", ((0, d), (OUT, out_dim))))
-            out_dim += 1
-    if ctx.node.primitive == "reduce_sum":
-        slots.append(Slot("through", ((0, -1),)))
-    return slots
-
-
 @register("split")
 def _split(ctx: NodeContext) -> list[Slot]:
     axis = ctx.node.params["axis"]
@@ -390,7 +364,8 @@ def enumerate_strategies(ctx: NodeContext, slots: list[Slot], mesh: DeviceMesh) 
                 target[dim] = target[dim] + tuple(axes)
             if slot.kind == "reduce":
                 out_partial += axes
-        if out_partial and n_out > 1:
+        ops = {slots[s].op for s in by_slot if slots[s].kind == "reduce"}
+        if (out_partial and n_out > 1) or len(ops) > 1:
             continue
         input_specs = tuple(
             None
@@ -398,8 +373,9 @@ def enumerate_strategies(ctx: NodeContext, slots: list[Slot], mesh: DeviceMesh) 
             else ShardingSpec(tuple(canon(d) for d in in_dims[i]), canon(in_partial[i]))
             for i in range(n_in)
         )
+        op = next(iter(ops), "sum")
         output_specs = tuple(
-            ShardingSpec(tuple(canon(d) for d in out_dims[k]), canon(out_partial))
+            ShardingSpec(tuple(canon(d) for d in out_dims[k]), canon(out_partial), op)
             for k in range(n_out)
         )
         key = (input_specs, output_specs)
@@ -585,4 +561,4 @@ __all__ = [
 
 # rule families kept in modules of their own register themselves on import (they import
 # this module); a later import wins a primitive both register (rev: the same splits)
-from autoshard.intra import rules_conv, rules_moe, rules_slice  # noqa: E402,F401
+from autoshard.intra import rules_conv, rules_moe, rules_reduce, rules_slice  # noqa: E402,F401

@@ -12,7 +12,7 @@ out of spec algebra:
 Specs print in scaling-book notation, with dimension sizes standing in for names:
 ``f32[1024@data, 4096@model]{U:model}`` is a 1024x4096 float32 tensor whose first dim is
 split over ``data``, second over ``model`` and which is an unreduced partial sum over
-``model``.
+``model``.  A partial max (a ``reduce_max`` over a split dim) prints ``{Umax:model}``.
 """
 
 from __future__ import annotations
@@ -71,12 +71,24 @@ class Mesh:
         return "x".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
 
 
+# How the partial results of a partial spec combine: a sum (a dot with a split
+# contracting dim, a reduce_sum), or a max / min (a reduce_max / reduce_min over a split
+# dim, resolved by an all-reduce whose computation is a max / min).
+PARTIAL_OPS = ("sum", "max", "min")
+
+
 @dataclass(frozen=True)
 class ShardingSpec:
-    """Per-dimension mesh axes plus the axes over which the value is a partial sum."""
+    """Per-dimension mesh axes plus the axes over which the value is a partial result
+    (``partial``), combined by ``partial_op`` (a sum unless said otherwise)."""
 
     dims: tuple[Axes, ...]
     partial: Axes = ()
+    partial_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.partial_op not in PARTIAL_OPS:
+            raise ValueError(f"partial_op {self.partial_op!r} is not one of {PARTIAL_OPS}")
 
     @staticmethod
     def replicated(rank: int) -> ShardingSpec:
@@ -128,17 +140,24 @@ class ShardingSpec:
     def with_dim(self, dim: int, axes: Axes) -> ShardingSpec:
         dims = list(self.dims)
         dims[dim] = tuple(axes)
-        return ShardingSpec(tuple(dims), self.partial)
+        return ShardingSpec(tuple(dims), self.partial, self.partial_op)
 
-    def with_partial(self, partial: Axes) -> ShardingSpec:
-        return ShardingSpec(self.dims, tuple(partial))
+    def with_partial(self, partial: Axes, op: str | None = None) -> ShardingSpec:
+        return ShardingSpec(self.dims, tuple(partial), self.partial_op if op is None else op)
 
     def to_json(self) -> dict:
-        return {"dims": [list(d) for d in self.dims], "partial": list(self.partial)}
+        out = {"dims": [list(d) for d in self.dims], "partial": list(self.partial)}
+        if self.partial_op != "sum":  # plans without partial max / min read as before
+            out["partial_op"] = self.partial_op
+        return out
 
     @staticmethod
     def from_json(obj: dict) -> ShardingSpec:
-        return ShardingSpec(tuple(tuple(d) for d in obj["dims"]), tuple(obj.get("partial", ())))
+        return ShardingSpec(
+            tuple(tuple(d) for d in obj["dims"]),
+            tuple(obj.get("partial", ())),
+            obj.get("partial_op", "sum"),
+        )
 
     def format(self, shape: tuple[int, ...] | None = None, dtype: str | None = None) -> str:
         """Scaling-book notation, e.g. ``f32[1024@data, 4096]{U:model}``."""
@@ -148,7 +167,8 @@ class ShardingSpec:
             parts.append(size + ("@" + "+".join(axes) if axes else ""))
         text = f"{_short_dtype(dtype) if dtype else ''}[{', '.join(parts)}]"
         if self.partial:
-            text += "{U:" + ",".join(self.partial) + "}"
+            op = "" if self.partial_op == "sum" else self.partial_op
+            text += "{U" + op + ":" + ",".join(self.partial) + "}"
         return text
 
     def __str__(self) -> str:

@@ -39,6 +39,7 @@ class _Model:
     scale: float = 1.0
     violated: str | None = None  # a constant constraint that cannot hold
     values: np.ndarray | None = None  # column values after a solve
+    start: tuple[list[int], list[float]] | None = None  # a starting point: (columns, values)
 
     def column(self, cost: float = 0.0) -> int:
         self.cost.append(cost)

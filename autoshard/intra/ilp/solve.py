@@ -76,6 +76,24 @@ def _decode(red: _Reduced, model: _Model) -> tuple[int, ...]:
     return tuple(int(red.maps[v][chosen[red.block_of[v]]]) for v in range(red.problem.num_nodes))
 
 
+def _start(red: _Reduced, initial) -> tuple[list[int], list[float]]:
+    """The strategy columns of ``initial`` (one per node) in the reduced program: 1 on the
+    column of each block's chosen strategy, 0 on the others; blocks whose choice has no
+    column (eliminated, or a dominated strategy) are left to the solver."""
+    cols: list[int] = []
+    vals: list[float] = []
+    for b, allowed in enumerate(red.cols):
+        if not allowed.size:
+            continue
+        hit = np.flatnonzero(allowed == initial[red.blocks[b]])
+        if not hit.size:
+            continue
+        o = int(red.offset[b])
+        cols.extend(range(o, o + allowed.size))
+        vals.extend(float(j == hit[0]) for j in range(allowed.size))
+    return cols, vals
+
+
 def _solve_model(red, model, solver, time_limit_s, mip_gap, seed) -> _Outcome:
     if model.violated:
         return _Outcome("infeasible", None)
@@ -116,6 +134,7 @@ def solve(
     mip_gap: float = 0.0,
     seed: int = 0,
     merge: bool = True,
+    initial: tuple[int, ...] | None = None,
 ) -> Solution:
     """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
 
@@ -124,6 +143,7 @@ def solve(
     SolverTimeLimitError when the time limit passes with no incumbent, and
     SolverUnavailableError / ValueError for a missing or unknown solver. Returns the
     incumbent with a SolverTimeLimitWarning when the time limit passes with one.
+    ``initial``: a feasible assignment the solver starts from (HiGHS; CBC ignores it).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
@@ -133,6 +153,8 @@ def solve(
     work = with_preferences(problem)
     red = _reduce(work, merge)
     model = _build(red, minimise_peak=False)
+    if initial is not None:
+        model.start = _start(red, initial)
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
     if out.status == "infeasible":

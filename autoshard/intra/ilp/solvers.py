@@ -193,6 +193,9 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
         model.num_cols - model.num_binary
     )
     highs.passModel(lp)
+    if model.start is not None:  # HiGHS completes the continuous columns itself
+        cols, vals = model.start
+        highs.setSolution(len(cols), np.asarray(cols, np.int32), np.asarray(vals, float))
     highs.run()
     ms, info, status = highs.getModelStatus(), highs.getInfo(), highspy.HighsModelStatus
     if ms in (status.kInfeasible, status.kUnboundedOrInfeasible):

@@ -1,0 +1,160 @@
+"""Resharding priced once per value: the ILP's objective is the cost of the collectives
+the plan predicts (plus compute), brute-forced on a hand-made value and measured on
+traced models (:mod:`autoshard.intra.value_edges`)."""
+
+import itertools
+import math
+
+import pytest
+
+from autoshard.api import device_mesh_for, trace_workload
+from autoshard.hardware.mesh import alpa_test_mesh
+from autoshard.intra.baselines import baseline_inputs
+from autoshard.intra.cost import collective_cost, reshard_to_consumers
+from autoshard.intra.ilp import ShardingProblem, objective_of, solve
+from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem import auto_shard_graph, build_problem
+from autoshard.intra.strategies import Strategy
+from autoshard.intra.value_edges import Use, Value, value_edges, xla_resolves
+from autoshard.ir.spec import ShardingSpec
+
+R = ShardingSpec(((), ()))
+D0 = ShardingSpec((("data",), ()))
+M1 = ShardingSpec(((), ("model",)))
+DM = ShardingSpec((("data",), ("model",)))
+PART = (R.with_partial(("model",)), D0.with_partial(("model",)), R.with_partial(("data",)))
+
+
+def _producer(specs):
+    return tuple(Strategy(str(s), (), (s,), 0.0, 1) for s in specs)
+
+
+def _consumer(wants):
+    return tuple(Strategy(str(w), (w,), (R,), 0.0, 1) for w in wants)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_objective_is_the_predicted_resharding_for_every_assignment(exact):
+    """A value (producer: replicated, split or partial) read by three consumers: for every
+    choice of the real nodes, the least objective over the extra nodes is the cost of
+    reshard_to_consumers over the distinct wanted specs (exact; a partial sum wanted in
+    two specs: at most it), or one resharding per consumer (not exact)."""
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    shape, item = (8, 8), 4
+    strategies = [
+        _producer((R, D0, M1) + PART),
+        _consumer((R, D0, DM)),
+        _consumer((R, M1, DM)),
+        _consumer((D0, DM)),
+    ]
+    value = Value(0, 0, shape, item, ((),) * 6, (Use(1, 0), Use(2, 0), Use(3, 0)))
+    ve = value_edges([value], strategies, [None] * 4, mesh, _cost_options(), exact)
+    problem = ShardingProblem(
+        num_strategies=(6, 3, 3, 2) + ve.num_strategies,
+        node_costs=tuple((0.0,) * len(s) for s in strategies)
+        + tuple((0.0,) * k for k in ve.num_strategies),
+        edges=ve.edges,
+        ties=(None,) * 4 + ve.ties,
+    )
+    checked = gaps = 0
+    for real in itertools.product(range(6), range(3), range(3), range(2)):
+        src = strategies[0][real[0]].output_specs[0]
+        wants = list(
+            dict.fromkeys(strategies[i + 1][q].input_specs[0] for i, q in enumerate(real[1:]))
+        )
+        if src.partial and not all(xla_resolves(src, b) for b in wants):
+            want = math.inf
+        else:
+            want = reshard_to_consumers(src, wants, shape, item, mesh, _cost_options()).cost
+        best = min(
+            objective_of(problem, real + aux)
+            for aux in itertools.product(*(range(k) for k in ve.num_strategies))
+        )
+        if exact and src.partial and len(wants) > 1:
+            # known gap: the resolution may go through a spec XLA prefers that no consumer
+            # wants (nothing pairwise says "some consumer wants r"): a lower bound
+            assert best <= want * (1 + 1e-12), (src, wants)
+            gaps += best < want * (1 - 1e-12)
+        elif exact:
+            assert best == pytest.approx(want, rel=1e-12), (src, wants)
+        elif not src.partial or len(wants) == 1:
+            # one edge per distinct demand: each consumer pays its own resharding
+            per_edge = sum(
+                reshard_to_consumers(
+                    src, [strategies[i + 1][q].input_specs[0]], shape, item, mesh
+                ).cost
+                for i, q in enumerate(real[1:])
+            )
+            assert best == pytest.approx(per_edge, rel=1e-12) and best >= want * (1 - 1e-12)
+        checked += math.isfinite(want)
+    assert checked > 50
+    assert gaps <= checked // 10  # the gap is the exception
+
+
+def _cost_options():
+    from autoshard.intra.cost import DEFAULT_COST_OPTIONS
+
+    return DEFAULT_COST_OPTIONS
+
+
+def _objective_and_prediction(graph, mesh, pinned=None, exact=True):
+    opts = IntraOptions(solver="highs")
+    ip = build_problem(graph, mesh, opts, pinned_inputs=pinned, exact_values=exact)
+    plan = auto_shard_graph(graph, mesh, opts, pinned_inputs=pinned, exact_values=exact)
+    choice = plan.solver["strategy"]
+    compute = math.fsum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
+    comm = math.fsum(collective_cost(mesh, c) for c in plan.predicted_collectives)
+    return plan.objective, comm + compute
+
+
+@pytest.mark.parametrize("batch,hidden", [(16, 1024), (1024, 16)])
+def test_row_parallel_mlp_objective_is_its_predicted_collectives(batch, hidden):
+    traced = trace_workload("mlp", optimizer="sgd", batch_size=batch, hidden=hidden, num_layers=2)
+    objective, predicted = _objective_and_prediction(traced.graph, alpa_test_mesh((4,), ("x",)))
+    assert objective == pytest.approx(predicted, rel=1e-9)
+
+
+def _gpt_case(which):
+    traced = trace_workload("gpt-tiny", optimizer="sgd")
+    mesh = device_mesh_for((8,), ("data",))
+    pinned = baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None
+    return traced.graph, mesh, pinned
+
+
+def test_gpt_tiny_dp_objective_is_its_predicted_collectives():
+    objective, predicted = _objective_and_prediction(*_gpt_case("dp"))
+    assert objective == pytest.approx(predicted, rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["auto", "zero3", "megatron"])
+def test_gpt_tiny_objective_is_its_predicted_collectives(which):
+    objective, predicted = _objective_and_prediction(*_gpt_case(which))
+    assert objective == pytest.approx(predicted, rel=0.01)
+
+
+def test_a_starting_point_changes_the_time_not_the_optimum():
+    graph, mesh, pinned = _gpt_case("zero3")
+    ip = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned, exact_values=True)
+    demand = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned)
+    start = solve(demand.problem, solver="highs").strategy
+    initial = ip.values.complete(ip.strategies, start, mesh)
+    # the completed start prices the per-demand plan exactly as predicted
+    assert math.isfinite(objective_of(ip.problem, initial))
+    cold = solve(ip.problem, solver="highs")
+    warm = solve(ip.problem, solver="highs", initial=initial)
+    assert warm.objective == pytest.approx(cold.objective, rel=1e-9)
+    assert warm.objective <= objective_of(ip.problem, initial) * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_exact_pricing_on_a_2d_mesh_is_the_predicted_cost():
+    traced = trace_workload("gpt-tiny", optimizer="sgd")
+    mesh = device_mesh_for((2, 4), ("data", "model"))
+    opts = IntraOptions(solver="highs", time_limit_s=20)
+    ip = build_problem(traced.graph, mesh, opts, exact_values=True)
+    plan = auto_shard_graph(traced.graph, mesh, opts, exact_values=True)
+    choice = plan.solver["strategy"]
+    compute = math.fsum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
+    comm = math.fsum(collective_cost(mesh, c) for c in plan.predicted_collectives)
+    assert plan.objective == pytest.approx(comm + compute, rel=0.01)
