@@ -184,7 +184,7 @@ def auto_shard(
     (``.plan``) with the traced program, so ``.jit()`` gives the sharded callable and
     ``.verify()`` the predicted-vs-compiled report.
     """
-    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.baselines import baseline_inputs, baseline_options
     from autoshard.intra.ilp import InfeasibleBudgetError
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.trace.jaxpr import trace
@@ -196,6 +196,8 @@ def auto_shard(
     dmesh = device_mesh_for(mesh, cluster=cluster)
     pinned = baseline_inputs(graph, dmesh.mesh, baseline) if baseline else None
     options = options if options is not None else IntraOptions()
+    if baseline:  # dp and megatron keep every activation split over their data axes
+        options = baseline_options(options, dmesh.mesh, baseline)
     given_budget = options.memory_budget_bytes is not None
     options, notes = _cluster_memory_budget(options, dmesh, cluster)
     try:

@@ -13,8 +13,9 @@ Problem-size reductions, all exact with respect to the plans they allow (written
 * followers -- a light op with one array operand (unary elementwise, broadcasts,
   reshapes, transposes, reductions) takes the strategy that matches its operand's;
 * identical layers -- every node of a layer whose equations have the same primitives and
-  shapes as an earlier layer's shares that layer's variables (on by default), so the
-  number of variables does not grow with depth;
+  shapes as an earlier layer's shares the variables of the layer ``layer_period`` (2)
+  places before it in that run (on by default), so the number of variables does not grow
+  with depth and alternating plans stay reachable;
 * aliases -- a parameter or optimizer-state input and its updated output are forced to
   the same spec (an edge whose other pairs cost infinity).
 
@@ -46,7 +47,13 @@ from autoshard.intra.predict import (
     predicted_collectives,
 )
 from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
-from autoshard.intra.ties import apply_alpa_options, follower_ties, layer_ties, preferences
+from autoshard.intra.ties import (
+    apply_alpa_options,
+    follower_ties,
+    keep_data_parallel,
+    layer_ties,
+    preferences,
+)
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import ShardingSpec
@@ -225,9 +232,12 @@ def build_problem(
             key = (id(strategies[src]), k, id(strategies[dst]), slot, t.shape, item, in_place)
             matrix = matrices.get(key)
             if matrix is None:
-                matrix = matrices[key] = _edge_matrix(
-                    strategies[src], k, strategies[dst], slot, t.shape, item, mesh,
-                    cost_options, in_place,
+                matrix = matrices[key] = keep_data_parallel(
+                    _edge_matrix(
+                        strategies[src], k, strategies[dst], slot, t.shape, item, mesh,
+                        cost_options, in_place,
+                    ),
+                    strategies[src], k, strategies[dst], slot, options.data_parallel_axes,
                 )  # fmt: skip
             operands.append(Operand(src, dst, tid, slot))
             edges.append(EdgeCost(src, dst, matrix))
@@ -253,7 +263,7 @@ def build_problem(
             graph, strategies, producer, n_in, ties, follow_deepest=options.merge_elementwise
         )
     if options.share_layers:
-        layer_ties(graph, strategies, n_in, ties)
+        layer_ties(graph, strategies, n_in, ties, options.layer_period)
 
     memory = memory_rows(graph, strategies, producer, n_in, mesh, operands if copy_buffers else ())
     problem = ShardingProblem(
