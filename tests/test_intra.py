@@ -7,7 +7,7 @@ import pytest
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.baselines import baseline_inputs
+from autoshard.intra.baselines import baseline_inputs, baseline_options
 from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import auto_shard_graph, build_problem
 from autoshard.ir.spec import ShardingSpec
@@ -121,7 +121,8 @@ def _plan(traced, shape, which=None):
     """The ILP's plan, or baseline ``which`` (inputs pinned), on Alpa's test mesh."""
     mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)])
     pinned = baseline_inputs(traced.graph, mesh.mesh, which) if which else None
-    return auto_shard_graph(traced.graph, mesh, HIGHS, pinned_inputs=pinned, name=which or "auto")
+    options = baseline_options(HIGHS, mesh.mesh, which) if which else HIGHS
+    return auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name=which or "auto")
 
 
 def _assert_trains_like_one_device(traced, plan, optimizer="sgd", num_steps=1):
