@@ -134,3 +134,16 @@ def test_cli_refuses_an_undivided_dp_batch_with_exit_status_2():
     assert out.returncode == 2
     assert "not divisible by the 8 devices" in out.stderr and "multiple of 8" in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_cli_refuses_a_layer_period_below_one_with_exit_status_2():
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", "--model", "mlp", "--layers", "2"]
+        + ["--mesh", "4", "--layer-period", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 2
+    assert "layer_period=0: give an integer >= 1" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
