@@ -372,7 +372,11 @@ def test_bf16_plan_collectives_match_xla_after_upcast_normalisation():
     convert hoisted above the data movement, for its f32 dots); the verifier counts them in
     bf16, and an f32 value the program made itself keeps its f32 bytes."""
     traced = trace_workload("gpt-tiny", optimizer="adamw", dtype="bfloat16")
-    plan = _plan(traced, (8,), "dp")
+    mesh = alpa_test_mesh((8,), ("data",))
+    # dp's pinned inputs without its data-parallel rule (baseline_options): the ILP then
+    # moves bf16 activations through all-gathers and all-to-alls, which this test needs
+    pinned = baseline_inputs(traced.graph, mesh.mesh, "dp")
+    plan = auto_shard_graph(traced.graph, mesh, HIGHS, pinned_inputs=pinned, name="dp-pins")
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
     assert report.collectives_agree, report.comparison.format()
     assert any("bf16 upcast to f32 normalised" in note for note in report.compiled_notes)
