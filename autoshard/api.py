@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from dataclasses import dataclass
 
@@ -228,7 +229,9 @@ def auto_shard(
         raise
     if notes:
         plan = dataclasses.replace(plan, notes=plan.notes + notes)
-    made_for = {"options": dataclasses.asdict(options), "cluster": _cluster_name(cluster)}
+    # as JSON holds them (tuples become lists), so a loaded plan file's options compare equal
+    options_json = json.loads(json.dumps(dataclasses.asdict(options)))
+    made_for = {"options": options_json, "cluster": _cluster_name(cluster)}
     bound = BoundPlan(
         plan, program, graph, mesh if hasattr(mesh, "devices") else None, made_for=made_for
     )
