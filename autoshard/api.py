@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from dataclasses import dataclass
 
@@ -184,7 +185,7 @@ def auto_shard(
     (``.plan``) with the traced program, so ``.jit()`` gives the sharded callable and
     ``.verify()`` the predicted-vs-compiled report.
     """
-    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.baselines import baseline_inputs, baseline_options
     from autoshard.intra.ilp import InfeasibleBudgetError
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.trace.jaxpr import trace
@@ -196,6 +197,8 @@ def auto_shard(
     dmesh = device_mesh_for(mesh, cluster=cluster)
     pinned = baseline_inputs(graph, dmesh.mesh, baseline) if baseline else None
     options = options if options is not None else IntraOptions()
+    if baseline:  # dp and megatron keep every activation split over their data axes
+        options = baseline_options(options, dmesh.mesh, baseline)
     given_budget = options.memory_budget_bytes is not None
     options, notes = _cluster_memory_budget(options, dmesh, cluster)
     try:
@@ -226,7 +229,9 @@ def auto_shard(
         raise
     if notes:
         plan = dataclasses.replace(plan, notes=plan.notes + notes)
-    made_for = {"options": dataclasses.asdict(options), "cluster": _cluster_name(cluster)}
+    # as JSON holds them (tuples become lists), so a loaded plan file's options compare equal
+    options_json = json.loads(json.dumps(dataclasses.asdict(options)))
+    made_for = {"options": options_json, "cluster": _cluster_name(cluster)}
     bound = BoundPlan(
         plan, program, graph, mesh if hasattr(mesh, "devices") else None, made_for=made_for
     )

@@ -6,7 +6,10 @@ plan), and, in the same run, XLA's compile time of the planned step on as many f
 devices as the mesh has.  Writes benchmarks/results/bench_intra.json.
 
     python benchmarks/bench_intra.py [--models gpt-350m gpt-1.3b ...] [--meshes 2x4 8x8]
-        [--solver cbc] [--no-compile] [--repeat 3]
+        [--solver cbc] [--merge-elementwise] [--layer-period 1] [--no-compile] [--repeat 3]
+
+Without ``--solver``, ``--merge-elementwise`` or ``--layer-period`` it plans with the
+planner's defaults (:class:`~autoshard.intra.options.IntraOptions`).
 
 With ``--repeat N`` every (mesh, model) is planned and compiled N times in the same
 process; each row reports the median of every timing and keeps the N runs under ``runs``.
@@ -39,16 +42,16 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
     t0 = time.perf_counter()
     traced = trace_workload(model, batch_size=batch)
     t1 = time.perf_counter()
-    ip = build_problem(
-        traced.graph,
-        dmesh,
-        IntraOptions(
-            merge_elementwise=args.merge_elementwise,
-            cost=CostOptions(tie_breakers=args.cluster is None),
-        ),
+    defaults = IntraOptions()  # unless a flag says otherwise, the planner's defaults
+    options = defaults.replace(
+        solver=args.solver or defaults.solver,
+        merge_elementwise=defaults.merge_elementwise or args.merge_elementwise,
+        layer_period=args.layer_period or defaults.layer_period,
+        cost=CostOptions(tie_breakers=args.cluster is None),
     )
+    ip = build_problem(traced.graph, dmesh, options)
     t2 = time.perf_counter()
-    sol = solve(ip.problem, solver=args.solver, time_limit_s=args.time_limit)
+    sol = solve(ip.problem, solver=options.solver, time_limit_s=args.time_limit)
     t3 = time.perf_counter()
     plan = plan_from_solution(ip, sol)
     t4 = time.perf_counter()
@@ -65,6 +68,9 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
         "build_s": t2 - t1,
         "solve_s": t3 - t2,
         "auto_shard_s": t4 - t0,
+        "solver": options.solver,
+        "merge_elementwise": options.merge_elementwise,
+        "layer_period": options.layer_period,
         "solver_status": sol.status,
         "objective": sol.objective,
     }
@@ -82,7 +88,10 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["gpt-350m", "gpt-1.3b", "gpt-2.6b", "gpt-39b"])
     ap.add_argument("--meshes", nargs="+", default=["2x4", "8x8"])
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: mesh size x 2)")
-    ap.add_argument("--solver", default="cbc")
+    ap.add_argument("--solver", default=None, help="cbc or highs (default: the planner's)")
+    ap.add_argument(
+        "--layer-period", type=int, default=None, help="identical layers tied p at a time"
+    )
     ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; timings are medians")

@@ -80,7 +80,7 @@ def run(
     only_meshes: tuple[str, ...] = (),
 ) -> list[dict]:
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.baselines import baseline_inputs, baseline_options
     from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.verify.check import verify_plan
@@ -100,11 +100,14 @@ def run(
                 pinned = (
                     baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None
                 )
+                options = IntraOptions(solver="highs", time_limit_s=time_limit)
+                if which != "auto":
+                    options = baseline_options(options, mesh.mesh, which)
                 t0 = time.perf_counter()
                 plan = auto_shard_graph(
                     traced.graph,
                     mesh,
-                    IntraOptions(solver="highs", time_limit_s=time_limit),
+                    options,
                     pinned_inputs=pinned,
                     name=which,
                     exact_values=exact_values,

@@ -120,6 +120,14 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         help="split every data input's batch dimension over this mesh axis (e.g. data)",
     )
     p.add_argument(
+        "--layer-period",
+        type=int,
+        default=2,
+        metavar="P",
+        help="tie identical layers P at a time (default 2: alternating plans reachable; "
+        "1: every identical layer shares the first's plan)",
+    )
+    p.add_argument(
         "--no-mixed-mesh-shape",
         action="store_true",
         help="split each tensor dimension over at most one mesh axis "
@@ -140,4 +148,5 @@ def intra_options(args):
         memory_budget_bytes=None if budget is None else budget * 2**30,
         force_batch_dim_to_mesh_axis=getattr(args, "force_batch_axis", None),
         allow_mixed_mesh_shape=not getattr(args, "no_mixed_mesh_shape", False),
+        layer_period=getattr(args, "layer_period", 2),
     )

@@ -153,7 +153,7 @@ def _route(args, command: str) -> bool:
 
 
 def _single_mesh_defaults(args) -> None:
-    args.solver = args.solver or "cbc"
+    args.solver = args.solver or "highs"
     args.time_limit = 120.0 if args.time_limit is None else args.time_limit
 
 
@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--solver",
             choices=("cbc", "highs"),
             default=None,
-            help="ILP solver (default: cbc for one mesh, highs for --pipeline)",
+            help="ILP solver (default: highs; cbc through PuLP)",
         )
         p.add_argument(
             "--time-limit",
@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func, optimizer="adamw" if name == "plan" else None)
 
     p = sub.add_parser("demo", help="plan, run and verify gpt-tiny on 8 fake CPU devices")
-    p.add_argument("--solver", choices=("cbc", "highs"), default="cbc")
+    p.add_argument("--solver", choices=("cbc", "highs"), default="highs")
     p.add_argument("--time-limit", type=positive_float, default=120.0, help="ILP time limit (s)")
     p.set_defaults(func=cmd_demo)
 

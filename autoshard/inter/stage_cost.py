@@ -35,8 +35,9 @@ Identical layers are planned once (``granularity``):
   its depth.  Exact for the junction costs it adds; it cannot choose layouts jointly
   across a junction, which the ILP of a whole range could.
 * ``"range"``: every distinct range (sequence of layer signatures) is planned as one
-  sub-graph; ``share_layers`` keeps a k-block ILP as small as a 1-block one, but the
-  number of ILPs grows with the number of distinct ranges (about 4 x depth).
+  sub-graph; ``share_layers`` keeps a k-block ILP as small as a 2-block one (identical
+  layers tied two at a time, ``layer_period``), but the number of ILPs grows with the
+  number of distinct ranges (about 4 x depth).
 
 Everything uses abstract shapes: no parameter is allocated.  Jax-free.
 """

@@ -13,8 +13,9 @@ Problem-size reductions, all exact with respect to the plans they allow (written
 * followers -- a light op with one array operand (unary elementwise, broadcasts,
   reshapes, transposes, reductions) takes the strategy that matches its operand's;
 * identical layers -- every node of a layer whose equations have the same primitives and
-  shapes as an earlier layer's shares that layer's variables (on by default), so the
-  number of variables does not grow with depth;
+  shapes as an earlier layer's shares the variables of the layer ``layer_period`` (2)
+  places before it in that run (on by default), so the number of variables does not grow
+  with depth and alternating plans stay reachable;
 * aliases -- a parameter or optimizer-state input and its updated output are forced to
   the same spec (an edge whose other pairs cost infinity).
 
@@ -44,7 +45,13 @@ from autoshard.intra.memory import memory_rows, streamed_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.predict import plan_from_solution, predicted_collectives, reduce_steps
 from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
-from autoshard.intra.ties import apply_alpa_options, follower_ties, layer_ties, preferences
+from autoshard.intra.ties import (
+    apply_alpa_options,
+    follower_ties,
+    keep_data_parallel,
+    layer_ties,
+    preferences,
+)
 from autoshard.intra.value_edges import Use, Value, ValueEdges, value_edges
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
@@ -195,6 +202,22 @@ def build_problem(
         values.append(Value(src, k, t.shape, _itemsize(t.dtype), steps_cache[key], tuple(used)))
     edges: list[EdgeCost] = []
     edge_consumers: list[tuple[int, ...]] = []
+    # data-parallel axes (the dp and megatron baselines): a use may not move a split off
+    # them -- a feasibility edge (0 or infinity) beside the priced per-value edges
+    if options.data_parallel_axes:
+        forbid: dict[tuple, tuple[tuple[float, ...], ...]] = {}
+        for op in operands:
+            src, k = producer[op.tensor]
+            key = (id(strategies[src]), k, id(strategies[op.dst]), op.slot)
+            if key not in forbid:
+                zero = tuple((0.0,) * len(strategies[op.dst]) for _ in strategies[src])
+                forbid[key] = keep_data_parallel(
+                    zero, strategies[src], k, strategies[op.dst], op.slot,
+                    options.data_parallel_axes,
+                )  # fmt: skip
+            if any(math.isinf(c) for row in forbid[key] for c in row):
+                edges.append(EdgeCost(src, op.dst, forbid[key]))
+                edge_consumers.append(())
     # alias edges: state input and its updated output share a spec
     for in_tid, out_tid in graph.aliases:
         if out_tid not in producer or producer[out_tid][0] < n_in:
@@ -218,7 +241,7 @@ def build_problem(
             graph, strategies, producer, n_in, ties, follow_deepest=options.merge_elementwise
         )
     if options.share_layers:
-        layer_ties(graph, strategies, n_in, ties)
+        layer_ties(graph, strategies, n_in, ties, options.layer_period)
 
     per_value = value_edges(values, strategies, ties, mesh, cost_options, exact_values)
     edges.extend(per_value.edges)

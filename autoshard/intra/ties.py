@@ -8,6 +8,8 @@ place, what makes the problem small and its answer unique:
 * :func:`layer_ties` -- every node of a layer identical to an earlier one (same primitives
   and shapes) shares that layer's variables, and so do its parameters;
 * :func:`apply_alpa_options` -- Alpa's ``AutoShardingOption`` knobs as forbidden strategies;
+* :func:`keep_data_parallel` -- ``data_parallel_axes``: reshardings that move data off
+  those axes forbidden, edge by edge;
 * :func:`preferences` -- the tie-break between equal-cost plans.
 """
 
@@ -39,16 +41,27 @@ NOT_FOLLOWERS = frozenset(
 
 def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> None:
     """Forbid (infinite cost) the strategies that ``options``' Alpa knobs rule out:
-    ``allow_mixed_mesh_shape=False`` (a dim split over several mesh axes) and
-    ``force_batch_dim_to_mesh_axis`` (a data input whose batch dim is not split over that
-    axis). Raises ValueError, naming the input, where no strategy is left."""
-    axis = options.force_batch_dim_to_mesh_axis
+    ``allow_mixed_mesh_shape=False`` (a dim split over several mesh axes),
+    ``force_batch_dim_to_mesh_axis`` and ``data_parallel_axes`` (a data input whose batch
+    dim is not split over that axis / all those axes). Raises ValueError, naming the input
+    and what would work, where an axis is unknown, a batch does not divide or no strategy
+    is left."""
     names = mesh.mesh.axis_names
+    axis = options.force_batch_dim_to_mesh_axis
     if axis is not None and axis not in names:
         raise ValueError(
             f"force_batch_dim_to_mesh_axis={axis!r} is not an axis of the mesh {mesh.mesh}; "
             f"choose one of {list(names)}"
         )
+    unknown = [a for a in options.data_parallel_axes if a not in names]
+    if unknown:
+        raise ValueError(
+            f"data_parallel_axes={options.data_parallel_axes!r}: {unknown} not axes of the "
+            f"mesh {mesh.mesh}; choose among {list(names)}"
+        )
+    batch_rules = [((axis,), "force_batch_dim_to_mesh_axis")] if axis is not None else []
+    if options.data_parallel_axes:
+        batch_rules.append((options.data_parallel_axes, "data_parallel_axes"))
 
     def mixed(s) -> bool:
         specs = [*s.input_specs, *s.output_specs]
@@ -58,29 +71,55 @@ def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> No
         costs = list(node_costs[i])
         if not options.allow_mixed_mesh_shape:
             costs = [math.inf if mixed(s) else c for s, c in zip(strats, costs, strict=True)]
-        if axis is not None and i < n_in:
-            t = graph.tensors[graph.inputs[i]]
-            if t.kind == "data" and t.shape:
-                size = mesh.mesh.shape[names.index(axis)]
-                if t.shape[0] % size:
-                    raise ValueError(
-                        f"force_batch_dim_to_mesh_axis={axis!r}: the batch dim of data input "
-                        f"{i} (shape {t.shape}) is not divisible by the {size} devices of axis "
-                        f"{axis!r}; use a batch that is a multiple of {size}, or another axis"
-                    )
-                costs = [
-                    c if axis in s.output_specs[0].dims[0] else math.inf
-                    for s, c in zip(strats, costs, strict=True)
-                ]
+        t = graph.tensors[graph.inputs[i]] if i < n_in else None
+        for axes, knob in batch_rules if t is not None and t.kind == "data" and t.shape else ():
+            size = mesh.mesh.size(axes)
+            if t.shape[0] % size:
+                where = f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
+                raise ValueError(
+                    f"{knob}={axes[0] if knob.startswith('force') else axes!r}: the batch dim "
+                    f"of data input {i} (shape {t.shape}) is not divisible by the {size} "
+                    f"devices of {where}; use a batch that is a multiple of {size}, or "
+                    "other axes"
+                )
+            costs = [
+                c if set(axes) <= set(s.output_specs[0].dims[0]) else math.inf
+                for s, c in zip(strats, costs, strict=True)
+            ]
         if costs != list(node_costs[i]):
             if all(math.isinf(c) for c in costs):
                 what = f"input {i}" if i < n_in else f"node {graph.nodes[i - n_in].primitive}"
                 raise ValueError(
                     f"the intra-op options leave {what} no strategy (force_batch_dim_to_mesh_axis"
-                    f"={axis!r}, allow_mixed_mesh_shape={options.allow_mixed_mesh_shape}); a "
-                    f"pinned spec may contradict them"
+                    f"={axis!r}, data_parallel_axes={options.data_parallel_axes!r}, "
+                    f"allow_mixed_mesh_shape={options.allow_mixed_mesh_shape}); a pinned spec "
+                    "may contradict them"
                 )
             node_costs[i] = tuple(costs)
+
+
+def keep_data_parallel(matrix, src_strategies, k, dst_strategies, slot, axes):
+    """``matrix`` (output ``k`` of the source strategies into operand ``slot`` of the
+    destination strategies) with every pair that moves a split off one of ``axes``
+    forbidden (``math.inf``): a dim split over such an axis must stay split over it.
+    Partial sums may still be reduced over them (the gradient all-reduces of data
+    parallelism) and replicated dims may be sliced. ``axes`` empty: ``matrix`` as is."""
+    if not axes:
+        return matrix
+    forced = set(axes)
+
+    def moves(a: ShardingSpec, b: ShardingSpec | None) -> bool:
+        if b is None:
+            return False
+        return any(x in forced and x not in db for da, db in zip(a.dims, b.dims) for x in da)
+
+    wants = [s.input_specs[slot] for s in dst_strategies]
+    return tuple(
+        tuple(
+            math.inf if moves(s.output_specs[k], b) else c for b, c in zip(wants, row, strict=True)
+        )
+        for s, row in zip(src_strategies, matrix, strict=True)
+    )
 
 
 def preferences(graph, strategies, n_in, mesh) -> tuple[tuple[float, ...], ...]:
@@ -152,33 +191,57 @@ def follower_ties(graph, strategies, producer, n_in, ties, follow_deepest=False)
 _LAYER_KEY = re.compile(r"\['([^']+)'\]")
 
 
-def layer_ties(graph, strategies, n_in, ties) -> None:
+def layer_ties(graph, strategies, n_in, ties, period: int = 2) -> None:
+    """Tie identical layers, ``period`` at a time: the k-th layer of a run of layers with
+    the same equations (primitives, phases, shapes) and the same pinned parameter specs
+    takes the variables of the (k mod ``period``)-th, and so do its parameters.
+
+    Period 1 ties every identical layer to the first: a plan where all layers agree.
+    Period 2 also reaches the plans that alternate (Alpa's column, row, column, row split
+    of an MLP) and still contains every period-1 plan (both representatives agree), so its
+    optimum is never worse; the problem grows by ``period`` layers, not with depth.
+    Layers whose pinned parameters differ (a baseline's alternating pins) are never tied.
+    """
     by_layer: dict[str, list[int]] = {}
     for node in graph.nodes:
         if node.layer is not None:
             by_layer.setdefault(node.layer, []).append(node.index)
-    signature_owner: dict[tuple, str] = {}
+    params_of: dict[str, list[tuple[str, int]]] = {}  # layer -> (path within, input pos)
+    for pos, tid in enumerate(graph.inputs):
+        path = graph.tensors[tid].path
+        for key in dict.fromkeys(_LAYER_KEY.findall(path)):
+            params_of.setdefault(key, []).append((path.replace(f"['{key}']", "['*']"), pos))
+    occurrences: dict[tuple, list[str]] = {}
     rep_of: dict[str, str] = {}
     for layer in graph.layers:
         idx = by_layer.get(layer, [])
-        sig = tuple(
-            (
-                graph.nodes[i].primitive,
-                graph.nodes[i].phase,
-                tuple(graph.tensors[t].shape for t in graph.nodes[i].inputs),
-                tuple(graph.tensors[t].shape for t in graph.nodes[i].outputs),
-            )
-            for i in idx
+        pins = tuple(
+            (within, strategies[pos][0].output_specs[0] if len(strategies[pos]) == 1 else None)
+            for within, pos in sorted(params_of.get(layer, []))
         )
-        owner = signature_owner.setdefault(sig, layer)
-        if owner == layer:
+        sig = (
+            pins,
+            tuple(
+                (
+                    graph.nodes[i].primitive,
+                    graph.nodes[i].phase,
+                    tuple(graph.tensors[t].shape for t in graph.nodes[i].inputs),
+                    tuple(graph.tensors[t].shape for t in graph.nodes[i].outputs),
+                )
+                for i in idx
+            ),
+        )
+        seen = occurrences.setdefault(sig, [])
+        seen.append(layer)
+        if len(seen) <= period:
             continue
+        owner = seen[(len(seen) - 1) % period]
         rep_of[layer] = owner
         for a, b in zip(by_layer[owner], idx):
             me = n_in + b
             if ties[me] is None and len(strategies[me]) > 1:
                 ties[me] = Tie(n_in + a, tuple(range(len(strategies[me]))))
-    # parameters and optimizer state of a shared layer follow the first layer's
+    # parameters and optimizer state of a shared layer follow its representative's
     path_index = {graph.tensors[t].path: pos for pos, t in enumerate(graph.inputs)}
     for pos, tid in enumerate(graph.inputs):
         path = graph.tensors[tid].path

@@ -1,0 +1,149 @@
+"""Exact layer sharing and baselines that mean their names (issue #14 items 1, 2, 4).
+
+Sharing ties identical layers two at a time (``IntraOptions.layer_period``), so Alpa's
+alternating column/row MLP plan stays reachable while the problem stays the size of two
+layers; ``dp`` and ``megatron`` keep every activation split over their data axes, and
+refuse what does not divide.
+"""
+
+import math
+import subprocess
+import sys
+from collections import Counter
+
+import jax
+import pytest
+
+from autoshard.api import trace_workload
+from autoshard.hardware.mesh import alpa_test_mesh
+from autoshard.intra.baselines import baseline_inputs, baseline_options
+from autoshard.intra.ilp import resolve_ties
+from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem import auto_shard_graph, build_problem
+from autoshard.verify.check import verify_plan
+from autoshard.verify.compare import summarize
+
+HIGHS = IntraOptions(solver="highs")
+
+
+def _mlp(layers, batch=16, hidden=2048):
+    return trace_workload(
+        "mlp", optimizer="sgd", num_layers=layers, batch_size=batch, hidden=hidden
+    )
+
+
+def _kernels(traced, plan):
+    g = traced.graph
+    return [
+        spec
+        for tid, spec in zip(g.inputs, plan.input_specs)
+        if g.tensors[tid].kind == "param" and g.tensors[tid].path.endswith("['kernel']")
+    ]
+
+
+def _roots(traced, mesh, options):
+    return len(set(resolve_ties(build_problem(traced.graph, mesh, options).problem)[0]))
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4, 1)])
+def test_shared_layers_find_alpas_alternating_mlp_plan_at_the_unshared_optimum(shape):
+    traced = _mlp(6)
+    mesh = alpa_test_mesh(shape, ("data", "model"))
+    (axis,) = [a for a, n in zip(("data", "model"), shape) if n > 1]
+    shared = auto_shard_graph(traced.graph, mesh, HIGHS)
+    unshared = auto_shard_graph(traced.graph, mesh, HIGHS.replace(share_layers=False))
+    one_strategy = auto_shard_graph(traced.graph, mesh, HIGHS.replace(layer_period=1))
+    assert math.isclose(shared.objective, unshared.objective, rel_tol=1e-9)
+    assert one_strategy.objective > shared.objective * 1.01  # what period 1 cost
+    # Alpa's plan: kernels split column, row, column, row, ...
+    for i, spec in enumerate(_kernels(traced, shared)):
+        assert spec.dims == (((), (axis,)) if i % 2 == 0 else ((axis,), ())), (i, spec)
+    # identical layers are still planned twice at most: fewer roots than unshared
+    assert _roots(traced, mesh, HIGHS) < _roots(traced, mesh, HIGHS.replace(share_layers=False))
+
+
+def test_shared_problem_size_does_not_grow_with_depth():
+    mesh = alpa_test_mesh((1, 4), ("data", "model"))
+    sizes = {layers: _roots(_mlp(layers), mesh, HIGHS) for layers in (4, 6, 10)}
+    assert len(set(sizes.values())) == 1, sizes
+
+
+def test_layer_period_is_validated():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="layer_period"):
+            IntraOptions(layer_period=bad)
+    with pytest.raises(ValueError, match="data_parallel_axes"):
+        IntraOptions(data_parallel_axes="data")
+
+
+def _baseline(traced, mesh, which):
+    options = baseline_options(HIGHS.replace(merge_elementwise=True), mesh.mesh, which)
+    pinned = baseline_inputs(traced.graph, mesh.mesh, which)
+    return auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name=which)
+
+
+@pytest.mark.parametrize("layers", [2, 4, 6])
+def test_mlp_baselines_are_feasible_and_mean_their_names(layers):
+    traced = _mlp(layers, batch=64, hidden=256)
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    dp = Counter((c.kind, c.axes) for c in _baseline(traced, mesh, "dp").predicted_collectives)
+    # data parallel: gradients (and the loss) all-reduced over every axis, nothing else
+    assert dp == {("all-reduce", ("data", "model")): 2 * layers + 1}
+    mega = _baseline(traced, mesh, "megatron")
+    kinds = Counter((c.kind, c.axes) for c in mega.predicted_collectives)
+    # Megatron's MLP: one all-reduce over model per row-split layer forward and per
+    # column-split layer backward (but the first's: no gradient for the data); the
+    # gradients all-reduced over data; no all-gather, no all-to-all
+    assert kinds == {
+        ("all-reduce", ("model",)): layers - 1,
+        ("all-reduce", ("data",)): 2 * layers + 1,
+    }
+    for i, spec in enumerate(_kernels(traced, mega)):
+        assert spec.dims == (((), ("model",)) if i % 2 == 0 else (("model",), ())), (i, spec)
+
+
+def test_forced_data_parallel_on_2x2_agrees_with_xla():
+    traced = _mlp(6, batch=64, hidden=256)
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    plan = _baseline(traced, mesh, "dp")
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:4])
+    compiled = summarize(report.compiled_collectives)
+    assert report.collectives_agree
+    assert set(compiled) == {("all-reduce", ("data", "model"))}
+
+
+def test_baselines_refuse_what_does_not_divide():
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    odd = _mlp(2, batch=3, hidden=64)
+    with pytest.raises(ValueError, match=r"batch of data input.*not divisible by the 8 devices"):
+        baseline_inputs(odd.graph, mesh.mesh, "dp")
+    gpt = trace_workload("gpt-tiny", optimizer="sgd", hidden=100)
+    wide = alpa_test_mesh((1, 8), ("data", "model"))
+    with pytest.raises(ValueError, match=r"attn.*not divisible by the 8 devices.*multiple of 8"):
+        baseline_inputs(gpt.graph, wide.mesh, "megatron")
+
+
+def test_cli_refuses_an_undivided_dp_batch_with_exit_status_2():
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", "--model", "mlp", "--batch", "3"]
+        + ["--mesh", "2x4", "--baseline", "dp"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 2
+    assert "not divisible by the 8 devices" in out.stderr and "multiple of 8" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_cli_refuses_a_layer_period_below_one_with_exit_status_2():
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", "--model", "mlp", "--layers", "2"]
+        + ["--mesh", "4", "--layer-period", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 2
+    assert "layer_period=0: give an integer >= 1" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
