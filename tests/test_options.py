@@ -105,7 +105,10 @@ def test_cli_flags_build_the_options():
     "argv, message",
     [
         ("plan --model gpt-tiny --mesh 2x4 --force-batch-axis batch", "not an axis of the mesh"),
-        ("plan --model gpt-tiny --mesh 2x4 --time-limit -5", "time_limit_s=-5"),
+        (
+            "plan --model gpt-tiny --mesh 2x4 --time-limit -5",
+            "--time-limit: expected a positive number, got -5",
+        ),
         (
             "plan --model gpt-tiny --layers 2 --devices 8 --pipeline auto --no-mixed-mesh-shape",
             "--no-mixed-mesh-shape",

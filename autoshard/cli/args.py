@@ -8,7 +8,11 @@ import argparse
 # tests/test_report_cli.py checks it against autoshard.models.model_names()
 MODEL_PRESETS = (
     "gpt-tiny", "gpt-125m", "gpt-350m", "gpt-760m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b",
-    "gpt-15b", "gpt-39b", "gpt-76b", "mlp",
+    "gpt-15b", "gpt-39b", "gpt-76b",
+    "moe-tiny", "moe-380m", "moe-690m", "moe-1.3b", "moe-2.4b", "moe-10b", "moe-27b", "moe-70b",
+    "mlp",
+    "wresnet-tiny", "wresnet-small", "wresnet-250m", "wresnet-500m", "wresnet-1b", "wresnet-2b",
+    "wresnet-4b", "wresnet-6.8b", "wresnet-13b",
 )  # fmt: skip
 
 
