@@ -195,7 +195,11 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
     highs.passModel(lp)
     if model.start is not None:  # HiGHS completes the continuous columns itself
         cols, vals = model.start
-        highs.setSolution(len(cols), np.asarray(cols, np.int32), np.asarray(vals, float))
+        try:
+            highs.setSolution(len(cols), np.asarray(cols, np.int32), np.asarray(vals, float))
+        except TypeError:  # highspy < 1.8 takes only a whole HighsSolution: no warm start
+            # (a start changes the solve's time, not its optimum; tests/test_value_edges.py)
+            pass
     highs.run()
     ms, info, status = highs.getModelStatus(), highs.getInfo(), highspy.HighsModelStatus
     if ms in (status.kInfeasible, status.kUnboundedOrInfeasible):
