@@ -12,7 +12,7 @@ import json
 import sys
 import warnings
 
-from autoshard.cli.args import HelpfulParser, add_intra_option_args, intra_options, positive_float
+from autoshard.cli.args import HelpfulParser, add_intra_option_args, positive_float
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
@@ -21,12 +21,10 @@ from autoshard.cli.console import out_console, progress, version
 from autoshard.cli.launch import add_launch_args
 from autoshard.cli.pipeline import (
     add_pipeline_args,
-    cmd_pipeline_plan,
-    cmd_pipeline_run,
-    pipeline_defaults,
-    refuse_ignored_pipeline_flags,
 )
-from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file, bound_from_args, needs_model
+from autoshard.cli.plan import cmd_plan, cmd_verify, plan_from_args
+from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file
+from autoshard.cli.run import cmd_run
 
 
 def _setup_devices(n: int | None) -> None:
@@ -55,294 +53,6 @@ def cmd_inspect(args) -> int:
 
     print_summary(summary, out_console(), batch=shape["batch"], seq_len=shape["seq_len"])
     return 0
-
-
-def _plan(args):
-    from autoshard.api import plan_workload
-
-    return plan_workload(
-        args.model,
-        args.mesh,
-        optimizer=args.optimizer,
-        baseline=args.baseline,
-        options=intra_options(args),
-        cluster=getattr(args, "cluster", None),
-        **_overrides(args),
-    )
-
-
-def _plan_json(model: str, bound, report) -> dict:
-    """The plan file's document (:mod:`autoshard.ir.planfile`) with a readable summary."""
-    import dataclasses
-
-    plan, graph = bound.plan, bound.graph
-    out = {
-        "model": model,
-        "plan": plan.name,
-        "mesh": {"axis_names": list(plan.mesh.axis_names), "shape": list(plan.mesh.shape)},
-        "objective": plan.objective,
-        "specs": {
-            graph.tensors[t].path: s.format(graph.tensors[t].shape, graph.tensors[t].dtype)
-            for t, s in zip(graph.inputs, plan.input_specs)
-        },
-        "predicted_collectives": [c.to_json() for c in plan.predicted_collectives],
-        "predicted_peak_bytes": plan.predicted_peak_bytes,
-        "solver": dict(plan.solver),
-        "notes": list(plan.notes),
-    }
-    if report is not None:
-        verification = report.to_json()
-        out.update(
-            compiled_collectives=verification["compiled_collectives"],
-            compiled_peak_bytes=report.compiled_peak_bytes,
-            collectives_agree=report.collectives_agree,
-            memory_error=report.memory_error,
-            memory_explained_by_heap_gap=report.memory_explained_by_heap_gap,
-            agree=report.agree,
-            verification=verification,
-        )
-    return dataclasses.replace(bound.plan_file(), extra=out).to_json()
-
-
-def _route(args, command: str) -> bool:
-    """Whether ``plan`` / ``run`` should pipeline (``--pipeline``); checks the flags."""
-    pipeline = getattr(args, "pipeline", None)
-    pipeline_defaults(args, command, pipeline is not None)
-    if pipeline is None:
-        if not args.mesh:
-            raise ValueError(
-                f"{command} needs --mesh (one mesh, e.g. 2x4) or --pipeline "
-                "auto|equal-layer|equal-flops with --devices N (pipeline stages)"
-            )
-        return False
-    if args.mesh:
-        raise ValueError(f"{command}: give --mesh (one mesh) or --pipeline (stages), not both")
-    if args.baseline:
-        raise ValueError(f"{command} --pipeline plans stages with the ILP; drop --baseline")
-    knobs = [
-        flag
-        for flag, on in (
-            ("--force-batch-axis", getattr(args, "force_batch_axis", None)),
-            ("--no-mixed-mesh-shape", getattr(args, "no_mixed_mesh_shape", False)),
-        )
-        if on
-    ]
-    saved = [
-        f
-        for f, on in (
-            ("--save", getattr(args, "save", None)),
-            ("--resume", getattr(args, "resume", None)),
-        )
-        if on
-    ]
-    if saved:
-        raise ValueError(
-            f"{command} --pipeline: {', '.join(saved)} checkpoint one-mesh runs only (for now); "
-            "drop them, or run one mesh with --mesh"
-        )
-    if knobs:
-        raise ValueError(
-            f"{command} --pipeline: {', '.join(knobs)} set the one-mesh ILP; the stage "
-            "search's ILPs do not take them yet: drop them, or plan one mesh with --mesh"
-        )
-    refuse_ignored_pipeline_flags(args, command)
-    args.devices = args.pipeline_devices or args.devices
-    if not args.devices:
-        raise ValueError(f"{command} --pipeline needs --devices N")
-    return True
-
-
-def _single_mesh_defaults(args) -> None:
-    args.solver = args.solver or "highs"
-    args.time_limit = 120.0 if args.time_limit is None else args.time_limit
-
-
-def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
-    from autoshard.cli.report import print_plan, print_verification
-
-    if bound is None and not verify_exit and _route(args, "plan"):
-        return cmd_pipeline_plan(args)
-    _single_mesh_defaults(args)
-    if bound is None:
-        with progress(args, f"planning {args.model} on mesh {args.mesh} ..."):
-            bound = _plan(args)
-    report = None
-    if args.verify or verify_exit:
-        with progress(args, "compiling the plan to compare with XLA ..."):
-            report = bound.verify()
-    out_path = getattr(args, "out", None)
-    if args.json or out_path:
-        obj = _plan_json(args.model, bound, report)
-    if out_path:
-        try:
-            with open(out_path, "w") as f:
-                json.dump(obj, f, indent=2)
-                f.write("\n")
-        except OSError as err:
-            raise ValueError(f"cannot write the plan to {out_path!r}: {err.strerror}") from None
-        print(f"plan saved to {out_path}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(obj, indent=2))
-    else:
-        console = out_console()
-        print_plan(bound.plan, bound.graph, console, cluster=getattr(args, "cluster", None))
-        _print_in_words(bound, console)
-        if report is not None:
-            print_verification(report, console)
-    if verify_exit and report is not None and not report.agree:  # collectives or memory
-        return 1
-    return 0
-
-
-def _print_in_words(bound, console) -> None:
-    """The plan's parallelism in one line (:mod:`autoshard.report.digest`)."""
-    from autoshard.report.digest import parallelism_of
-
-    console.print(
-        f"in words: {parallelism_of(bound.plan_file()).summary()}", markup=False, highlight=False
-    )
-
-
-def cmd_verify(args) -> int:
-    args.verify = True
-    needs_model(args, "verify")
-    if getattr(args, "loaded_plan", None) is not None:
-        return cmd_plan(args, verify_exit=True, bound=bound_from_args(args))
-    if not args.mesh:
-        raise ValueError("verify needs --mesh (e.g. 2x4), or --plan FILE")
-    args.optimizer = args.optimizer or "adamw"
-    return cmd_plan(args, verify_exit=True)
-
-
-def cmd_run(args, bound=None) -> int:
-    from autoshard.models import get_workload, make_optimizer
-    from autoshard.runtime.sharded import check_against_single_device, run_steps
-
-    needs_model(args, "run")
-    if bound is None and getattr(args, "loaded_plan", None) is not None:
-        bound = bound_from_args(args)
-    if bound is None and _route(args, "run"):
-        return cmd_pipeline_run(args)
-    _single_mesh_defaults(args)
-    console = out_console()
-    args.optimizer = args.optimizer or "sgd"
-    if bound is None:
-        with progress(args, f"planning {args.model} on mesh {args.mesh} ..."):
-            bound = _plan(args)
-    workload = get_workload(args.model, **_overrides(args))
-    opt = make_optimizer(args.optimizer)
-    concrete = workload.init_train_args(opt, seed=0)
-    step = bound.jit()
-    concrete, first = _resume(args, bound, step, concrete)
-    seconds: list[float] = []
-    with progress(args, f"compiling and running {args.steps} step(s) ..."):
-        final, losses = run_steps(step, concrete, args.steps, seconds=seconds)
-    out = {
-        "model": args.model,
-        "plan": bound.plan.name,
-        "mesh": {
-            "axis_names": list(bound.plan.mesh.axis_names),
-            "shape": list(bound.plan.mesh.shape),
-        },
-        "optimizer": args.optimizer,
-        "first_step": first + 1,
-        "losses": losses,
-        "step_seconds": seconds,
-    }
-    if not args.json:
-        console.print(
-            f"plan {bound.plan.name} on {bound.plan.mesh}: losses "
-            + ", ".join(f"{x:.6f}" for x in losses)
-            + (f" (steps {first + 1}..{first + args.steps})" if first else "")
-        )
-        console.print(_step_times(seconds))
-    if getattr(args, "save", None):
-        from autoshard.runtime.checkpoint import save_state
-
-        path = save_state(args.save, tuple(final[:2]), first + args.steps)
-        print(f"saved the state after step {first + args.steps} to {path}", file=sys.stderr)
-    report = None
-    if args.check:
-        with progress(args, "running the single-device step to compare ..."):
-            report = check_against_single_device(
-                bound.program,
-                bound.plan,
-                step.mesh,
-                concrete,
-                num_steps=args.steps,
-                rtol=args.rtol,
-                step=step,
-            )
-        out["check"] = {
-            "rtol": report.rtol,
-            "loss_rel_error": report.loss_rel_error,
-            "params_rel_error": report.params_rel_error,
-            "update_rel_error": report.update_rel_error,
-            "ok": report.ok,
-            "worst_output": report.worst_output,
-        }
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0 if report is None or report.ok else 1
-    if report is None:
-        return 0
-    console.print(
-        f"vs single device over {report.num_steps} step(s): loss rel. error "
-        f"{report.loss_rel_error:.2e}, parameter rel. error {report.params_rel_error:.2e}, "
-        f"update rel. error {report.update_rel_error:.2e} (rtol {report.rtol:g}): "
-        + (
-            "[green]MATCH[/green]"
-            if report.ok
-            else f"[red]MISMATCH[/red] (worst: {report.worst_output})"
-        )
-    )
-    hint = _mismatch_hint(args, report)
-    if hint:
-        console.print(f"[yellow]hint:[/yellow] {hint}")
-    return 0 if report.ok else 1
-
-
-def _step_times(seconds: list[float]) -> str:
-    first = f"step 1 {seconds[0] * 1e3:.1f} ms (includes compilation)"
-    if len(seconds) == 1:
-        return f"step time: {first}"
-    rest = seconds[1:]
-    later = "step 2" if len(rest) == 1 else f"steps 2-{len(seconds)}"
-    return (
-        f"step time: {first}; {later} {sum(rest) / len(rest) * 1e3:.1f} ms each "
-        "(wall time on these devices)"
-    )
-
-
-def _mismatch_hint(args, report) -> str | None:
-    """Why a mismatch may be rounding, not a wrong plan: the default rtol is for f32 SGD."""
-    if report.ok:
-        return None
-    reasons = []
-    if args.optimizer == "adamw":
-        reasons.append("AdamW divides by the root of tiny second moments, which magnifies rounding")
-    if args.dtype == "bfloat16":
-        reasons.append("bfloat16 keeps 8 bits of mantissa")
-    if not reasons or args.rtol > 1e-5:
-        return None
-    return (
-        f"the default --rtol 1e-5 is meant for float32 SGD; {' and '.join(reasons)}: "
-        "to check a plan at 1e-5, plan it with --optimizer sgd in float32; or give a looser "
-        "--rtol on purpose"
-    )
-
-
-def _resume(args, bound, step, concrete):
-    """``run --resume DIR``: the saved params and optimizer state, laid out as this run's
-    plan says (any mesh), with the concrete batch; and the step they were saved after."""
-    if not getattr(args, "resume", None):
-        return concrete, 0
-    from autoshard.runtime.checkpoint import restore_state
-    from autoshard.runtime.sharded import abstract_args
-
-    params, opt_state, _ = abstract_args(bound.program, bound.plan, step.mesh)
-    (params, opt_state), first = restore_state(args.resume, (params, opt_state))
-    return (params, opt_state, concrete[2]), first
 
 
 def cmd_demo(args) -> int:
@@ -384,7 +94,7 @@ def cmd_demo(args) -> int:
         rtol=1e-5,
     )
     console.rule("plan (ILP) and its check against XLA")
-    bound = _plan(ns)
+    bound = plan_from_args(ns)
     verify_rc = cmd_plan(ns, bound=bound)
     console.rule("run the plan and compare with one device")
     rc = cmd_run(ns, bound=bound)
