@@ -109,15 +109,8 @@ def input_table(graph: Graph) -> tuple[PlanInput, ...]:
     )
 
 
-@dataclass(frozen=True)
-class PlanFile:
-    """A loaded plan file: the plan, and the fingerprint of what it was made for."""
-
-    plan: ParallelPlan
-    fingerprint: Mapping[str, Any]
-    kind: str = "intra"
-    extra: Mapping[str, Any] = field(default_factory=dict)  # summary keys, kept as read
-    inputs: tuple[PlanInput, ...] = ()  # one per program input, () in older files
+class _Fingerprinted:
+    """What both plan files read off their fingerprint, and how they are written."""
 
     @property
     def model(self) -> str | None:
@@ -130,6 +123,25 @@ class PlanFile:
     @property
     def optimizer(self) -> str | None:
         return self.fingerprint.get("optimizer")
+
+    def save(self, path) -> None:
+        try:
+            with open(path, "w") as f:
+                json.dump(self.to_json(), f, indent=2)
+                f.write("\n")
+        except OSError as err:
+            raise PlanFileError(f"cannot write the plan to {str(path)!r}: {err.strerror}") from None
+
+
+@dataclass(frozen=True)
+class PlanFile(_Fingerprinted):
+    """A loaded plan file: the plan, and the fingerprint of what it was made for."""
+
+    plan: ParallelPlan
+    fingerprint: Mapping[str, Any]
+    kind: str = "intra"
+    extra: Mapping[str, Any] = field(default_factory=dict)  # summary keys, kept as read
+    inputs: tuple[PlanInput, ...] = ()  # one per program input, () in older files
 
     def to_json(self) -> dict:
         return {
@@ -141,14 +153,9 @@ class PlanFile:
             "parallel_plan": self.plan.to_json(),
         }
 
-    def save(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-            f.write("\n")
-
 
 @dataclass(frozen=True)
-class PipelinePlanFile:
+class PipelinePlanFile(_Fingerprinted):
     """A saved pipeline plan (``plan --pipeline ... --out``): the inter-operator pass's
     plan as its JSON (``inter_plan``: read it with ``autoshard.inter.plan.InterPlan.
     from_json``; the ir layer does not know the type), what it was made for, and the global
@@ -159,18 +166,6 @@ class PipelinePlanFile:
     extra: Mapping[str, Any] = field(default_factory=dict)
     kind: str = "pipeline"
 
-    @property
-    def model(self) -> str | None:
-        return self.fingerprint.get("model")
-
-    @property
-    def overrides(self) -> dict:
-        return dict(self.fingerprint.get("overrides") or {})
-
-    @property
-    def optimizer(self) -> str | None:
-        return self.fingerprint.get("optimizer")
-
     def to_json(self) -> dict:
         return {
             "schema": SCHEMA,
@@ -179,14 +174,6 @@ class PipelinePlanFile:
             "fingerprint": dict(self.fingerprint),
             "inter_plan": dict(self.inter_plan),
         }
-
-    def save(self, path) -> None:
-        try:
-            with open(path, "w") as f:
-                json.dump(self.to_json(), f, indent=2)
-                f.write("\n")
-        except OSError as err:
-            raise PlanFileError(f"cannot write the plan to {str(path)!r}: {err.strerror}") from None
 
 
 def make_fingerprint(

@@ -23,7 +23,6 @@ iterations ``block_0`` ... ``block_{L-1}``, so both forms get the same plan.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,11 +31,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from autoshard.models.config import ModelConfig
+
 _DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(ModelConfig):
     """Shape of a GPT and of the batch it trains on."""
 
     name: str
@@ -50,12 +51,9 @@ class GPTConfig:
     scan_layers: bool = False  # the blocks as one nn.scan over stacked parameters
 
     def __post_init__(self) -> None:
-        for field in ("hidden", "num_layers", "num_heads", "vocab_size", "seq_len", "batch_size"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"GPT config field {field!r} must be a positive integer, got {value!r}"
-                )
+        self.check_positive_ints(
+            "GPT", ("hidden", "num_layers", "num_heads", "vocab_size", "seq_len", "batch_size")
+        )
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"hidden ({self.hidden}) must be divisible by num_heads ({self.num_heads})"
@@ -64,10 +62,6 @@ class GPTConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
-
-    def replace(self, **changes) -> GPTConfig:
-        """A copy with some fields changed (None values are ignored)."""
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @property
     def head_dim(self) -> int:
@@ -224,9 +218,9 @@ class GPT(nn.Module):
         return Head(self.cfg, name="head")(x, wte)
 
 
-def gpt_loss_fn(cfg: GPTConfig):
-    """``loss(params, batch)``: mean next-token cross-entropy in float32."""
-    model = GPT(cfg)
+def token_loss_fn(model: nn.Module):
+    """``loss(params, batch)`` of a language model ``model`` (tokens -> logits): mean
+    next-token cross-entropy in float32. The GPT and the GPT-MoE share it."""
 
     def loss(params, batch):
         logits = model.apply({"params": params}, batch["tokens"])
@@ -238,15 +232,25 @@ def gpt_loss_fn(cfg: GPTConfig):
     return loss
 
 
-def gpt_init_fn(cfg: GPTConfig):
-    """``init(rng) -> params`` (jit-able; use ``jax.eval_shape`` for abstract params)."""
-    model = GPT(cfg)
+def token_init_fn(model: nn.Module, cfg):
+    """``init(rng) -> params`` of ``model`` for ``cfg``'s batch of tokens (jit-able; use
+    ``jax.eval_shape`` for abstract params)."""
 
     def init(rng):
         tokens = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
         return model.init(rng, tokens)["params"]
 
     return init
+
+
+def gpt_loss_fn(cfg: GPTConfig):
+    """``loss(params, batch)``: mean next-token cross-entropy in float32."""
+    return token_loss_fn(GPT(cfg))
+
+
+def gpt_init_fn(cfg: GPTConfig):
+    """``init(rng) -> params`` (jit-able; use ``jax.eval_shape`` for abstract params)."""
+    return token_init_fn(GPT(cfg), cfg)
 
 
 def gpt_batch_spec(cfg: GPTConfig) -> dict[str, jax.ShapeDtypeStruct]:

@@ -7,16 +7,17 @@ every layer is ``hidden -> hidden`` with a bias, batch input ``x`` and target ``
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from autoshard.models.config import ModelConfig
+
 
 @dataclass(frozen=True)
-class MLPConfig:
+class MLPConfig(ModelConfig):
     name: str = "mlp"
     hidden: int = 1024
     num_layers: int = 2
@@ -24,17 +25,9 @@ class MLPConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for field in ("hidden", "num_layers", "batch_size"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"MLP config field {field!r} must be a positive integer, got {value!r}"
-                )
+        self.check_positive_ints("MLP", ("hidden", "num_layers", "batch_size"))
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-
-    def replace(self, **changes) -> MLPConfig:
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @property
     def num_params(self) -> int:

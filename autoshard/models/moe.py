@@ -30,7 +30,6 @@ dimension: the dispatched ``[E, G, C, h]`` tokens are then exchanged by all-to-a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,13 +37,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from autoshard.models.gpt import CausalSelfAttention, Embedding, Head, _dense, _layer_norm
+from autoshard.models.config import ModelConfig
+from autoshard.models.gpt import (
+    CausalSelfAttention,
+    Embedding,
+    Head,
+    _dense,
+    _layer_norm,
+    token_init_fn,
+    token_loss_fn,
+)
 
 _DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
-class MoEConfig:
+class MoEConfig(ModelConfig):
     """Shape of a GPT-MoE and of the batch it trains on."""
 
     name: str
@@ -60,22 +68,20 @@ class MoEConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for field in (
-            "hidden",
-            "num_layers",
-            "num_heads",
-            "num_experts",
-            "expert_group_size",
-            "vocab_size",
-            "seq_len",
-            "batch_size",
-            "ffn_ratio",
-        ):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"MoE config field {field!r} must be a positive integer, got {value!r}"
-                )
+        self.check_positive_ints(
+            "MoE",
+            (
+                "hidden",
+                "num_layers",
+                "num_heads",
+                "num_experts",
+                "expert_group_size",
+                "vocab_size",
+                "seq_len",
+                "batch_size",
+                "ffn_ratio",
+            ),
+        )
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"hidden ({self.hidden}) must be divisible by num_heads ({self.num_heads})"
@@ -96,10 +102,6 @@ class MoEConfig:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-
-    def replace(self, **changes) -> MoEConfig:
-        """A copy with some fields changed (None values are ignored)."""
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @property
     def head_dim(self) -> int:
@@ -299,25 +301,9 @@ def alpa_moe_layer_step(cfg: MoEConfig = ALPA_MOE_LAYER):
 
 def moe_loss_fn(cfg: MoEConfig):
     """``loss(params, batch)``: mean next-token cross-entropy in float32."""
-    import optax
-
-    model = GPTMoE(cfg)
-
-    def loss(params, batch):
-        logits = model.apply({"params": params}, batch["tokens"])
-        losses = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch["labels"]
-        )
-        return jnp.mean(losses)
-
-    return loss
+    return token_loss_fn(GPTMoE(cfg))
 
 
 def moe_init_fn(cfg: MoEConfig):
     """``init(rng) -> params`` (use ``jax.eval_shape`` for abstract params)."""
-    model = GPTMoE(cfg)
-
-    def init(rng):
-        return model.init(rng, jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32))["params"]
-
-    return init
+    return token_init_fn(GPTMoE(cfg), cfg)

@@ -35,13 +35,14 @@ tags the tracer uses: ``stem``, ``block_0`` ... ``block_{n-1}``, ``head``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from autoshard.models.config import ModelConfig
 
 _DTYPES = ("float32", "bfloat16", "float64")
 
@@ -58,7 +59,7 @@ STAGE_SIZES: dict[int, tuple[int, ...]] = {
 
 
 @dataclass(frozen=True)
-class WResNetConfig:
+class WResNetConfig(ModelConfig):
     """Shape of a Wide-ResNet and of the batch of images it trains on."""
 
     name: str
@@ -71,12 +72,10 @@ class WResNetConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for field in ("image_size", "num_channels", "width_factor", "num_classes", "batch_size"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"Wide-ResNet config field {field!r} must be a positive integer, got {value!r}"
-                )
+        self.check_positive_ints(
+            "Wide-ResNet",
+            ("image_size", "num_channels", "width_factor", "num_classes", "batch_size"),
+        )
         if self.num_layers not in STAGE_SIZES:  # checked first: the image check needs it
             raise ValueError(
                 f"num_layers must be one of {sorted(STAGE_SIZES)} (3 per bottleneck block + 2), "
@@ -90,10 +89,6 @@ class WResNetConfig:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-
-    def replace(self, **changes) -> WResNetConfig:
-        """A copy with some fields changed (None values are ignored)."""
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @property
     def param_dtype(self) -> str:

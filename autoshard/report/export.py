@@ -198,6 +198,18 @@ def _micro_batch(d: PlanDigest, dp: int, target: str) -> int:
     return batch // dp
 
 
+def megatron_args(config: dict[str, object]) -> str:
+    """Megatron-LM's command-line arguments for ``config``: a true flag bare, a false one
+    left out, any other value after its flag."""
+    args: list[str] = []
+    for key, value in config.items():
+        if value is True:
+            args.append(f"--{key}")
+        elif value is not False:
+            args.extend((f"--{key}", str(value)))
+    return " ".join(args)
+
+
 @register("megatron")
 def megatron(d: PlanDigest) -> Export:
     """Megatron-LM arguments: TP over the plan's TP axes, every other device DP; the
@@ -230,13 +242,7 @@ def megatron(d: PlanDigest) -> Export:
         config["recompute-granularity"] = roles.recompute
     if d.dtype == "bfloat16":
         config["bf16"] = True
-    args = []
-    for key, value in config.items():
-        if value is True:
-            args.append(f"--{key}")
-        elif value is not False:
-            args.extend((f"--{key}", str(value)))
-    return Export("megatron", config, " ".join(args), differences(d, layout), tuple(notes))
+    return Export("megatron", config, megatron_args(config), differences(d, layout), tuple(notes))
 
 
 @register("deepspeed")

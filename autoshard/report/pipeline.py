@@ -29,7 +29,7 @@ import numpy as np
 from autoshard.inter.plan import InterPlan, Stage
 from autoshard.inter.schedules import BACKWARD, gpipe, one_f_one_b
 from autoshard.ir.planfile import PipelinePlanFile
-from autoshard.report.export import Export, TensorDifference
+from autoshard.report.export import Export, TensorDifference, megatron_args
 from autoshard.report.text import Section, human_bytes
 
 RECOMPUTE_FLAGS = {"selective": "selective", "full": "full"}
@@ -161,13 +161,7 @@ def export_pipeline(d: PipelineDigest, target: str) -> Export:
             config["recompute-granularity"] = RECOMPUTE_FLAGS[rc]
         if d.inter.schedule == "gpipe":
             notes.append("Megatron-LM runs 1F1B; the plan was costed for GPipe")
-        args = []
-        for key, value in config.items():
-            if value is True:
-                args.append(f"--{key}")
-            elif value is not False:
-                args.extend((f"--{key}", str(value)))
-        return Export("megatron", config, " ".join(args), diffs, tuple(notes))
+        return Export("megatron", config, megatron_args(config), diffs, tuple(notes))
     if target == "deepspeed":  # no tensor parallelism: every TP group becomes DP
         if tp > 1:
             diffs = tuple(
