@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -239,10 +240,9 @@ class _Flattener:
         if tid in self.stacked:
             return self.stacked[tid][i]
 
-        def take(x, i=i):
-            return jax.lax.squeeze(jax.lax.slice_in_dim(x, i, i + 1, axis=0), (0,))
-
-        return self.emit(take, [tid], stack)[0]
+        t = self.tensors[tid]
+        closed = _slice_jaxpr(t.shape, t.dtype, i)
+        return self.flatten(closed.jaxpr, closed.consts, [tid], stack)[0]
 
     def unroll_scan(self, eqn, in_ids: list[int], stack: str) -> list[int]:
         """Inline every iteration of a ``scan`` equation; returns its outputs' ids."""
@@ -295,6 +295,17 @@ class _Flattener:
             kept = sorted(self.stacking - dead)
             shift = sorted(dead)
             self.stacking = {i - sum(1 for d in shift if d < i) for i in kept}
+
+
+@functools.lru_cache(maxsize=4096)
+def _slice_jaxpr(shape: tuple[int, ...], dtype: str, i: int):
+    """The jaxpr of ``x[i]`` as ``slice`` + ``squeeze`` (traced once per shape and index:
+    an unrolled scan reads every stacked input once per iteration, forward and backward)."""
+
+    def take(x):
+        return jax.lax.squeeze(jax.lax.slice_in_dim(x, i, i + 1, axis=0), (0,))
+
+    return jax.make_jaxpr(take)(jax.ShapeDtypeStruct(shape, np.dtype(dtype)))
 
 
 def _stack(*ys):
