@@ -173,6 +173,7 @@ def memory_picture(d: PlanDigest) -> bytes:
         vals = np.array([per_layer[n][cat] for n in names]) / 1e3
         ax.bar(names, vals, bottom=bottom, label=cat, color=colour)
         bottom += vals
+    ax.set_ylim(0, max(float(bottom.max()), 1e-3) * 1.15)  # room above the tallest bar
     ax.set_ylabel("kB per device")
     ax.set_title("memory per device by layer (gradients: laid out like the weights)")
     ax.legend(fontsize=8)
