@@ -10,7 +10,8 @@ rows constrain.  It takes an op :class:`~autoshard.ir.graph.Graph` and a priced 
 * fusion -- which values are materialised (:func:`materialized_tensors`);
 * schedule -- each buffer's live interval in program order (:func:`live_intervals`);
 * sizes -- a buffer's bytes, f32 copies of narrow dot operands (:func:`tensor_buffers`),
-  and one buffer per value and resharded layout (:func:`_resharded_copy`).
+  and one buffer per value and resharded layout
+  (:mod:`autoshard.intra.reshard_copies`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.layout_copies import transposed_conv_values, transposed_weight_copies
+from autoshard.intra.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.strategies import Strategy
 from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
@@ -326,23 +328,6 @@ def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, 
     return out
 
 
-def _reshard_buffers(graph: Graph, operand_specs, mesh: DeviceMesh) -> list:
-    """(first, last, bytes per device) of each value in each layout it is resharded to."""
-    pos = program_positions(graph, mesh.memory_layout.late_updates)
-    uses: dict[tuple[int, ShardingSpec], list[int]] = {}
-    for node_index, slots in operand_specs.items():
-        node = graph.nodes[node_index]
-        for slot, spec in slots.items():
-            uses.setdefault((node.inputs[slot], spec), []).append(pos[node_index])
-    out = []
-    for (tid, spec), where in uses.items():
-        copy = _resharded_copy(graph, tid, spec, mesh)
-        if copy is not None:
-            nbytes, early = copy
-            out.append((0 if early else min(where), max(where), nbytes))
-    return out
-
-
 def predicted_peak_bytes(
     graph: Graph,
     spec_of: Mapping[int, ShardingSpec],
@@ -367,17 +352,18 @@ def predicted_peak_bytes(
             spec = operand_specs.get(last, {}).get(node.inputs.index(tid))
             if spec is not None:
                 at_conv[(tid, first, last)] = spec
+    own = tensor_buffers(graph, mesh)
     buffers = [
         (
             first,
             last,
             nbytes * at_conv.get((tid, first, last), spec_of[tid]).shard_fraction(mesh.mesh),
         )
-        for tid, first, last, nbytes in tensor_buffers(graph, mesh)
+        for tid, first, last, nbytes in own
         if tid in spec_of
     ]
-    buffers += _reshard_buffers(graph, operand_specs or {}, mesh)
     pos = program_positions(graph, mesh.memory_layout.late_updates)
+    buffers += reshard_buffers(graph, operand_specs, spec_of, mesh, pos, _union_intervals(own))
     buffers += [  # transposed weight copies: made at the start, live to their last reader
         (
             0,
@@ -425,11 +411,10 @@ def memory_rows(
     ``operands``: the problem's operand edges (:class:`autoshard.intra.problem.Operand`)."""
     # a tensor's buffers (itself, its f32 copy) count together, over the union of their
     # intervals (the tensor's holds the copy's unless the tensor is fused away)
-    intervals: dict[int, tuple[int, int]] = {}
+    own = tensor_buffers(graph, mesh)
+    intervals = _union_intervals(own)
     sizes: dict[int, float] = {}
-    for tid, first, last, nbytes in tensor_buffers(graph, mesh):
-        a, b = intervals.get(tid, (first, last))
-        intervals[tid] = (min(a, first), max(b, last))
+    for tid, _, _, nbytes in own:
         sizes[tid] = sizes.get(tid, 0.0) + nbytes
 
     node_memory = []
@@ -451,7 +436,8 @@ def memory_rows(
     for tid in intervals:
         node, _ = producer[tid]
         owner[tid] = node
-    groups = _copy_groups(graph, strategies, producer, n_in, mesh, operands)
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
         groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh)
     # one sweep over program order: the live set at each position where a buffer is born
@@ -460,8 +446,8 @@ def memory_rows(
     for t, (first, _) in intervals.items():
         born.setdefault(first, []).append(t)
     checkpoints = set(born)
-    for _, _, early, readers in groups:
-        checkpoints.update([0] if early else [r[0] for r in readers])
+    for g in groups:
+        checkpoints.update([r[0] for r in g.readers] if g.start is None else [g.start])
     by_end = sorted(intervals, key=lambda t: intervals[t][1])
     active: dict[int, int] = {}  # ILP node -> number of its live buffers
     live_sets, at, done = [], [], 0
@@ -479,23 +465,35 @@ def memory_rows(
             live_sets.append(tuple(sorted(active)))
             at.append(c)
     copies = []
-    for (src, src_strategies), nbytes, early, readers in groups:
-        where = [r[0] for r in readers]
-        lo = bisect.bisect_left(at, 0 if early else where[0])
-        hi = bisect.bisect_right(at, where[-1])
+    for g in groups:
+        where = [r[0] for r in g.readers]
+        lo = bisect.bisect_left(at, where[0] if g.start is None else g.start)
+        hi = bisect.bisect_right(at, where[-1] if g.end is None else g.end)
         windows = []
         for i in range(lo, hi):
-            b = bisect.bisect_left(where, at[i])
-            a = -1 if early else bisect.bisect_right(where, at[i]) - 1
+            # made at its start: no reader needed before; live to a fixed end: any reader
+            b = 0 if g.end is not None else bisect.bisect_left(where, at[i])
+            a = -1 if g.start is not None else bisect.bisect_right(where, at[i]) - 1
             windows.append((i, a, b))
         copies.append(
-            CopyBuffer(nbytes, src, src_strategies, tuple(r[1:] for r in readers), windows)
+            CopyBuffer(
+                g.bytes, g.source, g.source_strategies, tuple(r[1:] for r in g.readers), windows
+            )
         )
     return MemoryRows(tuple(node_memory), tuple(live_sets), tuple(copies))
 
 
+def _union_intervals(buffers) -> dict[int, tuple[int, int]]:
+    """Tensor -> the union of its buffers' intervals (itself, its f32 copy)."""
+    out: dict[int, tuple[int, int]] = {}
+    for tid, first, last, _ in buffers:
+        a, b = out.get(tid, (first, last))
+        out[tid] = (min(a, first), max(b, last))
+    return out
+
+
 def _transposed_copy_groups(graph, strategies, producer, n_in, mesh) -> list:
-    """:func:`transposed_weight_copies` as :func:`_copy_groups` entries: per weight and
+    """:func:`transposed_weight_copies` as :class:`CopyGroup` entries: per weight and
     size, the weight's strategies that give that size; made at the start of the step; read
     by its dots under any strategy."""
     pos = program_positions(graph, mesh.memory_layout.late_updates)
@@ -509,50 +507,10 @@ def _transposed_copy_groups(graph, strategies, producer, n_in, mesh) -> list:
             size = graph.tensors[tid].nbytes * s.output_specs[k].shard_fraction(mesh.mesh)
             by_size.setdefault(size, []).append(p)
         readers = sorted((pos[d], n_in + d, tuple(range(len(strategies[n_in + d])))) for d in dots)
-        out += [((src, tuple(ps)), size, True, readers) for size, ps in by_size.items()]
+        out += [
+            CopyGroup(src, tuple(ps), size, 0, None, tuple(readers)) for size, ps in by_size.items()
+        ]
     return out
-
-
-def _copy_groups(graph, strategies, producer, n_in, mesh, operands) -> list:
-    """One entry per value and layout some reader may want that its producer may not
-    give (the buffers of :func:`_reshard_buffers`): ((producer ILP node, its strategies
-    that give another layout), bytes per device, made at the start of the step?,
-    [(program position, reader ILP node, its strategies that want the layout)] in
-    program order)."""
-    pos = program_positions(graph, mesh.memory_layout.late_updates)
-    found: dict[tuple[int, ShardingSpec], list] = {}
-    for op in operands:
-        if op.slot < 0 or op.dst < n_in:
-            continue
-        wants: dict[ShardingSpec, list[int]] = {}
-        for q, s in enumerate(strategies[op.dst]):
-            spec = s.input_specs[op.slot]
-            if spec is not None:
-                wants.setdefault(spec, []).append(q)
-        for spec, qs in wants.items():
-            found.setdefault((op.tensor, spec), []).append((pos[op.dst - n_in], op.dst, tuple(qs)))
-    out = []
-    for (tid, spec), readers in found.items():
-        src, k = producer[tid]
-        other = tuple(p for p, s in enumerate(strategies[src]) if s.output_specs[k] != spec)
-        copy = _resharded_copy(graph, tid, spec, mesh)
-        if other and copy is not None and copy[0]:
-            out.append(((src, other), copy[0], copy[1], sorted(readers)))
-    return out
-
-
-def _resharded_copy(graph: Graph, tid: int, spec: ShardingSpec, mesh: DeviceMesh):
-    """(bytes per device, made at the start of the step?) of ``tid``'s copy in layout
-    ``spec``, or None where no copy is a buffer (literals, constants, scalars). The one
-    rule of the ILP's copies (:func:`_copy_groups`) and the prediction's
-    (:func:`_reshard_buffers`)."""
-    t = graph.tensors[tid]
-    if t.kind in ("literal", "const") or not t.shape:
-        return None
-    # a program input's resharded copy needs nothing computed: XLA:CPU's scheduler makes
-    # it at the start of the step (a weight's all-gather, the labels' one-hot)
-    early = mesh.memory_layout.early_input_reshards and t.producer is None
-    return t.nbytes * spec.shard_fraction(mesh.mesh), early
 
 
 __all__ = [
