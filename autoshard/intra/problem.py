@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -274,15 +275,31 @@ def build_problem(
     )
 
 
+# The exact program's time, past the per-demand solve that gives its start: at most this
+# many times that solve's, and at least EXACT_MIN_SECONDS (docs/sharing.md).
+EXACT_TIME_FACTOR = 0.5
+EXACT_MIN_SECONDS = 1.0
+
+
 def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings):
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
     nodes as XLA's behaviour implies, so the objective is the predicted resharding."""
     demand = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
+    began = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeLimitWarning)
         start = solve(demand.problem, **settings).strategy
-    solution = solve(ip.problem, **settings, initial=ip.values.complete(ip.strategies, start, mesh))
+    spent = time.perf_counter() - began
+    initial = ip.values.complete(ip.strategies, start, mesh)
+    budget = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * spent)
+    if settings["time_limit_s"] is not None:
+        budget = min(budget, settings["time_limit_s"])
+    with warnings.catch_warnings():
+        # the exact program starts from the per-demand plan: out of time, it keeps the
+        # best plan found (the start at worst), whose objective is still its predicted cost
+        warnings.simplefilter("ignore", SolverTimeLimitWarning)
+        solution = solve(ip.problem, **{**settings, "time_limit_s": budget}, initial=initial)
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
     return dataclasses.replace(
         solution, strategy=strategy, objective=objective_of(ip.problem, strategy)
