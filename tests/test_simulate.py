@@ -306,3 +306,18 @@ def test_auto_takes_more_microbatches_only_where_no_megatron_layout_fits():
     m = _default_microbatches(1024, big, cluster, "fp16")
     assert m > 64 and 1024 % m == 0
     assert _default_microbatches(1024) == 64  # without a model and cluster: the default
+
+
+@pytest.mark.parametrize("model", ["moe-380m", "wresnet-250m", "mlp"])
+def test_non_gpt_models_are_refused_with_the_reason(model, capsys):
+    """The simulator prices GPT shapes only: a known non-GPT workload exits 2 saying so
+    (not 'unknown model'), and names what would work; no traceback."""
+    from autoshard.cli.main import main
+
+    with pytest.raises(ValueError, match="GPT models only"):
+        simulate(model, "alpa-v100", 8)
+    code = main(["simulate", "--model", model, "--cluster", "alpa-v100", "--gpus", "8"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{model!r} is not a GPT" in err and f"autoshard plan --model {model}" in err
+    assert "gpt-350m" in err and "Traceback" not in err

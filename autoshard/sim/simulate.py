@@ -97,9 +97,17 @@ def parse_plan(text: str) -> PlanRequest:
 
 def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
     """The :class:`GPTShape` of a GPT preset (with ``MODEL_OVERRIDES``) and its batch size."""
-    from autoshard.models.gpt import GPT_PRESETS  # lazy: the models import jax
+    from autoshard.models import model_names  # lazy: the models import jax
+    from autoshard.models.gpt import GPT_PRESETS
 
     if model not in GPT_PRESETS:
+        if model in model_names():  # a workload autoshard knows, but not a GPT
+            raise ValueError(
+                f"the simulator prices GPT models only; {model!r} is not a GPT (its step has "
+                f"no Megatron-LM closed form here, and plan='auto' prices GPT shapes only). "
+                f"Plan it on devices you have: `autoshard plan --model {model}`; or simulate "
+                f"a GPT preset: {', '.join(GPT_PRESETS)}"
+            )
         raise ValueError(f"unknown model {model!r}; GPT presets: {', '.join(GPT_PRESETS)}")
     unknown = set(overrides) - set(MODEL_OVERRIDES)
     if unknown:
