@@ -141,3 +141,18 @@ def test_the_search_mesh_knows_its_nodes():
     assert mesh.node_span("data") == (8, 2)
     alpha, beta = mesh.link("data")
     assert all_reduce_cost(mesh, "data", 1e9, RAW) < alpha + beta * 2 * 15 / 16 * 1e9
+
+
+def test_the_stage_search_meshes_know_their_nodes():
+    """The stage DP prices each sub-mesh through inter.submesh.logical_mesh_costs: a 16-GPU
+    data-parallel view of two 8-GPU p3.16xlarge nodes gets the two-level all-reduce."""
+    from autoshard.inter.submesh import logical_mesh_costs
+
+    cluster = load_cluster("alpa-v100", num_gpus=16)
+    mesh = logical_mesh_costs(cluster)((16, 1))
+    axis = mesh.axis_names[0]
+    assert mesh.node_span(axis) == (8, 2)
+    want = node_aware_collective_time(
+        "all-reduce", 1e9, 8, 2, cluster.intra_node, cluster.inter_node
+    )
+    assert all_reduce_cost(mesh, axis, 1e9, RAW) == pytest.approx(want)
