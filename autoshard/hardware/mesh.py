@@ -180,14 +180,17 @@ class DeviceMesh:
 
     def node_span(self, axes: str | Sequence[str]) -> tuple[int, int] | None:
         """``(devices per node, nodes)`` of every group over ``axes`` when the mesh knows its
-        nodes and those groups span several nodes evenly; else None."""
+        nodes and those groups span several nodes evenly with more than one device in each
+        (where a two-level collective can beat the flat ring); else None."""
         if self.nodes is None:
             return None
-        idx = tuple(self.mesh.index(a) for a in self.group(axes) if self.mesh.size(a) > 1)
-        if not idx:
-            return None
-        span = group_node_span(self.shape, idx, self.nodes.devices_per_node)
-        return span if span is not None and span[1] > 1 else None
+        memo = self.__dict__.setdefault("_node_spans", {})  # not a field: eq/hash ignore it
+        if axes not in memo:
+            idx = tuple(self.mesh.index(a) for a in self.group(axes) if self.mesh.size(a) > 1)
+            span = group_node_span(self.shape, idx, self.nodes.devices_per_node) if idx else None
+            # one device per node is the flat ring over the network: nothing to gain
+            memo[axes] = span if span is not None and span[1] > 1 and span[0] > 1 else None
+        return memo[axes]
 
 
 def uniform_mesh(
