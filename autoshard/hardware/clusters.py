@@ -372,8 +372,8 @@ def node_aware_collective_time(
         all-gather        a_intra + a_inter + b_intra   (g-1)/g B + b_inter   (N-1)/N B/g
         reduce-scatter    a_intra + a_inter + b_intra   (g-1)/g B + b_inter   (N-1)/N B/g
 
-    With ``local == 1`` it is the flat ring over ``inter``; with ``nodes == 1`` the flat
-    ring over ``intra`` (plus the inter latency it does not pay: use it only across nodes).
+    With ``local == 1`` it is the flat ring over ``inter``; with ``nodes == 1`` the ring over
+    ``intra`` in two phases (an all-reduce pays two latencies). Callers use it across nodes.
     """
     if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
         raise ValueError(
