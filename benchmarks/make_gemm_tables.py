@@ -1,6 +1,6 @@
-"""Write the modelled GEMM tables in autoshard/hardware/gemm_tables/ (v100 and a100).
+"""Write the modelled GEMM tables in autoshard/hardware/gemm_tables/ (v100, a100 and more).
 
-No V100 or A100 was available to measure, so these two tables are generated from a
+No V100 or A100 was available to measure, so these tables are generated from a
 documented roofline model. The h100 table is *measured* (benchmarks/measure_gemm_table.py
 on one H100 SXM5, 2026-11-22) and this script no longer writes it; a measured table (same
 format, written by that profiler) may replace either modelled one too.
@@ -15,8 +15,10 @@ Model, for C[M, N] = A[M, K] @ B[K, N] with element size e bytes:
     tail  = waves / (waves + 0.15)                  (smoothed last-wave under-occupancy)
     time  = max(flops / (peak eff_large tail), bytes / hbm_bandwidth) + 4 us launch
 
-``eff_large`` is the efficiency of large square GEMMs. 16-bit: the device's calibration
-(A100 0.65 on Megatron-LM's SC21 Table 1, V100 0.49 on Alpa's published p3.16xlarge step;
+``eff_large`` is the efficiency of large square GEMMs. 16-bit: the table's calibration
+(A100 0.65 on Megatron-LM's SC21 Table 1, V100 0.49 on Alpa's published p3.16xlarge step,
+``v100-megatron2019`` 0.36 on the single-GPU baseline of Megatron-LM's 2019 paper, the
+same V100 under 2019 software;
 ``python benchmarks/validate_megatron.py --calibrate`` refits them, docs/validation.md):
 effective figures that also absorb the overheads the step model leaves out; cuBLAS alone
 reaches more on large fp16 GEMMs. Non-tensor-core fp32: 0.90; tf32: 0.75 (assumptions,
@@ -39,13 +41,21 @@ TAIL_SMOOTHING = 0.15
 # The simulator's calibrations, one per modelled device: the 16-bit large-GEMM efficiency
 # that minimises the worst |error| over that device's calibration rows, on a 0.01 grid
 # (`python benchmarks/validate_megatron.py --calibrate` finds them; benchmarks/
-# published_runs.py lists the rows): A100 on Megatron-LM's SC21 Table 1, V100 on the
-# single-GPU baseline of Megatron-LM's 2019 paper (39 TFLOP/s). They are *effective*
+# published_runs.py lists the rows): A100 on Megatron-LM's SC21 Table 1, V100 on Alpa's
+# published p3.16xlarge step. They are *effective*
 # efficiencies that also absorb what the step model leaves out (docs/validation.md);
 # cuBLAS alone reaches more on large fp16 GEMMs.
 A100_CALIBRATED_EFFICIENCY = 0.65
 V100_CALIBRATED_EFFICIENCY = 0.49
-CALIBRATED = {"a100": A100_CALIBRATED_EFFICIENCY, "v100": V100_CALIBRATED_EFFICIENCY}
+# The same V100 running Megatron-LM's 2019 code (PyTorch 1.x, no fused softmax, bias-GeLU or
+# bias-dropout-add kernels): fitted to that paper's own single-GPU figure, 39 TFLOP/s for the
+# 1.2B model ("30% of peak"), the one calibration row of the dgx2h-v100 preset.
+V100_MEGATRON_2019_EFFICIENCY = 0.36
+CALIBRATED = {
+    "a100": A100_CALIBRATED_EFFICIENCY,
+    "v100": V100_CALIBRATED_EFFICIENCY,
+    "v100-megatron2019": V100_MEGATRON_2019_EFFICIENCY,
+}
 
 DEVICES = {
     "v100": {
@@ -53,6 +63,14 @@ DEVICES = {
         "sms": 80,
         "hbm_bandwidth": 900e9,
         "dtypes": {"fp16": (125.0, V100_CALIBRATED_EFFICIENCY, 2), "fp32": (15.7, 0.90, 4)},
+        "calibrated_on": "Alpa's published p3.16xlarge step (2022 software)",
+    },
+    "v100-megatron2019": {
+        "device": "V100-SXM3-32GB (DGX-2H) under Megatron-LM's 2019 software",
+        "sms": 80,
+        "hbm_bandwidth": 900e9,
+        "dtypes": {"fp16": (130.0, V100_MEGATRON_2019_EFFICIENCY, 2), "fp32": (16.4, 0.90, 4)},
+        "calibrated_on": "the single-GPU baseline of Megatron-LM 2019 (39 TFLOP/s, 1.2B model)",
     },
     "a100": {
         "device": "A100-SXM4-80GB",
@@ -64,6 +82,7 @@ DEVICES = {
             "tf32": (156.0, 0.75, 4),
             "fp32": (19.5, 0.90, 4),
         },
+        "calibrated_on": "Megatron-LM SC21 Table 1",
     },
 }
 
@@ -101,10 +120,10 @@ def make_table(name: str, half_efficiency: float | None = None) -> dict:
         ]
     source = (
         f"Modelled, not measured: large GEMMs at {', '.join(effs)} of the data-sheet peak "
-        "(the 16-bit figure is this device's calibration, fitted to published end-to-end "
-        "training throughput -- A100: Megatron-LM SC21 Table 1; V100: the single-GPU "
-        "baseline of Megatron-LM 2019 -- an effective value that absorbs overheads the step "
-        "model omits; benchmarks/published_runs.py, docs/validation.md); smaller and "
+        "(the 16-bit figure is this table's calibration, fitted to published end-to-end "
+        f"training throughput: {spec['calibrated_on']}; an effective value that absorbs "
+        "overheads the step model omits; benchmarks/published_runs.py, docs/validation.md); "
+        "smaller and "
         "skinny shapes follow a roofline, time = max(flops / (peak x eff x wave tail), "
         "bytes / HBM bandwidth) + 4 us launch, written by benchmarks/make_gemm_tables.py."
     )

@@ -2,8 +2,8 @@
 
 Data only: each :class:`PublishedRun` is one row of a public table -- the model, the
 parallel layout, the batch, the cluster preset it ran on and the figure it reported --
-with its role: ``calibration`` rows fix the one free number of a device (the large-GEMM
-efficiency of its modelled GEMM table, ``benchmarks/make_gemm_tables.py``), ``validation``
+with its role: ``calibration`` rows fix the one free number of a modelled GEMM table (its
+large-GEMM efficiency, ``benchmarks/make_gemm_tables.py``), ``validation``
 rows were never used to fit anything. Read by ``benchmarks/validate_megatron.py``.
 
 Sources (figures, not code; docs/validation.md says how each was read):
@@ -24,10 +24,12 @@ Sources (figures, not code; docs/validation.md says how each was read):
   efficiencies of its Figure 5 (Table 1's models) and the strong scaling of the 1.2B model
   (Table 8: speed-ups 1.64, 2.34, 2.98 on 2, 4, 8 GPUs), as TFLOP/s per GPU = 39 x
   efficiency (its FLOP count is taken to be the hardware count with recompute, the SC21
-  paper's formula). V100 validation, both as published and relative to the baseline row
-  (the scaling alone).
+  paper's formula). The single-GPU row is the calibration of the preset's GEMM table
+  (``v100-megatron2019``: the same V100 under 2019 software); the scaling rows are V100
+  validation, both as published and relative to the baseline row (the scaling alone).
 * ``alpa-readme``: Alpa's benchmark README, the one end-to-end V100 figure published for
-  the alpa-v100 cluster itself (below). The V100 calibration.
+  the alpa-v100 cluster itself (below). The calibration of the ``v100`` table (2022
+  software).
 * ``gpu-single-h100``: autoshard's own GPT step measured on one H100 here (docs/
   validation.md, benchmarks/results/gpu_single.json); the H100 GEMM table was measured
   separately (GEMMs alone), so these rows are validation.
@@ -152,7 +154,8 @@ ALPA_README = [
 ]
 
 SHOEYBI_19 = [
-    _s19("validation", "1.2B", 1, 1, 1.00, "1 GPU (baseline)"),
+    # the paper's single-GPU figure calibrates the 2019 software level (v100-megatron2019)
+    _s19("calibration", "1.2B", 1, 1, 1.00, "1 GPU (baseline)"),
     # Figure 5, weak scaling: model parallel (batch 8), model + data parallel (batch 512)
     _s19("validation", "2.5B", 2, 2, 0.95, "MP 2"),
     _s19("validation", "4.2B", 4, 4, 0.82, "MP 4"),

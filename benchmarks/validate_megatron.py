@@ -5,12 +5,14 @@ et al. 2022; V100: Megatron-LM 2019; H100: autoshard's step measured here) is pr
 :func:`autoshard.sim.megatron.simulate_megatron` on its cluster preset with the shipped
 GEMM tables; each row's predicted figure is printed next to the published one with the
 error in *throughput* (positive: the simulator is too optimistic), rows grouped by source
-and split into calibration rows (used to fit a device's one number, the 16-bit
+and split into calibration rows (used to fit a GEMM table's one number, the 16-bit
 large-GEMM efficiency of its modelled table) and validation rows (never used to fit).
 
-``--calibrate`` refits those numbers: per modelled device (A100, V100), the efficiency on a
-0.01 grid that minimises the worst |error| over its calibration rows, printed next to the
-shipped constant of ``benchmarks/make_gemm_tables.py``.
+``--calibrate`` refits those numbers: per modelled GEMM table (``a100``; ``v100``, the V100
+under 2022 software; ``v100-megatron2019``, the same V100 under Megatron-LM's 2019 code),
+the efficiency on a 0.01 grid that minimises the worst |error| over the calibration rows
+priced with it, printed next to the shipped constant of ``benchmarks/make_gemm_tables.py``.
+The summary groups rows by GPU (both V100 tables are "v100").
 
 Writes benchmarks/results/megatron_validation.json.
 Usage: python benchmarks/validate_megatron.py [--calibrate]
@@ -38,9 +40,15 @@ CALIBRATION_GRID = [round(0.20 + 0.01 * i, 2) for i in range(71)]  # 0.20 .. 0.9
 UNITS = {"tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU", "step_time_s": "s/step"}
 
 
-def device_of(run: PublishedRun) -> str:
-    """The GEMM table a run's cluster uses (``a100``, ``v100``, ``h100``)."""
+def table_of(run: PublishedRun) -> str:
+    """The GEMM table a run's cluster uses (``a100``, ``v100``, ``v100-megatron2019``,
+    ``h100``): what a calibration row fits."""
     return load_cluster(run.cluster).device.gemm_table
+
+
+def device_of(run: PublishedRun) -> str:
+    """The GPU a run ran on (``a100``, ``v100``, ``h100``): what the acceptance is per."""
+    return table_of(run).split("-")[0]
 
 
 def price(run: PublishedRun, table: GemmTable | None = None) -> dict:
@@ -90,6 +98,7 @@ def validate() -> list[dict]:
                 "source": run.source,
                 "role": run.role,
                 "device": device_of(run),
+                "gemm_table": table_of(run),
                 "model": run.name,
                 "cluster": run.cluster,
                 "heads": run.heads,
@@ -127,33 +136,36 @@ def validate() -> list[dict]:
     return rows
 
 
-def calibrate(device: str, source: str | None = None) -> dict:
-    """The 16-bit large-GEMM efficiency of ``device``'s modelled table that minimises the
-    worst |error| over its calibration rows, and that worst error, on the grid.
-    ``source``: fit on that source's rows instead (those not compared relative to another
-    row) -- what-if only, the shipped tables stay calibrated on the calibration rows."""
+def calibrate(table_name: str, source: str | None = None) -> dict:
+    """The 16-bit large-GEMM efficiency of the modelled table ``table_name`` that minimises
+    the worst |error| over the calibration rows priced with it, and that worst error, on
+    the grid. ``source``: fit on that source's rows instead (those not compared relative to
+    another row) -- what-if only, the shipped tables stay calibrated on the calibration
+    rows."""
     if source is None:
-        runs = [r for r in ALL_RUNS if r.role == "calibration" and device_of(r) == device]
+        runs = [r for r in ALL_RUNS if r.role == "calibration" and table_of(r) == table_name]
     else:
         runs = [
             r
             for r in ALL_RUNS
-            if r.source == source and r.relative_to is None and device_of(r) == device
+            if r.source == source and r.relative_to is None and table_of(r) == table_name
         ]
     if not runs:
-        raise ValueError(f"no calibration rows for {device!r}")
+        raise ValueError(f"no calibration rows for {table_name!r}")
     best = None
     for eff in CALIBRATION_GRID:
-        table = GemmTable.from_json(make_gemm_tables.make_table(device, eff), f"{device}@{eff}")
+        table = GemmTable.from_json(
+            make_gemm_tables.make_table(table_name, eff), f"{table_name}@{eff}"
+        )
         worst = max(abs(price(run, table)["error"]) for run in runs)
         if best is None or worst < best[1] - 1e-12:
             best = (eff, worst)
     return {
-        "device": device,
+        "table": table_name,
         "rows": len(runs),
         "efficiency": best[0],
         "worst_error_percent": round(100 * best[1], 2),
-        "shipped": make_gemm_tables.CALIBRATED[device],
+        "shipped": make_gemm_tables.CALIBRATED[table_name],
     }
 
 
@@ -218,20 +230,20 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--calibrate", action="store_true", help="refit each modelled device's efficiency"
+        "--calibrate", action="store_true", help="refit each modelled table's efficiency"
     )
     parser.add_argument(
         "--source", help="with --calibrate: fit on this source's rows instead (what-if)"
     )
     args = parser.parse_args(argv)
     if args.calibrate:
-        devices = sorted(make_gemm_tables.CALIBRATED)
+        tables = sorted(make_gemm_tables.CALIBRATED)
         if args.source:
-            devices = sorted({device_of(r) for r in ALL_RUNS if r.source == args.source})
-        for device in devices:
-            fit = calibrate(device, args.source)
+            tables = sorted({table_of(r) for r in ALL_RUNS if r.source == args.source})
+        for table in tables:
+            fit = calibrate(table, args.source)
             print(
-                f"{device}: efficiency {fit['efficiency']:.2f} (worst |error| "
+                f"{table}: efficiency {fit['efficiency']:.2f} (worst |error| "
                 f"{fit['worst_error_percent']:.1f}% over {fit['rows']} calibration rows); "
                 f"shipped {fit['shipped']:.2f}"
             )

@@ -306,3 +306,57 @@ def test_auto_takes_more_microbatches_only_where_no_megatron_layout_fits():
     m = _default_microbatches(1024, big, cluster, "fp16")
     assert m > 64 and 1024 % m == 0
     assert _default_microbatches(1024) == 64  # without a model and cluster: the default
+
+
+@pytest.mark.parametrize("model", ["wresnet-250m", "mlp"])
+def test_non_gpt_models_are_refused_with_the_reason(model, capsys):
+    """The simulator prices GPT shapes (and GPT-MoE under plan='auto'): another known
+    workload exits 2 saying so (not 'unknown model'), and names what would work; no
+    traceback."""
+    from autoshard.cli.main import main
+
+    with pytest.raises(ValueError, match="GPT models"):
+        simulate(model, "alpa-v100", 8, "auto")
+    code = main(["simulate", "--model", model, "--cluster", "alpa-v100", "--gpus", "8"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{model!r} is not a GPT" in err and f"autoshard plan --model {model}" in err
+    assert "gpt-350m" in err and "Traceback" not in err
+
+
+def test_moe_is_priced_by_the_search_only(capsys):
+    """A GPT-MoE preset has no Megatron-LM closed form: grids, DP and ZeRO are refused
+    (exit 2, naming --plan auto), and so are GPT overrides and an impossible micro-batch
+    count (a micro-batch must hold whole expert groups of 2048 tokens)."""
+    from autoshard.cli.main import main
+
+    for plan in ("megatron", "dp", "zero3", "megatron:1x1x2"):
+        with pytest.raises(ValueError, match="GPT-MoE: only plan='auto'"):
+            simulate("moe-380m", "alpa-v100", 2, plan)
+    with pytest.raises(ValueError, match="overrides"):
+        simulate("moe-380m", "alpa-v100", 1, "auto", layers=4)
+    with pytest.raises(ValueError, match=r"whole expert groups of 2048 tokens.*\[1, 2, 4\]"):
+        simulate("moe-380m", "alpa-v100", 1, "auto", num_microbatches=8)  # 1 sequence each
+    code = main(["simulate", "--model", "moe-380m", "--cluster", "alpa-v100", "--gpus", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--plan auto" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_moe_auto_on_one_v100(recompute):
+    """moe-380m (Alpa's 1-GPU MoE point) under plan='auto': priced from its traced step.
+    The default micro-batch count is the most whose micro-batches hold whole expert groups
+    (batch 8 x 1024 tokens: 4 micro-batches of 2048); MFU counts the traced forward and
+    backward FLOPs, HFU adds what recompute runs again (full: the blocks' forward, less
+    than the forward + backward it is added to, so HFU / MFU is in (1, 1.5))."""
+    report = simulate("moe-380m", "alpa-v100", 1, "auto", recompute=recompute)
+    assert report.plan["kind"] == "auto" and report.plan["num_microbatches"] == 4
+    assert report.step_time_s > 0 and not report.oom
+    assert 0 < report.mfu < 1
+    assert report.tokens_per_s == pytest.approx(8 * 1024 / report.step_time_s)
+    ratio = report.hfu / report.mfu
+    if recompute == "none":
+        assert ratio == pytest.approx(1.0)
+    else:
+        assert 1.0 < ratio < 1.5
+    assert sum(report.step_breakdown.values()) == pytest.approx(report.step_time_s, rel=1e-6)

@@ -39,6 +39,19 @@ mesh and filled node by node, so the last axes vary fastest. Going from the last
 first, an axis stays on NVLink while the product of its size and the sizes of all axes after
 it divides ``devices_per_node``; any other axis has groups that cross nodes, and a ring is as
 slow as its slowest hop, so it gets the network's alpha and beta.
+
+Collectives that cross nodes (:func:`node_aware_collective_time`): the per-axis alpha and
+beta above price a *flat* ring over the slowest link, at one GPU's share of the node's NICs.
+NCCL does better when a group has several GPUs in each node: a two-level all-reduce
+reduce-scatters inside the node over NVLink, all-reduces ``1/g`` of the data between nodes
+(each of the group's ``g`` GPUs in a node carries its own ``1/g`` through its share of the
+node's adapters, so the node's whole network bandwidth is used) and all-gathers inside the
+node again; all-gather and reduce-scatter are the two halves. A mesh made by
+:func:`~autoshard.hardware.mesh.to_device_mesh` carries a :class:`NodeLayout`, and the
+collective costs (:mod:`autoshard.intra.cost`, which the search and the simulator both use)
+take the cheaper of the flat ring and the two-level algorithm, as NCCL's tuner picks its
+algorithm. The phases are added, not overlapped (NCCL pipelines them: a slight
+overestimate).
 """
 
 from __future__ import annotations
@@ -46,7 +59,9 @@ from __future__ import annotations
 import json
 import math
 import numbers
+from collections import Counter
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
@@ -289,3 +304,87 @@ def cluster_mesh_costs(
         )
     links = axis_links(cluster, mesh_shape)
     return tuple(link.alpha for link in links), tuple(link.beta for link in links)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where a mesh's devices sit: ``devices_per_node`` consecutive devices (row-major over
+    the mesh) per node, joined by ``intra`` inside a node and ``inter`` between nodes (per-GPU
+    figures, as in the preset)."""
+
+    devices_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> NodeLayout:
+        return cls(cluster.devices_per_node, cluster.intra_node, cluster.inter_node)
+
+
+@lru_cache(maxsize=4096)
+def group_node_span(
+    mesh_shape: tuple[int, ...], group: tuple[int, ...], devices_per_node: int
+) -> tuple[int, int] | None:
+    """``(g, nodes)`` when every collective group over the mesh axes ``group`` (indices)
+    has exactly ``g`` devices in each of the ``nodes`` nodes it touches; None when groups
+    are spread unevenly (then only the flat ring is priced).
+
+    Devices are numbered row-major over ``mesh_shape`` and node ``d // devices_per_node``
+    holds device ``d``.
+    """
+    mesh_shape, group = tuple(mesh_shape), tuple(sorted(set(group)))
+    if devices_per_node < 1 or any(i < 0 or i >= len(mesh_shape) for i in group):
+        raise ValueError(
+            f"bad group {group} of mesh {mesh_shape} or devices_per_node {devices_per_node}"
+        )
+    others = [i for i in range(len(mesh_shape)) if i not in group]
+    pairs: Counter = Counter()
+    for device in range(math.prod(mesh_shape)):
+        index, rest = [], device
+        for size in reversed(mesh_shape):
+            index.append(rest % size)
+            rest //= size
+        index.reverse()
+        key = tuple(index[i] for i in others)
+        pairs[key, device // devices_per_node] += 1
+    counts = set(pairs.values())
+    if len(counts) != 1:
+        return None
+    per_group = Counter(key for key, _node in pairs)
+    nodes = set(per_group.values())
+    if len(nodes) != 1:
+        return None
+    return counts.pop(), nodes.pop()
+
+
+def node_aware_collective_time(
+    kind: str, nbytes: float, local: int, nodes: int, intra: LinkSpec, inter: LinkSpec
+) -> float:
+    """Seconds of the two-level (node-aware) ``kind`` over ``local x nodes`` devices.
+
+    ``kind``: ``all-reduce`` (``nbytes``: the reduced buffer), ``all-gather`` (the gathered
+    output) or ``reduce-scatter`` (the input), with the ring conventions of
+    :mod:`autoshard.intra.cost`. ``local``: the group's devices in each node; ``nodes``:
+    the nodes it spans. Inside a node the ring moves ``(g-1)/g`` of the buffer over
+    ``intra``; between nodes each device moves its ``1/g`` share over ``inter``::
+
+        all-reduce      2 a_intra + a_inter + b_intra 2 (g-1)/g B + b_inter 2 (N-1)/N B/g
+        all-gather        a_intra + a_inter + b_intra   (g-1)/g B + b_inter   (N-1)/N B/g
+        reduce-scatter    a_intra + a_inter + b_intra   (g-1)/g B + b_inter   (N-1)/N B/g
+
+    With ``local == 1`` it is the flat ring over ``inter``; with ``nodes == 1`` the ring over
+    ``intra`` in two phases (an all-reduce pays two latencies). Callers use it across nodes.
+    """
+    if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
+        raise ValueError(
+            f"no node-aware cost for {kind!r}; use all-reduce, all-gather or reduce-scatter"
+        )
+    if local < 1 or nodes < 1 or nbytes < 0 or not math.isfinite(nbytes):
+        raise ValueError(
+            f"need local, nodes >= 1 and finite nbytes >= 0, got {local}, {nodes}, {nbytes}"
+        )
+    phases = 2 if kind == "all-reduce" else 1
+    inside = (local - 1) / local * nbytes
+    across = (nodes - 1) / nodes * nbytes / local
+    alpha = (phases * intra.alpha if local > 1 else 0.0) + (inter.alpha if nodes > 1 else 0.0)
+    return alpha + phases * (inside * intra.beta + across * inter.beta)

@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autoshard.hardware.clusters import Cluster, cluster_mesh_costs, load_cluster
+from autoshard.hardware.clusters import (
+    Cluster,
+    NodeLayout,
+    cluster_mesh_costs,
+    group_node_span,
+    load_cluster,
+)
 from autoshard.hardware.gemm import GemmTable, GemmTiming
 from autoshard.ir.spec import Axes, Mesh
 
@@ -111,6 +117,9 @@ class DeviceMesh:
     finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
     :func:`autoshard.intra.strategies.strategy_seconds`). ``memory_layout``: how the
     backend lays buffers out (:class:`MemoryLayout`; default all flags off).
+    ``nodes`` (a :class:`~autoshard.hardware.clusters.NodeLayout`, or None): how the
+    devices sit in nodes, so that collectives across nodes may be priced node-aware
+    (:meth:`node_span`); None prices every collective as one flat ring.
     """
 
     mesh: Mesh
@@ -121,6 +130,7 @@ class DeviceMesh:
     hbm_bandwidth: float = math.inf
     gemm: GemmTiming | None = None
     memory_layout: MemoryLayout = field(default_factory=MemoryLayout)
+    nodes: NodeLayout | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))
@@ -167,6 +177,20 @@ class DeviceMesh:
         if not idx:
             return 0.0, 0.0
         return max(self.alpha[i] for i in idx), max(self.beta[i] for i in idx)
+
+    def node_span(self, axes: str | Sequence[str]) -> tuple[int, int] | None:
+        """``(devices per node, nodes)`` of every group over ``axes`` when the mesh knows its
+        nodes and those groups span several nodes evenly with more than one device in each
+        (where a two-level collective can beat the flat ring); else None."""
+        if self.nodes is None:
+            return None
+        memo = self.__dict__.setdefault("_node_spans", {})  # not a field: eq/hash ignore it
+        if axes not in memo:
+            idx = tuple(self.mesh.index(a) for a in self.group(axes) if self.mesh.size(a) > 1)
+            span = group_node_span(self.shape, idx, self.nodes.devices_per_node) if idx else None
+            # one device per node is the flat ring over the network: nothing to gain
+            memo[axes] = span if span is not None and span[1] > 1 and span[0] > 1 else None
+        return memo[axes]
 
 
 def uniform_mesh(
@@ -258,6 +282,7 @@ def to_device_mesh(
             gemm_table, dtype or cluster.device.default_dtype, cluster.device.peak_flops
         ),
         memory_layout=XLA_GPU_MEMORY,
+        nodes=NodeLayout.of(cluster),
     )
 
 

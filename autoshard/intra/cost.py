@@ -24,6 +24,10 @@ reproduces its objectives exactly (docs/moe.md).
 A group of several mesh axes runs one ring over all their devices, and a ring is as slow
 as its slowest link: the group uses the *largest* alpha and the *largest* beta among its
 axes (axes of size 1 carry no traffic and are left out). A group of one device costs 0.
+On a mesh that knows its nodes (``DeviceMesh.nodes``, set for cluster presets) an
+all-reduce, all-gather or reduce-scatter whose groups span several nodes costs the cheaper
+of that flat ring and the two-level (node-aware) algorithm of
+:func:`autoshard.hardware.clusters.node_aware_collective_time`.
 Alpa's tie-breakers (constants added per collective so that equal plans are broken the
 same way every time) are on by default and switched off with ``CostOptions``.
 
@@ -43,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from autoshard.hardware.clusters import node_aware_collective_time
 from autoshard.hardware.mesh import DeviceMesh, check_nonnegative
 from autoshard.ir.spec import Axes, Collective, ShardingSpec
 
@@ -99,7 +104,14 @@ def _ring_cost(
     else:  # all-gather, reduce-scatter
         volume = (n - 1) / n * nbytes
     tie = ALPA_TIE_BREAKERS[kind] if options.tie_breakers else 0.0
-    return alpha + beta * volume + tie
+    flat = alpha + beta * volume
+    span = mesh.node_span(group) if kind != "all-to-all" else None
+    if span is not None:  # across nodes: NCCL's two-level algorithm when it is cheaper
+        two_level = node_aware_collective_time(
+            kind, nbytes, span[0], span[1], mesh.nodes.intra, mesh.nodes.inter
+        )
+        flat = min(flat, two_level)
+    return flat + tie
 
 
 def all_reduce_cost(

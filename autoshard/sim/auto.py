@@ -60,12 +60,41 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
     return flops
 
 
+def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
+    """(model, hardware) FLOPs per step read off the traced step of one micro-batch, for
+    models with no closed form (GPT-MoE): model = forward + backward equations, times
+    ``m``; hardware adds, per stage, the forward FLOPs its recompute mode runs again in its
+    blocks (full: their forward; selective: their attention-sized equations) -- not the
+    first layer (embedding) nor the last (logits and loss), as for GPT."""
+    from autoshard.inter.stage_cost import is_attention_sized
+
+    learn = ("forward", "backward")
+    model_flops = m * sum(n.flops for n in graph.nodes if n.phase in learn)
+    extra = 0.0
+    last = len(graph.layers) - 1
+    for st in stages:
+        names = {graph.layers[i] for i in range(st.start_layer, st.end_layer) if 0 < i < last}
+        forward = [n for n in graph.nodes if n.phase == "forward" and n.layer in names]
+        if st.recompute == "full":
+            extra += sum(n.flops for n in forward)
+        elif st.recompute == "selective":
+            extra += sum(
+                n.flops
+                for n in forward
+                if any(is_attention_sized(graph.tensors[t].shape) for t in (*n.inputs, *n.outputs))
+            )
+    return model_flops, model_flops + m * extra
+
+
 def simulate_auto(
-    model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides
-) -> SimulationReport:
+    model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides,
+    seq_len: int | None = None,
+) -> SimulationReport:  # fmt: skip
     """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
     :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
-    global micro-batch ``batch / m``, which each stage splits over its own DP degree."""
+    global micro-batch ``batch / m``, which each stage splits over its own DP degree.
+    ``shape=None`` (a GPT-MoE): FLOPs come from the traced step (:func:`_traced_flops`)
+    and ``seq_len`` gives the tokens per sequence."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.search import search_stages
 
@@ -152,9 +181,13 @@ def simulate_auto(
     }
     peak_bytes = max(st.peak_bytes for st in inter.stages)
     gpus = cluster.num_gpus
-    s, n_layers, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
-    model_flops = formulas.model_flops_per_step(batch, s, n_layers, h, v)
-    hw_flops = _hardware_flops(shape, batch, inter.stages, blocks)
+    if shape is None:
+        s = seq_len
+        model_flops, hw_flops = _traced_flops(traced_graph, m, inter.stages)
+    else:
+        s, n_layers, h, v = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+        model_flops = formulas.model_flops_per_step(batch, s, n_layers, h, v)
+        hw_flops = _hardware_flops(shape, batch, inter.stages, blocks)
     return SimulationReport(
         model=model,
         cluster=cluster.name,

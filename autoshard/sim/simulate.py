@@ -39,18 +39,19 @@ JAX step, exactly as the search sees it (:mod:`autoshard.sim.traced`).
 MFU and HFU always come from :mod:`autoshard.sim.formulas` (model FLOPs, and model plus
 recompute FLOPs), so ``hfu / mfu`` is exactly hardware over model FLOPs.
 
-Other model families (GPT-MoE, Wide-ResNet): :func:`gpt_shape` is the one place a preset
-name becomes the shape the pricing modules read, and it accepts GPT presets only (a clear
-``ValueError`` otherwise). A family that the planner can trace can be priced by
-``plan="auto"`` (the traced program needs no closed form); what it needs here is a branch
-in :func:`gpt_shape` and FLOPs for MFU (the traced graph's, instead of
-:mod:`~autoshard.sim.formulas`). The Megatron grid model (:mod:`~autoshard.sim.megatron`)
-is GPT-only.
+Other model families: :func:`gpt_shape` is the one place a GPT preset name becomes the
+shape the closed forms read. GPT-MoE presets are priced by ``plan="auto"`` only
+(:func:`traced_only_model`: the search needs no closed form; FLOPs for MFU/HFU come from
+the traced step, :func:`autoshard.sim.auto._traced_flops`; micro-batches hold whole expert
+groups, :func:`moe_microbatches`). Wide-ResNet and the MLP are refused with a
+``ValueError`` that says so: their steps have no tokens, and the Megatron grid model
+(:mod:`~autoshard.sim.megatron`) is GPT-only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -97,9 +98,20 @@ def parse_plan(text: str) -> PlanRequest:
 
 def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
     """The :class:`GPTShape` of a GPT preset (with ``MODEL_OVERRIDES``) and its batch size."""
-    from autoshard.models.gpt import GPT_PRESETS  # lazy: the models import jax
+    from autoshard.models import model_names  # lazy: the models import jax
+    from autoshard.models.gpt import GPT_PRESETS
+    from autoshard.models.moe import MOE_PRESETS
 
     if model not in GPT_PRESETS:
+        if model in model_names():  # a workload autoshard knows, but not a GPT
+            moe = " with plan='auto'" if model in MOE_PRESETS else ""
+            raise ValueError(
+                f"the simulator prices GPT models, and GPT-MoE models with plan='auto' only; "
+                f"{model!r} is not a GPT{moe} (its step has no Megatron-LM closed form here). "
+                f"Plan it on devices you have: `autoshard plan --model {model}`; or simulate "
+                f"a GPT preset: {', '.join(GPT_PRESETS)}"
+                + (f", or {model} with --plan auto" if moe else "")
+            )
         raise ValueError(f"unknown model {model!r}; GPT presets: {', '.join(GPT_PRESETS)}")
     unknown = set(overrides) - set(MODEL_OVERRIDES)
     if unknown:
@@ -107,6 +119,55 @@ def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
     cfg = GPT_PRESETS[model].replace(**overrides)
     shape = GPTShape(cfg.hidden, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.seq_len)
     return shape, cfg.batch_size
+
+
+def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
+    """The :class:`~autoshard.models.moe.MoEConfig` of a GPT-MoE preset, which only
+    ``plan="auto"`` prices (the search on its traced step; the baselines' closed forms are
+    Megatron-LM's GPT); None for any other model. Raises, saying what works, for a MoE
+    preset with another plan, model overrides or ``exact``."""
+    from autoshard.models.moe import MOE_PRESETS  # lazy: the models import jax
+
+    if model not in MOE_PRESETS:
+        return None
+    problems = []
+    if plan_kind != "auto":
+        problems.append(
+            "only plan='auto' prices it (the search on its traced step); Megatron grids, DP "
+            "and ZeRO are priced on Megatron-LM's dense GPT program"
+        )
+    if overrides:
+        problems.append(f"model overrides {sorted(overrides)} are for GPT presets")
+    if exact:
+        problems.append("exact mode compiles GPT plans only")
+    if problems:
+        raise ValueError(f"{model} is a GPT-MoE: " + "; ".join(problems) + " -- use --plan auto")
+    return MOE_PRESETS[model]
+
+
+def moe_microbatches(cfg, batch: int, requested: int | None) -> int:
+    """Micro-batches per step for a GPT-MoE: ``requested``, or the most (up to
+    ``DEFAULT_AUTO_MICROBATCHES``) whose micro-batch holds whole expert groups (its tokens
+    a multiple of ``expert_group_size``, which the model's gating needs)."""
+    from autoshard.sim.auto import DEFAULT_AUTO_MICROBATCHES
+
+    group, seq = cfg.expert_group_size, cfg.seq_len
+    fits = [d for d in range(1, batch + 1) if batch % d == 0 and (batch // d * seq) % group == 0]
+    if requested is not None:
+        if requested not in fits:
+            raise ValueError(
+                f"num_microbatches={requested}: each micro-batch must divide the global batch "
+                f"{batch} and hold whole expert groups of {group} tokens ({seq} per sequence); "
+                f"use one of {fits or 'none: raise the global batch'}"
+            )
+        return requested
+    small = [d for d in fits if d <= DEFAULT_AUTO_MICROBATCHES]
+    if not small:
+        raise ValueError(
+            f"global batch {batch} x {seq} tokens holds no whole expert group of {group} "
+            f"tokens; use a global batch that is a multiple of {group // math.gcd(group, seq)}"
+        )
+    return max(small)
 
 
 def _check_dtype(dtype: str | None, cluster: Cluster) -> str:
@@ -259,7 +320,11 @@ def _simulate(
             f"product equal gpus (e.g. megatron:{tp}x{pp}x{max(gpus // (tp * pp), 1)} if that "
             f"divides)"
         )
-    shape, preset_batch = gpt_shape(model, **overrides)
+    moe = traced_only_model(model, request.kind, overrides, exact)
+    if moe is None:
+        shape, preset_batch = gpt_shape(model, **overrides)
+    else:
+        shape, preset_batch = None, moe.batch_size
     the_cluster = load_cluster(cluster, gpus)
     dtype = _check_dtype(dtype, the_cluster)
     batch = preset_batch if global_batch is None else global_batch
@@ -267,9 +332,12 @@ def _simulate(
         raise ValueError(f"global_batch must be a positive int, got {batch!r}")
     peak = the_cluster.device.peak_flops_for(dtype)
     if request.kind == "auto":
+        m = schedule.num_microbatches
+        if moe is not None:
+            m = moe_microbatches(moe, batch, m)
         return simulate_auto(
-            model, shape, the_cluster, batch, schedule.num_microbatches, recompute, dtype, peak,
-            ilp_time_limit_s, overrides,
+            model, shape, the_cluster, batch, m, recompute, dtype, peak,
+            ilp_time_limit_s, overrides, seq_len=None if moe is None else moe.seq_len,
         )  # fmt: skip
 
     if program == "traced":
