@@ -1,12 +1,14 @@
 """Intra-operator planning cost vs XLA's own compile time (abstract shapes, fake devices).
 
 For each model and mesh: nodes before and after merging (followers, shared layers),
-ILP variables and constraints, solve time, total auto_shard time (trace + graph + ILP +
-plan), and, in the same run, XLA's compile time of the planned step on as many fake CPU
+ILP variables and constraints, solve time (both programs of the default exact pricing:
+the per-demand one and the per-value one started from its plan), total planning time
+(trace + graph + ILP + plan, ``auto_shard_graph``'s whole path), and, in the same run, XLA's compile time of the planned step on as many fake CPU
 devices as the mesh has.  Writes benchmarks/results/bench_intra.json.
 
     python benchmarks/bench_intra.py [--models gpt-350m gpt-1.3b ...] [--meshes 2x4 8x8]
-        [--solver cbc] [--merge-elementwise] [--layer-period 1] [--no-compile] [--repeat 3]
+        [--solver cbc] [--merge-elementwise] [--layer-period 1] [--per-demand-pricing]
+        [--no-compile] [--repeat 3]
 
 Without ``--solver``, ``--merge-elementwise`` or ``--layer-period`` it plans with the
 planner's defaults (:class:`~autoshard.intra.options.IntraOptions`).
@@ -32,9 +34,9 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
     """Trace, plan and (unless ``--no-compile``) compile one model on one mesh, timed."""
     from autoshard.api import trace_workload
     from autoshard.intra.cost import CostOptions
-    from autoshard.intra.ilp import resolve_ties, solve
+    from autoshard.intra.ilp import resolve_ties
     from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import build_problem, plan_from_solution
+    from autoshard.intra.problem import auto_shard_graph, build_problem
     from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
 
     n = dmesh.num_devices
@@ -49,12 +51,13 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
         layer_period=args.layer_period or defaults.layer_period,
         cost=CostOptions(tie_breakers=args.cluster is None),
     )
-    ip = build_problem(traced.graph, dmesh, options)
-    t2 = time.perf_counter()
-    sol = solve(ip.problem, solver=options.solver, time_limit_s=args.time_limit)
-    t3 = time.perf_counter()
-    plan = plan_from_solution(ip, sol)
+    options = options.replace(time_limit_s=args.time_limit)
+    if args.per_demand_pricing:
+        options = options.replace(exact_values=False)
+    plan = auto_shard_graph(traced.graph, dmesh, options)  # the planner's whole path
     t4 = time.perf_counter()
+    sol = plan.solver
+    ip = build_problem(traced.graph, dmesh, options)  # its size, untimed
     roots = len(set(resolve_ties(ip.problem)[0]))
     row = {
         "model": model,
@@ -62,17 +65,19 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
         "batch": batch,
         "nodes": len(ip.problem.num_strategies),
         "roots_after_merging": roots,
-        "variables": sol.num_variables,
-        "constraints": sol.num_constraints,
+        "variables": sol["num_variables"],
+        "constraints": sol["num_constraints"],
         "trace_s": t1 - t0,
-        "build_s": t2 - t1,
-        "solve_s": t3 - t2,
+        "build_s": sol["build_seconds"],
+        "solve_s": sol["seconds"],
         "auto_shard_s": t4 - t0,
         "solver": options.solver,
         "merge_elementwise": options.merge_elementwise,
         "layer_period": options.layer_period,
-        "solver_status": sol.status,
-        "objective": sol.objective,
+        "exact_values": options.exact_values,
+        "solver_status": sol["status"],
+        "exact_stopped": sol.get("exact_stopped"),
+        "objective": plan.objective,
     }
     if not args.no_compile:
         jmesh = make_mesh(plan.mesh, jax.devices()[:n])
@@ -94,6 +99,11 @@ def main() -> None:
     )
     ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument(
+        "--per-demand-pricing",
+        action="store_true",
+        help="the ILP without the exact per-value program (the planner's default has it)",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; timings are medians")
     ap.add_argument("--cluster", default=None, help="cluster preset for costs in seconds")
     ap.add_argument(

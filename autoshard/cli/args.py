@@ -137,6 +137,13 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         help="split each tensor dimension over at most one mesh axis "
         "(Alpa's allow_mixed_mesh_shape=False)",
     )
+    p.add_argument(
+        "--per-demand-pricing",
+        action="store_true",
+        help="price reshardings per distinct demand only (faster; can charge one resharding "
+        "twice, so the objective may exceed the predicted cost). Default: once per value, "
+        "as predicted",
+    )
 
 
 def intra_options(args):
@@ -153,4 +160,5 @@ def intra_options(args):
         force_batch_dim_to_mesh_axis=getattr(args, "force_batch_axis", None),
         allow_mixed_mesh_shape=not getattr(args, "no_mixed_mesh_shape", False),
         layer_period=getattr(args, "layer_period", 2),
+        exact_values=not getattr(args, "per_demand_pricing", False),
     )

@@ -96,6 +96,7 @@ def route(args, command: str) -> bool:
         (
             ("--force-batch-axis", "force_batch_axis"),
             ("--no-mixed-mesh-shape", "no_mixed_mesh_shape"),
+            ("--per-demand-pricing", "per_demand_pricing"),
         ),
     )
     if knobs:

@@ -30,6 +30,7 @@ PLANNING_FLAGS = (
     ("--merge-elementwise", "merge_elementwise"),
     ("--force-batch-axis", "force_batch_axis"),
     ("--no-mixed-mesh-shape", "no_mixed_mesh_shape"),
+    ("--per-demand-pricing", "per_demand_pricing"),
     ("--pipeline", "pipeline"),
     ("--stages", "stages"),
     ("--microbatches", "microbatches"),

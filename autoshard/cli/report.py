@@ -66,6 +66,11 @@ def print_plan(plan, graph, console: Console | None = None, cluster: str | None 
         f"{unit}; "
         f"solver {solver.get('solver', '?')} {solver.get('status', '')} in "
         f"{float(solver.get('seconds', 0.0)):.2f} s, {solver.get('num_variables', '?')} variables"
+        + (
+            f" (the per-value program stopped {solver['exact_stopped']}, keeping its best plan)"
+            if solver.get("exact_stopped")
+            else ""
+        )
     )
     for note in plan.notes:
         console.print(f"[yellow]note:[/yellow] {note}")

@@ -41,6 +41,14 @@ class IntraOptions:
     and none on meshes in seconds (cluster presets), where a 0.1 s constant per
     all-gather would swamp real costs.
 
+    ``exact_values`` (the default): the ILP charges each resharding once per value, as XLA
+    performs it and the plan predicts it (copy and resolution nodes,
+    :mod:`autoshard.intra.value_edges`), so a plan's objective is the cost of its
+    predicted collectives.  The exact program starts from the plan of the cheaper
+    per-demand program (False: that plan alone; one edge per distinct demand on a value,
+    which can charge a resharding twice) and gets half its solve time, at least 1 s, to
+    improve it (docs/sharing.md).
+
     Alpa's ``AutoShardingOption`` knobs:
 
     * ``force_batch_dim_to_mesh_axis``: the batch dimension (dim 0) of every data input
@@ -73,6 +81,7 @@ class IntraOptions:
     force_batch_dim_to_mesh_axis: str | None = None
     allow_mixed_mesh_shape: bool = True
     data_parallel_axes: tuple[str, ...] = ()
+    exact_values: bool = True
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -105,6 +114,8 @@ class IntraOptions:
                 f"force_batch_dim_to_mesh_axis={axis!r}: give a mesh axis name, or None"
             )
 
+        if not isinstance(self.exact_values, bool):
+            raise TypeError(f"exact_values must be True or False, got {self.exact_values!r}")
         dp_axes = self.data_parallel_axes
         if not (
             isinstance(dp_axes, tuple)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -284,25 +283,34 @@ EXACT_MIN_SECONDS = 1.0
 def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings):
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
-    nodes as XLA's behaviour implies, so the objective is the predicted resharding."""
+    nodes as XLA's behaviour implies, so the objective is the predicted resharding.
+
+    The per-demand solve runs under the user's settings (its time-limit warning is the
+    user's); the exact one gets :data:`EXACT_TIME_FACTOR` of its time (at least
+    :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
+    best plan it found -- the start at worst.  The solution's status says which:
+    "optimal" (proven on the exact program), the per-demand status otherwise, with
+    ``exact_stopped`` in the plan's solver record."""
     demand = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
-    began = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SolverTimeLimitWarning)
-        start = solve(demand.problem, **settings).strategy
-    spent = time.perf_counter() - began
-    initial = ip.values.complete(ip.strategies, start, mesh)
-    budget = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * spent)
+    first = solve(demand.problem, **settings)
+    initial = ip.values.complete(ip.strategies, first.strategy, mesh)
+    budget = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
     if settings["time_limit_s"] is not None:
         budget = min(budget, settings["time_limit_s"])
     with warnings.catch_warnings():
-        # the exact program starts from the per-demand plan: out of time, it keeps the
-        # best plan found (the start at worst), whose objective is still its predicted cost
-        warnings.simplefilter("ignore", SolverTimeLimitWarning)
+        warnings.simplefilter("ignore", SolverTimeLimitWarning)  # our own budget
         solution = solve(ip.problem, **{**settings, "time_limit_s": budget}, initial=initial)
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
+    proven = solution.status == "optimal"
     return dataclasses.replace(
-        solution, strategy=strategy, objective=objective_of(ip.problem, strategy)
+        solution,
+        strategy=strategy,
+        objective=objective_of(ip.problem, strategy),
+        status="optimal" if proven else first.status,
+        gap=solution.gap if proven or solution.gap is not None else first.gap,
+        seconds=first.seconds + solution.seconds,
+        fallback=None if proven else first.fallback,
+        exact_stopped=None if proven else f"at its {budget:.3g} s budget",
     )
 
 
@@ -313,15 +321,17 @@ def auto_shard_graph(
     *,
     pinned_inputs: Mapping[int, ShardingSpec] | None = None,
     name: str = "auto",
-    exact_values: bool = False,
+    exact_values: bool | None = None,
 ) -> ParallelPlan:
     """Plan ``graph`` on ``mesh`` with the ILP and return the plan with its predictions.
 
     ``options`` (:class:`~autoshard.intra.options.IntraOptions`) holds every setting: the
     solver, its limits, the memory budget, merging, layer sharing, the cost formulas and
     Alpa's knobs. ``pinned_inputs`` fixes the specs of some inputs (a baseline's).
-    ``exact_values``: see :func:`build_problem`.
+    ``exact_values``: see :func:`build_problem` (None: ``options.exact_values``).
     """
+    if exact_values is None:
+        exact_values = options.exact_values
     memory_budget_bytes = options.memory_budget_bytes
     ip = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs, exact_values=exact_values)
     # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,

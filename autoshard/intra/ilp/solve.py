@@ -37,6 +37,8 @@ class Solution:
     solver found none, ``fallback`` says which feasible assignment was returned instead).
     ``gap`` is (objective - best bound) / |objective|, None where the solver gave no bound.
     ``seconds`` covers build + solve; ``build_seconds`` the model building alone.
+    ``exact_stopped``: where the exact per-value program, started from the per-demand
+    plan, stopped unproven (its own time budget), or None.
     """
 
     strategy: tuple[int, ...]
@@ -50,6 +52,7 @@ class Solution:
     num_constraints: int
     num_roots: int
     fallback: str | None = None
+    exact_stopped: str | None = None  # the exact per-value program stopped before proof
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
