@@ -75,7 +75,7 @@ def run(
     suite: str,
     time_limit: float,
     live_peak: str = "on_disagreement",
-    exact_values: bool = False,
+    exact_values: bool = True,
     only_models: tuple[str, ...] = (),
     only_meshes: tuple[str, ...] = (),
 ) -> list[dict]:
@@ -196,9 +196,10 @@ def main() -> None:
     ap.add_argument("--models", default="", help="only these row labels, e.g. gpt-tiny")
     ap.add_argument("--meshes", default="", help="only these meshes, e.g. 8,1x8")
     ap.add_argument(
-        "--exact-values",
+        "--per-demand-pricing",
         action="store_true",
-        help="price each resharding once per value with copy nodes (slower ILPs)",
+        help="plan with the per-demand pricing alone (the planner's default adds the exact "
+        "per-value program, started from that plan)",
     )
     args = ap.parse_args()
 
@@ -215,7 +216,7 @@ def main() -> None:
             s,
             args.time_limit,
             args.live_peaks,
-            args.exact_values,
+            not args.per_demand_pricing,
             tuple(m for m in args.models.split(";") if m),
             tuple(m for m in args.meshes.split(",") if m),
         )
