@@ -11,7 +11,8 @@ simulator as automatic plans.
 * ``zero3`` -- parameters and optimizer state split (FSDP): weights are all-gathered
   before use.
 * ``megatron`` -- tensor parallel over the last mesh axis ("model"): attention qkv and
-  MLP fc kernels column-split, attention and MLP output projections row-split, the token
+  MLP fc kernels column-split, attention and MLP output projections row-split (a GPT-MoE's
+  experts likewise: ``wi [E, h, f]`` split on f, ``wo [E, f, h]`` on f), the token
   embedding (tied LM head) vocabulary-parallel; batch split over the other axes (TP x DP
   on a 2-D mesh).  On a 1-D mesh the one axis is the tensor-parallel axis.
 
@@ -61,6 +62,8 @@ MEGATRON_RULES: tuple[tuple[str, int | None], ...] = (
     (r"\['mlp'\]\['fc'\]\['kernel'\]", 1),
     (r"\['mlp'\]\['fc'\]\['bias'\]", 0),
     (r"\['mlp'\]\['proj'\]\['kernel'\]", 0),
+    (r"\['moe'\]\['wi'\]", 2),  # GPT-MoE experts [E, h, f]: each expert's MLP column-split
+    (r"\['moe'\]\['wo'\]", 1),  # [E, f, h]: row-split (the gate wg stays replicated)
     (r"\['embedding'\]\['wte'\]", 0),
     (r"\['dense_\d+'\]\['kernel'\]", None),  # MLP model: handled by alternation below
 )
