@@ -12,6 +12,7 @@ do not keep every activation split) plan.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,6 +57,16 @@ def test_dp_refuses_a_batch_whose_expert_groups_do_not_split(mesh):
     assert "4 expert groups" in msg and "multiple of 16" in msg  # the model's hint
     assert "reshape in layer 'block_0' ((8, 32, 64) -> (4, 64, 64))" in msg  # where it breaks
     assert "'zero2' / 'zero3'" in msg  # what else would plan
+
+
+def test_cli_refusal_is_exit_2_with_the_reason_on_stderr():
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", "--model", "moe-tiny", "--mesh", "8",
+         "--baseline", "dp", "--batch", "8", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "multiple of 16" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(
