@@ -149,3 +149,29 @@ def test_xla_cpu_gathers_a_batched_dot_partial_sum_wanted_split_finer_on_its_bat
     assert kinds == ["all-reduce", "all-gather"]
     kinds = _collective_kinds(unbatched, lhs, sds((16,), "model"))
     assert kinds == ["all-reduce"]
+
+
+def test_reshard_predicts_xla_cpus_detour_for_a_batched_dots_partial_sum():
+    """The resharding model follows the compiled behaviour above: with the producer's
+    batch dims given, ``[G@data]`` partial over ``model`` into ``[G@data+model]`` is an
+    all-reduce of the local buffer over ``model`` and an all-gather of G over ``data``
+    (then a free slice); without them (any other producer), one reduce-scatter."""
+    from autoshard.intra.cost import reshard
+
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    src = ShardingSpec((("data",), (), ()), ("model",))
+    dst = ShardingSpec((("data", "model"), (), ()))
+    local = 4 * 64 * 8 * 4  # [G/2, S, E] f32
+    detour = reshard(src, dst, (8, 64, 8), 4, mesh, batch_dims=(0, 1))
+    assert [(c.kind, c.axes, c.bytes) for c in detour.collectives] == [
+        ("all-reduce", ("model",), local),
+        ("all-gather", ("data",), 2 * local),
+    ]
+    plain = reshard(src, dst, (8, 64, 8), 4, mesh)
+    assert [(c.kind, c.axes) for c in plain.collectives] == [("reduce-scatter", ("model",))]
+    assert detour.cost > plain.cost
+    # a batch dim the source does not split, or a split onto a free dim: no detour
+    other = ShardingSpec(((), (), ("model",)))
+    assert reshard(src, other, (8, 64, 8), 4, mesh, batch_dims=(0, 1)) == reshard(
+        src, other, (8, 64, 8), 4, mesh
+    )
