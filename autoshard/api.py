@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
+from autoshard.intra.baselines import BaselineRefusedError
 from autoshard.intra.options import IntraOptions
 from autoshard.ir.graph import Graph, build_graph
 from autoshard.models import Workload, get_workload, make_optimizer, make_train_step
@@ -145,6 +146,18 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     return relative_mesh(shape, names, XLA_CPU_MEMORY if _runs_on_cpu(mesh) else XLA_GPU_MEMORY)
 
 
+def _refuse_baseline(graph, dmesh, options, pinned, baseline, err) -> None:
+    """Raise BaselineRefusedError naming the op where ``baseline``'s data parallelism
+    breaks (found by propagating its forbidden pairs); return when none is found."""
+    from autoshard.intra.baselines import data_parallel_refusal
+    from autoshard.intra.problem import build_problem
+
+    ip = build_problem(graph, dmesh, options, pinned_inputs=pinned)
+    refusal = data_parallel_refusal(ip, baseline)
+    if refusal is not None:
+        raise refusal from err
+
+
 def _runs_on_cpu(mesh) -> bool:
     """Will the plan be compiled by XLA:CPU (the mesh's devices, else JAX's default
     backend)? Its memory layout differs: narrow dots are computed in f32."""
@@ -186,7 +199,7 @@ def auto_shard(
     ``.verify()`` the predicted-vs-compiled report.
     """
     from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.ilp import InfeasibleBudgetError, InfeasibleProblemError
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.trace.jaxpr import trace
 
@@ -220,6 +233,10 @@ def auto_shard(
             plan = auto_shard_graph(
                 graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto"
             )
+    except InfeasibleProblemError as err:
+        if baseline and options.data_parallel_axes:  # say where data parallelism breaks
+            _refuse_baseline(graph, dmesh, options, pinned, baseline, err)
+        raise
     except InfeasibleBudgetError as err:
         if notes:  # the budget is the device's memory: say so, with the least a plan needs
             err.args = (
@@ -384,14 +401,20 @@ def plan_workload(
         workload = get_workload(workload, **overrides)
     opt = make_optimizer(optimizer)
     step = make_train_step(workload.loss_fn, opt)
-    bound = auto_shard(
-        step,
-        *workload.abstract_train_args(opt),
-        mesh=mesh,
-        baseline=baseline,
-        options=options,
-        cluster=cluster,
-    )
+    try:
+        bound = auto_shard(
+            step,
+            *workload.abstract_train_args(opt),
+            mesh=mesh,
+            baseline=baseline,
+            options=options,
+            cluster=cluster,
+        )
+    except BaselineRefusedError as err:  # the model may say which sizes would work
+        hint = getattr(workload.config, "data_parallel_hint", None)
+        if hint is not None and (line := hint(err.devices)) is not None:
+            err.args = (f"{workload.name}: {line}. {err}",)
+        raise
     made_for = dict(bound.made_for or {}, model=workload.name, optimizer=optimizer)
     made_for["overrides"] = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(bound, made_for=made_for)

@@ -5,8 +5,10 @@ megatron): ``plan_workload(...)`` then ``bound.verify()`` compiles the step with
 reads back its collectives and its memory. Models: gpt-tiny (meshes 8 and 2x4; full run
 also 4x2 and 1x8) and mid-size GPTs at their real width with 2 blocks, batch 8 (gpt-350m
 on 8, full run also on 2x4 and gpt-1.3b on 8); further model families join when
-``autoshard.models.model_names()`` lists them (``EXTRA_FAMILIES``). One point per
-(model, mesh, plan, mesh axes) for bytes, one per plan for memory.
+``autoshard.models.model_names()`` lists them (``EXTRA_FAMILIES``: moe-tiny and
+wresnet-tiny on 8). One point per (model, mesh, plan, mesh axes) for
+bytes, one per plan for memory; a baseline that refuses (it cannot mean its name for that
+model and mesh) is a row marked ``refused`` with the reason, counted apart.
 
     python experiments/truth.py [--quick] [--out docs/figures]
 """
@@ -31,7 +33,10 @@ FULL_CASES = (
     ("gpt-350m", MID, ("8", "2x4")),
     ("gpt-1.3b", MID, ("8",)),
 )
-EXTRA_FAMILIES = ("moe-", "wresnet-")  # the smallest preset of each joins when it exists
+# the smallest preset of each family joins when it exists, with these sizes; moe-tiny keeps
+# its own batch (16: 8 expert groups, one per device), since at batch 8 its 4 groups cannot
+# be split over 8 data-parallel devices and the dp baseline refuses (a row marked refused)
+EXTRA_FAMILIES = {"moe-": {}, "wresnet-": {"batch_size": 8}}
 
 
 def _cases(quick: bool):
@@ -39,11 +44,45 @@ def _cases(quick: bool):
 
     cases = list(QUICK_CASES if quick else FULL_CASES)
     names = model_names()
-    for prefix in EXTRA_FAMILIES:
+    for prefix, overrides in EXTRA_FAMILIES.items():
         family = [n for n in names if n.startswith(prefix)]
         if family:
-            cases.append((family[0], {"batch_size": 8}, ("8",)))
+            cases.append((family[0], overrides, ("8",)))
     return cases
+
+
+def measure(model: str, overrides: dict, mesh: str, plan: str, options) -> dict:
+    """One row: the plan's predicted and compiled bytes per mesh axes and peak memory, or,
+    where a baseline cannot mean its name for this model and mesh
+    (:class:`~autoshard.intra.baselines.BaselineRefusedError`), the row marked refused
+    with the planner's reason."""
+    import autoshard
+    from autoshard.intra.baselines import BaselineRefusedError
+
+    label = model + "".join(f" {k}={v}" for k, v in overrides.items())
+    t0 = time.perf_counter()
+    try:
+        bound = autoshard.plan_workload(
+            model, mesh, baseline=None if plan == "auto" else plan, options=options, **overrides
+        )
+    except BaselineRefusedError as err:
+        return {"model": label, "mesh": mesh, "plan": plan, "refused": str(err),
+                "seconds": time.perf_counter() - t0}  # fmt: skip
+    report = bound.verify()
+    by_axes = {}
+    for r in report.comparison.rows:
+        axes = ",".join(r.axes) or "?"
+        pred, comp = by_axes.get(axes, (0, 0))
+        by_axes[axes] = (pred + r.predicted_bytes, comp + r.compiled_bytes)
+    return {
+        "model": label, "mesh": mesh, "plan": plan,
+        "bytes_by_axes": {a: {"predicted": p, "compiled": c} for a, (p, c) in by_axes.items()},
+        "collectives_agree": report.collectives_agree,
+        "predicted_peak_bytes": report.predicted_peak_bytes,
+        "compiled_peak_bytes": report.compiled_peak_bytes,
+        "memory_agree": report.memory_agree,
+        "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
 
 
 def run(quick: bool, progress) -> dict:
@@ -58,25 +97,7 @@ def run(quick: bool, progress) -> dict:
     for i, (model, overrides, mesh, plan) in enumerate(todo):
         label = model + "".join(f" {k}={v}" for k, v in overrides.items())
         progress(i, len(todo), f"{label} on {mesh}: {plan}")
-        t0 = time.perf_counter()
-        bound = autoshard.plan_workload(
-            model, mesh, baseline=None if plan == "auto" else plan, options=options, **overrides
-        )
-        report = bound.verify()
-        by_axes = {}
-        for r in report.comparison.rows:
-            axes = ",".join(r.axes) or "?"
-            pred, comp = by_axes.get(axes, (0, 0))
-            by_axes[axes] = (pred + r.predicted_bytes, comp + r.compiled_bytes)
-        rows.append({
-            "model": label, "mesh": mesh, "plan": plan,
-            "bytes_by_axes": {a: {"predicted": p, "compiled": c} for a, (p, c) in by_axes.items()},
-            "collectives_agree": report.collectives_agree,
-            "predicted_peak_bytes": report.predicted_peak_bytes,
-            "compiled_peak_bytes": report.compiled_peak_bytes,
-            "memory_agree": report.memory_agree,
-            "seconds": time.perf_counter() - t0,
-        })  # fmt: skip
+        rows.append(measure(model, overrides, mesh, plan, options))
     progress(len(todo), len(todo), "done")
     return {
         "config": {
@@ -91,9 +112,13 @@ def run(quick: bool, progress) -> dict:
 
 
 def summary(rows: list[dict]) -> dict:
+    """Counts over the planned rows; ``refused``: the rows whose baseline refused."""
+
     def within(p, c, tol=0.10):
         return abs(p - c) <= tol * max(c, 1)
 
+    refused = [r for r in rows if "refused" in r]
+    rows = [r for r in rows if "refused" not in r]
     points = [(v["predicted"], v["compiled"]) for r in rows for v in r["bytes_by_axes"].values()]
     return {
         "plans": len(rows),
@@ -103,6 +128,7 @@ def summary(rows: list[dict]) -> dict:
         ),
         "byte_points": len(points),
         "byte_points_within_10_percent": sum(within(p, c) for p, c in points),
+        "refused": len(refused),
     }
 
 
@@ -111,7 +137,7 @@ def byte_points(rows) -> list[tuple[str, float, float]]:
     return [
         (r["plan"], v["compiled"] / 2**20, v["predicted"] / 2**20)
         for r in rows
-        for v in r["bytes_by_axes"].values()
+        for v in r.get("bytes_by_axes", {}).values()
         if v["compiled"] or v["predicted"]
     ]
 
@@ -121,6 +147,7 @@ def memory_points(rows) -> list[tuple[str, float, float]]:
     return [
         (r["plan"], r["compiled_peak_bytes"] / 2**20, r["predicted_peak_bytes"] / 2**20)
         for r in rows
+        if "refused" not in r
     ]
 
 
@@ -145,8 +172,9 @@ def plot(doc: dict):
         xlabel="Compiled peak memory per device (MiB)",
         ylabel="Predicted peak memory per device (MiB)",
     )  # fmt: skip
-    b.set_title(f"Peak memory per plan: {s['memory_within_10_percent']}/{s['plans']} within 10%",
-                fontsize=8)  # fmt: skip
+    refused = f"; {s['refused']} refused" if s.get("refused") else ""
+    b.set_title(f"Peak memory per plan: {s['memory_within_10_percent']}/{s['plans']} within 10%"
+                f"{refused}", fontsize=8)  # fmt: skip
     models = ", ".join(dict.fromkeys(r["model"] for r in rows))
     fig.suptitle(figure.title(doc, f"{TITLE} on 8 fake CPU devices\n{models}"), fontsize=10)
     fig.tight_layout()

@@ -111,3 +111,67 @@ def test_top_k_runs_whole_as_xla_does():
     program, graph, plan = _plan(lambda x: jax.lax.top_k(x, 2)[0] * 2.0, split_dim=0)
     assert plan.tensor_specs[_node(graph, "top_k").outputs[0]].is_replicated
     assert [c.kind for c in plan.predicted_collectives] == ["all-gather"]
+
+
+def _collective_kinds(fn, *args) -> list[str]:
+    """The kind of each collective in XLA's compiled text of ``fn``, in order."""
+    import re
+
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)\(", text)
+
+
+def test_xla_cpu_gathers_a_batched_dot_partial_sum_wanted_split_finer_on_its_batch_dim():
+    """What XLA:CPU compiles for the MoE's open 2-D disagreement (docs/truth.md, GPT-MoE):
+    a batched dot ``[G, S, E, C] x [G, S, C] -> [G, S, E]`` with G split over ``data`` and
+    C over ``model`` is a partial sum over ``model``; wanted as G split over
+    (``data``, ``model``) the plan predicts one reduce-scatter over ``model``, XLA
+    all-reduces over ``model``, all-gathers G over ``data`` and slices. The same partial
+    sum from an unbatched dot is all-reduced and sliced, with no all-gather."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+    def sds(shape, *spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P(*spec)))
+
+    want = NamedSharding(mesh, P(("data", "model")))
+    lhs = sds((8, 64, 8, 16), "data", None, None, "model")
+
+    def batched(a, b):
+        return jax.lax.with_sharding_constraint(jnp.einsum("gsec,gsc->gse", a, b), want) * 2.0
+
+    def unbatched(a, b):
+        return jax.lax.with_sharding_constraint(jnp.einsum("gsec,c->gse", a, b), want) * 2.0
+
+    kinds = _collective_kinds(batched, lhs, sds((8, 64, 16), "data", None, "model"))
+    assert kinds == ["all-reduce", "all-gather"]
+    kinds = _collective_kinds(unbatched, lhs, sds((16,), "model"))
+    assert kinds == ["all-reduce"]
+
+
+def test_reshard_predicts_xla_cpus_detour_for_a_batched_dots_partial_sum():
+    """The resharding model follows the compiled behaviour above: with the producer's
+    batch dims given, ``[G@data]`` partial over ``model`` into ``[G@data+model]`` is an
+    all-reduce of the local buffer over ``model`` and an all-gather of G over ``data``
+    (then a free slice); without them (any other producer), one reduce-scatter."""
+    from autoshard.intra.cost import reshard
+
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    src = ShardingSpec((("data",), (), ()), ("model",))
+    dst = ShardingSpec((("data", "model"), (), ()))
+    local = 4 * 64 * 8 * 4  # [G/2, S, E] f32
+    detour = reshard(src, dst, (8, 64, 8), 4, mesh, batch_dims=(0, 1))
+    assert [(c.kind, c.axes, c.bytes) for c in detour.collectives] == [
+        ("all-reduce", ("model",), local),
+        ("all-gather", ("data",), 2 * local),
+    ]
+    plain = reshard(src, dst, (8, 64, 8), 4, mesh)
+    assert [(c.kind, c.axes) for c in plain.collectives] == [("reduce-scatter", ("model",))]
+    assert detour.cost > plain.cost
+    # a batch dim the source does not split, or a split onto a free dim: no detour
+    other = ShardingSpec(((), (), ("model",)))
+    assert reshard(src, other, (8, 64, 8), 4, mesh, batch_dims=(0, 1)) == reshard(
+        src, other, (8, 64, 8), 4, mesh
+    )

@@ -11,7 +11,8 @@ simulator as automatic plans.
 * ``zero3`` -- parameters and optimizer state split (FSDP): weights are all-gathered
   before use.
 * ``megatron`` -- tensor parallel over the last mesh axis ("model"): attention qkv and
-  MLP fc kernels column-split, attention and MLP output projections row-split, the token
+  MLP fc kernels column-split, attention and MLP output projections row-split (a GPT-MoE's
+  experts likewise: ``wi [E, h, f]`` split on f, ``wo [E, f, h]`` on f), the token
   embedding (tied LM head) vocabulary-parallel; batch split over the other axes (TP x DP
   on a 2-D mesh).  On a 1-D mesh the one axis is the tensor-parallel axis.
 
@@ -20,19 +21,38 @@ or a Megatron-split dim the tensor-parallel axis does not divide, raises ValueEr
 the tensor and what would divide (never a silently replicated tensor under the label).
 :func:`baseline_options` adds what pins alone cannot say: ``dp`` and ``megatron`` keep
 every activation split over their data-parallel axes (``IntraOptions.data_parallel_axes``),
-so the ILP cannot leave data parallelism where the pins stop.
+so the ILP cannot leave data parallelism where the pins stop. Where an op of the model
+cannot keep its operand split that way (a MoE's batch folded into fewer expert groups than
+data-parallel devices), the problem has no solution; :func:`data_parallel_refusal` finds
+that op by propagating the forbidden pairs, and the caller raises
+:class:`BaselineRefusedError` with what it says.
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
+from autoshard.intra.ilp.problem import resolve_ties
 from autoshard.intra.options import IntraOptions
 from autoshard.ir.graph import Graph
 from autoshard.ir.spec import Mesh, ShardingSpec
 
 BASELINES = ("dp", "zero2", "zero3", "megatron")
+
+
+class BaselineRefusedError(ValueError):
+    """A baseline that cannot mean its name for this model, batch and mesh: the message
+    names the op where it breaks and what would work; ``devices`` is the data-parallel
+    degree it could not keep."""
+
+    def __init__(self, message: str, devices: int) -> None:
+        super().__init__(message)
+        self.devices = devices
+
 
 # (path regex, dim to split over the tensor-parallel axis); first match wins
 MEGATRON_RULES: tuple[tuple[str, int | None], ...] = (
@@ -42,6 +62,8 @@ MEGATRON_RULES: tuple[tuple[str, int | None], ...] = (
     (r"\['mlp'\]\['fc'\]\['kernel'\]", 1),
     (r"\['mlp'\]\['fc'\]\['bias'\]", 0),
     (r"\['mlp'\]\['proj'\]\['kernel'\]", 0),
+    (r"\['moe'\]\['wi'\]", 2),  # GPT-MoE experts [E, h, f]: each expert's MLP column-split
+    (r"\['moe'\]\['wo'\]", 1),  # [E, f, h]: row-split (the gate wg stays replicated)
     (r"\['embedding'\]\['wte'\]", 0),
     (r"\['dense_\d+'\]\['kernel'\]", None),  # MLP model: handled by alternation below
 )
@@ -136,3 +158,110 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
                     spec = _split_dim(t.shape, 0, tp, mesh, what)
             pinned[pos] = spec
     return pinned
+
+
+def _feasible_domains(pb):
+    """(roots, maps, domains, culprit): arc consistency over the forbidden (infinite) node
+    costs and edge pairs of problem ``pb`` in tie-root space. ``culprit`` is ``(root, by)``
+    for the first root left without a strategy (``by``: the neighbour root that removed
+    its last one, -1 for its own costs), or None when every root keeps one."""
+    roots, maps = resolve_ties(pb)
+    dom: dict[int, np.ndarray] = {}
+    for v in range(pb.num_nodes):
+        m = np.asarray(maps[v])
+        ok = (m >= 0) & np.isfinite(np.asarray(pb.node_costs[v], dtype=float))[np.maximum(m, 0)]
+        r = roots[v]
+        dom[r] = dom[r] & ok if r in dom else ok
+        if not dom[r].any():
+            return roots, maps, dom, (r, -1)
+    adj: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for e in pb.edges:
+        a, b = roots[e.src], roots[e.dst]
+        ma, mb = np.asarray(maps[e.src]), np.asarray(maps[e.dst])
+        ok = np.isfinite(np.asarray(e.costs, dtype=float))[
+            np.ix_(np.maximum(ma, 0), np.maximum(mb, 0))
+        ]
+        ok[ma < 0, :] = False
+        ok[:, mb < 0] = False
+        if a == b:  # both ends on one root: only its agreeing strategies
+            dom[a] &= np.diag(ok)
+            if not dom[a].any():
+                return roots, maps, dom, (a, -1)
+            continue
+        adj.setdefault(a, []).append((b, ok))
+        adj.setdefault(b, []).append((a, ok.T))
+    todo = deque(dom)
+    while todo:
+        a = todo.popleft()
+        for b, ok in adj.get(a, ()):
+            kept = dom[b] & ok[dom[a], :].any(axis=0)
+            if (kept != dom[b]).any():
+                dom[b] = kept
+                if not kept.any():
+                    return roots, maps, dom, (b, a)
+                todo.append(b)
+    return roots, maps, dom, None
+
+
+def data_parallel_refusal(ip, name: str) -> BaselineRefusedError | None:
+    """Why baseline ``name`` has no plan on the intra-op problem ``ip`` (an
+    :class:`~autoshard.intra.problem.IntraProblem` built with its pins and options): the
+    op that cannot keep its operand split over the data-parallel axes, with what would
+    work, as the error to raise; None when propagation finds no contradiction (the cause
+    is then elsewhere: a budget, a solver)."""
+    roots, maps, dom, culprit = _feasible_domains(ip.problem)
+    if culprit is None:
+        return None
+    root, by = culprit
+    graph, n_in, mesh = ip.graph, ip.num_inputs, ip.mesh.mesh
+    axes = _dp_tp_axes(mesh, name)[0]
+    devices = mesh.size(axes) if axes else 1
+
+    def strategies_of(v: int) -> list[int]:  # node v's strategies its root still allows
+        m = np.asarray(maps[v])
+        return sorted({int(p) for p in m[dom[roots[v]]] if p >= 0}) if roots[v] != root else []
+
+    def label(v: int) -> str:
+        if v < n_in:
+            t = graph.tensors[graph.inputs[v]]
+            return f"input {t.path or v} {tuple(t.shape)}"
+        node = graph.nodes[v - n_in]
+        ins = ", ".join(str(tuple(graph.tensors[t].shape)) for t in node.inputs)
+        outs = ", ".join(str(tuple(graph.tensors[t].shape)) for t in node.outputs)
+        where = f" in layer {node.layer!r}" if node.layer else ""
+        return f"{node.primitive}{where} ({ins} -> {outs})"
+
+    head = (
+        f"baseline {name!r} cannot mean its name here: it keeps every activation split over "
+        f"mesh axes {axes} ({devices} devices)"
+    )
+    advice = (
+        f"use a batch (or mesh) for which that dim stays a multiple of {devices}, or the "
+        "'zero2' / 'zero3' baselines or the automatic plan, which may reshard there"
+    )
+    for op in ip.operands:  # the use along which the last strategy went
+        if op.slot < 0 or {roots[op.src], roots[op.dst]} != {root, by}:
+            continue
+        src_specs = {str(ip.strategies[op.src][p].output_specs[_out_index(ip, op)])
+                     for p in strategies_of(op.src)}  # fmt: skip
+        if roots[op.dst] != root or not src_specs:
+            continue
+        takes = sorted({str(s.input_specs[op.slot]) for s in ip.strategies[op.dst]
+                        if s.input_specs[op.slot] is not None})  # fmt: skip
+        return BaselineRefusedError(
+            f"{head}, but {label(op.dst)} takes operand {op.slot} only as "
+            f"{' or '.join(takes)}, while data parallelism delivers it as "
+            f"{' or '.join(sorted(src_specs))}: the {devices} devices do not divide the dim "
+            f"its split would move to; {advice}",
+            devices,
+        )
+    return BaselineRefusedError(
+        f"{head}, but {label(root)} has no strategy that keeps that split; {advice}", devices
+    )
+
+
+def _out_index(ip, op) -> int:
+    """Which output of ILP node ``op.src`` is the tensor ``op`` reads."""
+    if op.src < ip.num_inputs:
+        return 0
+    return ip.graph.nodes[op.src - ip.num_inputs].outputs.index(op.tensor)

@@ -452,6 +452,7 @@ def reshard(
     options: CostOptions = DEFAULT_COST_OPTIONS,
     *,
     reduce_in_place: bool = False,
+    batch_dims: tuple[int, ...] = (),
 ) -> Reshard:
     """Collectives and cost to turn a tensor of global ``shape`` from ``src`` into ``dst``.
 
@@ -471,6 +472,12 @@ def reshard(
     buffer), and only then are new splits sliced off.  A ``[64]`` bias gradient summed
     over a batch split on ``data`` and wanted as ``[64@model]`` is an all-reduce of all 64
     values over ``data``, not of the 16 a device keeps.
+
+    ``batch_dims``: the partial sum comes from a batched dot whose batch dims these are.
+    Where the destination splits such a dim further with the reduced axes (``[G@data]``
+    partial over ``model`` wanted as ``[G@data+model]``), XLA:CPU does not reduce-scatter:
+    it all-reduces, all-gathers the dim over the axes it had and slices
+    (:func:`_batched_dot_detour`; ``tests/test_moe_rules.py`` compiles it).
     """
     _validate(src, dst, tuple(shape), itemsize, mesh)
     shape, itemsize = tuple(int(s) for s in shape), int(itemsize)
@@ -479,6 +486,9 @@ def reshard(
     if not set(dst.partial) <= set(src.partial):
         return _IMPOSSIBLE
     dropped = tuple(a for a in mesh.axis_names if a in src.partial and a not in dst.partial)
+    detour = _batched_dot_detour(src, dst, shape, itemsize, mesh, options, batch_dims, dropped)
+    if detour is not None:
+        return detour
     wanted = {a for d in dst.dims for a in d}
     all_reduce_only = tuple(a for a in dropped if a not in wanted)
     best = gather_then_slice(src, dst, shape, itemsize, mesh, options)
@@ -502,6 +512,28 @@ def reshard(
     return best
 
 
+def _batched_dot_detour(src, dst, shape, itemsize, mesh, options, batch_dims, dropped):
+    """XLA:CPU's resolution of a batched dot's partial sum (``src``, partial over
+    ``dropped``) into ``dst`` where ``dst`` appends reduced axes to a batch dim the source
+    already splits: an all-reduce of the local buffer over ``dropped``, an all-gather of
+    that dim over the axes it had, then :func:`reshard` of what is left (slices). None
+    where the pattern does not apply."""
+    for j in batch_dims if dropped else ():
+        had, want = src.dims[j], dst.dims[j]
+        if had and want[: len(had)] == had and set(want[len(had) :]) & set(dropped):
+            break
+    else:
+        return None
+    plan = _Plan(src, dst, shape, itemsize, mesh, options)
+    plan.emit("all-reduce", dropped, plan.local_bytes())
+    gathered = src.dims[j]
+    plan.emit("all-gather", gathered, plan.local_bytes() * mesh.mesh.size(gathered))
+    dims = tuple(() if i == j else d for i, d in enumerate(src.dims))
+    rest = ShardingSpec(dims, tuple(a for a in src.partial if a not in dropped))
+    tail = reshard(rest, dst, shape, itemsize, mesh, options)
+    return Reshard(tuple(plan.collectives) + tail.collectives, plan.cost + tail.cost)
+
+
 def producer_preference(spec: ShardingSpec, mesh: DeviceMesh) -> tuple:
     """Sort key of the sharding XLA gives a value its consumers disagree about: the most
     devices split over first; on a tie, the one that puts its axes on the lower dims
@@ -521,6 +553,7 @@ def reshard_to_consumers(
     mesh: DeviceMesh,
     options: CostOptions = DEFAULT_COST_OPTIONS,
     reduce_first: Sequence[Axes] = (),
+    batch_dims: tuple[int, ...] = (),
 ) -> Reshard:
     """Collectives that give every consumer of one value its spec (``dsts``: distinct).
 
@@ -539,6 +572,9 @@ def reshard_to_consumers(
     ``[8@data, 32@model]`` array is an all-reduce over model, then one over data.  All
     groups but the last are all-reduced on the local buffer; the last stays partial and
     is resolved like any other.
+
+    ``batch_dims``: the value is a batched dot's result with these batch dims (see
+    :func:`reshard`).
     """
     dsts = list(dict.fromkeys(dsts))
     steps = [tuple(a for a in g if a in src.partial) for g in reduce_first]
@@ -558,11 +594,14 @@ def reshard_to_consumers(
     in_place = bool(steps)
     if not src.partial or len(dsts) < 2 or any(d.partial for d in dsts):
         parts = [
-            reshard(src, d, shape, itemsize, mesh, options, reduce_in_place=in_place) for d in dsts
-        ]
+            reshard(src, d, shape, itemsize, mesh, options, reduce_in_place=in_place,
+                    batch_dims=batch_dims)
+            for d in dsts
+        ]  # fmt: skip
     else:
         first = min(dsts, key=lambda d: producer_preference(d, mesh))
-        parts = [reshard(src, first, shape, itemsize, mesh, options, reduce_in_place=in_place)]
+        parts = [reshard(src, first, shape, itemsize, mesh, options, reduce_in_place=in_place,
+                         batch_dims=batch_dims)]  # fmt: skip
         parts += [reshard(first, d, shape, itemsize, mesh, options) for d in dsts if d != first]
     return Reshard(
         tuple(c for r in parts for c in r.collectives), sum((r.cost for r in parts), 0.0)

@@ -78,6 +78,7 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
     graph = ip.graph
     source: dict[int, ShardingSpec] = {}
     steps: dict[int, tuple[tuple[str, ...], ...]] = {}
+    batch: dict[int, tuple[int, ...]] = {}
     targets: dict[int, list[ShardingSpec]] = {}
     for op in ip.operands:
         if op.slot < 0:
@@ -95,6 +96,7 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
         source[op.tensor] = src_s.output_specs[k]
         if op.src >= ip.num_inputs:
             steps[op.tensor] = reduce_steps(graph.nodes[op.src - ip.num_inputs], src_s)
+            batch[op.tensor] = dot_batch_dims(graph.nodes[op.src - ip.num_inputs])
         wants = targets.setdefault(op.tensor, [])
         if b not in wants:
             wants.append(b)
@@ -109,9 +111,18 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
             ip.mesh,
             DEFAULT_COST_OPTIONS,
             reduce_first=steps.get(tid, ()),
+            batch_dims=batch.get(tid, ()),
         )
         out.extend(r.collectives)
     return tuple(out)
+
+
+def dot_batch_dims(node) -> tuple[int, ...]:
+    """The batch dims of a ``dot_general``'s result (its leading dims), () for any other
+    op: :func:`autoshard.intra.cost.reshard` resolves such a partial sum XLA:CPU's way."""
+    if node.primitive != "dot_general":
+        return ()
+    return tuple(range(len(node.params["dimension_numbers"][1][0])))
 
 
 # ops whose partial sums XLA reduces where they are made, before any new split

@@ -43,7 +43,12 @@ from autoshard.intra.ilp import (
 )
 from autoshard.intra.memory import memory_rows, streamed_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
-from autoshard.intra.predict import plan_from_solution, predicted_collectives, reduce_steps
+from autoshard.intra.predict import (
+    dot_batch_dims,
+    plan_from_solution,
+    predicted_collectives,
+    reduce_steps,
+)
 from autoshard.intra.strategies import Strategy, input_strategies, node_strategies
 from autoshard.intra.ties import (
     apply_alpa_options,
@@ -199,7 +204,10 @@ def build_problem(
                 reduce_steps(graph.nodes[src - n_in], s) if src >= n_in else ()
                 for s in strategies[src]
             )
-        values.append(Value(src, k, t.shape, _itemsize(t.dtype), steps_cache[key], tuple(used)))
+        batch = dot_batch_dims(graph.nodes[src - n_in]) if src >= n_in else ()
+        values.append(
+            Value(src, k, t.shape, _itemsize(t.dtype), steps_cache[key], tuple(used), batch)
+        )
     edges: list[EdgeCost] = []
     edge_consumers: list[tuple[int, ...]] = []
     # data-parallel axes (the dp and megatron baselines): a use may not move a split off

@@ -60,9 +60,12 @@ def xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
 
 
 @lru_cache(maxsize=1_000_000)
-def _resolve_cost(src, dst, shape, itemsize, mesh, options, steps) -> float:
-    """One value into one spec, reductions at the producer included (``steps``)."""
-    return reshard_to_consumers(src, [dst], shape, itemsize, mesh, options, steps).cost
+def _resolve_cost(src, dst, shape, itemsize, mesh, options, steps, batch_dims=()) -> float:
+    """One value into one spec, reductions at the producer included (``steps``; a
+    batched dot's ``batch_dims``)."""
+    return reshard_to_consumers(
+        src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
+    ).cost
 
 
 @lru_cache(maxsize=1_000_000)
@@ -90,6 +93,7 @@ class Value:
     itemsize: int
     steps: tuple[tuple[tuple[str, ...], ...], ...]
     uses: tuple[Use, ...]
+    batch_dims: tuple[int, ...] = ()  # a batched dot's result: its batch dims
 
 
 @dataclass(frozen=True)
@@ -225,13 +229,14 @@ def value_edges(
         if len(v.uses) == 1 or not exact:
             for u, w in zip(v.uses, wants):
                 key = ("edge", id(strategies[v.src]), v.k, id(strategies[u.dst]), u.slot,
-                       v.shape, v.itemsize, v.steps)  # fmt: skip
+                       v.shape, v.itemsize, v.steps, v.batch_dims)  # fmt: skip
                 if key not in matrices:
                     matrices[key] = tuple(
                         tuple(
                             0.0 if b is None
                             else INF if a.partial and not xla_resolves(a, b)
-                            else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options, st)
+                            else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options, st,
+                                               v.batch_dims)
                             for b in w
                         )
                         for a, st in zip(src_specs, v.steps)
@@ -281,11 +286,11 @@ def value_edges(
             r = node(1 + len(targets), None if leaders is None else leaders[len(targets)])
             aux.append(r)
             key = ("resolve", id(strategies[v.src]), v.k, tuple(targets), v.shape, v.itemsize,
-                   v.steps)  # fmt: skip
+                   v.steps, v.batch_dims)  # fmt: skip
             if key not in matrices:
                 matrices[key] = tuple(
                     (INF,) + tuple(
-                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options, st)
+                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options, st, v.batch_dims)
                         if xla_resolves(a, t) else INF
                         for t in targets
                     ) if a.partial else (0.0,) + (INF,) * len(targets)

@@ -112,6 +112,20 @@ class MoEConfig(ModelConfig):
         """G: how many groups of ``expert_group_size`` tokens a batch makes."""
         return self.batch_size * self.seq_len // self.expert_group_size
 
+    def data_parallel_hint(self, devices: int) -> str | None:
+        """What batch lets ``devices`` data-parallel devices each hold whole expert groups
+        (the gating's cumsum runs along a group); None when this batch already does."""
+        if self.num_groups % devices == 0:
+            return None
+        tokens = self.expert_group_size * devices
+        step = tokens // math.gcd(tokens, self.seq_len)
+        return (
+            f"batch_size {self.batch_size} x seq_len {self.seq_len} makes "
+            f"{self.num_groups} expert groups of {self.expert_group_size} tokens, and data "
+            f"parallelism over {devices} devices needs a multiple of {devices} groups: use "
+            f"a batch_size that is a multiple of {step}"
+        )
+
     @property
     def capacity(self) -> int:
         """C: tokens of one group an expert takes (top-2, capacity factor 1)."""
