@@ -288,6 +288,12 @@ EXACT_TIME_FACTOR = 0.5
 EXACT_MIN_SECONDS = 1.0
 
 
+def _stopped(budget: float, gap: float | None) -> str:
+    """Where the exact program stopped: its budget, and its own gap (against a bound that
+    is weak on these programs), the per-demand status and gap being the plan's."""
+    return f"at its {budget:.3g} s budget" + ("" if gap is None else f" (its gap {gap:.3g})")
+
+
 def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings):
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
@@ -297,8 +303,8 @@ def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings
     user's); the exact one gets :data:`EXACT_TIME_FACTOR` of its time (at least
     :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
     best plan it found -- the start at worst.  The solution's status says which:
-    "optimal" (proven on the exact program), the per-demand status otherwise, with
-    ``exact_stopped`` in the plan's solver record."""
+    "optimal" (proven on the exact program), the per-demand status and gap otherwise,
+    with ``exact_stopped`` (and the exact gap) in the plan's solver record."""
     demand = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
     first = solve(demand.problem, **settings)
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
@@ -315,10 +321,10 @@ def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings
         strategy=strategy,
         objective=objective_of(ip.problem, strategy),
         status="optimal" if proven else first.status,
-        gap=solution.gap if proven or solution.gap is not None else first.gap,
+        gap=solution.gap if proven else first.gap,
         seconds=first.seconds + solution.seconds,
         fallback=None if proven else first.fallback,
-        exact_stopped=None if proven else f"at its {budget:.3g} s budget",
+        exact_stopped=None if proven else _stopped(budget, solution.gap),
     )
 
 
