@@ -18,6 +18,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="moe-tiny")
     ap.add_argument("--mesh", default="8", help="e.g. 8, 2x4, 4x2")
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     ap.add_argument("--plan", default="auto", choices=("auto", "dp", "zero2", "zero3", "megatron"))
     ap.add_argument("--top", type=int, default=25, help="how many live values to print")
     ap.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit (s)")
@@ -40,7 +41,7 @@ def main() -> None:
         return peaks[-1]
 
     check.dump_live_peak = keep
-    traced = trace_workload(args.model, optimizer="sgd")
+    traced = trace_workload(args.model, optimizer=args.optimizer)
     shape = tuple(int(s) for s in args.mesh.split("x"))
     mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
     options = IntraOptions(solver="highs", time_limit_s=args.time_limit)

@@ -340,6 +340,65 @@ def test_gradients_reduced_together_hold_partial_and_reduced_copies_on_cpu():
     )
 
 
+def test_a_sliced_gradient_is_reduced_whole_at_the_combined_all_reduce():
+    """ZeRO-2 on XLA:CPU: the weight gradient's partial sum is all-reduced whole in the
+    combined all-reduce and sliced after, so the copy made there counts the partial sum's
+    bytes, not the slice's; a replicated copy counts its own; elsewhere (no late updates)
+    a copy is its own size at its reader."""
+    from autoshard.api import device_mesh_for
+    from autoshard.hardware.mesh import alpa_test_mesh
+    from autoshard.intra.memory import mesh_intervals, program_positions
+    from autoshard.intra.reshard_copies import combined_copy_bytes, reshard_buffers
+    from autoshard.ir.spec import ShardingSpec
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x)
+
+    g = _graph(
+        step,
+        jax.ShapeDtypeStruct((256, 256), jnp.float32),
+        jax.ShapeDtypeStruct((64, 256), jnp.float32),
+    )
+    (dw,) = [
+        n
+        for n in g.nodes
+        if n.primitive == "dot_general"
+        and n.phase == "backward"
+        and g.tensors[n.outputs[0]].shape == (256, 256)
+    ]
+    (out,) = dw.outputs
+    (reader,) = g.tensors[out].consumers
+    slot = g.nodes[reader].inputs.index(out)
+    partial = ShardingSpec(((), ()), partial=("data",))
+    full = 256 * 256 * 4
+    cpu = device_mesh_for((8,), ("data",))
+    pos = program_positions(g, late_updates=True)
+    first_update = min(n.index for n in g.nodes if n.phase == "update")
+    intervals = mesh_intervals(g, cpu)
+    sliced = ShardingSpec((("data",), ()))
+    bufs = reshard_buffers(g, {reader: {slot: sliced}}, {out: partial}, cpu, pos, intervals)
+    at = pos[first_update]
+    live = sum(nbytes for first, last, nbytes in bufs if first <= at <= last)
+    # the partial sum and the whole reduced gradient, less the slice a materialised op
+    # after the copy (the transpose) already holds; the slice alone would be 1/8
+    tail = any(t in intervals for t in g.nodes[reader].outputs)
+    assert live == full + combined_copy_bytes(full // 8, full, tail)
+    assert live >= 2 * full - full // 8
+    elsewhere = alpa_test_mesh((8,), ("data",))
+    ((first, _, nbytes),) = reshard_buffers(
+        g,
+        {reader: {slot: ShardingSpec((("data",), ()))}},
+        {out: partial},
+        elsewhere,
+        program_positions(g),
+        mesh_intervals(g, elsewhere),
+    )
+    assert nbytes == full // 8 and first == reader
+
+
 @pytest.mark.parametrize("which", ["dp", "zero2", "auto"])
 def test_data_parallel_gpt_tiny_memory_agrees_with_xla(which):
     """The regression of the last merge (bench_truth: every data-parallel gpt-tiny plan on

@@ -95,9 +95,11 @@ def resharded_copy(
     intervals: Mapping[int, tuple[int, int]],
 ):
     """Where and how large ``tid``'s copy in layout ``spec`` read by the nodes
-    ``readers`` is: ``(bytes per device, start, end, kept)``, or None where no copy is a
-    buffer (literals, constants, scalars; a gradient's copy that a materialised op after
-    it stands for).  ``start``/``end``: program positions, or None for its first/last
+    ``readers`` is: ``(bytes per device, start, end, kept, tail)``, or None where no copy
+    is a buffer (literals, constants, scalars).  ``tail`` is None unless the copy is made
+    at the combined gradient reduction; then its bytes there are
+    :func:`combined_copy_bytes` of the source's layout, ``tail`` saying whether a
+    materialised op after it holds the copy's own.  ``start``/``end``: program positions, or None for its first/last
     reader.  ``kept``: for a copy made at the combined gradient reduction, the
     (first, last) positions the value it is made from must be kept past its own buffer
     (``intervals``: tensor -> its buffer's positions), or None.  The one rule of the
@@ -108,15 +110,22 @@ def resharded_copy(
     nbytes = t.nbytes * spec.shard_fraction(mesh.mesh)
     layout = mesh.memory_layout
     if layout.early_input_reshards and t.producer is None:
-        return nbytes, 0, None, None
+        return nbytes, 0, None, None, None
     start = combined_reduction(graph, tid, readers, pos) if layout.late_updates else None
     if start is None:
-        return nbytes, None, None, None
+        return nbytes, None, None, None, None
     end = intervals[tid][1] if tid in intervals else pos[t.producer]
     kept = (end + 1, start) if end < start else None
-    if _tail_materialized(graph, readers, intervals):
-        nbytes = 0.0
-    return nbytes, start, start, kept
+    return nbytes, start, start, kept, _tail_materialized(graph, readers, intervals)
+
+
+def combined_copy_bytes(nbytes: float, source_bytes: float, tail: bool) -> float:
+    """Bytes a copy made at the combined gradient reduction adds at that point: XLA:CPU
+    all-reduces the partial sum whole, in the source's own layout, and slices after
+    (ZeRO-2's reduce-scatter is an all-reduce and a dynamic-slice there), so the reduced
+    buffer is the larger of the source's and the copy's; a materialised op after the copy
+    (``tail``) already holds the copy's own bytes."""
+    return max(source_bytes, nbytes) - (nbytes if tail else 0.0)
 
 
 def _tail_materialized(graph: Graph, readers: Sequence[int], intervals) -> bool:
@@ -155,8 +164,14 @@ def reshard_buffers(
         copy = resharded_copy(graph, tid, spec, mesh, readers, pos, intervals)
         if copy is None:
             continue
-        nbytes, start, end, keep = copy
+        nbytes, start, end, keep, tail = copy
         where = [pos[r] for r in readers]
+        if tail is not None:
+            own = spec_of.get(tid)
+            source = (
+                0.0 if own is None else graph.tensors[tid].nbytes * own.shard_fraction(mesh.mesh)
+            )
+            nbytes = combined_copy_bytes(nbytes, source, tail) if own is not None else 0.0
         if nbytes:
             first = min(where) if start is None else start
             out.append((first, max(where) if end is None else end, nbytes))
@@ -211,18 +226,23 @@ def copy_groups(
         )
         if not other or copy is None:
             continue
-        nbytes, start, end, keep = copy
-        if nbytes:
-            out.append(CopyGroup(src, other, nbytes, start, end, readers))
+        nbytes, start, end, keep, tail = copy
+        by_size: dict[float, list[int]] = {}  # the source's bytes under each strategy
+        for p in other:
+            spec_p = strategies[src][p].output_specs[k]
+            size = graph.tensors[tid].nbytes * spec_p.shard_fraction(mesh.mesh)
+            by_size.setdefault(size, []).append(p)
+        if tail is None:
+            if nbytes:
+                out.append(CopyGroup(src, other, nbytes, start, end, readers))
+        else:
+            for size, ps in by_size.items():
+                made = combined_copy_bytes(nbytes, size, tail)
+                if made:
+                    out.append(CopyGroup(src, tuple(ps), made, start, end, readers))
         if keep is None or tid in kept:
             continue
         kept.add(tid)
-        by_size: dict[float, list[int]] = {}
-        for p in other:
-            spec_p = strategies[src][p].output_specs[k]
-            by_size.setdefault(
-                graph.tensors[tid].nbytes * spec_p.shard_fraction(mesh.mesh), []
-            ).append(p)
         out += [
             CopyGroup(src, tuple(ps), size, keep[0], keep[1], readers)
             for size, ps in by_size.items()
@@ -234,6 +254,7 @@ def copy_groups(
 __all__ = [
     "GRADIENT_TAIL",
     "CopyGroup",
+    "combined_copy_bytes",
     "combined_reduction",
     "copy_groups",
     "reshard_buffers",
