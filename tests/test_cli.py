@@ -170,7 +170,7 @@ def test_demo_runs_plans_and_reports_its_checks():
     [
         "plan --model gpt-tiny --layers 2 --devices 8 --pipeline auto --microbatches 2 --solver highs --json",
         "plan --model gpt-tiny --layers 2 --devices 8 --mesh 2x4 --solver highs --json",
-        "plan --model gpt-tiny --layers 2 --devices 8 --mesh 2x4 --solver cbc --json",
+        "plan --model gpt-tiny --layers 2 --devices 8 --mesh 8 --solver cbc --json",  # CBC: a 1-D mesh solves in seconds
         "simulate --model gpt-350m --cluster dgx-a100 --gpus 2 --plan auto --json",
         "simulate --model gpt-350m --cluster dgx-a100 --gpus 8 --json",
     ],
