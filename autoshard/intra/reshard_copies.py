@@ -15,8 +15,10 @@ is made decides what it overlaps:
   and the reduced copy (:func:`combined_reduction`).  The model's own buffers hold one
   of the two from the gradient's op to its update -- the partial sum, read through free
   views, or the materialised op after the copy (a transpose) -- so the copy is one
-  buffer at the reduction, the partial sum kept until it where it died before, and the
-  copy not counted where a materialised op after it stands for it.
+  buffer at the reduction (the partial sum's size: XLA reduces it whole and slices
+  after), the partial sum is kept until the reduction where its own buffer ended before,
+  and the copy's own bytes are not counted twice where a materialised op after it holds
+  them.
 
 :func:`reshard_buffers` lists these buffers for a plan's prediction; :func:`copy_groups`
 lists them for the ILP's memory rows, per strategy choice.
@@ -39,50 +41,62 @@ GRADIENT_TAIL = frozenset(
 _TAIL_LIMIT = 16  # ops followed from one reader before it counts as the backward's own
 
 
-def combined_reduction(graph: Graph, tid: int, readers: Sequence[int], pos: Sequence[int]):
+def combined_reduction(
+    graph: Graph,
+    tid: int,
+    readers: Sequence[int],
+    pos: Sequence[int],
+    intervals: Mapping[int, tuple[int, int]] | None = None,
+    first_update: int | None = None,
+):
     """Program position where XLA:CPU's combined gradient reduction makes ``tid``'s copy
     read by ``readers``, or None where it is not a gradient's: ``tid`` is computed before
     the optimizer and every reader leads, through :data:`GRADIENT_TAIL` ops only, to
     optimizer updates.  The position is the first update's (``late_updates`` schedules
-    the updates in program order, after the backward pass)."""
-    t = graph.tensors[tid]
-    if t.producer is None or graph.nodes[t.producer].phase == "update" or not readers:
-        return None
-    first_update = _first_update(graph)
-    if first_update is None:
-        return None
-    for r in readers:
-        if not _leads_to_updates(graph, r):
-            return None
-    return pos[first_update]
+    the updates in program order, after the backward pass; ``first_update``: its node
+    index, found when not given)."""
+    found = _gradient_tail(graph, tid, readers, intervals or {}, first_update)
+    return None if found is None else pos[found[0]]
 
 
-def _first_update(graph: Graph) -> int | None:
+def first_update(graph: Graph) -> int | None:
+    """Node index of the first optimizer-update op, or None."""
     return next((n.index for n in graph.nodes if n.phase == "update"), None)
 
 
-def _leads_to_updates(graph: Graph, node_index: int) -> bool:
-    """Whether ``node_index`` is an update, or a :data:`GRADIENT_TAIL` op whose outputs
-    reach only updates through such ops (and are not the step's outputs)."""
-    stack, seen = [node_index], set()
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        if len(seen) > _TAIL_LIMIT:
-            return False
-        node = graph.nodes[i]
-        if node.phase == "update":
-            continue
-        if node.primitive not in GRADIENT_TAIL:
-            return False
-        for o in node.outputs:
-            out = graph.tensors[o]
-            if out.last_use >= len(graph.nodes) or not out.consumers:
-                return False
-            stack.extend(out.consumers)
-    return True
+def _gradient_tail(graph, tid, readers, intervals, first=None) -> tuple[int, bool] | None:
+    """(first update's node index, whether an op on the way writes a buffer of its own --
+    which then holds the reduced gradient) when every reader of ``tid``'s copy leads to
+    optimizer updates through :data:`GRADIENT_TAIL` ops only (at most
+    :data:`_TAIL_LIMIT` of them per reader, none a step output); else None."""
+    t = graph.tensors[tid]
+    if t.producer is None or graph.nodes[t.producer].phase == "update" or not readers:
+        return None
+    first = first_update(graph) if first is None else first
+    if first is None:
+        return None
+    materialized = False
+    for r in readers:
+        stack, seen = [r], set()
+        while stack:
+            i = stack.pop()
+            if i in seen or graph.nodes[i].phase == "update":
+                continue
+            seen.add(i)
+            node = graph.nodes[i]
+            if len(seen) > _TAIL_LIMIT or node.primitive not in GRADIENT_TAIL:
+                return None
+            for o in node.outputs:
+                out = graph.tensors[o]
+                if out.last_use >= len(graph.nodes) or not out.consumers:
+                    return None
+                materialized = materialized or o in intervals
+                stack.extend(out.consumers)
+    return first, materialized
+
+
+def _device_bytes(graph: Graph, tid: int, spec: ShardingSpec, mesh: DeviceMesh) -> float:
+    return graph.tensors[tid].nbytes * spec.shard_fraction(mesh.mesh)
 
 
 def resharded_copy(
@@ -93,6 +107,7 @@ def resharded_copy(
     readers: Sequence[int],
     pos: Sequence[int],
     intervals: Mapping[int, tuple[int, int]],
+    first: int | None = None,
 ):
     """Where and how large ``tid``'s copy in layout ``spec`` read by the nodes
     ``readers`` is: ``(bytes per device, start, end, kept, tail)``, or None where no copy
@@ -102,21 +117,23 @@ def resharded_copy(
     materialised op after it holds the copy's own.  ``start``/``end``: program positions, or None for its first/last
     reader.  ``kept``: for a copy made at the combined gradient reduction, the
     (first, last) positions the value it is made from must be kept past its own buffer
-    (``intervals``: tensor -> its buffer's positions), or None.  The one rule of the
+    (``intervals``: tensor -> its buffer's positions), or None.  ``first``: the first
+    update's node index (:func:`first_update`, found when not given).  The one rule of the
     ILP's copies (:func:`copy_groups`) and the prediction's (:func:`reshard_buffers`)."""
     t = graph.tensors[tid]
     if t.kind in ("literal", "const") or not t.shape:
         return None
-    nbytes = t.nbytes * spec.shard_fraction(mesh.mesh)
+    nbytes = _device_bytes(graph, tid, spec, mesh)
     layout = mesh.memory_layout
     if layout.early_input_reshards and t.producer is None:
         return nbytes, 0, None, None, None
-    start = combined_reduction(graph, tid, readers, pos) if layout.late_updates else None
-    if start is None:
+    found = _gradient_tail(graph, tid, readers, intervals, first) if layout.late_updates else None
+    if found is None:
         return nbytes, None, None, None, None
+    start = pos[found[0]]
     end = intervals[tid][1] if tid in intervals else pos[t.producer]
     kept = (end + 1, start) if end < start else None
-    return nbytes, start, start, kept, _tail_materialized(graph, readers, intervals)
+    return nbytes, start, start, kept, found[1]
 
 
 def combined_copy_bytes(nbytes: float, source_bytes: float, tail: bool) -> float:
@@ -126,22 +143,6 @@ def combined_copy_bytes(nbytes: float, source_bytes: float, tail: bool) -> float
     buffer is the larger of the source's and the copy's; a materialised op after the copy
     (``tail``) already holds the copy's own bytes."""
     return max(source_bytes, nbytes) - (nbytes if tail else 0.0)
-
-
-def _tail_materialized(graph: Graph, readers: Sequence[int], intervals) -> bool:
-    """Whether an op between the copy's readers and the updates (the readers included)
-    writes a buffer of its own, which then holds the reduced gradient."""
-    stack, seen = list(readers), set()
-    while stack:
-        i = stack.pop()
-        if i in seen or graph.nodes[i].phase == "update":
-            continue
-        seen.add(i)
-        for o in graph.nodes[i].outputs:
-            if o in intervals:
-                return True
-            stack.extend(graph.tensors[o].consumers)
-    return False
 
 
 def reshard_buffers(
@@ -159,27 +160,23 @@ def reshard_buffers(
         node = graph.nodes[node_index]
         for slot, spec in slots.items():
             uses.setdefault((node.inputs[slot], spec), []).append(node_index)
-    out, kept = [], {}
+    out, kept, update = [], {}, first_update(graph)
     for (tid, spec), readers in uses.items():
-        copy = resharded_copy(graph, tid, spec, mesh, readers, pos, intervals)
+        copy = resharded_copy(graph, tid, spec, mesh, readers, pos, intervals, update)
         if copy is None:
             continue
         nbytes, start, end, keep, tail = copy
         where = [pos[r] for r in readers]
         if tail is not None:
             own = spec_of.get(tid)
-            source = (
-                0.0 if own is None else graph.tensors[tid].nbytes * own.shard_fraction(mesh.mesh)
-            )
+            source = 0.0 if own is None else _device_bytes(graph, tid, own, mesh)
             nbytes = combined_copy_bytes(nbytes, source, tail) if own is not None else 0.0
         if nbytes:
             first = min(where) if start is None else start
             out.append((first, max(where) if end is None else end, nbytes))
         if keep is not None and tid in spec_of:
             kept[tid] = keep
-    for tid, (first, last) in kept.items():
-        size = graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh)
-        out.append((first, last, size))
+    out += [(a, b, _device_bytes(graph, t, spec_of[t], mesh)) for t, (a, b) in kept.items()]
     return out
 
 
@@ -216,21 +213,20 @@ def copy_groups(
                 wants.setdefault(spec, []).append(q)
         for spec, qs in wants.items():
             found.setdefault((op.tensor, spec), []).append((pos[op.dst - n_in], op.dst, tuple(qs)))
-    out, kept = [], set()
+    out, kept, update = [], set(), first_update(graph)
     for (tid, spec), readers in found.items():
         src, k = producer[tid]
         other = tuple(p for p, s in enumerate(strategies[src]) if s.output_specs[k] != spec)
         readers = tuple(sorted(readers))
         copy = resharded_copy(
-            graph, tid, spec, mesh, [r[1] - n_in for r in readers], pos, intervals
+            graph, tid, spec, mesh, [r[1] - n_in for r in readers], pos, intervals, update
         )
         if not other or copy is None:
             continue
         nbytes, start, end, keep, tail = copy
         by_size: dict[float, list[int]] = {}  # the source's bytes under each strategy
         for p in other:
-            spec_p = strategies[src][p].output_specs[k]
-            size = graph.tensors[tid].nbytes * spec_p.shard_fraction(mesh.mesh)
+            size = _device_bytes(graph, tid, strategies[src][p].output_specs[k], mesh)
             by_size.setdefault(size, []).append(p)
         if tail is None:
             if nbytes:
@@ -257,6 +253,7 @@ __all__ = [
     "combined_copy_bytes",
     "combined_reduction",
     "copy_groups",
+    "first_update",
     "reshard_buffers",
     "resharded_copy",
 ]
