@@ -439,7 +439,7 @@ def memory_rows(
     pos = program_positions(graph, mesh.memory_layout.late_updates)
     groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
-        groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh)
+        groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}
@@ -492,11 +492,10 @@ def _union_intervals(buffers) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _transposed_copy_groups(graph, strategies, producer, n_in, mesh) -> list:
+def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> list:
     """:func:`transposed_weight_copies` as :class:`CopyGroup` entries: per weight and
     size, the weight's strategies that give that size; made at the start of the step; read
-    by its dots under any strategy."""
-    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    by its dots under any strategy (``pos``: :func:`program_positions`)."""
     out = []
     for tid, dots in transposed_weight_copies(graph, mesh).items():
         src, k = producer[tid]
