@@ -158,3 +158,31 @@ def test_exact_pricing_on_a_2d_mesh_is_the_predicted_cost():
     compute = math.fsum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
     comm = math.fsum(collective_cost(mesh, c) for c in plan.predicted_collectives)
     assert plan.objective == pytest.approx(comm + compute, rel=0.01)
+
+
+def test_both_programs_from_one_build_equal_two_builds():
+    """auto_shard_graph builds the shared part once (_common) and prices the values both
+    ways from it; each program must equal the one build_problem makes on its own."""
+    from autoshard.intra.problem import _common, _finish
+
+    graph, mesh, pinned = _gpt_case("zero3")
+    common = _common(graph, mesh, IntraOptions(), pinned, True, None)
+    for exact in (True, False):
+        alone = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned, exact_values=exact)
+        shared = _finish(common, exact)
+        assert shared.problem == alone.problem
+        assert shared.edge_consumers == alone.edge_consumers
+        assert shared.values.groups == alone.values.groups
+    assert _finish(common, True).problem != _finish(common, False).problem
+
+
+@pytest.mark.parametrize("which", ["auto", "zero3"])
+def test_highs_presolve_changes_the_time_not_the_optimum(which):
+    """The per-demand program is solved with HiGHS's presolve off (faster, docs/sharing.md);
+    on and off must reach the same optimum."""
+    graph, mesh, pinned = _gpt_case(which)
+    demand = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned)
+    off = solve(demand.problem, solver="highs", presolve=False)
+    on = solve(demand.problem, solver="highs", presolve=True)
+    assert off.status == on.status == "optimal"
+    assert off.objective == pytest.approx(on.objective, rel=1e-9)

@@ -46,8 +46,10 @@ class IntraOptions:
     :mod:`autoshard.intra.value_edges`), so a plan's objective is the cost of its
     predicted collectives.  The exact program starts from the plan of the cheaper
     per-demand program (False: that plan alone; one edge per distinct demand on a value,
-    which can charge a resharding twice) and gets half its solve time, at least 1 s, to
-    improve it (docs/sharing.md).
+    which can charge a resharding twice) and gets half its solve time, at least 0.5 s, to
+    improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
+    presolve off (2-4x faster to the same optimum on the GPT presets), the exact one with
+    it on (it improved its start more often so).
 
     Alpa's ``AutoShardingOption`` knobs:
 

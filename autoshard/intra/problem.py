@@ -131,6 +131,33 @@ def build_problem(
     resolution nodes (:mod:`autoshard.intra.value_edges`); off, one edge per distinct
     demand on a value (no extra nodes; a spec two independent consumers want is paid twice).
     """
+    common = _common(graph, mesh, options, pinned_inputs, followers, copy_buffers)
+    return _finish(common, exact_values)
+
+
+@dataclass(frozen=True)
+class _Common:
+    """What the exact and the per-demand programs share: everything but the values'
+    edges (strategies, node costs, preferences, operands, feasibility and alias edges,
+    ties, memory rows), built once for both (:func:`auto_shard_graph`)."""
+
+    graph: Graph
+    mesh: DeviceMesh
+    options: IntraOptions
+    cost_options: object
+    strategies: tuple
+    n_in: int
+    node_costs: tuple
+    prefs: tuple
+    operands: tuple
+    values: tuple
+    edges: tuple
+    edge_consumers: tuple
+    ties: tuple
+    memory: object
+
+
+def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Common:
     memory_budget_bytes = options.memory_budget_bytes
     cost_options = options.cost_options(relative_units=math.isinf(mesh.peak_flops))
     if copy_buffers is None:
@@ -251,33 +278,41 @@ def build_problem(
     if options.share_layers:
         layer_ties(graph, strategies, n_in, ties, options.layer_period)
 
-    per_value = value_edges(values, strategies, ties, mesh, cost_options, exact_values)
-    edges.extend(per_value.edges)
-    edge_consumers.extend(per_value.edge_consumers)
-    ties.extend(per_value.ties)
-    node_costs.extend((0.0,) * k for k in per_value.num_strategies)
-    prefs = tuple(prefs) + tuple((0.0,) * k for k in per_value.num_strategies)
     memory = memory_rows(graph, strategies, producer, n_in, mesh, operands if copy_buffers else ())
-    memory = _with_aux_nodes(memory, per_value.num_strategies)
+    return _Common(
+        graph, mesh, options, cost_options, tuple(strategies), n_in, tuple(node_costs),
+        tuple(prefs), tuple(operands), tuple(values), tuple(edges), tuple(edge_consumers),
+        tuple(ties), memory,
+    )  # fmt: skip
+
+
+def _finish(c: _Common, exact_values: bool) -> IntraProblem:
+    """The program of ``c`` with its values priced per value (``exact_values``) or per
+    demand (:func:`autoshard.intra.value_edges.value_edges`)."""
+    per_value = value_edges(
+        list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values
+    )
+    extra = per_value.num_strategies
+    memory = _with_aux_nodes(c.memory, extra)
     problem = ShardingProblem(
-        num_strategies=tuple(len(s) for s in strategies) + per_value.num_strategies,
-        node_costs=tuple(node_costs),
-        edges=tuple(edges),
-        ties=tuple(ties),
+        num_strategies=tuple(len(s) for s in c.strategies) + extra,
+        node_costs=c.node_costs + tuple((0.0,) * k for k in extra),
+        edges=c.edges + per_value.edges,
+        ties=c.ties + per_value.ties,
         node_memory=memory.node_memory,
         live_sets=memory.live_sets,
-        memory_budget_bytes=memory_budget_bytes,
+        memory_budget_bytes=c.options.memory_budget_bytes,
         copies=memory.copies,
-        preferences=prefs,
+        preferences=c.prefs + tuple((0.0,) * k for k in extra),
     )
     return IntraProblem(
-        graph,
-        mesh,
+        c.graph,
+        c.mesh,
         problem,
-        tuple(strategies),
-        tuple(operands),
-        n_in,
-        tuple(edge_consumers),
+        c.strategies,
+        c.operands,
+        c.n_in,
+        c.edge_consumers + per_value.edge_consumers,
         per_value,
     )
 
@@ -294,7 +329,7 @@ def _stopped(budget: float, gap: float | None) -> str:
     return f"at its {budget:.3g} s budget" + ("" if gap is None else f" (its gap {gap:.3g})")
 
 
-def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings):
+def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings):
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
     nodes as XLA's behaviour implies, so the objective is the predicted resharding.
@@ -306,7 +341,6 @@ def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings
     best plan it found -- the start at worst.  The solution's status says which:
     "optimal" (proven on the exact program), the per-demand status and gap otherwise,
     with ``exact_stopped`` (and the exact gap) in the plan's solver record."""
-    demand = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs)
     first = solve(demand.problem, **settings)
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     priced = objective_of(ip.problem, initial)
@@ -320,7 +354,11 @@ def _solve_exact(ip: IntraProblem, graph, mesh, options, pinned_inputs, settings
         budget = min(budget, settings["time_limit_s"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeLimitWarning)  # our own budget
-        solution = solve(ip.problem, **{**settings, "time_limit_s": budget}, initial=initial)
+        # HiGHS's presolve off pays on the per-demand program (2-4x faster, docs/sharing.md),
+        # not on this one: with it, the exact program improved its start more often
+        solution = solve(
+            ip.problem, **{**settings, "time_limit_s": budget}, initial=initial, presolve=True
+        )
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
     proven = solution.status == "optimal"
     return dataclasses.replace(
@@ -354,7 +392,8 @@ def auto_shard_graph(
     if exact_values is None:
         exact_values = options.exact_values
     memory_budget_bytes = options.memory_budget_bytes
-    ip = build_problem(graph, mesh, options, pinned_inputs=pinned_inputs, exact_values=exact_values)
+    common = _common(graph, mesh, options, pinned_inputs, True, None)
+    ip = _finish(common, exact_values)
     # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,
     # resharded copies included (CopyBuffer), so the plan's prediction is its peak
     settings = dict(
@@ -364,7 +403,7 @@ def auto_shard_graph(
         seed=options.seed,
     )
     if ip.values is not None and ip.values.groups:
-        solution = _solve_exact(ip, graph, mesh, options, pinned_inputs, settings)
+        solution = _solve_exact(ip, _finish(common, False), mesh, settings)
     else:
         solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name=name)

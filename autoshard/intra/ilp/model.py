@@ -40,6 +40,7 @@ class _Model:
     violated: str | None = None  # a constant constraint that cannot hold
     values: np.ndarray | None = None  # column values after a solve
     start: tuple[list[int], list[float]] | None = None  # a starting point: (columns, values)
+    presolve: bool = False  # HiGHS's presolve (see autoshard.intra.ilp.solve)
 
     def column(self, cost: float = 0.0) -> int:
         self.cost.append(cost)

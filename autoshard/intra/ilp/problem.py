@@ -8,7 +8,6 @@ validation, :func:`resolve_ties`, :func:`with_preferences`, :func:`objective_of`
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -177,7 +176,7 @@ class ShardingProblem:
         put(self, "ties", tuple(self.ties))
         if self.node_memory is not None:
             put(self, "node_memory", _float_matrix(self.node_memory))
-        put(self, "live_sets", tuple(tuple(int(v) for v in s) for s in self.live_sets))
+        put(self, "live_sets", _int_sets(self.live_sets))
         if self.memory_budget_bytes is not None:
             put(self, "memory_budget_bytes", float(self.memory_budget_bytes))
         if self.node_names is not None:
@@ -208,6 +207,15 @@ class ShardingProblem:
         d["ties"] = tuple(None if t is None else Tie(**t) for t in d["ties"])
         d["copies"] = tuple(CopyBuffer(**c) for c in d.get("copies", ()))
         return cls(**d)
+
+
+def _int_sets(sets) -> tuple[tuple[int, ...], ...]:
+    """``sets`` as a tuple of tuples of ints; those given so are kept as they are (their
+    type checked at C speed: a large graph's live sets hold millions of entries)."""
+    if isinstance(sets, tuple) and all(type(s) is tuple for s in sets):
+        if set(map(type, itertools.chain.from_iterable(sets))) <= {int}:
+            return sets
+    return tuple(tuple(int(v) for v in s) for s in sets)
 
 
 def _validate(pb: ShardingProblem) -> None:
@@ -278,9 +286,10 @@ def _validate(pb: ShardingProblem) -> None:
         raise ValueError(
             "live_sets and memory_budget_bytes need node_memory (bytes per node per strategy)"
         )
-    for i, live in enumerate(pb.live_sets):
-        if any(not 0 <= v < n for v in live):
-            raise ValueError(f"live_sets[{i}] = {live} names nodes outside [0, {n})")
+    flat = list(itertools.chain.from_iterable(pb.live_sets))  # millions on a large graph
+    if flat and not 0 <= min(flat) <= max(flat) < n:
+        i = next(i for i, live in enumerate(pb.live_sets) if any(not 0 <= v < n for v in live))
+        raise ValueError(f"live_sets[{i}] = {pb.live_sets[i]} names nodes outside [0, {n})")
     if pb.copies and pb.node_memory is None:
         raise ValueError("copies need node_memory and live_sets (bytes per node per strategy)")
     for i, c in enumerate(pb.copies):
@@ -360,10 +369,16 @@ def with_preferences(problem: ShardingProblem) -> ShardingProblem:
     if weight == 0.0:  # every cost zero: preferences alone decide
         weight = 1.0
     costs = tuple(
-        tuple(c + weight * p for c, p in zip(row, pref, strict=True))
+        tuple(float(c + weight * p) for c, p in zip(row, pref, strict=True))
         for row, pref in zip(problem.node_costs, problem.preferences, strict=True)
     )
-    return dataclasses.replace(problem, node_costs=costs, preferences=None)
+    # the problem was validated when it was made, and adding finite preferences keeps it
+    # valid: copy it without validating again (seconds on a large graph)
+    out = object.__new__(ShardingProblem)
+    out.__dict__.update(problem.__dict__)
+    object.__setattr__(out, "node_costs", costs)
+    object.__setattr__(out, "preferences", None)
+    return out
 
 
 def objective_of(problem: ShardingProblem, strategy) -> float:

@@ -138,6 +138,7 @@ def solve(
     seed: int = 0,
     merge: bool = True,
     initial: tuple[int, ...] | None = None,
+    presolve: bool = False,
 ) -> Solution:
     """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
 
@@ -147,6 +148,9 @@ def solve(
     SolverUnavailableError / ValueError for a missing or unknown solver. Returns the
     incumbent with a SolverTimeLimitWarning when the time limit passes with one.
     ``initial``: a feasible assignment the solver starts from (HiGHS; CBC ignores it).
+    ``presolve``: HiGHS's presolve (CBC ignores it). Off by default: on the GPT presets'
+    programs HiGHS reached the same optimum 1.2-3.8x faster without it (its presolve and
+    the sub-MIPs' took most of the time; docs/sharing.md).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
@@ -158,6 +162,7 @@ def solve(
     model = _build(red, minimise_peak=False)
     if initial is not None:
         model.start = _start(red, initial)
+    model.presolve = presolve
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
     if out.status == "infeasible":

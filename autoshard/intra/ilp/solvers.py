@@ -176,6 +176,7 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
     highs.setOptionValue("mip_rel_gap", float(mip_gap))
     highs.setOptionValue("mip_abs_gap", _ABS_GAP)
     highs.setOptionValue("random_seed", int(seed))
+    highs.setOptionValue("presolve", "on" if model.presolve else "off")
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
     lp.col_cost_ = np.asarray(model.cost, dtype=float)
