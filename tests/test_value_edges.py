@@ -9,7 +9,7 @@ import pytest
 
 from autoshard.api import device_mesh_for, trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.baselines import baseline_inputs
+from autoshard.intra.baselines import baseline_inputs, baseline_options
 from autoshard.intra.cost import collective_cost, reshard_to_consumers
 from autoshard.intra.ilp import ShardingProblem, objective_of, solve
 from autoshard.intra.options import IntraOptions
@@ -186,3 +186,52 @@ def test_highs_presolve_changes_the_time_not_the_optimum(which):
     on = solve(demand.problem, solver="highs", presolve=True)
     assert off.status == on.status == "optimal"
     assert off.objective == pytest.approx(on.objective, rel=1e-9)
+
+
+def _mlp_zero3(shape):
+    traced = trace_workload("mlp", optimizer="sgd", batch_size=16, hidden=1024, num_layers=2)
+    mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)])
+    options = baseline_options(IntraOptions(), mesh.mesh, "zero3")
+    return traced.graph, mesh, options, baseline_inputs(traced.graph, mesh.mesh, "zero3")
+
+
+def test_exact_search_one_axis_prices_the_per_demand_plan_on_a_2d_mesh():
+    """The default solves the exact program on one-axis meshes only; on 2x2 it keeps the
+    per-demand plan (which over-charges here) and reports its per-value price, which is the
+    cost of its predicted collectives plus its compute."""
+    graph, mesh, options, pinned = _mlp_zero3((2, 2))
+    demand = build_problem(graph, mesh, options, pinned_inputs=pinned)
+    per_demand = solve(demand.problem, solver="highs").objective
+    plan = auto_shard_graph(graph, mesh, options, pinned_inputs=pinned)
+    assert "not solved" in plan.solver["exact_stopped"]
+    assert plan.objective < per_demand * (1 - 1e-3)  # the per-demand program over-charged
+    ip = build_problem(graph, mesh, options, pinned_inputs=pinned, exact_values=True)
+    choice = plan.solver["strategy"]
+    compute = math.fsum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
+    comm = math.fsum(collective_cost(mesh, c) for c in plan.predicted_collectives)
+    assert plan.objective == pytest.approx(comm + compute, rel=1e-9)
+    # solving it anyway may only find a cheaper plan, never a dearer one
+    always = auto_shard_graph(
+        graph, mesh, options.replace(exact_search="always"), pinned_inputs=pinned
+    )
+    assert always.solver["exact_stopped"] is None or "budget" in always.solver["exact_stopped"]
+    assert always.objective <= plan.objective * (1 + 1e-9)
+
+
+def test_exact_search_one_axis_solves_on_a_1d_mesh():
+    graph, mesh, options, pinned = _mlp_zero3((4,))
+    plan = auto_shard_graph(graph, mesh, options, pinned_inputs=pinned)
+    assert "not solved" not in (plan.solver["exact_stopped"] or "")
+    never = auto_shard_graph(
+        graph, mesh, options.replace(exact_search="never"), pinned_inputs=pinned
+    )
+    assert never.objective >= plan.objective * (1 - 1e-9)
+
+
+def test_exact_search_refuses_an_unknown_choice():
+    from autoshard.cli.args import EXACT_SEARCH as CLI_CHOICES
+    from autoshard.intra.options import EXACT_SEARCH
+
+    assert CLI_CHOICES == EXACT_SEARCH  # the parser's copy
+    with pytest.raises(ValueError, match="exact_search='2d'.*one-axis"):
+        IntraOptions(exact_search="2d")

@@ -15,6 +15,9 @@ MODEL_PRESETS = (
     "wresnet-4b", "wresnet-6.8b", "wresnet-13b",
 )  # fmt: skip
 
+# IntraOptions.exact_search's choices, without importing the planner (tests check them equal)
+EXACT_SEARCH = ("one-axis", "always", "never")
+
 
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Appends ``(default: X)`` to an option's help when it has a default worth saying
@@ -144,6 +147,15 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         "twice, so the objective may exceed the predicted cost). Default: once per value, "
         "as predicted",
     )
+    p.add_argument(
+        "--exact-search",
+        choices=EXACT_SEARCH,
+        default="one-axis",
+        help="where the per-value program is solved from the per-demand plan: on meshes "
+        "with one axis > 1 (one-axis, the default; elsewhere the per-demand plan is priced "
+        "per value), on every mesh (always: slower, has not improved a plan on a 2-D mesh "
+        "yet), or never",
+    )
 
 
 def intra_options(args):
@@ -161,4 +173,5 @@ def intra_options(args):
         allow_mixed_mesh_shape=not getattr(args, "no_mixed_mesh_shape", False),
         layer_period=getattr(args, "layer_period", 2),
         exact_values=not getattr(args, "per_demand_pricing", False),
+        exact_search=getattr(args, "exact_search", "one-axis"),
     )

@@ -67,7 +67,7 @@ def print_plan(plan, graph, console: Console | None = None, cluster: str | None 
         f"solver {solver.get('solver', '?')} {solver.get('status', '')} in "
         f"{float(solver.get('seconds', 0.0)):.2f} s, {solver.get('num_variables', '?')} variables"
         + (
-            f" (the per-value program stopped {solver['exact_stopped']}, keeping its best plan)"
+            f" (the per-value program: {solver['exact_stopped']})"
             if solver.get("exact_stopped")
             else ""
         )

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from autoshard.intra.cost import CostOptions
 from autoshard.intra.ilp import SOLVERS
 
+# where the exact per-value program is solved (IntraOptions.exact_search)
+EXACT_SEARCH = ("one-axis", "always", "never")
+
 
 @dataclass(frozen=True)
 class IntraOptions:
@@ -50,6 +53,15 @@ class IntraOptions:
     improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
     presolve off (2-4x faster to the same optimum on the GPT presets), the exact one with
     it on (it improved its start more often so).
+
+    ``exact_search``: where the exact program is *solved* (with ``exact_values``):
+    "one-axis" (the default) on meshes with at most one axis longer than 1, where it
+    proves its optimum in seconds and finds cheaper plans than its start; on meshes of
+    two or more such axes the per-demand plan is kept and priced per value (its objective
+    is still its predicted cost), because there the exact solve improved none of the 32
+    over-charged plans of the verifier's suites on 2x4 and 4x2 within its budget and took
+    1.6x the per-demand solve's time (median) on top of it (docs/sharing.md, 2026-11-25).
+    "always" solves it on every mesh; "never" only prices.
 
     Alpa's ``AutoShardingOption`` knobs:
 
@@ -84,6 +96,7 @@ class IntraOptions:
     allow_mixed_mesh_shape: bool = True
     data_parallel_axes: tuple[str, ...] = ()
     exact_values: bool = True
+    exact_search: str = "one-axis"
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -118,6 +131,10 @@ class IntraOptions:
 
         if not isinstance(self.exact_values, bool):
             raise TypeError(f"exact_values must be True or False, got {self.exact_values!r}")
+        if self.exact_search not in EXACT_SEARCH:
+            raise ValueError(
+                f"exact_search={self.exact_search!r}: choose one of {', '.join(EXACT_SEARCH)}"
+            )
         dp_axes = self.data_parallel_axes
         if not (
             isinstance(dp_axes, tuple)

@@ -326,10 +326,21 @@ EXACT_MIN_SECONDS = 0.5
 def _stopped(budget: float, gap: float | None) -> str:
     """Where the exact program stopped: its budget, and its own gap (against a bound that
     is weak on these programs), the per-demand status and gap being the plan's."""
-    return f"at its {budget:.3g} s budget" + ("" if gap is None else f" (its gap {gap:.3g})")
+    return (
+        f"stopped at its {budget:.3g} s budget"
+        + ("" if gap is None else f" (its gap {gap:.3g})")
+        + ", keeping its best plan"
+    )
 
 
-def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings):
+def _searched(mesh: DeviceMesh, search: str) -> bool:
+    """Whether :attr:`IntraOptions.exact_search` solves the exact program on ``mesh``."""
+    if search == "one-axis":
+        return sum(1 for n in mesh.mesh.shape if n > 1) <= 1
+    return search == "always"
+
+
+def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings, search=True):
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
     nodes as XLA's behaviour implies, so the objective is the predicted resharding.
@@ -340,7 +351,9 @@ def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings):
     :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
     best plan it found -- the start at worst.  The solution's status says which:
     "optimal" (proven on the exact program), the per-demand status and gap otherwise,
-    with ``exact_stopped`` (and the exact gap) in the plan's solver record."""
+    with ``exact_stopped`` (and the exact gap) in the plan's solver record.  With
+    ``search`` False the exact program is not solved: the per-demand plan is priced per
+    value (``exact_stopped`` says so where that price is below the per-demand one)."""
     first = solve(demand.problem, **settings)
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     priced = objective_of(ip.problem, initial)
@@ -349,6 +362,14 @@ def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings):
         # exact program could only find a plan the per-demand one over-charged (0.2-0.7%
         # cheaper where measured, docs/truth.md); not worth its time by default
         return dataclasses.replace(first, strategy=initial, objective=priced)
+    if not search:
+        return dataclasses.replace(
+            first,
+            strategy=initial,
+            objective=priced,
+            exact_stopped="not solved on this mesh of several axes (exact_search='one-axis'); "
+            "the per-demand plan is priced per value",
+        )
     budget = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
     if settings["time_limit_s"] is not None:
         budget = min(budget, settings["time_limit_s"])
@@ -403,7 +424,8 @@ def auto_shard_graph(
         seed=options.seed,
     )
     if ip.values is not None and ip.values.groups:
-        solution = _solve_exact(ip, _finish(common, False), mesh, settings)
+        search = _searched(mesh, options.exact_search)
+        solution = _solve_exact(ip, _finish(common, False), mesh, settings, search)
     else:
         solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name=name)
