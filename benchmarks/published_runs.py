@@ -164,7 +164,9 @@ SHOEYBI_19 = [
     _s19("validation", "2.5B", 128, 2, 0.83, "MP 2 x DP 64"),
     _s19("validation", "4.2B", 256, 4, 0.79, "MP 4 x DP 64"),
     _s19("validation", "8.3B", 512, 8, 0.74, "MP 8 x DP 64"),
-    # Table 8, strong scaling of the 1.2B model at batch 8: speed-up / GPUs
+    # Table 8, strong scaling of the 1.2B model: speed-up over the same model on 1 GPU, / GPUs.
+    # Appendix D.2: "We use a fixed batch size of 8 samples per iteration and increase the
+    # number of GPUs using model parallelism. The results are listed in Table 8."
     _s19("validation", "1.2B", 2, 2, 1.64 / 2, "MP 2 (strong)"),
     _s19("validation", "1.2B", 4, 4, 2.34 / 4, "MP 4 (strong)"),
     _s19("validation", "1.2B", 8, 8, 2.98 / 8, "MP 8 (strong)"),
