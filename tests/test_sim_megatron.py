@@ -206,9 +206,10 @@ def test_calibration_and_validation_rows_are_apart_and_the_fit_is_reproduced():
 
 
 def test_v100_weak_scaling_holds_on_rows_it_was_not_calibrated_on():
-    """Megatron-LM 2019 on DGX-2H (level from its 1-GPU row, the calibration): the seven
+    """Megatron-LM 2019 on DGX-2H (level from its 1-GPU row, the calibration): the nine
     weak-scaling validation rows -- model parallel 2/4/8 and each with 64-way data
-    parallelism across nodes -- stay within 15% (mean 10%). The data-parallel rows hold
+    parallelism across nodes, and the 8-way 8.3B model with 16 and 24 heads -- stay within
+    15% (mean 10%). The data-parallel rows hold
     only with node-aware all-reduces (a flat ring at one GPU's NIC share is 11-23% too
     slow); the strong-scaling rows of the 1.2B model do not hold (docs/validation.md)."""
     rows = [
@@ -217,7 +218,7 @@ def test_v100_weak_scaling_holds_on_rows_it_was_not_calibrated_on():
         if r["source"] == "shoeybi19" and r["role"] == "validation"
     ]
     weak = [r for r in rows if "strong" not in r["model"]]
-    assert len(weak) == 7 and {r["gemm_table"] for r in rows} == {"v100-megatron2019"}
+    assert len(weak) == 9 and {r["gemm_table"] for r in rows} == {"v100-megatron2019"}
     errors = [abs(r["error_percent"]) for r in weak]
     assert max(errors) <= 15.0 and sum(errors) / len(errors) <= 10.0, errors
 
