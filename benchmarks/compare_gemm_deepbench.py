@@ -1,7 +1,8 @@
 """The modelled V100 GEMM tables against a published V100 GEMM benchmark (DeepBench).
 
 Reads ``benchmarks/results/deepbench_v100_fp16_gemm.json`` (Baidu DeepBench's V100 fp16
-dense-GEMM results, CUDA 10.1, transcribed figures; its ``source`` field says from where)
+dense-GEMM results, CUDA 10.1, transcribed figures; its ``source`` field says from where;
+the 159 rows with a time, ``make_gemm_tables.deepbench_rows``)
 and compares each row with what a modelled table (``v100`` or ``v100-megatron2019``)
 gives for the same M, N, K. The tables' level is a calibrated *effective* efficiency
 (docs/validation.md) and DeepBench times kernels alone, so the comparison is of *shape
@@ -19,25 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from autoshard.hardware.gemm import GemmTable
-
 HERE = Path(__file__).resolve().parent
-DATA = HERE / "results" / "deepbench_v100_fp16_gemm.json"
+sys.path.insert(0, str(HERE))  # the sibling script below, also when loaded by path
+
+from make_gemm_tables import DEEPBENCH_LARGE, deepbench_rows  # noqa: E402
+
+from autoshard.hardware.gemm import GemmTable  # noqa: E402
+
 OUT = HERE / "results" / "gemm_v100_vs_deepbench.json"
 # smallest of M, N, K: (label, lowest, highest)
 GROUPS = [("<= 64", 1, 64), ("65-256", 65, 256), ("257-1023", 257, 1023), (">= 1024", 1024, 10**9)]
-LARGE = 1024  # DeepBench rows with every dimension at least this set its large-GEMM rate
+LARGE = DEEPBENCH_LARGE  # DeepBench rows with every dimension at least this set its level
 
 
 def compare(table_name: str) -> dict:
     """Per group of rows: count, median relative rate measured and modelled, and the
     median of their ratio (1.0: the table's shape dependence matches DeepBench's)."""
-    data = json.loads(DATA.read_text())
     table = GemmTable.load(table_name)
-    cols = data["columns"]
-    rows = [dict(zip(cols, r, strict=True)) for r in data["rows"]]
+    rows = deepbench_rows()
     large_measured = statistics.median(
         r["tflops"] for r in rows if min(r["m"], r["n"], r["k"]) >= LARGE
     )

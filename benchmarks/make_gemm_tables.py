@@ -15,9 +15,22 @@ Model, for C[M, N] = A[M, K] @ B[K, N] with element size e bytes:
     tail  = waves / (waves + 0.15)                  (smoothed last-wave under-occupancy)
     time  = max(flops / (peak eff_large tail), bytes / hbm_bandwidth) + 4 us launch
 
+The V100 tables' 16-bit rows then follow a published measurement for skinny GEMMs: Baidu
+DeepBench's V100 fp16 GEMM timings (benchmarks/results/deepbench_v100_fp16_gemm.json, CUDA
+10.1). For each DeepBench row, q = (measured / DeepBench's large-GEMM rate) / (roofline /
+roofline at 8192^3): how much slower, *relative to its own large GEMMs*, the shape ran than
+the roofline says (a ratio of rates, so the calibrated level stays the calibrated level).
+The median q of the rows whose smallest dimension is nearest (in log2) to each power of two
+8 .. 512 is an anchor; the factor c(d) is piecewise linear in log2 d between anchors,
+constant below the first, 1 from 1024 up (DeepBench's large rows set the level), capped
+at 1, and multiplies the roofline rate of every shape by c(smallest of M, N, K).
+Assumption (made before looking at any validation error): the factor depends on the
+smallest dimension only, whichever of M, N, K it is (DeepBench's skinny rows are skinny in
+M or N; a small K, as in the attention GEMMs, is priced by the same curve).
+
 ``eff_large`` is the efficiency of large square GEMMs. 16-bit: the table's calibration
-(A100 0.65 on Megatron-LM's SC21 Table 1, V100 0.49 on Alpa's published p3.16xlarge step,
-``v100-megatron2019`` 0.36 on the single-GPU baseline of Megatron-LM's 2019 paper, the
+(A100 0.65 on Megatron-LM's SC21 Table 1, V100 0.53 on Alpa's published p3.16xlarge step,
+``v100-megatron2019`` 0.40 on the single-GPU baseline of Megatron-LM's 2019 paper, the
 same V100 under 2019 software;
 ``python benchmarks/validate_megatron.py --calibrate`` refits them, docs/validation.md):
 effective figures that also absorb the overheads the step model leaves out; cuBLAS alone
@@ -31,10 +44,16 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "autoshard" / "hardware" / "gemm_tables"
+DEEPBENCH = Path(__file__).resolve().parent / "results" / "deepbench_v100_fp16_gemm.json"
+DEEPBENCH_LARGE = 1024  # DeepBench rows with every dimension at least this set its level
+DEEPBENCH_ANCHORS = [8, 16, 32, 64, 128, 256, 512]  # smallest dimensions with a factor
 SIZES = [2**i for i in range(5, 17)]  # 32 .. 65536
+# the tables fitted to DeepBench also cover its skinniest GEMMs (a batch of 8 or 16 rows)
+SKINNY_SIZES = [2**i for i in range(3, 17)]  # 8 .. 65536
 LAUNCH_OVERHEAD_S = 4e-6
 TILE = 128
 TAIL_SMOOTHING = 0.15
@@ -46,11 +65,11 @@ TAIL_SMOOTHING = 0.15
 # efficiencies that also absorb what the step model leaves out (docs/validation.md);
 # cuBLAS alone reaches more on large fp16 GEMMs.
 A100_CALIBRATED_EFFICIENCY = 0.65
-V100_CALIBRATED_EFFICIENCY = 0.49
+V100_CALIBRATED_EFFICIENCY = 0.53
 # The same V100 running Megatron-LM's 2019 code (PyTorch 1.x, no fused softmax, bias-GeLU or
 # bias-dropout-add kernels): fitted to that paper's own single-GPU figure, 39 TFLOP/s for the
 # 1.2B model ("30% of peak"), the one calibration row of the dgx2h-v100 preset.
-V100_MEGATRON_2019_EFFICIENCY = 0.36
+V100_MEGATRON_2019_EFFICIENCY = 0.40
 CALIBRATED = {
     "a100": A100_CALIBRATED_EFFICIENCY,
     "v100": V100_CALIBRATED_EFFICIENCY,
@@ -64,6 +83,7 @@ DEVICES = {
         "hbm_bandwidth": 900e9,
         "dtypes": {"fp16": (125.0, V100_CALIBRATED_EFFICIENCY, 2), "fp32": (15.7, 0.90, 4)},
         "calibrated_on": "Alpa's published p3.16xlarge step (2022 software)",
+        "small_shapes": "deepbench",
     },
     "v100-megatron2019": {
         "device": "V100-SXM3-32GB (DGX-2H) under Megatron-LM's 2019 software",
@@ -71,6 +91,7 @@ DEVICES = {
         "hbm_bandwidth": 900e9,
         "dtypes": {"fp16": (130.0, V100_MEGATRON_2019_EFFICIENCY, 2), "fp32": (16.4, 0.90, 4)},
         "calibrated_on": "the single-GPU baseline of Megatron-LM 2019 (39 TFLOP/s, 1.2B model)",
+        "small_shapes": "deepbench",
     },
     "a100": {
         "device": "A100-SXM4-80GB",
@@ -102,6 +123,50 @@ def roofline_gemm_tflops(
     return flops / (max(compute_s, memory_s) + LAUNCH_OVERHEAD_S) / 1e12
 
 
+def deepbench_rows() -> list[dict]:
+    """DeepBench's V100 fp16 dense-GEMM rows with a measured time (one transcribed row
+    carries a note in place of its time and is left out)."""
+    data = json.loads(DEEPBENCH.read_text())
+    rows = [dict(zip(data["columns"], r, strict=True)) for r in data["rows"]]
+    return [r for r in rows if isinstance(r["time_ms"], (int, float))]
+
+
+def deepbench_large_tflops(rows: list[dict]) -> float:
+    """DeepBench's large-GEMM rate: the median over rows with every dimension >= 1024."""
+    return statistics.median(
+        r["tflops"] for r in rows if min(r["m"], r["n"], r["k"]) >= DEEPBENCH_LARGE
+    )
+
+
+def small_shape_anchors(peak: float, eff: float, itemsize: int, spec: dict) -> dict[int, float]:
+    """{smallest dimension: median of (measured / large) / (roofline / roofline at 8192^3)}
+    over DeepBench's rows nearest (in log2) to each anchor of ``DEEPBENCH_ANCHORS``."""
+    rows = deepbench_rows()
+    large_measured = deepbench_large_tflops(rows)
+    large_model = roofline_gemm_tflops(8192, 8192, 8192, peak, eff, itemsize, spec)
+    groups: dict[int, list[float]] = {}
+    for r in rows:
+        d = min(r["m"], r["n"], r["k"])
+        if d >= DEEPBENCH_LARGE:
+            continue
+        anchor = min(DEEPBENCH_ANCHORS, key=lambda a: abs(math.log2(d / a)))
+        model = roofline_gemm_tflops(r["m"], r["n"], r["k"], peak, eff, itemsize, spec)
+        groups.setdefault(anchor, []).append((r["tflops"] / large_measured) / (model / large_model))
+    return {a: statistics.median(q) for a, q in sorted(groups.items())}
+
+
+def small_shape_factor(d: float, anchors: dict[int, float]) -> float:
+    """c(d): the anchors interpolated linearly in log2 d, constant below the first, 1 from
+    ``DEEPBENCH_LARGE`` up, never above 1."""
+    points = [*anchors.items(), (DEEPBENCH_LARGE, 1.0)]
+    x = math.log2(max(d, points[0][0]))
+    for (a0, c0), (a1, c1) in zip(points, points[1:], strict=False):
+        if x <= math.log2(a1):
+            frac = (x - math.log2(a0)) / (math.log2(a1) - math.log2(a0))
+            return min(1.0, c0 + frac * (c1 - c0))
+    return 1.0
+
+
 def make_table(name: str, half_efficiency: float | None = None) -> dict:
     """The modelled table of ``name``; ``half_efficiency`` replaces the 16-bit large-GEMM
     efficiency (the calibrated one) -- what calibration scans."""
@@ -112,12 +177,18 @@ def make_table(name: str, half_efficiency: float | None = None) -> dict:
             eff = half_efficiency
         peaks[dtype] = peak
         effs.append(f"{dtype} {eff:.0%}")
-        rows[dtype] = [
-            [m, n, k, float(f"{roofline_gemm_tflops(m, n, k, peak, eff, itemsize, spec):.5g}")]
-            for m in SIZES
-            for n in SIZES
-            for k in SIZES
-        ]
+        anchors = None
+        if spec.get("small_shapes") == "deepbench" and itemsize == 2:
+            anchors = small_shape_anchors(peak, eff, itemsize, spec)
+        rows[dtype] = []
+        sizes = SKINNY_SIZES if spec.get("small_shapes") == "deepbench" else SIZES
+        for m in sizes:
+            for n in sizes:
+                for k in sizes:
+                    rate = roofline_gemm_tflops(m, n, k, peak, eff, itemsize, spec)
+                    if anchors is not None:
+                        rate *= small_shape_factor(min(m, n, k), anchors)
+                    rows[dtype].append([m, n, k, float(f"{rate:.5g}")])
     source = (
         f"Modelled, not measured: large GEMMs at {', '.join(effs)} of the data-sheet peak "
         "(the 16-bit figure is this table's calibration, fitted to published end-to-end "
@@ -127,6 +198,12 @@ def make_table(name: str, half_efficiency: float | None = None) -> dict:
         "skinny shapes follow a roofline, time = max(flops / (peak x eff x wave tail), "
         "bytes / HBM bandwidth) + 4 us launch, written by benchmarks/make_gemm_tables.py."
     )
+    if spec.get("small_shapes") == "deepbench":
+        source += (
+            " 16-bit shapes whose smallest dimension is under 1024 are scaled by Baidu "
+            "DeepBench's measured V100 fp16 rate relative to its large GEMMs "
+            "(benchmarks/results/deepbench_v100_fp16_gemm.json), by smallest dimension."
+        )
     return {
         "device": spec["device"],
         "dtypes": sorted(rows),

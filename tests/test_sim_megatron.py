@@ -206,9 +206,10 @@ def test_calibration_and_validation_rows_are_apart_and_the_fit_is_reproduced():
 
 
 def test_v100_weak_scaling_holds_on_rows_it_was_not_calibrated_on():
-    """Megatron-LM 2019 on DGX-2H (level from its 1-GPU row, the calibration): the seven
+    """Megatron-LM 2019 on DGX-2H (level from its 1-GPU row, the calibration): the nine
     weak-scaling validation rows -- model parallel 2/4/8 and each with 64-way data
-    parallelism across nodes -- stay within 15% (mean 10%). The data-parallel rows hold
+    parallelism across nodes, and the 8-way 8.3B model with 16 and 24 heads -- stay within
+    15% (mean 10%). The data-parallel rows hold
     only with node-aware all-reduces (a flat ring at one GPU's NIC share is 11-23% too
     slow); the strong-scaling rows of the 1.2B model do not hold (docs/validation.md)."""
     rows = [
@@ -217,21 +218,67 @@ def test_v100_weak_scaling_holds_on_rows_it_was_not_calibrated_on():
         if r["source"] == "shoeybi19" and r["role"] == "validation"
     ]
     weak = [r for r in rows if "strong" not in r["model"]]
-    assert len(weak) == 7 and {r["gemm_table"] for r in rows} == {"v100-megatron2019"}
+    assert len(weak) == 9 and {r["gemm_table"] for r in rows} == {"v100-megatron2019"}
     errors = [abs(r["error_percent"]) for r in weak]
     assert max(errors) <= 15.0 and sum(errors) / len(errors) <= 10.0, errors
 
 
-def test_v100_table_shapes_against_deepbench():
-    """The modelled V100 table against a published V100 GEMM benchmark (DeepBench, fp16,
-    CUDA 10.1; benchmarks/compare_gemm_deepbench.py): relative to each side's large-GEMM
-    rate, GEMMs whose smallest dimension is at least 257 agree within 5% (median); skinnier
-    ones run at about half the modelled rate or less (median measured / modelled 0.28 and
-    0.50) -- the known optimism, docs/validation.md."""
-    result = load_benchmark("compare_gemm_deepbench").compare("v100")
+@pytest.mark.parametrize("name", ["v100", "v100-megatron2019"])
+def test_v100_table_shapes_against_deepbench(name):
+    """The V100 tables' skinny-GEMM factor is fitted to a published V100 GEMM benchmark
+    (DeepBench, fp16, CUDA 10.1; benchmarks/make_gemm_tables.py): relative to each side's
+    large-GEMM rate, every group of DeepBench rows by smallest dimension now agrees with the
+    table within 5% (median; in-sample: these rows set the factor). Before the fit the
+    groups <= 64 and 65-256 ran at 0.28 and 0.50 of the modelled rate."""
+    result = load_benchmark("compare_gemm_deepbench").compare(name)
     groups = {g["smallest_dim"]: g for g in result["groups"]}
-    assert sum(g["rows"] for g in groups.values()) == 160
-    for label in ("257-1023", ">= 1024"):
-        assert abs(groups[label]["median_measured_over_modelled"] - 1) <= 0.05, groups[label]
-    for label in ("<= 64", "65-256"):
-        assert groups[label]["median_measured_over_modelled"] < 0.6, groups[label]
+    assert sum(g["rows"] for g in groups.values()) == 159  # one transcribed row has no time
+    assert set(groups) == {"<= 64", "65-256", "257-1023", ">= 1024"}
+    for label, group in groups.items():
+        assert abs(group["median_measured_over_modelled"] - 1) <= 0.05, (label, group)
+    # skinny GEMMs are slow relative to large ones on both sides (not a flat table)
+    assert groups["<= 64"]["median_modelled_relative"] < 0.2
+    assert groups["65-256"]["median_modelled_relative"] < 0.5
+
+
+def test_small_shape_factor_keeps_the_calibrated_level():
+    """The DeepBench factor is a ratio of rates: 1 from a smallest dimension of 1024 up (the
+    calibrated large-GEMM level is untouched), below 1 under it and rising from 32 through
+    128 to 512 (DeepBench's medians, not forced monotone: at 8 and 16 they are within 1%)."""
+    tables = load_benchmark("make_gemm_tables")
+    spec = tables.DEVICES["v100-megatron2019"]
+    peak, eff, itemsize = spec["dtypes"]["fp16"]
+    anchors = tables.small_shape_anchors(peak, eff, itemsize, spec)
+    assert set(anchors) <= set(tables.DEEPBENCH_ANCHORS) and len(anchors) >= 5
+    factors = [tables.small_shape_factor(d, anchors) for d in (4, 8, 16, 32, 64, 96, 128, 192, 512)]
+    assert all(0 < f < 1 for f in factors)
+    by_dim = dict(zip((4, 8, 16, 32, 64, 96, 128, 192, 512), factors, strict=True))
+    assert by_dim[32] < by_dim[128] < by_dim[512] and by_dim[4] == by_dim[8]
+    assert tables.small_shape_factor(1024, anchors) == 1.0
+    assert tables.small_shape_factor(8192, anchors) == 1.0
+    table = GemmTable.load("v100-megatron2019")
+    roofline = tables.roofline_gemm_tflops(8192, 8192, 8192, peak, eff, itemsize, spec)
+    assert table.tflops(8192, 8192, 8192, "fp16") == pytest.approx(roofline, rel=1e-4)
+    skinny = tables.roofline_gemm_tflops(8192, 64, 8192, peak, eff, itemsize, spec)
+    assert table.tflops(8192, 64, 8192, "fp16") == pytest.approx(skinny * anchors[64], rel=1e-4)
+
+
+def test_host_overhead_what_if_on_the_2019_rows():
+    """benchmarks/host_overhead_v100.py (docs/validation.md): Megatron-LM 2019's kernels per
+    step as counted from its code, and PyTorch's published per-op host time (280k ops/s):
+    with the host running ahead of the GPU the term never binds on these rows (26 ms
+    against a step of 0.42 s or more), so the shipped model is what the principled
+    variant predicts."""
+    bench = load_benchmark("host_overhead_v100")
+    runs = {r.name: r for r in bench.SHOEYBI_19}
+    baseline, strong8 = runs["1.2B 1 GPU (baseline)"], runs["1.2B MP 8 (strong)"]
+    assert bench.kernels_per_step(baseline) == 40 * 120 + 30 + 5 * (12 * 40 + 4)
+    assert bench.kernels_per_step(strong8) == bench.kernels_per_step(baseline)
+    assert bench.step_with_host(0.5, 1000, 1e-4, "async") == 0.5
+    assert bench.step_with_host(0.05, 1000, 1e-4, "async") == pytest.approx(0.1)
+    assert bench.step_with_host(0.5, 1000, 1e-4, "additive") == pytest.approx(0.6)
+    table = GemmTable.load(bench.TABLE)
+    priced = bench.price(strong8, table, bench.HOST_SECONDS_PER_OP, "async")
+    plain = load_benchmark("validate_megatron").price(strong8, table)
+    assert priced["step_s"] == plain["result"].step_time_s
+    assert bench.kernels_per_step(strong8) * bench.HOST_SECONDS_PER_OP < 0.1 * priced["step_s"]
