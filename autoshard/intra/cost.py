@@ -15,6 +15,7 @@ legal sequence of collectives (listed in the result); the cost never exceeds
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -66,9 +67,17 @@ def _validate(
         raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
     for name, spec in (("source", src), ("destination", dst)):
         try:
-            spec.validate(mesh.mesh, tuple(shape))
+            _valid_spec(spec, mesh.mesh, tuple(shape))
         except ValueError as err:
             raise ValueError(f"{name} spec {spec}: {err}") from None
+
+
+@functools.lru_cache(maxsize=200_000)
+def _valid_spec(spec: ShardingSpec, mesh, shape: tuple[int, ...]) -> bool:
+    """``spec.validate`` remembered: the planner prices the same (spec, shape) pairs
+    thousands of times (a spec that does not fit raises, and is not remembered)."""
+    spec.validate(mesh, shape)
+    return True
 
 
 class _Plan:

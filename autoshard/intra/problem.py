@@ -155,6 +155,8 @@ class _Common:
     edge_consumers: tuple
     ties: tuple
     memory: object
+    # value_edges' cost matrices and distinct demands, shared by the two programs
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Common:
@@ -290,7 +292,7 @@ def _finish(c: _Common, exact_values: bool) -> IntraProblem:
     """The program of ``c`` with its values priced per value (``exact_values``) or per
     demand (:func:`autoshard.intra.value_edges.value_edges`)."""
     per_value = value_edges(
-        list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values
+        list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values, c.memo
     )
     extra = per_value.num_strategies
     memory = _with_aux_nodes(c.memory, extra)

@@ -63,14 +63,16 @@ def xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
 def _resolve_cost(src, dst, shape, itemsize, mesh, options, steps, batch_dims=()) -> float:
     """One value into one spec, reductions at the producer included (``steps``; a
     batched dot's ``batch_dims``)."""
-    return reshard_to_consumers(
-        src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
-    ).cost
+    return float(
+        reshard_to_consumers(
+            src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
+        ).cost
+    )
 
 
 @lru_cache(maxsize=1_000_000)
 def _reshard_cost(src, dst, shape, itemsize, mesh, options) -> float:
-    return reshard(src, dst, shape, itemsize, mesh, options).cost
+    return float(reshard(src, dst, shape, itemsize, mesh, options).cost)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ def value_edges(
     mesh: DeviceMesh,
     options: CostOptions,
     exact: bool = False,
+    memo: dict | None = None,
 ) -> ValueEdges:
     """The nodes and edges that price ``values`` (see the module docstring).
     ``strategies``: every ILP node's strategies; ``ties``: the real nodes' ties.
@@ -203,7 +206,11 @@ def value_edges(
     demands, so that each resharding is paid once. Off: one edge per distinct demand
     (no new nodes) -- uses that always want the same spec (tied to one root) pay once,
     but a value two independent consumers want in one new spec pays twice, and a partial
-    sum resolved into two specs pays two reductions."""
+    sum resolved into two specs pays two reductions.
+
+    ``memo``: a dict kept between calls on the same ``strategies`` and ``ties`` (both
+    programs of one plan, :func:`autoshard.intra.problem.auto_shard_graph`), so that the
+    cost matrices and the values' distinct demands are computed once for both."""
     first = len(strategies)
     sizes: list[int] = []
     new_ties: list[Tie | None] = []
@@ -212,16 +219,22 @@ def value_edges(
     groups: list[CopyGroup] = []
     roots, maps = _roots(ties, strategies)
     seen: dict[tuple, list[int]] = {}  # signature of a value -> its aux nodes
-    matrices: dict[tuple, tuple] = {}
+    memo = {} if memo is None else memo
+    # cost matrices (their keys name the strategies by id: valid while they are alive,
+    # which the memo's owner guarantees by keeping them), and each value's distinct uses
+    matrices: dict[tuple, tuple] = memo.setdefault("matrices", {})
+    distinct: dict[int, Value] = memo.setdefault("distinct", {})
 
     def node(n_strats: int, leader: int | None) -> int:
         sizes.append(n_strats)
         new_ties.append(None if leader is None else Tie(leader, tuple(range(n_strats))))
         return first + len(sizes) - 1
 
-    for v in values:
+    for i, v in enumerate(values):
         src_specs = tuple(s.output_specs[v.k] for s in strategies[v.src])
-        v = _distinct_demands(v, strategies, src_specs, roots, maps)
+        if i not in distinct:
+            distinct[i] = _distinct_demands(v, strategies, src_specs, roots, maps)
+        v = distinct[i]
         if not v.uses:
             continue
         wants = [tuple(s.input_specs[u.slot] for s in strategies[u.dst]) for u in v.uses]
@@ -241,7 +254,7 @@ def value_edges(
                         )
                         for a, st in zip(src_specs, v.steps)
                     )  # fmt: skip
-                edges.append(EdgeCost(v.src, u.dst, matrices[key]))
+                edges.append(EdgeCost.of_floats(v.src, u.dst, matrices[key]))
                 consumers.append((u.dst,))
             continue
         targets = list(dict.fromkeys(b for w in wants for b in w if b is not None))
@@ -272,14 +285,14 @@ def value_edges(
                      else _reshard_cost(a, b, v.shape, v.itemsize, mesh, options))
                     for a in src_specs
                 )  # fmt: skip
-            edges.append(EdgeCost(v.src, y, matrices[key]))
+            edges.append(EdgeCost.of_floats(v.src, y, matrices[key]))
             consumers.append(readers)
         for u, w in zip(v.uses, wants):
             for b in dict.fromkeys(x for x in w if x is not None):
                 key = ("need", id(strategies[u.dst]), u.slot, b)
                 if key not in matrices:
                     matrices[key] = tuple((INF if x == b else 0.0, 0.0) for x in w)
-                edges.append(EdgeCost(u.dst, copy_of[b], matrices[key]))
+                edges.append(EdgeCost.of_floats(u.dst, copy_of[b], matrices[key]))
                 consumers.append(readers)
         if partial_src:
             # resolution node: 0 = none (the producer's spec is not partial), 1 + j = targets[j]
@@ -296,7 +309,7 @@ def value_edges(
                     ) if a.partial else (0.0,) + (INF,) * len(targets)
                     for a, st in zip(src_specs, v.steps)
                 )  # fmt: skip
-            edges.append(EdgeCost(v.src, r, matrices[key]))
+            edges.append(EdgeCost.of_floats(v.src, r, matrices[key]))
             consumers.append(readers)
             rank = {t: producer_preference(t, mesh) for t in targets}
             for b in targets:
@@ -313,7 +326,7 @@ def value_edges(
                                 (0.0, _reshard_cost(t, b, v.shape, v.itemsize, mesh, options))
                             )
                     matrices[key] = tuple(rows)
-                edges.append(EdgeCost(r, copy_of[b], matrices[key]))
+                edges.append(EdgeCost.of_floats(r, copy_of[b], matrices[key]))
                 consumers.append(readers)
         groups.append(
             CopyGroup(

@@ -93,6 +93,17 @@ class EdgeCost:
     def __post_init__(self) -> None:
         object.__setattr__(self, "costs", _shared_float_matrix(self.costs))
 
+    @classmethod
+    def of_floats(cls, src: int, dst: int, costs: tuple[tuple[float, ...], ...]) -> EdgeCost:
+        """An edge on ``costs`` as given, not converted: for builders whose matrices are
+        already tuples of tuples of floats, shared by many edges (the planner's values:
+        tens of thousands of edges on a large graph).  The problem still validates it."""
+        edge = object.__new__(cls)
+        object.__setattr__(edge, "src", src)
+        object.__setattr__(edge, "dst", dst)
+        object.__setattr__(edge, "costs", costs)
+        return edge
+
 
 @dataclass(frozen=True)
 class Tie:
@@ -250,12 +261,15 @@ def _validate(pb: ShardingProblem) -> None:
     if pb.preferences is not None:
         check_vectors("preferences", pb.preferences, allow_inf=False)
     finite_checked: set[int] = set()  # ids of matrices already scanned (edges share them)
+    shapes: dict[int, tuple] = {}  # id of a matrix -> (rows, set of row lengths)
     for i, e in enumerate(pb.edges):
         if not (0 <= e.src < n and 0 <= e.dst < n) or e.src == e.dst:
             raise ValueError(
                 f"edge {i} ({e.src} -> {e.dst}) must join two different nodes in [0, {n})"
             )
-        shape = (len(e.costs), {len(r) for r in e.costs})
+        shape = shapes.get(id(e.costs))
+        if shape is None:
+            shape = shapes[id(e.costs)] = (len(e.costs), {len(r) for r in e.costs})
         if shape != (k[e.src], {k[e.dst]}):
             raise ValueError(
                 f"edge {i} ({pb.node_label(e.src)} -> {pb.node_label(e.dst)}) needs a "
