@@ -15,6 +15,11 @@ simulator as automatic plans.
   experts likewise: ``wi [E, h, f]`` split on f, ``wo [E, f, h]`` on f), the token
   embedding (tied LM head) vocabulary-parallel; batch split over the other axes (TP x DP
   on a 2-D mesh).  On a 1-D mesh the one axis is the tensor-parallel axis.
+* ``expert-zero2`` -- DeepSpeed-MoE's expert parallelism with ZeRO-2 data parallelism:
+  as ``zero2``, but a GPT-MoE's expert weights (``wi [E, h, f]``, ``wo [E, f, h]``) and
+  their optimizer state split on the expert dim E over the data-parallel axes (each
+  device holds E / n experts; tokens travel to them by all-to-all); a mesh that does not
+  divide E is refused. On a model without experts it is ``zero2``.
 * ``heuristic`` -- Alpa's "shard the largest dimension" baseline (its intra-op ablation):
   every input and every operator that chooses its layout splits the largest dimension of
   its (output) tensor over the mesh's axes (:func:`autoshard.intra.ties.largest_dim_spec`;
@@ -47,7 +52,8 @@ from autoshard.intra.ties import largest_dim_spec
 from autoshard.ir.graph import Graph
 from autoshard.ir.spec import Mesh, ShardingSpec
 
-BASELINES = ("dp", "zero2", "zero3", "megatron", "heuristic")
+BASELINES = ("dp", "zero2", "zero3", "megatron", "heuristic", "expert-zero2")
+EXPERT_RULE = re.compile(r"\['moe'\]\['w[io]'\]")  # a GPT-MoE's expert weights
 
 
 class BaselineRefusedError(ValueError):
@@ -144,9 +150,12 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
             pinned[pos] = ShardingSpec(())
             continue
         state = t.kind == "opt_state"
-        if name == "dp":
+        if name == "expert-zero2" and EXPERT_RULE.search(t.path):
+            what = f"baseline 'expert-zero2': the experts of {t.kind} {t.path}"
+            pinned[pos] = _split_dim(t.shape, 0, dp, mesh, what)
+        elif name == "dp":
             pinned[pos] = ShardingSpec.replicated(len(t.shape))
-        elif name == "zero2":
+        elif name in ("zero2", "expert-zero2"):
             pinned[pos] = (
                 _split_first_divisible(t.shape, dp, mesh)
                 if state
