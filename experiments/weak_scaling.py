@@ -59,7 +59,7 @@ LABELS = {
 GLOBAL_BATCH = {"gpt": 1024, "moe": 1024, "wresnet": 1536}  # Alpa's (REFERENCE.md)
 # the family's hand-written baseline: a Megatron grid, or intra-op baselines to search with
 FAMILY_BASELINES = {"gpt": (), "moe": ("expert-zero2",), "wresnet": ("zero2", "zero3")}
-QUICK_MAX_GPUS = {"gpt": 16, "moe": 8, "wresnet": 8}
+QUICK_MAX_GPUS = {"gpt": 16, "moe": 8, "wresnet": 4}  # --only weak-scaling --quick < 5 min
 ILP_TIME_LIMIT_S = 20.0
 
 
