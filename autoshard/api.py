@@ -192,7 +192,8 @@ def auto_shard(
     bounds the predicted peak only (compiling here is not the GPU's compile); the plan's
     notes say so, and a model that cannot fit raises InfeasibleBudgetError with the least
     peak any plan reaches. ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
-    that baseline does and lets the ILP place the rest.
+    that baseline does and lets the ILP place the rest; "heuristic" also splits every
+    operator's largest output dim (Alpa's shard-the-largest-dimension baseline).
 
     Returns a :class:`BoundPlan`: the jax-free :class:`~autoshard.ir.plan.ParallelPlan`
     (``.plan``) with the traced program, so ``.jit()`` gives the sharded callable and

@@ -1,4 +1,5 @@
-"""Intra-op ablation (Alpa's setting): the ILP vs data parallel vs ZeRO-2 vs ZeRO-3.
+"""Intra-op ablation (Alpa's setting): the ILP vs data parallel vs ZeRO-2 vs ZeRO-3 vs
+the "shard the largest dimension" heuristic.
 
 GPT with batch 8, sequence 1024, 8 layers, vocabulary 25600 and hidden 2048 / 3072 /
 4096 / 5760 on 1 / 2 / 4 / 8 GPUs of ``alpa-v100`` (one node: one mesh axis over the
@@ -6,7 +7,9 @@ GPUs; quick: the first two sizes), bf16 compute with f32 master weights and Adam
 Each method is a :func:`autoshard.plan_workload` plan priced in seconds on the preset
 (``cluster=``): the ILP under the device's HBM as its memory budget (a budget it cannot
 meet, or no plan within the time limit, is a cross), the baselines pinned by their rule
-tables with no budget (a cross where their predicted peak exceeds the HBM).
+tables with no budget (a cross where their predicted peak exceeds the HBM); the
+heuristic baseline also splits the largest dim of every operator's output
+(``baseline="heuristic"``, :mod:`autoshard.intra.baselines`).
 Throughput: model FLOPs over the plan's predicted step time (the ILP objective: compute
 plus communication). Then every plan that fits is compiled by XLA on as many fake CPU
 devices (``bound.verify()``): compiled peak memory and collective bytes per device beside
@@ -23,15 +26,21 @@ import time
 import figure
 
 NAME = "intra-ablation"
-TITLE = "Intra-op ablation: ILP vs data parallel vs ZeRO-2 vs ZeRO-3"
+TITLE = "Intra-op ablation: ILP vs data parallel vs ZeRO-2 vs ZeRO-3 vs heuristic"
 SOURCE = "simulated"  # throughput on the preset; memory and bytes also compiled
 FIGURE = 2
 
 SIZES = ((2048, 1), (3072, 2), (4096, 4), (5760, 8))  # (hidden, GPUs)
 SHAPE = dict(num_layers=8, vocab_size=25600, batch_size=8, seq_len=1024, dtype="bfloat16")
 BASE_PRESET = "gpt-1.3b"  # 32 heads: every hidden above divides
-METHODS = ("ilp", "dp", "zero2", "zero3")
-LABELS = {"ilp": "ILP (autoshard)", "dp": "Data parallel", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+METHODS = ("ilp", "dp", "zero2", "zero3", "heuristic")
+LABELS = {
+    "ilp": "ILP (autoshard)",
+    "dp": "Data parallel",
+    "zero2": "ZeRO-2",
+    "zero3": "ZeRO-3",
+    "heuristic": "Heuristic (largest dim)",
+}
 CLUSTER = "alpa-v100"
 TIME_LIMIT_S = 120.0
 
@@ -145,6 +154,7 @@ def plot(doc: dict):
                   gid=f"bar|compiled|{m}|{group}", label=LABELS[m] if g == 0 else None)  # fmt: skip
     b.axhline(rows[0]["hbm_bytes"] / 2**30, color="black", ls=":", lw=1, label="V100 HBM")
     b.set_xticks(range(len(groups)), groups)
+    b.set_xlim(-0.5, len(groups) - 0.5)  # every group, even one with no plan that fits
     b.set_xlabel("The number of GPUs")
     b.set_ylabel("Peak memory per device (GiB)")
     b.set_title("Predicted (light) vs compiled by XLA:CPU (dark)", fontsize=9)

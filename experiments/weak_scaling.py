@@ -1,11 +1,17 @@
 """End-to-end weak scaling (Alpa's main figure), simulated on cluster presets.
 
-For each model family with a weak-scaling suite whose presets the simulator prices (GPT
-today; the MoE and Wide-ResNet suites join when their presets exist), each cluster preset
-and each point (model, GPUs): autoshard's full search (``simulate(plan="auto")``: intra-op
-ILPs + stage DP), Megatron-LM (the best point of its TP x PP x DP x micro-batch grid,
-full recompute), intra-op only (the same ILP costs, one stage on the whole mesh) and
-inter-op only (the same stage DP, stages restricted to data-parallel logical meshes).
+For each model family of Alpa's (GPT, GPT-MoE, Wide-ResNet), each cluster preset and
+each point (model, GPUs): autoshard's full search (``simulate(plan="auto")``: intra-op
+ILPs + stage DP), intra-op only (the same ILP costs, one stage on the whole mesh),
+inter-op only (the same stage DP, stages restricted to data-parallel logical meshes), and
+the family's hand-written baseline: for GPT Megatron-LM (the best point of its TP x PP x
+DP x micro-batch grid, full recompute); for GPT-MoE DeepSpeed-style expert parallelism
+with ZeRO-2 data parallelism (the ``expert-zero2`` intra-op baseline: experts split over
+the data-parallel devices); for Wide-ResNet data parallelism with ZeRO (the faster of the
+``zero2`` and ``zero3`` baselines that fits). Each baseline is a restricted search priced
+by the same simulator: one stage on the whole mesh, the purely data-parallel logical mesh,
+every stage ILP's inputs pinned as the baseline pins them, recompute chosen as for the
+others, as many micro-batches (at most 64) as keep each micro-batch divisible by the GPUs.
 Throughput is model FLOPs per second (PFLOPS, recompute not counted), so methods that
 recompute more are not credited for it; out of memory (the memory model against the
 device's HBM) is a cross.
@@ -41,79 +47,137 @@ SUITES = {
     ],
 }  # fmt: skip
 CLUSTERS = ("alpa-v100", "dgx-a100", "dgx-h100")
-METHODS = ("auto", "megatron", "intra-only", "inter-only")
+METHODS = ("auto", "megatron", "expert-zero2", "zero-dp", "intra-only", "inter-only")
 LABELS = {
     "auto": "autoshard (full search)",
     "megatron": "Megatron-LM (best grid)",
+    "expert-zero2": "DeepSpeed-style expert parallel + ZeRO-2",
+    "zero-dp": "Data parallel + ZeRO (best of 2, 3)",
     "intra-only": "Intra-op only",
     "inter-only": "Inter-op only (PP + DP)",
 }
-GLOBAL_BATCH = 1024
+GLOBAL_BATCH = {"gpt": 1024, "moe": 1024, "wresnet": 1536}  # Alpa's (REFERENCE.md)
+# the family's hand-written baseline: a Megatron grid, or intra-op baselines to search with
+FAMILY_BASELINES = {"gpt": (), "moe": ("expert-zero2",), "wresnet": ("zero2", "zero3")}
+QUICK_MAX_GPUS = {"gpt": 16, "moe": 8, "wresnet": 4}  # --only weak-scaling --quick < 5 min
 ILP_TIME_LIMIT_S = 20.0
 
 
 def simulated_presets() -> set[str]:
-    """The presets :func:`autoshard.sim.simulate.simulate` prices (looked up at run time,
-    so new families join the figure when their presets land)."""
+    """The presets :func:`autoshard.sim.simulate.simulate` prices (GPT with every plan,
+    GPT-MoE and Wide-ResNet with ``plan="auto"``)."""
     from autoshard.models.gpt import GPT_PRESETS
+    from autoshard.models.moe import MOE_PRESETS
+    from autoshard.models.wresnet import WRESNET_PRESETS
 
-    return set(GPT_PRESETS)
+    return set(GPT_PRESETS) | set(MOE_PRESETS) | set(WRESNET_PRESETS)
 
 
-def _restricted_searches(report, cluster_name: str, gpus: int) -> dict:
-    """Intra-op only and inter-op only, priced with the stage costs ``auto`` uses."""
+def _data_parallel_only(cost):
+    """``cost`` on the purely data-parallel logical meshes only (n x 1)."""
+    from autoshard.inter.stages import StageCost
+
+    def stage_cost(start, end, submesh, logical, *mode):
+        if logical[1] > 1:  # a tensor-parallel view
+            return StageCost(math.inf, 0.0, 0.0)
+        return cost(start, end, submesh, logical, *mode)
+
+    return stage_cost
+
+
+def _stage_search(cost, stage_cost, cluster, m: int, stages: int | None) -> dict:
+    """The stage DP over ``stage_cost`` (``stages``: a fixed count, None: searched), under
+    the device's HBM; the fastest plan flagged out of memory where none fits."""
+    from autoshard.inter.stages import RECOMPUTE_MODES, optimal_stage_plan
+
+    hbm = cluster.device.hbm_bytes
+    kw = dict(num_stages=stages, recompute_modes=RECOMPUTE_MODES)
+    args = (len(cost.graph.layers), cluster.num_nodes, cluster.devices_per_node, stage_cost, m)
+    try:
+        sp = optimal_stage_plan(*args, memory_budget_bytes=hbm, **kw)
+        oom = False
+    except ValueError as err:
+        if "budget" not in str(err):
+            raise
+        sp = optimal_stage_plan(*args, **kw)  # the fastest, flagged out of memory
+        oom = True
+    peak = max(s.peak_bytes for s in sp.stages)
+    return {
+        "step_time_s": sp.objective_s,
+        "oom": oom or peak > hbm,
+        "peak_bytes_per_device": peak,
+        "plan": {
+            "stages": [
+                {
+                    "layers": [s.start_layer, s.end_layer],
+                    "submesh": list(s.submesh),
+                    "logical_mesh_dp_tp": list(s.logical_mesh),
+                    "recompute": s.recompute,
+                }
+                for s in sp.stages
+            ],
+            "num_microbatches": m,
+        },
+    }
+
+
+def _restricted_searches(report, cluster_name: str, gpus: int, batch: int) -> dict:
+    """Intra-op only and inter-op only, priced with the stage costs ``auto`` used."""
     from autoshard.hardware.clusters import load_cluster
-    from autoshard.inter.stages import RECOMPUTE_MODES, StageCost, optimal_stage_plan
-    from autoshard.sim.auto import search_stage_cost
+    from autoshard.sim.auto import shared_stage_cost
 
     plan = report.plan
     cluster = load_cluster(cluster_name, gpus)
     m = plan["num_microbatches"]
-    cost = search_stage_cost(
-        report.model, cluster, GLOBAL_BATCH, m, plan["dtype"], ILP_TIME_LIMIT_S, {}
-    )
-    n_layers = len(cost.graph.layers)
-    hbm = cluster.device.hbm_bytes
+    cost = shared_stage_cost(report.model, cluster, batch, m, plan["dtype"], ILP_TIME_LIMIT_S, {})
+    return {
+        "intra-only": _stage_search(cost, cost, cluster, m, 1),
+        "inter-only": _stage_search(cost, _data_parallel_only(cost), cluster, m, None),
+    }
 
-    def data_parallel_only(start, end, submesh, logical, *mode):
-        if logical[1] > 1:  # a tensor-parallel view: not inter-op only
-            return StageCost(math.inf, 0.0, 0.0)
-        return cost(start, end, submesh, logical, *mode)
 
-    out = {}
-    for method, stage_cost, stages in (
-        ("intra-only", cost, 1),
-        ("inter-only", data_parallel_only, None),
-    ):
-        kw = dict(num_stages=stages, recompute_modes=RECOMPUTE_MODES)
-        args = (n_layers, cluster.num_nodes, cluster.devices_per_node, stage_cost, m)
+def baseline_microbatches(batch: int, gpus: int, tokens_per_sample: int = 1, group: int = 1):
+    """Micro-batches for a data-parallel baseline: the most (up to 64) whose micro-batch
+    the GPUs divide (and, for a GPT-MoE, holds whole expert groups of ``group`` tokens);
+    None where none does."""
+    fits = [
+        d
+        for d in range(1, min(batch, 64) + 1)
+        if batch % d == 0
+        and (batch // d) % gpus == 0
+        and (batch // d * tokens_per_sample) % group == 0
+    ]
+    return max(fits) if fits else None
+
+
+def baseline_search(model: str, cluster_name: str, gpus: int, batch: int, dtype: str,
+                    baselines: tuple[str, ...]) -> dict | None:  # fmt: skip
+    """The family's hand-written baseline as a restricted search: one stage on the whole
+    mesh, its data-parallel logical mesh, each stage ILP pinned as ``baselines`` pin it
+    (the fastest that fits of several; else the fastest, flagged out of memory); None
+    where no micro-batch count keeps the batch divisible."""
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.models import get_workload
+    from autoshard.sim.auto import search_stage_cost
+
+    cfg = get_workload(model).config
+    seq, group = getattr(cfg, "seq_len", 1), getattr(cfg, "expert_group_size", 1)
+    m = baseline_microbatches(batch, gpus, seq, group)
+    if m is None:
+        return None
+    cluster = load_cluster(cluster_name, gpus)
+    found = []
+    for name in baselines:
+        cost = search_stage_cost(model, cluster, batch, m, dtype, ILP_TIME_LIMIT_S, {}, name)
         try:
-            sp = optimal_stage_plan(*args, memory_budget_bytes=hbm, **kw)
-            oom = False
-        except ValueError as err:
-            if "budget" not in str(err):
-                raise
-            sp = optimal_stage_plan(*args, **kw)  # the fastest, flagged out of memory
-            oom = True
-        peak = max(s.peak_bytes for s in sp.stages)
-        out[method] = {
-            "step_time_s": sp.objective_s,
-            "oom": oom or peak > hbm,
-            "peak_bytes_per_device": peak,
-            "plan": {
-                "stages": [
-                    {
-                        "layers": [s.start_layer, s.end_layer],
-                        "submesh": list(s.submesh),
-                        "logical_mesh_dp_tp": list(s.logical_mesh),
-                        "recompute": s.recompute,
-                    }
-                    for s in sp.stages
-                ],
-                "num_microbatches": m,
-            },
-        }
-    return out
+            r = _stage_search(cost, _data_parallel_only(cost), cluster, m, 1)
+        except ValueError:  # no finite plan: the baseline cannot plan some layer here
+            continue
+        found.append(r | {"baseline": name})
+    if not found:
+        return None
+    fits = [r for r in found if not r["oom"]] or found
+    return min(fits, key=lambda r: r["step_time_s"])
 
 
 def _model_pflops(report) -> float:
@@ -129,26 +193,36 @@ def run(quick: bool, progress) -> dict:
     from autoshard.sim.simulate import simulate
 
     clusters = CLUSTERS[:1] if quick else CLUSTERS
-    max_gpus = 16 if quick else 64
+    max_gpus = dict(QUICK_MAX_GPUS) if quick else {f: 64 for f in SUITES}
     known = simulated_presets()
     points = [
         (family, model, gpus)
         for family, suite in SUITES.items()
         for model, gpus in suite
-        if gpus <= max_gpus
+        if gpus <= max_gpus[family]
     ]
     todo = [(c, f, m, g) for c in clusters for f, m, g in points if m in known]
     skipped = sorted({f for f, m, _ in points if m not in known})
     rows = []
     for i, (cluster, family, model, gpus) in enumerate(todo):
         progress(i, len(todo), f"{cluster} {model} on {gpus}")
-        common = dict(global_batch=GLOBAL_BATCH)
-        mega = simulate(model, cluster, gpus, "megatron", recompute="full", **common)
-        auto = simulate(model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, **common)
+        batch = GLOBAL_BATCH[family]
+        auto = simulate(
+            model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, global_batch=batch
+        )
         flops_per_step = _model_pflops(auto) * auto.step_time_s  # model PFLOP per step
-        rows.append(_row(cluster, family, model, gpus, "megatron", mega, _model_pflops(mega)))
+        if family == "gpt":
+            mega = simulate(model, cluster, gpus, "megatron", recompute="full", global_batch=batch)
+            rows.append(_row(cluster, family, model, gpus, "megatron", mega, _model_pflops(mega)))
         rows.append(_row(cluster, family, model, gpus, "auto", auto, _model_pflops(auto)))
-        for method, r in _restricted_searches(auto, cluster, gpus).items():
+        searched = _restricted_searches(auto, cluster, gpus, batch)
+        if FAMILY_BASELINES[family]:
+            method = "expert-zero2" if family == "moe" else "zero-dp"
+            dtype = auto.plan["dtype"]
+            found = baseline_search(model, cluster, gpus, batch, dtype, FAMILY_BASELINES[family])
+            if found is not None:
+                searched = {method: found, **searched}
+        for method, r in searched.items():
             rows.append(
                 {"cluster": cluster, "family": family, "model": model, "gpus": gpus,
                  "method": method, "pflops": flops_per_step / r["step_time_s"], **r}
@@ -157,12 +231,14 @@ def run(quick: bool, progress) -> dict:
     return {
         "config": {
             "global_batch": GLOBAL_BATCH,
-            "seq_len": 1024,
+            "family_baselines": {f: list(b) for f, b in FAMILY_BASELINES.items()},
+            "seq_len": "1024 (GPT, GPT-MoE)",
             "recompute": "megatron: full; searches: chosen per stage (none/selective/full)",
             "dtype": "the device's 16-bit type (fp16 on V100, bf16 on A100/H100)",
             "ilp_time_limit_s": ILP_TIME_LIMIT_S,
             "clusters": list(clusters),
             "max_gpus": max_gpus,
+            "batch_unit": "sequences (GPT, GPT-MoE), images (Wide-ResNet)",
             "throughput": "model FLOPs per second (PFLOPS), recompute excluded",
         },
         "families_skipped": {

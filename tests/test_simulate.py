@@ -308,9 +308,9 @@ def test_auto_takes_more_microbatches_only_where_no_megatron_layout_fits():
     assert _default_microbatches(1024) == 64  # without a model and cluster: the default
 
 
-@pytest.mark.parametrize("model", ["wresnet-250m", "mlp"])
+@pytest.mark.parametrize("model", ["mlp"])
 def test_non_gpt_models_are_refused_with_the_reason(model, capsys):
-    """The simulator prices GPT shapes (and GPT-MoE under plan='auto'): another known
+    """The simulator prices GPT shapes (and GPT-MoE, Wide-ResNet under plan='auto'): another known
     workload exits 2 saying so (not 'unknown model'), and names what would work; no
     traceback."""
     from autoshard.cli.main import main

@@ -25,6 +25,7 @@ from autoshard.cli.pipeline import (
 from autoshard.cli.plan import cmd_plan, cmd_verify, plan_from_args
 from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file
 from autoshard.cli.run import cmd_run
+from autoshard.intra.baselines import BASELINES
 
 
 def _setup_devices(n: int | None) -> None:
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_file_arg(p, name)
         p.add_argument(
             "--baseline",
-            choices=("dp", "zero2", "zero3", "megatron"),
+            choices=BASELINES,
             help="a hand-written plan instead of the ILP's",
         )
         p.add_argument(

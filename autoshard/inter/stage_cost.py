@@ -193,7 +193,11 @@ class IntraStageCost:
 
     Memoised by structural signature (see the module docstring); ``num_ilps``,
     ``num_cache_hits`` and ``ilp_seconds`` say what the ILPs cost, ``seconds`` the time
-    spent in this callback in all.
+    spent in this callback in all. ``baseline`` (a name of
+    :data:`autoshard.intra.baselines.BASELINES`) pins every range's inputs -- parameters,
+    optimizer state, and the activations entering it, as data -- the way that baseline
+    does, so a stage costs the baseline's plan (the weak-scaling figure's ZeRO and expert
+    parallel baselines); a range the baseline cannot plan costs infinity.
     """
 
     def __init__(
@@ -205,6 +209,7 @@ class IntraStageCost:
         time_limit_s: float = 60.0,
         granularity: str = "layer",
         num_microbatches: int = 1,
+        baseline: str | None = None,
     ) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -214,6 +219,7 @@ class IntraStageCost:
         self.time_limit_s = time_limit_s
         self.granularity = granularity
         self.num_microbatches = num_microbatches
+        self.baseline = baseline
         self.signatures = layer_signatures(graph)
         self.owners = param_owner_layers(graph)
         self.num_ilps = 0
@@ -268,7 +274,16 @@ class IntraStageCost:
         t0 = time.perf_counter()
         self.num_ilps += 1
         try:
-            ip = build_problem(graph, mesh, _NO_TIES_OPTIONS)
+            options, pinned = _NO_TIES_OPTIONS, None
+            if self.baseline is not None:
+                from autoshard.intra.baselines import baseline_inputs, baseline_options
+
+                try:
+                    pinned = baseline_inputs(graph, mesh.mesh, self.baseline)
+                except ValueError:  # e.g. a batch the data-parallel axes do not divide
+                    raise InfeasibleProblemError(f"baseline {self.baseline}") from None
+                options = baseline_options(options, mesh.mesh, self.baseline)
+            ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
             problem = _amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:

@@ -15,6 +15,16 @@ simulator as automatic plans.
   experts likewise: ``wi [E, h, f]`` split on f, ``wo [E, f, h]`` on f), the token
   embedding (tied LM head) vocabulary-parallel; batch split over the other axes (TP x DP
   on a 2-D mesh).  On a 1-D mesh the one axis is the tensor-parallel axis.
+* ``expert-zero2`` -- DeepSpeed-MoE's expert parallelism with ZeRO-2 data parallelism:
+  as ``zero2``, but a GPT-MoE's expert weights (``wi [E, h, f]``, ``wo [E, f, h]``) and
+  their optimizer state split on the expert dim E over the data-parallel axes (each
+  device holds E / n experts; tokens travel to them by all-to-all); a mesh that does not
+  divide E is refused. On a model without experts it is ``zero2``.
+* ``heuristic`` -- Alpa's "shard the largest dimension" baseline (its intra-op ablation):
+  every input and every operator that chooses its layout splits the largest dimension of
+  its (output) tensor over the mesh's axes (:func:`autoshard.intra.ties.largest_dim_spec`;
+  ``IntraOptions.shard_largest_dim``), whatever that costs in resharding; followers take
+  their operand's layout. The ILP only prices what that leaves (a few operand layouts).
 
 A baseline means its name or is refused: a batch the data-parallel axes do not divide,
 or a Megatron-split dim the tensor-parallel axis does not divide, raises ValueError naming
@@ -38,10 +48,12 @@ import numpy as np
 
 from autoshard.intra.ilp.problem import resolve_ties
 from autoshard.intra.options import IntraOptions
+from autoshard.intra.ties import largest_dim_spec
 from autoshard.ir.graph import Graph
 from autoshard.ir.spec import Mesh, ShardingSpec
 
-BASELINES = ("dp", "zero2", "zero3", "megatron")
+BASELINES = ("dp", "zero2", "zero3", "megatron", "heuristic", "expert-zero2")
+EXPERT_RULE = re.compile(r"\['moe'\]\['w[io]'\]")  # a GPT-MoE's expert weights
 
 
 class BaselineRefusedError(ValueError):
@@ -106,10 +118,13 @@ def _dp_tp_axes(mesh: Mesh, name: str) -> tuple[tuple[str, ...], tuple[str, ...]
 
 def baseline_options(options: IntraOptions, mesh: Mesh, name: str) -> IntraOptions:
     """``options`` for baseline ``name``: ``dp`` and ``megatron`` keep data split over
-    their data-parallel axes in every op (``data_parallel_axes``); ZeRO gathers its
+    their data-parallel axes in every op (``data_parallel_axes``); ``heuristic`` splits
+    every operator's largest output dim (``shard_largest_dim``); ZeRO gathers its
     parameters over those axes by design, so it keeps ``options`` as they are."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
+    if name == "heuristic":
+        return options.replace(shard_largest_dim=True)
     if name in ("dp", "megatron"):
         return options.replace(data_parallel_axes=_dp_tp_axes(mesh, name)[0])
     return options
@@ -124,6 +139,9 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
     pinned: dict[int, ShardingSpec] = {}
     for pos, tid in enumerate(graph.inputs):
         t = graph.tensors[tid]
+        if name == "heuristic":  # every input, the batch too: its largest dim
+            pinned[pos] = largest_dim_spec(t.shape, mesh)
+            continue
         if t.kind == "data":
             what = f"baseline {name!r}: the batch of data input {t.path or pos}"
             pinned[pos] = _split_dim(t.shape, 0, dp, mesh, what) if t.shape else ShardingSpec(())
@@ -132,9 +150,12 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
             pinned[pos] = ShardingSpec(())
             continue
         state = t.kind == "opt_state"
-        if name == "dp":
+        if name == "expert-zero2" and EXPERT_RULE.search(t.path):
+            what = f"baseline 'expert-zero2': the experts of {t.kind} {t.path}"
+            pinned[pos] = _split_dim(t.shape, 0, dp, mesh, what)
+        elif name == "dp":
             pinned[pos] = ShardingSpec.replicated(len(t.shape))
-        elif name == "zero2":
+        elif name in ("zero2", "expert-zero2"):
             pinned[pos] = (
                 _split_first_divisible(t.shape, dp, mesh)
                 if state

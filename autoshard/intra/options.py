@@ -76,6 +76,9 @@ class IntraOptions:
       not divide is refused.
     * ``allow_mixed_mesh_shape``: False forbids splitting one tensor dimension over
       several mesh axes at once (each dimension uses at most one axis).
+    * ``shard_largest_dim``: every operator splits the largest dimension of its output
+      over the mesh (:func:`autoshard.intra.ties.largest_dim_spec`), the heuristic of
+      Alpa's intra-op ablation; the ``heuristic`` baseline sets it.
 
     Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet: both need
     the ILP to charge a resharding once per value, as the prediction does (issue #14);
@@ -97,6 +100,7 @@ class IntraOptions:
     data_parallel_axes: tuple[str, ...] = ()
     exact_values: bool = True
     exact_search: str = "one-axis"
+    shard_largest_dim: bool = False
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -134,6 +138,10 @@ class IntraOptions:
         if self.exact_search not in EXACT_SEARCH:
             raise ValueError(
                 f"exact_search={self.exact_search!r}: choose one of {', '.join(EXACT_SEARCH)}"
+            )
+        if not isinstance(self.shard_largest_dim, bool):
+            raise TypeError(
+                f"shard_largest_dim must be True or False, got {self.shard_largest_dim!r}"
             )
         dp_axes = self.data_parallel_axes
         if not (

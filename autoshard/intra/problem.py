@@ -56,6 +56,7 @@ from autoshard.intra.ties import (
     keep_data_parallel,
     layer_ties,
     preferences,
+    shard_largest_dims,
 )
 from autoshard.intra.value_edges import Use, Value, ValueEdges, value_edges
 from autoshard.ir.graph import Graph
@@ -155,6 +156,7 @@ class _Common:
     edge_consumers: tuple
     ties: tuple
     memory: object
+    notes: tuple = ()  # what shaping the problem did that the plan should say
     # value_edges' cost matrices and distinct demands, shared by the two programs
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -279,12 +281,15 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
         )
     if options.share_layers:
         layer_ties(graph, strategies, n_in, ties, options.layer_period)
+    notes: tuple[str, ...] = ()
+    if options.shard_largest_dim:  # after the ties: only the operators that choose
+        notes = shard_largest_dims(graph, strategies, node_costs, n_in, mesh.mesh, ties)
 
     memory = memory_rows(graph, strategies, producer, n_in, mesh, operands if copy_buffers else ())
     return _Common(
         graph, mesh, options, cost_options, tuple(strategies), n_in, tuple(node_costs),
         tuple(prefs), tuple(operands), tuple(values), tuple(edges), tuple(edge_consumers),
-        tuple(ties), memory,
+        tuple(ties), memory, notes,
     )  # fmt: skip
 
 
@@ -431,6 +436,8 @@ def auto_shard_graph(
     else:
         solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name=name)
+    if common.notes:
+        plan = dataclasses.replace(plan, notes=plan.notes + common.notes)
     if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
         from autoshard.intra.fallback import cheapest_fallback
 

@@ -8,6 +8,8 @@ place, what makes the problem small and its answer unique:
 * :func:`layer_ties` -- every node of a layer identical to an earlier one (same primitives
   and shapes) shares that layer's variables, and so do its parameters;
 * :func:`apply_alpa_options` -- Alpa's ``AutoShardingOption`` knobs as forbidden strategies;
+* :func:`shard_largest_dims` -- ``shard_largest_dim``: every operator keeps only the
+  strategies that split the largest dimension of its output (Alpa's heuristic baseline);
 * :func:`keep_data_parallel` -- ``data_parallel_axes``: reshardings that move data off
   those axes forbidden, edge by edge;
 * :func:`preferences` -- the tie-break between equal-cost plans.
@@ -96,6 +98,58 @@ def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> No
                     "may contradict them"
                 )
             node_costs[i] = tuple(costs)
+
+
+def largest_dim_spec(shape, mesh) -> ShardingSpec:
+    """The spec that shards the largest dimension of ``shape`` over ``mesh`` (a
+    :class:`~autoshard.ir.spec.Mesh`): the first dim in order of size (the lower index on a
+    tie) that the mesh's axes divide, split over all of them together, or -- where only
+    some divide it -- over the largest single axis that does; replicated where no dim
+    divides (a scalar, sizes smaller than the axes)."""
+    axes = tuple(a for a in mesh.axis_names if mesh.size(a) > 1)
+    choices = [axes] if axes else []
+    singles = sorted(axes, key=lambda a: (-mesh.size(a), axes.index(a)))
+    choices += [(a,) for a in singles if (a,) != axes]
+    for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+        for split in choices:
+            if shape[d] % mesh.size(split) == 0:
+                return ShardingSpec.replicated(len(shape)).with_dim(d, split)
+    return ShardingSpec.replicated(len(shape))
+
+
+def shard_largest_dims(graph, strategies, node_costs, n_in, mesh, ties) -> tuple[str, ...]:
+    """``shard_largest_dim``: forbid (infinite cost) every strategy of an operator whose
+    output is not :func:`largest_dim_spec` of that output's shape -- the heuristic Alpa's
+    intra-op ablation compares with. Applies to the operators that choose (tie roots):
+    followers take their operand's layout and identical layers their twin's, as in every
+    plan. An operator none of whose strategies gives that spec keeps its strategies (the
+    ILP places it); the returned notes count those, so the plan says so."""
+    kept: list[str] = []
+    checked = 0
+    for i in range(n_in, len(strategies)):
+        node = graph.nodes[i - n_in]
+        if ties[i] is not None or not node.outputs:
+            continue
+        shape = graph.tensors[node.outputs[0]].shape
+        want = largest_dim_spec(shape, mesh)
+        if want.is_replicated:
+            continue  # nothing to split: a scalar, or sizes no axis divides
+        checked += 1
+        costs = [
+            c if s.output_specs[0] == want else math.inf
+            for s, c in zip(strategies[i], node_costs[i], strict=True)
+        ]
+        if all(math.isinf(c) for c in costs):
+            kept.append(f"{node.primitive} {tuple(shape)}")
+            continue
+        node_costs[i] = tuple(costs)
+    if not kept:
+        return (f"heuristic: {checked} operators split the largest dim of their output",)
+    listed = ", ".join(sorted(set(kept))[:5])
+    return (
+        f"heuristic: {checked - len(kept)} of {checked} operators split the largest dim of "
+        f"their output; {len(kept)} have no strategy that does (the ILP placed them: {listed})",
+    )
 
 
 def keep_data_parallel(matrix, src_strategies, k, dst_strategies, slot, axes):

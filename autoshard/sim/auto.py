@@ -232,10 +232,12 @@ def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
     return _STAGE_COSTS[key]
 
 
-def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, baseline=None):
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
-    ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step)."""
+    ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step).
+    ``baseline``: every stage's inputs pinned the way that intra-op baseline does (a
+    restricted search, e.g. ZeRO data parallelism)."""
     from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
     from autoshard.inter.stage_cost import IntraStageCost
     from autoshard.inter.submesh import cluster_for, logical_mesh_costs
@@ -251,5 +253,6 @@ def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
         cluster_for(search_cluster, cluster.num_nodes, cluster.devices_per_node)
     )
     return IntraStageCost(
-        traced.graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m
-    )
+        traced.graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
+        baseline=baseline,
+    )  # fmt: skip

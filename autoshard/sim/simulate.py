@@ -43,8 +43,9 @@ Other model families: :func:`gpt_shape` is the one place a GPT preset name becom
 shape the closed forms read. GPT-MoE presets are priced by ``plan="auto"`` only
 (:func:`traced_only_model`: the search needs no closed form; FLOPs for MFU/HFU come from
 the traced step, :func:`autoshard.sim.auto._traced_flops`; micro-batches hold whole expert
-groups, :func:`moe_microbatches`). Wide-ResNet and the MLP are refused with a
-``ValueError`` that says so: their steps have no tokens, and the Megatron grid model
+groups, :func:`moe_microbatches`). Wide-ResNet presets likewise (``plan="auto"`` only,
+FLOPs from the traced step; ``tokens_per_s`` counts images: one "token" per image). The
+MLP is refused with a ``ValueError`` that says so: the Megatron grid model
 (:mod:`~autoshard.sim.megatron`) is GPT-only.
 """
 
@@ -106,7 +107,8 @@ def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
         if model in model_names():  # a workload autoshard knows, but not a GPT
             moe = " with plan='auto'" if model in MOE_PRESETS else ""
             raise ValueError(
-                f"the simulator prices GPT models, and GPT-MoE models with plan='auto' only; "
+                f"the simulator prices GPT models, and GPT-MoE and Wide-ResNet models with "
+                f"plan='auto' only; "
                 f"{model!r} is not a GPT{moe} (its step has no Megatron-LM closed form here). "
                 f"Plan it on devices you have: `autoshard plan --model {model}`; or simulate "
                 f"a GPT preset: {', '.join(GPT_PRESETS)}"
@@ -122,13 +124,18 @@ def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
 
 
 def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
-    """The :class:`~autoshard.models.moe.MoEConfig` of a GPT-MoE preset, which only
-    ``plan="auto"`` prices (the search on its traced step; the baselines' closed forms are
-    Megatron-LM's GPT); None for any other model. Raises, saying what works, for a MoE
-    preset with another plan, model overrides or ``exact``."""
+    """The config of a GPT-MoE (:class:`~autoshard.models.moe.MoEConfig`) or Wide-ResNet
+    preset, which only ``plan="auto"`` prices (the search on its traced step; the
+    baselines' closed forms are Megatron-LM's GPT); None for any other model. Raises,
+    saying what works, for such a preset with another plan, model overrides or ``exact``."""
     from autoshard.models.moe import MOE_PRESETS  # lazy: the models import jax
+    from autoshard.models.wresnet import WRESNET_PRESETS
 
-    if model not in MOE_PRESETS:
+    if model in WRESNET_PRESETS:
+        family, presets = "Wide-ResNet", WRESNET_PRESETS
+    elif model in MOE_PRESETS:
+        family, presets = "GPT-MoE", MOE_PRESETS
+    else:
         return None
     problems = []
     if plan_kind != "auto":
@@ -141,8 +148,8 @@ def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
     if exact:
         problems.append("exact mode compiles GPT plans only")
     if problems:
-        raise ValueError(f"{model} is a GPT-MoE: " + "; ".join(problems) + " -- use --plan auto")
-    return MOE_PRESETS[model]
+        raise ValueError(f"{model} is a {family}: " + "; ".join(problems) + " -- use --plan auto")
+    return presets[model]
 
 
 def moe_microbatches(cfg, batch: int, requested: int | None) -> int:
@@ -320,11 +327,12 @@ def _simulate(
             f"product equal gpus (e.g. megatron:{tp}x{pp}x{max(gpus // (tp * pp), 1)} if that "
             f"divides)"
         )
-    moe = traced_only_model(model, request.kind, overrides, exact)
-    if moe is None:
+    traced_cfg = traced_only_model(model, request.kind, overrides, exact)
+    if traced_cfg is None:
         shape, preset_batch = gpt_shape(model, **overrides)
     else:
-        shape, preset_batch = None, moe.batch_size
+        shape, preset_batch = None, traced_cfg.batch_size
+    seq_len = getattr(traced_cfg, "seq_len", 1)  # a Wide-ResNet: one image per "token"
     the_cluster = load_cluster(cluster, gpus)
     dtype = _check_dtype(dtype, the_cluster)
     batch = preset_batch if global_batch is None else global_batch
@@ -333,11 +341,11 @@ def _simulate(
     peak = the_cluster.device.peak_flops_for(dtype)
     if request.kind == "auto":
         m = schedule.num_microbatches
-        if moe is not None:
-            m = moe_microbatches(moe, batch, m)
+        if hasattr(traced_cfg, "expert_group_size"):
+            m = moe_microbatches(traced_cfg, batch, m)
         return simulate_auto(
             model, shape, the_cluster, batch, m, recompute, dtype, peak,
-            ilp_time_limit_s, overrides, seq_len=None if moe is None else moe.seq_len,
+            ilp_time_limit_s, overrides, seq_len=None if traced_cfg is None else seq_len,
         )  # fmt: skip
 
     if program == "traced":

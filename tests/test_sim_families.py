@@ -1,0 +1,108 @@
+"""The simulator and the weak-scaling figure beyond GPT (issue #15): Wide-ResNet priced by
+the search (plan='auto'), and the families' hand-written baselines -- DeepSpeed-style
+expert parallelism with ZeRO-2 for the GPT-MoE, data parallelism with ZeRO for the
+Wide-ResNet -- as restricted searches over stage ILPs pinned the baseline's way."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoshard.api_pipeline import trace_microbatch
+from autoshard.hardware.clusters import load_cluster
+from autoshard.intra.baselines import EXPERT_RULE, baseline_inputs
+from autoshard.ir.spec import Mesh, ShardingSpec
+from autoshard.sim.auto import search_stage_cost
+from autoshard.sim.simulate import simulate
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+
+
+def _weak_scaling():
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        spec = importlib.util.spec_from_file_location("exp_weak", EXPERIMENTS / "weak_scaling.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    return module
+
+
+def test_wresnet_is_priced_by_the_search(capsys):
+    report = simulate("wresnet-tiny", "alpa-v100", 2, "auto", global_batch=8)
+    assert math.isfinite(report.step_time_s) and report.step_time_s > 0
+    assert 0 < report.mfu <= 1 and not report.oom
+    assert report.tokens_per_s == pytest.approx(8 / report.step_time_s)  # images per second
+    assert sum(s["submesh"][0] * s["submesh"][1] for s in report.plan["stages"]) <= 2
+    for plan in ("megatron", "zero2"):
+        with pytest.raises(ValueError, match="Wide-ResNet: only plan='auto'"):
+            simulate("wresnet-tiny", "alpa-v100", 2, plan)
+    from autoshard.cli.main import main
+
+    code = main(["simulate", "--model", "wresnet-250m", "--cluster", "alpa-v100", "--gpus", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--plan auto" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def moe_graph():
+    return trace_microbatch("moe-tiny", 1).graph
+
+
+def test_expert_zero2_splits_experts_and_shards_optimizer_state(moe_graph):
+    mesh = Mesh(("data",), (8,))
+    pinned = baseline_inputs(moe_graph, mesh, "expert-zero2")
+    zero2 = baseline_inputs(moe_graph, mesh, "zero2")
+    experts = 0
+    for pos, tid in enumerate(moe_graph.inputs):
+        t = moe_graph.tensors[tid]
+        if t.kind in ("param", "opt_state") and EXPERT_RULE.search(t.path):
+            experts += 1
+            assert pinned[pos] == ShardingSpec.replicated(len(t.shape)).with_dim(0, ("data",))
+        else:  # everything else as ZeRO-2: replicated params, sharded state, split batch
+            assert pinned[pos] == zero2[pos], t.path
+    assert experts >= 6  # wi and wo, with Adam's two moments each
+
+
+def test_expert_zero2_refuses_experts_the_mesh_does_not_divide(moe_graph):
+    with pytest.raises(ValueError, match="experts of param"):
+        baseline_inputs(moe_graph, Mesh(("data",), (3,)), "expert-zero2")
+
+
+def test_stage_cost_with_a_baseline_pins_every_stage(moe_graph):
+    """The stage ILPs of a baseline-pinned search keep the experts split over the devices
+    (all of them: the data-parallel view) and cost a finite plan."""
+    cluster = load_cluster("alpa-v100", 8)
+    cost = search_stage_cost("moe-tiny", cluster, 16, 2, "fp16", 20.0, {}, "expert-zero2")
+    n = len(cost.graph.layers)
+    specs = cost.stage_specs(0, n, (8, 1))
+    split = [
+        spec
+        for tid, spec in specs.input_specs.items()
+        if EXPERT_RULE.search(cost.graph.tensors[tid].path)
+    ]
+    assert split and all(len(s.dims[0]) == 1 and not any(s.dims[1:]) for s in split)
+    stage = cost(0, n, (1, 8), (8, 1))
+    assert math.isfinite(stage.latency_s) and stage.latency_s > 0
+
+
+def test_baseline_microbatches():
+    ws = _weak_scaling()
+    assert ws.baseline_microbatches(1536, 16) == 48  # 32 images per micro-batch (64: 24)
+    assert ws.baseline_microbatches(1024, 8, 1024, 2048) == 64  # 16 sequences: 8 groups
+    assert ws.baseline_microbatches(1024, 2, 1024, 2048) == 64
+    assert ws.baseline_microbatches(6, 4) is None
+
+
+def test_wresnet_zero_baseline_is_one_data_parallel_stage():
+    ws = _weak_scaling()
+    found = ws.baseline_search("wresnet-tiny", "alpa-v100", 8, 8, "fp16", ("zero2", "zero3"))
+    assert found is not None and found["baseline"] in ("zero2", "zero3")
+    assert math.isfinite(found["step_time_s"]) and not found["oom"]
+    (stage,) = found["plan"]["stages"]
+    assert stage["submesh"] == [1, 8] and stage["logical_mesh_dp_tp"] == [8, 1]
