@@ -22,9 +22,14 @@ from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import CopyBuffer
-from autoshard.intra.layout_copies import transposed_conv_values, transposed_weight_copies
+from autoshard.intra.layout_copies import (
+    transposed_conv_values,
+    transposed_dot_lhs,
+    transposed_weight_copies,
+)
 from autoshard.intra.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.strategies import Strategy
+from autoshard.intra.update_zeros import update_zeros
 from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
@@ -157,6 +162,7 @@ def live_intervals(
     reductions_read_memory: bool = False,
     late_updates: bool = False,
     fused_transcendentals: bool = False,
+    early_inputs: bool = False,
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -166,6 +172,10 @@ def live_intervals(
     materialised tensors count (:func:`materialized_tensors`); a buffer lives until the
     last op that reads it, directly or through values fused away (:func:`_readers`: a
     value recomputed in the backward pass keeps what it is made of alive until then).
+
+    With ``early_inputs`` (XLA:CPU, ``early_input_reshards``) the zeros an in-place update
+    writes into and no add absorbs (:mod:`autoshard.intra.update_zeros`) are a buffer made
+    at the start of the step, which the update's result then takes over.
     """
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
@@ -184,6 +194,10 @@ def live_intervals(
         else:
             last = max([pos[c] for c in _readers(graph, t.id, keep)] + [first])
         out[t.id] = (first, last)
+    if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
+        for z in update_zeros(graph, _data_free_tensors(graph), IN_PLACE):
+            if z.add is None and z.zeros not in out:
+                out[z.zeros] = (0, pos[z.update])
     for node in graph.nodes:  # outputs written into a dying operand's buffer
         shared = _shared_operand(graph, node, out)
         if shared is not None:
@@ -196,7 +210,11 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
     """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
     layout = mesh.memory_layout
     return live_intervals(
-        graph, layout.reductions_read_memory, layout.late_updates, layout.fused_transcendentals
+        graph,
+        layout.reductions_read_memory,
+        layout.late_updates,
+        layout.fused_transcendentals,
+        layout.early_input_reshards,
     )
 
 
@@ -305,6 +323,14 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
+def dot_lhs_copy_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
+    """Whole bytes of :func:`transposed_dot_lhs`'s copy of ``tid``: f32 for a narrow lhs
+    on a device that computes narrow dots in f32 (the widening is fused into the copy)."""
+    t = graph.tensors[tid]
+    narrow = mesh.memory_layout.narrow_dots_in_f32 and t.dtype in NARROW_FLOATS
+    return 2 * t.nbytes if narrow else t.nbytes
+
+
 def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
     """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
     layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
@@ -333,6 +359,7 @@ def predicted_peak_bytes(
     spec_of: Mapping[int, ShardingSpec],
     mesh: DeviceMesh,
     operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+    _trace: list | None = None,
 ) -> float:
     """Peak per-device bytes of live buffers over the program: :func:`live_intervals`,
     the f32 copies of :func:`widened_dot_operands`, and, given the plan's
@@ -373,6 +400,22 @@ def predicted_peak_bytes(
         for tid, dots in transposed_weight_copies(graph, mesh).items()
         if tid in spec_of and not spec_of[tid].is_replicated
     ]
+    buffers += [  # zeros an add would absorb, but for a collective in between
+        (0, max(0, pos[z.update] - 1), _zeros_bytes(graph, z, spec_of[result], mesh))
+        for z in _foldable_zeros(graph, mesh)
+        for result in graph.nodes[z.update].outputs
+        if result in spec_of and operand_specs.get(z.add, {}).get(z.slot) is not None
+    ]
+    buffers += [  # transposed dot lhs: made from the lhs as the dot reads it, at the dot
+        (
+            pos[dot],
+            pos[dot],
+            dot_lhs_copy_bytes(graph, tid, mesh)
+            * operand_specs.get(dot, {}).get(0, spec_of.get(tid)).shard_fraction(mesh.mesh),
+        )
+        for tid, dot in transposed_dot_lhs(graph, mesh)
+        if tid in spec_of
+    ]
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -380,6 +423,8 @@ def predicted_peak_bytes(
     for d in delta:
         cur += d
         peak = max(peak, cur)
+    if _trace is not None:
+        _trace.extend(buffers)
     return peak
 
 
@@ -440,6 +485,8 @@ def memory_rows(
     groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
         groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
+        groups += _dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
+        groups += _zeros_groups(graph, strategies, producer, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}
@@ -512,9 +559,70 @@ def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> lis
     return out
 
 
+def _foldable_zeros(graph: Graph, mesh: DeviceMesh) -> list:
+    """The :class:`~autoshard.intra.update_zeros.UpdateZeros` an add may absorb, on a
+    backend that makes them early (``early_input_reshards``); the others are buffers of
+    :func:`live_intervals`."""
+    if not mesh.memory_layout.early_input_reshards:
+        return []
+    zeros = update_zeros(graph, _data_free_tensors(graph), IN_PLACE)
+    return [z for z in zeros if z.add is not None]
+
+
+def _zeros_bytes(graph: Graph, z, spec: ShardingSpec, mesh: DeviceMesh) -> float:
+    return graph.tensors[z.zeros].nbytes * spec.shard_fraction(mesh.mesh)
+
+
+def _zeros_groups(graph, strategies, producer, n_in, mesh, pos) -> list:
+    """:func:`_foldable_zeros` as :class:`CopyGroup` entries: the zeros are a buffer from
+    the start to their update when the add reads the update's result in another layout
+    than the update gives (per layout the add may want, and per size of the update's
+    result, which writes into the zeros in place and so has their layout)."""
+    out = []
+    for z in _foldable_zeros(graph, mesh):
+        result = graph.nodes[z.update].outputs[0]
+        src, k = producer[result]
+        wants: dict[ShardingSpec, list[int]] = {}
+        for q, s in enumerate(strategies[n_in + z.add]):
+            if s.input_specs[z.slot] is not None:
+                wants.setdefault(s.input_specs[z.slot], []).append(q)
+        for spec, qs in wants.items():
+            by_size: dict[float, list[int]] = {}
+            for p, s in enumerate(strategies[src]):
+                if s.output_specs[k] != spec:
+                    by_size.setdefault(_zeros_bytes(graph, z, s.output_specs[k], mesh), []).append(
+                        p
+                    )
+            reader = ((pos[z.add], n_in + z.add, tuple(qs)),)
+            end = max(0, pos[z.update] - 1)
+            out += [CopyGroup(src, tuple(ps), b, 0, end, reader) for b, ps in by_size.items() if b]
+    return out
+
+
+def _dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos) -> list:
+    """:func:`transposed_dot_lhs` as :class:`CopyGroup` entries: per dot and size, the
+    dot's strategies that read its lhs at that size; live at the dot only."""
+    out = []
+    for tid, dot in transposed_dot_lhs(graph, mesh):
+        node, whole = n_in + dot, dot_lhs_copy_bytes(graph, tid, mesh)
+        by_size: dict[float, list[int]] = {}
+        for q, s in enumerate(strategies[node]):
+            spec = s.input_specs[0]
+            if spec is not None:
+                by_size.setdefault(whole * spec.shard_fraction(mesh.mesh), []).append(q)
+        reader = ((pos[dot], node, tuple(range(len(strategies[node])))),)
+        out += [
+            CopyGroup(node, tuple(qs), size, pos[dot], pos[dot], reader)
+            for size, qs in by_size.items()
+            if size
+        ]
+    return out
+
+
 __all__ = [
     "MemoryRows",
     "buffer_bytes",
+    "dot_lhs_copy_bytes",
     "live_intervals",
     "materialized_tensors",
     "memory_rows",
@@ -524,6 +632,7 @@ __all__ = [
     "streamed_tensors",
     "tensor_buffers",
     "transposed_conv_values",
+    "transposed_dot_lhs",
     "transposed_weight_copies",
     "widened_dot_operands",
 ]
