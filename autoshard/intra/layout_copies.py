@@ -11,7 +11,10 @@ and the operands and results of convolutions (``conv_layout_copies``). Used by
 from __future__ import annotations
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.reshard_copies import CopyGroup
 from autoshard.ir.graph import Graph, conv_dimension_numbers
+
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
 
 
 def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
@@ -117,4 +120,32 @@ def transposed_dot_lhs(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
         order = [d for d in (*free, *lc) if t.shape[d] != 1]
         if order != sorted(order):
             out.append((tid, node.index))
+    return out
+
+
+def dot_lhs_copy_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
+    """Whole bytes of :func:`transposed_dot_lhs`'s copy of ``tid``: f32 for a narrow lhs
+    on a device that computes narrow dots in f32 (the widening is fused into the copy)."""
+    t = graph.tensors[tid]
+    narrow = mesh.memory_layout.narrow_dots_in_f32 and t.dtype in NARROW_FLOATS
+    return 2 * t.nbytes if narrow else t.nbytes
+
+
+def dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos) -> list[CopyGroup]:
+    """:func:`transposed_dot_lhs` as :class:`CopyGroup` entries (for the ILP's memory rows): per dot and size, the
+    dot's strategies that read its lhs at that size; live at the dot only."""
+    out = []
+    for tid, dot in transposed_dot_lhs(graph, mesh):
+        node, whole = n_in + dot, dot_lhs_copy_bytes(graph, tid, mesh)
+        by_size: dict[float, list[int]] = {}
+        for q, s in enumerate(strategies[node]):
+            spec = s.input_specs[0]
+            if spec is not None:
+                by_size.setdefault(whole * spec.shard_fraction(mesh.mesh), []).append(q)
+        reader = ((pos[dot], node, tuple(range(len(strategies[node])))),)
+        out += [
+            CopyGroup(node, tuple(qs), size, pos[dot], pos[dot], reader)
+            for size, qs in by_size.items()
+            if size
+        ]
     return out

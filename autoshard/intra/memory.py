@@ -17,19 +17,23 @@ rows constrain.  It takes an op :class:`~autoshard.ir.graph.Graph` and a priced 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.layout_copies import (
+    NARROW_FLOATS,
+    dot_lhs_copy_bytes,
+    dot_lhs_copy_groups,
     transposed_conv_values,
     transposed_dot_lhs,
     transposed_weight_copies,
 )
 from autoshard.intra.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.strategies import Strategy
-from autoshard.intra.update_zeros import update_zeros
+from autoshard.intra.update_zeros import foldable_zeros, update_zeros, zeros_bytes, zeros_groups
 from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
@@ -266,9 +270,6 @@ def _shared_operand(graph: Graph, node, intervals) -> int | None:
     return None
 
 
-NARROW_FLOATS = frozenset({"bfloat16", "float16"})
-
-
 def buffer_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
     """Bytes of tensor ``tid``'s whole (unsharded) buffer on ``mesh``'s devices: its own
     size, except a bf16/f16 dot result on a device that computes narrow dots in f32
@@ -323,14 +324,6 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
-def dot_lhs_copy_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
-    """Whole bytes of :func:`transposed_dot_lhs`'s copy of ``tid``: f32 for a narrow lhs
-    on a device that computes narrow dots in f32 (the widening is fused into the copy)."""
-    t = graph.tensors[tid]
-    narrow = mesh.memory_layout.narrow_dots_in_f32 and t.dtype in NARROW_FLOATS
-    return 2 * t.nbytes if narrow else t.nbytes
-
-
 def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
     """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
     layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
@@ -354,14 +347,14 @@ def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, 
     return out
 
 
-def predicted_peak_bytes(
+def predicted_live_bytes(
     graph: Graph,
     spec_of: Mapping[int, ShardingSpec],
     mesh: DeviceMesh,
     operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
-    _trace: list | None = None,
-) -> float:
-    """Peak per-device bytes of live buffers over the program: :func:`live_intervals`,
+) -> tuple[float, ...]:
+    """Per-device bytes of live buffers at each program position (index ``p + 1`` for
+    position ``p``, from -1, the program inputs alone, to the end): :func:`live_intervals`,
     the f32 copies of :func:`widened_dot_operands`, and, given the plan's
     ``operand_specs`` (node -> operand slot -> the spec it is resharded to), one buffer
     per value and resharded layout, from its first reader in that layout to its last
@@ -401,8 +394,8 @@ def predicted_peak_bytes(
         if tid in spec_of and not spec_of[tid].is_replicated
     ]
     buffers += [  # zeros an add would absorb, but for a collective in between
-        (0, max(0, pos[z.update] - 1), _zeros_bytes(graph, z, spec_of[result], mesh))
-        for z in _foldable_zeros(graph, mesh)
+        (0, max(0, pos[z.update] - 1), zeros_bytes(graph, z, spec_of[result], mesh))
+        for z in foldable_zeros(graph, mesh, _data_free_tensors(graph), IN_PLACE)
         for result in graph.nodes[z.update].outputs
         if result in spec_of and operand_specs.get(z.add, {}).get(z.slot) is not None
     ]
@@ -419,13 +412,18 @@ def predicted_peak_bytes(
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
-    peak = cur = 0.0
-    for d in delta:
-        cur += d
-        peak = max(peak, cur)
-    if _trace is not None:
-        _trace.extend(buffers)
-    return peak
+    return tuple(itertools.accumulate(delta))
+
+
+def predicted_peak_bytes(
+    graph: Graph,
+    spec_of: Mapping[int, ShardingSpec],
+    mesh: DeviceMesh,
+    operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+) -> float:
+    """Peak per-device bytes of live buffers over the program: the most of
+    :func:`predicted_live_bytes`."""
+    return max(0.0, *predicted_live_bytes(graph, spec_of, mesh, operand_specs))
 
 
 # ----------------------------------------------------------------------------- ILP rows
@@ -485,8 +483,9 @@ def memory_rows(
     groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
         groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
-        groups += _dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
-        groups += _zeros_groups(graph, strategies, producer, n_in, mesh, pos)
+        groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
+        zeros = foldable_zeros(graph, mesh, _data_free_tensors(graph), IN_PLACE)
+        groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}
@@ -559,74 +558,14 @@ def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> lis
     return out
 
 
-def _foldable_zeros(graph: Graph, mesh: DeviceMesh) -> list:
-    """The :class:`~autoshard.intra.update_zeros.UpdateZeros` an add may absorb, on a
-    backend that makes them early (``early_input_reshards``); the others are buffers of
-    :func:`live_intervals`."""
-    if not mesh.memory_layout.early_input_reshards:
-        return []
-    zeros = update_zeros(graph, _data_free_tensors(graph), IN_PLACE)
-    return [z for z in zeros if z.add is not None]
-
-
-def _zeros_bytes(graph: Graph, z, spec: ShardingSpec, mesh: DeviceMesh) -> float:
-    return graph.tensors[z.zeros].nbytes * spec.shard_fraction(mesh.mesh)
-
-
-def _zeros_groups(graph, strategies, producer, n_in, mesh, pos) -> list:
-    """:func:`_foldable_zeros` as :class:`CopyGroup` entries: the zeros are a buffer from
-    the start to their update when the add reads the update's result in another layout
-    than the update gives (per layout the add may want, and per size of the update's
-    result, which writes into the zeros in place and so has their layout)."""
-    out = []
-    for z in _foldable_zeros(graph, mesh):
-        result = graph.nodes[z.update].outputs[0]
-        src, k = producer[result]
-        wants: dict[ShardingSpec, list[int]] = {}
-        for q, s in enumerate(strategies[n_in + z.add]):
-            if s.input_specs[z.slot] is not None:
-                wants.setdefault(s.input_specs[z.slot], []).append(q)
-        for spec, qs in wants.items():
-            by_size: dict[float, list[int]] = {}
-            for p, s in enumerate(strategies[src]):
-                if s.output_specs[k] != spec:
-                    by_size.setdefault(_zeros_bytes(graph, z, s.output_specs[k], mesh), []).append(
-                        p
-                    )
-            reader = ((pos[z.add], n_in + z.add, tuple(qs)),)
-            end = max(0, pos[z.update] - 1)
-            out += [CopyGroup(src, tuple(ps), b, 0, end, reader) for b, ps in by_size.items() if b]
-    return out
-
-
-def _dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos) -> list:
-    """:func:`transposed_dot_lhs` as :class:`CopyGroup` entries: per dot and size, the
-    dot's strategies that read its lhs at that size; live at the dot only."""
-    out = []
-    for tid, dot in transposed_dot_lhs(graph, mesh):
-        node, whole = n_in + dot, dot_lhs_copy_bytes(graph, tid, mesh)
-        by_size: dict[float, list[int]] = {}
-        for q, s in enumerate(strategies[node]):
-            spec = s.input_specs[0]
-            if spec is not None:
-                by_size.setdefault(whole * spec.shard_fraction(mesh.mesh), []).append(q)
-        reader = ((pos[dot], node, tuple(range(len(strategies[node])))),)
-        out += [
-            CopyGroup(node, tuple(qs), size, pos[dot], pos[dot], reader)
-            for size, qs in by_size.items()
-            if size
-        ]
-    return out
-
-
 __all__ = [
     "MemoryRows",
     "buffer_bytes",
-    "dot_lhs_copy_bytes",
     "live_intervals",
     "materialized_tensors",
     "memory_rows",
     "mesh_intervals",
+    "predicted_live_bytes",
     "predicted_peak_bytes",
     "program_positions",
     "streamed_tensors",

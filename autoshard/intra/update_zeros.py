@@ -23,7 +23,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.reshard_copies import CopyGroup
 from autoshard.ir.graph import Graph
+from autoshard.ir.spec import ShardingSpec
 
 ADDS = frozenset({"add", "add_any"})
 
@@ -65,4 +68,44 @@ def update_zeros(
     return out
 
 
-__all__ = ["ADDS", "UpdateZeros", "update_zeros"]
+def foldable_zeros(
+    graph: Graph, mesh: DeviceMesh, data_free: Collection[int], in_place: Collection[str]
+) -> list[UpdateZeros]:
+    """The :class:`~autoshard.intra.update_zeros.UpdateZeros` an add may absorb, on a
+    backend that makes them early (``early_input_reshards``); the others are buffers of
+    :func:`autoshard.intra.memory.live_intervals`."""
+    if not mesh.memory_layout.early_input_reshards:
+        return []
+    zeros = update_zeros(graph, data_free, in_place)
+    return [z for z in zeros if z.add is not None]
+
+
+def zeros_bytes(graph: Graph, z, spec: ShardingSpec, mesh: DeviceMesh) -> float:
+    return graph.tensors[z.zeros].nbytes * spec.shard_fraction(mesh.mesh)
+
+
+def zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos) -> list[CopyGroup]:
+    """:func:`foldable_zeros` (``zeros``) as :class:`CopyGroup` entries: the zeros are a buffer from
+    the start to their update when the add reads the update's result in another layout
+    than the update gives (per layout the add may want, and per size of the update's
+    result, which writes into the zeros in place and so has their layout)."""
+    out = []
+    for z in zeros:
+        result = graph.nodes[z.update].outputs[0]
+        src, k = producer[result]
+        wants: dict[ShardingSpec, list[int]] = {}
+        for q, s in enumerate(strategies[n_in + z.add]):
+            if s.input_specs[z.slot] is not None:
+                wants.setdefault(s.input_specs[z.slot], []).append(q)
+        for spec, qs in wants.items():
+            by_size: dict[float, list[int]] = {}
+            for p, s in enumerate(strategies[src]):
+                if s.output_specs[k] != spec:
+                    by_size.setdefault(zeros_bytes(graph, z, s.output_specs[k], mesh), []).append(p)
+            reader = ((pos[z.add], n_in + z.add, tuple(qs)),)
+            end = max(0, pos[z.update] - 1)
+            out += [CopyGroup(src, tuple(ps), b, 0, end, reader) for b, ps in by_size.items() if b]
+    return out
+
+
+__all__ = ["ADDS", "UpdateZeros", "foldable_zeros", "update_zeros", "zeros_bytes", "zeros_groups"]
