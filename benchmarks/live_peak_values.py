@@ -7,11 +7,15 @@ allocation and live peak (bytes per device), the instruction at the live peak an
 largest values live there with the bytes each holds::
 
     python benchmarks/live_peak_values.py --model moe-tiny --mesh 4x2 --plan megatron [--top 25]
+
+``--layers``, ``--batch`` and ``--dtype`` override the preset as bench_truth's memory suite
+does (``--model gpt-350m --layers 2 --batch 8 --dtype bfloat16 --optimizer adamw``).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 
 
 def main() -> None:
@@ -22,6 +26,10 @@ def main() -> None:
     ap.add_argument("--plan", default="auto", choices=("auto", "dp", "zero2", "zero3", "megatron"))
     ap.add_argument("--top", type=int, default=25, help="how many live values to print")
     ap.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit (s)")
+    ap.add_argument("--layers", type=int, default=None, help="num_layers override")
+    ap.add_argument("--batch", type=int, default=None, help="batch_size override")
+    ap.add_argument("--dtype", default=None, help="dtype override, e.g. bfloat16")
+    ap.add_argument("--dump", default=None, help="keep XLA's dump (HLO, live ranges) here")
     args = ap.parse_args()
 
     import jax
@@ -37,11 +45,18 @@ def main() -> None:
     read = check.dump_live_peak
 
     def keep(folder):  # the LivePeak verify_plan reads, values included
+        if args.dump:
+            shutil.copytree(folder, args.dump, dirs_exist_ok=True)
         peaks.append(read(folder))
         return peaks[-1]
 
     check.dump_live_peak = keep
-    traced = trace_workload(args.model, optimizer=args.optimizer)
+    overrides = {
+        k: v
+        for k, v in (("num_layers", args.layers), ("batch_size", args.batch), ("dtype", args.dtype))
+        if v is not None
+    }
+    traced = trace_workload(args.model, optimizer=args.optimizer, **overrides)
     shape = tuple(int(s) for s in args.mesh.split("x"))
     mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
     options = IntraOptions(solver="highs", time_limit_s=args.time_limit)

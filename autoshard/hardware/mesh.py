@@ -71,6 +71,11 @@ class MemoryLayout:
     # (the backward dots of MoE expert weights [E, h, f], contracting f) into a transposed
     # buffer of its own, made at the start of the step (measured on moe-tiny, docs/moe.md).
     batched_dot_weight_copies: bool = False
+    # XLA:CPU's dot library (XNNPACK) reads an unbatched dot's lhs as [free, contracting]:
+    # a lhs contracted on its leading dims (every weight gradient, x^T @ g) is copied into
+    # a transposed buffer of its own (f32 for a narrow lhs) just before the dot (measured
+    # on gpt-350m, docs/truth.md). The memory model counts it at the dot.
+    dot_lhs_copies: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -84,6 +89,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     early_input_reshards=True,
     conv_layout_copies=True,
     batched_dot_weight_copies=True,
+    dot_lhs_copies=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).

@@ -2,7 +2,8 @@
 
 Takes a graph and a priced mesh; returns the values a backend copies into a transposed
 layout of its own, when its :class:`~autoshard.hardware.mesh.MemoryLayout` says it does:
-the weights a batched dot reads in a non-canonical layout (``batched_dot_weight_copies``)
+the weights a batched dot reads in a non-canonical layout (``batched_dot_weight_copies``),
+the lhs an unbatched dot reads contracted on its leading dims (``dot_lhs_copies``)
 and the operands and results of convolutions (``conv_layout_copies``). Used by
 :mod:`autoshard.intra.memory` for the predicted peak and the ILP's memory rows.
 """
@@ -10,7 +11,10 @@ and the operands and results of convolutions (``conv_layout_copies``). Used by
 from __future__ import annotations
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.reshard_copies import CopyGroup
 from autoshard.ir.graph import Graph, conv_dimension_numbers
+
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
 
 
 def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
@@ -82,4 +86,66 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
         for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
             if tuple(spec) != want:
                 out.append((tid, 0 if tid in early else node.index, node.index))
+    return out
+
+
+def transposed_dot_lhs(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
+    """(lhs tensor, dot node index) of each unbatched ``dot_general`` whose lhs XLA:CPU
+    copies into a transposed buffer (``dot_lhs_copies``).
+
+    XLA:CPU's dots (XNNPACK, ``ynn_fusion`` in the HLO) read the lhs as
+    ``[free, contracting]`` and the rhs either way: in the compiled gpt-350m bf16 step
+    every one of the 27 unbatched dots has ``lhs_contracting_dims={1}``, and each weight
+    gradient (``x^T @ g``, the lhs contracted on its leading dims) reads a
+    ``copy_bitcast_fusion`` that transposes (and, for a bf16 lhs, widens) it just before
+    the dot. The largest is the logits gradient's, ``f32[51200, 1024]`` (200 MiB), for
+    the embedding's gradient, and it is at XLA's peak on the gpt-350m plans. Dims of size
+    one are left out of the order (a transpose that moves only them is a bitcast). The
+    copy is made from the lhs as the dot reads it and freed after the dot."""
+    if not mesh.memory_layout.dot_lhs_copies:
+        return []
+    out = []
+    for node in graph.nodes:
+        if node.primitive != "dot_general":
+            continue
+        (lc, _), (lb, _) = node.params["dimension_numbers"]
+        if lb:
+            continue
+        tid = node.inputs[0]
+        t = graph.tensors[tid]
+        if t.kind in ("literal", "const") or not t.shape:
+            continue
+        rank = len(t.shape)
+        free = [d for d in range(rank) if d not in lc]
+        order = [d for d in (*free, *lc) if t.shape[d] != 1]
+        if order != sorted(order):
+            out.append((tid, node.index))
+    return out
+
+
+def dot_lhs_copy_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
+    """Whole bytes of :func:`transposed_dot_lhs`'s copy of ``tid``: f32 for a narrow lhs
+    on a device that computes narrow dots in f32 (the widening is fused into the copy)."""
+    t = graph.tensors[tid]
+    narrow = mesh.memory_layout.narrow_dots_in_f32 and t.dtype in NARROW_FLOATS
+    return 2 * t.nbytes if narrow else t.nbytes
+
+
+def dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos) -> list[CopyGroup]:
+    """:func:`transposed_dot_lhs` as :class:`CopyGroup` entries (for the ILP's memory rows): per dot and size, the
+    dot's strategies that read its lhs at that size; live at the dot only."""
+    out = []
+    for tid, dot in transposed_dot_lhs(graph, mesh):
+        node, whole = n_in + dot, dot_lhs_copy_bytes(graph, tid, mesh)
+        by_size: dict[float, list[int]] = {}
+        for q, s in enumerate(strategies[node]):
+            spec = s.input_specs[0]
+            if spec is not None:
+                by_size.setdefault(whole * spec.shard_fraction(mesh.mesh), []).append(q)
+        reader = ((pos[dot], node, tuple(range(len(strategies[node])))),)
+        out += [
+            CopyGroup(node, tuple(qs), size, pos[dot], pos[dot], reader)
+            for size, qs in by_size.items()
+            if size
+        ]
     return out

@@ -17,14 +17,23 @@ rows constrain.  It takes an op :class:`~autoshard.ir.graph.Graph` and a priced 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import CopyBuffer
-from autoshard.intra.layout_copies import transposed_conv_values, transposed_weight_copies
+from autoshard.intra.layout_copies import (
+    NARROW_FLOATS,
+    dot_lhs_copy_bytes,
+    dot_lhs_copy_groups,
+    transposed_conv_values,
+    transposed_dot_lhs,
+    transposed_weight_copies,
+)
 from autoshard.intra.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.strategies import Strategy
+from autoshard.intra.update_zeros import foldable_zeros, update_zeros, zeros_bytes, zeros_groups
 from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
@@ -157,6 +166,7 @@ def live_intervals(
     reductions_read_memory: bool = False,
     late_updates: bool = False,
     fused_transcendentals: bool = False,
+    early_inputs: bool = False,
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -166,6 +176,10 @@ def live_intervals(
     materialised tensors count (:func:`materialized_tensors`); a buffer lives until the
     last op that reads it, directly or through values fused away (:func:`_readers`: a
     value recomputed in the backward pass keeps what it is made of alive until then).
+
+    With ``early_inputs`` (XLA:CPU, ``early_input_reshards``) the zeros an in-place update
+    writes into and no add absorbs (:mod:`autoshard.intra.update_zeros`) are a buffer made
+    at the start of the step, which the update's result then takes over.
     """
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
@@ -184,6 +198,10 @@ def live_intervals(
         else:
             last = max([pos[c] for c in _readers(graph, t.id, keep)] + [first])
         out[t.id] = (first, last)
+    if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
+        for z in update_zeros(graph, _data_free_tensors(graph), IN_PLACE):
+            if z.add is None and z.zeros not in out:
+                out[z.zeros] = (0, pos[z.update])
     for node in graph.nodes:  # outputs written into a dying operand's buffer
         shared = _shared_operand(graph, node, out)
         if shared is not None:
@@ -196,7 +214,11 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
     """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
     layout = mesh.memory_layout
     return live_intervals(
-        graph, layout.reductions_read_memory, layout.late_updates, layout.fused_transcendentals
+        graph,
+        layout.reductions_read_memory,
+        layout.late_updates,
+        layout.fused_transcendentals,
+        layout.early_input_reshards,
     )
 
 
@@ -246,9 +268,6 @@ def _shared_operand(graph: Graph, node, intervals) -> int | None:
         ):
             return tid
     return None
-
-
-NARROW_FLOATS = frozenset({"bfloat16", "float16"})
 
 
 def buffer_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
@@ -328,13 +347,14 @@ def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, 
     return out
 
 
-def predicted_peak_bytes(
+def predicted_live_bytes(
     graph: Graph,
     spec_of: Mapping[int, ShardingSpec],
     mesh: DeviceMesh,
     operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
-) -> float:
-    """Peak per-device bytes of live buffers over the program: :func:`live_intervals`,
+) -> tuple[float, ...]:
+    """Per-device bytes of live buffers at each program position (index ``p + 1`` for
+    position ``p``, from -1, the program inputs alone, to the end): :func:`live_intervals`,
     the f32 copies of :func:`widened_dot_operands`, and, given the plan's
     ``operand_specs`` (node -> operand slot -> the spec it is resharded to), one buffer
     per value and resharded layout, from its first reader in that layout to its last
@@ -373,14 +393,37 @@ def predicted_peak_bytes(
         for tid, dots in transposed_weight_copies(graph, mesh).items()
         if tid in spec_of and not spec_of[tid].is_replicated
     ]
+    buffers += [  # zeros an add would absorb, but for a collective in between
+        (0, max(0, pos[z.update] - 1), zeros_bytes(graph, z, spec_of[result], mesh))
+        for z in foldable_zeros(graph, mesh, _data_free_tensors(graph), IN_PLACE)
+        for result in graph.nodes[z.update].outputs
+        if result in spec_of and operand_specs.get(z.add, {}).get(z.slot) is not None
+    ]
+    buffers += [  # transposed dot lhs: made from the lhs as the dot reads it, at the dot
+        (
+            pos[dot],
+            pos[dot],
+            dot_lhs_copy_bytes(graph, tid, mesh)
+            * operand_specs.get(dot, {}).get(0, spec_of.get(tid)).shard_fraction(mesh.mesh),
+        )
+        for tid, dot in transposed_dot_lhs(graph, mesh)
+        if tid in spec_of
+    ]
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
-    peak = cur = 0.0
-    for d in delta:
-        cur += d
-        peak = max(peak, cur)
-    return peak
+    return tuple(itertools.accumulate(delta))
+
+
+def predicted_peak_bytes(
+    graph: Graph,
+    spec_of: Mapping[int, ShardingSpec],
+    mesh: DeviceMesh,
+    operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+) -> float:
+    """Peak per-device bytes of live buffers over the program: the most of
+    :func:`predicted_live_bytes`."""
+    return max(0.0, *predicted_live_bytes(graph, spec_of, mesh, operand_specs))
 
 
 # ----------------------------------------------------------------------------- ILP rows
@@ -440,6 +483,9 @@ def memory_rows(
     groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
         groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
+        groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
+        zeros = foldable_zeros(graph, mesh, _data_free_tensors(graph), IN_PLACE)
+        groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}
@@ -519,11 +565,13 @@ __all__ = [
     "materialized_tensors",
     "memory_rows",
     "mesh_intervals",
+    "predicted_live_bytes",
     "predicted_peak_bytes",
     "program_positions",
     "streamed_tensors",
     "tensor_buffers",
     "transposed_conv_values",
+    "transposed_dot_lhs",
     "transposed_weight_copies",
     "widened_dot_operands",
 ]
