@@ -1,9 +1,10 @@
-"""Simulator validation: predicted vs published (Megatron-LM, SC21 Table 1 on DGX A100) and
-predicted vs measured (autoshard's GPT step on one H100), one point per row.
+"""Simulator validation: predicted vs published and predicted vs measured, one point per row.
 
-Left: the simulator's TFLOP/s per GPU for every row of Megatron-LM's Table 1, from the
-same configurations ``benchmarks/validate_megatron.py`` checks (docs/validation.md),
-against the published figure. Right: ``simulate(plan="megatron:1x1x1")`` on one GPU of
+Left: the simulator's TFLOP/s per GPU for every published row ``benchmarks/validate_megatron.py``
+checks (docs/validation.md): Megatron-LM's SC21 Table 1 and Korthikanti et al. 2022 on
+``dgx-a100``, Megatron-LM 2019 (Shoeybi et al.) on V100s, and Alpa's README benchmark on
+``alpa-v100``; one series per source, the rows a preset was calibrated on drawn as open
+markers (the others are validation: the simulator was not fitted to them). Right: ``simulate(plan="megatron:1x1x1")`` on one GPU of
 ``dgx-h100`` on both programs (Megatron-LM's kernels and the traced JAX step) against the
 step times measured on an H100 (``benchmarks/results/gpu_single.json``, from
 ``benchmarks/gpu_single.py measure``; the measurement is read, the prediction rerun).
@@ -28,7 +29,16 @@ FIGURE = 7
 BENCH = figure.ROOT / "benchmarks"
 
 
-def _megatron_rows() -> list[dict]:
+# validate_megatron's source -> the legend's name; gpu-single-h100 is the right panel
+SOURCES = {
+    "sc21-table1": "Megatron-LM SC21 Table 1 (A100)",
+    "korthikanti22": "Korthikanti et al. 2022 (A100)",
+    "shoeybi19": "Megatron-LM 2019 (V100)",
+    "alpa-readme": "Alpa README (V100)",
+}
+
+
+def _published_rows() -> list[dict]:
     spec = importlib.util.spec_from_file_location(
         "validate_megatron", BENCH / "validate_megatron.py"
     )
@@ -36,14 +46,17 @@ def _megatron_rows() -> list[dict]:
     spec.loader.exec_module(module)
     return [
         {
+            "source": r["source"],
+            "role": r["role"],
             "model": r["model"],
+            "cluster": r["cluster"],
             "gpus": r["gpus"],
             "grid": f"TP{r['tp']} PP{r['pp']} DP{r['dp']}",
             "published_tflops_per_gpu": r["published_tflops_per_gpu"],
             "predicted_tflops_per_gpu": r["predicted_tflops_per_gpu"],
         }
         for r in module.validate()
-        if r["source"] == "sc21-table1"  # the other sources: docs/validation.md's tables
+        if r["source"] in SOURCES
     ]
 
 
@@ -68,27 +81,30 @@ def _h100_rows() -> list[dict]:
 
 
 def run(quick: bool, progress) -> dict:
-    progress(0, 2, "Megatron-LM Table 1")
-    megatron = _megatron_rows()
+    progress(0, 2, "published tables")
+    published = _published_rows()
     progress(1, 2, "one H100")
     h100 = _h100_rows()
     progress(2, 2, "done")
     return {
         "config": {
-            "megatron": "Narayanan et al. SC21 Table 1, dgx-a100 preset, fp16, full recompute",
+            "published": "every published row of benchmarks/validate_megatron.py: "
+            + ", ".join(SOURCES.values()),
             "h100": "benchmarks/results/gpu_single.json (measured 2026-11-22 on one H100 SXM)",
         },
-        "megatron_table_1": megatron,
+        "published": published,
         "h100": h100,
     }
 
 
-def megatron_points(data: dict) -> list[tuple[str, float, float]]:
-    """(series, published TFLOP/s, simulated TFLOP/s) per Table 1 row."""
+def published_points(data: dict) -> list[tuple[str, float, float]]:
+    """(series, published TFLOP/s, simulated TFLOP/s) per published row; series: the
+    source, with "(calibration)" for the rows a preset was fitted to."""
     return [
-        ("Megatron-LM Table 1", r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"])
-        for r in data["megatron_table_1"]
-    ]
+        (SOURCES[r["source"]] + (" (calibration)" if r["role"] == "calibration" else ""),
+         r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"])
+        for r in data["published"]
+    ]  # fmt: skip
 
 
 def h100_points(data: dict) -> list[tuple[str, float, float]]:
@@ -103,20 +119,43 @@ def h100_points(data: dict) -> list[tuple[str, float, float]]:
 def scatter_points(doc: dict) -> list[tuple[float, float]]:
     """Every (x, y) the figure plots."""
     data = doc["data"]
-    return [(x, y) for _, x, y in megatron_points(data) + h100_points(data)]
+    return [(x, y) for _, x, y in published_points(data) + h100_points(data)]
 
 
 def plot(doc: dict):
     data = doc["data"]
-    fig, (a, b) = figure.plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, (a, b) = figure.plt.subplots(1, 2, figsize=(12, 5.2))
     figure.truth_scatter(
-        a, megatron_points(data),
-        xlabel="Published TFLOP/s per GPU", ylabel="Simulated TFLOP/s per GPU", log=False,
+        a, published_points(data),
+        xlabel="Published TFLOP/s per GPU", ylabel="Simulated TFLOP/s per GPU",
     )  # fmt: skip
-    for r in data["megatron_table_1"]:
-        a.annotate(r["model"], (r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"]),
-                   fontsize=6, xytext=(3, 3), textcoords="offset points")  # fmt: skip
-    a.set_title("DGX A100, Megatron-LM (published)", fontsize=9)
+    ticks = [10, 15, 20, 30, 50, 70, 100, 150, 200]
+    for axis in (a.xaxis, a.yaxis):
+        axis.set_major_locator(figure.matplotlib.ticker.FixedLocator(ticks))
+        axis.set_major_formatter(figure.matplotlib.ticker.ScalarFormatter())
+        axis.set_minor_locator(figure.matplotlib.ticker.NullLocator())
+    # one colour per source; the calibration rows as open markers of that colour
+    colours = {name: figure.PALETTE[i] for i, name in enumerate(SOURCES.values())}
+    for coll in a.collections:
+        series = (coll.get_gid() or "").removeprefix("points|")
+        source = series.removesuffix(" (calibration)")
+        if source in colours:
+            coll.set_facecolor("none" if series != source else colours[source])
+            coll.set_edgecolor(colours[source])
+    a.legend(fontsize=6, loc="upper left")
+    for r in data["published"]:  # name the rows more than 20% off
+        x, y = r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"]
+        if abs(y / x - 1) > 0.20:
+            a.annotate(r["model"], (x, y), fontsize=6, xytext=(4, -3), textcoords="offset points")
+    n = len(data["published"])
+    within = sum(
+        abs(r["predicted_tflops_per_gpu"] / r["published_tflops_per_gpu"] - 1) <= 0.10
+        for r in data["published"]
+    )
+    a.set_title(
+        f"Published runs (log axes): {within}/{n} rows within 10%; open: calibration rows",
+        fontsize=9,
+    )
     figure.truth_scatter(
         b,
         h100_points(data),
@@ -127,7 +166,7 @@ def plot(doc: dict):
     for r in data["h100"]:
         b.annotate(r["config"], (1e3 * r["measured_step_time_s"],
                                  1e3 * r["predicted_step_time_s[traced]"]),
-                   fontsize=6, xytext=(3, -9), textcoords="offset points")  # fmt: skip
+                   fontsize=6, xytext=(-6, 0), textcoords="offset points", ha="right", va="center")  # fmt: skip
     b.set_title("One H100 (measured), autoshard's GPT step", fontsize=9)
     fig.suptitle(figure.title(doc, TITLE + " (simulated side rerun)"))
     fig.tight_layout()
