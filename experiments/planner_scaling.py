@@ -121,6 +121,8 @@ def plot(doc: dict):
     xs = [r["gpus"] for r in data["stage_dp"]]
     c.plot(xs, [r["seconds"] for r in data["stage_dp"]], "o-", color="black", gid="stage-dp")
     c.set_xscale("log", base=2)
+    c.set_xticks(xs, [str(x) for x in xs])
+    c.minorticks_off()
     c.set_yscale("log")
     c.set_xlabel("The number of GPUs (simulated)")
     c.set_ylabel("Stage DP time (s)")
@@ -130,7 +132,9 @@ def plot(doc: dict):
         ax.legend(fontsize=7)
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
-    fig.suptitle(figure.title(doc))
+    load = doc.get("machine", {}).get("load_average_1m")
+    fig.suptitle(figure.title(doc, f"{TITLE} (2-core machine, shared: load {load:.0f})"
+                              if load else None))  # fmt: skip
     fig.tight_layout()
     return fig
 

@@ -165,8 +165,11 @@ def plot(doc: dict):
         xlabel="Compiled bytes per device (MiB)", ylabel="Predicted bytes per device (MiB)",
     )  # fmt: skip
     s = doc["data"]["summary"]
+    zeros = sum(1 for _, x, y in byte_points(rows) if not (x > 0 and y > 0))
+    hidden = f"\n({zeros} with a zero on one side: off the log axes)" if zeros else ""
     a.set_title(f"Collectives per (model, mesh, plan, mesh axes): "
-                f"{s['byte_points_within_10_percent']}/{s['byte_points']} within 10%", fontsize=8)  # fmt: skip
+                f"{s['byte_points_within_10_percent']}/{s['byte_points']} within 10%{hidden}",
+                fontsize=8)  # fmt: skip
     figure.truth_scatter(
         b, memory_points(rows),
         xlabel="Compiled peak memory per device (MiB)",
