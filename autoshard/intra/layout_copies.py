@@ -101,7 +101,10 @@ def transposed_dot_lhs(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
     the dot. The largest is the logits gradient's, ``f32[51200, 1024]`` (200 MiB), for
     the embedding's gradient, and it is at XLA's peak on the gpt-350m plans. Dims of size
     one are left out of the order (a transpose that moves only them is a bitcast). The
-    copy is made from the lhs as the dot reads it and freed after the dot."""
+    copy is made from the lhs as the dot reads it and freed after the dot. Not universal:
+    in small single-device programs XLA:CPU runs the weight gradient as a plain ``dot``
+    that reads ``x`` as it is and writes ``g`` transposed from its own fusion instead
+    (docs/truth.md); which it picks was not established."""
     if not mesh.memory_layout.dot_lhs_copies:
         return []
     out = []
