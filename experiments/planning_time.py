@@ -108,7 +108,8 @@ def plot(doc: dict):
         [sum(r["phase_seconds"].values()) for r in rows]
         + [ref["seconds"] for g, ref in doc["data"]["reported"].items() if g in by]
     )
-    ax.set_ylim(smallest / 3, tallest * 5)  # every first phase visible, room for the labels
+    ax.set_ylim(smallest / 3, tallest * 40)  # every first phase visible, room for the labels
+    ax.legend(fontsize=7, ncol=2, loc="upper left")  # above the reported bars' labels
     ax.set_title(f"autoshard's search on {doc['data']['config']['cluster']} + XLA compile; "
                  "hatched: reported, not measured", fontsize=8)  # fmt: skip
     load = doc.get("machine", {}).get("load_average_1m")
