@@ -68,7 +68,7 @@ def main() -> int:
                 )
                 t3 = time.perf_counter()
                 # what exact_search="always" does (it solves the per-demand program again)
-                solved = _solve_exact(exact, demand, mesh, settings, search=True)
+                solved = _solve_exact(exact, demand, mesh, settings)
                 t4 = time.perf_counter()
                 row = dict(
                     model=model, overrides=overrides, mesh=mesh_text, plan=which,

@@ -11,20 +11,18 @@ do not keep every activation split) plan.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import pytest
+from conftest import load_experiment
 
 from autoshard.api import plan_workload
 from autoshard.intra.baselines import BaselineRefusedError
 from autoshard.intra.options import IntraOptions
 
 HIGHS = IntraOptions(solver="highs", time_limit_s=60.0)
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
 
 @pytest.fixture(scope="module")
@@ -88,19 +86,8 @@ def test_other_baselines_plan_moe_tiny_at_batch_8(baseline, mesh):
     assert bound.plan.predicted_peak_bytes > 0
 
 
-def _truth():
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        spec = importlib.util.spec_from_file_location("exp_truth_moe", EXPERIMENTS / "truth.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
-    return module
-
-
 def test_truth_marks_a_refused_baseline_and_counts_it_apart():
-    truth = _truth()
+    truth = load_experiment("truth")
     row = truth.measure("moe-tiny", {"batch_size": 8}, "8", "dp", HIGHS)
     assert row["plan"] == "dp" and "multiple of 16" in row["refused"]
     planned = {

@@ -8,12 +8,11 @@ experiment is run here (they take minutes); `autoshard reproduce --quick` runs t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_experiment
 
 from autoshard.cli.main import main
 from autoshard.cli.reproduce import default_experiments_dir, discover
@@ -30,14 +29,7 @@ EXPECTED = {
 def _script(name: str):
     """The experiment module called ``name`` (imported by path; figure.py beside it)."""
     exp = {e.name: e for e in discover(EXPERIMENTS)}[name]
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        spec = importlib.util.spec_from_file_location(f"exp_{exp.script.stem}", exp.script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
-    return module
+    return load_experiment(exp.script.stem)
 
 
 def _drawn(module, doc):

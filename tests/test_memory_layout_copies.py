@@ -11,8 +11,7 @@ import pytest
 
 from autoshard.hardware.mesh import XLA_CPU_MEMORY, alpa_test_mesh
 from autoshard.intra.layout_copies import transposed_dot_lhs
-from autoshard.intra.memory import IN_PLACE, _data_free_tensors, predicted_live_bytes
-from autoshard.intra.update_zeros import update_zeros
+from autoshard.intra.memory import graph_update_zeros, predicted_live_bytes
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace
 
@@ -77,7 +76,7 @@ def test_xla_holds_the_transposed_logits_gradient_and_the_embedding_zeros(wide_v
     sizes = sorted((b for _, b in live.values), reverse=True)
     assert sizes[:2] == [4 * 2**20, 4 * 2**20]  # the logits gradient, its transposed copy
     assert sizes[2:5] == [2 * 2**20] * 3  # the embedding, its zeros, the dot's result
-    zeros = [z for z in update_zeros(g, _data_free_tensors(g), IN_PLACE) if z.add is not None]
+    zeros = [z for z in graph_update_zeros(g) if z.add is not None]
     vocab = [z for z in zeros if g.tensors[z.zeros].shape == (8192, 64)]
     assert len(vocab) == 1
     assert plan.operand_specs.get(vocab[0].add, {}).get(vocab[0].slot) is not None  # reduced
@@ -109,7 +108,7 @@ def test_the_model_holds_what_xla_holds_at_the_embedding_gradient_dot(wide_vocab
     # the zeros are counted only because the scatter's result is reduced before the add
     add = next(
         z
-        for z in update_zeros(g, _data_free_tensors(g), IN_PLACE)
+        for z in graph_update_zeros(g)
         if z.add is not None and g.tensors[z.zeros].shape == (8192, 64)
     )
     unreduced = {

@@ -5,12 +5,10 @@ Wide-ResNet -- as restricted searches over stage ILPs pinned the baseline's way.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_experiment
 
 from autoshard.api_pipeline import trace_microbatch
 from autoshard.hardware.clusters import load_cluster
@@ -18,19 +16,6 @@ from autoshard.intra.baselines import EXPERT_RULE, baseline_inputs
 from autoshard.ir.spec import Mesh, ShardingSpec
 from autoshard.sim.auto import search_stage_cost
 from autoshard.sim.simulate import simulate
-
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
-
-
-def _weak_scaling():
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        spec = importlib.util.spec_from_file_location("exp_weak", EXPERIMENTS / "weak_scaling.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
-    return module
 
 
 def test_wresnet_is_priced_by_the_search(capsys):
@@ -92,7 +77,7 @@ def test_stage_cost_with_a_baseline_pins_every_stage(moe_graph):
 
 
 def test_baseline_microbatches():
-    ws = _weak_scaling()
+    ws = load_experiment("weak_scaling")
     assert ws.baseline_microbatches(1536, 16) == 48  # 32 images per micro-batch (64: 24)
     assert ws.baseline_microbatches(1024, 8, 1024, 2048) == 64  # 16 sequences: 8 groups
     assert ws.baseline_microbatches(1024, 2, 1024, 2048) == 64
@@ -100,7 +85,7 @@ def test_baseline_microbatches():
 
 
 def test_wresnet_zero_baseline_is_one_data_parallel_stage():
-    ws = _weak_scaling()
+    ws = load_experiment("weak_scaling")
     found = ws.baseline_search("wresnet-tiny", "alpa-v100", 8, 8, "fp16", ("zero2", "zero3"))
     assert found is not None and found["baseline"] in ("zero2", "zero3")
     assert math.isfinite(found["step_time_s"]) and not found["oom"]

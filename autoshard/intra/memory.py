@@ -33,7 +33,13 @@ from autoshard.intra.layout_copies import (
 )
 from autoshard.intra.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.strategies import Strategy
-from autoshard.intra.update_zeros import foldable_zeros, update_zeros, zeros_bytes, zeros_groups
+from autoshard.intra.update_zeros import (
+    UpdateZeros,
+    foldable_zeros,
+    update_zeros,
+    zeros_bytes,
+    zeros_groups,
+)
 from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
@@ -120,6 +126,12 @@ def materialized_tensors(
     return out
 
 
+def graph_update_zeros(graph: Graph) -> list[UpdateZeros]:
+    """:func:`~autoshard.intra.update_zeros.update_zeros` of ``graph``: its in-place
+    updates (:data:`IN_PLACE`) into zeros computed from constants alone."""
+    return update_zeros(graph, _data_free_tensors(graph), IN_PLACE)
+
+
 def _data_free_tensors(graph: Graph) -> set[int]:
     """Tensors computed from literals and constants only, by ops XLA fuses or folds (no
     dots, reductions, gathers, scatters: whatever always writes a buffer)."""
@@ -199,7 +211,7 @@ def live_intervals(
             last = max([pos[c] for c in _readers(graph, t.id, keep)] + [first])
         out[t.id] = (first, last)
     if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
-        for z in update_zeros(graph, _data_free_tensors(graph), IN_PLACE):
+        for z in graph_update_zeros(graph):
             if z.add is None and z.zeros not in out:
                 out[z.zeros] = (0, pos[z.update])
     for node in graph.nodes:  # outputs written into a dying operand's buffer
@@ -395,7 +407,7 @@ def predicted_live_bytes(
     ]
     buffers += [  # zeros an add would absorb, but for a collective in between
         (0, max(0, pos[z.update] - 1), zeros_bytes(graph, z, spec_of[result], mesh))
-        for z in foldable_zeros(graph, mesh, _data_free_tensors(graph), IN_PLACE)
+        for z in foldable_zeros(graph_update_zeros(graph), mesh)
         for result in graph.nodes[z.update].outputs
         if result in spec_of and operand_specs.get(z.add, {}).get(z.slot) is not None
     ]
@@ -484,7 +496,7 @@ def memory_rows(
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
         groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
         groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
-        zeros = foldable_zeros(graph, mesh, _data_free_tensors(graph), IN_PLACE)
+        zeros = foldable_zeros(graph_update_zeros(graph), mesh)
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
@@ -565,6 +577,7 @@ __all__ = [
     "materialized_tensors",
     "memory_rows",
     "mesh_intervals",
+    "graph_update_zeros",
     "predicted_live_bytes",
     "predicted_peak_bytes",
     "program_positions",

@@ -340,14 +340,21 @@ def _stopped(budget: float, gap: float | None) -> str:
     )
 
 
-def _searched(mesh: DeviceMesh, search: str) -> bool:
-    """Whether :attr:`IntraOptions.exact_search` solves the exact program on ``mesh``."""
-    if search == "one-axis":
-        return sum(1 for n in mesh.mesh.shape if n > 1) <= 1
-    return search == "always"
+def _unsolved_because(mesh: DeviceMesh, search: str) -> str | None:
+    """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
+    ``mesh``, or None where it does."""
+    if search == "always":
+        return None
+    if search == "never":
+        return "not solved (exact_search='never')"
+    if sum(1 for n in mesh.mesh.shape if n > 1) <= 1:
+        return None
+    return "not solved on this mesh of several axes (exact_search='one-axis')"
 
 
-def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings, search=True):
+def _solve_exact(
+    ip: IntraProblem, demand: IntraProblem, mesh, settings, unsolved: str | None = None
+):
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
     nodes as XLA's behaviour implies, so the objective is the predicted resharding.
@@ -358,9 +365,10 @@ def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings, search=
     :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
     best plan it found -- the start at worst.  The solution's status says which:
     "optimal" (proven on the exact program), the per-demand status and gap otherwise,
-    with ``exact_stopped`` (and the exact gap) in the plan's solver record.  With
-    ``search`` False the exact program is not solved: the per-demand plan is priced per
-    value (``exact_stopped`` says so where that price is below the per-demand one)."""
+    with ``exact_stopped`` (and the exact gap) in the plan's solver record.  Given
+    ``unsolved`` (why not, :func:`_unsolved_because`) the exact program is not solved: the
+    per-demand plan is priced per value (``exact_stopped`` says so where that price is
+    below the per-demand one)."""
     first = solve(demand.problem, **settings)
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     priced = objective_of(ip.problem, initial)
@@ -369,13 +377,12 @@ def _solve_exact(ip: IntraProblem, demand: IntraProblem, mesh, settings, search=
         # exact program could only find a plan the per-demand one over-charged (0.2-0.7%
         # cheaper where measured, docs/truth.md); not worth its time by default
         return dataclasses.replace(first, strategy=initial, objective=priced)
-    if not search:
+    if unsolved is not None:
         return dataclasses.replace(
             first,
             strategy=initial,
             objective=priced,
-            exact_stopped="not solved on this mesh of several axes (exact_search='one-axis'); "
-            "the per-demand plan is priced per value",
+            exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
         )
     budget = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
     if settings["time_limit_s"] is not None:
@@ -431,8 +438,8 @@ def auto_shard_graph(
         seed=options.seed,
     )
     if ip.values is not None and ip.values.groups:
-        search = _searched(mesh, options.exact_search)
-        solution = _solve_exact(ip, _finish(common, False), mesh, settings, search)
+        unsolved = _unsolved_because(mesh, options.exact_search)
+        solution = _solve_exact(ip, _finish(common, False), mesh, settings, unsolved)
     else:
         solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name=name)

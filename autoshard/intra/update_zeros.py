@@ -68,15 +68,12 @@ def update_zeros(
     return out
 
 
-def foldable_zeros(
-    graph: Graph, mesh: DeviceMesh, data_free: Collection[int], in_place: Collection[str]
-) -> list[UpdateZeros]:
-    """The :class:`~autoshard.intra.update_zeros.UpdateZeros` an add may absorb, on a
-    backend that makes them early (``early_input_reshards``); the others are buffers of
+def foldable_zeros(zeros: list[UpdateZeros], mesh: DeviceMesh) -> list[UpdateZeros]:
+    """Of ``zeros`` (:func:`update_zeros`), those an add may absorb, on a backend that
+    makes them early (``early_input_reshards``); the others are buffers of
     :func:`autoshard.intra.memory.live_intervals`."""
     if not mesh.memory_layout.early_input_reshards:
         return []
-    zeros = update_zeros(graph, data_free, in_place)
     return [z for z in zeros if z.add is not None]
 
 
