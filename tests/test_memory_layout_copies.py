@@ -117,3 +117,75 @@ def test_the_model_holds_what_xla_holds_at_the_embedding_gradient_dot(wide_vocab
     }
     assert at_dot(mesh, unreduced) == at_dot(mesh) - 2 * 2**20  # the zeros, 2 MiB
     assert at_dot(mesh, unreduced) < 0.9 * xla
+
+
+def test_a_backward_conv_copies_a_forward_value_where_it_is_made():
+    """``early_conv_copies``: the transposed copy a weight-gradient conv reads of a forward
+    activation is made at the activation's producer (XLA:CPU schedules it in the forward
+    pass); a copy of a backward value is still made at its conv."""
+    from autoshard.intra.layout_copies import transposed_conv_values
+
+    graph = trace_workload_graph("wresnet-tiny", num_layers=8)
+    cpu = alpa_test_mesh((8,), ("data",), XLA_CPU_MEMORY)
+    late = alpa_test_mesh(
+        (8,), ("data",), dataclasses.replace(XLA_CPU_MEMORY, early_conv_copies=False)
+    )
+    early_copies, late_copies = (
+        transposed_conv_values(graph, cpu),
+        transposed_conv_values(graph, late),
+    )
+    assert [(t, b) for t, _, b in early_copies] == [(t, b) for t, _, b in late_copies]
+    moved = 0
+    for (tid, first, conv), (_, first_late, _) in zip(early_copies, late_copies):
+        producer = graph.tensors[tid].producer
+        forward_value = producer is not None and graph.nodes[producer].phase == "forward"
+        if forward_value and graph.nodes[conv].phase == "backward":
+            assert first == producer < conv
+            moved += 1
+        else:
+            assert first == first_late
+    assert moved >= 8  # one per weight-gradient conv of the 8 convolutions
+
+
+@pytest.fixture(scope="module")
+def wresnet_megatron_2x4():
+    """wresnet-tiny (two blocks), the Megatron baseline on 2x4 (channels split over
+    ``model``), SGD, compiled: the plan gathers activations for the weight gradients."""
+    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.intra.baselines import baseline_inputs, baseline_options
+    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.verify.check import verify_plan
+
+    traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
+    mesh = device_mesh_for((2, 4), ("data", "model"))
+    options = IntraOptions(solver="highs", time_limit_s=60)
+    options = baseline_options(options, mesh.mesh, "megatron")
+    pinned = baseline_inputs(traced.graph, mesh.mesh, "megatron")
+    plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name="megatron")
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
+    return traced.graph, mesh, plan, report
+
+
+def test_wresnet_2x4_memory_needs_the_early_conv_copies(wresnet_megatron_2x4):
+    """With the copies made in the forward pass the model is within 10% of XLA's
+    allocation (-8.0% on 2026-11-25); with them made at their convs, more than 10% under
+    (-21.9%)."""
+    g, mesh, plan, report = wresnet_megatron_2x4
+    spec_of = dict(zip(g.inputs, plan.input_specs))
+    spec_of.update(plan.tensor_specs)
+    xla = report.compiled_peak_bytes
+    assert plan.predicted_peak_bytes == max(
+        predicted_live_bytes(g, spec_of, mesh, plan.operand_specs)
+    )
+    assert abs(plan.predicted_peak_bytes - xla) <= 0.10 * xla, (plan.predicted_peak_bytes, xla)
+    late = dataclasses.replace(
+        mesh, memory_layout=dataclasses.replace(mesh.memory_layout, early_conv_copies=False)
+    )
+    assert max(predicted_live_bytes(g, spec_of, late, plan.operand_specs)) < 0.9 * xla
+
+
+def trace_workload_graph(name: str, **overrides):
+    from autoshard.api import trace_workload
+
+    return trace_workload(name, optimizer="sgd", **overrides).graph

@@ -67,6 +67,10 @@ class MemoryLayout:
     # gradients of a conv are) reads a transposed copy of each and writes its result
     # through one. The memory model counts those copies at the conv.
     conv_layout_copies: bool = False
+    # XLA:CPU's scheduler makes a backward conv's transposed copy of a forward value (a
+    # weight gradient's activation) in the forward pass, as soon as the value exists, and
+    # keeps it to the conv (wresnet-tiny, docs/truth.md). The memory model counts it so.
+    early_conv_copies: bool = False
     # XLA:CPU copies a split weight that a batched dot reads in a non-canonical layout
     # (the backward dots of MoE expert weights [E, h, f], contracting f) into a transposed
     # buffer of its own, made at the start of the step (measured on moe-tiny, docs/moe.md).
@@ -88,6 +92,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     late_updates=True,
     early_input_reshards=True,
     conv_layout_copies=True,
+    early_conv_copies=True,
     batched_dot_weight_copies=True,
     dot_lhs_copies=True,
 )

@@ -66,10 +66,17 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
     value, made just before the conv and freed after it -- or, for a program input (the
     images, a kernel) with ``early_input_reshards``, made at the start of the step (seen
     in the compiled wresnet-tiny step: ``transpose_copy_fusion`` buffers beside each
-    gradient conv, the images' from the start to the stem's weight gradient)."""
-    if not mesh.memory_layout.conv_layout_copies:
+    gradient conv, the images' from the start to the stem's weight gradient). With
+    ``early_conv_copies`` a backward conv's copy of a value the forward pass makes is
+    made where the value is, and kept to the conv: in the compiled wresnet-tiny step on
+    8 devices every ``transpose_copy_fusion`` of a weight gradient's activation is born
+    in the forward pass (``transpose_copy_fusion.19``: positions 57-228 of XLA's 409, its
+    conv at 228), and on 2x4 (the ILP's plan) five such 8-16 KiB copies are live at XLA's
+    peak in the backward pass."""
+    layout = mesh.memory_layout
+    if not layout.conv_layout_copies:
         return []
-    early = set(graph.inputs) if mesh.memory_layout.early_input_reshards else set()
+    early = set(graph.inputs) if layout.early_input_reshards else set()
     out = []
     for node in graph.nodes:
         if node.primitive != "conv_general_dilated":
@@ -85,8 +92,25 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
         values = (node.inputs[0], node.inputs[1], node.outputs[0])
         for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
             if tuple(spec) != want:
-                out.append((tid, 0 if tid in early else node.index, node.index))
+                out.append((tid, _conv_copy_start(graph, tid, node, early, layout), node.index))
     return out
+
+
+def _conv_copy_start(graph: Graph, tid: int, conv, early: set[int], layout) -> int:
+    """Node index where :func:`transposed_conv_values`' copy of ``tid`` for ``conv`` is
+    made: the start of the step for a program input made early, the value's producer for
+    a forward value read by a backward conv (``early_conv_copies``), else the conv."""
+    if tid in early:
+        return 0
+    producer = graph.tensors[tid].producer
+    if (
+        layout.early_conv_copies
+        and producer is not None
+        and conv.phase != "forward"
+        and graph.nodes[producer].phase == "forward"
+    ):
+        return producer
+    return conv.index
 
 
 def transposed_dot_lhs(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
