@@ -189,3 +189,41 @@ def trace_workload_graph(name: str, **overrides):
     from autoshard.api import trace_workload
 
     return trace_workload(name, optimizer="sgd", **overrides).graph
+
+
+def test_a_forward_value_gathered_for_weight_gradients_is_gathered_early():
+    """``early_backward_operand_reshards``: gpt-tiny's ZeRO-2 plan on 2x4 (AdamW) gathers
+    MLP activations over ``model`` for their weight gradients only; XLA:CPU makes those
+    copies in the forward pass and keeps them to the backward dots. With the rule the
+    model is within 10% of XLA's allocation (+3.8% on 2026-11-25), without it more than
+    10% under (-13.1%)."""
+    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.intra.baselines import baseline_inputs, baseline_options
+    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.reshard_copies import _backward_operand
+    from autoshard.verify.check import verify_plan
+
+    traced = trace_workload("gpt-tiny", optimizer="adamw")
+    g = traced.graph
+    mesh = device_mesh_for((2, 4), ("data", "model"))
+    options = baseline_options(IntraOptions(solver="highs", time_limit_s=60), mesh.mesh, "zero2")
+    pinned = baseline_inputs(g, mesh.mesh, "zero2")
+    plan = auto_shard_graph(g, mesh, options, pinned_inputs=pinned, name="zero2")
+    readers: dict[tuple, list[int]] = {}
+    for node, slots in plan.operand_specs.items():
+        for slot, spec in slots.items():
+            readers.setdefault((g.nodes[node].inputs[slot], spec), []).append(node)
+    assert any(_backward_operand(g, tid, rs) for (tid, _), rs in readers.items())
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
+    xla = report.compiled_peak_bytes
+    assert abs(plan.predicted_peak_bytes - xla) <= 0.10 * xla, (plan.predicted_peak_bytes, xla)
+    spec_of = dict(zip(g.inputs, plan.input_specs))
+    spec_of.update(plan.tensor_specs)
+    late = dataclasses.replace(
+        mesh,
+        memory_layout=dataclasses.replace(
+            mesh.memory_layout, early_backward_operand_reshards=False
+        ),
+    )
+    assert max(predicted_live_bytes(g, spec_of, late, plan.operand_specs)) < 0.9 * xla

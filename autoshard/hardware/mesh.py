@@ -71,6 +71,10 @@ class MemoryLayout:
     # weight gradient's activation) in the forward pass, as soon as the value exists, and
     # keeps it to the conv (wresnet-tiny, docs/truth.md). The memory model counts it so.
     early_conv_copies: bool = False
+    # Likewise a forward value resharded for backward dots or convs only (a weight
+    # gradient's activation, all-gathered) is resharded in the forward pass, right after
+    # the value, and kept to them (gpt-tiny and moe-tiny, docs/truth.md).
+    early_backward_operand_reshards: bool = False
     # XLA:CPU copies a split weight that a batched dot reads in a non-canonical layout
     # (the backward dots of MoE expert weights [E, h, f], contracting f) into a transposed
     # buffer of its own, made at the start of the step (measured on moe-tiny, docs/moe.md).
@@ -93,6 +97,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     early_input_reshards=True,
     conv_layout_copies=True,
     early_conv_copies=True,
+    early_backward_operand_reshards=True,
     batched_dot_weight_copies=True,
     dot_lhs_copies=True,
 )
