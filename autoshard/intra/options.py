@@ -49,14 +49,16 @@ class IntraOptions:
     :mod:`autoshard.intra.value_edges`), so a plan's objective is the cost of its
     predicted collectives.  The exact program starts from the plan of the cheaper
     per-demand program (False: that plan alone; one edge per distinct demand on a value,
-    which can charge a resharding twice) and gets half its solve time, at least 0.5 s, to
-    improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
+    which can charge a resharding twice) and gets 200 branch-and-bound nodes (a budget
+    that does not depend on the machine's load; its time capped at the per-demand solve's,
+    at least 5 s) to improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
     presolve off (2-4x faster to the same optimum on the GPT presets), the exact one with
     it on (it improved its start more often so).
 
     ``exact_search``: where the exact program is *solved* (with ``exact_values``):
-    "one-axis" (the default) on meshes with at most one axis longer than 1, where it
-    proves its optimum in seconds and finds cheaper plans than its start; on meshes of
+    "one-axis" (the default) on meshes with at most one axis longer than 1 and without a
+    memory budget, where it proves its optimum in seconds and finds cheaper plans than its
+    start (with a budget's memory rows its root node alone can take minutes); on meshes of
     two or more such axes the per-demand plan is kept and priced per value (its objective
     is still its predicted cost), because there the exact solve improved none of the 32
     over-charged plans of the verifier's suites on 2x4 and 4x2 within its budget and took
