@@ -93,6 +93,7 @@ class IntraOptions:
     merge_elementwise: bool = False
     share_layers: bool = True
     layer_period: int = 2
+    layer_ends: bool = False
     memory_budget_bytes: float | None = None
     cost: CostOptions | None = None
     force_batch_dim_to_mesh_axis: str | None = None
@@ -133,6 +134,8 @@ class IntraOptions:
                 f"force_batch_dim_to_mesh_axis={axis!r}: give a mesh axis name, or None"
             )
 
+        if not isinstance(self.layer_ends, bool):
+            raise TypeError(f"layer_ends must be True or False, got {self.layer_ends!r}")
         if not isinstance(self.exact_values, bool):
             raise TypeError(f"exact_values must be True or False, got {self.exact_values!r}")
         if self.exact_search not in EXACT_SEARCH:

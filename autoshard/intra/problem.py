@@ -280,7 +280,7 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
             graph, strategies, producer, n_in, ties, follow_deepest=options.merge_elementwise
         )
     if options.share_layers:
-        layer_ties(graph, strategies, n_in, ties, options.layer_period)
+        layer_ties(graph, strategies, n_in, ties, options.layer_period, options.layer_ends)
     notes: tuple[str, ...] = ()
     if options.shard_largest_dim:  # after the ties: only the operators that choose
         notes = shard_largest_dims(graph, strategies, node_costs, n_in, mesh.mesh, ties)
