@@ -15,7 +15,8 @@ Problem-size reductions, all exact with respect to the plans they allow (written
 * identical layers -- every node of a layer whose equations have the same primitives and
   shapes as an earlier layer's shares the variables of the layer ``layer_period`` (2)
   places before it in that run (on by default), so the number of variables does not grow
-  with depth and alternating plans stay reachable;
+  with depth and alternating plans stay reachable (``layer_ends``: the first and last layer
+  of the run untied, the rest tied among themselves);
 * aliases -- a parameter or optimizer-state input and its updated output are forced to
   the same spec (an edge whose other pairs cost infinity).
 

@@ -6,7 +6,8 @@ place, what makes the problem small and its answer unique:
 * :func:`follower_ties` -- a light op with one array operand takes the strategy that
   matches its operand's (exact: the op has no other way to avoid a resharding);
 * :func:`layer_ties` -- every node of a layer identical to an earlier one (same primitives
-  and shapes) shares that layer's variables, and so do its parameters;
+  and shapes) shares that layer's variables, and so do its parameters (optionally but the
+  first and last of each run);
 * :func:`apply_alpa_options` -- Alpa's ``AutoShardingOption`` knobs as forbidden strategies;
 * :func:`shard_largest_dims` -- ``shard_largest_dim``: every operator keeps only the
   strategies that split the largest dimension of its output (Alpa's heuristic baseline);
