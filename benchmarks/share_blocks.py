@@ -8,13 +8,14 @@ unshared plan would cost once projected onto each tie structure (every tie root 
 its unshared choice; a structure that holds the unshared plan projects to its objective).
 
     python benchmarks/share_blocks.py --model gpt-tiny --layers 4 --mesh 2x4
-        [--sharing period-2] [--time-limit 300] [--out share_blocks.json]
+        [--sharing "ends + period 2"] [--time-limit 300] [--out share_blocks.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 
@@ -73,7 +74,7 @@ def main() -> None:
     n_in = shared_ip.num_inputs
     strategies = unshared_ip.strategies
     doc: dict = {
-        "command": " ".join(["python"] + sys.argv),
+        "command": shlex.join(["python", *sys.argv]),
         "time": time.strftime("%F %T"),
         "shared": {"sharing": args.sharing, "objective": shared.objective,
                    "status": shared.status, "solve_s": t1 - t0},
@@ -118,10 +119,7 @@ def main() -> None:
     print("unshared plan, layers alike:", alike)
     projections = {}
     for label, changes in STRUCTURES.items():
-        try:
-            ip = build_problem(graph, mesh, base.replace(**changes))
-        except TypeError:
-            continue  # an option this checkout does not have
+        ip = build_problem(graph, mesh, base.replace(**changes))
         plan = _projected(ip.problem, unshared.strategy)
         projections[label] = {
             "objective": objective_of(ip.problem, plan),
