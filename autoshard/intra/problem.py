@@ -15,7 +15,8 @@ Problem-size reductions, all exact with respect to the plans they allow (written
 * identical layers -- every node of a layer whose equations have the same primitives and
   shapes as an earlier layer's shares the variables of the layer ``layer_period`` (2)
   places before it in that run (on by default), so the number of variables does not grow
-  with depth and alternating plans stay reachable;
+  with depth and alternating plans stay reachable (``layer_ends``: the first and last layer
+  of the run untied, the rest tied among themselves);
 * aliases -- a parameter or optimizer-state input and its updated output are forced to
   the same spec (an edge whose other pairs cost infinity).
 
@@ -280,7 +281,7 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
             graph, strategies, producer, n_in, ties, follow_deepest=options.merge_elementwise
         )
     if options.share_layers:
-        layer_ties(graph, strategies, n_in, ties, options.layer_period)
+        layer_ties(graph, strategies, n_in, ties, options.layer_period, options.layer_ends)
     notes: tuple[str, ...] = ()
     if options.shard_largest_dim:  # after the ties: only the operators that choose
         notes = shard_largest_dims(graph, strategies, node_costs, n_in, mesh.mesh, ties)
