@@ -7,11 +7,12 @@ the per-demand one and the per-value one started from its plan), total planning 
 devices as the mesh has.  Writes benchmarks/results/bench_intra.json.
 
     python benchmarks/bench_intra.py [--models gpt-350m gpt-1.3b ...] [--meshes 2x4 8x8]
-        [--solver cbc] [--merge-elementwise] [--layer-period 1] [--per-demand-pricing]
+        [--solver cbc] [--merge-elementwise] [--layer-period 1] [--[no-]layer-ends]
+        [--per-demand-pricing]
         [--no-compile] [--repeat 3]
 
-Without ``--solver``, ``--merge-elementwise`` or ``--layer-period`` it plans with the
-planner's defaults (:class:`~autoshard.intra.options.IntraOptions`).
+Without ``--solver``, ``--merge-elementwise``, ``--layer-period`` or ``--layer-ends`` it
+plans with the planner's defaults (:class:`~autoshard.intra.options.IntraOptions`).
 
 With ``--repeat N`` every (mesh, model) is planned and compiled N times in the same
 process; each row reports the median of every timing and keeps the N runs under ``runs``.
@@ -49,6 +50,7 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
         solver=args.solver or defaults.solver,
         merge_elementwise=defaults.merge_elementwise or args.merge_elementwise,
         layer_period=args.layer_period or defaults.layer_period,
+        layer_ends=defaults.layer_ends if args.layer_ends is None else args.layer_ends,
         cost=CostOptions(tie_breakers=args.cluster is None),
     )
     options = options.replace(time_limit_s=args.time_limit)
@@ -74,6 +76,7 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
         "solver": options.solver,
         "merge_elementwise": options.merge_elementwise,
         "layer_period": options.layer_period,
+        "layer_ends": options.layer_ends,
         "exact_values": options.exact_values,
         "solver_status": sol["status"],
         "exact_stopped": sol.get("exact_stopped"),
@@ -96,6 +99,12 @@ def main() -> None:
     ap.add_argument("--solver", default=None, help="cbc or highs (default: the planner's)")
     ap.add_argument(
         "--layer-period", type=int, default=None, help="identical layers tied p at a time"
+    )
+    ap.add_argument(
+        "--layer-ends",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="first and last layer of each run untied (default: the planner's)",
     )
     ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--no-compile", action="store_true")

@@ -1,13 +1,15 @@
 """Layer sharing against no sharing: objective, problem size and solve time (issue #14).
 
-For each case (model, layers, mesh) plans three ways -- identical layers tied one at a
-time (``layer_period=1``), two at a time (``layer_period=2``, the default) and not at all
+For each case (model, layers, mesh) plans four ways -- identical layers tied one at a
+time (``layer_period=1``), two at a time (``layer_period=2``), two at a time between the
+untied first and last layer of each run (``layer_ends=True``) and not at all
 (``share_layers=False``) -- on Alpa's test mesh, and records each plan's objective
-(relative units), its ILP roots and the solve time.  Sharing is exact on a case when the
+(relative units), its ILP roots and variables and the solve time.  The unshared solve
+starts from the ends-untied plan (so it is never dearer than that plan).  Sharing is exact on a case when the
 shared objective equals the unshared one.  Writes benchmarks/results/bench_sharing.json.
 
     python benchmarks/bench_sharing.py [--cases mlp:6:1x4 gpt-tiny:4:2x4 ...]
-        [--solver highs] [--merge-elementwise] [--time-limit 600]
+        [--solver highs] [--merge-elementwise] [--time-limit 300]
 """
 
 from __future__ import annotations
@@ -18,10 +20,18 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_CASES = ("mlp:6:1x4", "mlp:6:4x1", "gpt-tiny:2:2x4", "gpt-tiny:4:2x4")
+DEFAULT_CASES = (
+    "mlp:6:1x4",
+    "mlp:6:4x1",
+    "gpt-tiny:2:2x4",
+    "gpt-tiny:4:2x4",
+    "gpt-tiny:6:2x4",
+    "gpt-tiny:4:1x8",
+)
 WAYS = {
-    "period 1": {"layer_period": 1},
-    "period 2": {"layer_period": 2},
+    "period 1": {"layer_period": 1, "layer_ends": False},
+    "period 2": {"layer_period": 2, "layer_ends": False},
+    "ends, period 2": {"layer_period": 2, "layer_ends": True},
     "unshared": {"share_layers": False},
 }
 
@@ -39,17 +49,22 @@ def _case(args, text: str) -> dict:
     shape = tuple(int(s) for s in mesh_text.split("x"))
     mesh = alpa_test_mesh(shape, ("data", "model"))
     row: dict = {"case": text, **sizes}
+    start = None
     for way, changes in WAYS.items():
         options = IntraOptions(solver=args.solver, merge_elementwise=args.merge_elementwise)
         ip = build_problem(traced.graph, mesh, options.replace(**changes))
         t0 = time.perf_counter()
-        sol = solve(ip.problem, solver=args.solver, time_limit_s=args.time_limit)
+        sol = solve(ip.problem, solver=args.solver, time_limit_s=args.time_limit, initial=start)
         row[way] = {
             "objective": sol.objective,
             "status": sol.status,
+            "gap": sol.gap,
             "roots": len(set(resolve_ties(ip.problem)[0])),
+            "variables": sol.num_variables,
             "solve_s": time.perf_counter() - t0,
         }
+        if way == "ends, period 2":
+            start = sol.strategy
     return row
 
 
@@ -58,7 +73,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="model:layers:mesh")
     ap.add_argument("--solver", default="highs")
     ap.add_argument("--merge-elementwise", action="store_true")
-    ap.add_argument("--time-limit", type=float, default=600.0)
+    ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_sharing.json"))
     args = ap.parse_args()
     rows = []

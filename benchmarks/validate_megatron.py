@@ -51,9 +51,10 @@ def device_of(run: PublishedRun) -> str:
     return table_of(run).split("-")[0]
 
 
-def price(run: PublishedRun, table: GemmTable | None = None) -> dict:
+def price(run: PublishedRun, table: GemmTable | None = None, elementwise: str = "fused") -> dict:
     """Predicted figure of ``run`` (``table``: a GEMM table to use instead of the shipped
-    one) and the throughput error against the published figure."""
+    one; ``elementwise``: a structure of ``autoshard.sim.megatron.ELEMENTWISE_PASSES``) and
+    the throughput error against the published figure."""
     model = GPTShape(run.hidden, run.layers, run.heads, run.vocab, run.seq_len)
     cfg = MegatronConfig(
         tp=run.tp,
@@ -65,6 +66,7 @@ def price(run: PublishedRun, table: GemmTable | None = None) -> dict:
         sequence_parallel=run.sequence_parallel,
         virtual_stages=run.virtual_stages,
         dtype=run.dtype,
+        elementwise=elementwise,
     )
     result = simulate_megatron(model, cfg, load_cluster(run.cluster, num_gpus=run.gpus), table)
     predicted = {

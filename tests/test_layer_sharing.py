@@ -17,7 +17,7 @@ import pytest
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.baselines import baseline_inputs, baseline_options
-from autoshard.intra.ilp import resolve_ties
+from autoshard.intra.ilp import resolve_ties, solve
 from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import auto_shard_graph, build_problem
 from autoshard.verify.check import verify_plan
@@ -78,16 +78,68 @@ def test_shared_layers_find_alpas_alternating_mlp_plan_at_the_unshared_optimum(s
     assert math.isclose(exact["shared"], shared.objective, rel_tol=1e-4), (exact, shared.objective)
 
 
+def _per_demand(traced, mesh, **changes):
+    ip = build_problem(traced.graph, mesh, HIGHS.replace(**changes))
+    return solve(ip.problem, solver="highs", time_limit_s=300)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, layers",
+    [((1, 8), 6), pytest.param((2, 4), 6, marks=pytest.mark.slow)],
+)
+def test_ends_untied_sharing_reaches_the_proven_unshared_optimum(mesh_shape, layers):
+    """gpt-tiny's first block reads the embedding's output and is best placed unlike the
+    others (its ln_1 keeps the batch whole); period 2 ties block 2 to it and loses 1.3%
+    (1x8) and 1.4% (2x4; docs/sharing.md).  With the ends of the run untied the shared
+    program's optimum is the unshared one, proven."""
+    traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=layers)
+    mesh = alpa_test_mesh(mesh_shape, ("data", "model"))
+    ends = _per_demand(traced, mesh, layer_ends=True)
+    unshared = _per_demand(traced, mesh, share_layers=False)
+    period_2 = _per_demand(traced, mesh, layer_ends=False)
+    assert unshared.status == "optimal" and unshared.gap == 0.0
+    assert ends.status == "optimal"
+    assert math.isclose(ends.objective, unshared.objective, rel_tol=1e-9), (ends, unshared)
+    assert period_2.objective > unshared.objective * 1.01  # what the ends cost period 2
+
+
 def test_shared_problem_size_does_not_grow_with_depth():
     mesh = alpa_test_mesh((1, 4), ("data", "model"))
     sizes = {layers: _roots(_mlp(layers), mesh, HIGHS) for layers in (4, 6, 10)}
     assert len(set(sizes.values())) == 1, sizes
 
 
+def test_ends_untied_problem_size_does_not_grow_with_depth():
+    """With the first and last block of the run untied, gpt-tiny is planned as
+    ``period + 2`` blocks whatever its depth: from 4 blocks on, the roots stay put."""
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    gpts = {n: trace_workload("gpt-tiny", optimizer="sgd", num_layers=n) for n in (4, 6, 10)}
+    deep, n_in = gpts[10], len(gpts[6].graph.inputs)
+    unshared = _roots(deep, mesh, HIGHS.replace(share_layers=False))
+    for period in (1, 2):
+        ends = HIGHS.replace(layer_period=period, layer_ends=True)
+        sizes = {n: _roots(traced, mesh, ends) for n, traced in gpts.items()}
+        assert len(set(sizes.values())) == 1, (period, sizes)
+        # which blocks hold the roots: the first, the last and ``period`` between them
+        graph = gpts[6].graph
+        roots = set(resolve_ties(build_problem(graph, mesh, ends).problem)[0])
+        holding = {graph.nodes[r - n_in].layer for r in roots if r >= n_in}
+        blocks = sorted(b for b in holding if b is not None and b.startswith("block_"))
+        assert blocks == [f"block_{k}" for k in [0, *range(1, 1 + period), 5]], blocks
+        # two more blocks' worth than the plain tying, far fewer than all ten blocks
+        plain = _roots(deep, mesh, HIGHS.replace(layer_period=period, layer_ends=False))
+        assert plain < sizes[10] < unshared, (period, plain, sizes, unshared)
+    # 4 blocks, period 2: each block its own representative, the unshared problem
+    assert sizes[4] == _roots(gpts[4], mesh, HIGHS.replace(share_layers=False))
+
+
 def test_layer_period_is_validated():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="layer_period"):
             IntraOptions(layer_period=bad)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="layer_ends"):
+            IntraOptions(layer_ends=bad)
     with pytest.raises(ValueError, match="data_parallel_axes"):
         IntraOptions(data_parallel_axes="data")
 
@@ -163,3 +215,18 @@ def test_cli_refuses_a_layer_period_below_one_with_exit_status_2():
     assert out.returncode == 2
     assert "layer_period=0: give an integer >= 1" in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_cli_layer_ends_flag_sets_the_option():
+    from autoshard.cli.args import intra_options
+    from autoshard.cli.main import build_parser
+
+    def options(*flags):
+        args = build_parser().parse_args(
+            ["plan", "--model", "mlp", "--solver", "highs", "--time-limit", "60", *flags]
+        )
+        return intra_options(args)
+
+    assert options().layer_ends is IntraOptions().layer_ends  # the planner's default
+    assert options("--layer-ends").layer_ends is True
+    assert options("--no-layer-ends").layer_ends is False

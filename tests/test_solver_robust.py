@@ -57,3 +57,70 @@ def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "autoshard: error:" in proc.stderr and "--time-limit" in proc.stderr
+
+
+def _frustrated_problem():
+    """Ten nodes, every pair joined by a random resharding matrix: the LP relaxation is not
+    integral, so HiGHS branches (3 nodes to its proof here)."""
+    import numpy as np
+
+    from autoshard.intra.ilp import ShardingProblem
+    from autoshard.intra.ilp.problem import EdgeCost
+
+    rng = np.random.default_rng(0)
+    n, k = 10, 3
+    edges = tuple(
+        EdgeCost(i, j, rng.uniform(0, 10, (k, k)).round(3).tolist())
+        for i in range(n)
+        for j in range(i + 1, n)
+    )
+    costs = tuple(tuple(rng.uniform(0, 1, k).round(3)) for _ in range(n))
+    return ShardingProblem((k,) * n, costs, edges)
+
+
+def test_node_limit_stops_at_the_same_plan_and_says_which_limit():
+    """max_nodes, what the exact program's budget is made of (a time budget made the plan
+    depend on the machine's load): reaching it keeps the best plan found, the same plan on
+    every run, and the warning names the node limit, not the time limit."""
+    import warnings
+
+    from autoshard.intra.ilp import SolverTimeLimitWarning, solve
+
+    problem = _frustrated_problem()
+    free = solve(problem, solver="highs", merge=False, time_limit_s=None)
+    assert free.status == "optimal" and free.nodes > 1  # it had to branch
+    runs = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs.append(solve(problem, solver="highs", merge=False, time_limit_s=None, max_nodes=1))
+        (warning,) = [w for w in caught if issubclass(w.category, SolverTimeLimitWarning)]
+        assert "max_nodes=1" in str(warning.message) and "time_limit" not in str(warning.message)
+    assert runs[0].status == "time_limit" and runs[0].limit == "nodes"
+    assert runs[0].strategy == runs[1].strategy  # where it stops does not depend on time
+    assert runs[0].objective >= free.objective
+    enough = solve(problem, solver="highs", merge=False, time_limit_s=None, max_nodes=10**6)
+    assert enough.status == "optimal" and enough.strategy == free.strategy
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_nodes"):
+            solve(problem, solver="highs", max_nodes=bad)
+
+
+def test_exact_program_proves_its_optimum_whatever_the_load():
+    """gpt-tiny's zero3 and megatron plans on 8 devices: the per-demand program over-charges
+    them, and the exact program's root node takes about a second. Its old budget (half the
+    per-demand solve's time, at least 0.5 s) stopped it mid-root on a loaded machine, with
+    plans 25-29% dearer (2026-11-25); the node budget lets it prove its optimum."""
+    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.intra.baselines import baseline_inputs, baseline_options
+    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem import auto_shard_graph
+
+    traced = trace_workload("gpt-tiny", optimizer="sgd")
+    mesh = device_mesh_for((8,), ("data",))
+    for which in ("zero3", "megatron"):
+        options = baseline_options(IntraOptions(solver="highs"), mesh.mesh, which)
+        pinned = baseline_inputs(traced.graph, mesh.mesh, which)
+        plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name=which)
+        assert plan.solver["exact_stopped"] is None, plan.solver["exact_stopped"]
+        assert plan.solver["status"] == "optimal"

@@ -218,6 +218,24 @@ def test_exact_search_one_axis_prices_the_per_demand_plan_on_a_2d_mesh():
     assert always.objective <= plan.objective * (1 + 1e-9)
 
 
+def test_exact_search_one_axis_does_not_solve_under_a_memory_budget():
+    """With a memory budget the exact program's root node can take minutes, so the default
+    prices the per-demand plan instead, says why, and stays within the budget; "always"
+    still solves it and is never dearer."""
+    graph, mesh, options, pinned = _mlp_zero3((4,))
+    free = auto_shard_graph(graph, mesh, options, pinned_inputs=pinned)
+    budget = 1.5 * free.predicted_peak_bytes
+    budgeted = options.replace(memory_budget_bytes=budget)
+    plan = auto_shard_graph(graph, mesh, budgeted, pinned_inputs=pinned)
+    assert "not solved under a memory budget" in plan.solver["exact_stopped"]
+    assert plan.predicted_peak_bytes <= budget
+    always = auto_shard_graph(
+        graph, mesh, budgeted.replace(exact_search="always"), pinned_inputs=pinned
+    )
+    assert "not solved" not in (always.solver["exact_stopped"] or "")
+    assert always.objective <= plan.objective * (1 + 1e-9)
+
+
 def test_exact_search_one_axis_solves_on_a_1d_mesh():
     graph, mesh, options, pinned = _mlp_zero3((4,))
     plan = auto_shard_graph(graph, mesh, options, pinned_inputs=pinned)

@@ -135,6 +135,13 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         "1: every identical layer shares the first's plan)",
     )
     p.add_argument(
+        "--layer-ends",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="leave the first and last layer of each run of identical layers untied and tie "
+        "the layers between them P at a time (P + 2 layers planned whatever the depth)",
+    )
+    p.add_argument(
         "--no-mixed-mesh-shape",
         action="store_true",
         help="split each tensor dimension over at most one mesh axis "
@@ -152,8 +159,8 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         choices=EXACT_SEARCH,
         default="one-axis",
         help="where the per-value program is solved from the per-demand plan: on meshes "
-        "with one axis > 1 (one-axis, the default; elsewhere the per-demand plan is priced "
-        "per value), on every mesh (always: slower, has not improved a plan on a 2-D mesh "
+        "with one axis > 1 and no --memory-budget (one-axis, the default; elsewhere the "
+        "per-demand plan is priced per value), on every mesh (always: slower, has not improved a plan on a 2-D mesh "
         "yet), or never",
     )
 
@@ -164,6 +171,7 @@ def intra_options(args):
     from autoshard.intra.options import IntraOptions
 
     budget = getattr(args, "memory_budget", None)
+    ends = getattr(args, "layer_ends", None)  # None: the planner's default
     return IntraOptions(
         solver=args.solver,
         time_limit_s=args.time_limit,
@@ -172,6 +180,7 @@ def intra_options(args):
         force_batch_dim_to_mesh_axis=getattr(args, "force_batch_axis", None),
         allow_mixed_mesh_shape=not getattr(args, "no_mixed_mesh_shape", False),
         layer_period=getattr(args, "layer_period", 2),
+        **({} if ends is None else {"layer_ends": ends}),
         exact_values=not getattr(args, "per_demand_pricing", False),
         exact_search=getattr(args, "exact_search", "one-axis"),
     )

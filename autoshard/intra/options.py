@@ -36,7 +36,12 @@ class IntraOptions:
     ties identical layers so that the problem does not grow with depth, ``layer_period``
     at a time (the k-th of a run of identical layers shares the (k mod period)-th's
     variables): 2 (the default) reaches alternating plans such as Alpa's column/row MLP,
-    1 ties every identical layer to the first; ``memory_budget_bytes`` bounds the predicted
+    1 ties every identical layer to the first; ``layer_ends`` leaves the first and last
+    layer of each run untied and ties the layers between them ``layer_period`` at a time
+    (gpt-tiny's first block, which reads the embedding, is best placed unlike the others:
+    period 2 alone missed the proven unshared optimum by 1.3-1.8%, ends untied reached it
+    on every case measured; off by default: 1.8x the variables, and planning 1.31x XLA's
+    compile on gpt-350m 2x4, docs/sharing.md); ``memory_budget_bytes`` bounds the predicted
     peak per device (None: no bound).
 
     ``cost``: the collective cost formulas' knobs; None picks Alpa's tie-breaking
@@ -49,14 +54,16 @@ class IntraOptions:
     :mod:`autoshard.intra.value_edges`), so a plan's objective is the cost of its
     predicted collectives.  The exact program starts from the plan of the cheaper
     per-demand program (False: that plan alone; one edge per distinct demand on a value,
-    which can charge a resharding twice) and gets half its solve time, at least 0.5 s, to
-    improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
+    which can charge a resharding twice) and gets 200 branch-and-bound nodes (a budget
+    that does not depend on the machine's load; its time capped at the per-demand solve's,
+    at least 5 s) to improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
     presolve off (2-4x faster to the same optimum on the GPT presets), the exact one with
     it on (it improved its start more often so).
 
     ``exact_search``: where the exact program is *solved* (with ``exact_values``):
-    "one-axis" (the default) on meshes with at most one axis longer than 1, where it
-    proves its optimum in seconds and finds cheaper plans than its start; on meshes of
+    "one-axis" (the default) on meshes with at most one axis longer than 1 and without a
+    memory budget, where it proves its optimum in seconds and finds cheaper plans than its
+    start (with a budget's memory rows its root node alone can take minutes); on meshes of
     two or more such axes the per-demand plan is kept and priced per value (its objective
     is still its predicted cost), because there the exact solve improved none of the 32
     over-charged plans of the verifier's suites on 2x4 and 4x2 within its budget and took
@@ -93,6 +100,7 @@ class IntraOptions:
     merge_elementwise: bool = False
     share_layers: bool = True
     layer_period: int = 2
+    layer_ends: bool = False
     memory_budget_bytes: float | None = None
     cost: CostOptions | None = None
     force_batch_dim_to_mesh_axis: str | None = None
@@ -133,6 +141,8 @@ class IntraOptions:
                 f"force_batch_dim_to_mesh_axis={axis!r}: give a mesh axis name, or None"
             )
 
+        if not isinstance(self.layer_ends, bool):
+            raise TypeError(f"layer_ends must be True or False, got {self.layer_ends!r}")
         if not isinstance(self.exact_values, bool):
             raise TypeError(f"exact_values must be True or False, got {self.exact_values!r}")
         if self.exact_search not in EXACT_SEARCH:

@@ -15,7 +15,8 @@ Problem-size reductions, all exact with respect to the plans they allow (written
 * identical layers -- every node of a layer whose equations have the same primitives and
   shapes as an earlier layer's shares the variables of the layer ``layer_period`` (2)
   places before it in that run (on by default), so the number of variables does not grow
-  with depth and alternating plans stay reachable;
+  with depth and alternating plans stay reachable (``layer_ends``: the first and last layer
+  of the run untied, the rest tied among themselves);
 * aliases -- a parameter or optimizer-state input and its updated output are forced to
   the same spec (an edge whose other pairs cost infinity).
 
@@ -280,7 +281,7 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
             graph, strategies, producer, n_in, ties, follow_deepest=options.merge_elementwise
         )
     if options.share_layers:
-        layer_ties(graph, strategies, n_in, ties, options.layer_period)
+        layer_ties(graph, strategies, n_in, ties, options.layer_period, options.layer_ends)
     notes: tuple[str, ...] = ()
     if options.shard_largest_dim:  # after the ties: only the operators that choose
         notes = shard_largest_dims(graph, strategies, node_costs, n_in, mesh.mesh, ties)
@@ -324,32 +325,47 @@ def _finish(c: _Common, exact_values: bool) -> IntraProblem:
     )
 
 
-# The exact program's time, past the per-demand solve that gives its start: at most this
-# many times that solve's, and at least EXACT_MIN_SECONDS (docs/sharing.md).
-EXACT_TIME_FACTOR = 0.5
-EXACT_MIN_SECONDS = 0.5
+# The exact program's budget, past the per-demand solve that gives its start: a number of
+# branch-and-bound nodes, so that where it stops -- and so the plan -- does not depend on
+# the machine's load. Its time is capped too (the root node of a program with memory rows
+# can take minutes): at EXACT_TIME_FACTOR times the per-demand solve's time, at least
+# EXACT_MIN_SECONDS, within what the user's time limit leaves. The old budget, time alone
+# (half the per-demand time, at least 0.5 s), stopped most one-axis solves mid-root, at a
+# point set by the load (docs/sharing.md).
+EXACT_MAX_NODES = 200
+EXACT_TIME_FACTOR = 1.0
+EXACT_MIN_SECONDS = 5.0
 
 
-def _stopped(budget: float, gap: float | None) -> str:
-    """Where the exact program stopped: its budget, and its own gap (against a bound that
-    is weak on these programs), the per-demand status and gap being the plan's."""
+def _stopped(solution) -> str:
+    """Where the exact program stopped: its node budget or the time limit, and its own gap
+    (against a bound that is weak on these programs), the per-demand status and gap being
+    the plan's."""
+    at = (
+        f"its {EXACT_MAX_NODES}-node budget"
+        if solution.limit == "nodes"
+        else f"its time cap ({solution.seconds:.3g} s)"
+    )
+    gap = solution.gap
     return (
-        f"stopped at its {budget:.3g} s budget"
+        f"stopped at {at}"
         + ("" if gap is None else f" (its gap {gap:.3g})")
-        + ", keeping its best plan"
+        + (", keeping its best plan")
     )
 
 
-def _unsolved_because(mesh: DeviceMesh, search: str) -> str | None:
+def _unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> str | None:
     """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
-    ``mesh``, or None where it does."""
+    ``mesh`` (under a memory budget when ``budgeted``), or None where it does."""
     if search == "always":
         return None
     if search == "never":
         return "not solved (exact_search='never')"
-    if sum(1 for n in mesh.mesh.shape if n > 1) <= 1:
-        return None
-    return "not solved on this mesh of several axes (exact_search='one-axis')"
+    if sum(1 for n in mesh.mesh.shape if n > 1) > 1:
+        return "not solved on this mesh of several axes (exact_search='one-axis')"
+    if budgeted:  # with memory rows its root node alone ran past 45 s on gpt-350m (2 blocks)
+        return "not solved under a memory budget (exact_search='one-axis')"
+    return None
 
 
 def _solve_exact(
@@ -361,7 +377,8 @@ def _solve_exact(
 
     The per-demand solve runs under the user's settings (its time-limit warning is the
     user's).  Where it charged its plan exactly the plan's predicted cost, its plan is
-    kept; otherwise the exact one gets :data:`EXACT_TIME_FACTOR` of its time (at least
+    kept; otherwise the exact one gets :data:`EXACT_MAX_NODES` branch-and-bound nodes
+    (and at most :data:`EXACT_TIME_FACTOR` times the per-demand time, at least
     :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
     best plan it found -- the start at worst.  The solution's status says which:
     "optimal" (proven on the exact program), the per-demand status and gap otherwise,
@@ -384,15 +401,20 @@ def _solve_exact(
             objective=priced,
             exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
         )
-    budget = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
-    if settings["time_limit_s"] is not None:
-        budget = min(budget, settings["time_limit_s"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeLimitWarning)  # our own budget
         # HiGHS's presolve off pays on the per-demand program (2-4x faster, docs/sharing.md),
         # not on this one: with it, the exact program improved its start more often
+        left = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
+        if settings["time_limit_s"] is not None:  # what the per-demand solve left of it
+            limit = settings["time_limit_s"]
+            left = min(left, max(limit - first.seconds, min(limit, 0.5)))
         solution = solve(
-            ip.problem, **{**settings, "time_limit_s": budget}, initial=initial, presolve=True
+            ip.problem,
+            **{**settings, "time_limit_s": left},
+            initial=initial,
+            presolve=True,
+            max_nodes=EXACT_MAX_NODES,
         )
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
     proven = solution.status == "optimal"
@@ -404,7 +426,7 @@ def _solve_exact(
         gap=solution.gap if proven else first.gap,
         seconds=first.seconds + solution.seconds,
         fallback=None if proven else first.fallback,
-        exact_stopped=None if proven else _stopped(budget, solution.gap),
+        exact_stopped=None if proven else _stopped(solution),
     )
 
 
@@ -438,7 +460,8 @@ def auto_shard_graph(
         seed=options.seed,
     )
     if ip.values is not None and ip.values.groups:
-        unsolved = _unsolved_because(mesh, options.exact_search)
+        budgeted = memory_budget_bytes is not None
+        unsolved = _unsolved_because(mesh, options.exact_search, budgeted)
         solution = _solve_exact(ip, _finish(common, False), mesh, settings, unsolved)
     else:
         solution = solve(ip.problem, **settings)

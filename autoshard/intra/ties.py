@@ -6,7 +6,8 @@ place, what makes the problem small and its answer unique:
 * :func:`follower_ties` -- a light op with one array operand takes the strategy that
   matches its operand's (exact: the op has no other way to avoid a resharding);
 * :func:`layer_ties` -- every node of a layer identical to an earlier one (same primitives
-  and shapes) shares that layer's variables, and so do its parameters;
+  and shapes) shares that layer's variables, and so do its parameters (optionally but the
+  first and last of each run);
 * :func:`apply_alpa_options` -- Alpa's ``AutoShardingOption`` knobs as forbidden strategies;
 * :func:`shard_largest_dims` -- ``shard_largest_dim``: every operator keeps only the
   strategies that split the largest dimension of its output (Alpa's heuristic baseline);
@@ -245,7 +246,7 @@ def follower_ties(graph, strategies, producer, n_in, ties, follow_deepest=False)
 _LAYER_KEY = re.compile(r"\['([^']+)'\]")
 
 
-def layer_ties(graph, strategies, n_in, ties, period: int = 2) -> None:
+def layer_ties(graph, strategies, n_in, ties, period: int = 2, ends: bool = False) -> None:
     """Tie identical layers, ``period`` at a time: the k-th layer of a run of layers with
     the same equations (primitives, phases, shapes) and the same pinned parameter specs
     takes the variables of the (k mod ``period``)-th, and so do its parameters.
@@ -254,6 +255,10 @@ def layer_ties(graph, strategies, n_in, ties, period: int = 2) -> None:
     Period 2 also reaches the plans that alternate (Alpa's column, row, column, row split
     of an MLP) and still contains every period-1 plan (both representatives agree), so its
     optimum is never worse; the problem grows by ``period`` layers, not with depth.
+    ``ends``: the first and the last layer of every run stay untied (the first reads what
+    precedes the run, the last feeds what follows it) and the layers between them are
+    tied ``period`` at a time among themselves: ``period + 2`` representatives whatever
+    the depth, and every plan of the plain tying is still reachable.
     Layers whose pinned parameters differ (a baseline's alternating pins) are never tied.
     """
     by_layer: dict[str, list[int]] = {}
@@ -265,8 +270,7 @@ def layer_ties(graph, strategies, n_in, ties, period: int = 2) -> None:
         path = graph.tensors[tid].path
         for key in dict.fromkeys(_LAYER_KEY.findall(path)):
             params_of.setdefault(key, []).append((path.replace(f"['{key}']", "['*']"), pos))
-    occurrences: dict[tuple, list[str]] = {}
-    rep_of: dict[str, str] = {}
+    runs: dict[tuple, list[str]] = {}  # signature -> its layers, in order
     for layer in graph.layers:
         idx = by_layer.get(layer, [])
         pins = tuple(
@@ -285,13 +289,14 @@ def layer_ties(graph, strategies, n_in, ties, period: int = 2) -> None:
                 for i in idx
             ),
         )
-        seen = occurrences.setdefault(sig, [])
-        seen.append(layer)
-        if len(seen) <= period:
-            continue
-        owner = seen[(len(seen) - 1) % period]
-        rep_of[layer] = owner
-        for a, b in zip(by_layer[owner], idx):
+        runs.setdefault(sig, []).append(layer)
+    rep_of: dict[str, str] = {}
+    for run in runs.values():
+        tied = run[1:-1] if ends else run
+        for k in range(period, len(tied)):
+            rep_of[tied[k]] = tied[k % period]
+    for layer, owner in rep_of.items():
+        for a, b in zip(by_layer[owner], by_layer[layer]):
             me = n_in + b
             if ties[me] is None and len(strategies[me]) > 1:
                 ties[me] = Tie(n_in + a, tuple(range(len(strategies[me]))))

@@ -18,6 +18,9 @@ The model, per micro-batch and per device:
   4h/t MLP activation (8 e sbh / t), fused scale-mask-softmax (2 e bas^2 / t) and attention
   dropout ((2e + 1) bas^2 / t). The sbh terms are divided by t with sequence parallelism.
   Backward streams twice the forward bytes. Cross-entropy streams (2e + 8) bs V/t bytes.
+  ``MegatronConfig.elementwise="megatron-lm-2019"`` prices the unfused eager-PyTorch passes
+  of Megatron-LM's 2019 code instead (:data:`ELEMENTWISE_PASSES`, counted from its
+  ``mpu/transformer.py``; a what-if, no preset uses it: docs/validation.md).
 * Recompute: full repeats each layer's forward (GEMMs, elementwise, TP collectives);
   selective repeats the attention-score GEMMs and the softmax/dropout bytes.
 * Tensor parallel: 2 all-reduces of the sbh activation per layer forward and 2 backward
@@ -71,6 +74,49 @@ _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4}
 MESH_AXES = ("pipe", "data", "model")
 
 
+def _fused_passes(e: int) -> dict[str, tuple[float, float]]:
+    fwd = {"sbh": 10 * e + 2, "sbh_t": 0, "mlp_t": 2 * e, "att_t": 4 * e + 1}
+    return {k: (v, 2 * v) for k, v in fwd.items()}
+
+
+def _megatron_2019_passes(e: int) -> dict[str, tuple[float, float]]:
+    # NVIDIA/Megatron-LM a0368ddf (Aug 2019), mpu/transformer.py + mpu/layers.py, fp16
+    # tensors, 1-byte dropout masks. Forward, per element: sbh -- 2 layernorms (apex, read +
+    # write) 4e, 2 RowParallel `output_ + bias` 4e, 2 dropouts 2(2e+1), 2 residual adds 6e;
+    # sbh_t -- QKV bias add (F.linear on a 3-D input: `output += bias`) 3 x 2e, Q and K made
+    # contiguous for torch.matmul 2 x 2e, V likewise 2e, context permute().contiguous() 2e;
+    # mlp_t -- h->4h bias add 2e, GeLU (one TorchScript kernel) 2e; att_t -- scale 2e,
+    # torch.mul by the mask 2e, subtract 10000(1 - mask) 2e, softmax 2e, dropout 2e+1.
+    # Backward: sbh -- 2 layernorm backwards (grad-input: read grad and input, write; gamma /
+    # beta: read both again) 2 x 5e, 2 bias gradients (read) 2e, 2 dropouts 2(2e+1), 2
+    # gradient accumulations (a layer input feeds a layernorm and a residual) 2 x 3e;
+    # sbh_t -- QKV bias gradient 3e, the Q/K/V gradients joined (cat) 3 x 2e, the context
+    # gradient made contiguous for the projection GEMM 2e; mlp_t -- GeLU backward (read grad
+    # and input, write) 3e, bias gradient e; att_t -- dropout 2e+1, softmax (read grad and
+    # output, write) 3e, mask multiply 2e, scale 2e (the subtraction's gradient is a no-op).
+    return {
+        "sbh": (18 * e + 2, 22 * e + 2),
+        "sbh_t": (14 * e, 11 * e),
+        "mlp_t": (4 * e, 4 * e),
+        "att_t": (10 * e + 1, 9 * e + 1),
+    }
+
+
+# Bytes moved per element of each tensor, per layer and micro-batch, (forward, backward),
+# for element size e: sbh = [s, b, h] (on every TP rank; / t with sequence parallelism),
+# sbh_t = [s, b, h/t], mlp_t = [s, b, 4h/t], att_t = [b, a/t, s, s].
+ELEMENTWISE_PASSES = {"fused": _fused_passes, "megatron-lm-2019": _megatron_2019_passes}
+# Megatron-LM 2019 outside the layers, bytes per element (same commit), on sbh: embedding
+# lookups, zeroing of out-of-partition rows, position add and dropout forward (11e + 1),
+# dropout and the two embedding gradients backward (4e + 1); the final layernorm 2e + 5e.
+# The loss converts the fp16 logits to fp32 (`output.contiguous().float()`,
+# pretrain_gpt2.py) before mpu/cross_entropy.py's clone, max, sub_, exp, sum and div_: 46
+# bytes per logit forward, 14 backward (mul_ and the cast back).
+MEGATRON_2019_EMBEDDING_BYTES = (15, 2)  # (times e, plus) per sbh element
+MEGATRON_2019_FINAL_LAYERNORM_BYTES = 7  # times e, per sbh element
+MEGATRON_2019_LOSS_BYTES_PER_LOGIT = 46 + 14
+
+
 @dataclass(frozen=True)
 class GPTShape:
     """A GPT: hidden size, layers, heads, vocabulary and sequence length."""
@@ -99,6 +145,7 @@ class MegatronConfig:
     sequence_parallel: bool = False
     virtual_stages: int = 1
     dtype: str | None = None  # None: the device's default 16-bit dtype
+    elementwise: str = "fused"  # a key of ELEMENTWISE_PASSES
 
     @property
     def num_gpus(self) -> int:
@@ -148,6 +195,8 @@ def _validate(model: GPTShape, cfg: MegatronConfig, cluster: Cluster) -> None:
         problems.append(f"heads {model.heads} and vocab {model.vocab} must be divisible by tp")
     if cfg.virtual_stages > 1 and (cfg.pp == 1 or cfg.num_microbatches % cfg.pp):
         problems.append("interleaving needs pp > 1 and a number of micro-batches divisible by pp")
+    if cfg.elementwise not in ELEMENTWISE_PASSES:
+        problems.append(f"elementwise must be one of {sorted(ELEMENTWISE_PASSES)}")
     if cfg.recompute not in formulas.RECOMPUTE_MODES:
         problems.append(f"recompute must be one of {formulas.RECOMPUTE_MODES}")
     if cfg.num_gpus > cluster.num_gpus:
@@ -222,13 +271,17 @@ def simulate_megatron(
     ]
     att_fwd, att_bwd = _gemm_times(gemm_table, dtype, peak, attention_gemms)
     dense_fwd, dense_bwd = _gemm_times(gemm_table, dtype, peak, dense_gemms)
-    softmax_bytes = (4 * e + 1) * bas2 / t
-    ew_fwd_bytes = sbh * (10 * e + 2) / (t if sp else 1) + 8 * e * sbh / t + softmax_bytes
-    ew_fwd = memory_bound_time(ew_fwd_bytes, hbm)
+    structure = cfg.elementwise
+    passes = ELEMENTWISE_PASSES[structure](e)
+    sizes = {"sbh": sbh / (t if sp else 1), "sbh_t": sbh / t, "mlp_t": 4 * sbh / t}
+    sizes["att_t"] = bas2 / t
+    softmax_bytes = passes["att_t"][0] * bas2 / t
+    ew_fwd = memory_bound_time(sum(passes[k][0] * n for k, n in sizes.items()), hbm)
+    ew_bwd = memory_bound_time(sum(passes[k][1] * n for k, n in sizes.items()), hbm)
     tp_fwd = 2 * _tp_collective_pair(mesh, sbh * e, sp)
 
     gemm = att_fwd + dense_fwd + att_bwd + dense_bwd
-    elementwise = 3 * ew_fwd
+    elementwise = ew_fwd + ew_bwd
     tp_comm = 2 * tp_fwd
     recomputed = 0.0  # GEMM and elementwise seconds recompute adds per layer
     if cfg.recompute == "full":
@@ -248,6 +301,14 @@ def simulate_megatron(
     last_ew = memory_bound_time((2 * e + 8) * b * s * v_size / t, hbm)
     last_tp = _tp_collective_pair(mesh, sbh * e, sp)
     first_ew = memory_bound_time(6 * e * sbh, hbm)  # lookup + position add, fwd and bwd
+    if structure == "megatron-lm-2019":
+        times_e, plus = MEGATRON_2019_EMBEDDING_BYTES
+        first_ew = memory_bound_time((times_e * e + plus) * sbh, hbm)
+        last_ew = memory_bound_time(
+            MEGATRON_2019_LOSS_BYTES_PER_LOGIT * b * s * v_size / t
+            + MEGATRON_2019_FINAL_LAYERNORM_BYTES * e * sbh,
+            hbm,
+        )
     first_tp = _tp_collective_pair(mesh, sbh * e, sp)
 
     # --- pipeline point-to-point ----------------------------------------------------

@@ -41,6 +41,7 @@ class _Model:
     values: np.ndarray | None = None  # column values after a solve
     start: tuple[list[int], list[float]] | None = None  # a starting point: (columns, values)
     presolve: bool = False  # HiGHS's presolve (see autoshard.intra.ilp.solve)
+    max_nodes: int | None = None  # a branch-and-bound node limit (deterministic, unlike time)
 
     def column(self, cost: float = 0.0) -> int:
         self.cost.append(cost)

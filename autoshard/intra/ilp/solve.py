@@ -53,6 +53,8 @@ class Solution:
     num_roots: int
     fallback: str | None = None
     exact_stopped: str | None = None  # the exact per-value program stopped before proof
+    nodes: int | None = None  # branch-and-bound nodes explored (HiGHS; None: not reported)
+    limit: str | None = None  # "time" or "nodes": which limit stopped a "time_limit" solve
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -139,6 +141,7 @@ def solve(
     merge: bool = True,
     initial: tuple[int, ...] | None = None,
     presolve: bool = False,
+    max_nodes: int | None = None,
 ) -> Solution:
     """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
 
@@ -151,11 +154,18 @@ def solve(
     ``presolve``: HiGHS's presolve (CBC ignores it). Off by default: on the GPT presets'
     programs HiGHS reached the same optimum 1.2-3.8x faster without it (its presolve and
     the sub-MIPs' took most of the time; docs/sharing.md).
+    ``max_nodes``: a limit on branch-and-bound nodes; unlike a time limit it stops at the
+    same point on a busy machine and an idle one, so the plan does not depend on the load.
+    Reaching it is reported like the time limit (status "time_limit", best plan kept).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
     if not 0.0 <= mip_gap < 1.0:
         raise ValueError(f"mip_gap={mip_gap} is a relative gap; give a value in [0, 1)")
+    if max_nodes is not None and (
+        isinstance(max_nodes, bool) or int(max_nodes) != max_nodes or max_nodes < 1
+    ):
+        raise ValueError(f"max_nodes={max_nodes!r}: give a positive whole number of nodes, or None")
     start = time.perf_counter()
     work = with_preferences(problem)
     red = _reduce(work, merge)
@@ -163,6 +173,7 @@ def solve(
     if initial is not None:
         model.start = _start(red, initial)
     model.presolve = presolve
+    model.max_nodes = None if max_nodes is None else int(max_nodes)
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
     if out.status == "infeasible":
@@ -182,7 +193,7 @@ def solve(
                 "limit (--time-limit) or the memory budget"
             )
         strategy, fallback = greedy, "greedy"
-        out = _Outcome("time_limit", out.bound)
+        out = _Outcome("time_limit", out.bound, out.nodes, out.limit)
     else:
         strategy = _decode(red, model)
     objective = objective_of(problem, strategy)
@@ -203,10 +214,12 @@ def solve(
             if fallback
             else "stopped with its best plan"
         )
+        where = f"max_nodes={max_nodes}" if out.limit == "nodes" else f"time_limit_s={time_limit_s}"
         warnings.warn(
-            f"{solver} {found} at time_limit_s={time_limit_s}: objective {objective:.6g}, "
-            f"relative gap {'unknown' if gap is None else f'{gap:.3g}'}; raise the time limit "
-            "(--time-limit) for a better plan",
+            f"{solver} {found} at {where}: objective {objective:.6g}, "
+            f"relative gap {'unknown' if gap is None else f'{gap:.3g}'}; raise "
+            + ("max_nodes" if out.limit == "nodes" else "the time limit (--time-limit)")
+            + " for a better plan",
             SolverTimeLimitWarning,
             stacklevel=2,
         )
@@ -222,4 +235,6 @@ def solve(
         num_constraints=model.num_rows,
         num_roots=len(red.blocks),
         fallback=fallback,
+        nodes=out.nodes,
+        limit=out.limit,
     )

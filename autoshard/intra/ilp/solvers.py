@@ -45,6 +45,8 @@ def _expr(terms, constant: float = 0.0) -> pulp.LpAffineExpression:
 class _Outcome:
     status: str  # optimal | time_limit | no_incumbent | infeasible
     bound: float | None  # best bound on the model objective
+    nodes: int | None = None  # branch-and-bound nodes explored (HiGHS)
+    limit: str | None = None  # which limit stopped a "time_limit" solve: "time" or "nodes"
 
 
 def _check_solver(name: str) -> None:
@@ -67,8 +69,12 @@ def _check_solver(name: str) -> None:
 CBC_GRACE_S = 2.0
 
 
-def _cbc(time_limit_s: float | None, mip_gap: float, seed: int) -> pulp.PULP_CBC_CMD:
+def _cbc(
+    time_limit_s: float | None, mip_gap: float, seed: int, max_nodes: int | None = None
+) -> pulp.PULP_CBC_CMD:
     opts = [f"randomCbcSeed {seed + 1}", f"randomSeed {seed + 1}"]
+    if max_nodes is not None:
+        opts.append(f"maxNodes {int(max_nodes)}")
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(
@@ -177,6 +183,8 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
     highs.setOptionValue("mip_abs_gap", _ABS_GAP)
     highs.setOptionValue("random_seed", int(seed))
     highs.setOptionValue("presolve", "on" if model.presolve else "off")
+    if model.max_nodes is not None:
+        highs.setOptionValue("mip_max_nodes", int(model.max_nodes))
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
     lp.col_cost_ = np.asarray(model.cost, dtype=float)
@@ -208,10 +216,13 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
     has = info.primal_solution_status == 2  # kSolutionStatusFeasible
     if has:
         model.values = np.asarray(highs.getSolution().col_value)
+    nodes = int(info.mip_node_count)
     if ms == status.kOptimal:
-        return _Outcome("optimal", info.mip_dual_bound)
-    if ms in (status.kTimeLimit, status.kIterationLimit, status.kInterrupt):
-        return _Outcome("time_limit" if has else "no_incumbent", info.mip_dual_bound)
+        return _Outcome("optimal", info.mip_dual_bound, nodes)
+    # kSolutionLimit: the node limit (model.max_nodes)
+    if ms in (status.kTimeLimit, status.kIterationLimit, status.kInterrupt, status.kSolutionLimit):
+        limit = "nodes" if ms == status.kSolutionLimit else "time"
+        return _Outcome("time_limit" if has else "no_incumbent", info.mip_dual_bound, nodes, limit)
     raise RuntimeError(f"HiGHS ended with model status {highs.modelStatusToString(ms)}")
 
 
@@ -238,7 +249,8 @@ def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: in
             prob.addConstraint(pulp.LpConstraint(_expr(terms), pulp.LpConstraintLE, rhs=hi))
     prob.setObjective(_expr([(x[j], w) for j, w in enumerate(model.cost) if w]))
     with tempfile.TemporaryDirectory(prefix="autoshard-cbc-") as tmp:
-        if not _solve_cbc_owned(prob, (mip_gap, seed), time_limit_s, started, tmp):
+        opts = (mip_gap, seed, model.max_nodes)
+        if not _solve_cbc_owned(prob, opts, time_limit_s, started, tmp):
             return _Outcome("no_incumbent", None)
         log = Path(tmp, "cbc.log").read_text()
     found = re.search(r"Lower bound:\s+(\S+)", log)
