@@ -1,0 +1,82 @@
+"""The full weak-scaling grid in checkpointed chunks (one cluster x model family each).
+
+``experiments/weak_scaling.py`` without ``--quick`` runs 63 full searches (three families
+to 64 GPUs on three cluster presets) in one process: hours on a 2-core machine, and a stop
+loses everything. This runs the same ``run`` chunk by chunk (``SUITES`` and ``CLUSTERS``
+narrowed to one family and one cluster), writes each chunk's rows to
+``DIR/chunk-<cluster>-<family>.json`` and skips the chunks already there, so it can be
+stopped and started again. With ``--assemble`` it joins the finished clusters' chunks
+into one ``weak-scaling.json`` (``data.assembled`` and ``data.chunks`` say how it was
+made) and draws ``weak-scaling.png`` with the script's own ``plot``.
+
+    python benchmarks/weak_scaling_chunks.py DIR                  # run what is missing
+    python benchmarks/weak_scaling_chunks.py DIR --assemble OUT   # figure from finished clusters
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import figure  # noqa: E402
+import weak_scaling as ws  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", help="folder for the chunk files")
+    ap.add_argument("--assemble", metavar="OUT", help="join finished clusters, plot into OUT")
+    args = ap.parse_args()
+    src = Path(args.dir)
+    src.mkdir(parents=True, exist_ok=True)
+    suites, clusters = dict(ws.SUITES), tuple(ws.CLUSTERS)
+    path = lambda c, f: src / f"chunk-{c}-{f}.json"  # noqa: E731
+    if args.assemble is None:
+        for c in clusters:
+            for f in suites:
+                if path(c, f).exists():
+                    continue
+                ws.SUITES, ws.CLUSTERS = {f: suites[f]}, (c,)
+                t0, cpu0 = time.perf_counter(), figure.cpu_seconds()
+                data = ws.run(False, figure.progress)
+                data["chunk_wall_s"] = time.perf_counter() - t0
+                data["chunk_cpu_s"] = figure.cpu_seconds() - cpu0
+                path(c, f).write_text(json.dumps(data, indent=1) + "\n")
+                print(f"chunk {c} {f}: {data['chunk_wall_s']:.0f} s wall", flush=True)
+        return
+    done = [c for c in clusters if all(path(c, f).exists() for f in suites)]
+    if not done:
+        sys.exit(f"no cluster has all its chunks in {src}; run without --assemble first")
+    chunks = [(c, f) for c in done for f in suites]
+    parts = [json.loads(path(c, f).read_text()) for c, f in chunks]
+    data = dict(parts[0])
+    data["rows"] = [r for p in parts for r in p["rows"]]
+    data["config"] = dict(parts[0]["config"], clusters=done, max_gpus={f: 64 for f in suites})
+    data["families_skipped"] = {
+        k: v for p in parts for k, v in p.get("families_skipped", {}).items()
+    }
+    data["assembled"] = (
+        "run in chunks (one cluster x family each, one process, checkpointed: "
+        "benchmarks/weak_scaling_chunks.py); per-chunk wall and CPU seconds in chunks"
+    )
+    data["chunks"] = [
+        {"cluster": c, "family": f, "wall_s": p["chunk_wall_s"], "cpu_s": p["chunk_cpu_s"]}
+        for (c, f), p in zip(chunks, parts, strict=True)
+    ]
+    for k in ("chunk_wall_s", "chunk_cpu_s"):
+        data.pop(k, None)
+    doc = figure.record(ws, data, False, sum(p["chunk_wall_s"] for p in parts))
+    doc["cpu_seconds"] = sum(p["chunk_cpu_s"] for p in parts)
+    out = Path(args.assemble)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "weak-scaling.json").write_text(json.dumps(doc, indent=1) + "\n")
+    figure.save(ws.plot(doc), out / "weak-scaling.png")
+    print(f"wrote {out / 'weak-scaling.json'} and its PNG ({', '.join(done)})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
