@@ -91,3 +91,19 @@ def test_wresnet_zero_baseline_is_one_data_parallel_stage():
     assert math.isfinite(found["step_time_s"]) and not found["oom"]
     (stage,) = found["plan"]["stages"]
     assert stage["submesh"] == [1, 8] and stage["logical_mesh_dp_tp"] == [8, 1]
+
+
+def test_megatron_baseline_searches_recompute_too():
+    """Megatron-LM's best grid point includes the recompute axis (issue #15: "the best point
+    of its TP x PP x DP x micro-batch x recompute grid"): it is the fastest that fits of the
+    three modes, so never slower than full recompute alone when that fits; with 80 GB of HBM
+    a 350M GPT needs no recompute on one A100."""
+    from autoshard.sim.simulate import simulate
+
+    ws = load_experiment("weak_scaling")
+    best = ws.megatron_best("gpt-350m", "dgx-a100", 1, 1024)
+    full = simulate("gpt-350m", "dgx-a100", 1, "megatron", recompute="full", global_batch=1024)
+    assert not best.oom and best.plan["recompute"] in ws.MEGATRON_RECOMPUTE
+    assert ws._model_pflops(best) >= ws._model_pflops(full)
+    assert best.plan["recompute"] == "none"  # nothing to save on 80 GB, 1/3 more FLOPs
+    assert ws._model_pflops(best) > 1.2 * ws._model_pflops(full)
