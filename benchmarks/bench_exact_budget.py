@@ -19,12 +19,10 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_truth import PLANS, SUITES, _label  # noqa: E402
+from bench_truth import PLANS, SUITES, _label, plan_settings, truth_mesh  # noqa: E402
 
 import autoshard.intra.problem as P  # noqa: E402
-from autoshard.api import device_mesh_for, trace_workload  # noqa: E402
-from autoshard.intra.baselines import baseline_inputs, baseline_options  # noqa: E402
-from autoshard.intra.options import IntraOptions  # noqa: E402
+from autoshard.api import trace_workload  # noqa: E402
 
 if len(sys.argv) < 3:
     sys.exit(__doc__)
@@ -41,15 +39,9 @@ for suite in suites:
         for mesh_text in ms:
             if mesh_text not in meshes:
                 continue
-            shape = tuple(int(s) for s in mesh_text.split("x"))
-            mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
+            mesh = truth_mesh(mesh_text)
             for which in PLANS:
-                pinned = (
-                    baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None
-                )
-                options = IntraOptions(solver="highs", time_limit_s=300)
-                if which != "auto":
-                    options = baseline_options(options, mesh.mesh, which)
+                options, pinned = plan_settings(traced.graph, mesh, which, 300.0)
                 t0 = time.perf_counter()
                 plan = P.auto_shard_graph(
                     traced.graph, mesh, options, pinned_inputs=pinned, name=which

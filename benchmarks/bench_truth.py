@@ -71,6 +71,26 @@ def _objective_split(graph, mesh, plan, pinned, exact_values) -> tuple[float, fl
     return sum(collective_cost(mesh, c) for c in plan.predicted_collectives), compute
 
 
+def truth_mesh(text: str):
+    """The mesh of a suite's mesh text ("8", "2x4"): axes ("data", "model"), Alpa's
+    test-mesh costs laid out for the backend that compiles (XLA:CPU here)."""
+    from autoshard.api import device_mesh_for
+
+    shape = tuple(int(s) for s in text.split("x"))
+    return device_mesh_for(shape, ("data", "model")[: len(shape)])
+
+
+def plan_settings(graph, mesh, which: str, time_limit: float):
+    """(IntraOptions, pinned inputs) that plan ``which`` ("auto" or a baseline) here."""
+    from autoshard.intra.baselines import baseline_inputs, baseline_options
+    from autoshard.intra.options import IntraOptions
+
+    options = IntraOptions(solver="highs", time_limit_s=time_limit)
+    if which == "auto":
+        return options, None
+    return baseline_options(options, mesh.mesh, which), baseline_inputs(graph, mesh.mesh, which)
+
+
 def run(
     suite: str,
     time_limit: float,
@@ -79,9 +99,7 @@ def run(
     only_models: tuple[str, ...] = (),
     only_meshes: tuple[str, ...] = (),
 ) -> list[dict]:
-    from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.options import IntraOptions
+    from autoshard.api import trace_workload
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.verify.check import verify_plan
 
@@ -93,16 +111,9 @@ def run(
         for mesh_text in meshes:
             if only_meshes and mesh_text not in only_meshes:
                 continue
-            shape = tuple(int(s) for s in mesh_text.split("x"))
-            # Alpa's test-mesh costs, laid out for the backend that compiles (XLA:CPU here)
-            mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])
+            mesh = truth_mesh(mesh_text)
             for which in PLANS:
-                pinned = (
-                    baseline_inputs(traced.graph, mesh.mesh, which) if which != "auto" else None
-                )
-                options = IntraOptions(solver="highs", time_limit_s=time_limit)
-                if which != "auto":
-                    options = baseline_options(options, mesh.mesh, which)
+                options, pinned = plan_settings(traced.graph, mesh, which, time_limit)
                 t0 = time.perf_counter()
                 plan = auto_shard_graph(
                     traced.graph,

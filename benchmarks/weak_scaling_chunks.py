@@ -34,7 +34,10 @@ def main() -> None:
     src = Path(args.dir)
     src.mkdir(parents=True, exist_ok=True)
     suites, clusters = dict(ws.SUITES), tuple(ws.CLUSTERS)
-    path = lambda c, f: src / f"chunk-{c}-{f}.json"  # noqa: E731
+
+    def path(cluster: str, family: str) -> Path:
+        return src / f"chunk-{cluster}-{family}.json"
+
     if args.assemble is None:
         for c in clusters:
             for f in suites:

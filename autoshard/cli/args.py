@@ -160,8 +160,8 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         default="one-axis",
         help="where the per-value program is solved from the per-demand plan: on meshes "
         "with one axis > 1 and no --memory-budget (one-axis, the default; elsewhere the "
-        "per-demand plan is priced per value), on every mesh (always: slower, has not improved a plan on a 2-D mesh "
-        "yet), or never",
+        "per-demand plan is priced per value), on every mesh (always: slower, has not "
+        "improved a plan on a 2-D mesh yet), or never",
     )
 
 

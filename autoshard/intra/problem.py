@@ -338,20 +338,15 @@ EXACT_MIN_SECONDS = 5.0
 
 
 def _stopped(solution) -> str:
-    """Where the exact program stopped: its node budget or the time limit, and its own gap
-    (against a bound that is weak on these programs), the per-demand status and gap being
-    the plan's."""
-    at = (
-        f"its {EXACT_MAX_NODES}-node budget"
-        if solution.limit == "nodes"
-        else f"its time cap ({solution.seconds:.3g} s)"
-    )
-    gap = solution.gap
-    return (
-        f"stopped at {at}"
-        + ("" if gap is None else f" (its gap {gap:.3g})")
-        + (", keeping its best plan")
-    )
+    """Where the exact program stopped: its node budget or its time cap (CBC does not say
+    which), and its own gap (against a bound that is weak on these programs), the
+    per-demand status and gap being the plan's."""
+    at = {
+        "nodes": f"its {EXACT_MAX_NODES}-node budget",
+        "time": f"its time cap ({solution.seconds:.3g} s)",
+    }.get(solution.limit, f"its budget ({EXACT_MAX_NODES} nodes or its time cap)")
+    gap = "" if solution.gap is None else f" (its gap {solution.gap:.3g})"
+    return f"stopped at {at}{gap}, keeping its best plan"
 
 
 def _unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> str | None:
@@ -401,17 +396,17 @@ def _solve_exact(
             objective=priced,
             exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
         )
+    cap = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
+    limit = settings["time_limit_s"]
+    if limit is not None:  # what the per-demand solve left of the user's limit
+        cap = min(cap, max(limit - first.seconds, min(limit, 0.5)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeLimitWarning)  # our own budget
         # HiGHS's presolve off pays on the per-demand program (2-4x faster, docs/sharing.md),
         # not on this one: with it, the exact program improved its start more often
-        left = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
-        if settings["time_limit_s"] is not None:  # what the per-demand solve left of it
-            limit = settings["time_limit_s"]
-            left = min(left, max(limit - first.seconds, min(limit, 0.5)))
         solution = solve(
             ip.problem,
-            **{**settings, "time_limit_s": left},
+            **{**settings, "time_limit_s": cap},
             initial=initial,
             presolve=True,
             max_nodes=EXACT_MAX_NODES,

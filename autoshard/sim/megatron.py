@@ -273,9 +273,13 @@ def simulate_megatron(
     dense_fwd, dense_bwd = _gemm_times(gemm_table, dtype, peak, dense_gemms)
     structure = cfg.elementwise
     passes = ELEMENTWISE_PASSES[structure](e)
-    sizes = {"sbh": sbh / (t if sp else 1), "sbh_t": sbh / t, "mlp_t": 4 * sbh / t}
-    sizes["att_t"] = bas2 / t
-    softmax_bytes = passes["att_t"][0] * bas2 / t
+    sizes = {
+        "sbh": sbh / (t if sp else 1),
+        "sbh_t": sbh / t,
+        "mlp_t": 4 * sbh / t,
+        "att_t": bas2 / t,
+    }
+    softmax_bytes = passes["att_t"][0] * sizes["att_t"]
     ew_fwd = memory_bound_time(sum(passes[k][0] * n for k, n in sizes.items()), hbm)
     ew_bwd = memory_bound_time(sum(passes[k][1] * n for k, n in sizes.items()), hbm)
     tp_fwd = 2 * _tp_collective_pair(mesh, sbh * e, sp)
