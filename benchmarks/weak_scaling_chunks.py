@@ -7,7 +7,8 @@ narrowed to one family and one cluster), writes each chunk's rows to
 ``DIR/chunk-<cluster>-<family>.json`` and skips the chunks already there, so it can be
 stopped and started again. With ``--assemble`` it joins the finished clusters' chunks
 into one ``weak-scaling.json`` (``data.assembled`` and ``data.chunks`` say how it was
-made) and draws ``weak-scaling.png`` with the script's own ``plot``.
+made: each chunk's wall and CPU seconds and the commit it ran on) and draws
+``weak-scaling.png`` with the script's own ``plot``.
 
     python benchmarks/weak_scaling_chunks.py DIR                  # run what is missing
     python benchmarks/weak_scaling_chunks.py DIR --assemble OUT   # figure from finished clusters
@@ -48,6 +49,7 @@ def main() -> None:
                 data = ws.run(False, figure.progress)
                 data["chunk_wall_s"] = time.perf_counter() - t0
                 data["chunk_cpu_s"] = figure.cpu_seconds() - cpu0
+                data["chunk_commit"] = (figure.git_commit() or "")[:7] or None
                 path(c, f).write_text(json.dumps(data, indent=1) + "\n")
                 print(f"chunk {c} {f}: {data['chunk_wall_s']:.0f} s wall", flush=True)
         return
@@ -64,16 +66,23 @@ def main() -> None:
     }
     data["assembled"] = (
         "run in chunks (one cluster x family each, one process, checkpointed: "
-        "benchmarks/weak_scaling_chunks.py); per-chunk wall and CPU seconds in chunks"
+        "benchmarks/weak_scaling_chunks.py); per-chunk wall and CPU seconds and commit in chunks"
     )
     data["chunks"] = [
-        {"cluster": c, "family": f, "wall_s": p["chunk_wall_s"], "cpu_s": p["chunk_cpu_s"]}
+        {"cluster": c, "family": f, "wall_s": p["chunk_wall_s"], "cpu_s": p["chunk_cpu_s"],
+         "commit": p.get("chunk_commit")}
         for (c, f), p in zip(chunks, parts, strict=True)
+    ]  # fmt: skip
+    unknown = [
+        f"{c} {f}" for (c, f), p in zip(chunks, parts, strict=True) if not p.get("chunk_commit")
     ]
-    for k in ("chunk_wall_s", "chunk_cpu_s"):
+    if unknown:  # chunks written before chunk_commit was recorded
+        print(f"warning: no commit recorded for {', '.join(unknown)}", file=sys.stderr)
+    for k in ("chunk_wall_s", "chunk_cpu_s", "chunk_commit"):
         data.pop(k, None)
     doc = figure.record(ws, data, False, sum(p["chunk_wall_s"] for p in parts))
     doc["cpu_seconds"] = sum(p["chunk_cpu_s"] for p in parts)
+    doc["command"] = "python benchmarks/weak_scaling_chunks.py DIR (then --assemble OUT)"
     out = Path(args.assemble)
     out.mkdir(parents=True, exist_ok=True)
     (out / "weak-scaling.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -8,11 +8,12 @@ timed here), ``run(quick, progress) -> dict`` (the figure's data: plain JSON) an
 ``--plot-only``, runs, wraps the data in a record (config, git commit, machine, date, wall
 time) and writes ``<out>/<name>.json`` and ``<out>/<name>.png``.
 
-Plots: :func:`grouped_bars` (Alpa's bars per GPU count with the linear-scaling outline and
-a cross where a method ran out of memory), :func:`stacked_bars` (planning time by phase),
-:func:`truth_scatter` (predicted vs actual with y = x and a 10% band).  Every drawn bar and
-cross carries a ``gid`` (``"bar|<series>|<group>"``, ``"oom|<series>|<group>"``) so a test
-can read back what was drawn and compare it with the JSON.
+Plots: :func:`grouped_bars` (Alpa's bars per GPU count with the linear-scaling outline, a
+cross where a method ran out of memory and an open circle where it found no plan),
+:func:`stacked_bars` (planning time by phase), :func:`truth_scatter` (predicted vs actual
+with y = x and a 10% band).  Every drawn bar, cross and circle carries a ``gid``
+(``"bar|<series>|<group>"``, ``"oom|<series>|<group>"``, ``"noplan|<series>|<group>"``)
+so a test can read back what was drawn and compare it with the JSON.
 
 Progress: ``progress(done, total, label)`` prints ``##progress done total label`` lines
 that ``autoshard reproduce`` turns into its progress bar.
@@ -28,7 +29,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -55,6 +56,8 @@ COLOURS = {
     "equal-flops": "#ff7f0e",
 }
 PALETTE = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+NO_PLAN = "No plan found"
+OUT_OF_MEMORY = "Out of memory"
 
 
 def progress(done: int, total: int, label: str = "") -> None:
@@ -161,12 +164,16 @@ def grouped_bars(
     ylabel: str = "Throughput (PFLOPS)",
     xlabel: str = "The number of GPUs",
     labels: Mapping[str, str] | None = None,
+    no_plan: Collection[tuple[str, str]] = (),
 ) -> None:
     """Alpa's grouped bars: one group per x category, one bar per series.
 
     ``cells[(series, group)] = (height, out_of_memory)``: a bar of that height, or, when
     out of memory, a cross in the series' colour at the bar's place; a missing cell or a
     None height draws nothing.
+    ``no_plan``: (series, group) where the method found no plan at all: an open circle in
+    the series' colour at the bar's base (gid ``"noplan|<series>|<group>"``) and one
+    legend entry, so a missing bar is not read as a zero or as out of memory.
     ``linear``: per group, an empty black-outlined bar (linear scaling).
     """
     n = len(series) + (1 if linear is not None else 0)
@@ -183,6 +190,14 @@ def grouped_bars(
         name = (labels or {}).get(s, s)
         drawn_label = False
         for g, group in enumerate(groups):
+            if (s, group) in no_plan:
+                ax.plot(
+                    [x0[g]], [cross_y], marker="o", markersize=7, mew=1.8, mfc="none",
+                    color=colour(s, i), gid=f"noplan|{s}|{group}", linestyle="none",
+                    label=None if drawn_label else name,
+                )  # fmt: skip
+                drawn_label = True
+                continue
             v, out_of_memory = cells.get((s, group), (None, False))
             if out_of_memory:
                 ax.plot(
@@ -207,11 +222,20 @@ def grouped_bars(
                     x[g], v, width, fill=False, edgecolor="black", gid=f"bar|linear|{groups[g]}",
                     label="Linear-scaling" if g == 0 else None,
                 )  # fmt: skip
+    # one legend entry, after the series, for every series' cross and open circle
+    marks = [(OUT_OF_MEMORY, "x", "black")] if any(oom for _, oom in cells.values()) else []
+    marks += [(NO_PLAN, "o", "none")] if no_plan else []
+    for text, marker, face in marks:
+        ax.plot([], [], marker=marker, mfc=face, mew=2, color="black", linestyle="none",
+                label=text)  # fmt: skip
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylim(0, 1.35 * (top or 1.0))  # room for the legend above the bars
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    handles, texts = ax.get_legend_handles_labels()  # lines come first: put marks last
+    order = sorted(range(len(texts)), key=lambda k: texts[k] in (OUT_OF_MEMORY, NO_PLAN))
+    ax.legend([handles[k] for k in order], [texts[k] for k in order], fontsize=7,
+              loc="upper left", ncol=2)  # fmt: skip
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -275,7 +299,7 @@ def truth_scatter(
 
 def drawn(fig) -> dict[str, tuple[float, float]]:
     """What :func:`grouped_bars` / :func:`stacked_bars` drew, by gid: ``(x, height)`` of a
-    bar, ``(x, y)`` of a cross; the test's view of a figure."""
+    bar, ``(x, y)`` of a cross or a no-plan circle; the test's view of a figure."""
     out = {}
     for ax in fig.axes:
         for patch in ax.patches:

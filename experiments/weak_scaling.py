@@ -14,13 +14,15 @@ every stage ILP's inputs pinned as the baseline pins them, recompute chosen as f
 others, as many micro-batches (at most 64) as keep each micro-batch divisible by the GPUs.
 Throughput is model FLOPs per second (PFLOPS, recompute not counted), so methods that
 recompute more are not credited for it; out of memory (the memory model against the
-device's HBM) is a cross.
+device's HBM) is a cross; a baseline that finds no plan at all (no micro-batch count or
+stage plan fits its rule) is a ``no_plan`` row, drawn as an open circle.
 
     python experiments/weak_scaling.py [--quick] [--out docs/figures]
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 
@@ -235,7 +237,13 @@ def run(quick: bool, progress) -> dict:
             method = "expert-zero2" if family == "moe" else "zero-dp"
             dtype = auto.plan["dtype"]
             found = baseline_search(model, cluster, gpus, batch, dtype, FAMILY_BASELINES[family])
-            if found is not None:
+            if found is None:  # said in the JSON, drawn as an open circle
+                rows.append(
+                    {"cluster": cluster, "family": family, "model": model, "gpus": gpus,
+                     "method": method, "pflops": None, "step_time_s": None, "oom": False,
+                     "no_plan": True}
+                )  # fmt: skip
+            else:
                 searched = {method: found, **searched}
         for method, r in searched.items():
             rows.append(
@@ -290,11 +298,22 @@ def panels(doc: dict) -> list[tuple[str, str]]:
     return seen
 
 
+def no_plan(doc: dict, cluster: str, family: str) -> set[tuple[str, str]]:
+    """(method, GPUs as text) of a panel where the method found no plan: a ``no_plan`` row,
+    or no row at all for a method the panel has at other GPU counts (chunks run before
+    no-plan rows were written leave the row out; ``run`` leaves one out only then)."""
+    rows = [r for r in doc["data"]["rows"] if r["cluster"] == cluster and r["family"] == family]
+    have = {(r["method"], str(r["gpus"])) for r in rows if not r.get("no_plan")}
+    methods = {r["method"] for r in rows}
+    return {(m, str(r["gpus"])) for m in methods for r in rows} - have
+
+
 def panel_data(doc: dict, cluster: str, family: str):
-    """Groups (GPU counts as text), methods, {(method, gpus): row}, and the linear outline."""
+    """Groups (GPU counts as text), methods, {(method, gpus): row} (rows with a plan), and
+    the linear outline."""
     rows = [r for r in doc["data"]["rows"] if r["cluster"] == cluster and r["family"] == family]
     gpus = sorted({r["gpus"] for r in rows})
-    by = {(r["method"], str(r["gpus"])): r for r in rows}
+    by = {(r["method"], str(r["gpus"])): r for r in rows if not r.get("no_plan")}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     base = [by.get((m, str(gpus[0]))) for m in methods]
     base_pflops = max((r["pflops"] for r in base if r and not r["oom"]), default=None)
@@ -303,21 +322,32 @@ def panel_data(doc: dict, cluster: str, family: str):
 
 
 def plot(doc: dict):
+    """One panel per (cluster, family): families down, clusters across."""
     keys = panels(doc)
-    fig, axes = figure.plt.subplots(len(keys), 1, figsize=(8, 3.2 * len(keys)), squeeze=False)
-    for ax, (cluster, family) in zip(axes[:, 0], keys, strict=True):
+    clusters = list(dict.fromkeys(c for c, _ in keys))
+    families = list(dict.fromkeys(f for _, f in keys))
+    fig, axes = figure.plt.subplots(
+        len(families), len(clusters), figsize=(6.4 * len(clusters), 3.9 * len(families)),
+        squeeze=False, layout="constrained",
+    )  # fmt: skip
+    for (row, family), (col, cluster) in itertools.product(
+        enumerate(families), enumerate(clusters)
+    ):
+        ax = axes[row, col]
+        if (cluster, family) not in keys:
+            ax.set_axis_off()
+            continue
         groups, methods, by, linear = panel_data(doc, cluster, family)
         models = {r["gpus"]: r["model"] for r in doc["data"]["rows"] if r["family"] == family}
         figure.grouped_bars(
             ax, groups, methods,
             cells={k: (r["pflops"], r["oom"]) for k, r in by.items()},
-            linear=linear, labels=LABELS,
+            linear=linear, labels=LABELS, no_plan=no_plan(doc, cluster, family),
             xlabel="The number of GPUs (model: " + ", ".join(
                 models[int(g)].split("-", 1)[1] for g in groups) + ")",
         )  # fmt: skip
-        ax.set_title(f"{family.upper()} on {cluster}", fontsize=9)
+        ax.set_title(f"{family.upper()} on {cluster}", fontsize=10)
     fig.suptitle(figure.title(doc, "End-to-end weak scaling, throughput in model PFLOPS"))
-    fig.tight_layout()
     return fig
 
 

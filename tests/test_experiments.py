@@ -76,7 +76,10 @@ def test_committed_figure_has_json_png_and_provenance(name):
 def _bars_match(drawn: dict, rows, panel: str, height_key: str, series_key: str, group_key):
     for r in rows:
         cell = f"{r[series_key]}|{r[group_key]}"
-        if r["oom"]:
+        if r.get("no_plan"):
+            assert f"{panel}::bar|{cell}" not in drawn, cell
+            assert f"{panel}::oom|{cell}" not in drawn, cell
+        elif r["oom"]:
             assert f"{panel}::oom|{cell}" in drawn, cell
             assert f"{panel}::bar|{cell}" not in drawn, cell
         else:
@@ -85,13 +88,30 @@ def _bars_match(drawn: dict, rows, panel: str, height_key: str, series_key: str,
             assert f"{panel}::oom|{cell}" not in drawn, cell
 
 
+def _no_plan_marked(fig, drawn: dict, rows, panel: str) -> None:
+    """An open circle exactly where a panel's method has no plan: a ``no_plan`` row, or no
+    row at a GPU count where the panel has rows (the method has rows at others)."""
+    planned = {(r["method"], r["gpus"]) for r in rows if not r.get("no_plan")}
+    every = {(r["method"], g) for r in rows for g in {q["gpus"] for q in rows}}
+    for method, g in every:
+        assert (f"{panel}::noplan|{method}|{g}" in drawn) == ((method, g) not in planned), (
+            method,
+            g,
+        )
+    ax = next(a for a in fig.axes if a.get_title() == panel)
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ("No plan found" in texts) == (planned != every), texts
+    assert ("Out of memory" in texts) == any(r["oom"] for r in rows), texts
+
+
 def test_weak_scaling_bars_and_crosses_are_the_json():
     module = _script("weak-scaling")
     doc = json.loads((FIGURES / "weak-scaling.json").read_text())
-    _, drawn = _drawn(module, doc)
+    fig, drawn = _drawn(module, doc)
     for cluster, family in module.panels(doc):
         rows = [r for r in doc["data"]["rows"] if (r["cluster"], r["family"]) == (cluster, family)]
         _bars_match(drawn, rows, f"{family.upper()} on {cluster}", "pflops", "method", "gpus")
+        _no_plan_marked(fig, drawn, rows, f"{family.upper()} on {cluster}")
         # the linear-scaling outline: the best 1-GPU value times the GPU count
         base = max(r["pflops"] for r in rows if r["gpus"] == rows[0]["gpus"] and not r["oom"])
         for g in {r["gpus"] for r in rows}:
@@ -113,6 +133,46 @@ def test_weak_scaling_draws_a_cross_not_a_bar_where_out_of_memory():
     _bars_match(drawn, rows, "GPT on c", "pflops", "method", "gpus")
     # the OOM bar's 2.5 is not drawn, and the linear outline comes from fitting bars only
     assert drawn["GPT on c::bar|linear|2"][1] == pytest.approx(2.0)
+
+
+def test_weak_scaling_marks_no_plan_apart_from_out_of_memory():
+    """A ``no_plan`` row and a missing row (chunks from before no-plan rows) both draw an
+    open circle and a legend entry; neither draws a bar or a cross."""
+    module = _script("weak-scaling")
+    row = dict(cluster="c", family="moe", model="moe-x", plan={}, step_time_s=1.0)
+    rows = [
+        row | dict(gpus=1, method="auto", pflops=1.0, oom=False),
+        row | dict(gpus=1, method="expert-zero2", pflops=0.9, oom=False),
+        row | dict(gpus=2, method="auto", pflops=1.8, oom=False),
+        row | dict(gpus=2, method="expert-zero2", pflops=None, oom=False, no_plan=True),
+        row | dict(gpus=4, method="auto", pflops=3.0, oom=True),  # expert-zero2: no row
+    ]
+    doc = {"title": "t", "source": "simulated", "data": {"rows": rows}}
+    fig, drawn = _drawn(module, doc)
+    _bars_match(drawn, rows, "MOE on c", "pflops", "method", "gpus")
+    _no_plan_marked(fig, drawn, rows, "MOE on c")
+    assert {k for k in drawn if "::noplan|" in k} == {
+        "MOE on c::noplan|expert-zero2|2",
+        "MOE on c::noplan|expert-zero2|4",
+    }
+    assert "MOE on c::oom|auto|4" in drawn
+    assert drawn["MOE on c::noplan|expert-zero2|2"][1] < 0.1 * 1.8  # at the bar's base
+
+
+def test_weak_scaling_suptitle_clears_the_panel_titles():
+    """The figure title sits above every panel's title (6 or 9 panels overlapped it)."""
+    module = _script("weak-scaling")
+    doc = json.loads((FIGURES / "weak-scaling.json").read_text())
+    fig = module.plot(doc)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    top = fig._suptitle.get_window_extent(renderer)
+    for ax in fig.axes:
+        if ax.get_title():
+            assert ax.title.get_window_extent(renderer).y1 < top.y0, ax.get_title()
+    import figure
+
+    figure.plt.close(fig)
 
 
 @pytest.mark.parametrize("name", ["inter-ablation", "intra-ablation"])
