@@ -197,7 +197,8 @@ class IntraStageCost:
     :data:`autoshard.intra.baselines.BASELINES`) pins every range's inputs -- parameters,
     optimizer state, and the activations entering it, as data -- the way that baseline
     does, so a stage costs the baseline's plan (the weak-scaling figure's ZeRO and expert
-    parallel baselines); a range the baseline cannot plan costs infinity.
+    parallel baselines); a range the baseline cannot plan costs infinity, and why (the
+    baseline's refusal) goes into ``refusals``.
     """
 
     def __init__(
@@ -226,6 +227,9 @@ class IntraStageCost:
         self.num_cache_hits = 0
         self.ilp_seconds = 0.0
         self.seconds = 0.0
+        # why the baseline refused a unit (its pins cannot mean the baseline's name there),
+        # once each: the stage DP's "no plan" error quotes them
+        self.refusals: list[str] = []
         self._units: dict[tuple, UnitCost] = {}
         self._subgraphs: dict[tuple[int, int], RangeGraph] = {}
         self._junctions: dict[tuple, float] = {}
@@ -280,7 +284,9 @@ class IntraStageCost:
 
                 try:
                     pinned = baseline_inputs(graph, mesh.mesh, self.baseline)
-                except ValueError:  # e.g. a batch the data-parallel axes do not divide
+                except ValueError as err:  # e.g. experts the data-parallel axes do not divide
+                    if str(err) not in self.refusals:
+                        self.refusals.append(str(err))
                     raise InfeasibleProblemError(f"baseline {self.baseline}") from None
                 options = baseline_options(options, mesh.mesh, self.baseline)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
