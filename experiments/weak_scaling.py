@@ -85,6 +85,7 @@ def _data_parallel_only(cost):
             return StageCost(math.inf, 0.0, 0.0)
         return cost(start, end, submesh, logical, *mode)
 
+    stage_cost.refusals = getattr(cost, "refusals", [])  # the same list: the DP quotes it
     return stage_cost
 
 

@@ -12,7 +12,7 @@ from conftest import load_experiment
 
 from autoshard.api_pipeline import trace_microbatch
 from autoshard.hardware.clusters import load_cluster
-from autoshard.intra.baselines import EXPERT_RULE, baseline_inputs
+from autoshard.intra.baselines import EXPERT_RULE, BaselineRefusedError, baseline_inputs
 from autoshard.ir.spec import Mesh, ShardingSpec
 from autoshard.sim.auto import search_stage_cost
 from autoshard.sim.simulate import simulate
@@ -57,6 +57,37 @@ def test_expert_zero2_splits_experts_and_shards_optimizer_state(moe_graph):
 def test_expert_zero2_refuses_experts_the_mesh_does_not_divide(moe_graph):
     with pytest.raises(ValueError, match="experts of param"):
         baseline_inputs(moe_graph, Mesh(("data",), (3,)), "expert-zero2")
+
+
+def test_expert_zero2_refusal_says_what_does_not_divide_and_what_would(moe_graph):
+    """moe-27b's 48 experts on 32 GPUs, in small: moe-tiny's 8 experts on 16 devices. The
+    refusal names the experts, the devices, and DeepSpeed-MoE's group that would divide."""
+    with pytest.raises(BaselineRefusedError) as info:
+        baseline_inputs(moe_graph, Mesh(("data",), (16,)), "expert-zero2")
+    msg = str(info.value)
+    assert "8 experts do not divide over the 16 data-parallel devices" in msg
+    assert "expert-parallel group of 8 devices" in msg and "repeated 2 times" in msg
+    assert "divides 8 (2, 4, 8)" in msg and info.value.devices == 16
+    with pytest.raises(BaselineRefusedError, match="group of 2 devices .* repeated 3 times"):
+        baseline_inputs(moe_graph, Mesh(("data",), (6,)), "expert-zero2")
+
+
+def test_baseline_stage_search_says_why_it_has_no_plan():
+    """The weak-scaling figure's 'no plan' for moe-27b's expert-zero2 at 32 GPUs, in small:
+    the one-stage search over the refused stage costs raises with the refusal in it, not
+    only 'a stage whose stage_cost latency is infinite'."""
+    from autoshard.inter.stages import RECOMPUTE_MODES, optimal_stage_plan
+
+    ws = load_experiment("weak_scaling")
+    cluster = load_cluster("alpa-v100", 16)
+    cost = search_stage_cost("moe-tiny", cluster, 32, 1, "fp16", 20.0, {}, "expert-zero2")
+    args = (len(cost.graph.layers), 2, 8, ws._data_parallel_only(cost), 1)
+    with pytest.raises(ValueError, match="latency is infinite") as info:
+        optimal_stage_plan(*args, num_stages=1, recompute_modes=RECOMPUTE_MODES)
+    assert "8 experts do not divide over the 16 data-parallel devices" in str(info.value)
+    (refusal,) = cost.refusals  # once, for the one MoE block (its first expert weight)
+    assert "['block_0']['moe']['wi']" in refusal
+    assert ws.baseline_search("moe-tiny", "alpa-v100", 16, 32, "fp16", ("expert-zero2",)) is None
 
 
 def test_stage_cost_with_a_baseline_pins_every_stage(moe_graph):

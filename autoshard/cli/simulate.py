@@ -159,6 +159,7 @@ def cmd_simulate(args) -> int:
         num_microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
         virtual_stages=args.virtual_stages,
+        optimizer=args.optimizer,
         **_model_overrides(args),
     )
     if args.json:
@@ -244,6 +245,13 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--time-limit", type=float, default=20.0, help="per-ILP time limit for --plan auto (s)"
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "adafactor", "sgd"),
+        default="adamw",
+        help="optimizer of the traced step, --plan auto only (default: adamw; Alpa's GPT-MoE "
+        "benchmark trains with adafactor: factored second moments, no momentum)",
     )
     p.add_argument(
         "--exact",

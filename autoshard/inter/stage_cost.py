@@ -129,7 +129,13 @@ def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) ->
     return kept
 
 
-def recompute_costs(graph: Graph, ip, solution, kept: Mapping[int, float]):
+def recompute_costs(
+    graph: Graph,
+    ip,
+    solution,
+    kept: Mapping[int, float],
+    layer_inputs: Mapping[int, float] | None = None,
+):
     """Per recompute mode, (seconds added per microbatch, activation bytes kept).
 
     * ``none``: nothing added; every kept buffer.
@@ -137,7 +143,11 @@ def recompute_costs(graph: Graph, ip, solution, kept: Mapping[int, float]):
       equations that make or read attention-sized tensors (:func:`is_attention_sized`:
       Q K^T, softmax, dropout, P V) -- and its buffers are not kept.
     * ``full``: the whole forward (equations at their chosen strategies, plus the
-      resharding into them) runs again; only the unit's inputs (the layer input) are kept.
+      resharding into them) runs again; only the unit's inputs (the layer input) are kept:
+      ``layer_inputs`` (tensor id -> per-device bytes of the activations entering the unit
+      that its forward reads), which the forward needs to run again even where the
+      backward never reads them (so ``kept`` may lack them); without it, the inputs in
+      ``kept``.
     """
     forward = {n.index for n in graph.nodes if n.phase == "forward"}
     chosen = [
@@ -160,7 +170,8 @@ def recompute_costs(graph: Graph, ip, solution, kept: Mapping[int, float]):
     attention_bytes = sum(b for t, b in kept.items() if is_attention_sized(graph.tensors[t].shape))
     inputs_bytes = sum(b for t, b in kept.items() if graph.tensors[t].producer is None)
     seconds = {"none": 0.0, "selective": selective_s, "full": forward_s}
-    kept_bytes = {"none": total, "selective": total - attention_bytes, "full": inputs_bytes}
+    full = sum(layer_inputs.values()) if layer_inputs else inputs_bytes
+    kept_bytes = {"none": total, "selective": total - attention_bytes, "full": full}
     return seconds, kept_bytes
 
 
@@ -197,7 +208,8 @@ class IntraStageCost:
     :data:`autoshard.intra.baselines.BASELINES`) pins every range's inputs -- parameters,
     optimizer state, and the activations entering it, as data -- the way that baseline
     does, so a stage costs the baseline's plan (the weak-scaling figure's ZeRO and expert
-    parallel baselines); a range the baseline cannot plan costs infinity.
+    parallel baselines); a range the baseline cannot plan costs infinity, and why (the
+    baseline's refusal) goes into ``refusals``.
     """
 
     def __init__(
@@ -226,6 +238,9 @@ class IntraStageCost:
         self.num_cache_hits = 0
         self.ilp_seconds = 0.0
         self.seconds = 0.0
+        # why the baseline refused a unit (its pins cannot mean the baseline's name there),
+        # once each: the stage DP's "no plan" error quotes them
+        self.refusals: list[str] = []
         self._units: dict[tuple, UnitCost] = {}
         self._subgraphs: dict[tuple[int, int], RangeGraph] = {}
         self._junctions: dict[tuple, float] = {}
@@ -280,7 +295,9 @@ class IntraStageCost:
 
                 try:
                     pinned = baseline_inputs(graph, mesh.mesh, self.baseline)
-                except ValueError:  # e.g. a batch the data-parallel axes do not divide
+                except ValueError as err:  # e.g. experts the data-parallel axes do not divide
+                    if str(err) not in self.refusals:
+                        self.refusals.append(str(err))
                     raise InfeasibleProblemError(f"baseline {self.baseline}") from None
                 options = baseline_options(options, mesh.mesh, self.baseline)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
@@ -302,8 +319,17 @@ class IntraStageCost:
             * (amortise if n.phase == "update" else 1.0)
             for n in graph.nodes
         )
-        kept = kept_activations(graph, plan.specs_by_tensor(graph.inputs), mesh)
-        recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept)
+        spec_of = plan.specs_by_tensor(graph.inputs)
+        kept = kept_activations(graph, spec_of, mesh)
+        forward_reads = {t for n in graph.nodes if n.phase == "forward" for t in n.inputs}
+        layer_inputs = {  # what full recompute keeps: the activations the forward reads
+            tid: graph.tensors[tid].nbytes * _spec_fraction(spec_of[tid], mesh)
+            for tid in graph.inputs
+            if graph.tensors[tid].kind not in ("param", "opt_state")
+            and tid in forward_reads
+            and tid in spec_of
+        }
+        recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept, layer_inputs)
         aliased = {src for src, _ in graph.aliases}
         owned = 0.0
         borrowed: dict[int, float] = {}

@@ -455,7 +455,8 @@ def optimal_stage_plan(
     ``num_stages`` fixes the stage count (default: any).  ``recompute_modes``: the modes
     each stage may choose from (the callback then takes the mode as a fifth argument).  Raises if the problem has no
     plan; if only memory is the obstacle, the error gives the smallest per-device budget
-    that would admit one.
+    that would admit one; where every plan needs an infinite-latency stage, it quotes the
+    callback's ``refusals`` (if it has that attribute: why it refused a stage).
     """
     t0 = time.perf_counter()
     _check_problem(num_layers, num_microbatches, schedule)
@@ -491,11 +492,13 @@ def optimal_stage_plan(
                 f"no plan of {count} stages fits {budget:.4g} bytes per device; the smallest "
                 f"budget that admits one is {need:.4g} bytes"
             )
+        refusals = list(getattr(stage_cost, "refusals", ()))
+        why = "; the stage costs were refused because: " + " | ".join(refusals) if refusals else ""
         raise ValueError(
             f"no plan of {count} stages exists for {num_layers} layers on a "
             f"{num_hosts}x{devices_per_host} cluster with sub-meshes {submeshes}: every "
             f"split needs a stage whose stage_cost latency is infinite or a sub-mesh mix "
-            f"that does not add up to {num_devices} devices"
+            f"that does not add up to {num_devices} devices{why}"
         )
 
     def capped_dp(t_max: float) -> tuple[np.ndarray, np.ndarray]:

@@ -40,6 +40,7 @@ that op by propagating the forbidden pairs, and the caller raises
 
 from __future__ import annotations
 
+import math
 import re
 from collections import deque
 from collections.abc import Sequence
@@ -107,6 +108,33 @@ def _split_dim(
     return spec.with_dim(dim, axes)
 
 
+def _split_experts(
+    shape: Sequence[int], axes: tuple[str, ...], mesh: Mesh, what: str
+) -> ShardingSpec:
+    """An expert weight (or its optimizer state) split on its expert dim (0) over the
+    data-parallel ``axes``, as expert-zero2 places it; :class:`BaselineRefusedError` saying
+    what does not divide, and which expert-parallel group would, where ``axes`` do not
+    divide the experts."""
+    spec = ShardingSpec.replicated(len(shape))
+    if not axes:
+        return spec
+    n, experts = mesh.size(axes), shape[0]
+    if experts % n == 0:
+        return spec.with_dim(0, axes)
+    group = math.gcd(experts, n)
+    counts = [d for d in range(2, experts + 1) if experts % d == 0]
+    raise BaselineRefusedError(
+        f"baseline 'expert-zero2': the experts of {what} (shape {tuple(shape)}): its "
+        f"{experts} experts do not divide over the {n} data-parallel devices of mesh axes "
+        f"{axes}, and this baseline splits the expert dim over all of them. DeepSpeed-MoE "
+        f"would use an expert-parallel group of {group} devices (the largest count that "
+        f"divides both {experts} and {n}: {experts // group} experts per device) repeated "
+        f"{n // group} times, a layout this baseline does not model; use a device count that "
+        f"divides {experts} ({', '.join(map(str, counts))})",
+        n,
+    )
+
+
 def _dp_tp_axes(mesh: Mesh, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(data-parallel axes, tensor-parallel axes) of baseline ``name`` on ``mesh``."""
     if name == "megatron":
@@ -151,8 +179,7 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
             continue
         state = t.kind == "opt_state"
         if name == "expert-zero2" and EXPERT_RULE.search(t.path):
-            what = f"baseline 'expert-zero2': the experts of {t.kind} {t.path}"
-            pinned[pos] = _split_dim(t.shape, 0, dp, mesh, what)
+            pinned[pos] = _split_experts(t.shape, dp, mesh, f"{t.kind} {t.path}")
         elif name == "dp":
             pinned[pos] = ShardingSpec.replicated(len(t.shape))
         elif name in ("zero2", "expert-zero2"):

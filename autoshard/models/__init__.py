@@ -189,12 +189,19 @@ def _wresnet_workload(name, batch_size, seq_len, vocab_size, num_layers, hidden,
 def make_optimizer(
     name: str = "adamw", learning_rate: float = 1e-3
 ) -> optax.GradientTransformation:
-    """``adamw`` (weight decay 0.01) or ``sgd`` (plain, for exact comparisons)."""
+    """``adamw`` (weight decay 0.01), ``adafactor`` (optax's defaults: factored second
+    moments, no momentum -- what Alpa's GPT-MoE benchmark trains with) or ``sgd`` (plain,
+    for exact comparisons)."""
     if name == "adamw":
         return optax.adamw(learning_rate, weight_decay=0.01)
+    if name == "adafactor":
+        return optax.adafactor(learning_rate)
     if name == "sgd":
         return optax.sgd(learning_rate)
-    raise ValueError(f"unknown optimizer {name!r}; choose 'adamw' or 'sgd'")
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+
+
+OPTIMIZERS = ("adamw", "adafactor", "sgd")
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:

@@ -88,13 +88,14 @@ def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
 
 def simulate_auto(
     model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides,
-    seq_len: int | None = None,
+    seq_len: int | None = None, optimizer: str = "adamw",
 ) -> SimulationReport:  # fmt: skip
     """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
     :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
     global micro-batch ``batch / m``, which each stage splits over its own DP degree.
     ``shape=None`` (a GPT-MoE): FLOPs come from the traced step (:func:`_traced_flops`)
-    and ``seq_len`` gives the tokens per sequence."""
+    and ``seq_len`` gives the tokens per sequence. ``optimizer``: the traced step's
+    (:data:`autoshard.models.OPTIMIZERS`)."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.search import search_stages
 
@@ -111,7 +112,9 @@ def simulate_auto(
     t0 = time.perf_counter()
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
-    cost = shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
+    cost = shared_stage_cost(
+        model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
+    )
     ilp_seconds_before = cost.seconds  # the cost may come from an earlier call
     traced_graph = cost.graph
     t_trace = time.perf_counter()
@@ -170,6 +173,7 @@ def simulate_auto(
         "global_batch": batch,
         "recompute": recompute,
         "dtype": dtype,
+        "optimizer": optimizer,
         "zero_stage": None,
         "sequence_parallel": False,
         "virtual_stages": 1,
@@ -217,27 +221,30 @@ def simulate_auto(
 _STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused
 
 
-def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides):
+def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, optimizer="adamw"):
     """:func:`search_stage_cost`, kept for the next call with the same arguments, so that
     ``plan="auto"`` and a Megatron grid on the traced program (:mod:`autoshard.sim.traced`)
     at the same micro-batches price the same plans from the same ILPs (each logical mesh's
     ILPs are solved once per process)."""
     key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
+    key += (optimizer,)
     if key not in _STAGE_COSTS:
         if len(_STAGE_COSTS) >= 4:
             _STAGE_COSTS.pop(next(iter(_STAGE_COSTS)))
         _STAGE_COSTS[key] = search_stage_cost(
-            model, cluster, batch, m, dtype, time_limit, overrides
+            model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
         )
     return _STAGE_COSTS[key]
 
 
-def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, baseline=None):
+def search_stage_cost(
+    model, cluster, batch, m, dtype, time_limit, overrides, baseline=None, optimizer="adamw"
+):
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
     ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step).
     ``baseline``: every stage's inputs pinned the way that intra-op baseline does (a
-    restricted search, e.g. ZeRO data parallelism)."""
+    restricted search, e.g. ZeRO data parallelism). ``optimizer``: the traced step's."""
     from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
     from autoshard.inter.stage_cost import IntraStageCost
     from autoshard.inter.submesh import cluster_for, logical_mesh_costs
@@ -246,7 +253,7 @@ def search_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, ba
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
     )
     traced = trace_microbatch(
-        model, m, "adamw", batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
+        model, m, optimizer, batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
         **overrides,
     )  # fmt: skip
     mesh_for = logical_mesh_costs(

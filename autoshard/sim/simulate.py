@@ -201,6 +201,7 @@ def simulate(
     num_microbatches: int | None = None,
     sequence_parallel: bool = False,
     virtual_stages: int = 1,
+    optimizer: str = "adamw",
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
@@ -225,8 +226,19 @@ def simulate(
     Give at most one; neither: searched (grids) or chosen (``auto``).
     ``sequence_parallel`` and ``virtual_stages`` (interleaved 1F1B, Megatron-LM's
     ``--num-layers-per-virtual-pipeline-stage`` = layers / (PP x v)) are modelled on
-    Megatron-LM's program only.
+    Megatron-LM's program only. ``optimizer`` (``OPTIMIZERS``): the optimizer of the traced
+    step, for ``plan="auto"`` only (the grids' memory model is mixed-precision Adam);
+    Alpa's GPT-MoE benchmark trains with ``adafactor``.
     """
+    from autoshard.models import OPTIMIZERS  # lazy: the models import jax
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if optimizer != "adamw" and parse_plan(plan).kind != "auto":
+        raise ValueError(
+            f"optimizer={optimizer!r} is priced on the traced step, by plan='auto' only; plan "
+            f"{plan!r} models mixed-precision Adam (use optimizer='adamw')"
+        )
     schedule = _schedule(
         plan, program, microbatch_size, num_microbatches, sequence_parallel, virtual_stages
     )
@@ -237,7 +249,7 @@ def simulate(
         )
     report = _simulate(
         model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
-        ilp_time_limit_s, exact, overrides, program,
+        ilp_time_limit_s, exact, overrides, program, optimizer,
     )  # fmt: skip
     if not exact:
         return report
@@ -294,7 +306,7 @@ def _schedule(
 
 def _simulate(
     model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
-    ilp_time_limit_s, exact, overrides, program="megatron-lm",
+    ilp_time_limit_s, exact, overrides, program="megatron-lm", optimizer="adamw",
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
     if program not in PROGRAMS:
@@ -346,6 +358,7 @@ def _simulate(
         return simulate_auto(
             model, shape, the_cluster, batch, m, recompute, dtype, peak,
             ilp_time_limit_s, overrides, seq_len=None if traced_cfg is None else seq_len,
+            optimizer=optimizer,
         )  # fmt: skip
 
     if program == "traced":

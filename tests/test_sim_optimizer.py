@@ -1,0 +1,60 @@
+"""The optimizer of the traced step in ``simulate(plan="auto")`` (issue #15: moe-70b on 64
+V100s). Alpa's GPT-MoE benchmark trains with Adafactor (factored second moments, no
+momentum), whose state is a small fraction of AdamW's two fp32 moments; with AdamW the 70B
+model's state alone (16 bytes per parameter) is over 64 x 16 GiB."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoshard.api_pipeline import trace_microbatch
+from autoshard.hardware.clusters import load_cluster
+from autoshard.models import OPTIMIZERS, make_optimizer
+from autoshard.models.moe import MOE_PRESETS
+from autoshard.sim.auto import search_stage_cost
+from autoshard.sim.simulate import simulate
+
+
+def _state_bytes(graph, kind: str) -> int:
+    return sum(t.nbytes for t in graph.tensors if t.kind == kind)
+
+
+def test_adafactor_state_is_factored_at_moe_380m_dimensions():
+    """At moe-380m's dimensions (every weight's two largest dims >= 128) Adafactor keeps
+    row and column statistics: under 1% of the parameters' bytes, where AdamW keeps two
+    full fp32 moments (2 x the parameters' bytes, plus its step count)."""
+    adamw = trace_microbatch("moe-380m", 64, "adamw", batch_size=1024).graph
+    adafactor = trace_microbatch("moe-380m", 64, "adafactor", batch_size=1024).graph
+    params = _state_bytes(adamw, "param")
+    assert params == _state_bytes(adafactor, "param") == 4 * MOE_PRESETS["moe-380m"].num_params
+    assert _state_bytes(adamw, "opt_state") == 2 * params + 4  # mu, nu and an int32 count
+    assert _state_bytes(adafactor, "opt_state") < 0.01 * params
+
+
+def test_stage_costs_count_the_optimizer_state_of_the_traced_step():
+    """One MoE block on one device (nothing split): AdamW owns params + grads + two moments
+    (16 B per parameter); Adafactor at moe-tiny's small dims (< 128, not factored) one
+    second moment (12 B per parameter)."""
+    cluster = load_cluster("alpa-v100", 1)
+    costs = {
+        opt: search_stage_cost("moe-tiny", cluster, 16, 1, "fp16", 20.0, {}, optimizer=opt)
+        for opt in ("adamw", "adafactor")
+    }
+    graph = costs["adamw"].graph
+    block = graph.layers.index("block_0")
+    n = sum(t.size for t in graph.tensors if t.kind == "param" and "['block_0']" in t.path)
+    owned = {opt: c.range_cost(block, block + 1, (1, 1)).param_bytes for opt, c in costs.items()}
+    assert owned["adamw"] == 16 * n
+    assert 12 * n <= owned["adafactor"] < 12.1 * n
+
+
+def test_simulate_takes_the_optimizer_for_auto_only():
+    report = simulate("moe-tiny", "alpa-v100", 2, "auto", global_batch=16, optimizer="adafactor")
+    assert report.plan["optimizer"] == "adafactor" and not report.oom
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        simulate("moe-tiny", "alpa-v100", 2, "auto", optimizer="lamb")
+    with pytest.raises(ValueError, match="plan='auto' only"):
+        simulate("gpt-350m", "alpa-v100", 1, "megatron", optimizer="adafactor")
+    assert OPTIMIZERS == ("adamw", "adafactor", "sgd")
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        make_optimizer("lamb")
