@@ -18,26 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+import figure  # noqa: E402  (experiments/figure.py: the commit helper the figures use)
 
 
 def main() -> None:
@@ -49,10 +38,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: give at least 1")
-    largest = max(eval_mesh(m) for m in args.meshes)
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={largest}")
+    import jax
 
-    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.api import device_mesh_for, parse_mesh_shape, trace_workload
+
+    jax.config.update(
+        "jax_num_cpu_devices", max(math.prod(parse_mesh_shape(m)) for m in args.meshes)
+    )
     from autoshard.intra.ilp import solve
     from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import _common, _finish
@@ -102,21 +94,13 @@ def main() -> None:
     if args.out:
         doc = dict(
             command="python " + " ".join(sys.argv),
-            commit=_commit(),
+            commit=figure.git_commit(),
             time=time.strftime("%Y-%m-%d %H:%M:%S"),
             cpu_count=os.cpu_count(),
             machine=platform.platform(),
             rows=rows,
         )
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def eval_mesh(text: str) -> int:
-    """Devices of a mesh written ``8`` or ``2x4``."""
-    n = 1
-    for part in text.split("x"):
-        n *= int(part)
-    return n
 
 
 if __name__ == "__main__":

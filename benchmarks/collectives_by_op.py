@@ -2,10 +2,10 @@
 
 Plans a preset (``plan_workload``, the CLI's ``plan`` path) and groups every predicted
 collective by the op that produces the resharded value (its primitive and shape, "input"
-for a parameter or data input): kind, mesh axes, count and bytes per device. It listens
-to :func:`autoshard.intra.predict.reshard_to_consumers`, the one call that turns a value's
-spec and its consumers' specs into collectives, so the totals are the plan's own
-prediction (``plan --verify`` compares that with XLA's compile).
+for a parameter or data input): kind, mesh axes, count and bytes per device. It reads the
+plan's own prediction per value (:func:`autoshard.intra.predict.collectives_by_value`, of
+which ``predicted_collectives`` is the flat list that ``plan --verify`` compares with XLA's
+compile), for the plan ``plan_from_solution`` was last asked to predict.
 
     python benchmarks/collectives_by_op.py --model gpt-tiny --mesh 2x4 --baseline megatron
 """
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
+import math
 
 
 def main() -> None:
@@ -27,37 +26,40 @@ def main() -> None:
     )
     ap.add_argument("--details", action="store_true", help="also one line per resharded value")
     args = ap.parse_args()
-    devices = 1
-    for part in args.mesh.split("x"):
-        devices *= int(part)
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")
+    import jax
 
+    from autoshard.api import device_mesh_for, parse_mesh_shape, plan_workload
+
+    jax.config.update("jax_num_cpu_devices", math.prod(parse_mesh_shape(args.mesh)))
     import autoshard.intra.predict as predict
-    from autoshard.api import device_mesh_for, plan_workload
 
-    seen = []
-    original = predict.reshard_to_consumers
+    asked = []  # (ip, choice) of every plan predicted
+    original = predict.predicted_collectives
 
-    def listen(src, wants, shape, itemsize, mesh, *rest, **kw):
-        out = original(src, wants, shape, itemsize, mesh, *rest, **kw)
-        caller = sys._getframe(1).f_locals  # predicted_collectives' loop: tid, graph
-        tid, graph = caller["tid"], caller["graph"]
-        producer = next((n for n in graph.nodes if tid in n.outputs), None)
-        prim = producer.primitive if producer is not None else "input"
-        if out.collectives:
-            seen.append((prim, tuple(shape), str(src), [str(w) for w in wants], out.collectives))
-        return out
+    def listen(ip, choice):
+        asked.append((ip, choice))
+        return original(ip, choice)
 
-    predict.reshard_to_consumers = listen
+    predict.predicted_collectives = listen
     try:
         plan_workload(args.model, device_mesh_for(args.mesh), baseline=args.baseline)
     finally:
-        predict.reshard_to_consumers = original
+        predict.predicted_collectives = original
+    ip, choice = asked[-1]
+    graph = ip.graph
+    producer = {t: n for n in graph.nodes for t in n.outputs}
+    seen = []
+    for tid, cols in predict.collectives_by_value(ip, choice):
+        if cols:
+            node = producer.get(tid)
+            seen.append((node.primitive if node else "input", graph.tensors[tid].shape, cols))
     count, nbytes = collections.Counter(), collections.Counter()
-    for prim, shape, src, wants, cols in seen:
+    for prim, shape, cols in seen:
         if args.details:
-            print(f"{prim} {shape} {src} -> {wants}: " + ", ".join(
-                f"{c.kind} over {'+'.join(c.axes)} {c.bytes} B" for c in cols))  # fmt: skip
+            print(
+                f"{prim} {shape}: "
+                + ", ".join(f"{c.kind} over {'+'.join(c.axes)} {c.bytes} B" for c in cols)
+            )
         for c in cols:
             key = (c.kind, "+".join(c.axes), prim, shape)
             count[key] += 1

@@ -119,17 +119,23 @@ def test_weak_scaling_bars_and_crosses_are_the_json():
             assert h == pytest.approx(base * g / rows[0]["gpus"])
 
 
+def _panel_drawn(module, family: str, *cells: dict):
+    """One made-up weak-scaling panel ("<FAMILY> on c") of ``cells`` (GPUs, method,
+    PFLOPS, OOM, ...): its rows, and what the script's plot draws from them."""
+    row = dict(cluster="c", family=family, model=f"{family}-x", plan={}, step_time_s=1.0)
+    rows = [row | cell for cell in cells]
+    return rows, _drawn(module, {"title": "t", "source": "simulated", "data": {"rows": rows}})
+
+
 def test_weak_scaling_draws_a_cross_not_a_bar_where_out_of_memory():
     module = _script("weak-scaling")
-    row = dict(cluster="c", family="gpt", model="gpt-x", plan={}, step_time_s=1.0)
-    rows = [
-        row | dict(gpus=1, method="auto", pflops=1.0, oom=False),
-        row | dict(gpus=1, method="megatron", pflops=0.5, oom=True),
-        row | dict(gpus=2, method="auto", pflops=1.8, oom=False),
-        row | dict(gpus=2, method="megatron", pflops=2.5, oom=True),
-    ]
-    doc = {"title": "t", "source": "simulated", "data": {"rows": rows}}
-    _, drawn = _drawn(module, doc)
+    rows, (_, drawn) = _panel_drawn(
+        module, "gpt",
+        dict(gpus=1, method="auto", pflops=1.0, oom=False),
+        dict(gpus=1, method="megatron", pflops=0.5, oom=True),
+        dict(gpus=2, method="auto", pflops=1.8, oom=False),
+        dict(gpus=2, method="megatron", pflops=2.5, oom=True),
+    )  # fmt: skip
     _bars_match(drawn, rows, "GPT on c", "pflops", "method", "gpus")
     # the OOM bar's 2.5 is not drawn, and the linear outline comes from fitting bars only
     assert drawn["GPT on c::bar|linear|2"][1] == pytest.approx(2.0)
@@ -139,16 +145,14 @@ def test_weak_scaling_marks_no_plan_apart_from_out_of_memory():
     """A ``no_plan`` row and a missing row (chunks from before no-plan rows) both draw an
     open circle and a legend entry; neither draws a bar or a cross."""
     module = _script("weak-scaling")
-    row = dict(cluster="c", family="moe", model="moe-x", plan={}, step_time_s=1.0)
-    rows = [
-        row | dict(gpus=1, method="auto", pflops=1.0, oom=False),
-        row | dict(gpus=1, method="expert-zero2", pflops=0.9, oom=False),
-        row | dict(gpus=2, method="auto", pflops=1.8, oom=False),
-        row | dict(gpus=2, method="expert-zero2", pflops=None, oom=False, no_plan=True),
-        row | dict(gpus=4, method="auto", pflops=3.0, oom=True),  # expert-zero2: no row
-    ]
-    doc = {"title": "t", "source": "simulated", "data": {"rows": rows}}
-    fig, drawn = _drawn(module, doc)
+    rows, (fig, drawn) = _panel_drawn(
+        module, "moe",
+        dict(gpus=1, method="auto", pflops=1.0, oom=False),
+        dict(gpus=1, method="expert-zero2", pflops=0.9, oom=False),
+        dict(gpus=2, method="auto", pflops=1.8, oom=False),
+        dict(gpus=2, method="expert-zero2", pflops=None, oom=False, no_plan=True),
+        dict(gpus=4, method="auto", pflops=3.0, oom=True),  # expert-zero2: no row
+    )  # fmt: skip
     _bars_match(drawn, rows, "MOE on c", "pflops", "method", "gpus")
     _no_plan_marked(fig, drawn, rows, "MOE on c")
     assert {k for k in drawn if "::noplan|" in k} == {

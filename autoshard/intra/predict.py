@@ -75,6 +75,12 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
     """The collectives XLA will emit for the plan ``choice``: every value is resharded
     once per distinct spec its consumers want (:func:`autoshard.intra.cost.reshard_to_consumers`),
     in program order of first use."""
+    return tuple(c for _, cols in collectives_by_value(ip, choice) for c in cols)
+
+
+def collectives_by_value(ip: IntraProblem, choice) -> list[tuple[int, tuple[Collective, ...]]]:
+    """:func:`predicted_collectives` per resharded value: (tensor id, its collectives), in
+    program order of first use (``benchmarks/collectives_by_op.py`` groups them by op)."""
     graph = ip.graph
     source: dict[int, ShardingSpec] = {}
     steps: dict[int, tuple[tuple[str, ...], ...]] = {}
@@ -100,7 +106,7 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
         wants = targets.setdefault(op.tensor, [])
         if b not in wants:
             wants.append(b)
-    out: list[Collective] = []
+    out: list[tuple[int, tuple[Collective, ...]]] = []
     for tid, wants in targets.items():
         t = graph.tensors[tid]
         r = reshard_to_consumers(
@@ -113,8 +119,8 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
             reduce_first=steps.get(tid, ()),
             batch_dims=batch.get(tid, ()),
         )
-        out.extend(r.collectives)
-    return tuple(out)
+        out.append((tid, tuple(r.collectives)))
+    return out
 
 
 def dot_batch_dims(node) -> tuple[int, ...]:
