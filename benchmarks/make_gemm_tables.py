@@ -75,6 +75,17 @@ CALIBRATED = {
     "v100": V100_CALIBRATED_EFFICIENCY,
     "v100-megatron2019": V100_MEGATRON_2019_EFFICIENCY,
 }
+# The 2019 software's per-step cost of tensor parallelism, c in c (1 - 1/t) seconds: the
+# time its model-parallel runs took beyond what the step model prices (collectives
+# included) depends on the model-parallel degree and hardly on the model (docs/validation.md,
+# "A per-step cost of tensor parallelism"). Fitted after the level (which a 1-GPU row fixes
+# and c does not touch) to the three model-parallel weak-scaling rows of that paper's
+# Figure 5 (2.5B on 2, 4.2B on 4, 8.3B on 8 GPUs), on a 0.01 s grid, minimising the worst
+# |error| (`python benchmarks/validate_megatron.py --calibrate`). No other table has one.
+V100_MEGATRON_2019_TP_STEP_OVERHEAD_S = 0.28
+CALIBRATED_TP_STEP_OVERHEAD_S = {
+    "v100-megatron2019": V100_MEGATRON_2019_TP_STEP_OVERHEAD_S,
+}
 
 DEVICES = {
     "v100": {
@@ -167,9 +178,15 @@ def small_shape_factor(d: float, anchors: dict[int, float]) -> float:
     return 1.0
 
 
-def make_table(name: str, half_efficiency: float | None = None) -> dict:
+def make_table(
+    name: str, half_efficiency: float | None = None, tp_step_overhead_s: float | None = None
+) -> dict:
     """The modelled table of ``name``; ``half_efficiency`` replaces the 16-bit large-GEMM
-    efficiency (the calibrated one) -- what calibration scans."""
+    efficiency (the calibrated one) and ``tp_step_overhead_s`` the per-step tensor-parallel
+    cost (``CALIBRATED_TP_STEP_OVERHEAD_S``; 0 for a table without one) -- what calibration
+    scans."""
+    if tp_step_overhead_s is None:
+        tp_step_overhead_s = CALIBRATED_TP_STEP_OVERHEAD_S.get(name) or 0.0
     spec = DEVICES[name]
     rows, peaks, effs = {}, {}, []
     for dtype, (peak, eff, itemsize) in spec["dtypes"].items():
@@ -204,13 +221,21 @@ def make_table(name: str, half_efficiency: float | None = None) -> dict:
             "DeepBench's measured V100 fp16 rate relative to its large GEMMs "
             "(benchmarks/results/deepbench_v100_fp16_gemm.json), by smallest dimension."
         )
-    return {
+    table = {
         "device": spec["device"],
         "dtypes": sorted(rows),
         "peak_tflops": peaks,
         "source": source,
-        "rows": rows,
     }
+    if tp_step_overhead_s:
+        table["source"] += (
+            f" Tensor parallelism costs this software {tp_step_overhead_s:g} s x (1 - 1/t) "
+            "per step beyond its collectives (tp_step_overhead_s; fitted to the paper's "
+            "model-parallel weak-scaling runs, docs/validation.md)."
+        )
+        table["tp_step_overhead_s"] = tp_step_overhead_s
+    table["rows"] = rows
+    return table
 
 
 def write_table(name: str) -> Path:

@@ -37,6 +37,7 @@ from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron  
 
 OUT = HERE / "results" / "megatron_validation.json"
 CALIBRATION_GRID = [round(0.20 + 0.01 * i, 2) for i in range(71)]  # 0.20 .. 0.90
+OVERHEAD_GRID = [round(0.01 * i, 2) for i in range(101)]  # 0 .. 1 s per step
 UNITS = {"tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU", "step_time_s": "s/step"}
 
 
@@ -138,12 +139,26 @@ def validate() -> list[dict]:
     return rows
 
 
+def _minimax(grid, runs, table_for) -> tuple[float, float]:
+    """The grid value whose table prices ``runs`` with the smallest worst |error|."""
+    best = None
+    for value in grid:
+        table = table_for(value)
+        worst = max(abs(price(run, table)["error"]) for run in runs)
+        if best is None or worst < best[1] - 1e-12:
+            best = (value, worst)
+    return best
+
+
 def calibrate(table_name: str, source: str | None = None) -> dict:
-    """The 16-bit large-GEMM efficiency of the modelled table ``table_name`` that minimises
-    the worst |error| over the calibration rows priced with it, and that worst error, on
-    the grid. ``source``: fit on that source's rows instead (those not compared relative to
-    another row) -- what-if only, the shipped tables stay calibrated on the calibration
-    rows."""
+    """The calibrated numbers of the modelled table ``table_name``, each minimising the
+    worst |error| over the calibration rows priced with it, on a grid: its 16-bit
+    large-GEMM efficiency, and for a table with a per-step tensor-parallel cost
+    (``make_gemm_tables.CALIBRATED_TP_STEP_OVERHEAD_S``) that cost too -- the efficiency
+    then on the rows without tensor parallelism (where the cost is 0), the cost on those
+    with it, at the fitted efficiency. ``source``: fit the efficiency on that source's rows
+    instead (those not compared relative to another row) -- what-if only, the shipped
+    tables stay calibrated on the calibration rows."""
     if source is None:
         runs = [r for r in ALL_RUNS if r.role == "calibration" and table_of(r) == table_name]
     else:
@@ -154,21 +169,34 @@ def calibrate(table_name: str, source: str | None = None) -> dict:
         ]
     if not runs:
         raise ValueError(f"no calibration rows for {table_name!r}")
-    best = None
-    for eff in CALIBRATION_GRID:
-        table = GemmTable.from_json(
-            make_gemm_tables.make_table(table_name, eff), f"{table_name}@{eff}"
+    has_overhead = table_name in make_gemm_tables.CALIBRATED_TP_STEP_OVERHEAD_S
+    level_runs = [r for r in runs if r.tp == 1] if has_overhead and source is None else runs
+    tp_runs = [r for r in runs if r.tp > 1] if has_overhead and source is None else []
+
+    def table_for(eff: float, overhead: float = 0.0) -> GemmTable:
+        return GemmTable.from_json(
+            make_gemm_tables.make_table(table_name, eff, overhead),
+            f"{table_name}@{eff},{overhead}",
         )
-        worst = max(abs(price(run, table)["error"]) for run in runs)
-        if best is None or worst < best[1] - 1e-12:
-            best = (eff, worst)
-    return {
+
+    eff, worst = _minimax(CALIBRATION_GRID, level_runs, table_for)
+    fit = {
         "table": table_name,
         "rows": len(runs),
-        "efficiency": best[0],
-        "worst_error_percent": round(100 * best[1], 2),
+        "efficiency": eff,
+        "efficiency_rows": len(level_runs),
+        "worst_error_percent": round(100 * worst, 2),
         "shipped": make_gemm_tables.CALIBRATED[table_name],
     }
+    if tp_runs:
+        overhead, tp_worst = _minimax(OVERHEAD_GRID, tp_runs, lambda c: table_for(eff, c))
+        fit.update(
+            tp_step_overhead_s=overhead,
+            tp_step_overhead_rows=len(tp_runs),
+            worst_error_percent=round(100 * max(worst, tp_worst), 2),
+            shipped_tp_step_overhead_s=make_gemm_tables.CALIBRATED_TP_STEP_OVERHEAD_S[table_name],
+        )
+    return fit
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -244,10 +272,19 @@ def main(argv: list[str] | None = None) -> None:
             tables = sorted({table_of(r) for r in ALL_RUNS if r.source == args.source})
         for table in tables:
             fit = calibrate(table, args.source)
+            line = (
+                f"{table}: efficiency {fit['efficiency']:.2f} (shipped {fit['shipped']:.2f}, "
+                f"on {fit['efficiency_rows']} rows)"
+            )
+            if "tp_step_overhead_s" in fit:
+                line += (
+                    f", tensor-parallel step overhead {fit['tp_step_overhead_s']:.2f} s x "
+                    f"(1 - 1/t) (shipped {fit['shipped_tp_step_overhead_s']}, on "
+                    f"{fit['tp_step_overhead_rows']} rows)"
+                )
             print(
-                f"{table}: efficiency {fit['efficiency']:.2f} (worst |error| "
-                f"{fit['worst_error_percent']:.1f}% over {fit['rows']} calibration rows); "
-                f"shipped {fit['shipped']:.2f}"
+                f"{line}; worst |error| {fit['worst_error_percent']:.1f}% over "
+                f"{fit['rows']} calibration rows"
             )
         return
     rows = validate()

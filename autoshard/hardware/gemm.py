@@ -124,12 +124,20 @@ class _DtypeTable:
 
 @dataclass(frozen=True)
 class GemmTable:
-    """Achieved GEMM TFLOP/s by (M, N, K) per dtype for one device."""
+    """Achieved GEMM TFLOP/s by (M, N, K) per dtype for one device.
+
+    ``tp_step_overhead_s`` (optional, JSON key of the same name, default 0): a per-step cost
+    of tensor parallelism that the software this table describes pays on top of its
+    collectives, ``c (1 - 1/t)`` seconds at degree ``t``. Only a table calibrated on
+    model-parallel runs carries one (``v100-megatron2019``: fitted to Megatron-LM 2019's
+    weak-scaling rows, docs/validation.md); :func:`autoshard.sim.megatron.simulate_megatron`
+    adds it to the step's model-axis communication."""
 
     device: str
     source: str
     peak_tflops: dict[str, float]
     rows: dict[str, list]
+    tp_step_overhead_s: float = 0.0
     _tables: dict[str, _DtypeTable] = field(repr=False, compare=False, default_factory=dict)
 
     @staticmethod
@@ -139,12 +147,20 @@ class GemmTable:
                 raise ValueError(f"{origin}: missing field {key!r}")
         peaks = {str(k): float(v) for k, v in obj["peak_tflops"].items()}
         rows = {str(k): list(v) for k, v in obj["rows"].items()}
+        overhead = obj.get("tp_step_overhead_s", 0.0)
+        if not isinstance(overhead, (int, float)) or not 0 <= overhead < float("inf"):
+            raise ValueError(
+                f"{origin}: tp_step_overhead_s must be a finite number of seconds >= 0, "
+                f"got {overhead!r}"
+            )
         tables = {}
         for dtype, dtype_rows in rows.items():
             if dtype not in peaks:
                 raise ValueError(f"{origin}: rows for {dtype!r} but no peak_tflops.{dtype}")
             tables[dtype] = _DtypeTable.build(dtype_rows, peaks[dtype], f"{origin} rows.{dtype}")
-        return GemmTable(str(obj["device"]), str(obj["source"]), peaks, rows, tables)
+        return GemmTable(
+            str(obj["device"]), str(obj["source"]), peaks, rows, float(overhead), tables
+        )
 
     @staticmethod
     def load(name_or_path: str | Path) -> GemmTable:
@@ -167,6 +183,7 @@ class GemmTable:
             "dtypes": sorted(self.rows),
             "peak_tflops": dict(self.peak_tflops),
             "source": self.source,
+            **({"tp_step_overhead_s": self.tp_step_overhead_s} if self.tp_step_overhead_s else {}),
             "rows": {k: [list(r) for r in v] for k, v in self.rows.items()},
         }
 
