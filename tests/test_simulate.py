@@ -326,14 +326,14 @@ def test_non_gpt_models_are_refused_with_the_reason(model, capsys):
 
 def test_moe_is_priced_by_the_search_only(capsys):
     """A GPT-MoE preset has no Megatron-LM closed form: grids, DP and ZeRO are refused
-    (exit 2, naming --plan auto), and so are GPT overrides and an impossible micro-batch
-    count (a micro-batch must hold whole expert groups of 2048 tokens)."""
+    (exit 2, naming --plan auto), and so are an unknown override and an impossible
+    micro-batch count (a micro-batch must hold whole expert groups of 2048 tokens)."""
     from autoshard.cli.main import main
 
     for plan in ("megatron", "dp", "zero3", "megatron:1x1x2"):
         with pytest.raises(ValueError, match="GPT-MoE: only plan='auto'"):
             simulate("moe-380m", "alpa-v100", 2, plan)
-    with pytest.raises(ValueError, match="overrides"):
+    with pytest.raises(ValueError, match=r"unknown override\(s\) \['layers'\]; accepted"):
         simulate("moe-380m", "alpa-v100", 1, "auto", layers=4)
     with pytest.raises(ValueError, match=r"whole expert groups of 2048 tokens.*\[1, 2, 4\]"):
         simulate("moe-380m", "alpa-v100", 1, "auto", num_microbatches=8)  # 1 sequence each
@@ -360,3 +360,36 @@ def test_moe_auto_on_one_v100(recompute):
     else:
         assert 1.0 < ratio < 1.5
     assert sum(report.step_breakdown.values()) == pytest.approx(report.step_time_s, rel=1e-6)
+
+
+def test_model_dimensions_reach_the_traced_step(capsys):
+    """``simulate`` takes explicit dimensions on the presets the search traces: a GPT-MoE's
+    experts (``--experts``) and heads change what is traced (more experts, more expert
+    weights per device), ``--heads`` on a dense GPT under plan='auto' is traced (it raised
+    a TypeError before 2026-11-26), and the overrides a model cannot take are refused with
+    the reason: experts on a dense GPT, any override on a Wide-ResNet, heads that do not
+    divide the hidden size."""
+    from autoshard.cli.main import main
+
+    few = simulate("moe-tiny", "alpa-v100", 2, "auto", num_experts=2)
+    many = simulate("moe-tiny", "alpa-v100", 2, "auto", num_experts=16)
+    assert many.peak_bytes_per_device > few.peak_bytes_per_device
+    heads = simulate("moe-tiny", "alpa-v100", 2, "auto", num_heads=2)
+    assert heads.step_time_s > 0
+    gpt = simulate("gpt-tiny", "alpa-v100", 2, "auto", num_heads=2)
+    assert gpt.step_time_s > 0 and not gpt.oom
+    with pytest.raises(ValueError, match="num_experts is for the GPT-MoE presets"):
+        simulate("gpt-tiny", "alpa-v100", 2, "auto", num_experts=4)
+    with pytest.raises(ValueError, match="overrides .* are for the GPT and GPT-MoE presets"):
+        simulate("wresnet-tiny", "alpa-v100", 2, "auto", hidden=32)
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        simulate("moe-tiny", "alpa-v100", 2, "auto", num_heads=3)
+    argv = ["simulate", "--model", "gpt-tiny", "--cluster", "alpa-v100", "--gpus", "2"]
+    code = main([*argv, "--plan", "megatron", "--experts", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "num_experts is for the GPT-MoE presets" in err
+    assert "Traceback" not in err
+    code = main(["simulate", "--model", "moe-tiny", "--cluster", "alpa-v100", "--gpus", "2",
+                 "--plan", "auto", "--experts", "16", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["peak_bytes_per_device"] == pytest.approx(many.peak_bytes_per_device)

@@ -137,6 +137,7 @@ def _model_overrides(args) -> dict:
         "num_heads": args.heads,
         "seq_len": args.seq,
         "vocab_size": args.vocab,
+        "num_experts": args.experts,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -185,7 +186,10 @@ def register(subparsers) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="GPT preset, e.g. gpt-350m, gpt-39b; the dimension flags below override its sizes",
+        help=(
+            "GPT preset, e.g. gpt-350m, gpt-39b (or a GPT-MoE / Wide-ResNet preset with --plan "
+            "auto); the dimension flags below override a GPT or GPT-MoE preset's sizes"
+        ),
     )
     dims = p.add_argument_group("model dimensions (override the preset's)")
     dims.add_argument("--layers", type=_positive_int, help="transformer layers")
@@ -193,6 +197,9 @@ def register(subparsers) -> None:
     dims.add_argument("--heads", type=_positive_int, help="attention heads (divide --hidden)")
     dims.add_argument("--seq", type=_positive_int, help="sequence length (tokens)")
     dims.add_argument("--vocab", type=_positive_int, help="vocabulary size")
+    dims.add_argument(
+        "--experts", type=_positive_int, help="experts per MoE layer (GPT-MoE presets, --plan auto)"
+    )
     p.add_argument("--cluster", required=True, help="cluster preset or preset .json path")
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
     p.add_argument(

@@ -99,12 +99,26 @@ def get_workload(
     hidden: int | None = None,
     dtype: str | None = None,
     scan_layers: bool | None = None,
+    num_heads: int | None = None,
+    num_experts: int | None = None,
 ) -> Workload:
-    """Build a workload by preset name with optional overrides.
+    """Build a workload by preset name with optional overrides (``num_heads``: GPT and
+    GPT-MoE presets; ``num_experts``: GPT-MoE presets).
 
     Raises ValueError listing the presets for an unknown name, and naming the field for a
     bad size.
     """
+    if name not in MOE_PRESETS and num_experts is not None:
+        raise ValueError(
+            f"num_experts (--experts) is for the GPT-MoE presets ({', '.join(MOE_PRESETS)}); "
+            f"{name!r} has no experts"
+        )
+    if name == "mlp" or name in WRESNET_PRESETS:
+        if num_heads is not None:
+            raise ValueError(
+                f"{name!r} has no attention heads; num_heads (--heads) is for the GPT and "
+                "GPT-MoE presets"
+            )
     if name == "mlp":
         cfg = MLPConfig().replace(
             batch_size=batch_size, num_layers=num_layers, hidden=hidden, dtype=dtype
@@ -141,6 +155,8 @@ def get_workload(
         ("vocab_size", vocab_size),
         ("num_layers", num_layers),
         ("hidden", hidden),
+        ("num_heads", num_heads),
+        ("num_experts", num_experts),
     ):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value <= 0
@@ -154,7 +170,10 @@ def get_workload(
         hidden=hidden,
         dtype=dtype,
         scan_layers=scan_layers,
+        num_heads=num_heads,
     )
+    if num_experts is not None:
+        cfg = cfg.replace(num_experts=num_experts)
     moe = isinstance(cfg, MoEConfig)
     return Workload(
         name,

@@ -69,7 +69,7 @@ PLAN_FORMS = ("auto", "dp", "zero2", "zero3", "megatron", "megatron:TPxPPxDP")
 PROGRAMS = ("megatron-lm", "traced")  # what the Megatron grid is timed on
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_ILP_TIME_LIMIT_S = 20.0
-MODEL_OVERRIDES = ("seq_len", "vocab_size", "num_layers", "hidden", "num_heads")
+MODEL_OVERRIDES = ("seq_len", "vocab_size", "num_layers", "hidden", "num_heads", "num_experts")
 _GRID = re.compile(r"^megatron:(\d+)x(\d+)x(\d+)$")
 
 
@@ -118,6 +118,11 @@ def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
     unknown = set(overrides) - set(MODEL_OVERRIDES)
     if unknown:
         raise ValueError(f"unknown override(s) {sorted(unknown)}; accepted: {MODEL_OVERRIDES}")
+    if "num_experts" in overrides:
+        raise ValueError(
+            f"num_experts is for the GPT-MoE presets ({', '.join(MOE_PRESETS)}, with "
+            f"plan='auto'); {model!r} is a dense GPT"
+        )
     cfg = GPT_PRESETS[model].replace(**overrides)
     shape = GPTShape(cfg.hidden, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.seq_len)
     return shape, cfg.batch_size
@@ -127,7 +132,9 @@ def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
     """The config of a GPT-MoE (:class:`~autoshard.models.moe.MoEConfig`) or Wide-ResNet
     preset, which only ``plan="auto"`` prices (the search on its traced step; the
     baselines' closed forms are Megatron-LM's GPT); None for any other model. Raises,
-    saying what works, for such a preset with another plan, model overrides or ``exact``."""
+    saying what works, for such a preset with another plan, ``exact``, or model overrides
+    (a GPT-MoE takes any of ``MODEL_OVERRIDES``, ``num_experts`` included; a Wide-ResNet
+    none). The config returned has the overrides applied."""
     from autoshard.models.moe import MOE_PRESETS  # lazy: the models import jax
     from autoshard.models.wresnet import WRESNET_PRESETS
 
@@ -143,13 +150,16 @@ def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
             "only plan='auto' prices it (the search on its traced step); Megatron grids, DP "
             "and ZeRO are priced on Megatron-LM's dense GPT program"
         )
-    if overrides:
-        problems.append(f"model overrides {sorted(overrides)} are for GPT presets")
+    unknown = set(overrides) - set(MODEL_OVERRIDES)
+    if unknown:
+        raise ValueError(f"unknown override(s) {sorted(unknown)}; accepted: {MODEL_OVERRIDES}")
+    if overrides and family == "Wide-ResNet":
+        problems.append(f"model overrides {sorted(overrides)} are for the GPT and GPT-MoE presets")
     if exact:
         problems.append("exact mode compiles GPT plans only")
     if problems:
         raise ValueError(f"{model} is a {family}: " + "; ".join(problems) + " -- use --plan auto")
-    return presets[model]
+    return presets[model].replace(**overrides)
 
 
 def moe_microbatches(cfg, batch: int, requested: int | None) -> int:
