@@ -256,3 +256,60 @@ def test_exact_search_refuses_an_unknown_choice():
     assert CLI_CHOICES == EXACT_SEARCH  # the parser's copy
     with pytest.raises(ValueError, match="exact_search='2d'.*one-axis"):
         IntraOptions(exact_search="2d")
+
+
+@pytest.mark.parametrize(
+    "model, shape, which",
+    [("gpt-tiny", (2, 4), "auto"), ("gpt-tiny", (2, 4), "zero3"), ("mlp", (2, 2), "zero3"),
+     ("moe-tiny", (2, 4), "auto"), ("wresnet-tiny", (2, 4), "auto")],
+)  # fmt: skip
+def test_price_per_value_is_the_exact_programs_objective(model, shape, which):
+    """Where the exact program is not solved (a mesh of several axes, no budget), the
+    planner prices the per-demand plan per value without building that program
+    (:func:`price_per_value`); it must equal ``objective_of`` on the built program at the
+    completed assignment -- for the per-demand optimum and for other feasible assignments
+    (a baseline's) -- and the plan must be the one the built program gives."""
+    from autoshard.intra.problem import _common, _finish, _solve_exact, price_per_value
+
+    kw = {"batch_size": 16, "hidden": 256, "num_layers": 2} if model == "mlp" else {}
+    traced = trace_workload(model, optimizer="sgd", **kw)
+    mesh = alpa_test_mesh(shape, ("data", "model"))
+    options = IntraOptions(solver="highs", time_limit_s=60)
+    pinned = None
+    if which != "auto":
+        options = baseline_options(options, mesh.mesh, which)
+        pinned = baseline_inputs(traced.graph, mesh.mesh, which)
+    common = _common(traced.graph, mesh, options, pinned, True, None)
+    exact, demand = _finish(common, True), _finish(common, False)
+    assert exact.values.groups  # there is something to price per value
+    first = solve(demand.problem, solver="highs")
+    for choice in (first.strategy, *_other_assignments(demand, first.strategy)):
+        full = exact.values.complete(exact.strategies, choice, mesh)
+        assert price_per_value(common, choice) == pytest.approx(
+            objective_of(exact.problem, full), rel=1e-9, abs=1e-12
+        )
+    built = _solve_exact(exact, demand, mesh, {"solver": "highs", "time_limit_s": 60,
+                         "mip_gap": 0.0, "seed": 0}, "not solved (test)")  # fmt: skip
+    plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned)
+    assert plan.objective == pytest.approx(built.objective, rel=1e-9)
+    assert list(plan.solver["strategy"]) == list(built.strategy[: len(demand.strategies)])
+
+
+def _other_assignments(ip, best, count=3):
+    """A few other feasible assignments: the optimum with one untied real node moved to
+    another strategy of finite cost (objective_of finite), where one exists."""
+    out = []
+    for v in range(len(ip.strategies)):
+        if ip.problem.ties and ip.problem.ties[v] is not None:
+            continue
+        for q in range(len(ip.strategies[v])):
+            if q == best[v]:
+                continue
+            trial = list(best)
+            trial[v] = q
+            if math.isfinite(objective_of(ip.problem, trial)):
+                out.append(tuple(trial))
+                break
+        if len(out) == count:
+            break
+    return out

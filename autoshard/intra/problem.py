@@ -349,6 +349,36 @@ def _stopped(solution) -> str:
     return f"stopped at {at}{gap}, keeping its best plan"
 
 
+def price_per_value(c: _Common, choice) -> float:
+    """The exact (per-value) program's objective of ``choice`` -- an assignment of the real
+    nodes, the values' extra nodes set as XLA's behaviour implies
+    (:meth:`ValueEdges.complete`) -- without building that program: its values are priced
+    at the chosen strategies only, by the same :func:`value_edges` on a program whose every
+    real node has its one chosen strategy. A use that wants the producer's own chosen spec
+    is free and left out (a follower; the full program drops the tied ones, and any other
+    such use costs nothing there either). ``tests/test_value_edges.py`` checks it against
+    ``objective_of`` on the built program."""
+    n = len(c.strategies)
+    chosen = [(c.strategies[i][choice[i]],) for i in range(n)]
+    values = []
+    for v in c.values:
+        have = chosen[v.src][0].output_specs[v.k]
+        uses = tuple(
+            u
+            for u in v.uses
+            if (want := chosen[u.dst][0].input_specs[u.slot]) is not None and want != have
+        )
+        if uses:
+            values.append(dataclasses.replace(v, uses=uses, steps=(v.steps[choice[v.src]],)))
+    per_value = value_edges(values, chosen, (None,) * n, c.mesh, c.cost_options, True)
+    full = per_value.complete(chosen, (0,) * n, c.mesh)
+    return (
+        math.fsum(c.node_costs[v][choice[v]] for v in range(n))
+        + math.fsum(e.costs[choice[e.src]][choice[e.dst]] for e in c.edges)
+        + math.fsum(e.costs[full[e.src]][full[e.dst]] for e in per_value.edges)
+    )
+
+
 def _unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> str | None:
     """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
     ``mesh`` (under a memory budget when ``budgeted``), or None where it does."""
@@ -445,6 +475,13 @@ def auto_shard_graph(
         exact_values = options.exact_values
     memory_budget_bytes = options.memory_budget_bytes
     common = _common(graph, mesh, options, pinned_inputs, True, None)
+    budgeted = memory_budget_bytes is not None
+    unsolved = _unsolved_because(mesh, options.exact_search, budgeted) if exact_values else None
+    if unsolved is not None and not budgeted and common.values:
+        # the exact program would only price the per-demand plan: price it without
+        # building that program (a third of the planning time outside the solver on
+        # gpt-39b 8x8, docs/sharing.md); with a budget its memory rows are needed
+        return _per_demand_priced(common, mesh, options, pinned_inputs, name, unsolved)
     ip = _finish(common, exact_values)
     # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,
     # resharded copies included (CopyBuffer), so the plan's prediction is its peak
@@ -455,8 +492,6 @@ def auto_shard_graph(
         seed=options.seed,
     )
     if ip.values is not None and ip.values.groups:
-        budgeted = memory_budget_bytes is not None
-        unsolved = _unsolved_because(mesh, options.exact_search, budgeted)
         solution = _solve_exact(ip, _finish(common, False), mesh, settings, unsolved)
     else:
         solution = solve(ip.problem, **settings)
@@ -478,11 +513,40 @@ def auto_shard_graph(
     return plan
 
 
+def _per_demand_priced(common, mesh, options, pinned_inputs, name, unsolved) -> ParallelPlan:
+    """:func:`auto_shard_graph` where the exact program is not solved and no memory budget
+    is set: the per-demand program is solved and its plan priced per value
+    (:func:`price_per_value`), as :func:`_solve_exact` does with the exact program built."""
+    ip = _finish(common, False)
+    first = solve(
+        ip.problem,
+        solver=options.solver,
+        time_limit_s=options.time_limit_s,
+        mip_gap=options.mip_gap,
+        seed=options.seed,
+    )
+    priced = price_per_value(common, first.strategy)
+    solution = dataclasses.replace(first, objective=priced)
+    if priced < first.objective * (1 - 1e-9):  # as _solve_exact says it
+        solution = dataclasses.replace(
+            solution, exact_stopped=f"{unsolved}; the per-demand plan is priced per value"
+        )
+    plan = plan_from_solution(ip, solution, name=name)
+    if common.notes:
+        plan = dataclasses.replace(plan, notes=plan.notes + common.notes)
+    if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
+        from autoshard.intra.fallback import cheapest_fallback
+
+        plan = cheapest_fallback(plan, solution, ip, options, plan_from_solution)
+    return plan
+
+
 __all__ = [
     "IntraProblem",
     "build_problem",
     "plan_from_solution",
     "auto_shard_graph",
+    "price_per_value",
     "predicted_collectives",
     "peak_memory",
 ]
