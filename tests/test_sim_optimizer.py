@@ -9,6 +9,7 @@ import pytest
 
 from autoshard.api_pipeline import trace_microbatch
 from autoshard.hardware.clusters import load_cluster
+from autoshard.ir.spec import ShardingSpec
 from autoshard.models import OPTIMIZERS, make_optimizer
 from autoshard.models.moe import MOE_PRESETS
 from autoshard.sim.auto import search_stage_cost
@@ -101,3 +102,29 @@ def test_simulate_cli_offers_every_optimizer():
     sub = next(a for a in parser._actions if a.dest == "command")
     opt = next(a for a in sub.choices["simulate"]._actions if a.dest == "optimizer")
     assert tuple(opt.choices) == OPTIMIZERS
+
+
+def test_expert_zero2_pins_adafactors_expert_state_and_not_its_placeholder():
+    """Adafactor keeps, for a factored expert weight wi [E, h, f], row and column statistics
+    [E, h] and [E, f] (split on E like the weight) and a placeholder v of shape (1,) under
+    the same path: expert-zero2 refused the placeholder ("its 1 experts do not divide"), so
+    the MoE weak-scaling baseline had no plan at 2-64 GPUs with Adafactor."""
+    from autoshard.api import device_mesh_for
+    from autoshard.intra.baselines import EXPERT_RULE, baseline_inputs
+
+    graph = trace_microbatch("moe-380m", 64, "adafactor", batch_size=1024).graph
+    mesh = device_mesh_for((2,), ("data",))
+    pinned = baseline_inputs(graph, mesh.mesh, "expert-zero2")
+    experts = MOE_PRESETS["moe-380m"].num_experts
+    seen = {"placeholder": 0, "factored": 0}
+    for pos, tid in enumerate(graph.inputs):
+        t = graph.tensors[tid]
+        if t.kind != "opt_state" or not EXPERT_RULE.search(t.path):
+            continue
+        if t.shape == (1,):
+            seen["placeholder"] += 1
+            assert pinned[pos] == ShardingSpec.replicated(1), t.path
+        else:
+            seen["factored"] += 1
+            assert t.shape[0] == experts and pinned[pos].dims[0] == ("data",), t.path
+    assert seen["placeholder"] and seen["factored"] == 2 * seen["placeholder"]
