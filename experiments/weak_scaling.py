@@ -349,10 +349,13 @@ def panel_data(doc: dict, cluster: str, family: str):
 
 
 def panel_title(doc: dict, cluster: str, family: str) -> str:
-    """E.g. "MOE on alpa-v100, Adafactor": the optimizer the family's step was traced with
-    (the JSON's ``config.optimizer``; figures from before it was recorded traced AdamW)."""
-    name = doc["data"].get("config", {}).get("optimizer", {}).get(family, "adamw")
-    return f"{family.upper()} on {cluster}, {OPTIMIZER_LABELS.get(name, name)}"
+    """E.g. "MOE on alpa-v100, Adafactor": the optimizer the panel's rows were traced with
+    (rows from before it was recorded traced AdamW, as the Megatron-LM grid models)."""
+    rows = [r for r in doc["data"]["rows"] if r["cluster"] == cluster and r["family"] == family]
+    names = sorted({r.get("optimizer", "adamw") for r in rows})
+    return f"{family.upper()} on {cluster}, " + " / ".join(
+        OPTIMIZER_LABELS.get(n, n) for n in names
+    )
 
 
 def plot(doc: dict):

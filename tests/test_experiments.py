@@ -267,7 +267,47 @@ def test_weak_scaling_prices_every_method_with_the_familys_optimizer(monkeypatch
         peaks[opt] = {r["method"]: r["peak_bytes_per_device"] for r in data["rows"]}
     for method, peak in peaks["sgd-momentum"].items():
         assert peak < peaks["adamw"][method], method
-    doc = {"data": data}
+    doc = {"data": data}  # the AdamW run's
     assert module.panel_title(doc, "alpa-v100", "wresnet") == "WRESNET on alpa-v100, AdamW"
-    monkeypatch.setitem(data["config"]["optimizer"], "wresnet", "sgd-momentum")
-    assert module.panel_title(doc, "alpa-v100", "wresnet").endswith("SGD + Nesterov 0.9")
+    for r in data["rows"]:
+        r["optimizer"] = "sgd-momentum"
+    assert module.panel_title(doc, "alpa-v100", "wresnet") == (
+        "WRESNET on alpa-v100, SGD + Nesterov 0.9"
+    )
+
+
+def test_chunk_assembly_records_each_chunks_optimizer(tmp_path):
+    """benchmarks/weak_scaling_chunks.py --assemble: a chunk that recorded no optimizer
+    (written before it was) counts as AdamW and says so; a family whose chunks differ is
+    recorded per cluster, and each panel's title names its own rows' optimizer."""
+    import subprocess
+    import sys
+
+    def chunk(cluster, family, optimizer):
+        row = dict(cluster=cluster, family=family, model=f"{family}-x", gpus=1, method="auto",
+                   pflops=1.0, oom=False, plan={}, step_time_s=1.0)  # fmt: skip
+        config = {"global_batch": {}} | ({"optimizer": {family: optimizer}} if optimizer else {})
+        if optimizer:
+            row["optimizer"] = optimizer
+        doc = dict(config=config, rows=[row], chunk_wall_s=1.0, chunk_cpu_s=1.0, chunk_commit="x")
+        (tmp_path / f"chunk-{cluster}-{family}.json").write_text(json.dumps(doc))
+
+    for c in ("alpa-v100", "dgx-a100", "dgx-h100"):
+        chunk(c, "gpt", None)
+        chunk(c, "moe", "adafactor")
+        chunk(c, "wresnet", "sgd-momentum" if c == "alpa-v100" else None)
+    out = tmp_path / "out"
+    script = ROOT / "benchmarks" / "weak_scaling_chunks.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path), "--assemble", str(out)], check=True)
+    doc = json.loads((out / "weak-scaling.json").read_text())
+    assert doc["data"]["config"]["optimizer"] == {
+        "gpt": "adamw",
+        "moe": "adafactor",
+        "wresnet": {"alpa-v100": "sgd-momentum", "dgx-a100": "adamw", "dgx-h100": "adamw"},
+    }
+    recorded = {(k["cluster"], k["family"]): k["optimizer_recorded"] for k in doc["data"]["chunks"]}
+    assert recorded[("alpa-v100", "gpt")] is False and recorded[("alpa-v100", "moe")] is True
+    module = _script("weak-scaling")
+    titles = {module.panel_title(doc, c, f) for c, f in module.panels(doc)}
+    assert {"WRESNET on alpa-v100, SGD + Nesterov 0.9", "WRESNET on dgx-a100, AdamW"} <= titles
+    assert "MOE on dgx-h100, Adafactor" in titles and (out / "weak-scaling.png").exists()
