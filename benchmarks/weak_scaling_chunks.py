@@ -11,7 +11,13 @@ made: each chunk's wall and CPU seconds and the commit it ran on) and draws
 ``weak-scaling.png`` with the script's own ``plot``.
 
     python benchmarks/weak_scaling_chunks.py DIR                  # run what is missing
+    python benchmarks/weak_scaling_chunks.py DIR --families moe wresnet   # only these chunks
     python benchmarks/weak_scaling_chunks.py DIR --assemble OUT   # figure from finished clusters
+
+Each chunk records the optimizer its family was traced with (``weak_scaling.OPTIMIZER``);
+a chunk written before that was recorded traced AdamW, the only optimizer then, and the
+assembled ``data.chunks`` says so (``optimizer_recorded: false``); ``config.optimizer``
+is per family, per cluster where a family's chunks differ (each panel's title says its own).
 """
 
 import argparse
@@ -27,11 +33,25 @@ import figure  # noqa: E402
 import weak_scaling as ws  # noqa: E402
 
 
+def chunk_optimizer(part: dict, family: str) -> str:
+    """The optimizer a chunk traced its family with: recorded in its config, else AdamW
+    (chunks written before the optimizer was recorded traced every family with AdamW)."""
+    return part["config"].get("optimizer", {}).get(family, "adamw")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="folder for the chunk files")
     ap.add_argument("--assemble", metavar="OUT", help="join finished clusters, plot into OUT")
+    ap.add_argument(
+        "--families", nargs="+", choices=tuple(ws.SUITES), help="run only these families' chunks"
+    )
+    ap.add_argument(
+        "--clusters", nargs="+", choices=tuple(ws.CLUSTERS), help="run only these clusters' chunks"
+    )
     args = ap.parse_args()
+    if args.assemble is not None and (args.families or args.clusters):
+        ap.error("--families and --clusters select chunks to run; --assemble joins every one")
     src = Path(args.dir)
     src.mkdir(parents=True, exist_ok=True)
     suites, clusters = dict(ws.SUITES), tuple(ws.CLUSTERS)
@@ -40,8 +60,8 @@ def main() -> None:
         return src / f"chunk-{cluster}-{family}.json"
 
     if args.assemble is None:
-        for c in clusters:
-            for f in suites:
+        for c in args.clusters or clusters:
+            for f in args.families or suites:
                 if path(c, f).exists():
                     continue
                 ws.SUITES, ws.CLUSTERS = {f: suites[f]}, (c,)
@@ -60,7 +80,14 @@ def main() -> None:
     parts = [json.loads(path(c, f).read_text()) for c, f in chunks]
     data = dict(parts[0])
     data["rows"] = [r for p in parts for r in p["rows"]]
-    data["config"] = dict(parts[0]["config"], clusters=done, max_gpus={f: 64 for f in suites})
+    optimizer = {}  # per family; per cluster where the chunks of a family differ
+    for f in suites:
+        by_cluster = {c: chunk_optimizer(p, f) for (c, g), p in zip(chunks, parts) if g == f}
+        names = set(by_cluster.values())
+        optimizer[f] = names.pop() if len(names) == 1 else by_cluster
+    data["config"] = dict(
+        parts[0]["config"], clusters=done, max_gpus={f: 64 for f in suites}, optimizer=optimizer
+    )
     data["families_skipped"] = {
         k: v for p in parts for k, v in p.get("families_skipped", {}).items()
     }
@@ -70,7 +97,8 @@ def main() -> None:
     )
     data["chunks"] = [
         {"cluster": c, "family": f, "wall_s": p["chunk_wall_s"], "cpu_s": p["chunk_cpu_s"],
-         "commit": p.get("chunk_commit")}
+         "commit": p.get("chunk_commit"), "optimizer": chunk_optimizer(p, f),
+         "optimizer_recorded": "optimizer" in p["config"]}
         for (c, f), p in zip(chunks, parts, strict=True)
     ]  # fmt: skip
     unknown = [

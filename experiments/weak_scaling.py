@@ -12,6 +12,10 @@ the data-parallel devices); for Wide-ResNet data parallelism with ZeRO (the fast
 by the same simulator: one stage on the whole mesh, the purely data-parallel logical mesh,
 every stage ILP's inputs pinned as the baseline pins them, recompute chosen as for the
 others, as many micro-batches (at most 64) as keep each micro-batch divisible by the GPUs.
+Every method of a family prices the step with the optimizer Alpa's benchmark trains that
+family with (``OPTIMIZER``): AdamW for GPT (Megatron-LM's grid models mixed-precision
+Adam), Adafactor for GPT-MoE, SGD with Nesterov momentum 0.9 for Wide-ResNet; the traced
+step's optimizer state is what each search's memory and update time count.
 Throughput is model FLOPs per second (PFLOPS, recompute not counted), so methods that
 recompute more are not credited for it; out of memory (the memory model against the
 device's HBM) is a cross; a baseline that finds no plan at all (no micro-batch count or
@@ -59,6 +63,14 @@ LABELS = {
     "inter-only": "Inter-op only (PP + DP)",
 }
 GLOBAL_BATCH = {"gpt": 1024, "moe": 1024, "wresnet": 1536}  # Alpa's (REFERENCE.md)
+# the optimizer each family trains with in Alpa's benchmark (benchmark/alpa/
+# benchmark_one_case_{gpt_bert,moe,wresnet}.py): every method of a family traces its step
+OPTIMIZER = {"gpt": "adamw", "moe": "adafactor", "wresnet": "sgd-momentum"}
+OPTIMIZER_LABELS = {
+    "adamw": "AdamW",
+    "adafactor": "Adafactor",
+    "sgd-momentum": "SGD + Nesterov 0.9",
+}
 # the family's hand-written baseline: a Megatron grid, or intra-op baselines to search with
 FAMILY_BASELINES = {"gpt": (), "moe": ("expert-zero2",), "wresnet": ("zero2", "zero3")}
 QUICK_MAX_GPUS = {"gpt": 16, "moe": 8, "wresnet": 4}  # --only weak-scaling --quick < 5 min
@@ -126,14 +138,18 @@ def _stage_search(cost, stage_cost, cluster, m: int, stages: int | None) -> dict
 
 
 def _restricted_searches(report, cluster_name: str, gpus: int, batch: int) -> dict:
-    """Intra-op only and inter-op only, priced with the stage costs ``auto`` used."""
+    """Intra-op only and inter-op only, priced with the stage costs ``auto`` used (its
+    micro-batches, dtype and optimizer)."""
     from autoshard.hardware.clusters import load_cluster
     from autoshard.sim.auto import shared_stage_cost
 
     plan = report.plan
     cluster = load_cluster(cluster_name, gpus)
     m = plan["num_microbatches"]
-    cost = shared_stage_cost(report.model, cluster, batch, m, plan["dtype"], ILP_TIME_LIMIT_S, {})
+    cost = shared_stage_cost(
+        report.model, cluster, batch, m, plan["dtype"], ILP_TIME_LIMIT_S, {},
+        optimizer=plan["optimizer"],
+    )  # fmt: skip
     return {
         "intra-only": _stage_search(cost, cost, cluster, m, 1),
         "inter-only": _stage_search(cost, _data_parallel_only(cost), cluster, m, None),
@@ -155,11 +171,12 @@ def baseline_microbatches(batch: int, gpus: int, tokens_per_sample: int = 1, gro
 
 
 def baseline_search(model: str, cluster_name: str, gpus: int, batch: int, dtype: str,
-                    baselines: tuple[str, ...]) -> dict | None:  # fmt: skip
+                    baselines: tuple[str, ...], optimizer: str = "adamw") -> dict | None:  # fmt: skip
     """The family's hand-written baseline as a restricted search: one stage on the whole
     mesh, its data-parallel logical mesh, each stage ILP pinned as ``baselines`` pin it
-    (the fastest that fits of several; else the fastest, flagged out of memory); None
-    where no micro-batch count keeps the batch divisible."""
+    (the fastest that fits of several; else the fastest, flagged out of memory), on the
+    step traced with ``optimizer``; None where no micro-batch count keeps the batch
+    divisible."""
     from autoshard.hardware.clusters import load_cluster
     from autoshard.models import get_workload
     from autoshard.sim.auto import search_stage_cost
@@ -172,7 +189,9 @@ def baseline_search(model: str, cluster_name: str, gpus: int, batch: int, dtype:
     cluster = load_cluster(cluster_name, gpus)
     found = []
     for name in baselines:
-        cost = search_stage_cost(model, cluster, batch, m, dtype, ILP_TIME_LIMIT_S, {}, name)
+        cost = search_stage_cost(
+            model, cluster, batch, m, dtype, ILP_TIME_LIMIT_S, {}, name, optimizer=optimizer
+        )
         try:
             r = _stage_search(cost, _data_parallel_only(cost), cluster, m, 1)
         except ValueError:  # no finite plan: the baseline cannot plan some layer here
@@ -224,12 +243,14 @@ def run(quick: bool, progress) -> dict:
     rows = []
     for i, (cluster, family, model, gpus) in enumerate(todo):
         progress(i, len(todo), f"{cluster} {model} on {gpus}")
-        batch = GLOBAL_BATCH[family]
+        batch, optimizer = GLOBAL_BATCH[family], OPTIMIZER[family]
         auto = simulate(
-            model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, global_batch=batch
-        )
+            model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, global_batch=batch,
+            optimizer=optimizer,
+        )  # fmt: skip
         flops_per_step = _model_pflops(auto) * auto.step_time_s  # model PFLOP per step
-        if family == "gpt":
+        if family == "gpt":  # the grid's memory and update model Adam (formulas.py)
+            assert optimizer == "adamw", "Megatron-LM's grid models mixed-precision Adam"
             mega = megatron_best(model, cluster, gpus, batch)
             rows.append(_row(cluster, family, model, gpus, "megatron", mega, _model_pflops(mega)))
         rows.append(_row(cluster, family, model, gpus, "auto", auto, _model_pflops(auto)))
@@ -237,24 +258,28 @@ def run(quick: bool, progress) -> dict:
         if FAMILY_BASELINES[family]:
             method = "expert-zero2" if family == "moe" else "zero-dp"
             dtype = auto.plan["dtype"]
-            found = baseline_search(model, cluster, gpus, batch, dtype, FAMILY_BASELINES[family])
+            found = baseline_search(
+                model, cluster, gpus, batch, dtype, FAMILY_BASELINES[family], optimizer
+            )
             if found is None:  # said in the JSON, drawn as an open circle
                 rows.append(
                     {"cluster": cluster, "family": family, "model": model, "gpus": gpus,
                      "method": method, "pflops": None, "step_time_s": None, "oom": False,
-                     "no_plan": True}
+                     "no_plan": True, "optimizer": optimizer}
                 )  # fmt: skip
             else:
                 searched = {method: found, **searched}
         for method, r in searched.items():
             rows.append(
                 {"cluster": cluster, "family": family, "model": model, "gpus": gpus,
-                 "method": method, "pflops": flops_per_step / r["step_time_s"], **r}
+                 "method": method, "pflops": flops_per_step / r["step_time_s"],
+                 "optimizer": optimizer, **r}
             )  # fmt: skip
     progress(len(todo), len(todo), "done")
     return {
         "config": {
             "global_batch": GLOBAL_BATCH,
+            "optimizer": {f: OPTIMIZER[f] for f in SUITES},
             "family_baselines": {f: list(b) for f, b in FAMILY_BASELINES.items()},
             "seq_len": "1024 (GPT, GPT-MoE)",
             "recompute": "megatron: the grid's best of none/selective/full; searches: chosen per "
@@ -286,6 +311,7 @@ def _row(cluster, family, model, gpus, method, report, pflops) -> dict:
         "peak_bytes_per_device": report.peak_bytes_per_device,
         "plan": report.to_json()["plan"],
         "search_seconds": report.search_seconds,
+        "optimizer": report.plan.get("optimizer", "adamw"),  # grids: mixed-precision Adam
     }
 
 
@@ -322,6 +348,16 @@ def panel_data(doc: dict, cluster: str, family: str):
     return [str(g) for g in gpus], methods, by, linear
 
 
+def panel_title(doc: dict, cluster: str, family: str) -> str:
+    """E.g. "MOE on alpa-v100, Adafactor": the optimizer the panel's rows were traced with
+    (rows from before it was recorded traced AdamW, as the Megatron-LM grid models)."""
+    rows = [r for r in doc["data"]["rows"] if r["cluster"] == cluster and r["family"] == family]
+    names = sorted({r.get("optimizer", "adamw") for r in rows})
+    return f"{family.upper()} on {cluster}, " + " / ".join(
+        OPTIMIZER_LABELS.get(n, n) for n in names
+    )
+
+
 def plot(doc: dict):
     """One panel per (cluster, family): families down, clusters across."""
     keys = panels(doc)
@@ -347,7 +383,7 @@ def plot(doc: dict):
             xlabel="The number of GPUs (model: " + ", ".join(
                 models[int(g)].split("-", 1)[1] for g in groups) + ")",
         )  # fmt: skip
-        ax.set_title(f"{family.upper()} on {cluster}", fontsize=10)
+        ax.set_title(panel_title(doc, cluster, family), fontsize=10)
     fig.suptitle(figure.title(doc, "End-to-end weak scaling, throughput in model PFLOPS"))
     return fig
 

@@ -110,18 +110,20 @@ def test_weak_scaling_bars_and_crosses_are_the_json():
     fig, drawn = _drawn(module, doc)
     for cluster, family in module.panels(doc):
         rows = [r for r in doc["data"]["rows"] if (r["cluster"], r["family"]) == (cluster, family)]
-        _bars_match(drawn, rows, f"{family.upper()} on {cluster}", "pflops", "method", "gpus")
-        _no_plan_marked(fig, drawn, rows, f"{family.upper()} on {cluster}")
+        title = module.panel_title(doc, cluster, family)
+        _bars_match(drawn, rows, title, "pflops", "method", "gpus")
+        _no_plan_marked(fig, drawn, rows, title)
         # the linear-scaling outline: the best 1-GPU value times the GPU count
         base = max(r["pflops"] for r in rows if r["gpus"] == rows[0]["gpus"] and not r["oom"])
         for g in {r["gpus"] for r in rows}:
-            _, h = drawn[f"{family.upper()} on {cluster}::bar|linear|{g}"]
+            _, h = drawn[f"{title}::bar|linear|{g}"]
             assert h == pytest.approx(base * g / rows[0]["gpus"])
 
 
 def _panel_drawn(module, family: str, *cells: dict):
-    """One made-up weak-scaling panel ("<FAMILY> on c") of ``cells`` (GPUs, method,
-    PFLOPS, OOM, ...): its rows, and what the script's plot draws from them."""
+    """One made-up weak-scaling panel ("<FAMILY> on c, AdamW": no optimizer recorded) of
+    ``cells`` (GPUs, method, PFLOPS, OOM, ...): its rows, and what the script's plot draws
+    from them."""
     row = dict(cluster="c", family=family, model=f"{family}-x", plan={}, step_time_s=1.0)
     rows = [row | cell for cell in cells]
     return rows, _drawn(module, {"title": "t", "source": "simulated", "data": {"rows": rows}})
@@ -136,9 +138,9 @@ def test_weak_scaling_draws_a_cross_not_a_bar_where_out_of_memory():
         dict(gpus=2, method="auto", pflops=1.8, oom=False),
         dict(gpus=2, method="megatron", pflops=2.5, oom=True),
     )  # fmt: skip
-    _bars_match(drawn, rows, "GPT on c", "pflops", "method", "gpus")
+    _bars_match(drawn, rows, "GPT on c, AdamW", "pflops", "method", "gpus")
     # the OOM bar's 2.5 is not drawn, and the linear outline comes from fitting bars only
-    assert drawn["GPT on c::bar|linear|2"][1] == pytest.approx(2.0)
+    assert drawn["GPT on c, AdamW::bar|linear|2"][1] == pytest.approx(2.0)
 
 
 def test_weak_scaling_marks_no_plan_apart_from_out_of_memory():
@@ -153,14 +155,14 @@ def test_weak_scaling_marks_no_plan_apart_from_out_of_memory():
         dict(gpus=2, method="expert-zero2", pflops=None, oom=False, no_plan=True),
         dict(gpus=4, method="auto", pflops=3.0, oom=True),  # expert-zero2: no row
     )  # fmt: skip
-    _bars_match(drawn, rows, "MOE on c", "pflops", "method", "gpus")
-    _no_plan_marked(fig, drawn, rows, "MOE on c")
+    _bars_match(drawn, rows, "MOE on c, AdamW", "pflops", "method", "gpus")
+    _no_plan_marked(fig, drawn, rows, "MOE on c, AdamW")
     assert {k for k in drawn if "::noplan|" in k} == {
-        "MOE on c::noplan|expert-zero2|2",
-        "MOE on c::noplan|expert-zero2|4",
+        "MOE on c, AdamW::noplan|expert-zero2|2",
+        "MOE on c, AdamW::noplan|expert-zero2|4",
     }
-    assert "MOE on c::oom|auto|4" in drawn
-    assert drawn["MOE on c::noplan|expert-zero2|2"][1] < 0.1 * 1.8  # at the bar's base
+    assert "MOE on c, AdamW::oom|auto|4" in drawn
+    assert drawn["MOE on c, AdamW::noplan|expert-zero2|2"][1] < 0.1 * 1.8  # at the bar's base
 
 
 def test_weak_scaling_suptitle_clears_the_panel_titles():
@@ -238,3 +240,74 @@ def test_reproduce_runs_scripts_and_writes_under_the_given_out(tmp_path, monkeyp
     assert {r["name"]: r["returncode"] for r in report["experiments"]} == {"broken": 3, "tiny": 0}
     assert json.loads((tmp_path / "rel" / "tiny.json").read_text()) == {"quick": True}
     assert "##progress 1 1 done" in (tmp_path / "rel" / "tiny.log").read_text()
+
+
+def test_weak_scaling_prices_every_method_with_the_familys_optimizer(monkeypatch):
+    """Every method of a family (the search, intra-only, inter-only and the family's
+    baseline) traces the step with the family's optimizer (Alpa's: SGD + Nesterov momentum
+    for Wide-ResNet): each row says so, and each method's predicted peak is below the same
+    method's with AdamW (one f32 buffer per parameter instead of two moments)."""
+    module = _script("weak-scaling")
+    assert module.OPTIMIZER == {"gpt": "adamw", "moe": "adafactor", "wresnet": "sgd-momentum"}
+    monkeypatch.setattr(module, "SUITES", {"wresnet": [("wresnet-tiny", 2)]})
+    monkeypatch.setattr(module, "CLUSTERS", ("alpa-v100",))
+    monkeypatch.setattr(module, "GLOBAL_BATCH", {"wresnet": 16})
+    peaks = {}
+    for opt in ("sgd-momentum", "adamw"):
+        monkeypatch.setitem(module.OPTIMIZER, "wresnet", opt)
+        data = module.run(False, lambda *a: None)
+        assert data["config"]["optimizer"] == {"wresnet": opt}
+        assert {r["method"] for r in data["rows"]} == {
+            "auto",
+            "zero-dp",
+            "intra-only",
+            "inter-only",
+        }
+        assert {r["optimizer"] for r in data["rows"]} == {opt}
+        peaks[opt] = {r["method"]: r["peak_bytes_per_device"] for r in data["rows"]}
+    for method, peak in peaks["sgd-momentum"].items():
+        assert peak < peaks["adamw"][method], method
+    doc = {"data": data}  # the AdamW run's
+    assert module.panel_title(doc, "alpa-v100", "wresnet") == "WRESNET on alpa-v100, AdamW"
+    for r in data["rows"]:
+        r["optimizer"] = "sgd-momentum"
+    assert module.panel_title(doc, "alpa-v100", "wresnet") == (
+        "WRESNET on alpa-v100, SGD + Nesterov 0.9"
+    )
+
+
+def test_chunk_assembly_records_each_chunks_optimizer(tmp_path):
+    """benchmarks/weak_scaling_chunks.py --assemble: a chunk that recorded no optimizer
+    (written before it was) counts as AdamW and says so; a family whose chunks differ is
+    recorded per cluster, and each panel's title names its own rows' optimizer."""
+    import subprocess
+    import sys
+
+    def chunk(cluster, family, optimizer):
+        row = dict(cluster=cluster, family=family, model=f"{family}-x", gpus=1, method="auto",
+                   pflops=1.0, oom=False, plan={}, step_time_s=1.0)  # fmt: skip
+        config = {"global_batch": {}} | ({"optimizer": {family: optimizer}} if optimizer else {})
+        if optimizer:
+            row["optimizer"] = optimizer
+        doc = dict(config=config, rows=[row], chunk_wall_s=1.0, chunk_cpu_s=1.0, chunk_commit="x")
+        (tmp_path / f"chunk-{cluster}-{family}.json").write_text(json.dumps(doc))
+
+    for c in ("alpa-v100", "dgx-a100", "dgx-h100"):
+        chunk(c, "gpt", None)
+        chunk(c, "moe", "adafactor")
+        chunk(c, "wresnet", "sgd-momentum" if c == "alpa-v100" else None)
+    out = tmp_path / "out"
+    script = ROOT / "benchmarks" / "weak_scaling_chunks.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path), "--assemble", str(out)], check=True)
+    doc = json.loads((out / "weak-scaling.json").read_text())
+    assert doc["data"]["config"]["optimizer"] == {
+        "gpt": "adamw",
+        "moe": "adafactor",
+        "wresnet": {"alpa-v100": "sgd-momentum", "dgx-a100": "adamw", "dgx-h100": "adamw"},
+    }
+    recorded = {(k["cluster"], k["family"]): k["optimizer_recorded"] for k in doc["data"]["chunks"]}
+    assert recorded[("alpa-v100", "gpt")] is False and recorded[("alpa-v100", "moe")] is True
+    module = _script("weak-scaling")
+    titles = {module.panel_title(doc, c, f) for c, f in module.panels(doc)}
+    assert {"WRESNET on alpa-v100, SGD + Nesterov 0.9", "WRESNET on dgx-a100, AdamW"} <= titles
+    assert "MOE on dgx-h100, Adafactor" in titles and (out / "weak-scaling.png").exists()

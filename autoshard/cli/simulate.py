@@ -255,10 +255,11 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--optimizer",
-        choices=("adamw", "adafactor", "sgd"),
+        choices=("adamw", "adafactor", "sgd", "sgd-momentum"),  # models.OPTIMIZERS (tested)
         default="adamw",
         help="optimizer of the traced step, --plan auto only (default: adamw; Alpa's GPT-MoE "
-        "benchmark trains with adafactor: factored second moments, no momentum)",
+        "benchmark trains with adafactor: factored second moments, no momentum; its "
+        "Wide-ResNet benchmark with sgd-momentum: Nesterov momentum 0.9)",
     )
     p.add_argument(
         "--exact",

@@ -178,7 +178,9 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
             pinned[pos] = ShardingSpec(())
             continue
         state = t.kind == "opt_state"
-        if name == "expert-zero2" and EXPERT_RULE.search(t.path):
+        # an expert weight, or state with its expert dim first (Adafactor's factored [E, h]
+        # and [E, f] too); not the (1,) placeholder Adafactor keeps for a factored weight
+        if name == "expert-zero2" and EXPERT_RULE.search(t.path) and len(t.shape) > 1:
             pinned[pos] = _split_experts(t.shape, dp, mesh, f"{t.kind} {t.path}")
         elif name == "dp":
             pinned[pos] = ShardingSpec.replicated(len(t.shape))

@@ -209,18 +209,21 @@ def make_optimizer(
     name: str = "adamw", learning_rate: float = 1e-3
 ) -> optax.GradientTransformation:
     """``adamw`` (weight decay 0.01), ``adafactor`` (optax's defaults: factored second
-    moments, no momentum -- what Alpa's GPT-MoE benchmark trains with) or ``sgd`` (plain,
-    for exact comparisons)."""
+    moments, no momentum -- what Alpa's GPT-MoE benchmark trains with), ``sgd-momentum``
+    (Nesterov momentum 0.9, one momentum buffer per parameter -- what Alpa's Wide-ResNet
+    benchmark trains with) or ``sgd`` (plain, for exact comparisons)."""
     if name == "adamw":
         return optax.adamw(learning_rate, weight_decay=0.01)
     if name == "adafactor":
         return optax.adafactor(learning_rate)
     if name == "sgd":
         return optax.sgd(learning_rate)
+    if name == "sgd-momentum":
+        return optax.sgd(learning_rate, momentum=0.9, nesterov=True)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
 
 
-OPTIMIZERS = ("adamw", "adafactor", "sgd")
+OPTIMIZERS = ("adamw", "adafactor", "sgd", "sgd-momentum")
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
