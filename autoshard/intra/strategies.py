@@ -268,11 +268,12 @@ def _gather(ctx: NodeContext) -> list[Slot] | None:
         if slice_sizes[d_op] == operand[d_op]:
             slots.append(Slot("shard", ((0, d_op), (OUT, d_out))))
     # a collapsed dim split over devices: each device looks up the rows it owns (masked),
-    # so the output is a partial sum -- the vocabulary-parallel embedding
-    if len(op_batch) == 0:
-        for d in collapsed:
-            if operand[d] > 1:
-                slots.append(Slot("reduce", ((0, d),)))
+    # so the output is a partial sum -- the vocabulary-parallel embedding, and (beside
+    # batching dims: take_along_axis) the target logit of a vocabulary-parallel
+    # cross-entropy
+    for d in collapsed:
+        if operand[d] > 1:
+            slots.append(Slot("reduce", ((0, d),)))
     return slots
 
 

@@ -99,12 +99,16 @@ def get_workload(
     hidden: int | None = None,
     dtype: str | None = None,
     scan_layers: bool | None = None,
+    num_heads: int | None = None,
 ) -> Workload:
-    """Build a workload by preset name with optional overrides.
+    """Build a workload by preset name with optional overrides (``num_heads``: the GPT and
+    GPT-MoE presets only).
 
     Raises ValueError listing the presets for an unknown name, and naming the field for a
     bad size.
     """
+    if num_heads is not None and (name == "mlp" or name in WRESNET_PRESETS):
+        raise ValueError(f"{name!r} has no attention heads; num_heads is for the GPT presets")
     if name == "mlp":
         cfg = MLPConfig().replace(
             batch_size=batch_size, num_layers=num_layers, hidden=hidden, dtype=dtype
@@ -141,6 +145,7 @@ def get_workload(
         ("vocab_size", vocab_size),
         ("num_layers", num_layers),
         ("hidden", hidden),
+        ("num_heads", num_heads),
     ):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value <= 0
@@ -152,6 +157,7 @@ def get_workload(
         vocab_size=vocab_size,
         num_layers=num_layers,
         hidden=hidden,
+        num_heads=num_heads,
         dtype=dtype,
         scan_layers=scan_layers,
     )
