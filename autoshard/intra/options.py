@@ -100,6 +100,10 @@ class IntraOptions:
       all-gather, all-to-all or reduce-scatter anywhere in the step, as in Megatron-LM's
       tensor parallelism, whose only collectives are all-reduces.
 
+    With either, dots and convolutions may also compute replicated over an axis (Alpa's
+    rule keeps only the strategies that split their work over the most devices): a
+    replicated weight is used replicated, as Megatron-LM's MoE router is.
+
     Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet.
     """
 

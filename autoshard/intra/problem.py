@@ -191,9 +191,14 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
     # memory-bound ops are charged the buffers they stream
     materialized = streamed_tensors(graph, mesh) if math.isfinite(mesh.hbm_bandwidth) else None
     node_cache: dict = {}
+    # under Megatron-LM's rules a replicated weight's dot (a MoE router, a convolution
+    # without a split rule) computes replicated: nothing it splits could be gathered back
+    strict_layout = options.keep_weight_layout or options.all_reduce_only
     as_tuple: dict[int, tuple[Strategy, ...]] = {}
     for node in graph.nodes:
-        found = node_strategies(graph, node, mesh, warned, materialized, node_cache)
+        found = node_strategies(
+            graph, node, mesh, warned, materialized, node_cache, not strict_layout
+        )
         if id(found) not in as_tuple:
             as_tuple[id(found)] = tuple(found)
         strategies.append(as_tuple[id(found)])
