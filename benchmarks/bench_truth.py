@@ -64,13 +64,13 @@ def _label(model: str, overrides: dict) -> str:
     return f"{model}({extra})" if extra else model
 
 
-def _objective_split(graph, mesh, plan, pinned, exact_values) -> tuple[float, float]:
-    """(seconds of the plan's predicted collectives, its compute term), as the ILP prices them."""
+def _objective_split(graph, mesh, plan, pinned, exact_values, options) -> tuple[float, float]:
+    """(seconds of the plan's predicted collectives, its compute term), as the ILP prices
+    them under the plan's ``options`` (whose strategies its solver record indexes)."""
     from autoshard.intra.cost import collective_cost
-    from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import build_problem
 
-    ip = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned, exact_values=exact_values)
+    ip = build_problem(graph, mesh, options, pinned_inputs=pinned, exact_values=exact_values)
     choice = plan.solver["strategy"]
     compute = sum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
     return sum(collective_cost(mesh, c) for c in plan.predicted_collectives), compute
@@ -143,7 +143,9 @@ def run(
                           f"{row['refused'][:160]}... |", flush=True)  # fmt: skip
                     continue
                 plan_s = time.perf_counter() - t0
-                comm_s, compute_s = _objective_split(traced.graph, mesh, plan, pinned, exact_values)
+                comm_s, compute_s = _objective_split(
+                    traced.graph, mesh, plan, pinned, exact_values, options
+                )
                 report = verify_plan(traced.program, plan, live_peak=live_peak)
                 disagree = [
                     f"{r.kind}@{','.join(r.axes) or '?'}"
@@ -177,7 +179,11 @@ def run(
                     "objective": plan.objective,
                     "predicted_collectives_cost": comm_s,
                     "compute_cost": compute_s,
-                    "objective_over_prediction": plan.objective / (comm_s + compute_s),
+                    "objective_over_prediction": (
+                        plan.objective / (comm_s + compute_s)
+                        if comm_s + compute_s
+                        else (1.0 if plan.objective == 0 else math.inf)
+                    ),
                     "plan_seconds": plan_s,
                     "compile_seconds": report.compile_seconds,
                 }

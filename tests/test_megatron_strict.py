@@ -128,6 +128,15 @@ def test_megatron_refuses_heads_the_model_axis_does_not_divide():
     assert "attention heads and MLP width divisible by 8" in text, text
 
 
+def test_megatron_refuses_a_model_without_megatron_split_weights():
+    """wresnet-tiny: no Megatron-LM rule splits a convolution, so the model axis would
+    only repeat the work; refused rather than labelled megatron."""
+    traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    with pytest.raises(BaselineRefusedError, match="no weight of this model has a Megatron-LM"):
+        baseline_inputs(traced.graph, mesh.mesh, "megatron")
+
+
 def test_strict_options_are_validated():
     for knob in ("keep_weight_layout", "all_reduce_only"):
         with pytest.raises(TypeError, match=knob):

@@ -211,6 +211,19 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
                 elif column:
                     spec = _split_dim(t.shape, 0, tp, mesh, what)
             pinned[pos] = spec
+    if (
+        name == "megatron"
+        and tp
+        and not any(set(tp) & set(d) for spec in pinned.values() for d in spec.dims)
+    ):
+        raise BaselineRefusedError(
+            f"baseline 'megatron' cannot mean its name here: no weight of this model has a "
+            f"Megatron-LM split (attention QKV/projection, MLP fc/projection, expert MLPs, "
+            f"the token embedding, the mlp preset's dense layers), so its tensor-parallel "
+            f"axes {tp} ({mesh.size(tp)} devices) would only repeat the work; use 'dp' or "
+            "the automatic plan, or a mesh without a tensor-parallel axis",
+            mesh.size(dp) if dp else 1,
+        )
     return pinned
 
 
