@@ -106,6 +106,7 @@ def run(
     only_plans: tuple[str, ...] = (),
 ) -> list[dict]:
     from autoshard.api import trace_workload
+    from autoshard.intra.baselines import BaselineRefusedError
     from autoshard.intra.ilp import InfeasibleProblemError
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.verify.check import verify_plan
@@ -122,8 +123,14 @@ def run(
             for which in PLANS:
                 if only_plans and which not in only_plans:
                     continue
-                options, pinned = plan_settings(traced.graph, mesh, which, time_limit)
                 t0 = time.perf_counter()
+                try:
+                    options, pinned = plan_settings(traced.graph, mesh, which, time_limit)
+                except BaselineRefusedError as err:  # no Megatron-LM split in this model
+                    rows.append(_refused(suite, _label(model, overrides), mesh_text, which, err))
+                    print(f"| {rows[-1]['model']} | {mesh_text} | {which} | refused: "
+                          f"{rows[-1]['refused'][:160]}... |", flush=True)  # fmt: skip
+                    continue
                 try:
                     plan = auto_shard_graph(
                         traced.graph,

@@ -104,7 +104,11 @@ class IntraOptions:
     rule keeps only the strategies that split their work over the most devices): a
     replicated weight is used replicated, as Megatron-LM's MoE router is.
 
-    Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet.
+    Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet:
+    ``allow_all_gather=False`` would forbid the one kind through the per-value pricing
+    ``all_reduce_only`` uses (:meth:`forbidden_collectives`), but alone it lets a partial
+    sum be reduce-scattered for one consumer and all-gathered for another, which only the
+    exact per-value program sees; neither is built or tested yet.
     """
 
     solver: str = "highs"
