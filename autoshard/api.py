@@ -235,7 +235,8 @@ def auto_shard(
                 graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto"
             )
     except InfeasibleProblemError as err:
-        if baseline and options.data_parallel_axes:  # say where data parallelism breaks
+        strict = options.data_parallel_axes or options.keep_weight_layout
+        if baseline and strict:  # say where the baseline's layout rules break
             _refuse_baseline(graph, dmesh, options, pinned, baseline, err)
         raise
     except InfeasibleBudgetError as err:

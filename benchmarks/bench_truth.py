@@ -21,6 +21,11 @@ suite (moe-tiny on the intra suite's meshes, SGD; moe-380m's dimensions, two blo
 batch norm, max pooling) on meshes 8 and 2x4::
 
     python benchmarks/bench_truth.py [--suite intra|moe|memory|conv|all] [--out FILE] [--markdown FILE]
+
+``--models``, ``--meshes`` and ``--plans`` (e.g. ``--plans megatron``) re-run some rows and
+keep the rest of ``--out``. A baseline that cannot mean its name on a row (the strict
+``megatron`` with heads the model axis does not divide) is written as a row with
+``refused`` and the planner's reason, counted apart.
 """
 
 from __future__ import annotations
@@ -59,13 +64,13 @@ def _label(model: str, overrides: dict) -> str:
     return f"{model}({extra})" if extra else model
 
 
-def _objective_split(graph, mesh, plan, pinned, exact_values) -> tuple[float, float]:
-    """(seconds of the plan's predicted collectives, its compute term), as the ILP prices them."""
+def _objective_split(graph, mesh, plan, pinned, exact_values, options) -> tuple[float, float]:
+    """(seconds of the plan's predicted collectives, its compute term), as the ILP prices
+    them under the plan's ``options`` (whose strategies its solver record indexes)."""
     from autoshard.intra.cost import collective_cost
-    from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import build_problem
 
-    ip = build_problem(graph, mesh, IntraOptions(), pinned_inputs=pinned, exact_values=exact_values)
+    ip = build_problem(graph, mesh, options, pinned_inputs=pinned, exact_values=exact_values)
     choice = plan.solver["strategy"]
     compute = sum(ip.problem.node_costs[i][choice[i]] for i in range(len(ip.strategies)))
     return sum(collective_cost(mesh, c) for c in plan.predicted_collectives), compute
@@ -98,8 +103,11 @@ def run(
     exact_values: bool = True,
     only_models: tuple[str, ...] = (),
     only_meshes: tuple[str, ...] = (),
+    only_plans: tuple[str, ...] = (),
 ) -> list[dict]:
     from autoshard.api import trace_workload
+    from autoshard.intra.baselines import BaselineRefusedError
+    from autoshard.intra.ilp import InfeasibleProblemError
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.verify.check import verify_plan
 
@@ -113,18 +121,38 @@ def run(
                 continue
             mesh = truth_mesh(mesh_text)
             for which in PLANS:
-                options, pinned = plan_settings(traced.graph, mesh, which, time_limit)
+                if only_plans and which not in only_plans:
+                    continue
                 t0 = time.perf_counter()
-                plan = auto_shard_graph(
-                    traced.graph,
-                    mesh,
-                    options,
-                    pinned_inputs=pinned,
-                    name=which,
-                    exact_values=exact_values,
-                )
+                try:
+                    options, pinned = plan_settings(traced.graph, mesh, which, time_limit)
+                except BaselineRefusedError as err:  # no Megatron-LM split in this model
+                    rows.append(_refused(suite, _label(model, overrides), mesh_text, which, err))
+                    print(f"| {rows[-1]['model']} | {mesh_text} | {which} | refused: "
+                          f"{rows[-1]['refused'][:160]}... |", flush=True)  # fmt: skip
+                    continue
+                try:
+                    plan = auto_shard_graph(
+                        traced.graph,
+                        mesh,
+                        options,
+                        pinned_inputs=pinned,
+                        name=which,
+                        exact_values=exact_values,
+                    )
+                except InfeasibleProblemError as err:
+                    if which == "auto":
+                        raise
+                    row = _refused(suite, _label(model, overrides), mesh_text, which, err)
+                    row["refused"] = _why(traced.graph, mesh, options, pinned, which, err)
+                    rows.append(row)
+                    print(f"| {row['model']} | {mesh_text} | {which} | refused: "
+                          f"{row['refused'][:160]}... |", flush=True)  # fmt: skip
+                    continue
                 plan_s = time.perf_counter() - t0
-                comm_s, compute_s = _objective_split(traced.graph, mesh, plan, pinned, exact_values)
+                comm_s, compute_s = _objective_split(
+                    traced.graph, mesh, plan, pinned, exact_values, options
+                )
                 report = verify_plan(traced.program, plan, live_peak=live_peak)
                 disagree = [
                     f"{r.kind}@{','.join(r.axes) or '?'}"
@@ -158,7 +186,11 @@ def run(
                     "objective": plan.objective,
                     "predicted_collectives_cost": comm_s,
                     "compute_cost": compute_s,
-                    "objective_over_prediction": plan.objective / (comm_s + compute_s),
+                    "objective_over_prediction": (
+                        plan.objective / (comm_s + compute_s)
+                        if comm_s + compute_s
+                        else (1.0 if plan.objective == 0 else math.inf)
+                    ),
                     "plan_seconds": plan_s,
                     "compile_seconds": report.compile_seconds,
                 }
@@ -167,7 +199,24 @@ def run(
     return rows
 
 
+def _refused(suite, model, mesh_text, which, err) -> dict:
+    return {"suite": suite, "model": model, "mesh": mesh_text, "plan": which, "refused": str(err)}
+
+
+def _why(graph, mesh, options, pinned, which, err) -> str:
+    """The baseline's refusal (the op where it cannot mean its name), as the API says it."""
+    from autoshard.intra.baselines import data_parallel_refusal
+    from autoshard.intra.problem import build_problem
+
+    refusal = data_parallel_refusal(
+        build_problem(graph, mesh, options, pinned_inputs=pinned), which
+    )
+    return str(refusal if refusal is not None else err)
+
+
 def _format_row(r: dict) -> str:
+    if "refused" in r:
+        return f"| {r['model']} | {r['mesh']} | {r['plan']} | refused | | | | | |"
     coll = "yes" if r["collectives_agree"] else "NO: " + " ".join(r["disagreeing_rows"])
     live = r.get("compiled_live_peak_bytes")
     if live is not None:
@@ -206,6 +255,7 @@ def main() -> None:
     )
     ap.add_argument("--models", default="", help="only these row labels, e.g. gpt-tiny")
     ap.add_argument("--meshes", default="", help="only these meshes, e.g. 8,1x8")
+    ap.add_argument("--plans", default="", help="only these plans, e.g. megatron,dp")
     ap.add_argument(
         "--per-demand-pricing",
         action="store_true",
@@ -230,13 +280,23 @@ def main() -> None:
             not args.per_demand_pricing,
             tuple(m for m in args.models.split(";") if m),
             tuple(m for m in args.meshes.split(",") if m),
+            tuple(p for p in args.plans.split(",") if p),
         )
     ]
     wall = time.perf_counter() - t_start
     out = Path(args.out)
-    if args.suite != "all" and out.exists():  # keep the other suites' rows from the last run
-        rows = [r for r in json.loads(out.read_text())["rows"] if r["suite"] not in suites] + rows
-        rows.sort(key=lambda r: list(SUITES).index(r["suite"]))
+    if out.exists() and (args.suite != "all" or args.plans):
+        # keep the last run's rows of what was not run: the other suites, or (--plans)
+        # the other plans; the rows run replace theirs in place
+        def key(r):
+            return r["suite"], r["model"], r["mesh"], r["plan"]
+
+        old = json.loads(out.read_text())["rows"]
+        merged = {key(r): r for r in old if args.plans or r["suite"] not in suites}
+        merged.update({key(r): r for r in rows})
+        rows = sorted(merged.values(), key=lambda r: list(SUITES).index(r["suite"]))
+    rows_all = rows
+    rows = [r for r in rows_all if "refused" not in r]
     n = len(rows)
     coll = sum(r["collectives_agree"] for r in rows)
     mem = sum(r["memory_agree"] for r in rows)
@@ -247,6 +307,7 @@ def main() -> None:
         "memory_within_10pct": mem,
         "memory_explained_heap_gap": gap,
         "memory_unexplained": n - mem - gap,
+        "refused": len(rows_all) - n,
         "objective_within_1pct_of_prediction": sum(
             abs(r.get("objective_over_prediction", math.inf) - 1) <= 0.01 for r in rows
         ),
@@ -259,12 +320,13 @@ def main() -> None:
         f"{coll}/{n} plans: collectives agree; {mem}/{n}: peak memory within 10%; "
         f"{gap}/{n}: outside, explained (heap gap: within 10% of XLA's live peak); "
         f"{n - mem - gap}/{n}: outside, unexplained"
+        + (f"; {len(rows_all) - n} baselines refused (not counted)" if len(rows_all) > n else "")
     )
     print("\n" + counts)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"summary": summary, "rows": rows_all}, indent=1))
     if args.markdown:
-        lines = [HEADER] + [_format_row(r) for r in rows] + ["", counts]
+        lines = [HEADER] + [_format_row(r) for r in rows_all] + ["", counts]
         Path(args.markdown).write_text("\n".join(lines) + "\n")
 
 

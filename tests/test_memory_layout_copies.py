@@ -149,19 +149,29 @@ def test_a_backward_conv_copies_a_forward_value_where_it_is_made():
 
 @pytest.fixture(scope="module")
 def wresnet_megatron_2x4():
-    """wresnet-tiny (two blocks), the Megatron baseline on 2x4 (channels split over
-    ``model``), SGD, compiled: the plan gathers activations for the weight gradients."""
+    """wresnet-tiny (two blocks) on 2x4 with the weights replicated and the batch split over
+    ``data`` (the old, non-strict megatron baseline's pins: the ILP splits channels over
+    ``model``), SGD, compiled: the plan gathers activations for the weight gradients.
+    (The strict megatron baseline refuses this model: no Megatron-LM rule splits a
+    convolution, tests/test_megatron_strict.py.)"""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
     from autoshard.intra.options import IntraOptions
     from autoshard.intra.problem import auto_shard_graph
+    from autoshard.ir.spec import ShardingSpec
     from autoshard.verify.check import verify_plan
 
     traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
     mesh = device_mesh_for((2, 4), ("data", "model"))
     options = IntraOptions(solver="highs", time_limit_s=60)
-    options = baseline_options(options, mesh.mesh, "megatron")
-    pinned = baseline_inputs(traced.graph, mesh.mesh, "megatron")
+    options = options.replace(data_parallel_axes=("data",))
+    # what the megatron baseline pinned here before it became strict: no Megatron-LM rule
+    # splits a convolution, so weights replicated and the batch split over data
+    pinned = {
+        pos: ShardingSpec.replicated(len(t.shape)).with_dim(0, ("data",))
+        if t.kind == "data" and t.shape
+        else ShardingSpec.replicated(len(t.shape))
+        for pos, t in enumerate(traced.graph.tensors[i] for i in traced.graph.inputs)
+    }
     plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name="megatron")
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
     return traced.graph, mesh, plan, report

@@ -153,7 +153,13 @@ def baseline_options(options: IntraOptions, mesh: Mesh, name: str) -> IntraOptio
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
     if name == "heuristic":
         return options.replace(shard_largest_dim=True)
-    if name in ("dp", "megatron"):
+    if name == "megatron":  # Megatron-LM: weights never move, activations all-reduced
+        return options.replace(
+            data_parallel_axes=_dp_tp_axes(mesh, name)[0],
+            keep_weight_layout=True,
+            all_reduce_only=True,
+        )
+    if name == "dp":
         return options.replace(data_parallel_axes=_dp_tp_axes(mesh, name)[0])
     return options
 
@@ -207,6 +213,19 @@ def baseline_inputs(graph: Graph, mesh: Mesh, name: str) -> dict[int, ShardingSp
                 elif column:
                     spec = _split_dim(t.shape, 0, tp, mesh, what)
             pinned[pos] = spec
+    if (
+        name == "megatron"
+        and tp
+        and not any(set(tp) & set(d) for spec in pinned.values() for d in spec.dims)
+    ):
+        raise BaselineRefusedError(
+            f"baseline 'megatron' cannot mean its name here: no weight of this model has a "
+            f"Megatron-LM split (attention QKV/projection, MLP fc/projection, expert MLPs, "
+            f"the token embedding, the mlp preset's dense layers), so its tensor-parallel "
+            f"axes {tp} ({mesh.size(tp)} devices) would only repeat the work; use 'dp' or "
+            "the automatic plan, or a mesh without a tensor-parallel axis",
+            mesh.size(dp) if dp else 1,
+        )
     return pinned
 
 
@@ -256,9 +275,10 @@ def _feasible_domains(pb):
 def data_parallel_refusal(ip, name: str) -> BaselineRefusedError | None:
     """Why baseline ``name`` has no plan on the intra-op problem ``ip`` (an
     :class:`~autoshard.intra.problem.IntraProblem` built with its pins and options): the
-    op that cannot keep its operand split over the data-parallel axes, with what would
-    work, as the error to raise; None when propagation finds no contradiction (the cause
-    is then elsewhere: a budget, a solver)."""
+    op that cannot keep its operand split over the data-parallel axes (or, for
+    ``megatron``, cannot take it without moving a weight or a collective other than an
+    all-reduce), with what would work, as the error to raise; None when propagation finds
+    no contradiction (the cause is then elsewhere: a budget, a solver)."""
     roots, maps, dom, culprit = _feasible_domains(ip.problem)
     if culprit is None:
         return None
@@ -289,6 +309,22 @@ def data_parallel_refusal(ip, name: str) -> BaselineRefusedError | None:
         f"use a batch (or mesh) for which that dim stays a multiple of {devices}, or the "
         "'zero2' / 'zero3' baselines or the automatic plan, which may reshard there"
     )
+    delivers, n_div = "data parallelism", devices
+    if name == "megatron":
+        delivers = "Megatron-LM's layout"
+        tp = _dp_tp_axes(mesh, name)[1]
+        tp_devices = n_div = mesh.size(tp) if tp else 1
+        head = (
+            f"baseline 'megatron' cannot mean its name here: as in Megatron-LM, no weight "
+            f"moves and activations move only by all-reduce over the tensor-parallel axes "
+            f"{tp} ({tp_devices} devices; no all-gather, all-to-all or reduce-scatter)"
+            + (f", and every activation stays split over {axes}" if axes else "")
+        )
+        advice = (
+            f"use sizes that stay multiples of {tp_devices} there (for a GPT: attention heads "
+            f"and MLP width divisible by {tp_devices}), a smaller tensor-parallel axis (the "
+            "mesh's last), or the automatic plan, which may reshard there"
+        )
     for op in ip.operands:  # the use along which the last strategy went
         if op.slot < 0 or {roots[op.src], roots[op.dst]} != {root, by}:
             continue
@@ -300,8 +336,8 @@ def data_parallel_refusal(ip, name: str) -> BaselineRefusedError | None:
                         if s.input_specs[op.slot] is not None})  # fmt: skip
         return BaselineRefusedError(
             f"{head}, but {label(op.dst)} takes operand {op.slot} only as "
-            f"{' or '.join(takes)}, while data parallelism delivers it as "
-            f"{' or '.join(sorted(src_specs))}: the {devices} devices do not divide the dim "
+            f"{' or '.join(takes)}, while {delivers} delivers it as "
+            f"{' or '.join(sorted(src_specs))}: the {n_div} devices do not divide the dim "
             f"its split would move to; {advice}",
             devices,
         )

@@ -87,10 +87,28 @@ class IntraOptions:
       over the mesh (:func:`autoshard.intra.ties.largest_dim_spec`), the heuristic of
       Alpa's intra-op ablation; the ``heuristic`` baseline sets it.
 
-    Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet: both need
-    the ILP to charge a resharding once per value, as the prediction does (issue #14);
-    charged per consumer edge, forbidding all-gathers on the edges still leaves the
-    all-gathers XLA adds after one reduce-scatter for several consumers.
+    Layout rules of the strict ``megatron`` baseline (:mod:`autoshard.intra.baselines`):
+
+    * ``keep_weight_layout``: no weight moves. Every use of a parameter or optimizer-state
+      input reads it in its (pinned) spec, and every operand of the optimizer update is
+      read in the spec it is made in: a gradient must come out of the backward pass in its
+      parameter's layout, partial at most over ``data_parallel_axes`` (the gradient
+      all-reduce of data parallelism); no gather, re-split or split update of a weight,
+      its gradient or its optimizer state.
+    * ``all_reduce_only``: no resharding uses a collective other than an all-reduce
+      (partial sums are all-reduced in full; anything else is a local slice): no
+      all-gather, all-to-all or reduce-scatter anywhere in the step, as in Megatron-LM's
+      tensor parallelism, whose only collectives are all-reduces.
+
+    With either, dots and convolutions may also compute replicated over an axis (Alpa's
+    rule keeps only the strategies that split their work over the most devices): a
+    replicated weight is used replicated, as Megatron-LM's MoE router is.
+
+    Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet:
+    ``allow_all_gather=False`` would forbid the one kind through the per-value pricing
+    ``all_reduce_only`` uses (:meth:`forbidden_collectives`), but alone it lets a partial
+    sum be reduce-scattered for one consumer and all-gathered for another, which only the
+    exact per-value program sees; neither is built or tested yet.
     """
 
     solver: str = "highs"
@@ -109,6 +127,8 @@ class IntraOptions:
     exact_values: bool = True
     exact_search: str = "one-axis"
     shard_largest_dim: bool = False
+    keep_weight_layout: bool = False
+    all_reduce_only: bool = False
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -153,6 +173,9 @@ class IntraOptions:
             raise TypeError(
                 f"shard_largest_dim must be True or False, got {self.shard_largest_dim!r}"
             )
+        for knob in ("keep_weight_layout", "all_reduce_only"):
+            if not isinstance(getattr(self, knob), bool):
+                raise TypeError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
         dp_axes = self.data_parallel_axes
         if not (
             isinstance(dp_axes, tuple)
@@ -167,6 +190,12 @@ class IntraOptions:
     def replace(self, **changes) -> IntraOptions:
         """A copy with ``changes`` (validated like a new one)."""
         return dataclasses.replace(self, **changes)
+
+    def forbidden_collectives(self) -> frozenset[str]:
+        """The collective kinds no resharding may use under these options."""
+        if self.all_reduce_only:
+            return frozenset({"all-gather", "all-to-all", "reduce-scatter"})
+        return frozenset()
 
     def cost_options(self, relative_units: bool) -> CostOptions:
         """``cost``, or the default for a mesh in relative units / in seconds."""

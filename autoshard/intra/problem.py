@@ -55,6 +55,7 @@ from autoshard.intra.ties import (
     apply_alpa_options,
     follower_ties,
     keep_data_parallel,
+    keep_weight_layout,
     layer_ties,
     preferences,
     shard_largest_dims,
@@ -63,6 +64,8 @@ from autoshard.intra.value_edges import Use, Value, ValueEdges, value_edges
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import ShardingSpec
+
+WEIGHT_KINDS = ("param", "opt_state")  # inputs that keep_weight_layout never reshards
 
 
 @dataclass(frozen=True)
@@ -188,9 +191,14 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
     # memory-bound ops are charged the buffers they stream
     materialized = streamed_tensors(graph, mesh) if math.isfinite(mesh.hbm_bandwidth) else None
     node_cache: dict = {}
+    # under Megatron-LM's rules a replicated weight's dot (a MoE router, a convolution
+    # without a split rule) computes replicated: nothing it splits could be gathered back
+    strict_layout = options.keep_weight_layout or options.all_reduce_only
     as_tuple: dict[int, tuple[Strategy, ...]] = {}
     for node in graph.nodes:
-        found = node_strategies(graph, node, mesh, warned, materialized, node_cache)
+        found = node_strategies(
+            graph, node, mesh, warned, materialized, node_cache, not strict_layout
+        )
         if id(found) not in as_tuple:
             as_tuple[id(found)] = tuple(found)
         strategies.append(as_tuple[id(found)])
@@ -243,18 +251,32 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
     edges: list[EdgeCost] = []
     edge_consumers: list[tuple[int, ...]] = []
     # data-parallel axes (the dp and megatron baselines): a use may not move a split off
-    # them -- a feasibility edge (0 or infinity) beside the priced per-value edges
-    if options.data_parallel_axes:
+    # them; weights kept in place (megatron): no use may reshard a weight, its gradient
+    # into the update or its optimizer state -- feasibility edges (0 or infinity) beside
+    # the priced per-value edges
+    if options.data_parallel_axes or options.keep_weight_layout:
         forbid: dict[tuple, tuple[tuple[float, ...], ...]] = {}
         for op in operands:
             src, k = producer[op.tensor]
-            key = (id(strategies[src]), k, id(strategies[op.dst]), op.slot)
+            weight = None
+            if options.keep_weight_layout:
+                if src < n_in and graph.tensors[graph.inputs[src]].kind in WEIGHT_KINDS:
+                    weight = True  # read as pinned
+                elif graph.nodes[op.dst - n_in].phase == "update":
+                    weight = False  # read as made, partial over data at most
+            key = (id(strategies[src]), k, id(strategies[op.dst]), op.slot, weight)
             if key not in forbid:
-                zero = tuple((0.0,) * len(strategies[op.dst]) for _ in strategies[src])
-                forbid[key] = keep_data_parallel(
-                    zero, strategies[src], k, strategies[op.dst], op.slot,
+                m = tuple((0.0,) * len(strategies[op.dst]) for _ in strategies[src])
+                m = keep_data_parallel(
+                    m, strategies[src], k, strategies[op.dst], op.slot,
                     options.data_parallel_axes,
                 )  # fmt: skip
+                if weight is not None:
+                    m = keep_weight_layout(
+                        m, strategies[src], k, strategies[op.dst], op.slot, weight,
+                        options.data_parallel_axes,
+                    )  # fmt: skip
+                forbid[key] = m
             if any(math.isinf(c) for row in forbid[key] for c in row):
                 edges.append(EdgeCost(src, op.dst, forbid[key]))
                 edge_consumers.append(())
@@ -298,8 +320,9 @@ def _finish(c: _Common, exact_values: bool) -> IntraProblem:
     """The program of ``c`` with its values priced per value (``exact_values``) or per
     demand (:func:`autoshard.intra.value_edges.value_edges`)."""
     per_value = value_edges(
-        list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values, c.memo
-    )
+        list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values, c.memo,
+        c.options.forbidden_collectives(),
+    )  # fmt: skip
     extra = per_value.num_strategies
     memory = _with_aux_nodes(c.memory, extra)
     problem = ShardingProblem(
@@ -370,7 +393,10 @@ def price_per_value(c: _Common, choice) -> float:
         )
         if uses:
             values.append(dataclasses.replace(v, uses=uses, steps=(v.steps[choice[v.src]],)))
-    per_value = value_edges(values, chosen, (None,) * n, c.mesh, c.cost_options, True)
+    per_value = value_edges(
+        values, chosen, (None,) * n, c.mesh, c.cost_options, True, None,
+        c.options.forbidden_collectives(),
+    )  # fmt: skip
     full = per_value.complete(chosen, (0,) * n, c.mesh)
     return (
         math.fsum(c.node_costs[v][choice[v]] for v in range(n))
@@ -394,8 +420,9 @@ def _unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> 
 
 
 def _solve_exact(
-    ip: IntraProblem, demand: IntraProblem, mesh, settings, unsolved: str | None = None
-):
+    ip: IntraProblem, demand: IntraProblem, mesh, settings, unsolved: str | None = None,
+    first=None,
+):  # fmt: skip
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
     nodes as XLA's behaviour implies, so the objective is the predicted resharding.
@@ -411,10 +438,16 @@ def _solve_exact(
     ``unsolved`` (why not, :func:`_unsolved_because`) the exact program is not solved: the
     per-demand plan is priced per value (``exact_stopped`` says so where that price is
     below the per-demand one)."""
-    first = solve(demand.problem, **settings)
+    if first is None:
+        first = solve(demand.problem, **settings)
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     priced = objective_of(ip.problem, initial)
-    if priced >= first.objective * (1 - 1e-9):
+    if math.isinf(priced):
+        # the per-demand plan needs, priced per value, a collective the options forbid
+        # (all_reduce_only: a partial sum two consumers want in two specs, reduced once
+        # into one and resharded to the other): only the exact program can say
+        unsolved = None
+    elif priced >= first.objective * (1 - 1e-9):
         # the per-demand program charged its plan exactly what it is predicted to cost: the
         # exact program could only find a plan the per-demand one over-charged (0.2-0.7%
         # cheaper where measured, docs/truth.md); not worth its time by default
@@ -526,11 +559,23 @@ def _per_demand_priced(common, mesh, options, pinned_inputs, name, unsolved) -> 
         seed=options.seed,
     )
     priced = price_per_value(common, first.strategy)
+    if math.isinf(priced):
+        # priced per value the plan needs a collective the options forbid: only the exact
+        # program can find one that does not (_solve_exact), so it is built after all
+        exact = _finish(common, True)
+        settings = dict(solver=options.solver, time_limit_s=options.time_limit_s,
+                        mip_gap=options.mip_gap, seed=options.seed)  # fmt: skip
+        solution = _solve_exact(exact, ip, mesh, settings, None, first)
+        return _plan_of(exact, solution, common, options, pinned_inputs, name)
     solution = dataclasses.replace(first, objective=priced)
     if priced < first.objective * (1 - 1e-9):  # as _solve_exact says it
         solution = dataclasses.replace(
             solution, exact_stopped=f"{unsolved}; the per-demand plan is priced per value"
         )
+    return _plan_of(ip, solution, common, options, pinned_inputs, name)
+
+
+def _plan_of(ip, solution, common, options, pinned_inputs, name) -> ParallelPlan:
     plan = plan_from_solution(ip, solution, name=name)
     if common.notes:
         plan = dataclasses.replace(plan, notes=plan.notes + common.notes)

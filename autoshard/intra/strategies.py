@@ -268,11 +268,12 @@ def _gather(ctx: NodeContext) -> list[Slot] | None:
         if slice_sizes[d_op] == operand[d_op]:
             slots.append(Slot("shard", ((0, d_op), (OUT, d_out))))
     # a collapsed dim split over devices: each device looks up the rows it owns (masked),
-    # so the output is a partial sum -- the vocabulary-parallel embedding
-    if len(op_batch) == 0:
-        for d in collapsed:
-            if operand[d] > 1:
-                slots.append(Slot("reduce", ((0, d),)))
+    # so the output is a partial sum -- the vocabulary-parallel embedding, and (beside
+    # batching dims: take_along_axis) the target logit of a vocabulary-parallel
+    # cross-entropy
+    for d in collapsed:
+        if operand[d] > 1:
+            slots.append(Slot("reduce", ((0, d),)))
     return slots
 
 
@@ -299,9 +300,9 @@ def _scatter_add(ctx: NodeContext) -> list[Slot] | None:
         if updates[d_upd] == operand[d_op]:
             slots.append(Slot("shard", ((0, d_op), (2, d_upd), (OUT, d_op))))
     # operand split on an indexed dim: each device applies the updates to rows it owns
-    if not op_batch:
-        for d in inserted:
-            slots.append(Slot("shard", ((0, d), (OUT, d))))
+    # (beside batching dims too: the gradient of a vocabulary-parallel target lookup)
+    for d in inserted:
+        slots.append(Slot("shard", ((0, d), (OUT, d))))
     return slots
 
 
@@ -491,16 +492,21 @@ def node_strategies(
     warn: set[str] | None = None,
     materialized: Collection[int] | None = None,
     cache: dict | None = None,
+    heavy_use_all_devices: bool = True,
 ) -> list[Strategy]:
     """Candidate strategies of one node; a replicated fallback for unknown primitives.
 
     ``materialized`` (tensor ids in memory) lets the node costs charge memory traffic.
-    ``cache`` (a dict kept by the caller for one mesh): nodes with the same primitive,
-    parameters, FLOPs, operand and result shapes and bytes get the same list object.
+    ``cache`` (a dict kept by the caller for one mesh and these settings): nodes with the
+    same primitive, parameters, FLOPs, operand and result shapes and bytes get the same
+    list object. ``heavy_use_all_devices``: a dot or convolution keeps only the
+    strategies that split its work over the most devices (Alpa's rule); False keeps
+    every strategy, replicated work included (a Megatron-LM router, a replicated
+    weight's dot, where nothing may be gathered afterwards).
     """
     ctx = node_context(graph, node, materialized)
     if cache is None:
-        return _node_strategies(ctx, mesh, warn)
+        return _node_strategies(ctx, mesh, warn, heavy_use_all_devices)
     key = (
         node.primitive,
         repr(sorted(node.params.items())),
@@ -513,11 +519,13 @@ def node_strategies(
         ctx.itemsize,
     )
     if key not in cache:
-        cache[key] = _node_strategies(ctx, mesh, warn)
+        cache[key] = _node_strategies(ctx, mesh, warn, heavy_use_all_devices)
     return cache[key]
 
 
-def _node_strategies(ctx: NodeContext, mesh: DeviceMesh, warn: set[str] | None) -> list[Strategy]:
+def _node_strategies(
+    ctx: NodeContext, mesh: DeviceMesh, warn: set[str] | None, heavy_use_all_devices: bool = True
+) -> list[Strategy]:
     node = ctx.node
     rule = RULES.get(node.primitive)
     slots = rule(ctx) if rule is not None else None
@@ -533,7 +541,7 @@ def _node_strategies(ctx: NodeContext, mesh: DeviceMesh, warn: set[str] | None) 
     if not ALLOW_THROUGH:
         slots = [s for s in slots if s.kind != "through"]
     strategies = enumerate_strategies(ctx, slots, mesh)
-    if node.primitive in HEAVY and strategies:
+    if node.primitive in HEAVY and strategies and heavy_use_all_devices:
         # Alpa: heavy operators never replicate computation -- keep the strategies that
         # split the work over the most devices (all of them whenever shapes divide)
         most = max(s.parallel_factor for s in strategies)

@@ -13,6 +13,8 @@ place, what makes the problem small and its answer unique:
   strategies that split the largest dimension of its output (Alpa's heuristic baseline);
 * :func:`keep_data_parallel` -- ``data_parallel_axes``: reshardings that move data off
   those axes forbidden, edge by edge;
+* :func:`keep_weight_layout` -- ``keep_weight_layout``: no resharding of a weight, its
+  gradient on its way into the update, or its optimizer state, edge by edge;
 * :func:`preferences` -- the tie-break between equal-cost plans.
 """
 
@@ -167,6 +169,30 @@ def keep_data_parallel(matrix, src_strategies, k, dst_strategies, slot, axes):
         if b is None:
             return False
         return any(x in forced and x not in db for da, db in zip(a.dims, b.dims) for x in da)
+
+    wants = [s.input_specs[slot] for s in dst_strategies]
+    return tuple(
+        tuple(
+            math.inf if moves(s.output_specs[k], b) else c for b, c in zip(wants, row, strict=True)
+        )
+        for s, row in zip(src_strategies, matrix, strict=True)
+    )
+
+
+def keep_weight_layout(matrix, src_strategies, k, dst_strategies, slot, exact, reduce_over):
+    """``matrix`` (as :func:`keep_data_parallel`'s) with every pair forbidden (``math.inf``)
+    that reshards a weight: with ``exact`` (the source is a parameter or optimizer-state
+    input) the use must read the source's spec itself; otherwise (the use is an operand
+    of the optimizer update) it must read the source's dims, and a partial source may be
+    partial only over ``reduce_over`` (the data-parallel axes: the gradient all-reduce),
+    which the use reads reduced."""
+
+    def moves(a: ShardingSpec, b: ShardingSpec | None) -> bool:
+        if b is None:
+            return False
+        if exact:
+            return a != b
+        return a.dims != b.dims or bool(b.partial) or not set(a.partial) <= set(reduce_over)
 
     wants = [s.input_specs[slot] for s in dst_strategies]
     return tuple(

@@ -59,20 +59,29 @@ def xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
     return all(d[: len(s)] == s for s, d in zip(src.dims, dst.dims))
 
 
+def _priced(r, forbidden: frozenset[str]) -> float:
+    """The cost of resharding ``r``, infinite where it uses a ``forbidden`` kind."""
+    if forbidden and any(c.kind in forbidden for c in r.collectives):
+        return INF
+    return float(r.cost)
+
+
 @lru_cache(maxsize=1_000_000)
-def _resolve_cost(src, dst, shape, itemsize, mesh, options, steps, batch_dims=()) -> float:
+def _resolve_cost(
+    src, dst, shape, itemsize, mesh, options, steps, batch_dims=(), forbidden=frozenset()
+) -> float:
     """One value into one spec, reductions at the producer included (``steps``; a
-    batched dot's ``batch_dims``)."""
-    return float(
-        reshard_to_consumers(
-            src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
-        ).cost
+    batched dot's ``batch_dims``); infinite where that needs a ``forbidden`` collective
+    kind (:meth:`~autoshard.intra.options.IntraOptions.forbidden_collectives`)."""
+    r = reshard_to_consumers(
+        src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
     )
+    return _priced(r, forbidden)
 
 
 @lru_cache(maxsize=1_000_000)
-def _reshard_cost(src, dst, shape, itemsize, mesh, options) -> float:
-    return float(reshard(src, dst, shape, itemsize, mesh, options).cost)
+def _reshard_cost(src, dst, shape, itemsize, mesh, options, forbidden=frozenset()) -> float:
+    return _priced(reshard(src, dst, shape, itemsize, mesh, options), forbidden)
 
 
 @dataclass(frozen=True)
@@ -198,6 +207,7 @@ def value_edges(
     options: CostOptions,
     exact: bool = False,
     memo: dict | None = None,
+    forbidden: frozenset[str] = frozenset(),
 ) -> ValueEdges:
     """The nodes and edges that price ``values`` (see the module docstring).
     ``strategies``: every ILP node's strategies; ``ties``: the real nodes' ties.
@@ -210,7 +220,10 @@ def value_edges(
 
     ``memo``: a dict kept between calls on the same ``strategies`` and ``ties`` (both
     programs of one plan, :func:`autoshard.intra.problem.auto_shard_graph`), so that the
-    cost matrices and the values' distinct demands are computed once for both."""
+    cost matrices and the values' distinct demands are computed once for both.
+
+    ``forbidden``: collective kinds no resharding may use; a resharding that needs one
+    costs ``inf`` (``IntraOptions.all_reduce_only``)."""
     first = len(strategies)
     sizes: list[int] = []
     new_ties: list[Tie | None] = []
@@ -249,7 +262,7 @@ def value_edges(
                             0.0 if b is None
                             else INF if a.partial and not xla_resolves(a, b)
                             else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options, st,
-                                               v.batch_dims)
+                                               v.batch_dims, forbidden)
                             for b in w
                         )
                         for a, st in zip(src_specs, v.steps)
@@ -282,7 +295,7 @@ def value_edges(
             if key not in matrices:
                 matrices[key] = tuple(
                     (0.0, (0.0 if xla_resolves(a, b) else INF) if a.partial
-                     else _reshard_cost(a, b, v.shape, v.itemsize, mesh, options))
+                     else _reshard_cost(a, b, v.shape, v.itemsize, mesh, options, forbidden))
                     for a in src_specs
                 )  # fmt: skip
             edges.append(EdgeCost.of_floats(v.src, y, matrices[key]))
@@ -303,7 +316,8 @@ def value_edges(
             if key not in matrices:
                 matrices[key] = tuple(
                     (INF,) + tuple(
-                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options, st, v.batch_dims)
+                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options, st, v.batch_dims,
+                                      forbidden)
                         if xla_resolves(a, t) else INF
                         for t in targets
                     ) if a.partial else (0.0,) + (INF,) * len(targets)
@@ -323,7 +337,12 @@ def value_edges(
                             rows.append((0.0, INF))
                         else:
                             rows.append(
-                                (0.0, _reshard_cost(t, b, v.shape, v.itemsize, mesh, options))
+                                (
+                                    0.0,
+                                    _reshard_cost(
+                                        t, b, v.shape, v.itemsize, mesh, options, forbidden
+                                    ),
+                                )
                             )
                     matrices[key] = tuple(rows)
                 edges.append(EdgeCost.of_floats(r, copy_of[b], matrices[key]))
