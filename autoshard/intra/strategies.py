@@ -300,9 +300,9 @@ def _scatter_add(ctx: NodeContext) -> list[Slot] | None:
         if updates[d_upd] == operand[d_op]:
             slots.append(Slot("shard", ((0, d_op), (2, d_upd), (OUT, d_op))))
     # operand split on an indexed dim: each device applies the updates to rows it owns
-    # (beside batching dims too: the gradient of a vocabulary-parallel target lookup)
-    for d in inserted:
-        slots.append(Slot("shard", ((0, d), (OUT, d))))
+    if not op_batch:
+        for d in inserted:
+            slots.append(Slot("shard", ((0, d), (OUT, d))))
     return slots
 
 
