@@ -73,8 +73,9 @@ def trace_microbatch(workload, num_microbatches: int, optimizer: str = "adamw", 
     """
     if isinstance(workload, Workload):
         cfg = workload.config
-        keep = ("seq_len", "vocab_size", "num_layers", "hidden", "num_heads", "num_experts")
-        keep += ("dtype",)
+        keep = (
+            "seq_len", "vocab_size", "num_layers", "hidden", "num_heads", "num_experts", "dtype"
+        )  # fmt: skip
         base = {k: getattr(cfg, k) for k in keep if hasattr(cfg, k)}
         name = workload.name
     else:

@@ -21,6 +21,7 @@ Usage: python benchmarks/validate_megatron.py [--calibrate]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -188,8 +189,11 @@ def calibrate(table_name: str, source: str | None = None) -> dict:
         "worst_error_percent": round(100 * worst, 2),
         "shipped": make_gemm_tables.CALIBRATED[table_name],
     }
-    if tp_runs:
-        overhead, tp_worst = _minimax(OVERHEAD_GRID, tp_runs, lambda c: table_for(eff, c))
+    if tp_runs:  # the GEMM rows do not depend on the cost: one table, the cost replaced
+        base = table_for(eff)
+        overhead, tp_worst = _minimax(
+            OVERHEAD_GRID, tp_runs, lambda c: dataclasses.replace(base, tp_step_overhead_s=c)
+        )
         fit.update(
             tp_step_overhead_s=overhead,
             tp_step_overhead_rows=len(tp_runs),

@@ -187,11 +187,13 @@ def baseline_search(model: str, cluster_name: str, gpus: int, batch: int, dtype:
     if m is None:
         return None
     cluster = load_cluster(cluster_name, gpus)
-    found = []
+    found, graph = [], None
     for name in baselines:
         cost = search_stage_cost(
-            model, cluster, batch, m, dtype, ILP_TIME_LIMIT_S, {}, name, optimizer=optimizer
-        )
+            model, cluster, batch, m, dtype, ILP_TIME_LIMIT_S, {}, name, optimizer=optimizer,
+            graph=graph,
+        )  # fmt: skip
+        graph = cost.graph  # the same step for every baseline: traced once
         try:
             r = _stage_search(cost, _data_parallel_only(cost), cluster, m, 1)
         except ValueError:  # no finite plan: the baseline cannot plan some layer here

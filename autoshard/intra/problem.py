@@ -419,6 +419,30 @@ def _unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> 
     return None
 
 
+def _kept_per_demand(first, strategy, priced: float, unsolved: str | None):
+    """The per-demand solution ``first`` as the plan (assignment ``strategy``, objective
+    its per-value price ``priced``) where the exact program need not be solved; None where
+    it must. Kept where the per-demand program charged its plan exactly its per-value price
+    (the exact program could only find a plan the per-demand one over-charged: 0.2-0.7%
+    cheaper where measured, docs/truth.md; not worth its time by default), or where the
+    exact program is not solved (``unsolved``, the reason, goes into ``exact_stopped``).
+    Never where the price is infinite: priced per value the plan needs a collective the
+    options forbid (all_reduce_only: a partial sum two consumers want in two specs, reduced
+    once into one and resharded to the other), which only the exact program can avoid."""
+    if math.isinf(priced):
+        return None
+    if priced >= first.objective * (1 - 1e-9):
+        return dataclasses.replace(first, strategy=strategy, objective=priced)
+    if unsolved is not None:
+        return dataclasses.replace(
+            first,
+            strategy=strategy,
+            objective=priced,
+            exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
+        )
+    return None
+
+
 def _solve_exact(
     ip: IntraProblem, demand: IntraProblem, mesh, settings, unsolved: str | None = None,
     first=None,
@@ -441,24 +465,9 @@ def _solve_exact(
     if first is None:
         first = solve(demand.problem, **settings)
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
-    priced = objective_of(ip.problem, initial)
-    if math.isinf(priced):
-        # the per-demand plan needs, priced per value, a collective the options forbid
-        # (all_reduce_only: a partial sum two consumers want in two specs, reduced once
-        # into one and resharded to the other): only the exact program can say
-        unsolved = None
-    elif priced >= first.objective * (1 - 1e-9):
-        # the per-demand program charged its plan exactly what it is predicted to cost: the
-        # exact program could only find a plan the per-demand one over-charged (0.2-0.7%
-        # cheaper where measured, docs/truth.md); not worth its time by default
-        return dataclasses.replace(first, strategy=initial, objective=priced)
-    if unsolved is not None:
-        return dataclasses.replace(
-            first,
-            strategy=initial,
-            objective=priced,
-            exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
-        )
+    kept = _kept_per_demand(first, initial, objective_of(ip.problem, initial), unsolved)
+    if kept is not None:
+        return kept
     cap = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
     limit = settings["time_limit_s"]
     if limit is not None:  # what the per-demand solve left of the user's limit
@@ -508,26 +517,34 @@ def auto_shard_graph(
         exact_values = options.exact_values
     memory_budget_bytes = options.memory_budget_bytes
     common = _common(graph, mesh, options, pinned_inputs, True, None)
-    budgeted = memory_budget_bytes is not None
-    unsolved = _unsolved_because(mesh, options.exact_search, budgeted) if exact_values else None
-    if unsolved is not None and not budgeted and common.values:
-        # the exact program would only price the per-demand plan: price it without
-        # building that program (a third of the planning time outside the solver on
-        # gpt-39b 8x8, docs/sharing.md); with a budget its memory rows are needed
-        return _per_demand_priced(common, mesh, options, pinned_inputs, name, unsolved)
-    ip = _finish(common, exact_values)
-    # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes does,
-    # resharded copies included (CopyBuffer), so the plan's prediction is its peak
     settings = dict(
         solver=options.solver,
         time_limit_s=options.time_limit_s,
         mip_gap=options.mip_gap,
         seed=options.seed,
     )
-    if ip.values is not None and ip.values.groups:
-        solution = _solve_exact(ip, _finish(common, False), mesh, settings, unsolved)
+    budgeted = memory_budget_bytes is not None
+    unsolved = _unsolved_because(mesh, options.exact_search, budgeted) if exact_values else None
+    if unsolved is not None and not budgeted and common.values:
+        # the exact program would only price the per-demand plan: price it without
+        # building that program (a third of the planning time outside the solver on
+        # gpt-39b 8x8, docs/sharing.md); with a budget its memory rows are needed
+        ip = _finish(common, False)
+        first = solve(ip.problem, **settings)
+        solution = _kept_per_demand(
+            first, first.strategy, price_per_value(common, first.strategy), unsolved
+        )
+        if solution is None:  # it needs a forbidden collective: the exact program after all
+            demand, ip = ip, _finish(common, True)
+            solution = _solve_exact(ip, demand, mesh, settings, None, first)
     else:
-        solution = solve(ip.problem, **settings)
+        ip = _finish(common, exact_values)
+        # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes
+        # does, resharded copies included (CopyBuffer), so the plan's prediction is its peak
+        if ip.values is not None and ip.values.groups:
+            solution = _solve_exact(ip, _finish(common, False), mesh, settings, unsolved)
+        else:
+            solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name=name)
     if common.notes:
         plan = dataclasses.replace(plan, notes=plan.notes + common.notes)
@@ -543,46 +560,6 @@ def auto_shard_graph(
                 f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
                 f"prediction {plan.predicted_peak_bytes:.6g} B"
             )
-    return plan
-
-
-def _per_demand_priced(common, mesh, options, pinned_inputs, name, unsolved) -> ParallelPlan:
-    """:func:`auto_shard_graph` where the exact program is not solved and no memory budget
-    is set: the per-demand program is solved and its plan priced per value
-    (:func:`price_per_value`), as :func:`_solve_exact` does with the exact program built."""
-    ip = _finish(common, False)
-    first = solve(
-        ip.problem,
-        solver=options.solver,
-        time_limit_s=options.time_limit_s,
-        mip_gap=options.mip_gap,
-        seed=options.seed,
-    )
-    priced = price_per_value(common, first.strategy)
-    if math.isinf(priced):
-        # priced per value the plan needs a collective the options forbid: only the exact
-        # program can find one that does not (_solve_exact), so it is built after all
-        exact = _finish(common, True)
-        settings = dict(solver=options.solver, time_limit_s=options.time_limit_s,
-                        mip_gap=options.mip_gap, seed=options.seed)  # fmt: skip
-        solution = _solve_exact(exact, ip, mesh, settings, None, first)
-        return _plan_of(exact, solution, common, options, pinned_inputs, name)
-    solution = dataclasses.replace(first, objective=priced)
-    if priced < first.objective * (1 - 1e-9):  # as _solve_exact says it
-        solution = dataclasses.replace(
-            solution, exact_stopped=f"{unsolved}; the per-demand plan is priced per value"
-        )
-    return _plan_of(ip, solution, common, options, pinned_inputs, name)
-
-
-def _plan_of(ip, solution, common, options, pinned_inputs, name) -> ParallelPlan:
-    plan = plan_from_solution(ip, solution, name=name)
-    if common.notes:
-        plan = dataclasses.replace(plan, notes=plan.notes + common.notes)
-    if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
-        from autoshard.intra.fallback import cheapest_fallback
-
-        plan = cheapest_fallback(plan, solution, ip, options, plan_from_solution)
     return plan
 
 

@@ -171,9 +171,8 @@ def get_workload(
         dtype=dtype,
         scan_layers=scan_layers,
         num_heads=num_heads,
+        num_experts=num_experts,  # None unless a GPT-MoE (refused above otherwise)
     )
-    if num_experts is not None:
-        cfg = cfg.replace(num_experts=num_experts)
     moe = isinstance(cfg, MoEConfig)
     return Workload(
         name,

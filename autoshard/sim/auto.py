@@ -238,13 +238,16 @@ def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, op
 
 
 def search_stage_cost(
-    model, cluster, batch, m, dtype, time_limit, overrides, baseline=None, optimizer="adamw"
-):
+    model, cluster, batch, m, dtype, time_limit, overrides, baseline=None, optimizer="adamw",
+    graph=None,
+):  # fmt: skip
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
     ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step).
     ``baseline``: every stage's inputs pinned the way that intra-op baseline does (a
-    restricted search, e.g. ZeRO data parallelism). ``optimizer``: the traced step's."""
+    restricted search, e.g. ZeRO data parallelism). ``optimizer``: the traced step's.
+    ``graph``: that traced step, already traced with these arguments (another baseline's
+    ``IntraStageCost.graph``), so it is not traced again."""
     from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
     from autoshard.inter.stage_cost import IntraStageCost
     from autoshard.inter.submesh import cluster_for, logical_mesh_costs
@@ -252,14 +255,15 @@ def search_stage_cost(
     search_cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
     )
-    traced = trace_microbatch(
-        model, m, optimizer, batch_size=batch, dtype="float32" if dtype == "fp32" else "bfloat16",
-        **overrides,
-    )  # fmt: skip
+    if graph is None:
+        graph = trace_microbatch(
+            model, m, optimizer, batch_size=batch,
+            dtype="float32" if dtype == "fp32" else "bfloat16", **overrides,
+        ).graph  # fmt: skip
     mesh_for = logical_mesh_costs(
         cluster_for(search_cluster, cluster.num_nodes, cluster.devices_per_node)
     )
     return IntraStageCost(
-        traced.graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
+        graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
         baseline=baseline,
     )  # fmt: skip

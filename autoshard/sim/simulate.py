@@ -97,6 +97,12 @@ def parse_plan(text: str) -> PlanRequest:
     )
 
 
+def _check_overrides(overrides: dict) -> None:
+    unknown = set(overrides) - set(MODEL_OVERRIDES)
+    if unknown:
+        raise ValueError(f"unknown override(s) {sorted(unknown)}; accepted: {MODEL_OVERRIDES}")
+
+
 def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
     """The :class:`GPTShape` of a GPT preset (with ``MODEL_OVERRIDES``) and its batch size."""
     from autoshard.models import model_names  # lazy: the models import jax
@@ -115,9 +121,7 @@ def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
                 + (f", or {model} with --plan auto" if moe else "")
             )
         raise ValueError(f"unknown model {model!r}; GPT presets: {', '.join(GPT_PRESETS)}")
-    unknown = set(overrides) - set(MODEL_OVERRIDES)
-    if unknown:
-        raise ValueError(f"unknown override(s) {sorted(unknown)}; accepted: {MODEL_OVERRIDES}")
+    _check_overrides(overrides)
     if "num_experts" in overrides:
         raise ValueError(
             f"num_experts is for the GPT-MoE presets ({', '.join(MOE_PRESETS)}, with "
@@ -150,9 +154,7 @@ def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
             "only plan='auto' prices it (the search on its traced step); Megatron grids, DP "
             "and ZeRO are priced on Megatron-LM's dense GPT program"
         )
-    unknown = set(overrides) - set(MODEL_OVERRIDES)
-    if unknown:
-        raise ValueError(f"unknown override(s) {sorted(unknown)}; accepted: {MODEL_OVERRIDES}")
+    _check_overrides(overrides)
     if overrides and family == "Wide-ResNet":
         problems.append(f"model overrides {sorted(overrides)} are for the GPT and GPT-MoE presets")
     if exact:
