@@ -15,6 +15,9 @@ MODEL_PRESETS = (
     "wresnet-4b", "wresnet-6.8b", "wresnet-13b",
 )  # fmt: skip
 
+# autoshard.models.OPTIMIZERS, without importing the models (tests check them equal)
+OPTIMIZER_CHOICES = ("adamw", "adafactor", "sgd", "sgd-momentum")
+
 # IntraOptions.exact_search's choices, without importing the planner (tests check them equal)
 EXACT_SEARCH = ("one-axis", "always", "never")
 
@@ -94,7 +97,7 @@ def add_model_args(
     if optimizer:
         p.add_argument(
             "--optimizer",
-            choices=("adamw", "sgd"),
+            choices=OPTIMIZER_CHOICES,
             default="adamw",
             help="optimizer of the training step (run: sgd, or the --plan file's)",
         )
@@ -148,6 +151,23 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         "(Alpa's allow_mixed_mesh_shape=False)",
     )
     p.add_argument(
+        "--no-all-gather",
+        action="store_true",
+        help="forbid every resharding that needs an all-gather (Alpa's allow_all_gather=False)",
+    )
+    p.add_argument(
+        "--no-all-to-all",
+        action="store_true",
+        help="forbid every resharding that needs an all-to-all (Alpa's allow_all_to_all=False)",
+    )
+    p.add_argument(
+        "--prefer-reduce-scatter",
+        action="store_true",
+        help="re-plan with the optimizer state split over the data-parallel axes (gradients "
+        "reduce-scattered, parameters all-gathered: ZeRO-2), kept where it sends no more "
+        "bytes (Alpa's prefer_reduce_scatter; a second solve)",
+    )
+    p.add_argument(
         "--per-demand-pricing",
         action="store_true",
         help="price reshardings per distinct demand only (faster; can charge one resharding "
@@ -179,6 +199,9 @@ def intra_options(args):
         memory_budget_bytes=None if budget is None else budget * 2**30,
         force_batch_dim_to_mesh_axis=getattr(args, "force_batch_axis", None),
         allow_mixed_mesh_shape=not getattr(args, "no_mixed_mesh_shape", False),
+        allow_all_gather=not getattr(args, "no_all_gather", False),
+        allow_all_to_all=not getattr(args, "no_all_to_all", False),
+        prefer_reduce_scatter=getattr(args, "prefer_reduce_scatter", False),
         layer_period=getattr(args, "layer_period", 2),
         **({} if ends is None else {"layer_ends": ends}),
         exact_values=not getattr(args, "per_demand_pricing", False),

@@ -96,6 +96,9 @@ def route(args, command: str) -> bool:
         (
             ("--force-batch-axis", "force_batch_axis"),
             ("--no-mixed-mesh-shape", "no_mixed_mesh_shape"),
+            ("--no-all-gather", "no_all_gather"),
+            ("--no-all-to-all", "no_all_to_all"),
+            ("--prefer-reduce-scatter", "prefer_reduce_scatter"),
             ("--per-demand-pricing", "per_demand_pricing"),
         ),
     )

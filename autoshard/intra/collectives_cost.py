@@ -79,6 +79,15 @@ class CostOptions:
 DEFAULT_COST_OPTIONS = CostOptions()
 
 
+def ring_volume(kind: str, n: int, nbytes: float) -> float:
+    """Bytes each device sends in a ring ``kind`` over ``n`` devices of a buffer of
+    ``nbytes`` (an all-reduce's per-device buffer, an all-gather's gathered output, a
+    reduce-scatter's input, an all-to-all's per-device buffer)."""
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "all-reduce" else 1) * (n - 1) / n * nbytes
+
+
 def _ring_cost(
     kind: str, mesh: DeviceMesh, axes: str | Sequence[str], nbytes: float, options: CostOptions
 ) -> float:
@@ -88,15 +97,12 @@ def _ring_cost(
     if n == 1:
         return 0.0
     alpha, beta = mesh.link(group)
-    if kind == "all-reduce":
-        volume = 2 * (n - 1) / n * nbytes
-    elif kind == "all-to-all":
+    volume = ring_volume(kind, n, nbytes)
+    if kind == "all-to-all":
         penalty = options.all_to_all_penalty
         if options.all_to_all_penalty_scales_with_n:
             penalty *= n / 2
-        volume = (n - 1) / n * nbytes * penalty
-    else:  # all-gather, reduce-scatter
-        volume = (n - 1) / n * nbytes
+        volume *= penalty
     tie = ALPA_TIE_BREAKERS[kind] if options.tie_breakers else 0.0
     flat = alpha + beta * volume
     span = mesh.node_span(group) if kind != "all-to-all" else None

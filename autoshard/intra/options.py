@@ -104,11 +104,24 @@ class IntraOptions:
     rule keeps only the strategies that split their work over the most devices): a
     replicated weight is used replicated, as Megatron-LM's MoE router is.
 
-    Alpa's ``allow_all_gather`` and ``prefer_reduce_scatter`` are not here yet:
-    ``allow_all_gather=False`` would forbid the one kind through the per-value pricing
-    ``all_reduce_only`` uses (:meth:`forbidden_collectives`), but alone it lets a partial
-    sum be reduce-scattered for one consumer and all-gathered for another, which only the
-    exact per-value program sees; neither is built or tested yet.
+    Alpa's resharding knobs:
+
+    * ``allow_all_gather`` / ``allow_all_to_all``: False forbids every resharding that
+      needs an all-gather / an all-to-all (:meth:`forbidden_collectives`): such a
+      resharding costs ``inf`` in the program priced per value, so a partial sum that two
+      consumers want in two layouts is all-reduced once (not reduce-scattered for one and
+      all-gathered for the other, which XLA would do and the per-demand program cannot
+      see: where the per-demand plan needs a forbidden kind, the exact program is solved
+      on every mesh). A plan that still holds one (per-demand pricing, or a solver
+      fallback) carries a warning and a note.
+    * ``prefer_reduce_scatter``: Alpa's post-process, as a second solve
+      (:mod:`autoshard.intra.alpa_passes`): every optimizer-state input the first plan
+      keeps replicated over its data-parallel axes is split over them (ZeRO-2: the
+      gradient all-reduce becomes a reduce-scatter, the updated parameter is
+      all-gathered), the ILP re-plans around those pins, and the new plan is kept where
+      it moves no more bytes than the first (Alpa: "if no communication overhead is
+      introduced"); the plan's notes say which was kept and the peaks of both. Twice
+      the solver time.
     """
 
     solver: str = "highs"
@@ -129,6 +142,9 @@ class IntraOptions:
     shard_largest_dim: bool = False
     keep_weight_layout: bool = False
     all_reduce_only: bool = False
+    allow_all_gather: bool = True
+    allow_all_to_all: bool = True
+    prefer_reduce_scatter: bool = False
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -173,7 +189,13 @@ class IntraOptions:
             raise TypeError(
                 f"shard_largest_dim must be True or False, got {self.shard_largest_dim!r}"
             )
-        for knob in ("keep_weight_layout", "all_reduce_only"):
+        for knob in (
+            "keep_weight_layout",
+            "all_reduce_only",
+            "allow_all_gather",
+            "allow_all_to_all",
+            "prefer_reduce_scatter",
+        ):
             if not isinstance(getattr(self, knob), bool):
                 raise TypeError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
         dp_axes = self.data_parallel_axes
@@ -193,9 +215,14 @@ class IntraOptions:
 
     def forbidden_collectives(self) -> frozenset[str]:
         """The collective kinds no resharding may use under these options."""
+        kinds = set()
         if self.all_reduce_only:
-            return frozenset({"all-gather", "all-to-all", "reduce-scatter"})
-        return frozenset()
+            kinds |= {"all-gather", "all-to-all", "reduce-scatter"}
+        if not self.allow_all_gather:
+            kinds.add("all-gather")
+        if not self.allow_all_to_all:
+            kinds.add("all-to-all")
+        return frozenset(kinds)
 
     def cost_options(self, relative_units: bool) -> CostOptions:
         """``cost``, or the default for a mesh in relative units / in seconds."""

@@ -512,7 +512,24 @@ def auto_shard_graph(
     solver, its limits, the memory budget, merging, layer sharing, the cost formulas and
     Alpa's knobs. ``pinned_inputs`` fixes the specs of some inputs (a baseline's).
     ``exact_values``: see :func:`build_problem` (None: ``options.exact_values``).
+    ``options.prefer_reduce_scatter`` re-plans with the optimizer state split
+    (:func:`autoshard.intra.alpa_passes.prefer_reduce_scatter`).
     """
+    from autoshard.intra.alpa_passes import checked_forbidden, prefer_reduce_scatter
+
+    plan = _plan_once(graph, mesh, options, pinned_inputs, name, exact_values)
+    if options.prefer_reduce_scatter:
+
+        def replan(pins):
+            return _plan_once(graph, mesh, options, pins, name, exact_values)
+
+        plan = prefer_reduce_scatter(graph, mesh.mesh, plan, pinned_inputs or {}, replan)
+    exact = options.exact_values if exact_values is None else exact_values
+    return checked_forbidden(plan, options, exact)
+
+
+def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> ParallelPlan:
+    """:func:`auto_shard_graph` without its post-processing: one plan from the ILP."""
     if exact_values is None:
         exact_values = options.exact_values
     memory_budget_bytes = options.memory_budget_bytes

@@ -253,14 +253,21 @@ def value_edges(
         wants = [tuple(s.input_specs[u.slot] for s in strategies[u.dst]) for u in v.uses]
         readers = tuple(dict.fromkeys(u.dst for u in v.uses))
         if len(v.uses) == 1 or not exact:
+            # with forbidden kinds, a partial sum several demands read is all-reduced into
+            # the producer's own layout only: per demand, a reduce-scatter for one use and
+            # an all-reduce for another would price fine, but XLA would reduce once and
+            # gather or exchange for the other (the kind forbidden); the per-value program
+            # is exact and may still find the reduce-scatter where it is safe
+            guarded = bool(forbidden) and len(v.uses) > 1
             for u, w in zip(v.uses, wants):
                 key = ("edge", id(strategies[v.src]), v.k, id(strategies[u.dst]), u.slot,
-                       v.shape, v.itemsize, v.steps, v.batch_dims)  # fmt: skip
+                       v.shape, v.itemsize, v.steps, v.batch_dims, guarded)  # fmt: skip
                 if key not in matrices:
                     matrices[key] = tuple(
                         tuple(
                             0.0 if b is None
                             else INF if a.partial and not xla_resolves(a, b)
+                            else INF if a.partial and guarded and b.dims != a.dims
                             else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options, st,
                                                v.batch_dims, forbidden)
                             for b in w
