@@ -7,7 +7,8 @@ inter-op only (the same stage DP, stages restricted to data-parallel logical mes
 the family's hand-written baseline: for GPT Megatron-LM (the best point of its TP x PP x
 DP x micro-batch x recompute grid); for GPT-MoE DeepSpeed-style expert parallelism
 with ZeRO-2 data parallelism (the ``expert-zero2`` intra-op baseline: experts split over
-the data-parallel devices); for Wide-ResNet data parallelism with ZeRO (the faster of the
+the data-parallel devices, or, where the GPUs do not divide the experts, over
+DeepSpeed-MoE's expert-parallel group on a (n / g) x g view, :func:`expert_views`); for Wide-ResNet data parallelism with ZeRO (the faster of the
 ``zero2`` and ``zero3`` baselines that fits). Each baseline is a restricted search priced
 by the same simulator: one stage on the whole mesh, the purely data-parallel logical mesh,
 every stage ILP's inputs pinned as the baseline pins them, recompute chosen as for the
@@ -88,12 +89,13 @@ def simulated_presets() -> set[str]:
     return set(GPT_PRESETS) | set(MOE_PRESETS) | set(WRESNET_PRESETS)
 
 
-def _data_parallel_only(cost):
-    """``cost`` on the purely data-parallel logical meshes only (n x 1)."""
+def _data_parallel_only(cost, views=()):
+    """``cost`` on the purely data-parallel logical meshes only (n x 1), and the logical
+    ``views`` (dp, tp) a baseline reads as data-parallel too (expert-zero2's expert groups)."""
     from autoshard.inter.stages import StageCost
 
     def stage_cost(start, end, submesh, logical, *mode):
-        if logical[1] > 1:  # a tensor-parallel view
+        if logical[1] > 1 and tuple(logical) not in views:  # a tensor-parallel view
             return StageCost(math.inf, 0.0, 0.0)
         return cost(start, end, submesh, logical, *mode)
 
@@ -170,6 +172,17 @@ def baseline_microbatches(batch: int, gpus: int, tokens_per_sample: int = 1, gro
     return max(fits) if fits else None
 
 
+def expert_views(experts: int, gpus: int) -> tuple[tuple[int, int], ...]:
+    """The logical view expert-zero2 also takes where the ``gpus`` do not divide the
+    ``experts``: (gpus / g, g) with g the largest count dividing both, DeepSpeed-MoE's
+    expert-parallel group (moe-27b's 48 experts on 32 GPUs: 2 x 16), both axes
+    data-parallel and the experts split over the second; () where the gpus divide them."""
+    if experts < 1 or experts % gpus == 0:
+        return ()
+    g = math.gcd(experts, gpus)
+    return ((gpus // g, g),) if g > 1 else ()
+
+
 def baseline_search(model: str, cluster_name: str, gpus: int, batch: int, dtype: str,
                     baselines: tuple[str, ...], optimizer: str = "adamw") -> dict | None:  # fmt: skip
     """The family's hand-written baseline as a restricted search: one stage on the whole
@@ -194,8 +207,9 @@ def baseline_search(model: str, cluster_name: str, gpus: int, batch: int, dtype:
             graph=graph,
         )  # fmt: skip
         graph = cost.graph  # the same step for every baseline: traced once
+        views = expert_views(getattr(cfg, "num_experts", 0), gpus) if name == "expert-zero2" else ()
         try:
-            r = _stage_search(cost, _data_parallel_only(cost), cluster, m, 1)
+            r = _stage_search(cost, _data_parallel_only(cost, views), cluster, m, 1)
         except ValueError:  # no finite plan: the baseline cannot plan some layer here
             continue
         found.append(r | {"baseline": name})

@@ -87,7 +87,29 @@ def test_baseline_stage_search_says_why_it_has_no_plan():
     assert "8 experts do not divide over the 16 data-parallel devices" in str(info.value)
     (refusal,) = cost.refusals  # once, for the one MoE block (its first expert weight)
     assert "['block_0']['moe']['wi']" in refusal
-    assert ws.baseline_search("moe-tiny", "alpa-v100", 16, 32, "fp16", ("expert-zero2",)) is None
+    # DeepSpeed-MoE's answer: an expert-parallel group of 8 repeated twice, the 2 x 8 view
+    assert ws.expert_views(8, 16) == ((2, 8),) and ws.expert_views(8, 8) == ()
+    assert ws.expert_views(48, 32) == ((2, 16),)  # moe-27b on 32 GPUs
+    found = ws.baseline_search("moe-tiny", "alpa-v100", 16, 32, "fp16", ("expert-zero2",))
+    assert found is not None and not math.isinf(found["step_time_s"])
+    assert found["plan"]["stages"][0]["logical_mesh_dp_tp"] == [2, 8]
+
+
+def test_expert_zero2_splits_experts_over_an_expert_group(moe_graph):
+    """moe-tiny's 8 experts on a 2 x 8 view of 16 data-parallel devices: the experts split
+    over the 8 axis (each group of 8 holds them all), their state too; the batch and the
+    other state over both axes, as ZeRO-2."""
+    mesh = Mesh(("data", "model"), (2, 8))
+    pinned = baseline_inputs(moe_graph, mesh, "expert-zero2")
+    experts = 0
+    for pos, tid in enumerate(moe_graph.inputs):
+        t = moe_graph.tensors[tid]
+        if t.kind in ("param", "opt_state") and EXPERT_RULE.search(t.path) and len(t.shape) > 1:
+            experts += 1
+            assert pinned[pos].dims[0] == ("model",), t.path
+        elif t.kind == "data":
+            assert pinned[pos].dims[0] == ("data", "model")
+    assert experts >= 2
 
 
 def test_stage_cost_with_a_baseline_pins_every_stage(moe_graph):

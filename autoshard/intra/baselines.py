@@ -18,8 +18,10 @@ simulator as automatic plans.
 * ``expert-zero2`` -- DeepSpeed-MoE's expert parallelism with ZeRO-2 data parallelism:
   as ``zero2``, but a GPT-MoE's expert weights (``wi [E, h, f]``, ``wo [E, f, h]``) and
   their optimizer state split on the expert dim E over the data-parallel axes (each
-  device holds E / n experts; tokens travel to them by all-to-all); a mesh that does not
-  divide E is refused. On a model without experts it is ``zero2``.
+  device holds E / n experts; tokens travel to them by all-to-all); where the axes
+  together do not divide E, over the largest group of them that does (an expert-parallel
+  group repeated over the others, as DeepSpeed-MoE's ``ep_size``); a mesh none of whose
+  axes divides E is refused. On a model without experts it is ``zero2``.
 * ``heuristic`` -- Alpa's "shard the largest dimension" baseline (its intra-op ablation):
   every input and every operator that chooses its layout splits the largest dimension of
   its (output) tensor over the mesh's axes (:func:`autoshard.intra.ties.largest_dim_spec`;
@@ -40,6 +42,7 @@ that op by propagating the forbidden pairs, and the caller raises
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import deque
@@ -112,25 +115,36 @@ def _split_experts(
     shape: Sequence[int], axes: tuple[str, ...], mesh: Mesh, what: str
 ) -> ShardingSpec:
     """An expert weight (or its optimizer state) split on its expert dim (0) over the
-    data-parallel ``axes``, as expert-zero2 places it; :class:`BaselineRefusedError` saying
-    what does not divide, and which expert-parallel group would, where ``axes`` do not
-    divide the experts."""
+    data-parallel ``axes``, as expert-zero2 places it. Where ``axes`` together do not
+    divide the experts, over the largest group of them that does (DeepSpeed-MoE's
+    expert-parallel group: on a 2 x 16 view of 32 devices, 48 experts split over the 16
+    axis, each group of 16 holding all experts and the two groups data-parallel);
+    :class:`BaselineRefusedError` saying what does not divide, and which view would, where
+    no axis divides them."""
     spec = ShardingSpec.replicated(len(shape))
     if not axes:
         return spec
     n, experts = mesh.size(axes), shape[0]
     if experts % n == 0:
         return spec.with_dim(0, axes)
+    groups = [
+        sub
+        for k in range(len(axes) - 1, 0, -1)
+        for sub in itertools.combinations(axes, k)
+        if mesh.size(sub) > 1 and experts % mesh.size(sub) == 0
+    ]
+    if groups:  # the largest group; of equal ones the later axes (the inner devices)
+        return spec.with_dim(0, max(reversed(groups), key=mesh.size))
     group = math.gcd(experts, n)
     counts = [d for d in range(2, experts + 1) if experts % d == 0]
     raise BaselineRefusedError(
         f"baseline 'expert-zero2': the experts of {what} (shape {tuple(shape)}): its "
         f"{experts} experts do not divide over the {n} data-parallel devices of mesh axes "
-        f"{axes}, and this baseline splits the expert dim over all of them. DeepSpeed-MoE "
-        f"would use an expert-parallel group of {group} devices (the largest count that "
-        f"divides both {experts} and {n}: {experts // group} experts per device) repeated "
-        f"{n // group} times, a layout this baseline does not model; use a device count that "
-        f"divides {experts} ({', '.join(map(str, counts))})",
+        f"{axes}, nor over any of those axes. DeepSpeed-MoE would use an expert-parallel "
+        f"group of {group} devices (the largest count that divides both {experts} and {n}: "
+        f"{experts // group} experts per device) repeated {n // group} times: this baseline "
+        f"does so on a {n // group} x {group} mesh (experts split over the {group}-device "
+        f"axis); or use a device count that divides {experts} ({', '.join(map(str, counts))})",
         n,
     )
 
