@@ -176,3 +176,31 @@ def test_cli_bad_microbatches_exit_2(capsys, flags, match):
         code, err = exit_.code, capsys.readouterr().err
     assert code == 2
     assert match in err and "Traceback" not in err
+
+
+def test_weak_scaling_gpt_search_tries_megatrons_count(monkeypatch):
+    """The weak-scaling GPT point: the full search tries the default candidates and the
+    count of Megatron-LM's best grid point, intra-op only and inter-op only take the count
+    it chose; ``--quick`` keeps the one default count and its config says so."""
+    from conftest import load_experiment
+
+    module = load_experiment("weak_scaling")
+    monkeypatch.setattr(module, "SUITES", {"gpt": [("gpt-tiny", 2)]})
+    monkeypatch.setattr(module, "CLUSTERS", ("dgx-h100",))
+    monkeypatch.setattr(module, "GLOBAL_BATCH", {"gpt": 64})
+    data = module.run(False, lambda *a: None)
+    rows = {r["method"]: r for r in data["rows"]}
+    mega_m = rows["megatron"]["plan"]["num_microbatches"]
+    tried = {c["num_microbatches"]: c for c in rows["auto"]["plan"]["microbatch_search"]}
+    assert mega_m in tried and {32, 64} <= set(tried)  # default 64, half, Megatron's
+    chosen = rows["auto"]["plan"]["num_microbatches"]
+    assert [m for m, c in tried.items() if c["chosen"]] == [chosen]
+    fits = [m for m, c in tried.items() if c["fits"]]
+    assert chosen == min(fits, key=lambda m: tried[m]["step_time_s"])
+    assert rows["intra-only"]["plan"]["num_microbatches"] == chosen
+    assert rows["inter-only"]["plan"]["num_microbatches"] == chosen
+    assert data["config"]["auto_microbatches"]["gpt"].startswith("searched")
+    quick = module.run(True, lambda *a: None)
+    auto = next(r for r in quick["rows"] if r["method"] == "auto")
+    assert "microbatch_search" not in auto["plan"] and auto["plan"]["num_microbatches"] == 64
+    assert "--quick" in quick["config"]["auto_microbatches"]["gpt"]
