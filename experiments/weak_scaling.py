@@ -313,8 +313,12 @@ def run(quick: bool, progress) -> dict:
                 f: "searched: the default count, half, 2x and 4x it and Megatron-LM's best "
                 "point's (the fastest that fits wins; plan.microbatch_search lists them)"
                 if f in SEARCH_MICROBATCHES and not quick
-                else "one count: the default (sim/auto.py _default_microbatches)"
-                + (" (--quick: the search would take it past 5 minutes)" if quick else "")
+                else "one count: simulate's default for plan='auto'"
+                + (
+                    " (--quick: the search would take it past 5 minutes)"
+                    if f in SEARCH_MICROBATCHES
+                    else ""
+                )
                 for f in SUITES
             },
             "clusters": list(clusters),
