@@ -17,6 +17,14 @@ Every method of a family prices the step with the optimizer Alpa's benchmark tra
 family with (``OPTIMIZER``): AdamW for GPT (Megatron-LM's grid models mixed-precision
 Adam), Adafactor for GPT-MoE, SGD with Nesterov momentum 0.9 for Wide-ResNet; the traced
 step's optimizer state is what each search's memory and update time count.
+For GPT the full search also chooses its micro-batch count (``SEARCH_MICROBATCHES``;
+``simulate(num_microbatches=("search", m))``): the whole search at the default count, half,
+twice and four times it, and at the count ``m`` of Megatron-LM's best grid point, the
+fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as Megatron's
+grid searches its own; intra-op only and inter-op only take the count it chose. GPT-MoE and
+Wide-ResNet keep the one default count (their chunks take 12-20 min each at one count), and
+so does ``--quick`` (the search would take it past 5 minutes); ``config.auto_microbatches``
+says which.
 Throughput is model FLOPs per second (PFLOPS, recompute not counted), so methods that
 recompute more are not credited for it; out of memory (the memory model against the
 device's HBM) is a cross; a baseline that finds no plan at all (no micro-batch count or
@@ -76,6 +84,9 @@ OPTIMIZER_LABELS = {
 FAMILY_BASELINES = {"gpt": (), "moe": ("expert-zero2",), "wresnet": ("zero2", "zero3")}
 QUICK_MAX_GPUS = {"gpt": 16, "moe": 8, "wresnet": 4}  # --only weak-scaling --quick < 5 min
 ILP_TIME_LIMIT_S = 20.0
+# families whose full search also searches its micro-batch count (not under --quick); the
+# MoE and Wide-ResNet chunks take 12-20 min each at one count, so they keep the default
+SEARCH_MICROBATCHES = ("gpt",)
 MEGATRON_RECOMPUTE = ("none", "selective", "full")  # the Megatron grid's recompute axis
 
 
@@ -242,6 +253,13 @@ def _model_pflops(report) -> float:
     return report.mfu * peak * report.gpus / 1e15
 
 
+def auto_microbatches(mega) -> tuple:
+    """The micro-batch counts the full search tries (``simulate``'s ``num_microbatches``):
+    its default candidates and, for GPT, the count of Megatron-LM's best grid point
+    ``mega`` (micro-batches per step, as ``auto`` counts them)."""
+    return ("search",) if mega is None else ("search", mega.plan["num_microbatches"])
+
+
 def run(quick: bool, progress) -> dict:
     from autoshard.sim.simulate import simulate
 
@@ -260,15 +278,18 @@ def run(quick: bool, progress) -> dict:
     for i, (cluster, family, model, gpus) in enumerate(todo):
         progress(i, len(todo), f"{cluster} {model} on {gpus}")
         batch, optimizer = GLOBAL_BATCH[family], OPTIMIZER[family]
-        auto = simulate(
-            model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, global_batch=batch,
-            optimizer=optimizer,
-        )  # fmt: skip
-        flops_per_step = _model_pflops(auto) * auto.step_time_s  # model PFLOP per step
+        mega, counts = None, None
         if family == "gpt":  # the grid's memory and update model Adam (formulas.py)
             assert optimizer == "adamw", "Megatron-LM's grid models mixed-precision Adam"
             mega = megatron_best(model, cluster, gpus, batch)
             rows.append(_row(cluster, family, model, gpus, "megatron", mega, _model_pflops(mega)))
+        if family in SEARCH_MICROBATCHES and not quick:
+            counts = auto_microbatches(mega)
+        auto = simulate(
+            model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, global_batch=batch,
+            optimizer=optimizer, num_microbatches=counts,
+        )  # fmt: skip
+        flops_per_step = _model_pflops(auto) * auto.step_time_s  # model PFLOP per step
         rows.append(_row(cluster, family, model, gpus, "auto", auto, _model_pflops(auto)))
         searched = _restricted_searches(auto, cluster, gpus, batch)
         if FAMILY_BASELINES[family]:
@@ -302,6 +323,18 @@ def run(quick: bool, progress) -> dict:
             "stage (none/selective/full)",
             "dtype": "the device's 16-bit type (fp16 on V100, bf16 on A100/H100)",
             "ilp_time_limit_s": ILP_TIME_LIMIT_S,
+            "auto_microbatches": {
+                f: "searched: the default count, half, 2x and 4x it and Megatron-LM's best "
+                "point's (the fastest that fits wins; plan.microbatch_search lists them)"
+                if f in SEARCH_MICROBATCHES and not quick
+                else "one count: simulate's default for plan='auto'"
+                + (
+                    " (--quick: the search would take it past 5 minutes)"
+                    if f in SEARCH_MICROBATCHES
+                    else ""
+                )
+                for f in SUITES
+            },
             "clusters": list(clusters),
             "max_gpus": max_gpus,
             "batch_unit": "sequences (GPT, GPT-MoE), images (Wide-ResNet)",

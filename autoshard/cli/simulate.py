@@ -19,6 +19,38 @@ PROGRAM_TEXT = {
 }
 
 
+def microbatches_arg(text: str):
+    """``--microbatches``: a positive int (fixed), ``search`` (``--plan auto`` searches the
+    default candidates), or counts and ``search`` separated by commas (``search,256``:
+    those and 256; ``32,64``: these two): :func:`autoshard.sim.simulate.simulate`'s
+    ``num_microbatches``."""
+    import argparse
+
+    parts = [p.strip() for p in str(text).split(",")]
+    out = []
+    for part in parts:
+        if part == "search":
+            out.append(part)
+        elif part.isdigit() and int(part) >= 1:
+            out.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give a positive int, 'search', or counts and 'search' separated "
+                "by commas (e.g. search,256)"
+            )
+    return out[0] if len(out) == 1 and isinstance(out[0], int) else tuple(out)
+
+
+def _searched_text(plan: dict) -> str:
+    """The micro-batch counts a search tried, e.g. ``32: 1.2 s; 64: 1.1 s (chosen); ...``."""
+    return "; ".join(
+        f"{c['num_microbatches']}: {c['step_time_s']:.4g} s"
+        + ("" if c["fits"] else " (out of memory)")
+        + (" (chosen)" if c["chosen"] else "")
+        for c in plan["microbatch_search"]
+    )
+
+
 def _plan_text(plan: dict) -> str:
     if plan["kind"] == "auto":
         stages = "; ".join(
@@ -73,6 +105,8 @@ def print_report(report) -> None:
             + ("  [red]OUT OF MEMORY[/red]" if report.oom else ""),
         ),
     ]
+    if plan.get("microbatch_search"):
+        rows.append(("micro-batches searched", _searched_text(plan)))
     rows.append(("step breakdown", "compute, recompute, exposed comm per mesh axis, ..."))
     rows += [
         (f"  {name}", f"{seconds:.4g} s ({seconds / report.step_time_s:.1%})")
@@ -216,9 +250,11 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--microbatches",
-        type=_positive_int,
+        type=microbatches_arg,
         help="micro-batches per step (gradient-accumulation steps), on every plan; default: "
-        "searched (grids) or chosen (auto)",
+        "searched (grids) or chosen (auto). With --plan auto also 'search' (the whole search "
+        "at the default count, half, 2x and 4x it; the fastest that fits wins) or counts and "
+        "'search' separated by commas (search,256: those and 256; 32,64: these two)",
     )
     p.add_argument(
         "--global-batch", type=_positive_int, help="sequences per step; default: the preset's"

@@ -14,11 +14,18 @@ with ``recompute="auto"`` (the default for ``plan="auto"``) the DP takes, per st
 fastest mode whose memory fits the device's HBM, and records it in ``plan["stages"]``;
 ``none`` / ``selective`` / ``full`` force one mode on every stage. If no plan fits, the
 fastest is reported, flagged ``oom``.
+
+Micro-batches under ``auto``: one count (:func:`_default_microbatches`, or the caller's),
+or searched (:func:`microbatch_candidates`, :func:`search_microbatches`): the whole search
+above runs once per candidate count and the fastest report that fits the HBM wins (none
+fits: the one with the least peak memory), the candidates tried recorded in
+``plan["microbatch_search"]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from types import MappingProxyType
 
@@ -49,6 +56,78 @@ def _default_microbatches(
     if not fitting or any(p.cfg.micro_batch == batch // m for p in fitting):
         return m
     return max(m, best_point(fitting).cfg.num_microbatches)
+
+
+MICROBATCH_SEARCH = "search"  # num_microbatches="search": the default candidates
+
+
+def microbatch_candidates(batch: int, default: int | None, extra=(), valid=None) -> tuple[int, ...]:
+    """The micro-batch counts ``plan="auto"`` searches, ascending: ``default``, half of it,
+    twice and four times it, each kept only if it divides ``batch`` (a micro-batch at least
+    one sequence) and ``valid(count)`` holds (a GPT-MoE's micro-batch holds whole expert
+    groups); plus every count of ``extra`` (e.g. Megatron-LM's best point's), which must
+    divide the batch and pass ``valid``, else a ValueError naming the count. ``default``
+    None: ``extra`` only."""
+    for c in extra:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"a micro-batch count to search must be a positive int, got {c!r}")
+        if batch % c:
+            raise ValueError(
+                f"micro-batch count {c} to search does not divide the global batch {batch}"
+            )
+        if valid is not None and not valid(c):
+            raise ValueError(f"micro-batch count {c} to search is not valid for this model")
+    found = set(extra)
+    if default is not None:
+        around = [default * 2, default * 4] + ([default // 2] if default % 2 == 0 else [])
+        found |= {default} | {c for c in around if batch % c == 0 and (valid is None or valid(c))}
+    if not found:
+        raise ValueError("no micro-batch count to search")
+    return tuple(sorted(found))
+
+
+def search_microbatches(price, candidates, label: str = "auto") -> SimulationReport:
+    """``price(m)`` (a :class:`SimulationReport` of ``plan="auto"`` at ``m`` micro-batches)
+    for each of ``candidates``; returns the fastest report that fits the HBM (none fits:
+    the one with the least peak memory per device), its ``plan["microbatch_search"]`` the
+    list of candidates tried (count, micro-batch, step time, peak bytes, fits, search
+    seconds, chosen) and its ``search_seconds`` the sum over them. One stderr line per
+    candidate says how far the search has got (each is a whole search)."""
+    if not candidates:
+        raise ValueError("no micro-batch count to search")
+    reports = []
+    for i, m in enumerate(candidates):
+        print(f"{label}: micro-batch search {i + 1}/{len(candidates)}: m={m} ...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        r = price(m)
+        reports.append(r)
+        print(f"{label}:   m={m}: step {r.step_time_s:.4g} s, "
+              f"{'out of memory' if r.oom else 'fits'}, searched in {r.search_seconds:.0f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+    fits = [r for r in reports if not r.oom]
+    best = (
+        min(fits, key=lambda r: r.step_time_s)
+        if fits
+        else min(reports, key=lambda r: r.peak_bytes_per_device)
+    )
+    tried = [
+        {
+            "num_microbatches": r.plan["num_microbatches"],
+            "microbatch_size": r.plan["microbatch_size"],
+            "step_time_s": r.step_time_s,
+            "peak_bytes_per_device": r.peak_bytes_per_device,
+            "fits": not r.oom,
+            "search_seconds": r.search_seconds,
+            "chosen": r is best,
+        }
+        for r in reports
+    ]
+    plan = dict(best.plan, microbatch_search=tried)
+    return dataclasses.replace(
+        best,
+        plan=MappingProxyType(plan),
+        search_seconds=sum(r.search_seconds for r in reports),
+    )
 
 
 def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> int:
@@ -219,17 +298,22 @@ def simulate_auto(
 
 
 _STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused
+_STAGE_COSTS_KEPT = 6  # a micro-batch search's candidates (at most 5 by default) and one more
 
 
 def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, optimizer="adamw"):
     """:func:`search_stage_cost`, kept for the next call with the same arguments, so that
     ``plan="auto"`` and a Megatron grid on the traced program (:mod:`autoshard.sim.traced`)
     at the same micro-batches price the same plans from the same ILPs (each logical mesh's
-    ILPs are solved once per process)."""
+    ILPs are solved once per process). The last ``_STAGE_COSTS_KEPT`` used are kept, so
+    that a micro-batch search's chosen count is still there for the restricted searches
+    of ``experiments/weak_scaling.py``."""
     key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
     key += (optimizer,)
-    if key not in _STAGE_COSTS:
-        if len(_STAGE_COSTS) >= 4:
+    if key in _STAGE_COSTS:  # least recently used goes first
+        _STAGE_COSTS[key] = _STAGE_COSTS.pop(key)
+    else:
+        if len(_STAGE_COSTS) >= _STAGE_COSTS_KEPT:
             _STAGE_COSTS.pop(next(iter(_STAGE_COSTS)))
         _STAGE_COSTS[key] = search_stage_cost(
             model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer

@@ -58,7 +58,13 @@ from dataclasses import dataclass
 
 from autoshard.hardware.clusters import Cluster, load_cluster
 from autoshard.sim import formulas
-from autoshard.sim.auto import simulate_auto
+from autoshard.sim.auto import (
+    MICROBATCH_SEARCH,
+    _default_microbatches,
+    microbatch_candidates,
+    search_microbatches,
+    simulate_auto,
+)
 from autoshard.sim.exact import check_exact_devices, exact_check
 from autoshard.sim.grid import Schedule, simulate_grid
 from autoshard.sim.megatron import GPTShape
@@ -210,7 +216,7 @@ def simulate(
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
     exact: bool = False,
     program: str = "megatron-lm",
-    num_microbatches: int | None = None,
+    num_microbatches: int | str | tuple | None = None,
     sequence_parallel: bool = False,
     virtual_stages: int = 1,
     optimizer: str = "adamw",
@@ -235,7 +241,15 @@ def simulate(
     micro-batch *per data-parallel replica* (Megatron-LM's ``--micro-batch-size``; grid
     plans only: ``plan="auto"`` chooses a DP degree per stage, so it takes
     ``num_microbatches``); ``num_microbatches`` is micro-batches per step, on every plan.
-    Give at most one; neither: searched (grids) or chosen (``auto``).
+    Give at most one; neither: searched (grids) or chosen (``auto``). ``plan="auto"``
+    also searches the count: ``num_microbatches="search"`` runs the whole search at each
+    of the default count, half, twice and four times it (those that divide the global
+    batch; for a GPT-MoE, whose micro-batches hold whole expert groups);
+    a tuple or list of counts searches those, and ``"search"`` among them adds the
+    default candidates (``("search", 256)``: those and 256). The fastest report that fits
+    the HBM wins (none fits: the least peak memory); ``plan["microbatch_search"]`` lists
+    every candidate's step time, peak memory and whether it fit
+    (:func:`autoshard.sim.auto.search_microbatches`); ``search_seconds`` is their sum.
     ``sequence_parallel`` and ``virtual_stages`` (interleaved 1F1B, Megatron-LM's
     ``--num-layers-per-virtual-pipeline-stage`` = layers / (PP x v)) are modelled on
     Megatron-LM's program only. ``optimizer`` (``OPTIMIZERS``): the optimizer of the traced
@@ -251,9 +265,11 @@ def simulate(
             f"optimizer={optimizer!r} is priced on the traced step, by plan='auto' only; plan "
             f"{plan!r} models mixed-precision Adam (use optimizer='adamw')"
         )
+    search = _microbatch_search(num_microbatches, plan, microbatch_size)
     schedule = _schedule(
-        plan, program, microbatch_size, num_microbatches, sequence_parallel, virtual_stages
-    )
+        plan, program, microbatch_size, None if search else num_microbatches,
+        sequence_parallel, virtual_stages,
+    )  # fmt: skip
     if exact and sequence_parallel:
         raise ValueError(
             "exact mode compiles the plan with autoshard's intra-op runtime, which has no "
@@ -261,7 +277,7 @@ def simulate(
         )
     report = _simulate(
         model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
-        ilp_time_limit_s, exact, overrides, program, optimizer,
+        ilp_time_limit_s, exact, overrides, program, optimizer, search,
     )  # fmt: skip
     if not exact:
         return report
@@ -272,6 +288,34 @@ def simulate(
 def _positive(name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _microbatch_search(num_microbatches, plan, microbatch_size):
+    """None for a fixed (or no) micro-batch count; for a search (``"search"``, or a tuple or
+    list of counts and ``"search"``: :func:`simulate`'s docstring): (whether the default
+    candidates are in, the counts given), checked."""
+    if isinstance(num_microbatches, str):
+        num_microbatches = (num_microbatches,)
+    if not isinstance(num_microbatches, tuple | list):
+        return None
+    given = tuple(num_microbatches)
+    for c in given:
+        if c != MICROBATCH_SEARCH and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(
+                f"num_microbatches: a positive int, {MICROBATCH_SEARCH!r}, or a tuple of "
+                f"positive ints and {MICROBATCH_SEARCH!r}; got {c!r} in {num_microbatches!r}"
+            )
+    if not given:
+        raise ValueError("num_microbatches=(): give at least one micro-batch count to search")
+    if parse_plan(plan).kind != "auto":
+        raise ValueError(
+            f"searching the micro-batch count (num_microbatches={num_microbatches!r}) is for "
+            f"plan='auto'; plan {plan!r} searches it when num_microbatches and "
+            "microbatch_size are left out"
+        )
+    if microbatch_size is not None:
+        raise ValueError("give microbatch_size or num_microbatches, not both")
+    return MICROBATCH_SEARCH in given, tuple(c for c in given if c != MICROBATCH_SEARCH)
 
 
 def _schedule(
@@ -318,7 +362,7 @@ def _schedule(
 
 def _simulate(
     model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
-    ilp_time_limit_s, exact, overrides, program="megatron-lm", optimizer="adamw",
+    ilp_time_limit_s, exact, overrides, program="megatron-lm", optimizer="adamw", search=None,
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
     if program not in PROGRAMS:
@@ -364,14 +408,34 @@ def _simulate(
         raise ValueError(f"global_batch must be a positive int, got {batch!r}")
     peak = the_cluster.device.peak_flops_for(dtype)
     if request.kind == "auto":
-        m = schedule.num_microbatches
-        if hasattr(traced_cfg, "expert_group_size"):
-            m = moe_microbatches(traced_cfg, batch, m)
-        return simulate_auto(
-            model, shape, the_cluster, batch, m, recompute, dtype, peak,
-            ilp_time_limit_s, overrides, seq_len=None if traced_cfg is None else seq_len,
-            optimizer=optimizer,
-        )  # fmt: skip
+        moe = hasattr(traced_cfg, "expert_group_size")
+
+        def price(m):
+            if moe:
+                m = moe_microbatches(traced_cfg, batch, m)
+            return simulate_auto(
+                model, shape, the_cluster, batch, m, recompute, dtype, peak,
+                ilp_time_limit_s, overrides, seq_len=None if traced_cfg is None else seq_len,
+                optimizer=optimizer,
+            )  # fmt: skip
+
+        if search is None:
+            return price(schedule.num_microbatches)
+        with_default, extra = search
+        default = None
+        if with_default:
+            default = (
+                moe_microbatches(traced_cfg, batch, None)
+                if moe
+                else _default_microbatches(batch, shape, the_cluster, dtype)
+            )
+        for c in extra if moe else ():  # says which counts would do
+            moe_microbatches(traced_cfg, batch, c)
+        group, seq = getattr(traced_cfg, "expert_group_size", 1), seq_len
+        candidates = microbatch_candidates(
+            batch, default, extra, valid=(lambda c: batch // c * seq % group == 0) if moe else None
+        )
+        return search_microbatches(price, candidates, f"{model} auto on {gpus} GPUs")
 
     if program == "traced":
         return simulate_traced_grid(
