@@ -107,6 +107,10 @@ def collectives_by_value(ip: IntraProblem, choice) -> list[tuple[int, tuple[Coll
         if b not in wants:
             wants.append(b)
     out: list[tuple[int, tuple[Collective, ...]]] = []
+    readers: dict[int, list] = {}
+    for op in ip.operands:
+        if op.slot >= 0:
+            readers.setdefault(op.tensor, []).append(op)
     for tid, wants in targets.items():
         t = graph.tensors[tid]
         r = reshard_to_consumers(
@@ -120,7 +124,7 @@ def collectives_by_value(ip: IntraProblem, choice) -> list[tuple[int, tuple[Coll
             batch_dims=batch.get(tid, ()),
         )
         cols = tuple(r.collectives)
-        if _sliced_after_all_reduce(ip, choice, tid, cols):
+        if _sliced_after_all_reduce(ip, choice, tid, cols, readers):
             cols = (Collective("reduce-scatter", cols[0].axes, cols[0].bytes),)
         out.append((tid, cols))
     return out
@@ -132,17 +136,19 @@ def collectives_by_value(ip: IntraProblem, choice) -> list[tuple[int, tuple[Coll
 _RELABELS = {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "gather"}
 
 
-def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, cols) -> bool:
+def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, cols, readers) -> bool:
     """Is ``tid``'s one predicted all-reduce (over axes A) read only where it is sliced
     over A, directly or through ops that relabel its elements, computed replicated?
 
     XLA compiles that all-reduce and the later local slice as one all-reduce whose every
     use is a dynamic-slice keeping each device's 1/|A| block: GSPMD's reduce-scatter
-    (XLA:GPU's ReduceScatterCreator makes it one; on XLA:CPU the verifier reads it as one,
-    :mod:`autoshard.verify.xla_cpu`), with the all-reduce's bytes. The strict
+    (the pattern XLA:GPU's ReduceScatterCreator pass turns into one; on XLA:CPU the
+    verifier reads it as one, :mod:`autoshard.verify.xla_cpu`), with the all-reduce's
+    bytes. The strict
     ``megatron`` on a one-axis mesh makes it: the target logit of the cross-entropy is
     all-reduced over the tensor-parallel axis, squeezed, and split over the same axis by
-    the loss, which is data parallel over it."""
+    the loss, which is data parallel over it. ``readers``: tensor -> the operands reading
+    it (slot >= 0)."""
     if len(cols) != 1 or cols[0].kind != "all-reduce":
         return False
     axes = tuple(cols[0].axes)
@@ -156,9 +162,7 @@ def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, cols) -> bool:
         seen.add(t)
         if t in outputs:
             return False
-        for op in ip.operands:
-            if op.tensor != t or op.slot < 0:
-                continue
+        for op in readers.get(t, ()):
             want = ip.strategies[op.dst][choice[op.dst]].input_specs[op.slot]
             if want is None or want.partial:
                 return False
