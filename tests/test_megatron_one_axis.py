@@ -5,6 +5,7 @@ lookup in a bf16 model (issue #14, the 1-D ``bench_truth`` rows)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -22,21 +23,27 @@ except RuntimeError:
     pass
 
 
-def test_target_logit_all_reduced_then_split_by_the_loss_is_a_reduce_scatter():
-    # gpt-350m's width, one block, 128 tokens: the loss is data parallel over the one
-    # axis that the vocabulary is split over; the target logit [8, 128, 1] is all-reduced
-    # over it, squeezed, and each device keeps its sequence's row. XLA compiles the
-    # all-reduce and that slice as one reduce-scatter of the all-reduce's bytes.
+@pytest.mark.parametrize(
+    "shape, axes, tp",
+    [((8,), ("data",), ("data",)), ((2, 4), ("data", "model"), ("model",))],
+)
+def test_target_logit_all_reduced_then_split_by_the_loss_is_a_reduce_scatter(shape, axes, tp):
+    # gpt-350m's width, one block, 128 tokens: the loss splits the batch over the axis
+    # the vocabulary is split over (on 8: the one axis; on 2x4: `model`, after `data`);
+    # the target logit [8, 128, 1] is all-reduced over it, squeezed, and each device keeps
+    # its rows. XLA compiles the all-reduce and that slice as one reduce-scatter of the
+    # all-reduce's bytes (the local buffer: the batch over `data` already split).
     batch, seq = 8, 128
     traced = trace_workload(
         "gpt-350m", optimizer="adamw", num_layers=1, batch_size=batch, seq_len=seq
     )
-    mesh = device_mesh_for((8,), ("data",))
+    mesh = device_mesh_for(shape, axes)
     options = baseline_options(IntraOptions(solver="highs"), mesh.mesh, "megatron")
     pinned = baseline_inputs(traced.graph, mesh.mesh, "megatron")
     plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name="megatron")
     scatters = [c for c in plan.predicted_collectives if c.kind == "reduce-scatter"]
-    assert [(c.axes, c.bytes) for c in scatters] == [(("data",), batch * seq * 4)]
+    local = batch * seq * 4 // (8 // mesh.mesh.size(tp))
+    assert [(c.axes, c.bytes) for c in scatters] == [(tp, local)]
     assert {c.kind for c in plan.predicted_collectives} == {"all-reduce", "reduce-scatter"}
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
     assert report.collectives_agree, report.comparison.format()
