@@ -18,8 +18,10 @@ undoes two XLA:CPU habits, each recorded in ``note``:
   buffer), with a note giving the windows' bases.  (``psum_scatter`` under ``shard_map``
   does emit a real reduce-scatter on CPU.)
 * CPU upcasts bf16/f16 dots and their all-reduces to f32.  An f32 all-reduce whose
-  operand is a convert from the narrow type, or whose every use converts back to it, is
-  reported with the narrow type's bytes.
+  operand is a convert from the narrow type, or whose every use converts back to it and
+  whose operand is made from narrow inputs (a bf16 dot computed in f32), is reported with
+  the narrow type's bytes.  An f32 value the program makes itself from f32 inputs (an
+  embedding gathered from an f32 table, then cast to bf16) keeps its f32 bytes.
 
 What no plan can predict, left as XLA compiled it (never normalised away):
 
@@ -179,6 +181,25 @@ def _upcast_source(mod: _Module, name: str) -> str | None:
     return None
 
 
+def _narrow_inputs(mod: _Module, name: str) -> str | None:
+    """The narrow float type that the op making ``name`` (past bitcasts and copies) reads,
+    directly or through a convert up from it: XLA:CPU computes such an op (a bf16 dot) in
+    f32 and all-reduces the f32 result. None where it reads no narrow float (a gather
+    from an f32 table, an f32 dot): that f32 value is the program's own."""
+    ins = mod.instrs[name]
+    while ins.opcode in ("bitcast", "copy"):
+        ins = mod.instrs[ins.operands[0]]
+    found = set()
+    for o in ins.operands:
+        if o not in mod.instrs:
+            continue
+        dtype = (_leaves(mod.instrs[o].shape) or [("", ())])[0][0]
+        low = dtype if dtype in _NARROW_FLOATS else _upcast_source(mod, o)
+        if low:
+            found.add(low)
+    return found.pop() if len(found) == 1 else None
+
+
 def _table_check(mod: _Module, groups, paths: Sequence[_Path], stopped: str) -> str:
     """The fallback when offsets cannot be evaluated: look for a per-device table of group
     ranks (or of rank * slice size) among the constants the offsets are computed from."""
@@ -299,9 +320,12 @@ def _normalise(
         and all(p.slice_dims and _sliced_dim(p.slice_dims) is not None for p in paths)
     ):
         notes.append(_window_note(mod, groups, paths))
-    source = _upcast_source(mod, ins.operands[index or 0])
+    operand = ins.operands[index or 0]
+    source = _upcast_source(mod, operand)
     narrow = {p.narrow for p in paths}
-    if cc.dtype == "float32" and (source or (len(narrow) == 1 and None not in narrow)):
+    if len(narrow) != 1 or None in narrow or narrow != {_narrow_inputs(mod, operand)}:
+        narrow = set()  # the program's own f32 value, cast down after: f32 bytes move
+    if cc.dtype == "float32" and (source or narrow):
         low = source or narrow.pop()
         dtype = _HLO_DTYPES[low][0]
         nbytes = c.bytes * _HLO_DTYPES[low][1] // 32
