@@ -45,6 +45,8 @@ def test_target_logit_all_reduced_then_split_by_the_loss_is_a_reduce_scatter(sha
     local = batch * seq * 4 // (8 // mesh.mesh.size(tp))
     assert [(c.axes, c.bytes) for c in scatters] == [(tp, local)]
     assert {c.kind for c in plan.predicted_collectives} == {"all-reduce", "reduce-scatter"}
+    # priced as the all-reduce it is: all_reduce_only holds, no forbidden-kind warning
+    assert plan.solver["forbidden_held"] == [] and not plan.notes
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
     assert report.collectives_agree, report.comparison.format()
 

@@ -140,8 +140,13 @@ def prefer_reduce_scatter(
 
 def checked_forbidden(plan: ParallelPlan, options: IntraOptions, exact: bool) -> ParallelPlan:
     """``plan``, with a warning and a note where it holds a collective kind ``options``
-    forbid (``exact``: whether it was priced per value)."""
-    held = sorted({c.kind for c in plan.predicted_collectives} & options.forbidden_collectives())
+    forbid (``exact``: whether it was priced per value): its reshardings as the ILP priced
+    them (``solver["forbidden_held"]``; an all-reduce that XLA reads as a reduce-scatter
+    because only slices of it are used is an all-reduce here), else its predicted ones."""
+    forbidden = options.forbidden_collectives()
+    held = plan.solver.get("forbidden_held")
+    if held is None:
+        held = sorted({c.kind for c in plan.predicted_collectives} & forbidden)
     if not held:
         return plan
     said = [

@@ -78,9 +78,13 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
     return tuple(c for _, cols in collectives_by_value(ip, choice) for c in cols)
 
 
-def collectives_by_value(ip: IntraProblem, choice) -> list[tuple[int, tuple[Collective, ...]]]:
+def collectives_by_value(
+    ip: IntraProblem, choice, xla_reading: bool = True
+) -> list[tuple[int, tuple[Collective, ...]]]:
     """:func:`predicted_collectives` per resharded value: (tensor id, its collectives), in
-    program order of first use (``benchmarks/collectives_by_op.py`` groups them by op)."""
+    program order of first use (``benchmarks/collectives_by_op.py`` groups them by op).
+    ``xla_reading`` False: the reshardings as the ILP priced them, without reading an
+    all-reduce sliced after as the reduce-scatter XLA makes of it."""
     graph = ip.graph
     source: dict[int, ShardingSpec] = {}
     steps: dict[int, tuple[tuple[str, ...], ...]] = {}
@@ -124,7 +128,7 @@ def collectives_by_value(ip: IntraProblem, choice) -> list[tuple[int, tuple[Coll
             batch_dims=batch.get(tid, ()),
         )
         cols = tuple(r.collectives)
-        if _sliced_after_all_reduce(ip, choice, tid, source[tid], cols, readers):
+        if xla_reading and _sliced_after_all_reduce(ip, choice, tid, source[tid], cols, readers):
             cols = (Collective("reduce-scatter", cols[0].axes, cols[0].bytes),)
         out.append((tid, cols))
     return out

@@ -45,6 +45,7 @@ from autoshard.intra.ilp import (
 from autoshard.intra.memory import memory_rows, streamed_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.predict import (
+    collectives_by_value,
     dot_batch_dims,
     plan_from_solution,
     predicted_collectives,
@@ -577,6 +578,13 @@ def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> Paral
                 f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
                 f"prediction {plan.predicted_peak_bytes:.6g} B"
             )
+    forbidden = options.forbidden_collectives()
+    if forbidden:  # the kinds the ILP priced (not XLA's reading of them), for the check
+        choice = plan.solver["strategy"]
+        held = {c.kind for _, cols in collectives_by_value(ip, choice, False) for c in cols}
+        plan = dataclasses.replace(
+            plan, solver={**plan.solver, "forbidden_held": sorted(held & forbidden)}
+        )
     return plan
 
 
