@@ -170,6 +170,13 @@ def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
     return presets[model].replace(**overrides)
 
 
+def moe_microbatch_counts(cfg, batch: int) -> list[int]:
+    """The micro-batch counts of a GPT-MoE's global ``batch`` whose micro-batch holds whole
+    expert groups (its tokens a multiple of ``expert_group_size``), ascending."""
+    group, seq = cfg.expert_group_size, cfg.seq_len
+    return [d for d in range(1, batch + 1) if batch % d == 0 and (batch // d * seq) % group == 0]
+
+
 def moe_microbatches(cfg, batch: int, requested: int | None) -> int:
     """Micro-batches per step for a GPT-MoE: ``requested``, or the most (up to
     ``DEFAULT_AUTO_MICROBATCHES``) whose micro-batch holds whole expert groups (its tokens
@@ -177,7 +184,7 @@ def moe_microbatches(cfg, batch: int, requested: int | None) -> int:
     from autoshard.sim.auto import DEFAULT_AUTO_MICROBATCHES
 
     group, seq = cfg.expert_group_size, cfg.seq_len
-    fits = [d for d in range(1, batch + 1) if batch % d == 0 and (batch // d * seq) % group == 0]
+    fits = moe_microbatch_counts(cfg, batch)
     if requested is not None:
         if requested not in fits:
             raise ValueError(
@@ -431,10 +438,8 @@ def _simulate(
             )
         for c in extra if moe else ():  # says which counts would do
             moe_microbatches(traced_cfg, batch, c)
-        group, seq = getattr(traced_cfg, "expert_group_size", 1), seq_len
-        candidates = microbatch_candidates(
-            batch, default, extra, valid=(lambda c: batch // c * seq % group == 0) if moe else None
-        )
+        valid = set(moe_microbatch_counts(traced_cfg, batch)).__contains__ if moe else None
+        candidates = microbatch_candidates(batch, default, extra, valid=valid)
         return search_microbatches(price, candidates, f"{model} auto on {gpus} GPUs")
 
     if program == "traced":
