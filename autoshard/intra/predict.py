@@ -30,8 +30,16 @@ def _itemsize(dtype: str) -> int:
 
 
 def plan_from_solution(
-    ip: IntraProblem, solution: Solution, name: str = "auto", notes: tuple[str, ...] = ()
+    ip: IntraProblem,
+    solution: Solution,
+    name: str = "auto",
+    notes: tuple[str, ...] = (),
+    forbidden: frozenset[str] = frozenset(),
 ) -> ParallelPlan:
+    """The plan of ``solution`` with its predictions. ``forbidden``: collective kinds the
+    options forbid; the plan's ``solver["forbidden_held"]`` then lists those its
+    reshardings use as the ILP priced them (an all-reduce XLA reads as a reduce-scatter
+    counts as the all-reduce), for :func:`autoshard.intra.alpa_passes.checked_forbidden`."""
     graph, mesh = ip.graph, ip.mesh
     choice = solution.strategy
     chosen = [ip.strategies[i][choice[i]] for i in range(len(ip.strategies))]
@@ -46,7 +54,15 @@ def plan_from_solution(
     spec_of = dict(zip(graph.inputs, input_specs))
     spec_of.update(tensor_specs)
     output_specs = tuple(spec_of[t] for t in graph.outputs)
-    collectives = predicted_collectives(ip, choice)
+    relabelled: set[int] = set()
+    by_value = collectives_by_value(ip, choice, relabelled)
+    collectives = tuple(c for _, cols in by_value for c in cols)
+    solver = json.loads(solution.to_json())
+    if forbidden:
+        priced = {
+            "all-reduce" if tid in relabelled else c.kind for tid, cols in by_value for c in cols
+        }
+        solver["forbidden_held"] = sorted(priced & forbidden)
     operand_specs: dict[int, dict[int, ShardingSpec]] = {}
     for op in ip.operands:
         if op.slot < 0 or op.dst < ip.num_inputs:
@@ -66,7 +82,7 @@ def plan_from_solution(
         predicted_collectives=collectives,
         predicted_peak_bytes=predicted_peak_bytes(graph, spec_of, mesh, operand_specs),
         objective=solution.objective,
-        solver=json.loads(solution.to_json()),
+        solver=solver,
         notes=notes,
     )
 
@@ -79,12 +95,12 @@ def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
 
 
 def collectives_by_value(
-    ip: IntraProblem, choice, xla_reading: bool = True
+    ip: IntraProblem, choice, relabelled: set[int] | None = None
 ) -> list[tuple[int, tuple[Collective, ...]]]:
     """:func:`predicted_collectives` per resharded value: (tensor id, its collectives), in
     program order of first use (``benchmarks/collectives_by_op.py`` groups them by op).
-    ``xla_reading`` False: the reshardings as the ILP priced them, without reading an
-    all-reduce sliced after as the reduce-scatter XLA makes of it."""
+    ``relabelled``: a set that receives the values whose all-reduce (as the ILP priced it)
+    is predicted as the reduce-scatter XLA makes of it, being sliced after."""
     graph = ip.graph
     source: dict[int, ShardingSpec] = {}
     steps: dict[int, tuple[tuple[str, ...], ...]] = {}
@@ -128,8 +144,10 @@ def collectives_by_value(
             batch_dims=batch.get(tid, ()),
         )
         cols = tuple(r.collectives)
-        if xla_reading and _sliced_after_all_reduce(ip, choice, tid, source[tid], cols, readers):
+        if _sliced_after_all_reduce(ip, choice, tid, source[tid], cols, readers):
             cols = (Collective("reduce-scatter", cols[0].axes, cols[0].bytes),)
+            if relabelled is not None:
+                relabelled.add(tid)
         out.append((tid, cols))
     return out
 

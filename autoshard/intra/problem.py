@@ -45,7 +45,6 @@ from autoshard.intra.ilp import (
 from autoshard.intra.memory import memory_rows, streamed_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.predict import (
-    collectives_by_value,
     dot_batch_dims,
     plan_from_solution,
     predicted_collectives,
@@ -563,7 +562,7 @@ def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> Paral
             solution = _solve_exact(ip, _finish(common, False), mesh, settings, unsolved)
         else:
             solution = solve(ip.problem, **settings)
-    plan = plan_from_solution(ip, solution, name=name)
+    plan = plan_from_solution(ip, solution, name, forbidden=options.forbidden_collectives())
     if common.notes:
         plan = dataclasses.replace(plan, notes=plan.notes + common.notes)
     if solution.fallback is not None and pinned_inputs is None:  # no incumbent: best baseline?
@@ -578,13 +577,6 @@ def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> Paral
                 f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
                 f"prediction {plan.predicted_peak_bytes:.6g} B"
             )
-    forbidden = options.forbidden_collectives()
-    if forbidden:  # the kinds the ILP priced (not XLA's reading of them), for the check
-        choice = plan.solver["strategy"]
-        held = {c.kind for _, cols in collectives_by_value(ip, choice, False) for c in cols}
-        plan = dataclasses.replace(
-            plan, solver={**plan.solver, "forbidden_held": sorted(held & forbidden)}
-        )
     return plan
 
 
