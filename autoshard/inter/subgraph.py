@@ -85,6 +85,7 @@ def range_subgraph(graph: Graph, start: int, end: int) -> RangeGraph:
             n.layer,
             n.phase,
             n.module_path,
+            n.elementwise,
         )
         for i, n in enumerate(nodes)
     )

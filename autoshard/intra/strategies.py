@@ -17,8 +17,10 @@ to at most one slot; the enumeration does the rest.  Slot kinds:
   ``add``, ``neg``, ``mul`` by an unreduced factor, ``reduce_sum``, reshapes ...).
 
 A slot is offered on an axis only when every position it names divides evenly, so a
-strategy that does not divide a dimension evenly is never offered.  Primitives without a
-rule get one replicated strategy and a single warning naming them.
+strategy that does not divide a dimension evenly is never offered.  Rules go by kind as
+well as by name: a primitive with no rule of its own that is elementwise
+(``Node.elementwise``) gets the elementwise rule.  Other primitives without a rule get
+one replicated strategy and a single warning naming them.
 """
 
 from __future__ import annotations
@@ -527,7 +529,7 @@ def _node_strategies(
     ctx: NodeContext, mesh: DeviceMesh, warn: set[str] | None, heavy_use_all_devices: bool = True
 ) -> list[Strategy]:
     node = ctx.node
-    rule = RULES.get(node.primitive)
+    rule = RULES.get(node.primitive) or (_elementwise if node.elementwise else None)
     slots = rule(ctx) if rule is not None else None
     if slots is None:
         if warn is not None and node.primitive not in warn:

@@ -12,7 +12,11 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
 * ``dot_general``: exactly 2 x batch x lhs-free x rhs-free x contracting sizes.
 * elementwise arithmetic, comparisons and transcendentals: 1 per output element
   (``exp`` counts 1, not a weighted cost; ``integer_pow`` with exponent y counts
-  max(|y| - 1, 1) multiplications per element).
+  max(|y| - 1, 1) multiplications per element; jax 0.12's ``one_minus_square``, 1 - x^2,
+  counts 2, as the square and subtraction earlier JAX wrote for it; ``polynomial`` of
+  degree n counts Horner's 2n).  Elementwise by kind, not by name: a
+  primitive with no rule of its own that is elementwise
+  (:func:`autoshard.ir.primitives.is_elementwise`) counts 1 per element too, and ``Node.elementwise`` says so to the passes after.
 * ``conv_general_dilated``: 2 x output elements x (kernel elements / output features) /
   the product of ``lhs_dilation``: one multiply-add per kernel tap that meets a real
   input element (an input gradient of a strided conv dilates its input with zeros).
@@ -34,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from autoshard.ir.primitives import ALL_REDUCTIONS, ELEMENTWISE, ZERO_FLOP
+from autoshard.ir.primitives import ALL_REDUCTIONS, ELEMENTWISE, ZERO_FLOP, is_elementwise
 from autoshard.ir.records import EqnRecord, TensorRecord, TraceRecords
 
 FlopRule = Callable[[EqnRecord, list[TensorRecord], list[TensorRecord]], float]
@@ -100,6 +104,10 @@ def _elementwise_flops(eqn, ins, outs) -> float:
     n = float(outs[0].size)
     if eqn.primitive == "integer_pow":
         return n * max(abs(int(eqn.params.get("y", 2))) - 1, 1)
+    if eqn.primitive == "one_minus_square":
+        return 2 * n
+    if eqn.primitive == "polynomial":  # operands: x and the n + 1 coefficients
+        return 2 * n * max(len(ins) - 2, 0)
     return n
 
 
@@ -147,6 +155,7 @@ class Node:
     layer: str | None
     phase: str
     module_path: str
+    elementwise: bool = False  # by kind (is_elementwise), whatever the primitive's name
 
 
 @dataclass(frozen=True)
@@ -187,8 +196,17 @@ class Graph:
         return sum(self.tensors[t].size for t in self.inputs_of_kind("param"))
 
 
+def eqn_is_elementwise(eqn: EqnRecord, ins: list[TensorRecord], outs: list[TensorRecord]) -> bool:
+    """Whether ``eqn`` is elementwise by kind (:func:`~autoshard.ir.primitives.is_elementwise`)."""
+    return is_elementwise(
+        eqn.primitive, eqn.elementwise, tuple(t.shape for t in ins), tuple(t.shape for t in outs)
+    )
+
+
 def flops_of(eqn: EqnRecord, ins: list[TensorRecord], outs: list[TensorRecord]) -> float | None:
     rule = FLOP_RULES.get(eqn.primitive)
+    if rule is None and eqn_is_elementwise(eqn, ins, outs):
+        rule = _elementwise_flops
     return None if rule is None else rule(eqn, ins, outs)
 
 
@@ -217,6 +235,7 @@ def build_graph(records: TraceRecords) -> Graph:
                 eqn.layer,
                 eqn.phase,
                 eqn.module_path,
+                elementwise=eqn_is_elementwise(eqn, ins, outs),
             )
         )
         for t in eqn.outputs:

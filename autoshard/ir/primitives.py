@@ -1,4 +1,4 @@
-"""Classes of jaxpr primitives, by name, shared by the passes (no jax).
+"""Classes of jaxpr primitives, by name and by kind, shared by the passes (no jax).
 
 One definition each of the primitive sets more than one module classifies by: the op
 graph's FLOP rules (:mod:`autoshard.ir.graph`), the sharding rules
@@ -22,8 +22,46 @@ ELEMENTWISE = frozenset(
     "add sub mul div neg max min abs sign exp exp2 log log1p tanh logistic sqrt rsqrt cbrt "
     "square pow sin cos tan erf erfc erf_inv is_finite floor ceil round eq ne lt le gt ge "
     "and or not xor add_any rem atan2 clamp nextafter expm1 "
-    "integer_pow".split()
+    "integer_pow one_minus_square polynomial".split()
 )
+
+
+def elementwise_shapes(
+    in_shapes: tuple[tuple[int, ...], ...], out_shapes: tuple[tuple[int, ...], ...]
+) -> bool:
+    """Whether an op's shapes are those of an elementwise op: one result, at least one
+    operand of its shape, and every other operand of its shape, of its rank with size-1
+    dims (broadcast), or a scalar.  Shapes alone do not make an op elementwise (a
+    Cholesky factor or a cumulative sum keeps its operand's shape too): see
+    :func:`is_elementwise`."""
+    if len(out_shapes) != 1:
+        return False
+    out = out_shapes[0]
+    if not out:
+        return all(not s for s in in_shapes)
+    fits = all(
+        not s or (len(s) == len(out) and all(a in (b, 1) for a, b in zip(s, out)))
+        for s in in_shapes
+    )
+    return fits and any(s == out for s in in_shapes)
+
+
+def is_elementwise(
+    primitive: str,
+    jax_says: bool | None,
+    in_shapes: tuple[tuple[int, ...], ...],
+    out_shapes: tuple[tuple[int, ...], ...],
+) -> bool:
+    """Whether an op is elementwise, by kind rather than by name: listed in
+    :data:`ELEMENTWISE`, or of elementwise shapes (:func:`elementwise_shapes`) unless JAX
+    says otherwise.  ``jax_says`` is the tracer's reading of JAX's own classification
+    (:attr:`autoshard.ir.records.EqnRecord.elementwise`): True for the primitives JAX
+    batches as elementwise ops, False for those with another batching rule, None when
+    JAX does not say (a primitive defined outside ``jax.lax``, records built by hand)."""
+    if primitive in ELEMENTWISE:
+        return True
+    return jax_says is not False and elementwise_shapes(in_shapes, out_shapes)
+
 
 # Elementwise ops dear enough that XLA keeps a value rather than recompute it.
 TRANSCENDENTAL = frozenset("exp log tanh logistic log1p expm1 erf pow sin cos".split())
@@ -44,4 +82,6 @@ __all__ = [
     "SUM_MAX_MIN_REDUCTIONS",
     "TRANSCENDENTAL",
     "ZERO_FLOP",
+    "elementwise_shapes",
+    "is_elementwise",
 ]

@@ -32,6 +32,10 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class EqnRecord:
+    """One equation of the flat program.  ``elementwise``: JAX's word on whether its
+    primitive is elementwise (True / False), None where JAX says nothing; see
+    :func:`autoshard.ir.primitives.is_elementwise`."""
+
     index: int
     primitive: str
     inputs: tuple[int, ...]
@@ -40,6 +44,7 @@ class EqnRecord:
     layer: str | None
     phase: str
     module_path: str
+    elementwise: bool | None = None
 
 
 @dataclass(frozen=True)

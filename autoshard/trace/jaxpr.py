@@ -248,7 +248,7 @@ class _Flattener:
         """Inline every iteration of a ``scan`` equation; returns its outputs' ids."""
         p = eqn.params
         body, length = p["jaxpr"], int(p["length"])
-        n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+        n_consts, n_carry = _scan_counts(p)
         consts, carry = in_ids[:n_consts], in_ids[n_consts : n_consts + n_carry]
         xs = in_ids[n_consts + n_carry :]
         first = _body_module(body.jaxpr)
@@ -312,6 +312,34 @@ def _stack(*ys):
     """Stack along a new dim 0 with ``reshape`` and ``concatenate`` (primitives the planner
     has rules for)."""
     return jax.lax.concatenate([jax.lax.reshape(y, (1, *y.shape)) for y in ys], 0)
+
+
+def _jax_says_elementwise(prim) -> bool | None:
+    """JAX's own word on whether ``prim`` is elementwise: True when its batching rule is
+    the one ``jax.lax`` gives its elementwise ops (``defvectorized``, ``defbroadcasting``),
+    False for another rule, None for none (a primitive made outside ``jax.lax`` with no
+    batching rule: then the shapes decide, :func:`autoshard.ir.primitives.is_elementwise`)."""
+    try:
+        from jax._src.interpreters import batching
+
+        rule = batching.fancy_primitive_batchers.get(prim)
+        kinds = (batching.vectorized_batcher, batching.broadcast_batcher)
+    except (ImportError, AttributeError):  # a JAX that moved them: the shapes decide
+        return None
+    if rule is None:
+        return None
+    return getattr(rule, "func", None) in kinds
+
+
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """How many of a ``scan`` equation's operands are loop constants and how many the
+    carry (the rest are the scanned ``xs``).  jax <= 0.11 gives them as ``num_consts`` and
+    ``num_carry``; jax 0.12 groups the operands in a flat tree ``ft_in`` = (consts,
+    carry, xs) instead, whose groups' lengths are the counts."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _unrollable(eqn) -> bool:
@@ -475,8 +503,18 @@ def _tag(flat, in_ids, out_ids, out_leaves, args, aliases, layer_of) -> TraceRec
             reach.setdefault(t, set()).update(tags)
 
     eqns = tuple(
-        EqnRecord(i, name, ins, outs, _plain(params), layers[i], phases[i], "/".join(paths[i]))
-        for i, (name, ins, outs, _, params, _) in enumerate(flat.eqns)
+        EqnRecord(
+            i,
+            name,
+            ins,
+            outs,
+            _plain(params),
+            layers[i],
+            phases[i],
+            "/".join(paths[i]),
+            _jax_says_elementwise(prim),
+        )
+        for i, (name, ins, outs, prim, params, _) in enumerate(flat.eqns)
     )
     alias_pairs = []
     arg_offsets = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
