@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -121,13 +122,7 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
     With ``cluster`` (a preset name such as ``dgx-a100`` or a preset file) the costs are
     in seconds: NVLink for axes inside a node, the network for axes across nodes.
     """
-    from autoshard.hardware.mesh import (
-        XLA_CPU_MEMORY,
-        XLA_GPU_MEMORY,
-        DeviceMesh,
-        preset_mesh,
-        relative_mesh,
-    )
+    from autoshard.hardware.mesh import XLA_GPU_MEMORY, DeviceMesh, preset_mesh, relative_mesh
 
     if isinstance(mesh, DeviceMesh):
         return mesh
@@ -143,7 +138,8 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
         raise ValueError(f"mesh shape {shape} has {len(shape)} axes but axis names {names}")
     if cluster is not None:  # real units: the preset's links, GEMM table, HBM and memory
         return preset_mesh(cluster, shape, names)
-    return relative_mesh(shape, names, XLA_CPU_MEMORY if _runs_on_cpu(mesh) else XLA_GPU_MEMORY)
+    layout = xla_cpu_memory_layout() if _runs_on_cpu(mesh) else XLA_GPU_MEMORY
+    return relative_mesh(shape, names, layout)
 
 
 def _refuse_baseline(graph, dmesh, options, pinned, baseline, err) -> None:
@@ -158,9 +154,29 @@ def _refuse_baseline(graph, dmesh, options, pinned, baseline, err) -> None:
         raise refusal from err
 
 
+@functools.cache
+def xla_cpu_memory_layout():
+    """How this jaxlib's XLA:CPU lays a step's memory out: ``XLA_CPU_MEMORY``, with
+    ``narrow_dots_in_f32`` as a compiled bf16 dot says.  XLA:CPU up to jaxlib 0.10
+    computes bf16 dots in f32 (an f32 result buffer); jaxlib 0.12's (YNNPACK) computes
+    them in bf16.  Compiles one 64 x 64 dot on the CPU backend, once per process."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.hardware.mesh import XLA_CPU_MEMORY
+
+    narrow = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    with jax.default_device(jax.devices("cpu")[0]):
+        text = jax.jit(jnp.matmul).lower(narrow, narrow).compile().as_text()
+    in_f32 = re.search(r"= f32\[64,64\]", text) is not None
+    return dataclasses.replace(XLA_CPU_MEMORY, narrow_dots_in_f32=in_f32)
+
+
 def _runs_on_cpu(mesh) -> bool:
     """Will the plan be compiled by XLA:CPU (the mesh's devices, else JAX's default
-    backend)? Its memory layout differs: narrow dots are computed in f32."""
+    backend)? Its memory layout differs (:func:`xla_cpu_memory_layout`)."""
     import jax
 
     if hasattr(mesh, "devices") and hasattr(mesh.devices, "flat"):

@@ -107,12 +107,16 @@ def test_the_shared_buffer_matches_xla():
     assert one_buffer <= temp < 2 * one_buffer
 
 
-def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
-    """XLA:CPU computes bf16 dots in f32 and fuses the convert down into the readers, so
-    a bf16 dot's result occupies an f32 buffer; a mesh that says so counts it at 4 bytes
-    an element, one that does not (a GPU cluster) at 2."""
+def test_a_bf16_dot_result_buffer_is_as_wide_as_xla_cpu_computes_it():
+    """XLA:CPU up to jaxlib 0.10 computes bf16 dots in f32 and fuses the convert down into
+    the readers, so a bf16 dot's result occupies an f32 buffer; jaxlib 0.12's XLA:CPU
+    (YNNPACK) computes them in bf16.  A mesh whose layout says ``narrow_dots_in_f32``
+    counts the result at 4 bytes an element, one that does not (a GPU cluster) at 2, and
+    the layout autoshard gives CPU meshes (``xla_cpu_memory_layout``) says what this
+    jaxlib compiles."""
     import re
 
+    from autoshard.api import xla_cpu_memory_layout
     from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
     from autoshard.intra.memory import buffer_bytes, predicted_peak_bytes
     from autoshard.ir.spec import ShardingSpec
@@ -124,14 +128,19 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
         jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16),
         jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
     )
-    # the premise, read from the compiled program: the dot's result type is f32
+    # read from the compiled program: the dot's result type, f32 or bf16 throughout
     text = jax.jit(fn).lower(*args).compile().as_text()
     dots = re.findall(
         r"= (\w+)\[256,1024\]\S* (?:dot|fusion)\(.*kind=kCustom|= (\w+)\[256,1024\]\S* dot\(", text
     )
-    assert dots and all("f32" in "".join(d) for d in dots), text
+    types = {"".join(d) for d in dots}
+    assert types in ({"f32"}, {"bf16"}), text
+    in_f32 = types == {"f32"}
+    assert xla_cpu_memory_layout().narrow_dots_in_f32 is in_f32
     g = _graph(fn, *args)
     dot = _node(g, "dot_general").outputs[0]
+    here = alpa_test_mesh((1,), ("x",), xla_cpu_memory_layout())
+    assert buffer_bytes(g, dot, here) == 256 * 1024 * (4 if in_f32 else 2)
     cpu = alpa_test_mesh((1,), ("x",), MemoryLayout(narrow_dots_in_f32=True))
     gpu = alpa_test_mesh((1,), ("x",))
     assert buffer_bytes(g, dot, cpu) == 256 * 1024 * 4 == 2 * buffer_bytes(g, dot, gpu)
@@ -141,12 +150,16 @@ def test_a_bf16_dot_result_is_an_f32_buffer_on_cpu():
     assert predicted_peak_bytes(g, whole, cpu) > predicted_peak_bytes(g, whole, gpu)
 
 
-def test_narrow_dot_operands_get_f32_copies_on_cpu():
-    """XLA:CPU converts every bf16 dot operand to an f32 buffer: an f32 weight cast to bf16
-    for its dots becomes one f32 copy, made straight from the f32 parameter. The model
-    counts one copy per cast (not a bf16 buffer and an f32 one), on CPU meshes only."""
+def test_narrow_dot_operands_get_f32_copies_where_xla_cpu_computes_narrow_dots_in_f32():
+    """XLA:CPU up to jaxlib 0.10 converts every bf16 dot operand to an f32 buffer: an f32
+    weight cast to bf16 for its dots becomes one f32 copy, made straight from the f32
+    parameter. The model counts one copy per cast (not a bf16 buffer and an f32 one),
+    where the mesh's layout says ``narrow_dots_in_f32`` only.  jaxlib 0.12's XLA:CPU
+    computes bf16 dots in bf16: the cast is one bf16 copy, and the layout autoshard gives
+    CPU meshes there (``xla_cpu_memory_layout``) widens nothing."""
     import re
 
+    from autoshard.api import xla_cpu_memory_layout
     from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
     from autoshard.intra.memory import predicted_peak_bytes, widened_dot_operands
     from autoshard.ir.spec import ShardingSpec
@@ -161,13 +174,16 @@ def test_narrow_dot_operands_get_f32_copies_on_cpu():
         jax.ShapeDtypeStruct((4096, 1024), jnp.float32),
         jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
     )
-    # the premise, read from the compiled program: f32 copies of both weights, each made
-    # by one fusion from the f32 parameter
+    # read from the compiled program: one copy of each weight, made by one fusion from the
+    # f32 parameter, f32 where this XLA:CPU computes narrow dots in f32, bf16 otherwise
+    in_f32 = xla_cpu_memory_layout().narrow_dots_in_f32
     text = jax.jit(fn).lower(*args).compile().as_text()
     for shape, param in (("1024,4096", "w1"), ("4096,1024", "w2")):
-        made = re.findall(rf"= f32\[{shape}\]\S* fusion\(%{param}\b", text)
-        assert len(made) == 1, text
+        made = re.findall(rf"= (\w+)\[{shape}\]\S* fusion\(%{param}\b", text)
+        assert made == ["f32" if in_f32 else "bf16"], text
     g = _graph(fn, *args)
+    here = alpa_test_mesh((1,), ("x",), xla_cpu_memory_layout())
+    assert (widened_dot_operands(g, here) == {}) is not in_f32
     cpu = alpa_test_mesh(
         (1,), ("x",), MemoryLayout(narrow_dots_in_f32=True, reductions_read_memory=True)
     )

@@ -12,7 +12,7 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
 * ``dot_general``: exactly 2 x batch x lhs-free x rhs-free x contracting sizes.
 * elementwise arithmetic, comparisons and transcendentals: 1 per output element
   (``exp`` counts 1, not a weighted cost; ``integer_pow`` with exponent y counts
-  max(|y| - 1, 1) multiplications per element; jax 0.12's ``one_minus_square``, 1 - x^2,
+  max(|y| - 1, 1) multiplications per element; jax 0.11's ``one_minus_square``, 1 - x^2,
   counts 2, as the square and subtraction earlier JAX wrote for it; ``polynomial`` of
   degree n counts Horner's 2n).  Elementwise by kind, not by name: a
   primitive with no rule of its own that is elementwise

@@ -33,8 +33,8 @@ class ExactReport:
     then every number is zero. Otherwise ``compiled_*`` come from the executable XLA
     compiled (peak = arguments + outputs - donated + temp, as ``VerificationReport``),
     ``predicted_peak_bytes`` is the simulator's, ``intra_predicted_peak_bytes`` the intra-op
-    plan's memory model with XLA:CPU's memory layout (``XLA_CPU_MEMORY``: the executable
-    compared is XLA:CPU's), and ``predicted_collective_bytes`` the intra-op plan's collectives
+    plan's memory model with XLA:CPU's memory layout (``xla_cpu_memory_layout()``: the
+    executable compared is XLA:CPU's), and ``predicted_collective_bytes`` the intra-op plan's collectives
     (the grid simulator prices its collectives in seconds, not per collective).
     Collective keys are ``"kind@axes"`` (e.g. ``"all-reduce@data"``), bytes summed.
     """
@@ -182,9 +182,9 @@ def exact_check(
     check_exact_devices(gpus)
     import jax
 
-    from autoshard.api import plan_workload
+    from autoshard.api import plan_workload, xla_cpu_memory_layout
     from autoshard.hardware.clusters import load_cluster
-    from autoshard.hardware.mesh import XLA_CPU_MEMORY, preset_mesh
+    from autoshard.hardware.mesh import preset_mesh
     from autoshard.intra.memory import predicted_peak_bytes
     from autoshard.intra.options import IntraOptions
 
@@ -224,7 +224,7 @@ def exact_check(
     intra_cpu = predicted_peak_bytes(
         bound.graph,
         bound.plan.specs_by_tensor(bound.graph.inputs),
-        dataclasses.replace(mesh, memory_layout=XLA_CPU_MEMORY),
+        dataclasses.replace(mesh, memory_layout=xla_cpu_memory_layout()),
         bound.plan.operand_specs,
     )
     return ExactReport(

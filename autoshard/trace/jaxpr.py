@@ -333,9 +333,9 @@ def _jax_says_elementwise(prim) -> bool | None:
 
 def _scan_counts(params: dict) -> tuple[int, int]:
     """How many of a ``scan`` equation's operands are loop constants and how many the
-    carry (the rest are the scanned ``xs``).  jax <= 0.11 gives them as ``num_consts`` and
-    ``num_carry``; jax 0.12 groups the operands in a flat tree ``ft_in`` = (consts,
-    carry, xs) instead, whose groups' lengths are the counts."""
+    carry (the rest are the scanned ``xs``).  jax 0.10 gives them as ``num_consts`` and
+    ``num_carry``; jax 0.11 and 0.12 group the operands in a flat tree ``ft_in`` =
+    (consts, carry, xs) instead, whose groups' lengths are the counts."""
     if "num_consts" in params:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()
