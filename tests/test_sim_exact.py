@@ -7,10 +7,10 @@ import json
 import jax
 import pytest
 
-from autoshard.api import plan_workload
+from autoshard.api import plan_workload, xla_cpu_memory_layout
 from autoshard.hardware.clusters import load_cluster
 from autoshard.hardware.gemm import GemmTable
-from autoshard.hardware.mesh import XLA_CPU_MEMORY, to_device_mesh
+from autoshard.hardware.mesh import to_device_mesh
 from autoshard.intra.memory import predicted_peak_bytes
 from autoshard.intra.options import IntraOptions
 from autoshard.sim.exact import MAX_EXACT_DEVICES, check_exact_devices
@@ -49,9 +49,10 @@ def test_dp_exact_numbers_are_the_compiled_executables():
     )  # fmt: skip
     want = verify_plan(bound.program, bound.plan, devices=jax.devices()[:8])
     assert exact.compiled_peak_bytes == want.compiled_peak_bytes > 0
-    # the intra-op prediction in XLA:CPU's layout (what was compiled), not the GPUs' one
+    # the intra-op prediction in this jaxlib's XLA:CPU layout (what was compiled), not the
+    # GPUs' one
     spec_of = bound.plan.specs_by_tensor(bound.graph.inputs)
-    cpu = dataclasses.replace(mesh, memory_layout=XLA_CPU_MEMORY)
+    cpu = dataclasses.replace(mesh, memory_layout=xla_cpu_memory_layout())
     cpu_layout = predicted_peak_bytes(bound.graph, spec_of, cpu, bound.plan.operand_specs)
     assert exact.intra_predicted_peak_bytes == cpu_layout
     assert exact.intra_predicted_peak_bytes != want.predicted_peak_bytes  # the GPU layout
