@@ -109,7 +109,7 @@ def test_the_shared_buffer_matches_xla():
 
 def test_a_bf16_dot_result_buffer_is_as_wide_as_xla_cpu_computes_it():
     """XLA:CPU up to jaxlib 0.10 computes bf16 dots in f32 and fuses the convert down into
-    the readers, so a bf16 dot's result occupies an f32 buffer; jaxlib 0.12's XLA:CPU
+    the readers, so a bf16 dot's result occupies an f32 buffer; jaxlib 0.11's and 0.12's XLA:CPU
     (YNNPACK) computes them in bf16.  A mesh whose layout says ``narrow_dots_in_f32``
     counts the result at 4 bytes an element, one that does not (a GPU cluster) at 2, and
     the layout autoshard gives CPU meshes (``xla_cpu_memory_layout``) says what this
@@ -154,7 +154,7 @@ def test_narrow_dot_operands_get_f32_copies_where_xla_cpu_computes_narrow_dots_i
     """XLA:CPU up to jaxlib 0.10 converts every bf16 dot operand to an f32 buffer: an f32
     weight cast to bf16 for its dots becomes one f32 copy, made straight from the f32
     parameter. The model counts one copy per cast (not a bf16 buffer and an f32 one),
-    where the mesh's layout says ``narrow_dots_in_f32`` only.  jaxlib 0.12's XLA:CPU
+    where the mesh's layout says ``narrow_dots_in_f32`` only.  jaxlib 0.11's and 0.12's XLA:CPU
     computes bf16 dots in bf16: the cast is one bf16 copy, and the layout autoshard gives
     CPU meshes there (``xla_cpu_memory_layout``) widens nothing."""
     import re

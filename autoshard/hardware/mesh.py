@@ -42,8 +42,10 @@ class MemoryLayout:
     first read, transcendentals kept when shared).
     """
 
-    # XLA:CPU computes bf16/f16 dots in f32: a narrow dot's result is an f32 buffer
-    # (the convert down is fused into its readers). The memory model counts it so.
+    # XLA:CPU up to jaxlib 0.10 computes bf16/f16 dots in f32: a narrow dot's result is an
+    # f32 buffer (the convert down is fused into its readers). The memory model counts it
+    # so. jaxlib 0.11's and 0.12's compute them in bf16: autoshard.api.xla_cpu_memory_layout
+    # reads which from a compiled dot.
     narrow_dots_in_f32: bool = False
     # XLA:CPU runs reductions as library calls (XNNPACK) that read their operand from
     # memory, so whatever a reduction reads is a buffer (a LayerNorm's input, kept for its
@@ -89,7 +91,8 @@ class MemoryLayout:
 # Every flag off: the plain model, no backend's habits.
 PLAIN_MEMORY = MemoryLayout()
 
-# How XLA:CPU lays memory out: every flag but the GPU's on (docs/truth.md).
+# How XLA:CPU lays memory out: every flag but the GPU's on (docs/truth.md); with jaxlib
+# 0.11 and later narrow_dots_in_f32 is off (autoshard.api.xla_cpu_memory_layout).
 XLA_CPU_MEMORY = MemoryLayout(
     narrow_dots_in_f32=True,
     reductions_read_memory=True,
