@@ -158,8 +158,8 @@ def _refuse_baseline(graph, dmesh, options, pinned, baseline, err) -> None:
 def xla_cpu_memory_layout():
     """How this jaxlib's XLA:CPU lays a step's memory out: ``XLA_CPU_MEMORY``, with
     ``narrow_dots_in_f32`` as a compiled bf16 dot says.  XLA:CPU up to jaxlib 0.10
-    computes bf16 dots in f32 (an f32 result buffer); jaxlib 0.11's and 0.12's (YNNPACK) computes
-    them in bf16.  Compiles one 64 x 64 dot on the CPU backend, once per process."""
+    computes bf16 dots in f32 (an f32 result buffer); jaxlib 0.11's and 0.12's (YNNPACK)
+    compute them in bf16.  Compiles one 64 x 64 dot on the CPU backend, once per process."""
     import re
 
     import jax

@@ -14,9 +14,9 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
   (``exp`` counts 1, not a weighted cost; ``integer_pow`` with exponent y counts
   max(|y| - 1, 1) multiplications per element; jax 0.11's ``one_minus_square``, 1 - x^2,
   counts 2, as the square and subtraction earlier JAX wrote for it; ``polynomial`` of
-  degree n counts Horner's 2n).  Elementwise by kind, not by name: a
-  primitive with no rule of its own that is elementwise
-  (:func:`autoshard.ir.primitives.is_elementwise`) counts 1 per element too, and ``Node.elementwise`` says so to the passes after.
+  degree n counts Horner's 2n).  Elementwise by kind, not by name: a primitive with no
+  rule of its own that is elementwise (:func:`autoshard.ir.primitives.is_elementwise`)
+  counts 1 per element too, and ``Node.elementwise`` says so to the passes after.
 * ``conv_general_dilated``: 2 x output elements x (kernel elements / output features) /
   the product of ``lhs_dilation``: one multiply-add per kernel tap that meets a real
   input element (an input gradient of a strided conv dilates its input with zeros).
