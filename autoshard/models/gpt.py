@@ -31,9 +31,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from autoshard.models.attention import fused_attention
 from autoshard.models.config import ModelConfig
 
 _DTYPES = ("float32", "bfloat16")
+ATTENTION_KINDS = ("fused", "unfused")
+
+
+def check_attention(kind) -> None:
+    """ValueError unless ``kind`` is one of :data:`ATTENTION_KINDS`."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,9 @@ class GPTConfig(ModelConfig):
     batch_size: int = 8
     dtype: str = "float32"
     scan_layers: bool = False  # the blocks as one nn.scan over stacked parameters
+    # "fused": one attention operator (cuDNN flash attention on GPUs, the same algorithm
+    # in XLA elsewhere; autoshard.models.attention); "unfused": einsums and a softmax
+    attention: str = "fused"
 
     def __post_init__(self) -> None:
         self.check_positive_ints(
@@ -60,6 +71,7 @@ class GPTConfig(ModelConfig):
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_attention(self.attention)
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
 
@@ -146,11 +158,14 @@ class CausalSelfAttention(nn.Module):
         # column split of the kernel keeps whole heads on a device
         qkv = _dense(3 * h, cfg, "qkv")(x).reshape(B, S, H, 3 * D)
         q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, S, H, D]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(D))  # [B, H, S, S]
-        causal = jnp.tril(jnp.ones((S, S), dtype=bool))
-        scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, h)
+        if getattr(cfg, "attention", "unfused") == "fused":
+            out = fused_attention(q, k, v, causal=True).reshape(B, S, h)
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(D))  # [B, H, S, S]
+            causal = jnp.tril(jnp.ones((S, S), dtype=bool))
+            scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
+            out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, h)
         return _dense(h, cfg, "proj")(out)
 
 

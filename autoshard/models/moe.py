@@ -44,6 +44,7 @@ from autoshard.models.gpt import (
     Head,
     _dense,
     _layer_norm,
+    check_attention,
     token_init_fn,
     token_loss_fn,
 )
@@ -66,6 +67,7 @@ class MoEConfig(ModelConfig):
     batch_size: int = 8
     ffn_ratio: int = 8
     dtype: str = "float32"
+    attention: str = "fused"  # as GPTConfig.attention
 
     def __post_init__(self) -> None:
         self.check_positive_ints(
@@ -102,6 +104,7 @@ class MoEConfig(ModelConfig):
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_attention(self.attention)
 
     @property
     def head_dim(self) -> int:
