@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.ir.graph import Graph, Node
-from autoshard.ir.primitives import ELEMENTWISE
+from autoshard.ir.primitives import ATTENTION, ELEMENTWISE
 from autoshard.ir.spec import ShardingSpec
 
-HEAVY = frozenset({"dot_general", "conv_general_dilated"})
+# the fused attention operators run the attention's batched dots (rules_attention.py)
+HEAVY = frozenset({"dot_general", "conv_general_dilated"}) | ATTENTION
 OUT = -1  # slot position "operand" index meaning the node's (first) output
 
 
@@ -569,4 +570,10 @@ __all__ = [
 
 # rule families kept in modules of their own register themselves on import (they import
 # this module); a later import wins a primitive both register (rev: the same splits)
-from autoshard.intra import rules_conv, rules_moe, rules_reduce, rules_slice  # noqa: E402,F401
+from autoshard.intra import (  # noqa: E402,F401
+    rules_attention,
+    rules_conv,
+    rules_moe,
+    rules_reduce,
+    rules_slice,
+)

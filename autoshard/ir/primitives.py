@@ -38,8 +38,18 @@ ALL_REDUCTIONS = frozenset(
 # mesh axes at a time (see :func:`autoshard.intra.cost.reshard_to_consumers`).
 SUM_MAX_MIN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
+# The fused attention operators (autoshard.models.attention, kept whole by the tracer):
+# forward q, k, v [B, S, H, D] -> out [B, S, H, D], lse [B, H, S]; backward q, k, v,
+# out, lse, d_out -> dq, dk, dv.  One kernel each (cuDNN's flash attention on a GPU).
+ATTENTION_FWD = frozenset({"attention_fwd", "attention_fwd_causal"})
+ATTENTION_BWD = frozenset({"attention_bwd", "attention_bwd_causal"})
+ATTENTION = ATTENTION_FWD | ATTENTION_BWD
+
 __all__ = [
     "ALL_REDUCTIONS",
+    "ATTENTION",
+    "ATTENTION_BWD",
+    "ATTENTION_FWD",
     "ELEMENTWISE",
     "SUM_MAX_MIN_REDUCTIONS",
     "TRANSCENDENTAL",

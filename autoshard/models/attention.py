@@ -10,8 +10,9 @@ kernel saves -- ``q``, ``k``, ``v``, the output and the softmax's log-sum-exp
 Implementations (``implementation=``):
 
 * ``"cudnn"`` -- ``jax.nn.dot_product_attention(..., implementation="cudnn")``: cuDNN's
-  flash attention on NVIDIA GPUs (its own forward and backward kernels; what it saves for
-  the backward is cuDNN's: the same tensors and its softmax statistics).
+  flash attention on NVIDIA GPUs, its own forward and backward kernels (the backward is
+  ``jax.vjp``'s pullback of the forward, rebuilt from the saved tensors: see
+  :class:`_Pullback`).
 * ``"xla"`` -- the same algorithm written for XLA (any backend): a forward that keeps the
   log-sum-exp, and the flash backward (``dV = P^T dO``, ``dP = dO V^T``,
   ``dS = P (dP - rowsum(dO * O))``, ``dQ = dS K``, ``dK = dS^T Q``).  The ``S x S`` block is a
@@ -87,22 +88,65 @@ def _cudnn(q, k, v, causal: bool):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
+class _Pullback:
+    """How cuDNN's saved tensors map onto the fused operator's interface.
+
+    ``jax.vjp`` of cuDNN's attention gives a pullback whose leaves are what cuDNN saves:
+    ``q``, ``k``, ``v``, its output and its softmax statistics.  The forward jit returns
+    only the output and the leaves that are none of ``q, k, v, out`` (the statistics), so
+    its results are ``(out, stats)`` as on every backend; the backward jit rebuilds the
+    pullback from ``q, k, v, out`` and those leaves.  ``where[i]`` names leaf ``i``: 0-3
+    for ``q, k, v, out``, ``4 + j`` for the ``j``-th extra leaf.  A single extra leaf of
+    ``B H S`` elements (cuDNN's ``[B, H, S, 1]`` statistics) travels as ``[B, H, S]``, the
+    shape the XLA implementation's log-sum-exp has.
+    """
+
+    def __init__(self) -> None:
+        self.by_shape: dict = {}
+
+    def split(self, key, pullback, q, k, v, out) -> list:
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        known = (q, k, v, out)
+        where, extra = [], []
+        for leaf in leaves:
+            hit = next((i for i, x in enumerate(known) if leaf is x), None)
+            if hit is None:
+                hit = 4 + len(extra)
+                extra.append(leaf)
+            where.append(hit)
+        shapes = tuple(x.shape for x in extra)
+        self.by_shape[key] = (treedef, tuple(where), shapes)
+        b, sq, h = q.shape[:3]
+        if len(extra) == 1 and extra[0].size == b * h * sq:  # the statistics, as [B, H, S]
+            return [extra[0].reshape(b, h, sq)]
+        return extra
+
+    def join(self, key, q, k, v, out, extra):
+        treedef, where, shapes = self.by_shape[key]
+        extra = [x.reshape(shape) for x, shape in zip(extra, shapes)]
+        known = (q, k, v, out, *extra)
+        return jax.tree_util.tree_unflatten(treedef, [known[i] for i in where])
+
+
 @functools.cache
 def _fused(causal: bool, implementation: str):
     """The custom-vjp attention for one (causal, implementation), its two named jits."""
     suffix = "_causal" if causal else ""
+    pullbacks = _Pullback()
+
+    def _key(q, k, v):
+        return tuple((x.shape, str(x.dtype)) for x in (q, k, v))
 
     def fwd_body(q, k, v):
         if implementation == "cudnn":
             out, pullback = jax.vjp(functools.partial(_cudnn, causal=causal), q, k, v)
-            return out, pullback  # a Partial: its leaves are cuDNN's saved tensors
+            return out, pullbacks.split(_key(q, k, v), pullback, q, k, v, out)
         return _xla_fwd(q, k, v, causal)
 
-    def bwd_body(saved, d_out):
+    def bwd_body(q, k, v, out, stats, d_out):
         if implementation == "cudnn":
-            return saved(d_out)
-        q, k, v, out, lse = saved
-        return _xla_bwd(q, k, v, out, lse, d_out, causal)
+            return pullbacks.join(_key(q, k, v), q, k, v, out, stats)(d_out)
+        return _xla_bwd(q, k, v, out, stats, d_out, causal)
 
     fwd_body.__name__ = fwd_body.__qualname__ = f"autoshard_attention_fwd{suffix}"
     bwd_body.__name__ = bwd_body.__qualname__ = f"autoshard_attention_bwd{suffix}"
@@ -114,11 +158,10 @@ def _fused(causal: bool, implementation: str):
 
     def attend_fwd(q, k, v):
         out, stats = fwd_jit(q, k, v)
-        saved = stats if implementation == "cudnn" else (q, k, v, out, stats)
-        return out, saved
+        return out, (q, k, v, out, stats)
 
     def attend_bwd(saved, d_out):
-        return tuple(bwd_jit(saved, d_out))
+        return tuple(bwd_jit(*saved, d_out))
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
