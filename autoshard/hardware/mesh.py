@@ -84,6 +84,11 @@ class MemoryLayout:
     # a transposed buffer of its own (f32 for a narrow lhs) just before the dot (measured
     # on gpt-350m, docs/truth.md). The memory model counts it at the dot.
     dot_lhs_copies: bool = False
+    # The fused attention operator is XLA's own body (XLA:CPU), which writes the float32
+    # S x S scores, probabilities and their gradients as buffers while it runs; cuDNN's
+    # flash attention (XLA:GPU) holds no S x S buffer. The memory model counts the
+    # workspace at the operator (autoshard/intra/attention_workspace.py).
+    attention_scores_workspace: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -100,6 +105,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     early_backward_operand_reshards=True,
     batched_dot_weight_copies=True,
     dot_lhs_copies=True,
+    attention_scores_workspace=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).

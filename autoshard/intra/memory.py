@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.attention_workspace import held_buffers, workspace_groups
 from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.layout_copies import (
     NARROW_FLOATS,
@@ -41,7 +42,7 @@ from autoshard.intra.update_zeros import (
     zeros_groups,
 )
 from autoshard.ir.graph import Graph
-from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
+from autoshard.ir.primitives import ALL_REDUCTIONS, ATTENTION, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
 
 # Convolutions, pooling and max pooling's gradient: library calls (or their own loops)
@@ -58,6 +59,7 @@ MATERIALIZING = (
         "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
     )
     | CONV_AND_WINDOW
+    | ATTENTION  # one kernel (or XLA's body for it) that writes its results to memory
 )
 # Ops that read their operands from memory (no fusion into them).
 UNFUSED_CONSUMERS = (
@@ -421,6 +423,8 @@ def predicted_live_bytes(
         for tid, dot in transposed_dot_lhs(graph, mesh)
         if tid in spec_of
     ]
+    # a fused attention's S x S temporaries on XLA:CPU (attention_workspace)
+    buffers += held_buffers(graph, spec_of, mesh, pos)
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -498,6 +502,7 @@ def memory_rows(
         groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
         zeros = foldable_zeros(graph_update_zeros(graph), mesh)
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
+    groups += workspace_groups(graph, strategies, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}
