@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autoshard.hardware.attention import AttentionTiming, load_attention_table
 from autoshard.hardware.clusters import (
     Cluster,
     NodeLayout,
@@ -139,6 +140,9 @@ class DeviceMesh:
     finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
     :func:`autoshard.intra.strategies.strategy_seconds`). ``memory_layout``: how the
     backend lays buffers out (:class:`MemoryLayout`; default all flags off).
+    ``attention`` (an :class:`~autoshard.hardware.attention.AttentionTiming`, or None):
+    the fused attention kernel's timing on this device (see
+    :func:`autoshard.intra.strategies.strategy_seconds`).
     ``nodes`` (a :class:`~autoshard.hardware.clusters.NodeLayout`, or None): how the
     devices sit in nodes, so that collectives across nodes may be priced node-aware
     (:meth:`node_span`); None prices every collective as one flat ring.
@@ -153,6 +157,10 @@ class DeviceMesh:
     gemm: GemmTiming | None = None
     memory_layout: MemoryLayout = field(default_factory=MemoryLayout)
     nodes: NodeLayout | None = None
+    # times each fused attention shard from the device's attention table
+    # (autoshard.hardware.attention); None on a priced mesh (``gemm`` set) means the device
+    # has no fused kernel, and the operator is priced as XLA's unfused attention
+    attention: AttentionTiming | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))
@@ -288,7 +296,10 @@ def to_device_mesh(
     ``dtype`` picks the peak FLOP/s (None: the device's default 16-bit dtype, bf16 on A100
     and H100, fp16 on V100, which has no bf16 tensor cores). ``gemm_table`` (a loaded
     :class:`~autoshard.hardware.gemm.GemmTable`) makes the mesh time GEMMs with it at the
-    device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak.
+    device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak. With a GEMM
+    table, a device whose preset names an attention table (``device.attention_table``:
+    cuDNN's flash attention, Ampere and later) times fused attention with it
+    (``DeviceMesh.attention``); one that names none is priced as XLA's unfused attention.
     """
     alpha, beta = cluster_mesh_costs(cluster, mesh_shape, axis_names)
     return DeviceMesh(
@@ -305,6 +316,11 @@ def to_device_mesh(
         ),
         memory_layout=XLA_GPU_MEMORY,
         nodes=NodeLayout.of(cluster),
+        attention=None
+        if gemm_table is None or cluster.device.attention_table is None
+        else AttentionTiming.for_device(
+            load_attention_table(cluster.device.attention_table), cluster.device.peak_flops
+        ),
     )
 
 
