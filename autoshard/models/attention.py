@@ -35,15 +35,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("xla", "cudnn")
-
 # jit names the tracer keeps as one equation -> (primitive name in the op graph, causal)
-FUSED_ATTENTION_CALLS = {
-    "autoshard_attention_fwd": ("attention_fwd", False),
-    "autoshard_attention_fwd_causal": ("attention_fwd", True),
-    "autoshard_attention_bwd": ("attention_bwd", False),
-    "autoshard_attention_bwd_causal": ("attention_bwd", True),
-}
+from autoshard.ir.primitives import FUSED_ATTENTION_CALLS  # noqa: F401
+
+IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 def default_implementation() -> str:

@@ -43,8 +43,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from autoshard.ir.primitives import FUSED_ATTENTION_CALLS
 from autoshard.ir.records import INPUT_KINDS, EqnRecord, TensorRecord, TraceRecords
-from autoshard.models.attention import FUSED_ATTENTION_CALLS
 
 # Call-like primitives whose bodies are inlined; the key is where the body lives.
 _INLINE_BODY = {
