@@ -16,18 +16,19 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/hlo"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+PY=${PY:-$(command -v python3 || command -v python)}
 exec > >(tee -a "$OUT/log.txt") 2>&1
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 if [ "${QUICK:-0}" = 1 ]; then
   FUSED=(gpt-tiny:2:8); PEER=(gpt-tiny:2:8); UNFUSED=gpt-tiny:2:8:unfused; ATT=(--quick)
 else
   FUSED=(gpt-1.3b:24:8 gpt-350m:24:8); PEER=(gpt-1.3b:24:8 gpt-350m:24:8)
-  UNFUSED=gpt-1.3b:24:8:unfused; ATT=(--table-out "$OUT/attention_h100.json" --total-s 100)
+  UNFUSED=gpt-1.3b:24:8:unfused; ATT=(--table-out "$OUT/attention_h100.json" --total-s 70)
 fi
 log "start"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
 
 log "0. the fused attention on this device"
-timeout 90 python - "$OUT/check.json" <<'EOF'
+timeout 90 "$PY" - "$OUT/check.json" <<'EOF'
 import json, sys
 import jax, jax.numpy as jnp
 from autoshard.models.attention import default_implementation, fused_attention
@@ -53,21 +54,21 @@ EOF
 
 for i in 0 1; do
   log "$((2 * i + 1)). autoshard fused ${FUSED[$i]:-}"
-  [ -n "${FUSED[$i]:-}" ] && timeout 150 python benchmarks/gpu_single.py measure \
+  [ -n "${FUSED[$i]:-}" ] && timeout 150 "$PY" benchmarks/gpu_single.py measure \
     --out "$OUT/measured_$i.json" --configs "${FUSED[$i]}" --profile --dump-hlo "$OUT/hlo" \
     --timeout-s 140
   log "$((2 * i + 2)). PyTorch peer ${PEER[$i]:-}"
-  [ -n "${PEER[$i]:-}" ] && timeout 130 python benchmarks/gpu_peer_torch.py \
+  [ -n "${PEER[$i]:-}" ] && timeout 130 "$PY" benchmarks/gpu_peer_torch.py \
     --configs "${PEER[$i]}" --out "$OUT/peer_$i.json"
 done
 log "5. attention kernel table"
-timeout 140 python benchmarks/gpu_attention.py --out "$OUT/attention_measured.json" "${ATT[@]}"
+timeout 140 "$PY" benchmarks/gpu_attention.py --out "$OUT/attention_measured.json" "${ATT[@]}"
 log "6. autoshard unfused $UNFUSED"
-timeout 130 python benchmarks/gpu_single.py measure --out "$OUT/measured_u.json" \
+timeout 130 "$PY" benchmarks/gpu_single.py measure --out "$OUT/measured_u.json" \
   --configs "$UNFUSED" --timeout-s 120
 
 log "merge"
-python - "$OUT" <<'EOF'
+"$PY" - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
