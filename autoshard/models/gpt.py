@@ -278,16 +278,52 @@ class GPT(nn.Module):
 
 def token_loss_fn(model: nn.Module):
     """``loss(params, batch)`` of a language model ``model`` (tokens -> logits): mean
-    next-token cross-entropy in float32. The GPT and the GPT-MoE share it."""
+    next-token cross-entropy in float32. The GPT and the GPT-MoE share it; with the fused
+    kernels (``attention="fused"``) through :func:`cross_entropy_saving_logits`."""
+
+    fused = getattr(model.cfg, "attention", "unfused") == "fused"
 
     def loss(params, batch):
         logits = model.apply({"params": params}, batch["tokens"])
+        if fused:
+            return jnp.mean(cross_entropy_saving_logits(logits, batch["labels"]))
         losses = optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), batch["labels"]
         )
         return jnp.mean(losses)
 
     return loss
+
+
+@jax.custom_vjp
+def cross_entropy_saving_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-token cross-entropy ``logsumexp(x) - x[label]`` in float32 over logits of any
+    float dtype, whose backward keeps the logits as they came (bf16 under mixed precision)
+    and the per-token log-sum-exp, and computes ``softmax - onehot`` in one pass.
+
+    JAX's derivative of the float32 loss keeps the float32 copy of the logits (``[B, S,
+    V]``: 1.7 GB at batch 8, seq 1024, vocab 51200) and reads it back; on one H100 the
+    cross-entropy then cost 2.7 ms of gpt-350m's 54.5 ms step.  Same values as
+    ``optax.softmax_cross_entropy_with_integer_labels(logits.astype(float32), labels)``.
+    """
+    return _ce_fwd(logits, labels)[0]
+
+
+def _ce_fwd(logits, labels):
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    target = jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0]
+    return lse - target, (logits, labels, lse)
+
+
+def _ce_bwd(saved, g):
+    logits, labels, lse = saved
+    probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    onehot = jnp.arange(logits.shape[-1]) == labels[..., None]
+    return ((probs - onehot) * g[..., None]).astype(logits.dtype), None
+
+
+cross_entropy_saving_logits.defvjp(_ce_fwd, _ce_bwd)
 
 
 def token_init_fn(model: nn.Module, cfg):
