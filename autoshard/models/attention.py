@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -134,12 +135,22 @@ def _fused(causal: bool, implementation: str):
 
     def fwd_body(q, k, v):
         if implementation == "cudnn":
-            out, pullback = jax.vjp(functools.partial(_cudnn, causal=causal), q, k, v)
+            try:
+                out, pullback = jax.vjp(functools.partial(_cudnn, causal=causal), q, k, v)
+            except (RuntimeError, NotImplementedError, ValueError) as err:
+                # cuDNN refuses at trace time (its version, the GPU, the shape): say so
+                warnings.warn(
+                    f"cuDNN flash attention refused q/k/v {q.shape} {q.dtype}: {err}; "
+                    "running the XLA implementation of the same algorithm",
+                    stacklevel=2,
+                )
+                pullbacks.by_shape[_key(q, k, v)] = None
+                return _xla_fwd(q, k, v, causal)
             return out, pullbacks.split(_key(q, k, v), pullback, q, k, v, out)
         return _xla_fwd(q, k, v, causal)
 
     def bwd_body(q, k, v, out, stats, d_out):
-        if implementation == "cudnn":
+        if implementation == "cudnn" and pullbacks.by_shape.get(_key(q, k, v)) is not None:
             return pullbacks.join(_key(q, k, v), q, k, v, out, stats)(d_out)
         return _xla_bwd(q, k, v, out, stats, d_out, causal)
 

@@ -45,6 +45,7 @@ from autoshard.models.gpt import (
     _dense,
     _layer_norm,
     check_attention,
+    mlp_activation,
     token_init_fn,
     token_loss_fn,
 )
@@ -246,7 +247,7 @@ class DenseFeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         y = _dense(self.cfg.ffn_ratio * self.cfg.hidden, self.cfg, "fc")(x)
-        return _dense(self.cfg.hidden, self.cfg, "proj")(jax.nn.gelu(y, approximate=True))
+        return _dense(self.cfg.hidden, self.cfg, "proj")(mlp_activation(self.cfg, y))
 
 
 class MoEBlock(nn.Module):
