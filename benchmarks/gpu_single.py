@@ -50,7 +50,9 @@ from pathlib import Path
 CONFIGS = (("gpt-350m", 24, 8, "fused"), ("gpt-1.3b", 24, 8, "fused"), ("gpt-1.3b", 24, 4, "fused"))
 QUICK_CONFIGS = (("gpt-tiny", 2, 8, "fused"),)
 ATTENTION = ("fused", "unfused")
-BREAKDOWN_KINDS = ("gemm", "attention_sxs", "other_memory_bound", "optimizer")
+BREAKDOWN_KINDS = ("gemm", "attention_kernel", "attention_sxs", "other_memory_bound", "optimizer")
+# cuDNN's fused attention kernels (the fused step's attention_fwd / attention_bwd)
+ATTENTION_KERNEL = re.compile(r"cudnn|fmha|flash|sdpa", re.I)
 GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|wgmma|gmma|cublas|triton_gemm", re.I)
 
 
@@ -322,7 +324,7 @@ def predict_one(
         report = simulate(
             model, cluster, 1, plan="megatron:1x1x1", global_batch=batch,
             microbatch_size=batch, recompute="none", dtype="bf16", program=program,
-            num_layers=layers, attention=attention,
+            num_layers=layers, **({"attention": attention} if program == "traced" else {}),
         )  # fmt: skip
         out[program] = {
             "step_time_s": report.step_time_s,
@@ -362,6 +364,8 @@ def traced_breakdown(graph, mesh, seq_len: int, batch_heads: int) -> dict:
         shapes = [graph.tensors[t].shape for t in (*node.inputs, *node.outputs)]
         if node.primitive == "dot_general":
             kind = "gemm"
+        elif node.primitive.startswith("attention_"):
+            kind = "attention_kernel"
         elif node.phase == "update":
             kind = "optimizer"
         elif any(_is_attention_square(shape, seq_len, batch_heads) for shape in shapes):
@@ -413,13 +417,15 @@ def measured_breakdown(run: dict, hlo_text: str | None) -> dict | None:
 
     steps, seq = profile["steps"], run["seq_len"]
     batch_heads = run["batch"] * GPT_PRESETS[run["model"]].num_heads
-    out = {"gemm": 0.0, "other_kernels": 0.0}
+    out = {"gemm": 0.0, "attention_kernel": 0.0, "other_kernels": 0.0}
     if hlo_text is not None:
         out = dict.fromkeys(BREAKDOWN_KINDS, 0.0) | {"unnamed": 0.0}
         inst = _hlo_instructions(hlo_text)
     for k in profile["top_kernels"]:
         seconds = k["us"] / steps / 1e6
-        if GEMM_KERNEL.search(k["name"]):
+        if ATTENTION_KERNEL.search(k["name"]):  # before GEMMs: cuDNN's names say wgmma too
+            out["attention_kernel"] = out.get("attention_kernel", 0.0) + seconds
+        elif GEMM_KERNEL.search(k["name"]):
             out["gemm"] += seconds
         elif hlo_text is None:
             out["other_kernels"] += seconds

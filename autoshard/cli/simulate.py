@@ -172,6 +172,7 @@ def _model_overrides(args) -> dict:
         "seq_len": args.seq,
         "vocab_size": args.vocab,
         "num_experts": args.experts,
+        "attention": args.attention,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -233,6 +234,11 @@ def register(subparsers) -> None:
     dims.add_argument("--vocab", type=_positive_int, help="vocabulary size")
     dims.add_argument(
         "--experts", type=_positive_int, help="experts per MoE layer (GPT-MoE presets, --plan auto)"
+    )
+    dims.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        help="the traced step's attention (--program traced or --plan auto; default fused)",
     )
     p.add_argument("--cluster", required=True, help="cluster preset or preset .json path")
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")

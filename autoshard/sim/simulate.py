@@ -75,7 +75,15 @@ PLAN_FORMS = ("auto", "dp", "zero2", "zero3", "megatron", "megatron:TPxPPxDP")
 PROGRAMS = ("megatron-lm", "traced")  # what the Megatron grid is timed on
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_ILP_TIME_LIMIT_S = 20.0
-MODEL_OVERRIDES = ("seq_len", "vocab_size", "num_layers", "hidden", "num_heads", "num_experts")
+MODEL_OVERRIDES = (
+    "seq_len",
+    "vocab_size",
+    "num_layers",
+    "hidden",
+    "num_heads",
+    "num_experts",
+    "attention",
+)
 _GRID = re.compile(r"^megatron:(\d+)x(\d+)x(\d+)$")
 
 
@@ -233,7 +241,8 @@ def simulate(
 
     ``global_batch`` defaults to the preset's batch size; ``dtype`` (``bf16``, ``fp16``,
     ``fp32``) to the device's 16-bit dtype (fp16 on V100); ``overrides``: any of
-    ``MODEL_OVERRIDES``. ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``.
+    ``MODEL_OVERRIDES`` (``attention``, ``"fused"`` by default or ``"unfused"``: the traced
+    step's, with ``program="traced"`` or ``plan="auto"``). ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``.
     ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the stage DP chooses per
     stage; only with ``plan="auto"``, and its default there; ``none`` elsewhere).
     ``exact``: also compile the plan on ``gpus`` fake CPU devices and put compiled vs
@@ -271,6 +280,12 @@ def simulate(
         raise ValueError(
             f"optimizer={optimizer!r} is priced on the traced step, by plan='auto' only; plan "
             f"{plan!r} models mixed-precision Adam (use optimizer='adamw')"
+        )
+    if "attention" in overrides and program == "megatron-lm" and parse_plan(plan).kind != "auto":
+        raise ValueError(
+            f"attention={overrides['attention']!r} chooses the traced step's attention; plan "
+            f"{plan!r} on program 'megatron-lm' is priced on Megatron-LM's own program (its "
+            "fused kernels): use program='traced' or plan='auto'"
         )
     search = _microbatch_search(num_microbatches, plan, microbatch_size)
     schedule = _schedule(
