@@ -1,0 +1,141 @@
+"""Megatron-LM's program with flash attention (``MegatronConfig.attention="flash"``,
+``program="megatron-lm-flash"``) against the 2021 softmax kernels it replaces."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from autoshard.hardware.attention import BWD_FLOPS_RATIO, AttentionTiming, load_attention_table
+from autoshard.hardware.clusters import load_cluster
+from autoshard.hardware.gemm import GemmTable, memory_bound_time
+from autoshard.sim import formulas
+from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron
+
+GPT_1_3B = GPTShape(hidden=2048, layers=24, heads=32, seq_len=1024)  # the gpt-1.3b preset
+
+
+def _pair(cluster="dgx-h100", **kw):
+    """(softmax, flash) results of one grid point on ``cluster``."""
+    cfg = MegatronConfig(**kw)
+    the_cluster = load_cluster(cluster, cfg.num_gpus)
+    return tuple(
+        simulate_megatron(GPT_1_3B, dataclasses.replace(cfg, attention=a), the_cluster)
+        for a in ("softmax", "flash")
+    )
+
+
+def _attention_terms(cfg: MegatronConfig):
+    """Per layer and micro-batch on one H100: the softmax program's two batched attention
+    GEMMs (forward, backward), its softmax + dropout bytes (forward, backward), and the
+    flash kernel (forward, backward)."""
+    table, h100 = GemmTable.load("h100"), load_cluster("dgx-h100", 1).device
+    peak = h100.peak_flops_for("bf16")
+    b, t, a, s, h = cfg.micro_batch, cfg.tp, GPT_1_3B.heads, GPT_1_3B.seq_len, GPT_1_3B.hidden
+    heads, d = b * a // t, h // a
+    gemms = [(heads, s, s, d), (heads, s, d, s)]
+    gemm_fwd = sum(table.gemm_time(m, n, k, "bf16", peak, bt) for bt, m, n, k in gemms)
+    gemm_bwd = sum(
+        table.gemm_time(m, k, n, "bf16", peak, bt) + table.gemm_time(k, n, m, "bf16", peak, bt)
+        for bt, m, n, k in gemms
+    )
+    att_bytes = (4 * 2 + 1) * heads * s * s  # fused softmax + dropout, e = 2
+    timing = AttentionTiming.for_device(load_attention_table("h100"), h100.peak_flops)
+    flops = 4 * heads * s * s * d
+    kernel = (
+        timing.seconds(flops, heads, s, d, backward=False),
+        timing.seconds(BWD_FLOPS_RATIO * flops, heads, s, d, backward=True),
+    )
+    return (gemm_fwd, gemm_bwd), (att_bytes, 2 * att_bytes), kernel
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_flash_is_faster_smaller_and_keeps_the_dense_gemms(tp):
+    """gpt-1.3b on dgx-h100: flash drops the two batched attention GEMMs and the
+    softmax/dropout bytes for one kernel timed from the H100 attention table, keeps every
+    dense GEMM to the bit, stashes no s x s scores, and counts the same model FLOPs."""
+    cfg = MegatronConfig(tp, 1, 1, micro_batch=8, global_batch=8, recompute="none")
+    softmax, flash = _pair(tp=tp, pp=1, dp=1, micro_batch=8, global_batch=8, recompute="none")
+    (gemm_fwd, gemm_bwd), (bytes_fwd, bytes_bwd), kernel = _attention_terms(cfg)
+    layers, hbm = GPT_1_3B.layers, load_cluster("dgx-h100", 1).device.hbm_bandwidth
+    assert flash.step_time_s < 0.8 * softmax.step_time_s
+    assert flash.memory_bytes_per_device < softmax.memory_bytes_per_device
+    assert "compute_attention" not in softmax.breakdown  # softmax's keys as they were
+    assert math.isclose(
+        flash.breakdown["compute_gemm"],
+        softmax.breakdown["compute_gemm"] - layers * (gemm_fwd + gemm_bwd),
+        rel_tol=1e-12,
+    )
+    assert math.isclose(
+        flash.breakdown["compute_elementwise"],
+        softmax.breakdown["compute_elementwise"]
+        - layers * memory_bound_time(bytes_fwd + bytes_bwd, hbm),
+        rel_tol=1e-9,
+    )
+    assert math.isclose(flash.breakdown["compute_attention"], layers * sum(kernel), rel_tol=1e-12)
+    assert sum(kernel) < gemm_fwd + gemm_bwd  # the kernel beats even the GEMMs alone
+    s, b, h, a = GPT_1_3B.seq_len, 8, GPT_1_3B.hidden, GPT_1_3B.heads
+    scores = 5 * a * s / (h * tp) * s * b * h  # Korthikanti's attention term per layer
+    assert math.isclose(
+        softmax.memory_bytes_per_device - flash.memory_bytes_per_device,
+        layers * scores,
+        rel_tol=1e-12,
+    )
+    assert math.isclose(sum(flash.breakdown.values()), flash.step_time_s, rel_tol=1e-12)
+    assert math.isclose(sum(flash.step_breakdown.values()), flash.step_time_s, rel_tol=1e-9)
+    # MFU counts the same full-square model FLOPs on both programs
+    assert math.isclose(
+        flash.mfu * flash.step_time_s, softmax.mfu * softmax.step_time_s, rel_tol=1e-12
+    )
+
+
+def test_flash_recompute_selective_is_free_and_full_repeats_the_forward_kernel():
+    kw = dict(tp=1, pp=1, dp=1, micro_batch=8, global_batch=8)
+    none, selective, full = (_pair(recompute=mode, **kw)[1] for mode in formulas.RECOMPUTE_MODES)
+    assert selective.step_time_s == none.step_time_s
+    assert selective.memory_bytes_per_device == none.memory_bytes_per_device
+    assert selective.step_breakdown["recompute"] == 0.0
+    cfg = MegatronConfig(recompute="full", **kw)
+    _, _, (kernel_fwd, _) = _attention_terms(cfg)
+    assert math.isclose(
+        full.breakdown["compute_attention"] - none.breakdown["compute_attention"],
+        GPT_1_3B.layers * kernel_fwd,
+        rel_tol=1e-12,
+    )
+    assert full.step_time_s > none.step_time_s and full.step_breakdown["recompute"] > 0
+    assert full.memory_bytes_per_device < none.memory_bytes_per_device
+    # the HFU convention is unchanged: selective still counts 4 B s^2 L h as recomputed
+    assert selective.hfu > selective.mfu
+
+
+def test_softmax_is_the_default_and_bad_flash_requests_say_why():
+    kw = dict(tp=1, pp=1, dp=1, micro_batch=8, global_batch=8, recompute="none")
+    h100 = load_cluster("dgx-h100", 1)
+    assert simulate_megatron(GPT_1_3B, MegatronConfig(**kw), h100) == simulate_megatron(
+        GPT_1_3B, MegatronConfig(attention="softmax", **kw), h100
+    )
+    for v100 in ("alpa-v100", "dgx2h-v100"):
+        with pytest.raises(ValueError, match="presets with one: dgx-a100, dgx-h100"):
+            simulate_megatron(
+                GPT_1_3B, MegatronConfig(attention="flash", **kw), load_cluster(v100, 1)
+            )
+    with pytest.raises(ValueError, match="16-bit"):
+        simulate_megatron(GPT_1_3B, MegatronConfig(attention="flash", dtype="fp32", **kw), h100)
+    with pytest.raises(ValueError, match="2019's code had no flash attention"):
+        simulate_megatron(
+            GPT_1_3B,
+            MegatronConfig(attention="flash", elementwise="megatron-lm-2019", **kw),
+            h100,
+        )
+    with pytest.raises(ValueError, match="attention must be one of"):
+        simulate_megatron(GPT_1_3B, MegatronConfig(attention="fused", **kw), h100)
+
+
+def test_flash_on_a100_uses_its_own_table():
+    """dgx-a100 names the FlashAttention-2 table: flash is faster there too."""
+    softmax, flash = _pair(
+        "dgx-a100", tp=1, pp=1, dp=1, micro_batch=8, global_batch=8, recompute="none"
+    )
+    assert flash.step_time_s < softmax.step_time_s and flash.breakdown["compute_attention"] > 0
