@@ -139,3 +139,70 @@ def test_flash_on_a100_uses_its_own_table():
         "dgx-a100", tp=1, pp=1, dp=1, micro_batch=8, global_batch=8, recompute="none"
     )
     assert flash.step_time_s < softmax.step_time_s and flash.breakdown["compute_attention"] > 0
+
+
+# ------------------------------------------------------- simulate(), the grid, the CLI
+
+
+def test_program_megatron_lm_flash_through_simulate():
+    """``simulate(program="megatron-lm-flash")``: the grid point is the flash config's, the
+    searched grid and the ZeRO points run flash too, and the plan names the program."""
+    from autoshard.sim.simulate import PROGRAMS, simulate
+
+    assert "megatron-lm-flash" in PROGRAMS
+    kw = dict(plan="megatron:1x1x1", microbatch_size=8, global_batch=8, recompute="none")
+    softmax = simulate("gpt-1.3b", "dgx-h100", 1, **kw)
+    flash = simulate("gpt-1.3b", "dgx-h100", 1, program="megatron-lm-flash", **kw)
+    direct = simulate_megatron(
+        GPT_1_3B,
+        MegatronConfig(1, 1, 1, 8, 8, "none", attention="flash"),
+        load_cluster("dgx-h100", 1),
+    )
+    assert flash.step_time_s == direct.step_time_s
+    assert flash.peak_bytes_per_device == direct.memory_bytes_per_device
+    assert flash.plan["program"] == "megatron-lm-flash" and softmax.plan["program"] == "megatron-lm"
+    assert flash.step_time_s < softmax.step_time_s and flash.mfu > softmax.mfu
+    for plan in ("megatron", "zero2", "zero3", "dp"):
+        s = simulate("gpt-1.3b", "dgx-h100", 8, plan, global_batch=64, recompute="none")
+        f = simulate(
+            "gpt-1.3b", "dgx-h100", 8, plan, global_batch=64, recompute="none",
+            program="megatron-lm-flash",
+        )  # fmt: skip
+        assert "compute_attention" in f.breakdown and "compute_attention" not in s.breakdown
+        assert f.step_time_s < s.step_time_s, plan
+    sp = simulate(
+        "gpt-1.3b", "dgx-h100", 8, "megatron:8x1x1", global_batch=8, microbatch_size=8,
+        recompute="none", sequence_parallel=True, program="megatron-lm-flash",
+    )  # fmt: skip
+    assert sp.plan["sequence_parallel"]
+
+
+def test_megatron_lm_programs_refuse_the_traced_attention_and_v100_refuses_flash():
+    from autoshard.sim.simulate import simulate
+
+    for program in ("megatron-lm", "megatron-lm-flash"):
+        with pytest.raises(ValueError, match="chooses the traced step's attention"):
+            simulate("gpt-125m", "dgx-h100", 1, "megatron", program=program, attention="fused")
+    with pytest.raises(ValueError, match="presets with one: dgx-a100, dgx-h100"):
+        simulate("gpt-125m", "alpa-v100", 1, "megatron", program="megatron-lm-flash")
+
+
+def test_cli_simulate_program_megatron_lm_flash(capsys):
+    import json
+
+    from autoshard.cli.main import main
+
+    args = ["simulate", "--model", "gpt-1.3b", "--cluster", "dgx-h100", "--gpus", "1",
+            "--plan", "megatron:1x1x1", "--microbatch-size", "8", "--global-batch", "8",
+            "--recompute", "none"]  # fmt: skip
+    assert main([*args, "--program", "megatron-lm-flash", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plan"]["program"] == "megatron-lm-flash"
+    assert main([*args, "--program", "megatron-lm-flash"]) == 0
+    assert "flash attention" in capsys.readouterr().out
+    bad = ["simulate", "--model", "gpt-125m", "--cluster", "alpa-v100", "--gpus", "1"]
+    try:
+        code = main([*bad, "--program", "megatron-lm-flash"])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2 and "dgx-a100, dgx-h100" in capsys.readouterr().err
