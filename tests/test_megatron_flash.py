@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
@@ -206,3 +207,112 @@ def test_cli_simulate_program_megatron_lm_flash(capsys):
     except SystemExit as exit_:
         code = exit_.code
     assert code == 2 and "dgx-a100, dgx-h100" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ weak scaling
+
+
+def _weak_scaling():
+    from conftest import load_experiment
+
+    return load_experiment("weak_scaling")
+
+
+def test_weak_scaling_megatron_flash_only_where_an_attention_table_is():
+    ws = _weak_scaling()
+    assert ws.megatron_methods("alpa-v100") == ("megatron",)
+    assert (
+        ws.megatron_methods("dgx-a100")
+        == ws.megatron_methods("dgx-h100")
+        == (
+            "megatron",
+            "megatron-flash",
+        )
+    )
+    row, report = ws.megatron_row("dgx-h100", "gpt", "gpt-350m", 1, 64, "megatron-flash")
+    assert row["method"] == "megatron-flash" and report.plan["program"] == "megatron-lm-flash"
+    softmax, _ = ws.megatron_row("dgx-h100", "gpt", "gpt-350m", 1, 64, "megatron")
+    assert row["pflops"] > softmax["pflops"]
+
+
+def _chunk(cluster: str) -> dict:
+    rows = [
+        dict(cluster=cluster, family="gpt", model=model, gpus=gpus, method=method, pflops=1.0,
+             oom=False, plan={}, step_time_s=1.0, optimizer="adamw")
+        for model, gpus in (("gpt-350m", 1), ("gpt-760m", 2))
+        for method in ("megatron", "auto", "intra-only")
+    ]  # fmt: skip
+    config = {"global_batch": {"gpt": 64}, "optimizer": {"gpt": "adamw"}}
+    return dict(config=config, rows=rows, chunk_wall_s=1.0, chunk_cpu_s=1.0, chunk_commit="x")
+
+
+def test_add_methods_puts_megatron_flash_into_finished_chunks(tmp_path):
+    """``weak_scaling_chunks.py --add-methods megatron-flash DIR``: a row beside each
+    megatron row of the GPT chunks of clusters with an attention table (none on alpa-v100),
+    the other rows untouched, recorded in the chunk; run again, nothing more; --assemble
+    carries the record and the figure draws the method as its own series."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import load_benchmark
+
+    chunks = load_benchmark("weak_scaling_chunks")
+    part = _chunk("dgx-h100")
+    before = [dict(r) for r in part["rows"]]
+    assert chunks.add_methods(part, "dgx-h100", "gpt", ("megatron-flash",)) == ["megatron-flash"]
+    assert [r for r in part["rows"] if r["method"] != "megatron-flash"] == before
+    assert [(r["model"], r["method"]) for r in part["rows"][:2]] == [
+        ("gpt-350m", "megatron"),
+        ("gpt-350m", "megatron-flash"),
+    ]
+    flash = [r for r in part["rows"] if r["method"] == "megatron-flash"]
+    assert [(r["model"], r["gpus"]) for r in flash] == [("gpt-350m", 1), ("gpt-760m", 2)]
+    assert all(r["plan"]["program"] == "megatron-lm-flash" for r in flash)
+    assert all(r["plan"]["global_batch"] == 64 for r in flash)
+    (added,) = part["added_methods"]
+    assert added["method"] == "megatron-flash" and "not rerun" in added["note"]
+    assert chunks.add_methods(part, "dgx-h100", "gpt", ("megatron-flash",)) == []
+    v100 = _chunk("alpa-v100")
+    assert chunks.add_methods(v100, "alpa-v100", "gpt", ("megatron-flash",)) == []
+    assert "added_methods" not in v100
+
+    for c in ("alpa-v100", "dgx-a100", "dgx-h100"):
+        for f in ("gpt", "moe", "wresnet"):
+            part = _chunk(c)
+            for r in part["rows"]:
+                r["family"] = f
+            (tmp_path / f"chunk-{c}-{f}.json").write_text(json.dumps(part))
+    script = str(Path(chunks.__file__))
+    subprocess.run(
+        [sys.executable, script, "--add-methods", "megatron-flash", str(tmp_path)], check=True
+    )
+    have = {
+        c: {r["method"] for r in json.loads((tmp_path / f"chunk-{c}-gpt.json").read_text())["rows"]}
+        for c in ("alpa-v100", "dgx-a100", "dgx-h100")
+    }
+    assert "megatron-flash" not in have["alpa-v100"]
+    assert "megatron-flash" in have["dgx-a100"] and "megatron-flash" in have["dgx-h100"]
+    moe = json.loads((tmp_path / "chunk-dgx-h100-moe.json").read_text())
+    assert "added_methods" not in moe
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, script, str(tmp_path), "--assemble", str(out)], check=True)
+    doc = json.loads((out / "weak-scaling.json").read_text())
+    record = {(k["cluster"], k["family"]): k["added_methods"] for k in doc["data"]["chunks"]}
+    assert [a["method"] for a in record[("dgx-h100", "gpt")]] == ["megatron-flash"]
+    assert record[("alpa-v100", "gpt")] == []
+    assert "megatron_flash" in doc["data"]["config"]
+
+    ws = _weak_scaling()
+    _, methods, by, _ = ws.panel_data(doc, "dgx-h100", "gpt")
+    assert methods.index("megatron-flash") == methods.index("megatron") + 1
+    assert "megatron-flash" not in ws.panel_data(doc, "alpa-v100", "gpt")[1]
+    fig = ws.plot(doc)
+    import figure
+
+    drawn = figure.drawn(fig)
+    title = ws.panel_title(doc, "dgx-h100", "gpt")
+    assert f"{title}::bar|megatron-flash|1" in drawn
+    ax = next(a for a in fig.axes if a.get_title() == title)
+    assert ws.LABELS["megatron-flash"] in [t.get_text() for t in ax.get_legend().get_texts()]
+    figure.plt.close(fig)
