@@ -15,6 +15,8 @@ from autoshard.inter.stages import RECOMPUTE_MODES as _PLANNED_MODES
 RECOMPUTE_MODES = (*_PLANNED_MODES, "auto")
 PROGRAM_TEXT = {
     "megatron-lm": "Megatron-LM's fused kernels (the program published measurements ran)",
+    "megatron-lm-flash": "Megatron-LM's fused kernels with flash attention (today's "
+    "--use-flash-attn; the attention kernel from the device's attention table)",
     "traced": "the traced JAX step, op by op, as the search prices it (XLA:GPU fusion model)",
 }
 
@@ -68,6 +70,8 @@ def _plan_text(plan: dict) -> str:
         extra += f", {plan['virtual_stages']} virtual stages (interleaved 1F1B)"
     if plan.get("program") == "traced":
         extra += ", timed on the traced JAX step (the search's cost model)"
+    if plan.get("program") == "megatron-lm-flash":
+        extra += ", flash attention"
     searched = (
         f" (best of {plan['candidates_evaluated']} configurations)"
         if plan["candidates_evaluated"] > 1
@@ -269,7 +273,7 @@ def register(subparsers) -> None:
         "--sequence-parallel",
         action="store_true",
         help="Megatron-LM sequence parallelism (needs TP > 1; Megatron plans on the "
-        "megatron-lm program only)",
+        "megatron-lm and megatron-lm-flash programs only)",
     )
     p.add_argument(
         "--virtual-stages",
@@ -313,11 +317,13 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--program",
-        choices=("megatron-lm", "traced"),
+        choices=("megatron-lm", "megatron-lm-flash", "traced"),  # sim.simulate.PROGRAMS
         default="megatron-lm",
         help="what a Megatron grid is timed on: Megatron-LM's fused kernels (default; the "
-        "program of published measurements) or the traced JAX step with the search's stage "
-        "costs, the program --plan auto is timed on",
+        "program of published measurements), the same with flash attention "
+        "(megatron-lm-flash: today's Megatron-LM, on presets with an attention table: "
+        "dgx-a100, dgx-h100) or the traced JAX step with the search's stage costs, the "
+        "program --plan auto is timed on",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)
