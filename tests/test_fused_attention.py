@@ -221,10 +221,11 @@ def test_attention_table_errors(tmp_path):
 def test_shipped_a100_table_is_flash_attention_2():
     table = AttentionTable.load("a100")
     assert table.dtype == "bf16" and "FlashAttention-2" in table.source
-    # forward + backward at the paper's shapes: 110-190 TFLOP/s
+    # forward + backward at the paper's shapes: 110-190 TFLOP/s as the paper counts a
+    # causal mask (half the square), so 220-380 in the table's full-square FLOPs
     for *_, f, b in table.rows:
         both = 3.5 / (1 / f + 2.5 / b)
-        assert 105 <= both <= 195
+        assert 210 <= both <= 390
 
 
 def _attention_costs(graph, mesh, itemsize_note=""):
