@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
@@ -71,10 +71,7 @@ FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradi
 
 
 def materialized_tensors(
-    graph: Graph,
-    reductions_read_memory: bool = False,
-    fused_transcendentals: bool = False,
-    copied_lhs: Collection[int] = (),
+    graph: Graph, reductions_read_memory: bool = False, fused_transcendentals: bool = False
 ) -> set[int]:
     """Tensors that occupy memory in the compiled step (a model of XLA's fusion).
 
@@ -103,15 +100,6 @@ def materialized_tensors(
     buffer.  A value XLA's CSE merges into an earlier one
     (:func:`~autoshard.intra.common_values.common_values`: a backward-pass recompute)
     is not; the earlier value is read by the copy's readers too.
-
-    ``copied_lhs`` (XLA:CPU: :func:`~autoshard.intra.layout_copies.transposed_dot_lhs`):
-    dot operands XLA:CPU also copies transposed.  Where such an operand is a cheap
-    elementwise value, XLA builds the transposed copy by a fusion of its own from the
-    operand's fusion inputs, so a transcendental fused into the operand is read by two
-    fusions and kept: in the compiled gpt-350m auto step on 8 devices the custom-VJP
-    cross-entropy's ``exp(logits - lse)`` (``subtract_exponential_fusion``) is read by the
-    logits gradient (``multiply_bitcast_fusion``) and by its transposed copy for the
-    embedding's gradient (``copy_bitcast_fusion``): three [B, S, V/8] buffers at XLA's peak.
     """
     expensive = EXPENSIVE - TRANSCENDENTAL if fused_transcendentals else EXPENSIVE
     kept_when_shared = frozenset() if fused_transcendentals else TRANSCENDENTAL
@@ -149,42 +137,7 @@ def materialized_tensors(
                 )
                 if not recomputable:
                     out.add(tid)
-    for tid in copied_lhs:  # a transposed copy fuses the operand's chain again
-        if tid not in out or graph.tensors[tid].producer is None:
-            continue
-        if graph.nodes[graph.tensors[tid].producer].primitive in MATERIALIZING:
-            continue  # the copy reads this buffer
-        for v in _fused_chain(graph, tid, out):
-            if graph.nodes[graph.tensors[v].producer].primitive in kept_when_shared:
-                out.add(v)
     return out
-
-
-def _fused_chain(graph: Graph, tid: int, keep: set[int]) -> set[int]:
-    """The values fused into ``tid``'s fusion: its producer's operands and theirs in turn,
-    up to materialised buffers (not included)."""
-    out: set[int] = set()
-    stack = [tid]
-    while stack:
-        node = graph.nodes[graph.tensors[stack.pop()].producer]
-        for i in node.inputs:
-            t = graph.tensors[i]
-            if i in keep or i in out or t.producer is None or not t.shape:
-                continue
-            out.add(i)
-            stack.append(i)
-    return out
-
-
-def _fusion_inputs(graph: Graph, tid: int, keep: set[int]) -> set[int]:
-    """The materialised buffers ``tid``'s fusion reads (through the values fused into it)."""
-    chain = _fused_chain(graph, tid, keep) | {tid}
-    return {
-        i
-        for v in chain
-        for i in graph.nodes[graph.tensors[v].producer].inputs
-        if i in keep and i not in chain
-    }
 
 
 def _through_views(graph: Graph, readers) -> set[int]:
@@ -257,7 +210,6 @@ def live_intervals(
     late_updates: bool = False,
     fused_transcendentals: bool = False,
     early_inputs: bool = False,
-    copied_lhs: Sequence[tuple[int, int]] = (),
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -268,20 +220,13 @@ def live_intervals(
     last op that reads it, directly or through values fused away (:func:`_readers`: a
     value recomputed in the backward pass keeps what it is made of alive until then).
 
-    ``copied_lhs``: (dot operand, dot) pairs XLA:CPU copies transposed
-    (:func:`~autoshard.intra.layout_copies.transposed_dot_lhs`); the copy of a cheap
-    elementwise operand is made at the dot from the operand's fusion inputs, which live
-    until then (:func:`materialized_tensors`).
-
     With ``early_inputs`` (XLA:CPU, ``early_input_reshards``) the zeros an in-place update
     writes into and no add absorbs (:mod:`autoshard.intra.update_zeros`) are a buffer made
     at the start of the step, which the update's result then takes over.
     """
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
-    keep = materialized_tensors(
-        graph, reductions_read_memory, fused_transcendentals, {t for t, _ in copied_lhs}
-    )
+    keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals)
     consumers = merged_consumers(graph, common_values(graph))
     aliased_outputs = {dst for _, dst in graph.aliases}
     out: dict[int, tuple[int, int]] = {}
@@ -297,14 +242,6 @@ def live_intervals(
         else:
             last = max([pos[c] for c in _readers(graph, t.id, keep, consumers)] + [first])
         out[t.id] = (first, last)
-    for tid, dot in copied_lhs:  # a cheap operand's transposed copy: made from its inputs
-        t = graph.tensors[tid]
-        if t.producer is None or graph.nodes[t.producer].primitive in MATERIALIZING:
-            continue
-        for i in _fusion_inputs(graph, tid, keep):
-            if i in out:
-                first, last = out[i]
-                out[i] = (first, max(last, pos[dot]))
     if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
         for z in graph_update_zeros(graph):
             if z.add is None and z.zeros not in out:
@@ -326,7 +263,6 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
         layout.late_updates,
         layout.fused_transcendentals,
         layout.early_input_reshards,
-        transposed_dot_lhs(graph, mesh),
     )
 
 
