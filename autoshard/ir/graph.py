@@ -170,6 +170,7 @@ class Tensor:
     consumers: tuple[int, ...]
     first_use: int  # node index where it becomes live (-1: live from the start)
     last_use: int  # last node that reads it (len(nodes): a program output)
+    literal: float | int | bool | None = None  # a scalar literal's value
 
     @property
     def size(self) -> int:
@@ -312,6 +313,7 @@ def build_graph(records: TraceRecords) -> Graph:
                 users,
                 first,
                 last,
+                rec.literal,
             )
         )
     edges = tuple(

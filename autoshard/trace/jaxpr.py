@@ -169,16 +169,18 @@ class _Flattener:
     # modules run by an unrolled scan (their iterations are tagged ``name_i``)
     scanned: set[str] = field(default_factory=set)
 
-    def new_tensor(self, aval, kind: str, path: str = "") -> int:
+    def new_tensor(self, aval, kind: str, path: str = "", literal=None) -> int:
         tid = len(self.tensors)
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
         dtype = np.dtype(getattr(aval, "dtype", np.float32)).name
-        self.tensors.append(TensorRecord(tid, shape, dtype, kind, path))
+        self.tensors.append(TensorRecord(tid, shape, dtype, kind, path, literal))
         return tid
 
     def read(self, env: dict, atom) -> int:
         if isinstance(atom, jcore.Literal):
-            tid = self.new_tensor(atom.aval, "literal")
+            value = np.asarray(atom.val)
+            scalar = value.item() if value.ndim == 0 else None
+            tid = self.new_tensor(atom.aval, "literal", literal=scalar)
             self.consts[tid] = atom.val
             return tid
         return env[atom]
