@@ -39,7 +39,8 @@ def trace_workload(
 class ModelSummary:
     model: str
     params: int
-    matmul_flops_per_step: float  # forward + backward dot_general FLOPs
+    # forward + backward model FLOPs of matrix products: dot_general and fused attention
+    matmul_flops_per_step: float
     flops_per_step: float  # forward + backward, all ops
     update_flops_per_step: float  # optimizer update
     num_eqns: int
@@ -74,7 +75,7 @@ def summarize_graph(name: str, graph: Graph) -> ModelSummary:
     return ModelSummary(
         model=name,
         params=graph.num_params(),
-        matmul_flops_per_step=graph.flops_where("dot_general"),
+        matmul_flops_per_step=graph.matmul_flops(),
         flops_per_step=graph.flops_where(),
         update_flops_per_step=graph.flops_where(phases=("update",)),
         num_eqns=len(graph.nodes),

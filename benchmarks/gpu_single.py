@@ -46,15 +46,34 @@ import tempfile
 import time
 from pathlib import Path
 
-# (model, layers, batch); sequence 1024 and vocabulary 51200 (the presets')
-CONFIGS = (("gpt-350m", 24, 8), ("gpt-1.3b", 24, 4), ("gpt-1.3b", 8, 8))
-QUICK_CONFIGS = (("gpt-tiny", 2, 8),)
-BREAKDOWN_KINDS = ("gemm", "attention_sxs", "other_memory_bound", "optimizer")
+# (model, layers, batch, attention); sequence 1024 and vocabulary 51200 (the presets')
+CONFIGS = (("gpt-350m", 24, 8, "fused"), ("gpt-1.3b", 24, 8, "fused"), ("gpt-1.3b", 24, 4, "fused"))
+QUICK_CONFIGS = (("gpt-tiny", 2, 8, "fused"),)
+ATTENTION = ("fused", "unfused")
+BREAKDOWN_KINDS = ("gemm", "attention_kernel", "attention_sxs", "other_memory_bound", "optimizer")
+# cuDNN's fused attention kernels (the fused step's attention_fwd / attention_bwd)
+ATTENTION_KERNEL = re.compile(r"cudnn|fmha|flash|sdpa", re.I)
 GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|wgmma|gmma|cublas|triton_gemm", re.I)
 
 
-def _label(model: str, layers: int, batch: int) -> str:
-    return f"{model} L{layers} B{batch}"
+def _label(model: str, layers: int, batch: int, attention: str = "unfused") -> str:
+    return f"{model} L{layers} B{batch} {attention}"
+
+
+def parse_config(text: str) -> tuple[str, int, int, str]:
+    """``model:layers:batch[:attention]`` (attention ``fused``, the default, or ``unfused``)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ATTENTION):
+        raise ValueError(
+            f"a configuration is model:layers:batch[:{'|'.join(ATTENTION)}], got {text!r}"
+        )
+    return parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else "fused"
+
+
+def _run_config(run: dict) -> tuple[str, int, int, str]:
+    """A measured run's configuration; runs measured before the fused attention existed
+    (no ``attention`` key) ran the einsum attention."""
+    return run["model"], run["layers"], run["batch"], run.get("attention", "unfused")
 
 
 # ----------------------------------------------------------------------------- measure
@@ -106,7 +125,13 @@ def _profile_summary(trace_dir: str, steps: int) -> dict:
 
 
 def measure_one(
-    model: str, layers: int, batch: int, steps: int, profile: bool, dump_hlo: str | None = None
+    model: str,
+    layers: int,
+    batch: int,
+    steps: int,
+    profile: bool,
+    dump_hlo: str | None = None,
+    attention: str = "fused",
 ) -> dict:
     """One configuration in this process: compile, memory, step time (and a profile).
     ``dump_hlo``: a folder for the compiled HLO text (gzip), to name the profile's kernels;
@@ -118,12 +143,15 @@ def measure_one(
     from autoshard.verify.memory import memory_stats
 
     dtype = "bfloat16"
-    work = get_workload(model, batch_size=batch, num_layers=layers, dtype=dtype)
+    work = get_workload(
+        model, batch_size=batch, num_layers=layers, dtype=dtype, attention=attention
+    )
     opt = make_optimizer("adamw")
     step = jax.jit(make_train_step(work.loss_fn, opt), donate_argnums=(0, 1))
     out = {"model": model, "layers": layers, "batch": batch, "seq_len": work.config.seq_len,
            "vocab": work.config.vocab_size, "hidden": work.config.hidden, "dtype": dtype,
-           "params": work.config.num_params, "optimizer": "adamw"}  # fmt: skip
+           "params": work.config.num_params, "optimizer": "adamw",
+           "attention": attention}  # fmt: skip
     t0 = time.perf_counter()
     compiled = step.lower(*work.abstract_train_args(opt)).compile()
     out["compile_s"] = time.perf_counter() - t0
@@ -148,7 +176,7 @@ def measure_one(
     except Exception as err:  # noqa: BLE001 - optional; record why
         out["xla_cost_analysis"] = {"error": repr(err)}
     if dump_hlo:
-        path = Path(dump_hlo) / f"{model}_L{layers}_B{batch}.hlo.txt.gz"
+        path = Path(dump_hlo) / f"{model}_L{layers}_B{batch}_{attention}.hlo.txt.gz"
         with gzip.open(path, "wt") as f:
             f.write(compiled.as_text())
         out["hlo_dump"] = path.name
@@ -202,7 +230,7 @@ def cmd_measure(args) -> int:
 
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     if args.configs:
-        configs = [(m, int(layer), int(b)) for m, layer, b in (c.split(":") for c in args.configs)]
+        configs = [parse_config(c) for c in args.configs]
     dev = jax.devices()[0]
     result = {
         "device_kind": dev.device_kind,
@@ -215,12 +243,24 @@ def cmd_measure(args) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}), flush=True)
     out = Path(args.out)
     t_start = time.monotonic()
-    for model, layers, batch in configs:
+    for model, layers, batch, attention in configs:
         # one process per configuration: a clean allocator peak, and an OOM stays contained
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             child = tmp.name
-        cmd = [sys.executable, __file__, "_one", model, str(layers), str(batch), child,
-               "--steps", str(args.steps)] + (["--profile"] if args.profile else [])  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "_one",
+            model,
+            str(layers),
+            str(batch),
+            child,
+            "--steps",
+            str(args.steps),
+            "--attention",
+            attention,
+        ]
+        cmd += ["--profile"] if args.profile else []  # fmt: skip
         cmd += ["--dump-hlo", args.dump_hlo] if args.dump_hlo else []
         t0 = time.perf_counter()
         left = args.total_s - (time.monotonic() - t_start)
@@ -234,18 +274,21 @@ def cmd_measure(args) -> int:
         if error is None:
             run = json.loads(Path(child).read_text())
         else:
-            run = {"model": model, "layers": layers, "batch": batch, "error": error}
+            run = {"model": model, "layers": layers, "batch": batch, "attention": attention,
+                   "error": error}  # fmt: skip
         run["wall_s"] = time.perf_counter() - t0
         result["runs"].append(run)
         out.write_text(json.dumps(result, indent=1) + "\n")
         if "error" in run:
-            print(f"{_label(model, layers, batch)}: FAILED\n{run['error']}", flush=True)
+            print(f"{_label(model, layers, batch, attention)}: FAILED\n{run['error']}", flush=True)
         elif "step_time_s" not in run:
-            print(f"{_label(model, layers, batch)}: compiled in {run['compile_s']:.1f} s")
+            print(
+                f"{_label(model, layers, batch, attention)}: compiled in {run['compile_s']:.1f} s"
+            )
         else:
             mem = run["memory_analysis"]["compiled_peak_bytes"] / 2**30
             print(
-                f"{_label(model, layers, batch)}: step {run['step_time_s'] * 1e3:.1f} ms "
+                f"{_label(model, layers, batch, attention)}: step {run['step_time_s'] * 1e3:.1f} ms "
                 f"(spread {run['step_time_spread']:.1%}), compiled peak {mem:.2f} GiB, "
                 f"compile {run['compile_s']:.1f} s, wall {run['wall_s']:.0f} s, "
                 f"loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f}",
@@ -256,7 +299,10 @@ def cmd_measure(args) -> int:
 
 def cmd_one(args) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    run = measure_one(args.model, args.layers, args.batch, args.steps, args.profile, args.dump_hlo)
+    run = measure_one(
+        args.model, args.layers, args.batch, args.steps, args.profile, args.dump_hlo,
+        args.attention,
+    )  # fmt: skip
     Path(args.child_out).write_text(json.dumps(run))
     return 0
 
@@ -264,7 +310,9 @@ def cmd_one(args) -> int:
 # ----------------------------------------------------------------------------- predict
 
 
-def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") -> dict:
+def predict_one(
+    model: str, layers: int, batch: int, cluster: str = "dgx-h100", attention: str = "fused"
+) -> dict:
     """What autoshard predicts for one configuration on one GPU of ``cluster``."""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.options import IntraOptions
@@ -276,7 +324,7 @@ def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") 
         report = simulate(
             model, cluster, 1, plan="megatron:1x1x1", global_batch=batch,
             microbatch_size=batch, recompute="none", dtype="bf16", program=program,
-            num_layers=layers,
+            num_layers=layers, **({"attention": attention} if program == "traced" else {}),
         )  # fmt: skip
         out[program] = {
             "step_time_s": report.step_time_s,
@@ -285,7 +333,9 @@ def predict_one(model: str, layers: int, batch: int, cluster: str = "dgx-h100") 
             "peak_bytes": report.peak_bytes_per_device,
             "breakdown": dict(report.breakdown),
         }
-    traced = trace_workload(model, "adamw", batch_size=batch, num_layers=layers, dtype="bfloat16")
+    traced = trace_workload(
+        model, "adamw", batch_size=batch, num_layers=layers, dtype="bfloat16", attention=attention
+    )
     mesh = device_mesh_for((1,), ("data",), cluster=cluster)  # GPU layout: flags off
     flags = ("narrow_dots_in_f32", "reductions_read_memory", "late_updates",
              "early_input_reshards")  # fmt: skip
@@ -314,6 +364,8 @@ def traced_breakdown(graph, mesh, seq_len: int, batch_heads: int) -> dict:
         shapes = [graph.tensors[t].shape for t in (*node.inputs, *node.outputs)]
         if node.primitive == "dot_general":
             kind = "gemm"
+        elif node.primitive.startswith("attention_"):
+            kind = "attention_kernel"
         elif node.phase == "update":
             kind = "optimizer"
         elif any(_is_attention_square(shape, seq_len, batch_heads) for shape in shapes):
@@ -365,13 +417,15 @@ def measured_breakdown(run: dict, hlo_text: str | None) -> dict | None:
 
     steps, seq = profile["steps"], run["seq_len"]
     batch_heads = run["batch"] * GPT_PRESETS[run["model"]].num_heads
-    out = {"gemm": 0.0, "other_kernels": 0.0}
+    out = {"gemm": 0.0, "attention_kernel": 0.0, "other_kernels": 0.0}
     if hlo_text is not None:
         out = dict.fromkeys(BREAKDOWN_KINDS, 0.0) | {"unnamed": 0.0}
         inst = _hlo_instructions(hlo_text)
     for k in profile["top_kernels"]:
         seconds = k["us"] / steps / 1e6
-        if GEMM_KERNEL.search(k["name"]):
+        if ATTENTION_KERNEL.search(k["name"]):  # before GEMMs: cuDNN's names say wgmma too
+            out["attention_kernel"] = out.get("attention_kernel", 0.0) + seconds
+        elif GEMM_KERNEL.search(k["name"]):
             out["gemm"] += seconds
         elif hlo_text is None:
             out["other_kernels"] += seconds
@@ -407,16 +461,17 @@ def cmd_predict(args) -> int:
     rows = []
     for run in measured["runs"]:
         if "error" in run:
-            rows.append({"config": _label(run["model"], run["layers"], run["batch"]),
-                         "measured": run})  # fmt: skip
+            rows.append({"config": _label(*_run_config(run)), "measured": run})
             continue
-        pred = predict_one(run["model"], run["layers"], run["batch"], args.cluster)
+        model, layers, batch, attention = _run_config(run)
+        pred = predict_one(model, layers, batch, args.cluster, attention)
         step = run["step_time_s"]
         hlo = None
         if args.hlo_dir:
-            path = (
-                Path(args.hlo_dir) / f"{run['model']}_L{run['layers']}_B{run['batch']}.hlo.txt.gz"
-            )
+            folder = Path(args.hlo_dir)
+            path = folder / f"{model}_L{layers}_B{batch}_{attention}.hlo.txt.gz"
+            if not path.exists():  # named before the attention option existed
+                path = folder / f"{model}_L{layers}_B{batch}.hlo.txt.gz"
             hlo = gzip.open(path, "rt").read() if path.exists() else None
         flops = formulas.model_flops_per_step(
             run["batch"], run["seq_len"], run["layers"], run["hidden"], run["vocab"]
@@ -424,7 +479,8 @@ def cmd_predict(args) -> int:
         mfu = formulas.flops_utilization(flops, step, 1, args.peak_tflops * 1e12)
         compiled = run["memory_analysis"]["compiled_peak_bytes"]
         row = {
-            "config": _label(run["model"], run["layers"], run["batch"]),
+            "config": _label(model, layers, batch, attention),
+            "attention": attention,
             "model_flops_per_step": flops,
             "measured_step_time_s": step,
             "measured_mfu": mfu,
@@ -512,7 +568,11 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="run the steps on this machine's first device")
     m.add_argument("--out", required=True)
-    m.add_argument("--configs", nargs="+", help="model:layers:batch, e.g. gpt-350m:24:8")
+    m.add_argument(
+        "--configs",
+        nargs="+",
+        help="model:layers:batch[:fused|unfused], e.g. gpt-350m:24:8:unfused (default fused)",
+    )
     m.add_argument("--steps", type=int, default=10, help="0: compile only")
     m.add_argument("--profile", action="store_true")
     m.add_argument("--dump-hlo", help="folder for the compiled HLO of each configuration")
@@ -528,6 +588,7 @@ def main() -> int:
     one.add_argument("--steps", type=int, default=10)
     one.add_argument("--profile", action="store_true")
     one.add_argument("--dump-hlo")
+    one.add_argument("--attention", choices=ATTENTION, default="fused")
     one.set_defaults(func=cmd_one)
     p = sub.add_parser("predict", help="autoshard's predictions next to a measured file")
     p.add_argument("--measured", required=True)

@@ -13,6 +13,15 @@ made: each chunk's wall and CPU seconds and the commit it ran on) and draws
     python benchmarks/weak_scaling_chunks.py DIR                  # run what is missing
     python benchmarks/weak_scaling_chunks.py DIR --families moe wresnet   # only these chunks
     python benchmarks/weak_scaling_chunks.py DIR --assemble OUT   # figure from finished clusters
+    python benchmarks/weak_scaling_chunks.py --add-methods megatron-flash DIR  # rows added
+
+``--add-methods megatron-flash`` adds Megatron-LM's flash-attention grid point
+(``weak_scaling.MEGATRON_PROGRAMS``) to the finished GPT chunks of clusters whose device has
+an attention table, one row beside each ``megatron`` row, without running the ``auto``
+search again (the grid is closed-form: seconds per chunk). The chunk records it in
+``added_methods`` (method, commit, wall seconds, what was not rerun), its ``config`` gets the
+method's note, and ``--assemble`` carries ``added_methods`` into ``data.chunks``; a chunk
+that has the method's rows already is left as it is.
 
 Each chunk records the optimizer its family was traced with (``weak_scaling.OPTIMIZER``);
 a chunk written before that was recorded traced AdamW, the only optimizer then, and the
@@ -39,6 +48,43 @@ def chunk_optimizer(part: dict, family: str) -> str:
     return part["config"].get("optimizer", {}).get(family, "adamw")
 
 
+ADDABLE = ("megatron-flash",)  # methods --add-methods can add to finished chunks
+
+
+def add_methods(part: dict, cluster: str, family: str, methods: tuple[str, ...]) -> list[str]:
+    """Add ``methods`` (Megatron grid methods, ``ADDABLE``) to the finished chunk ``part``
+    of ``cluster`` x ``family`` in place: one row per GPU count of its ``megatron`` rows, at
+    the chunk's own global batch, placed after the Megatron rows of that point; the other
+    rows are not touched. Returns the methods added (not those the cluster cannot price or
+    the chunk has already)."""
+    unknown = [m for m in methods if m not in ADDABLE]
+    if unknown:
+        raise ValueError(f"cannot add {unknown}; addable: {ADDABLE}")
+    have = {r["method"] for r in part["rows"]}
+    todo = [m for m in methods if m in ws.megatron_methods(cluster) and m not in have]
+    if family != "gpt" or not todo:
+        return []
+    batch = part["config"]["global_batch"]["gpt"]
+    t0 = time.perf_counter()
+    rows = []
+    for r in part["rows"]:
+        rows.append(r)
+        if r["method"] == "megatron" and r["cluster"] == cluster and r["family"] == family:
+            rows += [
+                ws.megatron_row(cluster, family, r["model"], r["gpus"], batch, m)[0] for m in todo
+            ]
+    part["rows"] = rows
+    wall = time.perf_counter() - t0
+    part["config"]["megatron_flash"] = ws.MEGATRON_FLASH_NOTE
+    part.setdefault("added_methods", []).extend(
+        {"method": m, "commit": (figure.git_commit() or "")[:7] or None, "wall_s": wall,
+         "note": "added to the finished chunk by weak_scaling_chunks.py --add-methods; the "
+         "chunk's other rows (auto and its restricted searches) were not rerun"}
+        for m in todo
+    )  # fmt: skip
+    return todo
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="folder for the chunk files")
@@ -49,15 +95,37 @@ def main() -> None:
     ap.add_argument(
         "--clusters", nargs="+", choices=tuple(ws.CLUSTERS), help="run only these clusters' chunks"
     )
+    ap.add_argument(
+        "--add-methods",
+        action="append",
+        choices=ADDABLE,
+        metavar="METHOD",
+        help=f"add this method's rows to the finished chunks (one of {', '.join(ADDABLE)}; "
+        "repeatable) without rerunning them",
+    )
     args = ap.parse_args()
-    if args.assemble is not None and (args.families or args.clusters):
-        ap.error("--families and --clusters select chunks to run; --assemble joins every one")
+    if args.assemble is not None and (args.families or args.clusters or args.add_methods):
+        ap.error(
+            "--families, --clusters and --add-methods work on chunks; --assemble joins every one"
+        )
     src = Path(args.dir)
     src.mkdir(parents=True, exist_ok=True)
     suites, clusters = dict(ws.SUITES), tuple(ws.CLUSTERS)
 
     def path(cluster: str, family: str) -> Path:
         return src / f"chunk-{cluster}-{family}.json"
+
+    if args.add_methods:
+        for c in args.clusters or clusters:
+            for f in args.families or suites:
+                if not path(c, f).exists():
+                    continue
+                part = json.loads(path(c, f).read_text())
+                added = add_methods(part, c, f, tuple(args.add_methods))
+                if added:
+                    path(c, f).write_text(json.dumps(part, indent=1) + "\n")
+                print(f"chunk {c} {f}: added {', '.join(added) or 'nothing'}", flush=True)
+        return
 
     if args.assemble is None:
         for c in args.clusters or clusters:
@@ -88,6 +156,9 @@ def main() -> None:
     data["config"] = dict(
         parts[0]["config"], clusters=done, max_gpus={f: 64 for f in suites}, optimizer=optimizer
     )
+    notes = [p["config"]["megatron_flash"] for p in parts if "megatron_flash" in p["config"]]
+    if notes:  # the GPT chunks of clusters with an attention table have it
+        data["config"]["megatron_flash"] = notes[0]
     data["families_skipped"] = {
         k: v for p in parts for k, v in p.get("families_skipped", {}).items()
     }
@@ -98,7 +169,8 @@ def main() -> None:
     data["chunks"] = [
         {"cluster": c, "family": f, "wall_s": p["chunk_wall_s"], "cpu_s": p["chunk_cpu_s"],
          "commit": p.get("chunk_commit"), "optimizer": chunk_optimizer(p, f),
-         "optimizer_recorded": "optimizer" in p["config"]}
+         "optimizer_recorded": "optimizer" in p["config"],
+         "added_methods": p.get("added_methods", [])}
         for (c, f), p in zip(chunks, parts, strict=True)
     ]  # fmt: skip
     unknown = [
@@ -106,7 +178,7 @@ def main() -> None:
     ]
     if unknown:  # chunks written before chunk_commit was recorded
         print(f"warning: no commit recorded for {', '.join(unknown)}", file=sys.stderr)
-    for k in ("chunk_wall_s", "chunk_cpu_s", "chunk_commit"):
+    for k in ("chunk_wall_s", "chunk_cpu_s", "chunk_commit", "added_methods"):
         data.pop(k, None)
     doc = figure.record(ws, data, False, sum(p["chunk_wall_s"] for p in parts))
     doc["cpu_seconds"] = sum(p["chunk_cpu_s"] for p in parts)

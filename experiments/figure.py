@@ -46,6 +46,7 @@ COLOURS = {
     "ilp": "#d62728",
     "stage-dp": "#d62728",
     "megatron": "#1f77b4",
+    "megatron-flash": "#6baed6",  # Megatron-LM's blue, lighter: the same grid, flash attention
     "intra-only": "#2ca02c",
     "inter-only": "#9467bd",
     "dp": "#8c564b",

@@ -5,7 +5,9 @@ each point (model, GPUs): autoshard's full search (``simulate(plan="auto")``: in
 ILPs + stage DP), intra-op only (the same ILP costs, one stage on the whole mesh),
 inter-op only (the same stage DP, stages restricted to data-parallel logical meshes), and
 the family's hand-written baseline: for GPT Megatron-LM (the best point of its TP x PP x
-DP x micro-batch x recompute grid); for GPT-MoE DeepSpeed-style expert parallelism
+DP x micro-batch x recompute grid; and, on clusters whose device has an attention table,
+the same search on Megatron-LM's flash-attention program, ``megatron-flash``: today's
+Megatron-LM, the fair baseline for autoshard's own fused-attention step); for GPT-MoE DeepSpeed-style expert parallelism
 with ZeRO-2 data parallelism (the ``expert-zero2`` intra-op baseline: experts split over
 the data-parallel devices, or, where the GPUs do not divide the experts, over
 DeepSpeed-MoE's expert-parallel group on a (n / g) x g view, :func:`expert_views`); for Wide-ResNet data parallelism with ZeRO (the faster of the
@@ -62,10 +64,13 @@ SUITES = {
     ],
 }  # fmt: skip
 CLUSTERS = ("alpa-v100", "dgx-a100", "dgx-h100")
-METHODS = ("auto", "megatron", "expert-zero2", "zero-dp", "intra-only", "inter-only")
+METHODS = (
+    "auto", "megatron", "megatron-flash", "expert-zero2", "zero-dp", "intra-only", "inter-only",
+)  # fmt: skip
 LABELS = {
     "auto": "autoshard (full search)",
     "megatron": "Megatron-LM (best grid)",
+    "megatron-flash": "Megatron-LM + flash attention (best grid)",
     "expert-zero2": "DeepSpeed-style expert parallel + ZeRO-2",
     "zero-dp": "Data parallel + ZeRO (best of 2, 3)",
     "intra-only": "Intra-op only",
@@ -88,6 +93,8 @@ ILP_TIME_LIMIT_S = 20.0
 # MoE and Wide-ResNet chunks take 12-20 min each at one count, so they keep the default
 SEARCH_MICROBATCHES = ("gpt",)
 MEGATRON_RECOMPUTE = ("none", "selective", "full")  # the Megatron grid's recompute axis
+# the Megatron grid's methods -> the simulator's program (sim.simulate.PROGRAMS)
+MEGATRON_PROGRAMS = {"megatron": "megatron-lm", "megatron-flash": "megatron-lm-flash"}
 
 
 def simulated_presets() -> set[str]:
@@ -230,18 +237,43 @@ def baseline_search(model: str, cluster_name: str, gpus: int, batch: int, dtype:
     return min(fits, key=lambda r: r["step_time_s"])
 
 
-def megatron_best(model: str, cluster: str, gpus: int, batch: int):
+def megatron_best(model: str, cluster: str, gpus: int, batch: int, method: str = "megatron"):
     """Megatron-LM's best grid point with recompute in the grid: the TP x PP x DP x
     micro-batch grid searched at each of none, selective and full recompute, the fastest
-    in model FLOPs/s that fits (the fastest of all, out of memory, if none fits)."""
+    in model FLOPs/s that fits (the fastest of all, out of memory, if none fits), on the
+    ``method``'s program (``MEGATRON_PROGRAMS``: the 2021 kernels, or flash attention)."""
     from autoshard.sim.simulate import simulate
 
+    program = MEGATRON_PROGRAMS[method]
     found = [
-        simulate(model, cluster, gpus, "megatron", recompute=mode, global_batch=batch)
+        simulate(
+            model, cluster, gpus, "megatron", recompute=mode, global_batch=batch, program=program
+        )
         for mode in MEGATRON_RECOMPUTE
     ]
     fits = [r for r in found if not r.oom] or found
     return max(fits, key=_model_pflops)
+
+
+def has_attention_table(cluster: str) -> bool:
+    """Whether ``cluster``'s device names an attention table: where Megatron-LM's
+    flash-attention program (``megatron-flash``) can be priced."""
+    from autoshard.hardware.clusters import load_cluster
+
+    return load_cluster(cluster).device.attention_table is not None
+
+
+def megatron_methods(cluster: str) -> tuple[str, ...]:
+    """The Megatron grid methods of a GPT panel on ``cluster``: ``megatron``, and
+    ``megatron-flash`` where the device has an attention table."""
+    return ("megatron", "megatron-flash") if has_attention_table(cluster) else ("megatron",)
+
+
+def megatron_row(cluster: str, family: str, model: str, gpus: int, batch: int, method: str):
+    """One Megatron grid method's row (and its report): :func:`megatron_best` on the
+    method's program (closed form: seconds, not a search)."""
+    report = megatron_best(model, cluster, gpus, batch, method)
+    return _row(cluster, family, model, gpus, method, report, _model_pflops(report)), report
 
 
 def _model_pflops(report) -> float:
@@ -281,8 +313,11 @@ def run(quick: bool, progress) -> dict:
         mega, counts = None, None
         if family == "gpt":  # the grid's memory and update model Adam (formulas.py)
             assert optimizer == "adamw", "Megatron-LM's grid models mixed-precision Adam"
-            mega = megatron_best(model, cluster, gpus, batch)
-            rows.append(_row(cluster, family, model, gpus, "megatron", mega, _model_pflops(mega)))
+            for method in megatron_methods(cluster):
+                row, report = megatron_row(cluster, family, model, gpus, batch, method)
+                rows.append(row)
+                if method == "megatron":
+                    mega = report
         if family in SEARCH_MICROBATCHES and not quick:
             counts = auto_microbatches(mega)
         auto = simulate(
@@ -321,6 +356,7 @@ def run(quick: bool, progress) -> dict:
             "seq_len": "1024 (GPT, GPT-MoE)",
             "recompute": "megatron: the grid's best of none/selective/full; searches: chosen per "
             "stage (none/selective/full)",
+            "megatron_flash": MEGATRON_FLASH_NOTE,
             "dtype": "the device's 16-bit type (fp16 on V100, bf16 on A100/H100)",
             "ilp_time_limit_s": ILP_TIME_LIMIT_S,
             "auto_microbatches": {
@@ -345,6 +381,13 @@ def run(quick: bool, progress) -> dict:
         },
         "rows": rows,
     }
+
+
+MEGATRON_FLASH_NOTE = (
+    "GPT, on clusters whose device has an attention table (dgx-a100, dgx-h100): Megatron-LM's "
+    "best grid point on its flash-attention program (simulate program='megatron-lm-flash'), "
+    "searched as megatron is; auto's micro-batch candidates take megatron's count"
+)
 
 
 def _row(cluster, family, model, gpus, method, report, pflops) -> dict:

@@ -190,7 +190,12 @@ def test_plan_json_round_trip(tiny):
 
 @pytest.fixture(scope="module")
 def gpt350m_2l():
-    return trace_workload("gpt-350m", optimizer="adamw", batch_size=8, num_layers=2)
+    # XLA's S x S attention (attention="unfused"): the budgets and peaks below are that
+    # program's (the fused program's free plan is 0.86 GB, and its model misses the
+    # custom-VJP cross-entropy's recomputed probabilities at XLA's peak)
+    return trace_workload(
+        "gpt-350m", optimizer="adamw", batch_size=8, num_layers=2, attention="unfused"
+    )
 
 
 def test_memory_budget_sweep_trades_communication_for_memory(gpt350m_2l):

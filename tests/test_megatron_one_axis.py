@@ -33,9 +33,16 @@ def test_target_logit_all_reduced_then_split_by_the_loss_is_a_reduce_scatter(sha
     # the target logit [8, 128, 1] is all-reduced over it, squeezed, and each device keeps
     # its rows. XLA compiles the all-reduce and that slice as one reduce-scatter of the
     # all-reduce's bytes (the local buffer: the batch over `data` already split).
+    # optax's cross-entropy (attention="unfused"): the fused program's custom-VJP loss
+    # takes the target logit from the logits as its own op, with no such all-reduce.
     batch, seq = 8, 128
     traced = trace_workload(
-        "gpt-350m", optimizer="adamw", num_layers=1, batch_size=batch, seq_len=seq
+        "gpt-350m",
+        optimizer="adamw",
+        num_layers=1,
+        batch_size=batch,
+        seq_len=seq,
+        attention="unfused",
     )
     mesh = device_mesh_for(shape, axes)
     options = baseline_options(IntraOptions(solver="highs"), mesh.mesh, "megatron")

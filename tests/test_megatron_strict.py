@@ -26,8 +26,8 @@ HIGHS = IntraOptions(solver="highs")
 CASES = [((2, 4), 4), ((1, 8), 8)]
 
 
-def _traced(heads, layers=2):
-    return trace_workload("gpt-tiny", optimizer="sgd", num_heads=heads, num_layers=layers)
+def _traced(heads, layers=2, **kw):
+    return trace_workload("gpt-tiny", optimizer="sgd", num_heads=heads, num_layers=layers, **kw)
 
 
 def _megatron(traced, shape):
@@ -66,9 +66,15 @@ def test_megatron_plan_has_megatron_lms_collectives(shape, heads):
 
     So 4 L + 5 over model and 12 L + 6 over data; a block adds exactly 4 and 12, and
     nothing else moves: no all-gather, all-to-all or reduce-scatter of any weight or
-    activation."""
+    activation.
+
+    Megatron-LM's program: one QKV GEMM (``attention="unfused"``).  The fused program's
+    q, k, v are three GEMMs, whose input-gradient partial sums are all-reduced one by
+    one (6 a block over model) and whose kernel and bias gradients come in three pieces
+    each (16 a block over data)."""
     dp = shape[0]
-    plans = {layers: _megatron(_traced(heads, layers), shape) for layers in (2, 4)}
+    unfused = {"attention": "unfused"}
+    plans = {layers: _megatron(_traced(heads, layers, **unfused), shape) for layers in (2, 4)}
     counts = {layers: _counts(plan) for layers, plan in plans.items()}
     for layers, (kinds, _) in counts.items():
         assert {k for k, _ in kinds} == {"all-reduce"}, kinds
@@ -90,7 +96,7 @@ def test_megatron_plan_has_megatron_lms_collectives(shape, heads):
     assert block_bytes[("data",)] == (4 * per_device if dp > 1 else 0)
     # weights stay where Megatron-LM puts them
     plan = plans[2]
-    graph = _traced(heads).graph
+    graph = _traced(heads, **unfused).graph
     for tid, spec in zip(graph.inputs, plan.input_specs):
         path = graph.tensors[tid].path
         if path.endswith("['qkv']['kernel']") or path.endswith("['fc']['kernel']"):
@@ -121,7 +127,13 @@ def test_megatron_refuses_heads_the_model_axis_does_not_divide():
     """gpt-tiny's 4 heads on an 8-way model axis: Megatron-LM would refuse too; the
     error names the op (the QKV reshape into heads) and what would work."""
     with pytest.raises(BaselineRefusedError) as err:
-        plan_workload("gpt-tiny", device_mesh_for("1x8"), optimizer="sgd", baseline="megatron")
+        plan_workload(
+            "gpt-tiny",
+            device_mesh_for("1x8"),
+            optimizer="sgd",
+            baseline="megatron",
+            attention="unfused",  # the QKV reshape named is the one-GEMM program's
+        )
     text = str(err.value)
     assert "reshape in layer 'block_0' ((8, 32, 192) -> (8, 32, 4, 48))" in text, text
     assert "no all-gather, all-to-all or reduce-scatter" in text, text

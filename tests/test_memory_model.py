@@ -527,3 +527,53 @@ def test_softmax_exp_is_kept_on_cpu_and_recomputed_on_gpu():
     cpu = device_mesh_for((1,), ("data",))
     assert gpu.memory_layout.fused_transcendentals and not cpu.memory_layout.fused_transcendentals
     assert set(exps) & set(mesh_intervals(g, cpu)) and not set(exps) & set(mesh_intervals(g, gpu))
+
+
+def test_a_checkpointed_recompute_is_the_forward_value_xla_keeps():
+    """The traced step is one flat program (remat2 inlined, no optimization barrier): XLA's
+    CSE merges a jax.checkpoint's backward recompute into the forward value and keeps that
+    for the backward.  Literals are compared by value: tanh(2x) is not tanh(x / 2)."""
+    from autoshard.intra.common_values import common_values
+    from autoshard.intra.memory import materialized_tensors
+
+    def loss(x):
+        gelu = jax.checkpoint(lambda y: jnp.tanh(0.5 * y) * y)
+        return jnp.sum(gelu(x) * jnp.tanh(2.0 * x))
+
+    spec = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    g = _graph(jax.grad(loss), spec)
+    tanhs = [n for n in g.nodes if n.primitive == "tanh"]
+    fwd = [n for n in tanhs if n.phase == "forward"]
+    bwd = [n for n in tanhs if n.phase == "backward"]
+    assert len(fwd) == 2 and bwd  # tanh(x/2), tanh(2x); the recompute of tanh(x/2)
+    same = common_values(g)
+    kept = {same[n.outputs[0]] for n in bwd if n.outputs[0] in same}
+    assert len(kept) == 1 and kept <= {n.outputs[0] for n in fwd}
+    assert fwd[0].outputs[0] not in same and fwd[1].outputs[0] not in same
+    (half,) = kept
+    assert half in materialized_tensors(g)  # kept from the forward to the backward
+    assert not {n.outputs[0] for n in bwd} & materialized_tensors(g)
+
+
+def test_a_kernel_slice_a_dot_reads_through_a_view_is_a_buffer(tiny_fused_graph):
+    """The fused program's q, k, v GEMMs read slices of the qkv kernel through a squeeze:
+    each slice is a buffer (XLA:CPU's copy_bitcast_fusion feeding the dot)."""
+    from autoshard.intra.memory import materialized_tensors
+
+    g = tiny_fused_graph
+    qkv = [  # the kernel's [h, heads, 1, head_dim] slices (the bias's are [heads, 1, d])
+        n.outputs[0]
+        for n in g.nodes
+        if n.primitive == "slice"
+        and n.phase == "forward"
+        and len(g.tensors[n.outputs[0]].shape) == 4
+    ]
+    assert len(qkv) == 6  # q, k, v of two blocks
+    assert set(qkv) <= materialized_tensors(g)
+
+
+@pytest.fixture(scope="module")
+def tiny_fused_graph():
+    from autoshard.api import trace_workload
+
+    return trace_workload("gpt-tiny", optimizer="sgd", attention="fused").graph

@@ -27,8 +27,13 @@ V100 = load_cluster("alpa-v100", 8)
 
 @pytest.fixture(scope="module")
 def one_block():
-    """gpt-350m's dimensions with one block, micro-batch 2: (graph of block_0, its layer)."""
-    traced = trace_microbatch("gpt-350m", 1, batch_size=2, num_layers=1, dtype="bfloat16")
+    """gpt-350m's dimensions with one block, micro-batch 2: (graph of block_0, its layer).
+    Unfused attention: these tests check the GEMM table on every dot of the block, the
+    attention's batched dots included, and their sum against Megatron's grid model
+    (the fused operator's own costs: tests/test_fused_attention.py)."""
+    traced = trace_microbatch(
+        "gpt-350m", 1, batch_size=2, num_layers=1, dtype="bfloat16", attention="unfused"
+    )
     return range_subgraph(traced.graph, 1, 2).graph
 
 

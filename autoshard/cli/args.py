@@ -90,6 +90,12 @@ def add_model_args(
         "--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the preset's)"
     )
     p.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        help="GPT / GPT-MoE attention: one fused operator (cuDNN flash attention on GPUs; "
+        "the default) or einsums and a softmax that keep the S x S probabilities",
+    )
+    p.add_argument(
         "--scan-layers",
         action="store_true",
         help="write the GPT's blocks as one nn.scan over stacked parameters (same plan)",
@@ -113,6 +119,7 @@ def model_overrides(args) -> dict:
         hidden=args.hidden,
         dtype=args.dtype,
         scan_layers=getattr(args, "scan_layers", False) or None,
+        attention=getattr(args, "attention", None),
     )
 
 

@@ -19,6 +19,7 @@ SIZE_FLAGS = (
     ("--layers", "layers", "num_layers"),
     ("--hidden", "hidden", "hidden"),
     ("--dtype", "dtype", "dtype"),
+    ("--attention", "attention", "attention"),
 )
 # flags that choose how a plan is made: a saved plan is not made again
 PLANNING_FLAGS = (

@@ -15,6 +15,8 @@ from autoshard.inter.stages import RECOMPUTE_MODES as _PLANNED_MODES
 RECOMPUTE_MODES = (*_PLANNED_MODES, "auto")
 PROGRAM_TEXT = {
     "megatron-lm": "Megatron-LM's fused kernels (the program published measurements ran)",
+    "megatron-lm-flash": "Megatron-LM's fused kernels with flash attention (today's "
+    "--use-flash-attn; the attention kernel from the device's attention table)",
     "traced": "the traced JAX step, op by op, as the search prices it (XLA:GPU fusion model)",
 }
 
@@ -68,6 +70,8 @@ def _plan_text(plan: dict) -> str:
         extra += f", {plan['virtual_stages']} virtual stages (interleaved 1F1B)"
     if plan.get("program") == "traced":
         extra += ", timed on the traced JAX step (the search's cost model)"
+    if plan.get("program") == "megatron-lm-flash":
+        extra += ", flash attention"
     searched = (
         f" (best of {plan['candidates_evaluated']} configurations)"
         if plan["candidates_evaluated"] > 1
@@ -172,6 +176,7 @@ def _model_overrides(args) -> dict:
         "seq_len": args.seq,
         "vocab_size": args.vocab,
         "num_experts": args.experts,
+        "attention": args.attention,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -234,6 +239,11 @@ def register(subparsers) -> None:
     dims.add_argument(
         "--experts", type=_positive_int, help="experts per MoE layer (GPT-MoE presets, --plan auto)"
     )
+    dims.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        help="the traced step's attention (--program traced or --plan auto; default fused)",
+    )
     p.add_argument("--cluster", required=True, help="cluster preset or preset .json path")
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
     p.add_argument(
@@ -263,7 +273,7 @@ def register(subparsers) -> None:
         "--sequence-parallel",
         action="store_true",
         help="Megatron-LM sequence parallelism (needs TP > 1; Megatron plans on the "
-        "megatron-lm program only)",
+        "megatron-lm and megatron-lm-flash programs only)",
     )
     p.add_argument(
         "--virtual-stages",
@@ -307,11 +317,13 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--program",
-        choices=("megatron-lm", "traced"),
+        choices=("megatron-lm", "megatron-lm-flash", "traced"),  # sim.simulate.PROGRAMS
         default="megatron-lm",
         help="what a Megatron grid is timed on: Megatron-LM's fused kernels (default; the "
-        "program of published measurements) or the traced JAX step with the search's stage "
-        "costs, the program --plan auto is timed on",
+        "program of published measurements), the same with flash attention "
+        "(megatron-lm-flash: today's Megatron-LM, on presets with an attention table: "
+        "dgx-a100, dgx-h100) or the traced JAX step with the search's stage costs, the "
+        "program --plan auto is timed on",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)

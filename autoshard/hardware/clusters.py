@@ -13,6 +13,8 @@ Preset file format (one JSON object; write your own and pass its path)::
       "device": {
         "name": "A100-SXM4-80GB",
         "gemm_table": "a100",            # a table in autoshard/hardware/gemm_tables (optional)
+        "attention_table": "a100",       # autoshard/hardware/attention_tables (optional: a
+                                         # device without one runs attention unfused)
         "default_dtype": "bf16",         # the 16-bit training dtype of this device
         "peak_flops": {"bf16": 312e12, "fp32": 19.5e12},   # dense FLOP/s per dtype
         "hbm_bytes": 85899345920,        # device memory, bytes
@@ -81,6 +83,9 @@ class DeviceSpec:
     hbm_bandwidth: float
     default_dtype: str
     gemm_table: str | None = None
+    # a table in autoshard/hardware/attention_tables: the device runs a fused (flash)
+    # attention kernel (cuDNN's, Ampere and later); None: attention runs unfused
+    attention_table: str | None = None
 
     def peak_flops_for(self, dtype: str | None = None) -> float:
         """Peak FLOP/s for ``dtype`` (None: the device's default 16-bit dtype)."""
@@ -222,6 +227,7 @@ def cluster_from_json(obj: dict, origin: str = "preset") -> Cluster:
         hbm_bandwidth=_number(dev, "hbm_bandwidth", origin, "device."),
         default_dtype=default_dtype,
         gemm_table=dev.get("gemm_table"),
+        attention_table=dev.get("attention_table"),
     )
     max_nodes = obj.get("max_nodes")
     if max_nodes is not None:

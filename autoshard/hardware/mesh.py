@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autoshard.hardware.attention import AttentionTiming, load_attention_table
 from autoshard.hardware.clusters import (
     Cluster,
     NodeLayout,
@@ -86,6 +87,11 @@ class MemoryLayout:
     # a transposed buffer of its own (f32 for a narrow lhs) just before the dot (measured
     # on gpt-350m, docs/truth.md). The memory model counts it at the dot.
     dot_lhs_copies: bool = False
+    # The fused attention operator is XLA's own body (XLA:CPU), which writes the float32
+    # S x S scores, probabilities and their gradients as buffers while it runs; cuDNN's
+    # flash attention (XLA:GPU) holds no S x S buffer. The memory model counts the
+    # workspace at the operator (autoshard/intra/attention_workspace.py).
+    attention_scores_workspace: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -103,6 +109,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     early_backward_operand_reshards=True,
     batched_dot_weight_copies=True,
     dot_lhs_copies=True,
+    attention_scores_workspace=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).
@@ -136,6 +143,9 @@ class DeviceMesh:
     finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
     :func:`autoshard.intra.strategies.strategy_seconds`). ``memory_layout``: how the
     backend lays buffers out (:class:`MemoryLayout`; default all flags off).
+    ``attention`` (an :class:`~autoshard.hardware.attention.AttentionTiming`, or None):
+    the fused attention kernel's timing on this device (see
+    :func:`autoshard.intra.strategies.strategy_seconds`).
     ``nodes`` (a :class:`~autoshard.hardware.clusters.NodeLayout`, or None): how the
     devices sit in nodes, so that collectives across nodes may be priced node-aware
     (:meth:`node_span`); None prices every collective as one flat ring.
@@ -150,6 +160,10 @@ class DeviceMesh:
     gemm: GemmTiming | None = None
     memory_layout: MemoryLayout = field(default_factory=MemoryLayout)
     nodes: NodeLayout | None = None
+    # times each fused attention shard from the device's attention table
+    # (autoshard.hardware.attention); None on a priced mesh (``gemm`` set) means the device
+    # has no fused kernel, and the operator is priced as XLA's unfused attention
+    attention: AttentionTiming | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(self.alpha))
@@ -285,7 +299,10 @@ def to_device_mesh(
     ``dtype`` picks the peak FLOP/s (None: the device's default 16-bit dtype, bf16 on A100
     and H100, fp16 on V100, which has no bf16 tensor cores). ``gemm_table`` (a loaded
     :class:`~autoshard.hardware.gemm.GemmTable`) makes the mesh time GEMMs with it at the
-    device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak.
+    device's peaks (``DeviceMesh.gemm``); without it GEMMs are priced at peak. With a GEMM
+    table, a device whose preset names an attention table (``device.attention_table``:
+    cuDNN's flash attention, Ampere and later) times fused attention with it
+    (``DeviceMesh.attention``); one that names none is priced as XLA's unfused attention.
     """
     alpha, beta = cluster_mesh_costs(cluster, mesh_shape, axis_names)
     return DeviceMesh(
@@ -302,6 +319,11 @@ def to_device_mesh(
         ),
         memory_layout=XLA_GPU_MEMORY,
         nodes=NodeLayout.of(cluster),
+        attention=None
+        if gemm_table is None or cluster.device.attention_table is None
+        else AttentionTiming.for_device(
+            load_attention_table(cluster.device.attention_table), cluster.device.peak_flops
+        ),
     )
 
 

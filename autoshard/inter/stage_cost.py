@@ -141,7 +141,11 @@ def recompute_costs(
     * ``none``: nothing added; every kept buffer.
     * ``selective`` (Korthikanti et al.): the attention core is recomputed -- the forward
       equations that make or read attention-sized tensors (:func:`is_attention_sized`:
-      Q K^T, softmax, dropout, P V) -- and its buffers are not kept.
+      Q K^T, softmax, dropout, P V) -- and its buffers are not kept.  A fused attention
+      operator (``attention_fwd``) has no attention-sized tensor: it keeps only ``q, k, v``,
+      its output and the log-sum-exp, which the layer keeps anyway, and its backward
+      recomputes the scores itself (counted in its FLOPs), so selective recompute adds
+      nothing and drops nothing there: it costs what ``none`` costs.
     * ``full``: the whole forward (equations at their chosen strategies, plus the
       resharding into them) runs again; only the unit's inputs (the layer input) are kept:
       ``layer_inputs`` (tensor id -> per-device bytes of the activations entering the unit

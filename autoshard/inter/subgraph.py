@@ -74,7 +74,7 @@ def range_subgraph(graph: Graph, start: int, end: int) -> RangeGraph:
     for old, new in order.items():
         t = graph.tensors[old]
         kind = "data" if old in boundary_set else t.kind
-        tensors.append(TensorRecord(new, t.shape, t.dtype, kind, t.path))
+        tensors.append(TensorRecord(new, t.shape, t.dtype, kind, t.path, t.literal))
     eqns = tuple(
         EqnRecord(
             i,

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.attention_workspace import held_buffers, workspace_groups
+from autoshard.intra.common_values import common_values, merged_consumers
 from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.layout_copies import (
     NARROW_FLOATS,
@@ -41,7 +43,7 @@ from autoshard.intra.update_zeros import (
     zeros_groups,
 )
 from autoshard.ir.graph import Graph
-from autoshard.ir.primitives import ALL_REDUCTIONS, TRANSCENDENTAL
+from autoshard.ir.primitives import ALL_REDUCTIONS, ATTENTION, TRANSCENDENTAL
 from autoshard.ir.spec import ShardingSpec
 
 # Convolutions, pooling and max pooling's gradient: library calls (or their own loops)
@@ -58,6 +60,7 @@ MATERIALIZING = (
         "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
     )
     | CONV_AND_WINDOW
+    | ATTENTION  # one kernel (or XLA's body for it) that writes its results to memory
 )
 # Ops that read their operands from memory (no fusion into them).
 UNFUSED_CONSUMERS = (
@@ -91,21 +94,32 @@ def materialized_tensors(
 
     Values that depend on no program input (an attention mask: iota, compare,
     broadcast) never are: XLA folds them or regenerates them inside each reader's fusion.
+
+    A value an unfused op reads through views (a slice of a kernel, squeezed, read by a
+    dot: the fused program's q/k/v GEMMs) is materialised: the view is a bitcast of its
+    buffer.  A value XLA's CSE merges into an earlier one
+    (:func:`~autoshard.intra.common_values.common_values`: a backward-pass recompute)
+    is not; the earlier value is read by the copy's readers too.
     """
     expensive = EXPENSIVE - TRANSCENDENTAL if fused_transcendentals else EXPENSIVE
     kept_when_shared = frozenset() if fused_transcendentals else TRANSCENDENTAL
     out = set(graph.inputs) | set(graph.outputs)
     data_free = _data_free_tensors(graph)
     unfused = UNFUSED_CONSUMERS | (ALL_REDUCTIONS if reductions_read_memory else frozenset())
+    same = common_values(graph)
+    consumers = merged_consumers(graph, same)
     for node in graph.nodes:
         for tid in node.outputs:
             t = graph.tensors[tid]
-            if node.primitive in FREE_VIEWS or not t.shape:
+            if node.primitive in FREE_VIEWS or not t.shape or tid in same:
                 continue
             if tid in data_free and tid not in out:
                 continue
-            users = [graph.nodes[c] for c in t.consumers]
-            if node.primitive in MATERIALIZING or any(u.primitive in unfused for u in users):
+            readers = consumers.get(tid, t.consumers)
+            users = [graph.nodes[c] for c in readers]
+            if node.primitive in MATERIALIZING or any(
+                graph.nodes[c].primitive in unfused for c in _through_views(graph, readers)
+            ):
                 out.add(tid)
             elif node.primitive in kept_when_shared and len({u.index for u in users}) > 1:
                 out.add(tid)  # too dear to recompute in every consumer's fusion
@@ -114,7 +128,7 @@ def materialized_tensors(
             elif node.phase == "forward" and any(u.phase != "forward" for u in users):
                 # saved for the backward pass -- unless XLA can recompute it inside the
                 # backward fusion from operands that are kept until then anyway
-                last = t.last_use
+                last = max(readers, default=t.last_use)
                 recomputable = all(
                     graph.tensors[i].kind in ("literal", "const")
                     or not graph.tensors[i].shape
@@ -123,6 +137,23 @@ def materialized_tensors(
                 )
                 if not recomputable:
                     out.add(tid)
+    return out
+
+
+def _through_views(graph: Graph, readers) -> set[int]:
+    """``readers`` and, past every free view among them (reshape, squeeze: a bitcast of
+    the same buffer), the view's readers in turn."""
+    out: set[int] = set()
+    stack = list(readers)
+    while stack:
+        c = stack.pop()
+        if c in out:
+            continue
+        out.add(c)
+        node = graph.nodes[c]
+        if node.primitive in FREE_VIEWS:
+            for o in node.outputs:
+                stack.extend(graph.tensors[o].consumers)
     return out
 
 
@@ -196,6 +227,7 @@ def live_intervals(
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
     keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals)
+    consumers = merged_consumers(graph, common_values(graph))
     aliased_outputs = {dst for _, dst in graph.aliases}
     out: dict[int, tuple[int, int]] = {}
     for t in graph.tensors:
@@ -208,7 +240,7 @@ def live_intervals(
         if t.last_use >= n:
             last = n
         else:
-            last = max([pos[c] for c in _readers(graph, t.id, keep)] + [first])
+            last = max([pos[c] for c in _readers(graph, t.id, keep, consumers)] + [first])
         out[t.id] = (first, last)
     if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
         for z in graph_update_zeros(graph):
@@ -234,13 +266,17 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
     )
 
 
-def _readers(graph: Graph, tid: int, keep: set[int]) -> set[int]:
+def _readers(graph: Graph, tid: int, keep: set[int], consumers=None) -> set[int]:
     """Nodes that read ``tid``'s buffer: its consumers and, through every value that is
-    not materialised (fused into its readers), the readers of that value in turn."""
+    not materialised (fused into its readers), the readers of that value in turn
+    (``consumers``: :func:`~autoshard.intra.common_values.merged_consumers`, the readers
+    of a value's merged copies counted as its own)."""
+    consumers = consumers or {}
     seen: set[int] = set()
     stack, readers = [tid], set()
     while stack:
-        for c in graph.tensors[stack.pop()].consumers:
+        v = stack.pop()
+        for c in consumers.get(v, graph.tensors[v].consumers):
             readers.add(c)
             for o in graph.nodes[c].outputs:
                 constant = graph.tensors[o].kind in ("literal", "const")
@@ -421,6 +457,8 @@ def predicted_live_bytes(
         for tid, dot in transposed_dot_lhs(graph, mesh)
         if tid in spec_of
     ]
+    # a fused attention's S x S temporaries on XLA:CPU (attention_workspace)
+    buffers += held_buffers(graph, spec_of, mesh, pos)
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -498,6 +536,7 @@ def memory_rows(
         groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
         zeros = foldable_zeros(graph_update_zeros(graph), mesh)
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
+    groups += workspace_groups(graph, strategies, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.ir.graph import Graph, Node
-from autoshard.ir.primitives import ELEMENTWISE
+from autoshard.ir.primitives import ATTENTION, ELEMENTWISE
 from autoshard.ir.spec import ShardingSpec
 
-HEAVY = frozenset({"dot_general", "conv_general_dilated"})
+# the fused attention operators run the attention's batched dots (rules_attention.py)
+HEAVY = frozenset({"dot_general", "conv_general_dilated"}) | ATTENTION
 OUT = -1  # slot position "operand" index meaning the node's (first) output
 
 
@@ -421,6 +422,8 @@ def strategy_seconds(
 
     * ``dot_general`` on a mesh with a GEMM timing (``mesh.gemm``): the GEMM table's time
       for the *per-device* shard shape (batch, M, N, K from the sharded operands).
+    * a fused attention on such a mesh: :func:`~autoshard.intra.rules_attention.
+      attention_seconds` (the attention table's, or the unfused attention's time).
     * otherwise the roofline of FLOPs / (``factor`` x peak) and, when ``mesh.hbm_bandwidth``
       is finite, the bytes the node reads and writes per device (``ctx.in_bytes`` /
       ``ctx.out_bytes`` times each spec's shard fraction) over HBM bandwidth.
@@ -430,6 +433,8 @@ def strategy_seconds(
     """
     if ctx.node.primitive == "dot_general" and mesh.gemm is not None and ctx.node.flops:
         return _gemm_seconds(ctx, input_specs, mesh)
+    if ctx.node.primitive in ATTENTION and ctx.node.flops and mesh.gemm is not None:
+        return attention_seconds(ctx, output_specs[0], factor, mesh)
     seconds = ctx.node.flops / factor / mesh.peak_flops if ctx.node.flops else 0.0
     if math.isfinite(mesh.hbm_bandwidth) and (ctx.in_bytes or ctx.out_bytes):
         nbytes = sum(
@@ -571,4 +576,11 @@ __all__ = [
 
 # rule families kept in modules of their own register themselves on import (they import
 # this module); a later import wins a primitive both register (rev: the same splits)
-from autoshard.intra import rules_conv, rules_moe, rules_reduce, rules_slice  # noqa: E402,F401
+from autoshard.intra import (  # noqa: E402,F401
+    rules_attention,
+    rules_conv,
+    rules_moe,
+    rules_reduce,
+    rules_slice,
+)
+from autoshard.intra.rules_attention import attention_seconds  # noqa: E402

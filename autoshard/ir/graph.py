@@ -25,6 +25,15 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
   gradient (``select_and_scatter_add``, ``select_and_gather_add``): 2 per pooled element
   per window tap (the comparison that selects and the add).
 * ``scatter-add``: 1 per update element; ``cumsum`` and friends: 1 per element.
+* fused attention (``attention_fwd[_causal]``, ``attention_bwd[_causal]``, one kernel
+  each): forward ``4 B H Sq Sk D`` (``QK^T`` and ``PV``, the whole square even when causal,
+  as MFU conventions and the unfused graph's two batched dots count it); backward 2.5x
+  that, ``10 B H Sq Sk D``: ``dV``, ``dP``, ``dQ``, ``dK`` (8, what the unfused graph's
+  backward dots count) plus ``QK^T`` again (2), since a flash backward recomputes the
+  scores.  Those 2 are recompute: hardware FLOPs, not model FLOPs
+  (:func:`recomputed_flops`, :meth:`Graph.model_flops_where`).  The softmax's
+  elementwise work (a few FLOPs per score, which the unfused graph counts) is not
+  counted, as in MFU conventions.
 * data movement and bookkeeping (reshape, transpose, broadcast, gather, slicing,
   concatenate, convert, iota, select_n, copy, stop_gradient): 0.
 * anything else: 0, and it is listed in ``Graph.unknown_flops`` so callers can say so.
@@ -38,7 +47,14 @@ from typing import Any
 
 import numpy as np
 
-from autoshard.ir.primitives import ALL_REDUCTIONS, ELEMENTWISE, ZERO_FLOP, is_elementwise
+from autoshard.ir.primitives import (
+    ALL_REDUCTIONS,
+    ATTENTION_BWD,
+    ATTENTION_FWD,
+    ELEMENTWISE,
+    ZERO_FLOP,
+    is_elementwise,
+)
 from autoshard.ir.records import EqnRecord, TensorRecord, TraceRecords
 
 FlopRule = Callable[[EqnRecord, list[TensorRecord], list[TensorRecord]], float]
@@ -121,6 +137,31 @@ def _scatter_flops(eqn, ins, outs) -> float:
     return float(ins[-1].size)
 
 
+def _attention_dims(primitive: str, ins, outs) -> tuple[int, int, int, int, int]:
+    """(B, H, Sq, Sk, D) of a fused attention: from q and k forward, dq and dk backward
+    (each ``[B, S, H, D]``)."""
+    q, k = (ins[0], ins[1]) if primitive in ATTENTION_FWD else (outs[0], outs[1])
+    b, sq, h, d = q.shape
+    return b, h, sq, k.shape[1], d
+
+
+# Of a fused attention backward's FLOPs, the share that recomputes the forward's scores
+# (QK^T: 2 of its 10 B H Sq Sk D).
+ATTENTION_BWD_RECOMPUTE_SHARE = 0.2
+
+
+@register_flops(*ATTENTION_FWD)
+def _attention_fwd_flops(eqn, ins, outs) -> float:
+    b, h, sq, sk, d = _attention_dims(eqn.primitive, ins, outs)
+    return 4.0 * b * h * sq * sk * d
+
+
+@register_flops(*ATTENTION_BWD)
+def _attention_bwd_flops(eqn, ins, outs) -> float:
+    b, h, sq, sk, d = _attention_dims(eqn.primitive, ins, outs)
+    return 10.0 * b * h * sq * sk * d
+
+
 @register_flops(*ZERO_FLOP)
 def _no_flops(eqn, ins, outs) -> float:
     return 0.0
@@ -138,6 +179,7 @@ class Tensor:
     consumers: tuple[int, ...]
     first_use: int  # node index where it becomes live (-1: live from the start)
     last_use: int  # last node that reads it (len(nodes): a program output)
+    literal: float | int | bool | None = None  # a scalar literal's value
 
     @property
     def size(self) -> int:
@@ -189,6 +231,28 @@ class Graph:
             if n.phase in phases and (primitive is None or n.primitive == primitive)
         )
 
+    def model_flops_where(
+        self, primitive: str | None = None, phases: tuple[str, ...] = ("forward", "backward")
+    ) -> float:
+        """:meth:`flops_where` less the FLOPs a node runs again (:func:`recomputed_flops`):
+        the model FLOPs MFU counts."""
+        return sum(
+            n.flops - recomputed_flops(n)
+            for n in self.nodes
+            if n.phase in phases and (primitive is None or n.primitive == primitive)
+        )
+
+    def matmul_flops(self, phases: tuple[str, ...] = ("forward", "backward")) -> float:
+        """Model FLOPs of the step's matrix products: every ``dot_general``, and the two
+        products a fused attention forward runs and the four of its backward (its
+        recomputed scores left out), so the count is the same fused or unfused."""
+        return sum(
+            n.flops - recomputed_flops(n)
+            for n in self.nodes
+            if n.phase in phases
+            and (n.primitive == "dot_general" or n.primitive in ATTENTION_FWD | ATTENTION_BWD)
+        )
+
     def inputs_of_kind(self, kind: str) -> tuple[int, ...]:
         return tuple(t for t in self.inputs if self.tensors[t].kind == kind)
 
@@ -201,6 +265,14 @@ def eqn_is_elementwise(eqn: EqnRecord, ins: list[TensorRecord], outs: list[Tenso
     return is_elementwise(
         eqn.primitive, eqn.elementwise, tuple(t.shape for t in ins), tuple(t.shape for t in outs)
     )
+
+
+def recomputed_flops(node: Node) -> float:
+    """FLOPs ``node`` spends recomputing what an earlier node computed (hardware FLOPs,
+    not model FLOPs): a fused attention backward's scores, 0 for every other node."""
+    if node.primitive in ATTENTION_BWD:
+        return ATTENTION_BWD_RECOMPUTE_SHARE * node.flops
+    return 0.0
 
 
 def flops_of(eqn: EqnRecord, ins: list[TensorRecord], outs: list[TensorRecord]) -> float | None:
@@ -261,6 +333,7 @@ def build_graph(records: TraceRecords) -> Graph:
                 users,
                 first,
                 last,
+                rec.literal,
             )
         )
     edges = tuple(

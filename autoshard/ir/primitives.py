@@ -76,9 +76,30 @@ ALL_REDUCTIONS = frozenset(
 # mesh axes at a time (see :func:`autoshard.intra.cost.reshard_to_consumers`).
 SUM_MAX_MIN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
+# The fused attention operators (autoshard.models.attention, kept whole by the tracer):
+# forward q, k, v [B, S, H, D] -> out [B, S, H, D], lse [B, H, S]; backward q, k, v,
+# out, lse, d_out -> dq, dk, dv.  One kernel each (cuDNN's flash attention on a GPU).
+ATTENTION_FWD = frozenset({"attention_fwd", "attention_fwd_causal"})
+ATTENTION_BWD = frozenset({"attention_bwd", "attention_bwd_causal"})
+ATTENTION = ATTENTION_FWD | ATTENTION_BWD
+
+# The named jits of autoshard.models.attention that the tracer keeps as one equation ->
+# (primitive name in the op graph, causal); here, below both, so that the tracer (which
+# reads nothing but ir) and the model agree on the names.
+FUSED_ATTENTION_CALLS = {
+    "autoshard_attention_fwd": ("attention_fwd", False),
+    "autoshard_attention_fwd_causal": ("attention_fwd", True),
+    "autoshard_attention_bwd": ("attention_bwd", False),
+    "autoshard_attention_bwd_causal": ("attention_bwd", True),
+}
+
 __all__ = [
     "ALL_REDUCTIONS",
+    "ATTENTION",
+    "ATTENTION_BWD",
+    "ATTENTION_FWD",
     "ELEMENTWISE",
+    "FUSED_ATTENTION_CALLS",
     "SUM_MAX_MIN_REDUCTIONS",
     "TRANSCENDENTAL",
     "ZERO_FLOP",

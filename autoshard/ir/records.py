@@ -20,6 +20,8 @@ class TensorRecord:
     dtype: str
     kind: str  # param | opt_state | data | const | literal | intermediate
     path: str = ""  # pytree path for program inputs and outputs
+    literal: float | int | bool | None = None  # a scalar literal's value (equal literals
+    # make equal values: the memory model's common subexpressions)
 
     @property
     def size(self) -> int:

@@ -101,9 +101,11 @@ def get_workload(
     scan_layers: bool | None = None,
     num_heads: int | None = None,
     num_experts: int | None = None,
+    attention: str | None = None,
 ) -> Workload:
     """Build a workload by preset name with optional overrides (``num_heads``: GPT and
-    GPT-MoE presets; ``num_experts``: GPT-MoE presets).
+    GPT-MoE presets; ``num_experts``: GPT-MoE presets; ``attention``: ``"fused"`` (the
+    default) or ``"unfused"``, GPT and GPT-MoE presets).
 
     Raises ValueError listing the presets for an unknown name, and naming the field for a
     bad size.
@@ -114,6 +116,11 @@ def get_workload(
             f"{name!r} has no experts"
         )
     if name == "mlp" or name in WRESNET_PRESETS:
+        if attention is not None:
+            raise ValueError(
+                f"{name!r} has no attention; attention (--attention) is for the GPT and "
+                "GPT-MoE presets"
+            )
         if num_heads is not None:
             raise ValueError(
                 f"{name!r} has no attention heads; num_heads (--heads) is for the GPT and "
@@ -172,6 +179,7 @@ def get_workload(
         scan_layers=scan_layers,
         num_heads=num_heads,
         num_experts=num_experts,  # None unless a GPT-MoE (refused above otherwise)
+        attention=attention,
     )
     moe = isinstance(cfg, MoEConfig)
     return Workload(

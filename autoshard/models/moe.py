@@ -44,6 +44,8 @@ from autoshard.models.gpt import (
     Head,
     _dense,
     _layer_norm,
+    check_attention,
+    mlp_activation,
     token_init_fn,
     token_loss_fn,
 )
@@ -66,6 +68,7 @@ class MoEConfig(ModelConfig):
     batch_size: int = 8
     ffn_ratio: int = 8
     dtype: str = "float32"
+    attention: str = "fused"  # as GPTConfig.attention
 
     def __post_init__(self) -> None:
         self.check_positive_ints(
@@ -102,6 +105,7 @@ class MoEConfig(ModelConfig):
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_attention(self.attention)
 
     @property
     def head_dim(self) -> int:
@@ -243,7 +247,7 @@ class DenseFeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         y = _dense(self.cfg.ffn_ratio * self.cfg.hidden, self.cfg, "fc")(x)
-        return _dense(self.cfg.hidden, self.cfg, "proj")(jax.nn.gelu(y, approximate=True))
+        return _dense(self.cfg.hidden, self.cfg, "proj")(mlp_activation(self.cfg, y))
 
 
 class MoEBlock(nn.Module):

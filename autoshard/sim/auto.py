@@ -142,14 +142,17 @@ def _hardware_flops(shape: GPTShape, batch: int, stages, layers_per_stage) -> in
 def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
     """(model, hardware) FLOPs per step read off the traced step of one micro-batch, for
     models with no closed form (GPT-MoE): model = forward + backward equations, times
-    ``m``; hardware adds, per stage, the forward FLOPs its recompute mode runs again in its
-    blocks (full: their forward; selective: their attention-sized equations) -- not the
+    ``m``, less what a node recomputes itself (a fused attention backward's scores,
+    :func:`~autoshard.ir.graph.recomputed_flops`); hardware adds those back and, per stage,
+    the forward FLOPs its recompute mode runs again in its blocks (full: their forward;
+    selective: their attention-sized equations, none with fused attention) -- not the
     first layer (embedding) nor the last (logits and loss), as for GPT."""
     from autoshard.inter.stage_cost import is_attention_sized
+    from autoshard.ir.graph import recomputed_flops
 
     learn = ("forward", "backward")
-    model_flops = m * sum(n.flops for n in graph.nodes if n.phase in learn)
-    extra = 0.0
+    model_flops = m * graph.model_flops_where(phases=learn)
+    extra = sum(recomputed_flops(n) for n in graph.nodes if n.phase in learn)
     last = len(graph.layers) - 1
     for st in stages:
         names = {graph.layers[i] for i in range(st.start_layer, st.end_layer) if 0 < i < last}

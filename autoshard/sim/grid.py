@@ -19,10 +19,17 @@ micro-batch, not modelled). ZeRO runs the optimizer on the ``1/DP`` shard it own
 memory-bound time is divided by DP. ZeRO-3 holds one gathered block (the larger of a
 transformer layer and the embedding, 16-bit) on top of its shards. Nothing is overlapped
 with compute, as in :mod:`~autoshard.sim.megatron`.
+
+Two Megatron-LM programs (``PROGRAM_ATTENTION``): ``"megatron-lm"``, its 2021 kernels
+(attention as two batched GEMMs and the fused softmax), and ``"megatron-lm-flash"``, today's
+Megatron-LM with flash attention (``MegatronConfig.attention="flash"``: the fused kernel
+timed from the device's attention table). Every grid point and ZeRO point of a search runs
+the one program.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,6 +53,8 @@ from autoshard.sim.megatron import (
 from autoshard.sim.report import SimulationReport, utilisation
 
 ZERO_STAGES = {"dp": 0, "zero2": 2, "zero3": 3}
+# Megatron-LM's programs -> MegatronConfig.attention
+PROGRAM_ATTENTION = {"megatron-lm": "softmax", "megatron-lm-flash": "flash"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,7 @@ def megatron_grid(
     sequence_parallel: bool = False,
     virtual_stages: int = 1,
     num_microbatches: int | None = None,
+    attention: str = "softmax",
 ) -> tuple[MegatronConfig, ...]:
     """The Megatron configurations ``plan="megatron"`` simulates on all of ``cluster``.
 
@@ -105,7 +115,8 @@ def megatron_grid(
     ``virtual_stages`` v > 1 (interleaved 1F1B) only grids with PP > 1, layers divisible
     by PP x v and a number of micro-batches divisible by PP are kept (a pinned grid that
     breaks this is kept, and :func:`~autoshard.sim.megatron.simulate_megatron` says why).
-    ``sequence_parallel`` applies to every grid (it is a no-op at TP = 1).
+    ``sequence_parallel`` applies to every grid (it is a no-op at TP = 1), and
+    ``attention`` (``MegatronConfig.attention``: ``"softmax"`` or ``"flash"``) to every point.
     """
     gpus = cluster.num_gpus
     if grid is not None:
@@ -138,7 +149,7 @@ def megatron_grid(
             )
             for b in sizes
         ]
-    return tuple(configs)
+    return tuple(dataclasses.replace(c, attention=attention) for c in configs)
 
 
 @dataclass(frozen=True)
@@ -222,18 +233,21 @@ def best_point(points: list[GridPoint]) -> GridPoint:
 
 
 def simulate_grid(
-    model, shape, the_cluster, gpus, request, batch, schedule: Schedule, recompute, dtype, peak
-) -> SimulationReport:
+    model, shape, the_cluster, gpus, request, batch, schedule: Schedule, recompute, dtype, peak,
+    program: str = "megatron-lm",
+) -> SimulationReport:  # fmt: skip
     """``plan`` = ``dp``, ``zero2``, ``zero3``, ``megatron`` or ``megatron:TPxPPxDP`` (the
-    parsed ``request``) on Megatron-LM's program: every configuration of
-    :func:`megatron_grid` timed, the best one reported (module docstring)."""
+    parsed ``request``) on Megatron-LM's ``program`` (a key of ``PROGRAM_ATTENTION``): every
+    configuration of :func:`megatron_grid` timed, the best one reported (module docstring)."""
+    if program not in PROGRAM_ATTENTION:
+        raise ValueError(f"program must be one of {tuple(PROGRAM_ATTENTION)}, got {program!r}")
     t0 = time.perf_counter()
     zero_stage = ZERO_STAGES.get(request.kind, 0)
     grid = request.grid if request.kind == "megatron" else (1, 1, gpus)
     configs = megatron_grid(
         shape, the_cluster, batch, schedule.microbatch_size, recompute, dtype, grid,
         sequence_parallel=schedule.sequence_parallel, virtual_stages=schedule.virtual_stages,
-        num_microbatches=schedule.num_microbatches,
+        num_microbatches=schedule.num_microbatches, attention=PROGRAM_ATTENTION[program],
     )  # fmt: skip
     if not configs:
         raise ValueError(
@@ -263,7 +277,7 @@ def simulate_grid(
         "zero_stage": zero_stage,
         "sequence_parallel": cfg.sequence_parallel,
         "virtual_stages": cfg.virtual_stages,
-        "program": "megatron-lm",
+        "program": program,
         "searched_grid": request.kind == "megatron" and request.grid is None,
         "candidates_evaluated": len(points),
     }

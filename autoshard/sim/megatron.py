@@ -23,6 +23,20 @@ The model, per micro-batch and per device:
   ``mpu/transformer.py``; a what-if, no preset uses it: docs/validation.md).
 * Recompute: full repeats each layer's forward (GEMMs, elementwise, TP collectives);
   selective repeats the attention-score GEMMs and the softmax/dropout bytes.
+* Attention (``MegatronConfig.attention``): ``"softmax"`` (the default) is the 2021 kernels
+  above, two batched GEMMs and the fused scale-mask-softmax and dropout. ``"flash"`` is
+  today's Megatron-LM (``--use-flash-attn``, Transformer Engine): one fused kernel per
+  micro-batch and TP shard, ``(b a / t)`` heads of ``[s, h/a]``, timed from the device's
+  attention table (:class:`~autoshard.hardware.attention.AttentionTiming`: forward
+  ``4 (b a / t) s^2 (h/a)`` FLOPs, backward 2.5x that, the full square even though GPT is
+  causal, as the table counts them; breakdown key ``compute_attention``). No ``att_t``
+  bytes (softmax, mask and dropout run inside the kernel), no ``5 a s / h`` activation
+  term (the kernel keeps no scores: the layer stashes what selective recompute stashes),
+  selective recompute adds nothing (the flash backward already recomputes the scores,
+  its 2.5x) and full recompute repeats the forward kernel. Model and hardware FLOPs (MFU,
+  HFU) keep their conventions: the full square, selective's ``4 B s^2 L h`` counted as
+  recompute. A device without an attention table (V100: no flash kernel before Ampere)
+  refuses it.
 * Tensor parallel: 2 all-reduces of the sbh activation per layer forward and 2 backward
   (with sequence parallel: an all-gather + reduce-scatter pair instead of each all-reduce),
   plus one for the vocab-parallel embedding (first stage) and one for the logit input
@@ -54,7 +68,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from autoshard.hardware.clusters import Cluster
+from autoshard.hardware.attention import (
+    BWD_FLOPS_RATIO,
+    AttentionTiming,
+    load_attention_table,
+)
+from autoshard.hardware.clusters import Cluster, available_presets, load_cluster
 from autoshard.hardware.gemm import GemmTable, memory_bound_time
 from autoshard.hardware.mesh import DeviceMesh, to_device_mesh
 from autoshard.intra.cost import (
@@ -72,6 +91,8 @@ OPTIMIZER_BYTES_PER_PARAM = 32
 GRAD_ALLREDUCE_BYTES_PER_PARAM = 2
 _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4}
 MESH_AXES = ("pipe", "data", "model")
+ATTENTION_KERNELS = ("softmax", "flash")  # MegatronConfig.attention (module docstring)
+FLASH_DTYPES = ("fp16", "bf16")  # what flash attention kernels run
 
 
 def _fused_passes(e: int) -> dict[str, tuple[float, float]]:
@@ -146,6 +167,7 @@ class MegatronConfig:
     virtual_stages: int = 1
     dtype: str | None = None  # None: the device's default 16-bit dtype
     elementwise: str = "fused"  # a key of ELEMENTWISE_PASSES
+    attention: str = "softmax"  # one of ATTENTION_KERNELS
 
     @property
     def num_gpus(self) -> int:
@@ -199,6 +221,13 @@ def _validate(model: GPTShape, cfg: MegatronConfig, cluster: Cluster) -> None:
         problems.append(f"elementwise must be one of {sorted(ELEMENTWISE_PASSES)}")
     if cfg.recompute not in formulas.RECOMPUTE_MODES:
         problems.append(f"recompute must be one of {formulas.RECOMPUTE_MODES}")
+    if cfg.attention not in ATTENTION_KERNELS:
+        problems.append(f"attention must be one of {ATTENTION_KERNELS}")
+    if cfg.attention == "flash" and cfg.elementwise != "fused":
+        problems.append(
+            f"attention 'flash' runs with Megatron-LM's fused kernels, not elementwise "
+            f"{cfg.elementwise!r} (2019's code had no flash attention)"
+        )
     if cfg.num_gpus > cluster.num_gpus:
         problems.append(
             f"the grid needs {cfg.num_gpus} GPUs but cluster {cluster.name} has "
@@ -206,6 +235,31 @@ def _validate(model: GPTShape, cfg: MegatronConfig, cluster: Cluster) -> None:
         )
     if problems:
         raise ValueError(f"bad Megatron configuration {cfg}: " + "; ".join(problems))
+
+
+def presets_with_attention_table() -> tuple[str, ...]:
+    """The shipped cluster presets whose device names an attention table."""
+    return tuple(p for p in available_presets() if load_cluster(p).device.attention_table)
+
+
+def flash_attention_timing(cluster: Cluster, dtype: str) -> AttentionTiming:
+    """The fused attention kernel's timing on ``cluster``'s device; a ``ValueError`` that
+    names the presets with an attention table where the device has none."""
+    device = cluster.device
+    if device.attention_table is None:
+        raise ValueError(
+            f"attention 'flash' is timed from the device's attention table, and cluster "
+            f"{cluster.name}'s {device.name} names none (no fused attention kernel before "
+            f"Ampere); presets with one: {', '.join(presets_with_attention_table()) or 'none'} "
+            "(or name a table in a preset file's device.attention_table)"
+        )
+    if dtype not in FLASH_DTYPES:
+        raise ValueError(
+            f"attention 'flash' runs 16-bit kernels ({', '.join(FLASH_DTYPES)}), not {dtype!r}"
+        )
+    return AttentionTiming.for_device(
+        load_attention_table(device.attention_table), device.peak_flops
+    )
 
 
 def _gemm_times(table: GemmTable, dtype: str, peak: float, gemms) -> tuple[float, float]:
@@ -261,8 +315,11 @@ def simulate_megatron(
     sbh = s * b * h
     bas2 = b * a * s * s
 
+    flash = cfg.attention == "flash"
+    timing = flash_attention_timing(cluster, dtype) if flash else None
+
     # --- one transformer layer, one micro-batch ---------------------------------------
-    attention_gemms = [(b * a // t, s, s, h // a), (b * a // t, s, h // a, s)]
+    attention_gemms = [] if flash else [(b * a // t, s, s, h // a), (b * a // t, s, h // a, s)]
     dense_gemms = [
         (1, b * s, 3 * h // t, h),
         (1, b * s, h, h // t),
@@ -270,6 +327,12 @@ def simulate_megatron(
         (1, b * s, h, 4 * h // t),
     ]
     att_fwd, att_bwd = _gemm_times(gemm_table, dtype, peak, attention_gemms)
+    kernel_fwd = kernel_bwd = 0.0  # the flash kernel, forward and backward
+    if flash:
+        heads, head_dim = b * a // t, h // a
+        flops = 4 * heads * s * s * head_dim  # the full square (the table's convention)
+        kernel_fwd = timing.seconds(flops, heads, s, head_dim, backward=False)
+        kernel_bwd = timing.seconds(BWD_FLOPS_RATIO * flops, heads, s, head_dim, backward=True)
     dense_fwd, dense_bwd = _gemm_times(gemm_table, dtype, peak, dense_gemms)
     structure = cfg.elementwise
     passes = ELEMENTWISE_PASSES[structure](e)
@@ -277,7 +340,7 @@ def simulate_megatron(
         "sbh": sbh / (t if sp else 1),
         "sbh_t": sbh / t,
         "mlp_t": 4 * sbh / t,
-        "att_t": bas2 / t,
+        "att_t": 0 if flash else bas2 / t,  # flash: softmax and dropout in the kernel
     }
     softmax_bytes = passes["att_t"][0] * sizes["att_t"]
     ew_fwd = memory_bound_time(sum(passes[k][0] * n for k, n in sizes.items()), hbm)
@@ -285,15 +348,17 @@ def simulate_megatron(
     tp_fwd = 2 * _tp_collective_pair(mesh, sbh * e, sp)
 
     gemm = att_fwd + dense_fwd + att_bwd + dense_bwd
+    kernel = kernel_fwd + kernel_bwd
     elementwise = ew_fwd + ew_bwd
     tp_comm = 2 * tp_fwd
-    recomputed = 0.0  # GEMM and elementwise seconds recompute adds per layer
+    recomputed = 0.0  # GEMM, kernel and elementwise seconds recompute adds per layer
     if cfg.recompute == "full":
-        recomputed = att_fwd + dense_fwd + ew_fwd
+        recomputed = att_fwd + dense_fwd + ew_fwd + kernel_fwd
         gemm += att_fwd + dense_fwd
+        kernel += kernel_fwd
         elementwise += ew_fwd
         tp_comm += tp_fwd
-    elif cfg.recompute == "selective":
+    elif cfg.recompute == "selective" and not flash:  # flash: the backward recomputes
         recomputed = att_fwd + memory_bound_time(softmax_bytes, hbm)
         gemm += att_fwd
         elementwise += memory_bound_time(softmax_bytes, hbm)
@@ -332,6 +397,8 @@ def simulate_megatron(
         "tp_comm": layers_per_device * tp_comm,
         "pp_p2p": p2p,
     }
+    if flash:  # softmax's breakdown keeps its keys (and its sums) as they were
+        layers_part["compute_attention"] = layers_per_device * kernel
     first = dict(layers_part)
     first["compute_elementwise"] += first_ew
     first["tp_comm"] += first_tp
@@ -373,7 +440,10 @@ def simulate_megatron(
     step = sum(breakdown.values())
     recompute_s = m * layers_per_device * recomputed
     parts = {
-        "compute": breakdown["compute_gemm"] + breakdown["compute_elementwise"] - recompute_s,
+        "compute": breakdown["compute_gemm"]
+        + breakdown["compute_elementwise"]
+        + breakdown.get("compute_attention", 0.0)
+        - recompute_s,
         "recompute": recompute_s,
         "comm_model": breakdown["tp_comm"] + breakdown["tp_step_overhead"],
         "comm_data": breakdown["dp_allreduce"],
@@ -383,11 +453,15 @@ def simulate_megatron(
     }
 
     # --- memory of the fullest stage ------------------------------------------------
-    act_layer = formulas.activation_bytes_per_layer(s, b, h, a, t, sp, cfg.recompute)
+    # flash keeps no s x s scores: a layer stashes what selective recompute stashes
+    kept = "selective" if flash and cfg.recompute == "none" else cfg.recompute
+    act_layer = formulas.activation_bytes_per_layer(s, b, h, a, t, sp, kept)
     stash = act_layer * _inflight_layers(model, cfg)
     working = 0.0
     if cfg.recompute == "full":
-        working = formulas.activation_bytes_per_layer(s, b, h, a, t, sp, "none")
+        working = formulas.activation_bytes_per_layer(
+            s, b, h, a, t, sp, "selective" if flash else "none"
+        )
     logits_bytes = (e + 4) * b * s * v_size / t
     first_mem = formulas.model_state_bytes(first_params) + stash + working
     last_mem = formulas.model_state_bytes(last_params) + act_layer * layers_per_device + working

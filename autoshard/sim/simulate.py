@@ -31,10 +31,15 @@ JAX step under the fusion model of :func:`autoshard.intra.problem.materialized_t
 attention softmax streams several fp32 buffers), so a block's elementwise time is higher
 on the auto path (tests/test_sim_auto.py states the consequences).
 
-Two programs for the Megatron grid (``program=``): ``"megatron-lm"`` (the default) times
-Megatron-LM's own kernels as above -- the program the published measurements ran, and the
-one :mod:`benchmarks.validate_megatron` checks. ``"traced"`` times the grid on the traced
-JAX step, exactly as the search sees it (:mod:`autoshard.sim.traced`).
+Three programs for the Megatron grid (``program=``): ``"megatron-lm"`` (the default) times
+Megatron-LM's own 2021 kernels as above -- the program the published measurements ran, and
+the one :mod:`benchmarks.validate_megatron` checks. ``"megatron-lm-flash"`` is today's
+Megatron-LM with flash attention (``--use-flash-attn``, Transformer Engine): the same model
+with the attention core timed from the device's attention table
+(:class:`~autoshard.sim.megatron.MegatronConfig` ``attention="flash"``; dgx-a100 and
+dgx-h100, not the V100 presets), the fair baseline for autoshard's fused step. ``"traced"``
+times the grid on the traced JAX step, exactly as the search sees it
+(:mod:`autoshard.sim.traced`).
 
 MFU and HFU always come from :mod:`autoshard.sim.formulas` (model FLOPs, and model plus
 recompute FLOPs), so ``hfu / mfu`` is exactly hardware over model FLOPs.
@@ -72,10 +77,19 @@ from autoshard.sim.report import SimulationReport
 from autoshard.sim.traced import simulate_traced_grid
 
 PLAN_FORMS = ("auto", "dp", "zero2", "zero3", "megatron", "megatron:TPxPPxDP")
-PROGRAMS = ("megatron-lm", "traced")  # what the Megatron grid is timed on
+PROGRAMS = ("megatron-lm", "megatron-lm-flash", "traced")  # what the Megatron grid is timed on
+MEGATRON_LM_PROGRAMS = ("megatron-lm", "megatron-lm-flash")
 DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_ILP_TIME_LIMIT_S = 20.0
-MODEL_OVERRIDES = ("seq_len", "vocab_size", "num_layers", "hidden", "num_heads", "num_experts")
+MODEL_OVERRIDES = (
+    "seq_len",
+    "vocab_size",
+    "num_layers",
+    "hidden",
+    "num_heads",
+    "num_experts",
+    "attention",
+)
 _GRID = re.compile(r"^megatron:(\d+)x(\d+)x(\d+)$")
 
 
@@ -233,7 +247,8 @@ def simulate(
 
     ``global_batch`` defaults to the preset's batch size; ``dtype`` (``bf16``, ``fp16``,
     ``fp32``) to the device's 16-bit dtype (fp16 on V100); ``overrides``: any of
-    ``MODEL_OVERRIDES``. ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``.
+    ``MODEL_OVERRIDES`` (``attention``, ``"fused"`` by default or ``"unfused"``: the traced
+    step's, with ``program="traced"`` or ``plan="auto"``). ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``.
     ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the stage DP chooses per
     stage; only with ``plan="auto"``, and its default there; ``none`` elsewhere).
     ``exact``: also compile the plan on ``gpus`` fake CPU devices and put compiled vs
@@ -271,6 +286,17 @@ def simulate(
         raise ValueError(
             f"optimizer={optimizer!r} is priced on the traced step, by plan='auto' only; plan "
             f"{plan!r} models mixed-precision Adam (use optimizer='adamw')"
+        )
+    if (
+        "attention" in overrides
+        and program in MEGATRON_LM_PROGRAMS
+        and parse_plan(plan).kind != "auto"
+    ):
+        raise ValueError(
+            f"attention={overrides['attention']!r} chooses the traced step's attention; plan "
+            f"{plan!r} on program {program!r} is priced on Megatron-LM's own program (its "
+            "fused kernels; program 'megatron-lm-flash' for its flash attention): use "
+            "program='traced' or plan='auto'"
         )
     search = _microbatch_search(num_microbatches, plan, microbatch_size)
     schedule = _schedule(
@@ -345,12 +371,12 @@ def _schedule(
             "per replica (microbatch_size, --microbatch-size) does not define it; give "
             "num_microbatches (--microbatches), the micro-batches per step"
         )
-    megatron_lm = request.kind != "auto" and program == "megatron-lm"
+    megatron_lm = request.kind != "auto" and program in MEGATRON_LM_PROGRAMS
     if (sequence_parallel or virtual_stages > 1) and not megatron_lm:
         raise ValueError(
             "sequence parallelism and virtual (interleaved) pipeline stages are modelled on "
             "Megatron-LM's program only (plan megatron or megatron:TPxPPxDP, program "
-            f"megatron-lm), not on plan {plan!r} with program {program!r}"
+            f"megatron-lm or megatron-lm-flash), not on plan {plan!r} with program {program!r}"
         )
     if virtual_stages > 1 and request.kind != "megatron":
         raise ValueError(
@@ -448,11 +474,13 @@ def _simulate(
             dtype, peak, ilp_time_limit_s, overrides,
         )  # fmt: skip
     return simulate_grid(
-        model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak
-    )
+        model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak,
+        program,
+    )  # fmt: skip
 
 
 __all__ = [
+    "MEGATRON_LM_PROGRAMS",
     "PROGRAMS",
     "PLAN_FORMS",
     "PlanRequest",

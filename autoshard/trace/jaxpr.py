@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from autoshard.ir.primitives import FUSED_ATTENTION_CALLS
 from autoshard.ir.records import INPUT_KINDS, EqnRecord, TensorRecord, TraceRecords
 
 # Call-like primitives whose bodies are inlined; the key is where the body lives.
@@ -57,6 +58,15 @@ _INLINE_BODY = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
+
+
+# Named jits kept as one equation (their bodies differ by backend: cuDNN's kernels on a
+# GPU, XLA's ops elsewhere), recorded under the op graph's name for them.
+def _fused_call(eqn) -> str | None:
+    if eqn.primitive.name not in ("jit", "pjit"):
+        return None
+    called = FUSED_ATTENTION_CALLS.get(str(eqn.params.get("name", "")))
+    return None if called is None else called[0] + ("_causal" if called[1] else "")
 
 
 # A scan whose unrolled body would exceed this many equations is left as one equation.
@@ -159,16 +169,18 @@ class _Flattener:
     # modules run by an unrolled scan (their iterations are tagged ``name_i``)
     scanned: set[str] = field(default_factory=set)
 
-    def new_tensor(self, aval, kind: str, path: str = "") -> int:
+    def new_tensor(self, aval, kind: str, path: str = "", literal=None) -> int:
         tid = len(self.tensors)
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
         dtype = np.dtype(getattr(aval, "dtype", np.float32)).name
-        self.tensors.append(TensorRecord(tid, shape, dtype, kind, path))
+        self.tensors.append(TensorRecord(tid, shape, dtype, kind, path, literal))
         return tid
 
     def read(self, env: dict, atom) -> int:
         if isinstance(atom, jcore.Literal):
-            tid = self.new_tensor(atom.aval, "literal")
+            value = np.asarray(atom.val)
+            scalar = value.item() if value.ndim == 0 else None
+            tid = self.new_tensor(atom.aval, "literal", literal=scalar)
             self.consts[tid] = atom.val
             return tid
         return env[atom]
@@ -197,7 +209,16 @@ class _Flattener:
             full_stack = "/".join(s for s in (stack, inner_stack) if s)
             in_ids_e = [self.read(env, v) for v in eqn.invars]
             body_key = _INLINE_BODY.get(eqn.primitive.name)
-            if eqn.primitive.name == "scan" and _unrollable(eqn):
+            fused = _fused_call(eqn)
+            if fused is not None:  # one operator, whatever its body (models/attention.py)
+                out_ids = [self.new_tensor(v.aval, "intermediate") for v in eqn.outvars]
+                params = eqn.primitive.get_bind_params(eqn.params)
+                if isinstance(params, tuple):
+                    params = params[1]
+                self.eqns.append(
+                    (fused, tuple(in_ids_e), tuple(out_ids), eqn.primitive, params, full_stack)
+                )
+            elif eqn.primitive.name == "scan" and _unrollable(eqn):
                 out_ids = self.unroll_scan(eqn, in_ids_e, full_stack)
             elif body_key is not None and body_key in eqn.params:
                 body = eqn.params[body_key]
