@@ -44,7 +44,7 @@ def test_fused_and_unfused_attention_train_alike(name, dtype, rtol):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return trace_workload("gpt-tiny", optimizer="sgd")
+    return trace_workload("gpt-tiny", optimizer="sgd", attention="fused")
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def _attention_costs(graph, mesh, itemsize_note=""):
 @pytest.fixture(scope="module")
 def bf16_350m():
     return trace_workload("gpt-350m", optimizer="sgd", num_layers=1, batch_size=8,
-                          dtype="bfloat16")  # fmt: skip
+                          dtype="bfloat16", attention="fused")  # fmt: skip
 
 
 def test_fused_attention_cost_per_cluster(bf16_350m):

@@ -58,9 +58,12 @@ class GPTConfig(ModelConfig):
     batch_size: int = 8
     dtype: str = "float32"
     scan_layers: bool = False  # the blocks as one nn.scan over stacked parameters
-    # "fused": one attention operator (cuDNN flash attention on GPUs, the same algorithm
-    # in XLA elsewhere; autoshard.models.attention); "unfused": einsums and a softmax
-    attention: str = "fused"
+    # "fused": the fused-kernel program (one attention operator: cuDNN flash attention on
+    # GPUs, the same algorithm in XLA elsewhere, autoshard.models.attention; the GELU and
+    # the cross-entropy saving their inputs; q, k, v from their own GEMMs); "unfused":
+    # einsums and a softmax. Unfused by default until the planner's checks hold on the
+    # fused program everywhere (docs/fused.md, "What is left")
+    attention: str = "unfused"
 
     def __post_init__(self) -> None:
         self.check_positive_ints(
