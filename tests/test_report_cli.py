@@ -113,7 +113,10 @@ def test_a_toml_config_stands_in_for_flags_and_typed_flags_win(tmp_path, capsys)
 @pytest.mark.parametrize(
     "text, message",
     [
-        ('[plan]\nmodle = "mlp"\n', "[plan] has no flag 'modle'; it takes baseline, batch"),
+        (
+            '[plan]\nmodle = "mlp"\n',
+            "[plan] has no flag 'modle'; it takes attention, baseline, batch",
+        ),
         ("[plan\n", "is not valid TOML"),
         ('[plna]\nmodel = "mlp"\n', "'plna' is not a [command] table"),
         ("[plan]\nmesh = true\n", "[plan] mesh takes a value, not True"),
