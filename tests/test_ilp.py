@@ -55,7 +55,12 @@ def brute_force(pb: ShardingProblem) -> tuple[float | None, float | None]:
         exists = np.isin(grid[:, c.source], c.source_strategies)
         reads = [np.isin(grid[:, v], qs) for v, qs in c.readers]
         for i, a, b in c.windows:
-            before = np.ones(len(grid), bool) if a < 0 else np.any(reads[: a + 1], axis=0)
+            if c.early_unless is None:
+                before = np.ones(len(grid), bool) if a < 0 else np.any(reads[: a + 1], axis=0)
+            else:  # an early copy: live unless a reader up to a, or a named one, reads it
+                before = np.ones(len(grid), bool)
+                for j in set(c.early_unless) | set(range(a + 1)):
+                    before &= ~reads[j]
             totals[i] += c.bytes * (exists & before & np.any(reads[b:], axis=0))
     peak = totals.max(axis=0) if len(pb.live_sets) else np.zeros(len(grid))
     fits = ok if pb.memory_budget_bytes is None else ok & (peak <= pb.memory_budget_bytes)
@@ -122,7 +127,11 @@ def problems(draw, max_nodes: int = 8, with_copies: bool = False) -> ShardingPro
                 if draw(st.booleans())
             ]
             size = draw(st.integers(1, 10))
-            copies.append(CopyBuffer(size, source, some(source), readers, windows))
+            # an early copy: made at its source unless one of these readers reads it
+            early = draw(
+                st.none() | st.lists(st.integers(0, len(readers) - 1), max_size=2, unique=True)
+            )
+            copies.append(CopyBuffer(size, source, some(source), readers, windows, early))
         memory = dict(
             node_memory=node_memory, live_sets=live, memory_budget_bytes=budget, copies=copies
         )

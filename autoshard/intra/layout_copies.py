@@ -131,6 +131,13 @@ def transposed_dot_lhs(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
     (docs/truth.md); which it picks was not established."""
     if not mesh.memory_layout.dot_lhs_copies:
         return []
+    return transposed_lhs_reads(graph)
+
+
+def transposed_lhs_reads(graph: Graph) -> list[tuple[int, int]]:
+    """(lhs tensor, dot node index) of each unbatched ``dot_general`` that reads its lhs
+    contracted on other than its trailing dims (:func:`transposed_dot_lhs`, whatever the
+    backend)."""
     out = []
     for node in graph.nodes:
         if node.primitive != "dot_general":

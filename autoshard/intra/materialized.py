@@ -7,6 +7,7 @@ written to memory at all; the schedule and the sizes are the model's other parts
 from __future__ import annotations
 
 from autoshard.intra.common_values import common_values, merged_consumers
+from autoshard.intra.layout_copies import transposed_lhs_reads
 from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, ATTENTION, TRANSCENDENTAL
 
@@ -39,6 +40,7 @@ def materialized_tensors(
     reductions_read_memory: bool = False,
     fused_transcendentals: bool = False,
     same: dict[int, int] | None = None,
+    dot_lhs_copies: bool = False,
 ) -> set[int]:
     """Tensors that occupy memory in the compiled step (a model of XLA's fusion).
 
@@ -61,6 +63,14 @@ def materialized_tensors(
 
     Values that depend on no program input (an attention mask: iota, compare,
     broadcast) never are: XLA folds them or regenerates them inside each reader's fusion.
+
+    With ``dot_lhs_copies`` (XLA:CPU: a dot that reads its lhs transposed reads a
+    transposed copy made just before it, :func:`~autoshard.intra.layout_copies.
+    transposed_dot_lhs`), a value made by cheap elementwise ops is computed twice, in its
+    own fusion and in the copy's, so the transcendental or division they are made from is
+    read by two fusions and kept (the fused cross-entropy's backward: ``exp(logits -
+    lse)``, ``subtract_exponential_fusion`` beside the logits gradient and its transposed
+    copy on gpt-350m, 200 MiB each).
 
     A value an unfused op reads through views (a slice of a kernel, squeezed, read by a
     dot: the fused program's q/k/v GEMMs) is materialised: the view is a bitcast of its
@@ -105,6 +115,38 @@ def materialized_tensors(
                 )
                 if not recomputable:
                     out.add(tid)
+    if dot_lhs_copies:
+        for tid in copied_lhs_sources(graph, out):
+            if graph.nodes[graph.tensors[tid].producer].primitive in expensive:
+                out.add(tid)
+    return out
+
+
+def copied_lhs_sources(graph: Graph, kept: set[int]) -> dict[int, int]:
+    """Values XLA:CPU reads again at a transposed dot lhs copy (``dot_lhs_copies``): for
+    each lhs that cheap elementwise ops make and that is read in its own fusion too, the
+    values its fusion reads -- those ``kept`` and the transcendentals and divisions in it
+    (kept once two fusions read them) -- mapped to the last such dot's node index."""
+    copied: dict[int, set[int]] = {}
+    for tid, dot in transposed_lhs_reads(graph):
+        copied.setdefault(tid, set()).add(dot)
+    out: dict[int, int] = {}
+    for tid, dots in copied.items():
+        if not set(graph.tensors[tid].consumers) - dots:
+            continue  # made only for the copy: one fusion
+        stack, seen = [tid], set()
+        while stack:
+            t = graph.tensors[stack.pop()]
+            if t.id in seen or t.producer is None:
+                continue
+            seen.add(t.id)
+            node = graph.nodes[t.producer]
+            if t.id != tid and (t.id in kept or node.primitive in EXPENSIVE):
+                out[t.id] = max(out.get(t.id, -1), *dots)
+                continue
+            if node.primitive in MATERIALIZING:
+                continue
+            stack += [i for i in node.inputs if graph.tensors[i].shape]
     return out
 
 

@@ -39,6 +39,7 @@ from autoshard.intra.materialized import (  # noqa: F401 - re-exported: the mode
     FREE_VIEWS,
     MATERIALIZING,
     UNFUSED_CONSUMERS,
+    copied_lhs_sources,
     data_free_tensors,
     materialized_tensors,
 )
@@ -96,6 +97,7 @@ def live_intervals(
     late_updates: bool = False,
     fused_transcendentals: bool = False,
     early_inputs: bool = False,
+    dot_lhs_copies: bool = False,
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -113,7 +115,9 @@ def live_intervals(
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
     same = common_values(graph)  # once: the fusion part reads it too
-    keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals, same)
+    keep = materialized_tensors(
+        graph, reductions_read_memory, fused_transcendentals, same, dot_lhs_copies
+    )
     consumers = merged_consumers(graph, same)
     aliased_outputs = {dst for _, dst in graph.aliases}
     out: dict[int, tuple[int, int]] = {}
@@ -129,6 +133,10 @@ def live_intervals(
         else:
             last = max([pos[c] for c in _readers(graph, t.id, keep, consumers)] + [first])
         out[t.id] = (first, last)
+    if dot_lhs_copies:  # what a transposed lhs copy's fusion reads lives until then
+        for src, dot in copied_lhs_sources(graph, keep).items():
+            if src in out and out[src][1] < pos[dot]:
+                out[src] = (out[src][0], pos[dot])
     if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
         for z in graph_update_zeros(graph):
             if z.add is None and z.zeros not in out:
@@ -150,6 +158,7 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
         layout.late_updates,
         layout.fused_transcendentals,
         layout.early_input_reshards,
+        layout.dot_lhs_copies,
     )
 
 
@@ -457,11 +466,17 @@ def memory_rows(
         for i in range(lo, hi):
             # made at its start: no reader needed before; live to a fixed end: any reader
             b = 0 if g.end is not None else bisect.bisect_left(where, at[i])
-            a = -1 if g.start is not None else bisect.bisect_right(where, at[i]) - 1
+            early = g.start is not None and g.early_unless is None
+            a = -1 if early else bisect.bisect_right(where, at[i]) - 1
             windows.append((i, a, b))
         copies.append(
             CopyBuffer(
-                g.bytes, g.source, g.source_strategies, tuple(r[1:] for r in g.readers), windows
+                g.bytes,
+                g.source,
+                g.source_strategies,
+                tuple(r[1:] for r in g.readers),
+                windows,
+                g.early_unless,
             )
         )
     return MemoryRows(tuple(node_memory), tuple(live_sets), tuple(copies))

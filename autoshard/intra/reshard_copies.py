@@ -204,13 +204,29 @@ def reshard_buffers(
     return out
 
 
+def _early_unless(graph: Graph, tid: int, readers, n_in: int, mesh: DeviceMesh):
+    """For a copy that the readers which may read it do not all make early (a forward
+    op among them), the indices of those that are not backward dots or convs, when the
+    others would (:func:`_backward_operand`): the plan whose readers are only the latter
+    gets the copy right after the value.  None otherwise."""
+    if not mesh.memory_layout.early_backward_operand_reshards:
+        return None
+    nodes = [r[1] - n_in for r in readers]
+    late = [j for j, v in enumerate(nodes) if _backward_operand(graph, tid, [v])]
+    if not late or len(late) == len(nodes):
+        return None
+    return tuple(j for j in range(len(nodes)) if j not in set(late))
+
+
 @dataclass(frozen=True)
 class CopyGroup:
     """A buffer some strategy choices create, for the ILP's memory rows: it exists when
     ILP node ``source`` picks one of ``source_strategies`` and some reader reads it
     (``readers``: (program position, reader ILP node, its strategies that read it), in
     program order).  It lives from ``start`` to ``end`` (None: from its first reader to
-    its last, as the readers that have read it and are still to read it say)."""
+    its last, as the readers that have read it and are still to read it say).
+    ``early_unless``: see :attr:`~autoshard.intra.ilp.CopyBuffer.early_unless` (then
+    ``start`` is where the early copy is made)."""
 
     source: int
     source_strategies: tuple[int, ...]
@@ -218,6 +234,7 @@ class CopyGroup:
     start: int | None
     end: int | None
     readers: tuple[tuple[int, int, tuple[int, ...]], ...]
+    early_unless: tuple[int, ...] | None = None
 
 
 def copy_groups(
@@ -255,6 +272,10 @@ def copy_groups(
         if tail is None:
             if nbytes:
                 out.append(CopyGroup(src, other, nbytes, start, end, readers))
+            early = _early_unless(graph, tid, readers, n_in, mesh) if start is None else None
+            if nbytes and early is not None:  # made right after the value if only they read
+                t = graph.tensors[tid]
+                out.append(CopyGroup(src, other, nbytes, pos[t.producer], None, readers, early))
         else:
             for size, ps in by_size.items():
                 made = combined_copy_bytes(nbytes, size, tail)

@@ -60,10 +60,14 @@ class GPTConfig(ModelConfig):
     scan_layers: bool = False  # the blocks as one nn.scan over stacked parameters
     # "fused": the fused-kernel program (one attention operator: cuDNN flash attention on
     # GPUs, the same algorithm in XLA elsewhere, autoshard.models.attention; the GELU and
-    # the cross-entropy saving their inputs; q, k, v from their own GEMMs); "unfused":
-    # einsums and a softmax. Unfused by default until the planner's checks hold on the
-    # fused program everywhere (docs/fused.md, "What is left")
+    # the cross-entropy saving their inputs); "unfused": einsums and a softmax. Unfused
+    # by default until the planner's checks hold on the fused program everywhere
+    # (docs/fused.md, "What is left")
     attention: str = "unfused"
+    # with attention="fused": q, k, v from one GEMM, split (1), or from three GEMMs on
+    # slices of the same kernel (3: no split copy, but three input-gradient partial sums
+    # that a tensor-parallel plan all-reduces one by one; docs/fused.md)
+    qkv_gemms: int = 1
 
     def __post_init__(self) -> None:
         self.check_positive_ints(
@@ -76,6 +80,8 @@ class GPTConfig(ModelConfig):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         check_attention(self.attention)
+        if self.qkv_gemms not in (1, 3):
+            raise ValueError(f"qkv_gemms must be 1 or 3, got {self.qkv_gemms!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
 
@@ -201,12 +207,15 @@ class CausalSelfAttention(nn.Module):
         H, D = cfg.num_heads, cfg.head_dim
         # qkv columns are laid out head by head ([H, 3, D]), as in Megatron, so that a
         # column split of the kernel keeps whole heads on a device
-        if getattr(cfg, "attention", "unfused") == "fused":
+        fused = getattr(cfg, "attention", "unfused") == "fused"
+        if fused and getattr(cfg, "qkv_gemms", 1) == 3:
             q, k, v = HeadsQKV(cfg, name="qkv")(x)
-            out = fused_attention(q, k, v, causal=True).reshape(B, S, h)
         else:
             qkv = _dense(3 * h, cfg, "qkv")(x).reshape(B, S, H, 3 * D)
             q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, S, H, D]
+        if fused:
+            out = fused_attention(q, k, v, causal=True).reshape(B, S, h)
+        else:
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(D))  # [B, H, S, S]
             causal = jnp.tril(jnp.ones((S, S), dtype=bool))
             scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)

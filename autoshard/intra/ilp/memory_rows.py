@@ -38,7 +38,8 @@ def _copy_windows(red: _Reduced, constant: np.ndarray) -> dict[int, dict[int, fl
 
     Sets ``red.windows``: per window (copy, source indicator or True, the copy's reader
     indicators, last reader index <= a that is not constant or None when the prefix
-    condition holds anyway, first index >= b likewise)."""
+    condition holds anyway, first index >= b likewise, the readers whose reading keeps an
+    early copy's window dead: :attr:`CopyBuffer.early_unless`)."""
     red.windows, red.num_strategy_cols = [], int(sum(c.size for c in red.cols))
     out: dict[int, dict[int, float]] = {}
     index: dict[tuple, int] = {}
@@ -49,7 +50,13 @@ def _copy_windows(red: _Reduced, constant: np.ndarray) -> dict[int, dict[int, fl
         reads = [_indicator(red, v, qs) for v, qs in copy.readers]
         variable = [j for j, r in enumerate(reads) if r is not True and r is not False]
         for i, a, b in copy.windows:
-            if a < 0 or any(r is True for r in reads[: a + 1]):
+            blk: tuple[int, ...] = ()
+            if copy.early_unless is not None:  # live unless one of its blockers reads
+                blockers = copy.blockers(a)
+                if any(reads[j] is True for j in blockers):
+                    continue
+                blk, pre = tuple(j for j in blockers if reads[j] is not False), None
+            elif a < 0 or any(r is True for r in reads[: a + 1]):
                 pre = None
             else:
                 before = [j for j in variable if j <= a]
@@ -63,13 +70,13 @@ def _copy_windows(red: _Reduced, constant: np.ndarray) -> dict[int, dict[int, fl
                 if not after:
                     continue
                 suf = after[0]
-            if exists is True and pre is None and suf is None:
+            if exists is True and pre is None and suf is None and not blk:
                 constant[i] += copy.bytes
                 continue
-            key = (ci, pre, suf)
+            key = (ci, pre, suf, blk)
             if key not in index:
                 index[key] = len(red.windows)
-                red.windows.append((ci, exists, reads, pre, suf))
+                red.windows.append((ci, exists, reads, pre, suf, blk))
             wid = index[key]
             row = out.setdefault(i, {})
             row[wid] = row.get(wid, 0.0) + copy.bytes

@@ -170,7 +170,8 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
 def _window_columns(red: _Reduced, model: _Model) -> list[int]:
     """One continuous column Z per copy window (``red.windows``), with rows that force
     Z >= 1 when the copy exists and is live there: Z >= exists + before + after - (m - 1)
-    over the m parts that are not constant, where ``before`` (``after``) is the OR of the
+    (minus the blockers' reads, for an early copy) over the m parts that are not
+    constant, where ``before`` (``after``) is the OR of the
     reader indicators up to ``a`` (from ``b``), built as a chain of columns
     P_j >= P_(previous reader), P_j >= reads_j. The memory rows push Z (and the chains)
     down, so at an integer point the smallest feasible Z is exactly the copy's liveness."""
@@ -199,7 +200,7 @@ def _window_columns(red: _Reduced, model: _Model) -> list[int]:
         return chains[key]
 
     out = []
-    for ci, exists, reads, pre, suf in red.windows:
+    for ci, exists, reads, pre, suf, blk in red.windows:
         parts = [] if exists is True else [[(int(c), 1.0) for c in exists]]
         if pre is not None:
             parts.append(either(ci, reads, pre, -1))
@@ -210,6 +211,9 @@ def _window_columns(red: _Reduced, model: _Model) -> list[int]:
         for part in unique.values():
             for c, v in part:  # a source tied to a reader shares its columns
                 merged[c] = merged.get(c, 0.0) - v
+        for j in blk:  # an early copy's blockers: any that reads lifts the bound
+            for c in reads[j]:
+                merged[int(c)] = merged.get(int(c), 0.0) + 1.0
         z = model.column()
         model.row([(z, 1.0), *merged.items()], 1.0 - len(unique), math.inf)
         out.append(z)

@@ -128,6 +128,13 @@ class CopyBuffer:
     live in that live set when some reader at index <= ``a`` reads it (``a = -1``: no
     reader needed before, the copy is made at the start of the step) and some reader at
     index >= ``b`` reads it. ``bytes`` is its size per device.
+
+    ``early_unless`` (reader indices, or None) marks the early part of a copy that is made
+    right after its source only when none of those readers reads it (XLA:CPU gathers a
+    forward value for the backward pass's dots as soon as it exists, but at its first
+    reader when a forward op reads the same copy). Its windows then count the positions
+    before the first reader that reads it: live when no reader at index <= ``a`` and none
+    in ``early_unless`` reads it, and some reader at index >= ``b`` does.
     """
 
     bytes: float
@@ -135,6 +142,7 @@ class CopyBuffer:
     source_strategies: tuple[int, ...]
     readers: tuple[tuple[int, tuple[int, ...]], ...]
     windows: tuple[tuple[int, int, int], ...]
+    early_unless: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -142,14 +150,29 @@ class CopyBuffer:
         put(self, "source_strategies", tuple(int(p) for p in self.source_strategies))
         put(self, "readers", tuple((int(v), tuple(int(q) for q in qs)) for v, qs in self.readers))
         put(self, "windows", tuple((int(i), int(a), int(b)) for i, a, b in self.windows))
+        if self.early_unless is not None:
+            put(self, "early_unless", tuple(int(j) for j in self.early_unless))
+
+    def blockers(self, a: int) -> tuple[int, ...]:
+        """Reader indices whose reading keeps window ``(_, a, _)`` of an early copy dead
+        (``early_unless`` and the readers up to ``a``); () for any other copy."""
+        if self.early_unless is None:
+            return ()
+        return tuple(sorted(set(self.early_unless) | set(range(a + 1))))
 
     def live_in(self, strategy) -> set[int]:
         """The live sets in which the copy is live under the assignment ``strategy``."""
         if strategy[self.source] not in self.source_strategies:
             return set()
         reads = [strategy[v] in qs for v, qs in self.readers]
-        before = list(itertools.accumulate(reads, operator.or_))
         after = list(itertools.accumulate(reversed(reads), operator.or_))[::-1]
+        if self.early_unless is not None:
+            return {
+                i
+                for i, a, b in self.windows
+                if after[b] and not any(reads[j] for j in self.blockers(a))
+            }
+        before = list(itertools.accumulate(reads, operator.or_))
         return {i for i, a, b in self.windows if (a < 0 or before[a]) and after[b]}
 
 
@@ -319,6 +342,11 @@ def _validate(pb: ShardingProblem) -> None:
                 )
         if not c.readers:
             raise ValueError(f"{where} has no readers")
+        if c.early_unless is not None and any(not 0 <= j < len(c.readers) for j in c.early_unless):
+            raise ValueError(
+                f"{where} has early_unless={c.early_unless}; need reader indices in "
+                f"[0, {len(c.readers)})"
+            )
         for j, a, b in c.windows:
             if not 0 <= j < len(pb.live_sets) or not (
                 -1 <= a < len(c.readers) and 0 <= b < len(c.readers)
