@@ -104,8 +104,8 @@ def get_workload(
     attention: str | None = None,
 ) -> Workload:
     """Build a workload by preset name with optional overrides (``num_heads``: GPT and
-    GPT-MoE presets; ``num_experts``: GPT-MoE presets; ``attention``: ``"unfused"`` (the
-    default) or ``"fused"``, GPT and GPT-MoE presets).
+    GPT-MoE presets; ``num_experts``: GPT-MoE presets; ``attention``: ``"fused"`` (the
+    default) or ``"unfused"``, GPT and GPT-MoE presets).
 
     Raises ValueError listing the presets for an unknown name, and naming the field for a
     bad size.
