@@ -4,9 +4,12 @@
 #      the forward's results) and its gradients against the XLA implementation;
 #   1-4. autoshard's fused GPT step and the PyTorch peer (benchmarks/gpu_peer_torch.py),
 #      gpt-1.3b then gpt-350m (24 layers, batch 8, seq 1024, bf16, AdamW), alternating;
-#   5. the attention kernel's TFLOP/s by shape (benchmarks/gpu_attention.py), which is
-#      the planner's table autoshard/hardware/attention_tables/h100.json;
-#   6. autoshard's unfused step (the einsum attention) for gpt-1.3b, the same-run baseline.
+#   5. with TABLE=1 only (h100.json is committed): the attention kernel's TFLOP/s by
+#      shape (benchmarks/gpu_attention.py), the planner's table
+#      autoshard/hardware/attention_tables/h100.json;
+#   6. autoshard's unfused step (the einsum attention) for gpt-1.3b, the same-run baseline,
+#      and the fused step with q, k, v from three GEMMs (fused-qkv3, GPTConfig.qkv_gemms=3:
+#      the default since 2026-11-27 is one GEMM, split) for both models.
 # Writes under $OUT (at most 8 files come back from a lent machine): measured.json,
 # peer.json, attention_measured.json, attention_h100.json, check.json, hlo/*.gz, log.
 #     OUT=/tmp/out bash benchmarks/gpu_fused_check.sh          # QUICK=1: gpt-tiny on CPU
@@ -20,10 +23,12 @@ PY=${PY:-$(command -v python3 || command -v python)}
 exec > >(tee -a "$OUT/log.txt") 2>&1
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 if [ "${QUICK:-0}" = 1 ]; then
-  FUSED=(gpt-tiny:2:8); PEER=(gpt-tiny:2:8); UNFUSED=gpt-tiny:2:8:unfused; ATT=(--quick)
+  FUSED=(gpt-tiny:2:8); PEER=(gpt-tiny:2:8); ATT=(--quick)
+  BASELINES=(gpt-tiny:2:8:unfused gpt-tiny:2:8:fused-qkv3)
 else
   FUSED=(gpt-1.3b:24:8 gpt-350m:24:8); PEER=(gpt-1.3b:24:8 gpt-350m:24:8)
-  UNFUSED=gpt-1.3b:24:8:unfused; ATT=(--table-out "$OUT/attention_h100.json" --total-s 70)
+  ATT=(--table-out "$OUT/attention_h100.json" --total-s 70)
+  BASELINES=(gpt-1.3b:24:8:unfused gpt-1.3b:24:8:fused-qkv3 gpt-350m:24:8:fused-qkv3)
 fi
 log "start"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
 
@@ -61,11 +66,13 @@ for i in 0 1; do
   [ -n "${PEER[$i]:-}" ] && timeout 130 "$PY" benchmarks/gpu_peer_torch.py \
     --configs "${PEER[$i]}" --out "$OUT/peer_$i.json"
 done
-log "5. attention kernel table"
-timeout 140 "$PY" benchmarks/gpu_attention.py --out "$OUT/attention_measured.json" "${ATT[@]}"
-log "6. autoshard unfused $UNFUSED"
-timeout 130 "$PY" benchmarks/gpu_single.py measure --out "$OUT/measured_u.json" \
-  --configs "$UNFUSED" --timeout-s 120
+if [ "${TABLE:-0}" = 1 ]; then
+  log "5. attention kernel table"
+  timeout 140 "$PY" benchmarks/gpu_attention.py --out "$OUT/attention_measured.json" "${ATT[@]}"
+fi
+log "6. autoshard ${BASELINES[*]}"
+timeout 330 "$PY" benchmarks/gpu_single.py measure --out "$OUT/measured_u.json" \
+  --configs "${BASELINES[@]}" --timeout-s 110
 
 log "merge"
 "$PY" - "$OUT" <<'EOF'

@@ -262,3 +262,26 @@ def test_fused_attention_cost_per_cluster(bf16_350m):
     gemms = gemm.seconds(bh, s, s, d, 2) + gemm.seconds(bh, s, d, s, 2)
     assert vf == pytest.approx(gemms + 2 * bh * s * s * 2 / v100.hbm_bandwidth)
     assert vf > fwd and vb > bwd
+
+
+def test_cudnn_pullback_zero_size_leaves_are_made_anew_not_passed():
+    """cuDNN's pullback on an H100 (jax 0.11) holds a ``bf16[0]`` leaf beside its
+    statistics: the forward operator must not return it (two results, as on a CPU, so
+    plan files bind on both), and the backward must rebuild it."""
+    import jax.numpy as jnp
+
+    from autoshard.models.attention import _Pullback
+
+    b, s, h, d = 2, 8, 4, 16
+    q, k, v, out = (jnp.full((b, s, h, d), i, jnp.bfloat16) for i in range(4))
+    stats = jnp.arange(b * h * s, dtype=jnp.float32).reshape(b, h, s, 1)
+    empty = jnp.zeros((0,), jnp.bfloat16)
+    pullback = (q, (k, empty), v, out, stats)  # any pytree of what cuDNN saves
+    pb = _Pullback()
+    extra = pb.split("key", pullback, q, k, v, out)
+    assert [x.shape for x in extra] == [(b, h, s)]  # the statistics alone, as [B, H, S]
+    rebuilt = pb.join("key", q, k, v, out, extra)
+    assert jax.tree.structure(rebuilt) == jax.tree.structure(pullback)
+    for got, want in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(pullback), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -102,10 +102,12 @@ def get_workload(
     num_heads: int | None = None,
     num_experts: int | None = None,
     attention: str | None = None,
+    qkv_gemms: int | None = None,
 ) -> Workload:
     """Build a workload by preset name with optional overrides (``num_heads``: GPT and
     GPT-MoE presets; ``num_experts``: GPT-MoE presets; ``attention``: ``"fused"`` (the
-    default) or ``"unfused"``, GPT and GPT-MoE presets).
+    default) or ``"unfused"``, GPT and GPT-MoE presets; ``qkv_gemms``: 1 or 3, the GPT's
+    fused q/k/v projection, ``GPTConfig.qkv_gemms``).
 
     Raises ValueError listing the presets for an unknown name, and naming the field for a
     bad size.
@@ -181,6 +183,10 @@ def get_workload(
         num_experts=num_experts,  # None unless a GPT-MoE (refused above otherwise)
         attention=attention,
     )
+    if qkv_gemms is not None:
+        if not isinstance(cfg, GPTConfig):
+            raise ValueError("qkv_gemms is for the GPT presets")
+        cfg = cfg.replace(qkv_gemms=qkv_gemms)
     moe = isinstance(cfg, MoEConfig)
     return Workload(
         name,

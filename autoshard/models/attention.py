@@ -94,7 +94,11 @@ class _Pullback:
     pullback from ``q, k, v, out`` and those leaves.  ``where[i]`` names leaf ``i``: 0-3
     for ``q, k, v, out``, ``4 + j`` for the ``j``-th extra leaf.  A single extra leaf of
     ``B H S`` elements (cuDNN's ``[B, H, S, 1]`` statistics) travels as ``[B, H, S]``, the
-    shape the XLA implementation's log-sum-exp has.
+    shape the XLA implementation's log-sum-exp has.  A zero-size leaf (cuDNN's pullback
+    carries a ``bf16[0]`` beside its statistics on jax 0.11 / H100) is not passed at all:
+    ``where`` holds its ``(shape, dtype)`` and the backward makes it anew, so the forward
+    operator has the same two results on a GPU as on a CPU (and a plan file made on one
+    binds on the other).
     """
 
     def __init__(self) -> None:
@@ -106,7 +110,9 @@ class _Pullback:
         where, extra = [], []
         for leaf in leaves:
             hit = next((i for i, x in enumerate(known) if leaf is x), None)
-            if hit is None:
+            if hit is None and getattr(leaf, "size", None) == 0:
+                hit = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+            elif hit is None:
                 hit = 4 + len(extra)
                 extra.append(leaf)
             where.append(hit)
@@ -121,7 +127,8 @@ class _Pullback:
         treedef, where, shapes = self.by_shape[key]
         extra = [x.reshape(shape) for x, shape in zip(extra, shapes)]
         known = (q, k, v, out, *extra)
-        return jax.tree_util.tree_unflatten(treedef, [known[i] for i in where])
+        leaves = [known[i] if isinstance(i, int) else jnp.zeros(*i) for i in where]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 @functools.cache
