@@ -27,6 +27,7 @@ from autoshard.api import TracedWorkload, trace_workload
 from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Stage
+from autoshard.inter.progress import Progress
 from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_stages
 from autoshard.inter.search import check_positive_int, search_stages
 from autoshard.inter.stage_cost import IntraStageCost
@@ -100,6 +101,7 @@ def auto_stage_plan(
     *,
     cluster=None,
     optimizer: str = "adamw",
+    progress: Progress | None = None,
     **overrides,
 ) -> InterPlan:
     """Alpa's inter-operator search with stage costs from intra-op ILPs.
@@ -114,14 +116,18 @@ def auto_stage_plan(
     :func:`~autoshard.inter.submesh.cluster_for`).  Raises ``ValueError`` for
     microbatches that do not divide the batch, more stages than layers or devices, and a
     model that fits no stage configuration (with the smallest budget that would).
+    ``progress``: where the phases report (default: stderr once the search has run 2 s,
+    :class:`~autoshard.inter.progress.Progress`).
     """
     t_start = time.perf_counter()
+    progress = progress or Progress()
     num_microbatches = options.num_microbatches
     check_positive_int("num_microbatches", num_microbatches)
     if isinstance(workload, TracedWorkload):
         traced = workload
     else:
-        traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
+        with progress.phase("trace"):
+            traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
     t_trace = time.perf_counter() - t_start
     plan = search_stages(
         traced.graph,
@@ -130,6 +136,7 @@ def auto_stage_plan(
         options,
         cluster=cluster,
         model=traced.workload.name,
+        progress=progress,
     )
     return dataclasses.replace(
         plan,

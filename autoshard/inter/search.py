@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Shape2
+from autoshard.inter.progress import Progress
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
     StageCost,
@@ -99,6 +100,7 @@ def search_stages(
     cluster=None,
     cost: IntraStageCost | None = None,
     model: str = "model",
+    progress: Progress | None = None,
 ) -> InterPlan:
     """Alpa's inter-operator search on a step already traced at the microbatch size.
 
@@ -110,7 +112,10 @@ def search_stages(
     carries each stage's intra-op plan (``stage_specs``).  Raises ``ValueError`` for more
     stages than layers or devices, equal sub-meshes that do not tile the cluster, and a
     model that fits no stage configuration (with the smallest budget that would).
+    ``progress``: where a long search reports its phases (default: stderr after 2 s,
+    :mod:`autoshard.inter.progress`).
     """
+    progress = progress or Progress()
     num_microbatches, stages = options.num_microbatches, options.stages
     num_stages, logical_meshes = options.num_stages, options.logical_meshes
     schedule, recompute_modes = options.schedule, options.recompute_modes
@@ -174,6 +179,7 @@ def search_stages(
             schedule=schedule,
             num_stages=num_stages,
             recompute_modes=recompute_modes,
+            progress=progress,
         )
     else:
         submesh = _equal_submesh(num_stages, num_hosts, devices_per_host)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.inter.options import GRANULARITIES
 from autoshard.inter.plan import Shape2, StageSpecs
+from autoshard.inter.progress import Progress, quiet
 from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
 from autoshard.inter.subgraph import (
     RangeGraph,
@@ -253,6 +254,11 @@ class IntraStageCost:
         # with the axes renamed): solved once, the strategy indices carry over
         self._solutions: dict = {}
         self._crossings = self._crossing_pairs()
+        self._crossings_by_low: dict | None = None
+        self._rep: dict = {}  # signature -> its first layer
+        for i, sig in enumerate(self.signatures):
+            self._rep.setdefault(sig, i)
+        self._owners_of: dict = {}
 
     # -- helpers
     def subgraph(self, start: int, end: int) -> RangeGraph:
@@ -275,13 +281,40 @@ class IntraStageCost:
                         pairs.add((a, b))
         return tuple(sorted(pairs))
 
+    def prepare(self, logicals, progress: Progress | None = None) -> None:
+        """Plan every layer on each of ``logicals`` now (the stage DP calls this before it
+        reads costs), counting the distinct ILPs on ``progress`` ("stage ILPs k/N")."""
+        progress = progress or quiet()
+        if self.granularity != "layer":
+            return
+        first = {}  # (signature, mesh) -> a layer with it, in layer order
+        for logical in dict.fromkeys(tuple(g) for g in logicals):
+            mesh = self.mesh_for(logical)
+            for i, sig in enumerate(self.signatures):
+                first.setdefault((sig, mesh), (i, logical))
+        todo = [
+            (i, g) for (sig, mesh), (i, g) in first.items() if ((sig,), mesh) not in self._units
+        ]
+        t0 = time.perf_counter()
+        try:
+            with progress.phase("stage ILPs", len(todo)) as phase:
+                for i, logical in todo:
+                    self.unit(i, i + 1, logical)
+                    phase.advance()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
     def unit(self, start: int, end: int, logical: Shape2) -> UnitCost:
-        """The plan of ``[start, end)`` on ``logical``, or of an identical range's."""
+        """The plan of ``[start, end)`` on ``logical``, or of an identical range's (one
+        layer: always its signature's first layer's, the representative)."""
         mesh = self.mesh_for(logical)
         key = (tuple(self.signatures[start:end]), mesh)
         if key in self._units:
             self.num_cache_hits += 1
             return self._units[key]
+        if end == start + 1:
+            start = self._rep[self.signatures[start]]
+            end = start + 1
         self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
         return cost
 
@@ -420,6 +453,49 @@ class IntraStageCost:
         return StageSpecs(logical, tensor_specs, input_specs, operand_specs)
 
     # -- the callback
+    def range_key(self, start: int, end: int) -> tuple:
+        """What :meth:`range_cost` of ``[start, end)`` depends on, so that the stage DP
+        costs ranges with equal keys once: with ``granularity="layer"``, the layers'
+        signatures, the crossings inside the range and the ranges' borrowed parameters
+        (owners inside, by offset; outside, by index), and whether its first and last
+        layers recompute; with ``"range"``, the range itself."""
+        if self.granularity != "layer":
+            return (start, end)
+        if self._crossings_by_low is None:
+            by_low: dict[int, list[tuple[int, int, int]]] = {}
+            for a, b in self._crossings:
+                by_low.setdefault(min(a, b), []).append((max(a, b), a, b))
+            self._crossings_by_low = by_low
+        inside = tuple(
+            (a - start, b - start)
+            for low in range(start, end)
+            for high, a, b in self._crossings_by_low.get(low, ())
+            if high < end
+        )
+        borrowed = tuple(
+            tuple(o - start if start <= o < end else ("out", o) for o in self._borrow_owners(i))
+            for i in range(start, end)
+        )
+        ends = (start == 0, end == len(self.graph.layers))  # no recompute there
+        return (tuple(self.signatures[start:end]), tuple(sorted(inside)), borrowed, ends)
+
+    def _borrow_owners(self, layer: int) -> tuple[int, ...]:
+        """The owner layers of the parameters layer ``layer``'s unit reads but does not
+        update (its representative's, as :meth:`_plan_unit` records them)."""
+        sig = self.signatures[layer]
+        if sig not in self._owners_of:
+            rg = self.subgraph(self._rep[sig], self._rep[sig] + 1)
+            g = rg.graph
+            aliased = {src for src, _ in g.aliases}
+            self._owners_of[sig] = tuple(
+                dict.fromkeys(
+                    self.owners.get(rg.tensor_ids[tid], -1)
+                    for tid in g.inputs
+                    if g.tensors[tid].kind in ("param", "opt_state") and tid not in aliased
+                )
+            )
+        return self._owners_of[sig]
+
     def recomputes(self, layer: int) -> bool:
         """Recompute applies to the inner layers (transformer blocks), not to the first
         (embedding) and last (head, loss: Megatron never recomputes the logits)."""

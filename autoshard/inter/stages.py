@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoshard.inter.plan import Shape2, Stage, StagePlan
+from autoshard.inter.progress import Progress, quiet
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -385,6 +386,37 @@ def _trace_back(
     return out
 
 
+def _range_classes(stage_cost, num_layers: int, max_len: int) -> dict:
+    """Layer ranges ``[k, i)`` grouped by what their cost depends on: the callback's
+    ``range_key(k, i)`` where it has one (ranges of identical layers cost the same and
+    are costed once), else each range alone. Ranges longer than ``max_len`` are left out
+    (no stage may hold them)."""
+    key_of = getattr(stage_cost, "range_key", None)
+    classes: dict = {}
+    for k in range(num_layers):
+        for i in range(k + 1, min(num_layers, k + max_len) + 1):
+            key = (k, i) if key_of is None else key_of(k, i)
+            classes.setdefault(key, []).append((k, i))
+    return classes
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per ``[s, j, k, i]`` (stage ``[k, i)`` on sub-mesh ``j``, first of ``s`` remaining):
+    the fastest fitting (logical mesh, recompute)'s latency, the leanest one's memory
+    (fitting or not) and the chosen variant's index in ``costs.variants(submesh)``
+    (-1: none fits)."""
+
+    latency: np.ndarray
+    min_memory: np.ndarray
+    variant: np.ndarray
+
+    def choice(self, costs: _CostTable, submeshes, s: int, j: int, k: int, i: int):
+        """``((logical_shape, recompute), StageCost)`` chosen for ``[s, j, k, i]``."""
+        v = costs.variants(submeshes[j])[int(self.variant[s, j, k, i])]
+        return v, costs(k, i, submeshes[j], *v)
+
+
 def _stage_tables(
     costs: _CostTable,
     num_layers: int,
@@ -394,48 +426,47 @@ def _stage_tables(
     num_microbatches: int,
     schedule: str,
     budget: float,
-) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Per ``[s, j, k, i]`` (stage ``[k, i)`` on sub-mesh ``j``, first of ``s`` remaining):
-    the fastest fitting (logical mesh, recompute)'s latency, the leanest one's memory
-    (fitting or not) and the chosen ``((logical_shape, recompute), StageCost)``."""
+    classes: dict,
+    progress: Progress,
+) -> _Tables:
+    """The tables of :class:`_Tables`; each class of ``classes`` (see
+    :func:`_range_classes`) is costed once per variant and fills all its ranges."""
     shape = (max_stages + 1, len(submeshes), num_layers + 1, num_layers + 1)
     latency = np.full(shape, np.inf)
     min_memory = np.full(shape, np.inf)
-    choice: dict[tuple[int, int, int, int], tuple[tuple[Shape2, str], StageCost]] = {}
+    variant = np.full(shape, -1, dtype=np.int32)
     # the first of s remaining stages is stage S - s of S: 1F1B keeps min(s, B) in flight
-    in_flight = [
-        microbatches_in_flight(0, s, num_microbatches, schedule) for s in range(max_stages + 1)
-    ]
-    for j, submesh in enumerate(submeshes):
-        if submesh[0] * submesh[1] > num_devices:
-            continue
-        for k in range(num_layers):
-            for i in range(k + 1, num_layers + 1):
-                runnable = [
-                    (v, c)
-                    for v in costs.variants(submesh)
-                    if math.isfinite((c := costs(k, i, submesh, *v)).latency_s)
-                ]
-                for s in range(1, max_stages + 1):
-                    if s > 1 and in_flight[s] == in_flight[s - 1]:
-                        latency[s, j, k, i] = latency[s - 1, j, k, i]
-                        min_memory[s, j, k, i] = min_memory[s - 1, j, k, i]
-                        if (s - 1, j, k, i) in choice:
-                            choice[s, j, k, i] = choice[s - 1, j, k, i]
-                        continue
-                    memories = [c.memory_bytes(in_flight[s]) for _, c in runnable]
-                    if memories:
-                        min_memory[s, j, k, i] = min(memories)
-                    fitting = [
-                        (c.latency_s, n)
-                        for n, (_, c) in enumerate(runnable)
-                        if memories[n] <= budget
-                    ]
-                    if fitting:  # fastest, first logical mesh on ties
-                        n = min(fitting)[1]
-                        latency[s, j, k, i] = runnable[n][1].latency_s
-                        choice[s, j, k, i] = runnable[n]
-    return latency, min_memory, choice
+    in_flight = np.array(
+        [microbatches_in_flight(0, s, num_microbatches, schedule) for s in range(max_stages + 1)],
+        dtype=float,
+    )[1:, None]
+    usable = [j for j, m in enumerate(submeshes) if m[0] * m[1] <= num_devices]
+    with progress.phase("stage spans", len(usable) * len(classes)) as phase:
+        for j in usable:
+            submesh = submeshes[j]
+            variants = costs.variants(submesh)
+            for ranges in classes.values():
+                k, i = ranges[0]
+                found = [costs(k, i, submesh, *v) for v in variants]
+                lat = np.array([c.latency_s for c in found])
+                runnable = np.isfinite(lat)
+                phase.advance()
+                if not runnable.any():
+                    continue
+                param = np.array([c.param_bytes for c in found])
+                work = np.array([c.working_bytes for c in found])
+                act = np.array([c.activation_bytes for c in found])
+                memory = param + work + in_flight * act  # [s - 1, variant]
+                lean = np.where(runnable, memory, np.inf).min(axis=1)
+                fitting = np.where(runnable & (memory <= budget), lat, np.inf)
+                best = fitting.argmin(axis=1)  # fastest, first variant on ties
+                fastest = fitting[np.arange(len(best)), best]
+                best = np.where(np.isfinite(fastest), best, -1)
+                ks, is_ = np.array(ranges).T
+                min_memory[1:, j, ks, is_] = lean[:, None]
+                latency[1:, j, ks, is_] = fastest[:, None]
+                variant[1:, j, ks, is_] = best[:, None]
+    return _Tables(latency, min_memory, variant)
 
 
 def optimal_stage_plan(
@@ -449,6 +480,7 @@ def optimal_stage_plan(
     num_stages: int | None = None,
     t_max_search: str = "frontier",
     recompute_modes: Sequence[str] = NO_RECOMPUTE,
+    progress: Progress | None = None,
 ) -> StagePlan:
     """Alpa's stage DP: the stage plan minimising ``sum(t) + (B - 1) max(t)``.
 
@@ -457,7 +489,12 @@ def optimal_stage_plan(
     plan; if only memory is the obstacle, the error gives the smallest per-device budget
     that would admit one; where every plan needs an infinite-latency stage, it quotes the
     callback's ``refusals`` (if it has that attribute: why it refused a stage).
+    ``progress``: where the phases report (:class:`~autoshard.inter.progress.Progress`).
+    A callback with a ``prepare(logical_meshes, progress)`` method is told every logical
+    mesh first (it may plan them all at once); one with ``range_key(start, end)`` is asked
+    once per class of ranges with equal keys (equal costs).
     """
+    progress = progress or quiet()
     t0 = time.perf_counter()
     _check_problem(num_layers, num_microbatches, schedule)
     _check_cluster(num_hosts, devices_per_host)
@@ -476,11 +513,21 @@ def optimal_stage_plan(
     sizes = [r * c for r, c in submeshes]
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
     costs = _CostTable(stage_cost, recompute_modes)
-
-    latency, min_memory, choice = _stage_tables(
-        costs, num_layers, submeshes, num_devices, max_stages, num_microbatches, schedule, budget
-    )
+    usable = [m for m in submeshes if m[0] * m[1] <= num_devices]
+    prepare = getattr(stage_cost, "prepare", None)
+    if prepare is not None:
+        prepare([g for m in usable for g in logical_mesh_shapes(m)], progress)
+    # a stage leaves at least one layer to each of the others
+    max_len = num_layers - (num_stages - 1 if num_stages is not None else 0)
+    classes = _range_classes(stage_cost, num_layers, max_len)
+    tables = _stage_tables(
+        costs, num_layers, submeshes, num_devices, max_stages, num_microbatches, schedule,
+        budget, classes, progress,
+    )  # fmt: skip
+    latency, min_memory = tables.latency, tables.min_memory
+    dp_runs = progress.phase("stage DP runs")
     unconstrained = _suffix_dp(latency, sizes, num_devices, np.add)
+    dp_runs.advance()
     total, _ = _best_total(unconstrained, num_stages, num_devices)
     if not math.isfinite(total):
         need, _ = _best_total(
@@ -503,7 +550,9 @@ def optimal_stage_plan(
 
     def capped_dp(t_max: float) -> tuple[np.ndarray, np.ndarray]:
         capped = np.where(latency <= t_max, latency, np.inf)
-        return capped, _suffix_dp(capped, sizes, num_devices, np.add)
+        table = _suffix_dp(capped, sizes, num_devices, np.add)
+        dp_runs.advance()
+        return capped, table
 
     candidates = np.unique(latency[np.isfinite(latency)])
     slack = num_microbatches - 1
@@ -540,12 +589,13 @@ def optimal_stage_plan(
                 break
             num_dp_runs += 1
             capped, table = capped_dp(float(below[-1]))
+    dp_runs.__exit__(None, None, None)
 
     _, _, capped, table = best
     _, s = _best_total(table, num_stages, num_devices)
     stages = []
     for index, (s_left, j, k, i) in enumerate(_trace_back(table, capped, sizes, s, num_devices)):
-        (logical, mode), cost = choice[s_left, j, k, i]
+        (logical, mode), cost = tables.choice(costs, submeshes, s_left, j, k, i)
         in_flight = microbatches_in_flight(index, s, num_microbatches, schedule)
         stages.append(
             Stage(

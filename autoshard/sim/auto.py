@@ -170,16 +170,20 @@ def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
 
 def simulate_auto(
     model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides,
-    seq_len: int | None = None, optimizer: str = "adamw",
+    seq_len: int | None = None, optimizer: str = "adamw", progress=None,
 ) -> SimulationReport:  # fmt: skip
     """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
     :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
     global micro-batch ``batch / m``, which each stage splits over its own DP degree.
     ``shape=None`` (a GPT-MoE): FLOPs come from the traced step (:func:`_traced_flops`)
     and ``seq_len`` gives the tokens per sequence. ``optimizer``: the traced step's
-    (:data:`autoshard.models.OPTIMIZERS`)."""
+    (:data:`autoshard.models.OPTIMIZERS`). ``progress``: where the phases report
+    (:class:`autoshard.inter.progress.Progress`; default: stderr once past 2 s)."""
     from autoshard.inter.options import StageSearchOptions
+    from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
+
+    progress = progress or Progress(f"{model} auto")
 
     if num_microbatches is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
@@ -194,9 +198,10 @@ def simulate_auto(
     t0 = time.perf_counter()
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
-    cost = shared_stage_cost(
-        model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
-    )
+    with progress.phase(f"trace (m={m})"):
+        cost = shared_stage_cost(
+            model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
+        )
     ilp_seconds_before = cost.seconds  # the cost may come from an earlier call
     traced_graph = cost.graph
     t_trace = time.perf_counter()
@@ -211,11 +216,14 @@ def simulate_auto(
             dataclasses.replace(options, memory_budget_bytes=hbm),
             cost=cost,
             model=model,
+            progress=progress,
         )
     except ValueError as err:
         if "budget" not in str(err):
             raise
-        inter = search_stages(traced_graph, hosts, per_host, options, cost=cost, model=model)
+        inter = search_stages(
+            traced_graph, hosts, per_host, options, cost=cost, model=model, progress=progress
+        )
     total = time.perf_counter() - t0
     phases = {  # over both searches when the fallback ran (the ILPs are solved once)
         "trace": t_trace - t0,  # trace and stage-cost set-up
