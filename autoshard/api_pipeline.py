@@ -27,8 +27,8 @@ from autoshard.api import TracedWorkload, trace_workload
 from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Stage
-from autoshard.inter.progress import Progress
 from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_stages
+from autoshard.inter.progress import Progress
 from autoshard.inter.search import check_positive_int, search_stages
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (

@@ -247,3 +247,29 @@ def test_full_recompute_keeps_each_block_input():
             none = cost.range_cost(i, i + 1, (1, 1), "none")
             assert full.activation_bytes == block_input, (model, i)
             assert full.working_bytes == none.activation_bytes > block_input
+
+
+def test_a_folded_deep_gpt_costs_exactly_what_its_whole_trace_costs(monkeypatch):
+    """A GPT deeper than FOLD_MIN_BLOCKS is traced with FOLD_BLOCKS blocks and stands for
+    the whole depth: every range's latency and memory equal the whole trace's."""
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.sim import auto
+
+    cluster = load_cluster("alpa-v100", 4)
+    depth = {"num_layers": auto.FOLD_MIN_BLOCKS + 1}
+    folded = auto.search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, depth)
+    monkeypatch.setattr(auto, "FOLD_MIN_BLOCKS", 10**6)
+    whole = auto.search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, depth)
+    assert folded.folded and not whole.folded
+    assert len(folded.graph.layers) == auto.FOLD_BLOCKS + 2 < len(whole.graph.layers)
+    assert folded.layer_names == whole.layer_names and folded.num_layers == depth["num_layers"] + 2
+    n = folded.num_layers
+    for logical in ((1, 1), (2, 1), (1, 2)):
+        for mode in ("none", "full"):
+            for k in range(n):
+                for i in range(k + 1, n + 1):
+                    assert folded.range_cost(k, i, logical, mode) == whole.range_cost(
+                        k, i, logical, mode
+                    ), (k, i, logical, mode)
+    with pytest.raises(ValueError, match="folded"):
+        folded.stage_specs(0, 2, (1, 1))

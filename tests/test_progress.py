@@ -52,8 +52,7 @@ def test_cli_search_progress_goes_to_a_piped_stderr_and_json_stays_one_document(
     argv = "plan --model gpt-tiny --layers 4 --devices 8 --pipeline auto --microbatches 4 --json"
     proc = subprocess.run(
         [sys.executable, "-m", "autoshard", *argv.split()],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,  # not a terminal
+        capture_output=True,  # stderr is a pipe, not a terminal
         text=True,
         timeout=600,
         env=env,

@@ -227,6 +227,7 @@ class IntraStageCost:
         granularity: str = "layer",
         num_microbatches: int = 1,
         baseline: str | None = None,
+        deep_layers: int | None = None,
     ) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -237,8 +238,17 @@ class IntraStageCost:
         self.granularity = granularity
         self.num_microbatches = num_microbatches
         self.baseline = baseline
-        self.signatures = layer_signatures(graph)
         self.owners = param_owner_layers(graph)
+        shallow_signatures = layer_signatures(graph)
+        self.layer_names: tuple[str, ...] = graph.layers
+        self._shallow_of: tuple[int, ...] = tuple(range(len(graph.layers)))
+        crossings = self._crossing_pairs()
+        self._pair_rep = {pair: pair for pair in crossings}
+        self.folded = deep_layers is not None and deep_layers != len(graph.layers)
+        if self.folded:
+            crossings = self._fold(deep_layers, crossings, shallow_signatures)
+        self.num_layers = len(self.layer_names)
+        self.signatures = tuple(shallow_signatures[i] for i in self._shallow_of)
         self.num_ilps = 0
         self.num_cache_hits = 0
         self.ilp_seconds = 0.0
@@ -253,18 +263,93 @@ class IntraStageCost:
         # the same ILP from two logical meshes (1 x n and n x 1 give identical programs
         # with the axes renamed): solved once, the strategy indices carry over
         self._solutions: dict = {}
-        self._crossings = self._crossing_pairs()
+        self._crossings = crossings
         self._crossings_by_low: dict | None = None
+        self._range_keys: dict[tuple[int, int], tuple] = {}
         self._rep: dict = {}  # signature -> its first layer
         for i, sig in enumerate(self.signatures):
             self._rep.setdefault(sig, i)
         self._owners_of: dict = {}
 
+    # -- folding a deep chain onto a shallow trace
+    def _fold(self, deep_layers: int, crossings, signatures) -> tuple[tuple[int, int], ...]:
+        """Make this cost stand for a chain of ``deep_layers`` layers (first, blocks, last)
+        of which ``graph`` is a shallow trace with at least three identical blocks; returns
+        the deep crossing pairs.  Deep block 1 is shallow block 1, the deep last block the
+        shallow last block, every other deep block the shallow second block: their units,
+        junctions and borrowed parameters are the shallow ones.  Raises ``ValueError`` where
+        the trace is not such a chain (a crossing other than between neighbours or between
+        the first and last layer, blocks that differ, parameters borrowed from a block)."""
+        last = len(self.graph.layers) - 1  # shallow
+        blocks = signatures[1:last]
+        if self.granularity != "layer" or self.baseline is not None:
+            raise ValueError("a folded stage cost needs granularity='layer' and no baseline")
+        if len(blocks) < 3 or len(set(blocks)) != 1 or deep_layers < len(signatures):
+            raise ValueError(
+                f"folding needs a trace of >= 3 identical blocks between a first and a last "
+                f"layer and at least as many deep layers; got signatures {signatures} for "
+                f"{deep_layers} deep layers"
+            )
+        for a, b in crossings:
+            if abs(a - b) != 1 and {a, b} != {0, last}:
+                raise ValueError(
+                    f"layers {self.graph.layers[a]} and {self.graph.layers[b]} pass a tensor: "
+                    "not a chain of neighbours, so the trace cannot be folded to another depth"
+                )
+        n = deep_layers - 1  # deep last
+        self._shallow_of = (0, 1, *([2] * (n - 3)), last - 1, last)
+        names = self.graph.layers
+        middle = names[1]
+        stem = middle.rstrip("0123456789")
+        if stem == middle:
+            raise ValueError(f"block name {middle!r} has no index to count deep blocks with")
+        first_index = int(middle[len(stem) :])
+        self.layer_names = (
+            names[0],
+            *(f"{stem}{first_index + i}" for i in range(n - 1)),
+            names[last],
+        )
+        deep: dict[tuple[int, int], tuple[int, int]] = {}
+        for a, b in crossings:
+            if {a, b} == {0, last}:
+                deep[(0 if a == 0 else n, 0 if b == 0 else n)] = (a, b)
+            elif min(a, b) == 0:
+                deep[(a, b)] = (a, b)
+            elif max(a, b) == last:
+                deep[(a - last + n, b - last + n)] = (a, b)
+            else:  # block to block, one way or the other
+                for i in range(1, n - 1):
+                    deep[(i + a - min(a, b), i + b - min(a, b))] = (a, b)
+        self._pair_rep = deep
+        return tuple(sorted(deep))
+
+    def _deep_owner(self, owner: int) -> int:
+        """A shallow owner layer index as a deep one (-1: no layer)."""
+        if not self.folded or owner <= 0:
+            return owner
+        if owner == len(self.graph.layers) - 1:
+            return self.num_layers - 1
+        raise ValueError(
+            f"layer {self.graph.layers[owner]} lends parameters to another: a folded trace "
+            "cannot say which deep block would"
+        )
+
     # -- helpers
     def subgraph(self, start: int, end: int) -> RangeGraph:
+        """The sub-graph of layers ``[start, end)`` (folded: of one layer, its shallow one)."""
+        if self.folded:
+            if end != start + 1:
+                raise ValueError("a folded stage cost plans one layer at a time")
+            start = self._shallow_of[start]
+            end = start + 1
         if (start, end) not in self._subgraphs:
             self._subgraphs[start, end] = range_subgraph(self.graph, start, end)
         return self._subgraphs[start, end]
+
+    def _shallow_subgraph(self, layer: int) -> RangeGraph:
+        if (layer, layer + 1) not in self._subgraphs:
+            self._subgraphs[layer, layer + 1] = range_subgraph(self.graph, layer, layer + 1)
+        return self._subgraphs[layer, layer + 1]
 
     def _crossing_pairs(self) -> tuple[tuple[int, int], ...]:
         """(producer layer, consumer layer) pairs that pass a tensor, as layer indices."""
@@ -378,7 +463,7 @@ class IntraStageCost:
             if tid in aliased:
                 owned += size * (2 if t.kind == "param" else 1)  # a param's gradient too
             else:
-                owner = self.owners.get(rg.tensor_ids[tid], -1)
+                owner = self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1))
                 borrowed[owner] = borrowed.get(owner, 0.0) + size
         return UnitCost(
             plan,
@@ -398,7 +483,8 @@ class IntraStageCost:
         key = (self.signatures[a], self.signatures[b], b - a, mesh)
         if key not in self._junctions:
             ua, ub = self.unit(a, a + 1, logical), self.unit(b, b + 1, logical)
-            ga, gb = self.subgraph(a, a + 1), self.subgraph(b, b + 1)
+            sa, sb = self._pair_rep[(a, b)]  # the shallow pair that passes these tensors
+            ga, gb = self._shallow_subgraph(sa), self._shallow_subgraph(sb)
             cost = 0.0
             if ua.plan is None or ub.plan is None:
                 cost = math.inf
@@ -423,6 +509,10 @@ class IntraStageCost:
         ``"range"`` the range's plan.  Raises if the range has no finite plan there.
         """
         logical = tuple(logical)
+        if self.folded:
+            raise ValueError(
+                "a folded stage cost (deep_layers) has no tensor-level plan of the deep step"
+            )
         if self.granularity == "range":
             pieces = [(self.unit(start, end, logical), self.subgraph(start, end))]
         else:
@@ -461,6 +551,8 @@ class IntraStageCost:
         layers recompute; with ``"range"``, the range itself."""
         if self.granularity != "layer":
             return (start, end)
+        if (start, end) in self._range_keys:
+            return self._range_keys[start, end]
         if self._crossings_by_low is None:
             by_low: dict[int, list[tuple[int, int, int]]] = {}
             for a, b in self._crossings:
@@ -476,8 +568,10 @@ class IntraStageCost:
             tuple(o - start if start <= o < end else ("out", o) for o in self._borrow_owners(i))
             for i in range(start, end)
         )
-        ends = (start == 0, end == len(self.graph.layers))  # no recompute there
-        return (tuple(self.signatures[start:end]), tuple(sorted(inside)), borrowed, ends)
+        ends = (start == 0, end == self.num_layers)  # no recompute there
+        key = (tuple(self.signatures[start:end]), tuple(sorted(inside)), borrowed, ends)
+        self._range_keys[start, end] = key
+        return key
 
     def _borrow_owners(self, layer: int) -> tuple[int, ...]:
         """The owner layers of the parameters layer ``layer``'s unit reads but does not
@@ -489,7 +583,7 @@ class IntraStageCost:
             aliased = {src for src, _ in g.aliases}
             self._owners_of[sig] = tuple(
                 dict.fromkeys(
-                    self.owners.get(rg.tensor_ids[tid], -1)
+                    self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1))
                     for tid in g.inputs
                     if g.tensors[tid].kind in ("param", "opt_state") and tid not in aliased
                 )
@@ -499,7 +593,7 @@ class IntraStageCost:
     def recomputes(self, layer: int) -> bool:
         """Recompute applies to the inner layers (transformer blocks), not to the first
         (embedding) and last (head, loss: Megatron never recomputes the logits)."""
-        return 0 < layer < len(self.graph.layers) - 1
+        return 0 < layer < self.num_layers - 1
 
     @staticmethod
     def _mode_terms(u: UnitCost, mode: str, recomputed: bool) -> tuple[float, float, float]:
@@ -515,7 +609,7 @@ class IntraStageCost:
         borrowed) under ``mode``; per crossing pair: junction seconds.  Built once per
         logical mesh and mode."""
         if (logical, mode) not in self._tables:
-            units = [self.unit(i, i + 1, logical) for i in range(len(self.graph.layers))]
+            units = [self.unit(i, i + 1, logical) for i in range(self.num_layers)]
             crossings = [(a, b, self.junction(a, b, logical)) for a, b in self._crossings]
             terms = [self._mode_terms(u, mode, self.recomputes(i)) for i, u in enumerate(units)]
             self._tables[logical, mode] = (

@@ -41,6 +41,7 @@ multiset of them whose sizes add up to ``N * M`` tiles the cluster, and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -213,14 +214,17 @@ def _check_modes(recompute_modes) -> tuple[str, ...]:
 class _CostTable:
     """Memoised callback: each (range, sub-mesh, logical mesh, recompute) is costed once."""
 
-    def __init__(self, stage_cost: StageCostFn, recompute_modes=NO_RECOMPUTE) -> None:
+    def __init__(
+        self, stage_cost: StageCostFn, recompute_modes=NO_RECOMPUTE, logical_meshes=None
+    ) -> None:
         self.stage_cost = stage_cost
         self.modes = _check_modes(recompute_modes)
+        self.logical_meshes = logical_meshes or logical_mesh_shapes
         self.table: dict[tuple, StageCost] = {}
 
     def variants(self, submesh: Shape2) -> list[tuple[Shape2, str]]:
         """(logical mesh, recompute mode) pairs a stage on ``submesh`` may take, in order."""
-        return [(g, m) for g in logical_mesh_shapes(submesh) for m in self.modes]
+        return [(g, m) for g in self.logical_meshes(submesh) for m in self.modes]
 
     def __call__(
         self, start: int, end: int, submesh: Shape2, logical: Shape2, mode: str = "none"
@@ -421,6 +425,7 @@ def _stage_tables(
     costs: _CostTable,
     num_layers: int,
     submeshes: Sequence[Shape2],
+    sizes: Sequence[int],
     num_devices: int,
     max_stages: int,
     num_microbatches: int,
@@ -440,7 +445,7 @@ def _stage_tables(
         [microbatches_in_flight(0, s, num_microbatches, schedule) for s in range(max_stages + 1)],
         dtype=float,
     )[1:, None]
-    usable = [j for j, m in enumerate(submeshes) if m[0] * m[1] <= num_devices]
+    usable = [j for j, n in enumerate(sizes) if n <= num_devices]
     with progress.phase("stage spans", len(usable) * len(classes)) as phase:
         for j in usable:
             submesh = submeshes[j]
@@ -481,6 +486,8 @@ def optimal_stage_plan(
     t_max_search: str = "frontier",
     recompute_modes: Sequence[str] = NO_RECOMPUTE,
     progress: Progress | None = None,
+    submeshes: Sequence[Shape2] | None = None,
+    logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
 ) -> StagePlan:
     """Alpa's stage DP: the stage plan minimising ``sum(t) + (B - 1) max(t)``.
 
@@ -492,7 +499,10 @@ def optimal_stage_plan(
     ``progress``: where the phases report (:class:`~autoshard.inter.progress.Progress`).
     A callback with a ``prepare(logical_meshes, progress)`` method is told every logical
     mesh first (it may plan them all at once); one with ``range_key(start, end)`` is asked
-    once per class of ranges with equal keys (equal costs).
+    once per class of ranges with equal keys (equal costs).  ``submeshes`` narrows the
+    sub-mesh shapes (default :func:`submesh_shapes`; they must still tile the cluster),
+    ``logical_meshes(submesh)`` the logical meshes of each (default
+    :func:`logical_mesh_shapes`); the DP counts devices in units of the sizes' gcd.
     """
     progress = progress or quiet()
     t0 = time.perf_counter()
@@ -509,20 +519,26 @@ def optimal_stage_plan(
         )
     if num_stages is not None:
         max_stages = num_stages
-    submeshes = submesh_shapes(num_hosts, devices_per_host)
-    sizes = [r * c for r, c in submeshes]
+    if submeshes is None:
+        submeshes = submesh_shapes(num_hosts, devices_per_host)
+    submeshes = tuple(tuple(m) for m in submeshes)
+    unit = math.gcd(*(r * c for r, c in submeshes))
+    if num_devices % unit:
+        raise ValueError(f"sub-meshes {submeshes} cannot tile {num_devices} devices")
+    sizes = [r * c // unit for r, c in submeshes]
+    num_devices //= unit  # in units of `unit` devices from here on
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
-    costs = _CostTable(stage_cost, recompute_modes)
-    usable = [m for m in submeshes if m[0] * m[1] <= num_devices]
+    costs = _CostTable(stage_cost, recompute_modes, logical_meshes)
+    usable = [m for m, n in zip(submeshes, sizes, strict=True) if n <= num_devices]
     prepare = getattr(stage_cost, "prepare", None)
     if prepare is not None:
-        prepare([g for m in usable for g in logical_mesh_shapes(m)], progress)
+        prepare([g for m in usable for g in costs.logical_meshes(m)], progress)
     # a stage leaves at least one layer to each of the others
     max_len = num_layers - (num_stages - 1 if num_stages is not None else 0)
     classes = _range_classes(stage_cost, num_layers, max_len)
     tables = _stage_tables(
-        costs, num_layers, submeshes, num_devices, max_stages, num_microbatches, schedule,
-        budget, classes, progress,
+        costs, num_layers, submeshes, sizes, num_devices, max_stages, num_microbatches,
+        schedule, budget, classes, progress,
     )  # fmt: skip
     latency, min_memory = tables.latency, tables.min_memory
     dp_runs = progress.phase("stage DP runs")
@@ -545,7 +561,7 @@ def optimal_stage_plan(
             f"no plan of {count} stages exists for {num_layers} layers on a "
             f"{num_hosts}x{devices_per_host} cluster with sub-meshes {submeshes}: every "
             f"split needs a stage whose stage_cost latency is infinite or a sub-mesh mix "
-            f"that does not add up to {num_devices} devices{why}"
+            f"that does not add up to {num_devices * unit} devices{why}"
         )
 
     def capped_dp(t_max: float) -> tuple[np.ndarray, np.ndarray]:
@@ -617,4 +633,100 @@ def optimal_stage_plan(
         num_microbatches,
         schedule,
         num_dp_runs,
+    )
+
+
+# ----------------------------------------------------------------------------- frontier scale
+
+ALPA_DP_WORK_LIMIT = 2e9  # element operations of one Alpa DP run beyond which "auto" goes uniform
+
+
+def alpa_dp_work(num_layers: int, num_hosts: int, devices_per_host: int) -> float:
+    """Element operations of one run of Alpa's DP: ``L^2 * S * J * D`` (the module docstring)."""
+    devices = num_hosts * devices_per_host
+    shapes = len(submesh_shapes(num_hosts, devices_per_host))
+    return float(num_layers) ** 2 * min(num_layers, devices) * shapes * devices
+
+
+def megatron_logical_meshes(devices_per_host: int, microbatch: int):
+    """``submesh -> logical meshes`` keeping Megatron-LM's grid rules: the tensor-parallel
+    axis inside a host (``tp <= devices_per_host``) and a data-parallel degree that divides
+    the micro-batch (whole sequences per replica; ``microbatch`` 0: any)."""
+
+    def allowed(submesh: Shape2) -> tuple[Shape2, ...]:
+        return tuple(
+            (dp, tp)
+            for dp, tp in logical_mesh_shapes(submesh)
+            if tp <= devices_per_host and (microbatch == 0 or microbatch % dp == 0)
+        )
+
+    return allowed
+
+
+def uniform_stage_plan(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    stage_cost: StageCostFn,
+    num_microbatches: int,
+    memory_budget_bytes: float | None = None,
+    schedule: str = "1f1b",
+    num_stages: int | None = None,
+    recompute_modes: Sequence[str] = NO_RECOMPUTE,
+    progress: Progress | None = None,
+    logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
+) -> StagePlan:
+    """The stage DP restricted to pipelines whose stages all take one sub-mesh shape.
+
+    For every shape of :func:`submesh_shapes` whose size ``n`` divides the ``D`` devices
+    with ``D / n`` stages no more than the layers (or exactly ``num_stages``), the DP of
+    :func:`optimal_stage_plan` splits the layers into ``D / n`` stages on that shape alone
+    (each stage still takes its fastest fitting logical mesh and recompute mode); the best
+    of these plans wins.  One DP run costs ``L^2 * S`` instead of ``L^2 * S * J * D``: the
+    search for thousands of devices, where Megatron-LM's grids (equal stages) live.
+    Raises ``ValueError`` when no shape gives a plan (quoting why, e.g. the memory budget).
+    """
+    progress = progress or quiet()
+    _check_cluster(num_hosts, devices_per_host)
+    devices = num_hosts * devices_per_host
+    candidates = [
+        (shape, devices // (shape[0] * shape[1]))
+        for shape in submesh_shapes(num_hosts, devices_per_host)
+        if devices % (shape[0] * shape[1]) == 0
+        and devices // (shape[0] * shape[1]) <= num_layers
+        and (num_stages is None or devices // (shape[0] * shape[1]) == num_stages)
+    ]
+    if not candidates:
+        raise ValueError(
+            f"no sub-mesh shape of {submesh_shapes(num_hosts, devices_per_host)} splits "
+            f"{devices} devices into equal stages of >= 1 of the {num_layers} layers"
+            + ("" if num_stages is None else f" in {num_stages} stages")
+        )
+    t0 = time.perf_counter()
+    prepare = getattr(stage_cost, "prepare", None)
+    if prepare is not None:  # every candidate's ILPs, counted on one phase
+        meshes = logical_meshes or logical_mesh_shapes
+        prepare([g for shape, _ in candidates for g in meshes(shape)], progress)
+    best, errors, runs, calls = None, [], 0, 0
+    with progress.phase("equal-stage pipelines", len(candidates)) as phase:
+        for shape, count in candidates:
+            try:
+                plan = optimal_stage_plan(
+                    num_layers, num_hosts, devices_per_host, stage_cost, num_microbatches,
+                    memory_budget_bytes, schedule, count, recompute_modes=recompute_modes,
+                    submeshes=(shape,), logical_meshes=logical_meshes,
+                )  # fmt: skip
+            except ValueError as err:
+                errors.append(f"{count} stages on {shape}: {err}")
+                continue
+            finally:
+                phase.advance()
+            runs += plan.num_dp_runs
+            calls += plan.num_cost_calls
+            if best is None or plan.objective_s < best.objective_s:
+                best = plan
+    if best is None:
+        raise ValueError("no plan of equal sub-meshes: " + " | ".join(errors))
+    return dataclasses.replace(
+        best, search_seconds=time.perf_counter() - t0, num_cost_calls=calls, num_dp_runs=runs
     )

@@ -232,7 +232,7 @@ def simulate_auto(
     }
     inter = dataclasses.replace(inter, search_seconds=total, phase_seconds=phases)
 
-    last = len(traced_graph.layers) - 1
+    last = cost.num_layers - 1
     blocks = [
         sum(1 for i in range(st.start_layer, st.end_layer) if 0 < i < last) for st in inter.stages
     ]
@@ -341,24 +341,52 @@ def search_stage_cost(
     ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step).
     ``baseline``: every stage's inputs pinned the way that intra-op baseline does (a
     restricted search, e.g. ZeRO data parallelism). ``optimizer``: the traced step's.
-    ``graph``: that traced step, already traced with these arguments (another baseline's
-    ``IntraStageCost.graph``), so it is not traced again."""
+    ``IntraStageCost.graph``), so it is not traced again.
+
+    Depth folding: a GPT of more than :data:`FOLD_MIN_BLOCKS` blocks (no baseline, no
+    ``graph`` given) is traced with :data:`FOLD_BLOCKS` blocks only and the cost stands
+    for the whole depth (``IntraStageCost(deep_layers=...)``: identical blocks plan the
+    same, so the deep step's stage costs are the shallow one's units and junctions); a
+    trace that is not such a chain is traced again whole."""
     from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
     from autoshard.inter.stage_cost import IntraStageCost
     from autoshard.inter.submesh import cluster_for, logical_mesh_costs
+    from autoshard.models import get_workload
 
     search_cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
     )
-    if graph is None:
-        graph = trace_microbatch(
-            model, m, optimizer, batch_size=batch,
-            dtype="float32" if dtype == "fp32" else "bfloat16", **overrides,
-        ).graph  # fmt: skip
     mesh_for = logical_mesh_costs(
         cluster_for(search_cluster, cluster.num_nodes, cluster.devices_per_node)
     )
-    return IntraStageCost(
-        graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
-        baseline=baseline,
-    )  # fmt: skip
+    trace_dtype = "float32" if dtype == "fp32" else "bfloat16"
+
+    def cost_of(g, deep_layers=None):
+        return IntraStageCost(
+            g, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
+            baseline=baseline, deep_layers=deep_layers,
+        )  # fmt: skip
+
+    if graph is None and baseline is None:
+        config = get_workload(model, **{k: v for k, v in overrides.items() if k != "batch_size"})
+        blocks = getattr(config.config, "num_layers", None)
+        moe = hasattr(config.config, "expert_group_size")
+        if blocks is not None and blocks > FOLD_MIN_BLOCKS and not moe:
+            shallow = trace_microbatch(
+                model, m, optimizer, batch_size=batch, dtype=trace_dtype,
+                **{**overrides, "num_layers": FOLD_BLOCKS},
+            ).graph  # fmt: skip
+            if len(shallow.layers) == FOLD_BLOCKS + 2:
+                try:
+                    return cost_of(shallow, deep_layers=blocks + 2)
+                except ValueError:
+                    pass  # not a chain of identical blocks: trace it whole
+    if graph is None:
+        graph = trace_microbatch(
+            model, m, optimizer, batch_size=batch, dtype=trace_dtype, **overrides
+        ).graph
+    return cost_of(graph)
+
+
+FOLD_BLOCKS = 3  # blocks traced when a deep GPT is folded (first, middle, last)
+FOLD_MIN_BLOCKS = 8  # fold GPTs deeper than this

@@ -312,7 +312,7 @@ def simulate(
         )
     report = _simulate(
         model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
-        ilp_time_limit_s, exact, overrides, program, optimizer, search,
+        ilp_time_limit_s, exact, overrides, program, optimizer, search, progress,
     )  # fmt: skip
     if not exact:
         return report
@@ -398,6 +398,7 @@ def _schedule(
 def _simulate(
     model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
     ilp_time_limit_s, exact, overrides, program="megatron-lm", optimizer="adamw", search=None,
+    progress=None,
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
     if program not in PROGRAMS:
