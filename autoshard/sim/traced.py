@@ -91,7 +91,7 @@ def simulate_traced_grid(
             step,
         )
         points.append(GridPoint(cfg, step, max(memory), max(memory) > hbm, breakdown, parts))
-        names = cost.graph.layers
+        names = cost.layer_names
         stages[cfg] = [
             {
                 "layers": [names[a], names[b - 1]],
