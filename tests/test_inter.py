@@ -273,3 +273,26 @@ def test_a_folded_deep_gpt_costs_exactly_what_its_whole_trace_costs(monkeypatch)
                     ), (k, i, logical, mode)
     with pytest.raises(ValueError, match="folded"):
         folded.stage_specs(0, 2, (1, 1))
+
+
+def test_units_are_read_back_from_the_disk_cache(tmp_path, monkeypatch):
+    """With AUTOSHARD_CACHE_DIR set, a second search of the same step solves no ILP and
+    costs every range exactly as the first; another cluster misses the cache."""
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.sim.auto import search_stage_cost
+
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    cluster = load_cluster("alpa-v100", 2)
+    costs = [search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, {}) for _ in range(2)]
+    for cost in costs:
+        cost.prepare([(1, 1), (2, 1), (1, 2)])
+    first, second = costs
+    assert first.num_ilps > 0 and first.num_disk_hits == 0
+    assert second.num_ilps == 0 and second.num_disk_hits > 0
+    n = first.num_layers
+    for k in range(n):
+        for i in range(k + 1, n + 1):
+            assert first.range_cost(k, i, (2, 1), "full") == second.range_cost(k, i, (2, 1), "full")
+    other = search_stage_cost("gpt-tiny", load_cluster("dgx-a100", 2), 8, 2, "bf16", 20.0, {})
+    other.prepare([(2, 1)])
+    assert other.num_ilps > 0 and other.num_disk_hits == 0

@@ -62,6 +62,7 @@ from autoshard.inter.subgraph import (
     range_subgraph,
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
+from autoshard.inter.unit_cache import UnitCache
 from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.memory import mesh_intervals
@@ -251,6 +252,8 @@ class IntraStageCost:
         self.signatures = tuple(shallow_signatures[i] for i in self._shallow_of)
         self.num_ilps = 0
         self.num_cache_hits = 0
+        self.num_disk_hits = 0  # units read from the on-disk cache (unit_cache)
+        self.cache = UnitCache.from_env()
         self.ilp_seconds = 0.0
         self.seconds = 0.0
         # why the baseline refused a unit (its pins cannot mean the baseline's name there),
@@ -404,6 +407,25 @@ class IntraStageCost:
         return cost
 
     def _plan_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
+        """A unit from the on-disk cache (:mod:`autoshard.inter.unit_cache`, when on), else
+        :meth:`_solve_unit`'s, then kept there."""
+        if self.cache is None or self.baseline is not None:  # a baseline's refusals: solve
+            return self._solve_unit(rg, mesh)
+        owners = tuple(
+            self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
+        )
+        settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
+        # the mesh by its repr: its GEMM timing keeps memo tables that pickle as they fill
+        key = self.cache.key(rg.graph, repr(mesh), owners, settings)
+        unit = self.cache.get(key)
+        if unit is None:
+            unit = self._solve_unit(rg, mesh)
+            self.cache.put(key, unit)
+        else:
+            self.num_disk_hits += 1
+        return unit
+
+    def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
         graph = rg.graph
         if not math.isfinite(mesh.peak_flops):
             mesh = dataclasses.replace(mesh, peak_flops=DEFAULT_PEAK_FLOPS)
