@@ -267,8 +267,10 @@ class IntraStageCost:
         # with the axes renamed): solved once, the strategy indices carry over
         self._solutions: dict = {}
         self._crossings = crossings
-        self._crossings_by_low: dict | None = None
-        self._range_keys: dict[tuple[int, int], tuple] = {}
+        self._crossings_by_high: dict | None = None
+        self._borrowers: dict[int, list[int]] = {}
+        self._range_keys: dict[tuple[int, int], int] = {}
+        self._key_ids: dict[tuple, int] = {}
         self._rep: dict = {}  # signature -> its first layer
         for i, sig in enumerate(self.signatures):
             self._rep.setdefault(sig, i)
@@ -565,34 +567,45 @@ class IntraStageCost:
         return StageSpecs(logical, tensor_specs, input_specs, operand_specs)
 
     # -- the callback
-    def range_key(self, start: int, end: int) -> tuple:
-        """What :meth:`range_cost` of ``[start, end)`` depends on, so that the stage DP
-        costs ranges with equal keys once: with ``granularity="layer"``, the layers'
-        signatures, the crossings inside the range and the ranges' borrowed parameters
-        (owners inside, by offset; outside, by index), and whether its first and last
-        layers recompute; with ``"range"``, the range itself."""
+    def range_key(self, start: int, end: int):
+        """What :meth:`range_cost` of ``[start, end)`` depends on, as a small int, so that
+        the stage DP costs ranges with equal keys once.  With ``granularity="layer"``: the
+        key of ``[start, end - 1)`` and what layer ``end - 1`` adds -- its signature, the
+        crossings it closes inside the range (by offset), the owners of the parameters it
+        borrows (inside, by offset; outside, by index), the earlier layers whose borrowed
+        owner it is, and whether it is the last layer (no recompute there; the first key
+        says whether the range starts at layer 0).  Equal keys mean equal layers,
+        crossings, borrowings and recompute, so equal costs.  With ``"range"``: the range."""
         if self.granularity != "layer":
             return (start, end)
-        if (start, end) in self._range_keys:
-            return self._range_keys[start, end]
-        if self._crossings_by_low is None:
-            by_low: dict[int, list[tuple[int, int, int]]] = {}
+        memo = self._range_keys
+        if (start, end) in memo:
+            return memo[start, end]
+        if self._crossings_by_high is None:
+            by_high: dict[int, list[tuple[int, int, int]]] = {}
+            borrowers: dict[int, list[int]] = {}
             for a, b in self._crossings:
-                by_low.setdefault(min(a, b), []).append((max(a, b), a, b))
-            self._crossings_by_low = by_low
-        inside = tuple(
-            (a - start, b - start)
-            for low in range(start, end)
-            for high, a, b in self._crossings_by_low.get(low, ())
-            if high < end
+                by_high.setdefault(max(a, b), []).append((min(a, b), a, b))
+            for layer in range(self.num_layers):
+                for o in self._borrow_owners(layer):
+                    borrowers.setdefault(o, []).append(layer)
+            self._crossings_by_high, self._borrowers = by_high, borrowers
+        last = end - 1
+        closed = tuple(
+            sorted(
+                (a - start, b - start)
+                for low, a, b in self._crossings_by_high.get(last, ())
+                if low >= start
+            )
         )
-        borrowed = tuple(
-            tuple(o - start if start <= o < end else ("out", o) for o in self._borrow_owners(i))
-            for i in range(start, end)
+        owners = tuple(
+            o - start if start <= o < end else ("out", o) for o in self._borrow_owners(last)
         )
-        ends = (start == 0, end == self.num_layers)  # no recompute there
-        key = (tuple(self.signatures[start:end]), tuple(sorted(inside)), borrowed, ends)
-        self._range_keys[start, end] = key
+        flips = tuple(x - start for x in self._borrowers.get(last, ()) if start <= x < last)
+        delta = (self.signatures[last], closed, owners, flips, end == self.num_layers)
+        prev = ("first", start == 0) if last == start else self.range_key(start, last)
+        key = self._key_ids.setdefault((prev, delta), len(self._key_ids))
+        memo[start, end] = key
         return key
 
     def _borrow_owners(self, layer: int) -> tuple[int, ...]:

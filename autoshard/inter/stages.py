@@ -346,6 +346,8 @@ def _suffix_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, combine
     max_stages, num_layers = cost.shape[0] - 1, cost.shape[2] - 1
     table = np.full((max_stages + 1, num_layers + 1, num_devices + 1), np.inf)
     table[0, num_layers, 0] = 0.0
+    if list(sizes) == [1]:  # one sub-mesh of one unit: s stages use exactly s units
+        return _one_size_dp(cost, table, combine)
     for k in range(num_layers - 1, -1, -1):
         best = np.full((max_stages, num_devices + 1), np.inf)
         rest = table[:-1, k + 1 :, :]  # rest[s-1, i-k-1, d]: the stages after [k, i)
@@ -356,6 +358,20 @@ def _suffix_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, combine
             merged = combine(stage, rest[:, :, : num_devices + 1 - size]).min(axis=1)
             np.minimum(best[:, size:], merged, out=best[:, size:])
         table[1:, k, :] = best
+    return table
+
+
+def _one_size_dp(cost: np.ndarray, table: np.ndarray, combine) -> np.ndarray:
+    """:func:`_suffix_dp` when every stage takes one device unit: ``F[s, k, d]`` is finite
+    only at ``d = s``, so the DP runs over ``(s, k)`` (the same values, ``D`` times less work)."""
+    max_stages, num_layers = cost.shape[0] - 1, cost.shape[2] - 1
+    best = np.full((max_stages + 1, num_layers + 1), np.inf)
+    best[0, num_layers] = 0.0
+    for k in range(num_layers - 1, -1, -1):
+        stage = cost[1:, 0, k, k + 1 :]  # [s - 1, i - k - 1]
+        best[1:, k] = combine(stage, best[:-1, k + 1 :]).min(axis=1)
+    s = np.arange(min(max_stages, table.shape[2] - 1) + 1)
+    table[s, :, s] = best[s, :]
     return table
 
 
