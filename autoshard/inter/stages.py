@@ -32,7 +32,10 @@ the default ``"frontier"`` walks them downwards, jumping below the slowest stage
 DP solution, which visits only the corners of the (sum, max) trade-off and returns the
 same optimum with far fewer DP runs.  One DP run costs about ``L^2 * S * J * D`` numpy
 element operations (``J`` sub-mesh shapes, ``D`` devices): fine for Alpa-sized problems
-(tens of layers, tens of devices), not for a thousand devices.
+(tens of layers, tens of devices), not for a thousand devices.  There
+:func:`uniform_stage_plan` runs the same DP once per sub-mesh shape with every stage on
+that shape (``L^2 * S`` each, :func:`_one_size_dp`).  Ranges whose costs the callback says
+are equal (``range_key``: identical layers) are costed once, whatever their position.
 
 Sub-meshes are ``(1, 1), (1, 2), (1, 4), ..., (1, M)`` and ``(k, M)``; as in Alpa, any
 multiset of them whose sizes add up to ``N * M`` tiles the cluster, and

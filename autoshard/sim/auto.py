@@ -15,6 +15,12 @@ fastest mode whose memory fits the device's HBM, and records it in ``plan["stage
 ``none`` / ``selective`` / ``full`` force one mode on every stage. If no plan fits, the
 fastest is reported, flagged ``oom``.
 
+Frontier scale: a GPT deeper than :data:`FOLD_MIN_BLOCKS` blocks is traced with
+:data:`FOLD_BLOCKS` and its stage costs folded to the full depth (exact: identical blocks
+plan identically, :func:`search_stage_cost`), and where one run of Alpa's stage DP
+would exceed 2e9 element operations (GPT-175B on 512 GPUs already does) it keeps one
+sub-mesh shape per pipeline (``StageSearchOptions.submesh_search``).
+
 Micro-batches under ``auto``: one count (:func:`_default_microbatches`, or the caller's),
 or searched (:func:`microbatch_candidates`, :func:`search_microbatches`): the whole search
 above runs once per candidate count and the fastest report that fits the HBM wins (none
