@@ -201,7 +201,7 @@ def cmd_simulate(args) -> int:
         sequence_parallel=args.sequence_parallel,
         virtual_stages=args.virtual_stages,
         optimizer=args.optimizer,
-        progress=Progress(f"{args.model} auto", enabled=not getattr(args, "quiet", False)),
+        progress=Progress(f"{args.model} {args.plan}", enabled=not getattr(args, "quiet", False)),
         **_model_overrides(args),
     )
     if args.json:

@@ -474,7 +474,7 @@ def _simulate(
     if program == "traced":
         return simulate_traced_grid(
             model, shape, the_cluster, batch, schedule, request.grid, recompute,
-            dtype, peak, ilp_time_limit_s, overrides,
+            dtype, peak, ilp_time_limit_s, overrides, progress,
         )  # fmt: skip
     return simulate_grid(
         model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak,
