@@ -296,3 +296,19 @@ def test_units_are_read_back_from_the_disk_cache(tmp_path, monkeypatch):
     other = search_stage_cost("gpt-tiny", load_cluster("dgx-a100", 2), 8, 2, "bf16", 20.0, {})
     other.prepare([(2, 1)])
     assert other.num_ilps > 0 and other.num_disk_hits == 0
+
+
+def test_the_traced_step_is_read_back_from_the_disk_cache(tmp_path, monkeypatch):
+    import autoshard.api_pipeline as api
+
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    name, graph = api.microbatch_graph("gpt-tiny", 2, batch_size=8, num_layers=2)
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(api, "trace_microbatch", no_trace)
+    again = api.microbatch_graph("gpt-tiny", 2, batch_size=8, num_layers=2)
+    assert again == (name, graph)
+    with pytest.raises(AssertionError, match="traced again"):  # other settings: a miss
+        api.microbatch_graph("gpt-tiny", 4, batch_size=8, num_layers=2)

@@ -354,7 +354,7 @@ def search_stage_cost(
     for the whole depth (``IntraStageCost(deep_layers=...)``: identical blocks plan the
     same, so the deep step's stage costs are the shallow one's units and junctions); a
     trace that is not such a chain is traced again whole."""
-    from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
+    from autoshard.api_pipeline import microbatch_graph  # lazy: traces with jax
     from autoshard.inter.stage_cost import IntraStageCost
     from autoshard.inter.submesh import cluster_for, logical_mesh_costs
     from autoshard.models import get_workload
@@ -378,19 +378,19 @@ def search_stage_cost(
         blocks = getattr(config.config, "num_layers", None)
         moe = hasattr(config.config, "expert_group_size")
         if blocks is not None and blocks > FOLD_MIN_BLOCKS and not moe:
-            shallow = trace_microbatch(
+            _, shallow = microbatch_graph(
                 model, m, optimizer, batch_size=batch, dtype=trace_dtype,
                 **{**overrides, "num_layers": FOLD_BLOCKS},
-            ).graph  # fmt: skip
+            )  # fmt: skip
             if len(shallow.layers) == FOLD_BLOCKS + 2:
                 try:
                     return cost_of(shallow, deep_layers=blocks + 2)
                 except ValueError:
                     pass  # not a chain of identical blocks: trace it whole
     if graph is None:
-        graph = trace_microbatch(
+        _, graph = microbatch_graph(
             model, m, optimizer, batch_size=batch, dtype=trace_dtype, **overrides
-        ).graph
+        )
     return cost_of(graph)
 
 
