@@ -12,11 +12,15 @@ counts as a miss.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pickle
 from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
 
 CACHE_ENV = "AUTOSHARD_CACHE_DIR"
 
@@ -30,6 +34,37 @@ def code_fingerprint() -> str:
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def canonical(value):
+    """``value`` as nested tuples of plain values: dataclasses by type and fields, dicts
+    by sorted items, arrays by dtype, shape and bytes; any other object by its repr, or
+    by its type where the repr names an address."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(canonical(v) for v in value))
+    if isinstance(value, (dict, MappingProxyType)):
+        items = [(canonical(k), canonical(v)) for k, v in value.items()]
+        return ("dict", tuple(sorted(items, key=repr)))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted((canonical(v) for v in value), key=repr)))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = tuple(
+            (f.name, canonical(getattr(value, f.name))) for f in dataclasses.fields(value)
+        )
+        return (type(value).__qualname__, fields)
+    if isinstance(value, np.ndarray):
+        return (
+            "ndarray",
+            str(value.dtype),
+            value.shape,
+            hashlib.sha256(value.tobytes()).hexdigest(),
+        )
+    if isinstance(value, np.generic):
+        return canonical(value.item())
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else (type(value).__qualname__, text)
 
 
 class UnitCache:
@@ -47,9 +82,11 @@ class UnitCache:
 
     @staticmethod
     def key(*parts) -> str:
-        """The fingerprint of ``parts`` (picklable) and of the code."""
-        blob = pickle.dumps((code_fingerprint(), parts), protocol=4)
-        return hashlib.sha256(blob).hexdigest()
+        """The fingerprint of ``parts`` and of the code: the SHA-256 of a canonical text
+        of their values (:func:`canonical`; not their pickle, which depends on which equal
+        values happen to be one object)."""
+        text = repr(canonical((code_fingerprint(), parts)))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def _path(self, key: str) -> Path:
         return self.directory / key[:2] / f"{key}.pkl"
