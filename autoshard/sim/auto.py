@@ -358,6 +358,7 @@ def search_stage_cost(
     from autoshard.inter.stage_cost import IntraStageCost
     from autoshard.inter.submesh import cluster_for, logical_mesh_costs
     from autoshard.models import get_workload
+    from autoshard.models.gpt import GPTConfig
 
     search_cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
@@ -375,9 +376,8 @@ def search_stage_cost(
 
     if graph is None and baseline is None:
         config = get_workload(model, **{k: v for k, v in overrides.items() if k != "batch_size"})
-        blocks = getattr(config.config, "num_layers", None)
-        moe = hasattr(config.config, "expert_group_size")
-        if blocks is not None and blocks > FOLD_MIN_BLOCKS and not moe:
+        blocks = config.config.num_layers
+        if type(config.config) is GPTConfig and blocks > FOLD_MIN_BLOCKS:  # not MoE, ResNet
             _, shallow = microbatch_graph(
                 model, m, optimizer, batch_size=batch, dtype=trace_dtype,
                 **{**overrides, "num_layers": FOLD_BLOCKS},
