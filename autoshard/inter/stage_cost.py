@@ -254,6 +254,7 @@ class IntraStageCost:
         self.num_cache_hits = 0
         self.num_disk_hits = 0  # units read from the on-disk cache (unit_cache)
         self.cache = UnitCache.from_env()
+        self._graph_keys: dict[tuple[int, int], str] = {}
         self.ilp_seconds = 0.0
         self.seconds = 0.0
         # why the baseline refused a unit (its pins cannot mean the baseline's name there),
@@ -417,8 +418,10 @@ class IntraStageCost:
             self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
         )
         settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
+        if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
+            self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
         # the mesh by its repr: its GEMM timing keeps memo tables that pickle as they fill
-        key = self.cache.key(rg.graph, repr(mesh), owners, settings)
+        key = self.cache.key(self._graph_keys[rg.start, rg.end], repr(mesh), owners, settings)
         unit = self.cache.get(key)
         if unit is None:
             unit = self._solve_unit(rg, mesh)
