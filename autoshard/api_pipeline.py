@@ -28,6 +28,7 @@ from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Stage
 from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_stages
+from autoshard.inter.progress import Progress
 from autoshard.inter.search import check_positive_int, search_stages
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
@@ -40,7 +41,8 @@ from autoshard.inter.stages import (
     place_submeshes,
 )
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
-from autoshard.ir.graph import build_graph
+from autoshard.inter.unit_cache import UnitCache
+from autoshard.ir.graph import Graph, build_graph
 from autoshard.models import Workload, get_workload, make_train_step
 from autoshard.runtime.pipeline import (
     LayoutFn,
@@ -92,6 +94,28 @@ def trace_microbatch(workload, num_microbatches: int, optimizer: str = "adamw", 
     return trace_workload(name, optimizer, batch_size=batch // num_microbatches, **base)
 
 
+def microbatch_graph(
+    workload: str, num_microbatches: int, optimizer: str = "adamw", **overrides
+) -> tuple[str, Graph]:
+    """``(name, graph)`` of :func:`trace_microbatch` for a preset name; with
+    ``AUTOSHARD_CACHE_DIR`` set, read from or kept in the on-disk cache
+    (:mod:`autoshard.inter.unit_cache`: keyed by the arguments, jax's version and
+    autoshard's source), so a repeated search does not trace again."""
+    cache = UnitCache.from_env()
+    key = None
+    if cache is not None:
+        settings = (workload, num_microbatches, optimizer, sorted(overrides.items()))
+        key = cache.key("microbatch-graph", settings, jax.__version__)
+        found = cache.get(key)
+        if found is not None:
+            return found
+    traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
+    found = (traced.workload.name, traced.graph)
+    if cache is not None:
+        cache.put(key, found)
+    return found
+
+
 def auto_stage_plan(
     workload,
     num_hosts: int,
@@ -100,6 +124,7 @@ def auto_stage_plan(
     *,
     cluster=None,
     optimizer: str = "adamw",
+    progress: Progress | None = None,
     **overrides,
 ) -> InterPlan:
     """Alpa's inter-operator search with stage costs from intra-op ILPs.
@@ -114,22 +139,31 @@ def auto_stage_plan(
     :func:`~autoshard.inter.submesh.cluster_for`).  Raises ``ValueError`` for
     microbatches that do not divide the batch, more stages than layers or devices, and a
     model that fits no stage configuration (with the smallest budget that would).
+    ``progress``: where the phases report (default: stderr once the search has run 2 s,
+    :class:`~autoshard.inter.progress.Progress`).
     """
     t_start = time.perf_counter()
+    progress = progress or Progress()
     num_microbatches = options.num_microbatches
     check_positive_int("num_microbatches", num_microbatches)
     if isinstance(workload, TracedWorkload):
-        traced = workload
+        name, graph = workload.workload.name, workload.graph
+    elif isinstance(workload, str):
+        with progress.phase("trace"):
+            name, graph = microbatch_graph(workload, num_microbatches, optimizer, **overrides)
     else:
-        traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
+        with progress.phase("trace"):
+            traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
+        name, graph = traced.workload.name, traced.graph
     t_trace = time.perf_counter() - t_start
     plan = search_stages(
-        traced.graph,
+        graph,
         num_hosts,
         devices_per_host,
         options,
         cluster=cluster,
-        model=traced.workload.name,
+        model=name,
+        progress=progress,
     )
     return dataclasses.replace(
         plan,

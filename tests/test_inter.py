@@ -247,3 +247,68 @@ def test_full_recompute_keeps_each_block_input():
             none = cost.range_cost(i, i + 1, (1, 1), "none")
             assert full.activation_bytes == block_input, (model, i)
             assert full.working_bytes == none.activation_bytes > block_input
+
+
+def test_a_folded_deep_gpt_costs_exactly_what_its_whole_trace_costs(monkeypatch):
+    """A GPT deeper than FOLD_MIN_BLOCKS is traced with FOLD_BLOCKS blocks and stands for
+    the whole depth: every range's latency and memory equal the whole trace's."""
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.sim import auto
+
+    cluster = load_cluster("alpa-v100", 4)
+    depth = {"num_layers": auto.FOLD_MIN_BLOCKS + 1}
+    folded = auto.search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, depth)
+    monkeypatch.setattr(auto, "FOLD_MIN_BLOCKS", 10**6)
+    whole = auto.search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, depth)
+    assert folded.folded and not whole.folded
+    assert len(folded.graph.layers) == auto.FOLD_BLOCKS + 2 < len(whole.graph.layers)
+    assert folded.layer_names == whole.layer_names and folded.num_layers == depth["num_layers"] + 2
+    n = folded.num_layers
+    for logical in ((1, 1), (2, 1), (1, 2)):
+        for mode in ("none", "full"):
+            for k in range(n):
+                for i in range(k + 1, n + 1):
+                    assert folded.range_cost(k, i, logical, mode) == whole.range_cost(
+                        k, i, logical, mode
+                    ), (k, i, logical, mode)
+    with pytest.raises(ValueError, match="folded"):
+        folded.stage_specs(0, 2, (1, 1))
+
+
+def test_units_are_read_back_from_the_disk_cache(tmp_path, monkeypatch):
+    """With AUTOSHARD_CACHE_DIR set, a second search of the same step solves no ILP and
+    costs every range exactly as the first; another cluster misses the cache."""
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.sim.auto import search_stage_cost
+
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    cluster = load_cluster("alpa-v100", 2)
+    costs = [search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, {}) for _ in range(2)]
+    for cost in costs:
+        cost.prepare([(1, 1), (2, 1), (1, 2)])
+    first, second = costs
+    assert first.num_ilps > 0 and first.num_disk_hits == 0
+    assert second.num_ilps == 0 and second.num_disk_hits > 0
+    n = first.num_layers
+    for k in range(n):
+        for i in range(k + 1, n + 1):
+            assert first.range_cost(k, i, (2, 1), "full") == second.range_cost(k, i, (2, 1), "full")
+    other = search_stage_cost("gpt-tiny", load_cluster("dgx-a100", 2), 8, 2, "bf16", 20.0, {})
+    other.prepare([(2, 1)])
+    assert other.num_ilps > 0 and other.num_disk_hits == 0
+
+
+def test_the_traced_step_is_read_back_from_the_disk_cache(tmp_path, monkeypatch):
+    import autoshard.api_pipeline as api
+
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    name, graph = api.microbatch_graph("gpt-tiny", 2, batch_size=8, num_layers=2)
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(api, "trace_microbatch", no_trace)
+    again = api.microbatch_graph("gpt-tiny", 2, batch_size=8, num_layers=2)
+    assert again == (name, graph)
+    with pytest.raises(AssertionError, match="traced again"):  # other settings: a miss
+        api.microbatch_graph("gpt-tiny", 4, batch_size=8, num_layers=2)

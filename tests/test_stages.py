@@ -332,3 +332,46 @@ def test_stage_dp_with_recompute_choice_matches_brute_force(case, modes):
     if modes == ("none", "selective", "full") and budget is not None:
         plain, _ = brute_force(layers, hosts, per_host, stage_cost, mb, cap, schedule)
         assert expected <= plain
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_uniform_search_is_the_best_plan_of_equal_submeshes(seed):
+    """uniform_stage_plan = brute force over plans whose stages all take one sub-mesh
+    shape; never better than Alpa's DP over every mix (a restriction of it)."""
+    from autoshard.inter.stages import uniform_stage_plan
+
+    layers, hosts, per_host, micro = 5, 2, 4, 4
+    cost = random_cost_table(seed, layers, additive=seed % 2 == 0)
+    budget = None if seed < 3 else 6.0
+    expected = math.inf
+    for shape in submesh_shapes(hosts, per_host):
+        n = shape[0] * shape[1]
+        if (hosts * per_host) % n or (hosts * per_host) // n > layers:
+            continue
+        count = (hosts * per_host) // n
+        best = math.inf
+        for cuts in itertools.combinations(range(1, layers), count - 1):
+            bounds = (0, *cuts, layers)
+            per_stage = []
+            for s in range(count):
+                fits = []
+                for g in logical_mesh_shapes(shape):
+                    c = cost(bounds[s], bounds[s + 1], shape, g)
+                    mem = c.memory_bytes(microbatches_in_flight(s, count, micro, "1f1b"))
+                    if math.isfinite(c.latency_s) and (budget is None or mem <= budget):
+                        fits.append(c.latency_s)
+                if not fits:
+                    break
+                per_stage.append(min(fits))
+            else:
+                best = min(best, pipeline_objective(per_stage, micro))
+        expected = min(expected, best)
+    if not math.isfinite(expected):
+        with pytest.raises(ValueError, match="no plan of equal sub-meshes"):
+            uniform_stage_plan(layers, hosts, per_host, cost, micro, budget)
+        return
+    plan = uniform_stage_plan(layers, hosts, per_host, cost, micro, budget)
+    assert len({s.submesh for s in plan.stages}) == 1
+    assert plan.objective_s == pytest.approx(expected, rel=1e-12)
+    alpa = optimal_stage_plan(layers, hosts, per_host, cost, micro, budget)
+    assert alpa.objective_s <= plan.objective_s * (1 + 1e-12)

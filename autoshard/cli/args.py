@@ -50,7 +50,8 @@ class HelpfulParser(argparse.ArgumentParser):
             "--quiet",
             action="store_true",
             default=argparse.SUPPRESS,
-            help="no progress spinners (off anyway when stderr is not a terminal)",
+            help="no progress: no spinners (off anyway when stderr is not a terminal) and no "
+            "search progress lines on stderr",
         )
 
 

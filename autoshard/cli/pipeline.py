@@ -32,6 +32,7 @@ def cmd_pipeline_plan(args) -> int:
     """Search stages and print them (``--json``: the InterPlan's JSON)."""
     from autoshard.api_pipeline import auto_stage_plan
     from autoshard.inter.options import StageSearchOptions
+    from autoshard.inter.progress import Progress
 
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
     hosts = args.hosts
@@ -55,6 +56,7 @@ def cmd_pipeline_plan(args) -> int:
         ),
         cluster=args.cluster,
         optimizer=args.optimizer,
+        progress=Progress(args.model, enabled=not getattr(args, "quiet", False)),
         **_overrides(args),
     )
     if getattr(args, "out", None):

@@ -182,6 +182,7 @@ def _model_overrides(args) -> dict:
 
 
 def cmd_simulate(args) -> int:
+    from autoshard.inter.progress import Progress
     from autoshard.sim.simulate import simulate
 
     report = simulate(
@@ -200,6 +201,7 @@ def cmd_simulate(args) -> int:
         sequence_parallel=args.sequence_parallel,
         virtual_stages=args.virtual_stages,
         optimizer=args.optimizer,
+        progress=Progress(f"{args.model} {args.plan}", enabled=not getattr(args, "quiet", False)),
         **_model_overrides(args),
     )
     if args.json:

@@ -17,6 +17,7 @@ from autoshard.inter.stages import NO_RECOMPUTE
 
 STAGE_METHODS = ("auto", "equal-layer", "equal-flops")
 GRANULARITIES = ("layer", "range")
+SUBMESH_SEARCHES = ("auto", "alpa", "uniform")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class StageSearchOptions:
     DP takes the fastest that fits ``memory_budget_bytes`` (per device; None: unbounded).
     ``solver``, ``time_limit_s`` (per ILP) and ``granularity`` (``"layer"`` or
     ``"range"``, see :mod:`autoshard.inter.stage_cost`) set the intra-op ILPs.
+    ``submesh_search`` (with ``stages="auto"``): ``"alpa"``, Alpa's DP over every mix of
+    sub-meshes; ``"uniform"``, one sub-mesh shape for all stages and Megatron-LM's logical
+    meshes (:func:`autoshard.inter.stages.uniform_stage_plan`); ``"auto"``, Alpa's unless one
+    of its DP runs would exceed :data:`~autoshard.inter.stages.ALPA_DP_WORK_LIMIT` element
+    operations (thousands of devices).
     """
 
     num_microbatches: int
@@ -43,8 +49,13 @@ class StageSearchOptions:
     solver: str = "highs"
     time_limit_s: float = 60.0
     granularity: str = "layer"
+    submesh_search: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.submesh_search not in SUBMESH_SEARCHES:
+            raise ValueError(
+                f"submesh_search must be one of {SUBMESH_SEARCHES}, got {self.submesh_search!r}"
+            )
         # sequences become tuples, so options compare and hash by value
         if not isinstance(self.stages, str):
             object.__setattr__(self, "stages", tuple(tuple(r) for r in self.stages))

@@ -20,16 +20,21 @@ from collections.abc import Mapping
 
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Shape2
+from autoshard.inter.progress import Progress
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
+    ALPA_DP_WORK_LIMIT,
     StageCost,
+    alpa_dp_work,
     cost_stage_choices,
     equal_flops_stages,
     equal_layer_stages,
     logical_mesh_shapes,
+    megatron_logical_meshes,
     optimal_stage_plan,
     place_submeshes,
     submesh_shapes,
+    uniform_stage_plan,
 )
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.ir.graph import Graph
@@ -66,6 +71,15 @@ def _equal_submesh(num_stages: int, num_hosts: int, devices_per_host: int) -> Sh
     return shape
 
 
+def _microbatch(graph: Graph) -> int:
+    """The micro-batch the step was traced at: the gcd of its data inputs' leading
+    dimensions (0 if it has none)."""
+    dims = [
+        graph.tensors[t].shape[0] for t in graph.inputs_of_kind("data") if graph.tensors[t].shape
+    ]
+    return math.gcd(*dims) if dims else 0
+
+
 def _same_graph(a: Graph, b: Graph) -> bool:
     """Whether two traces of a step are the same program (ids, primitives, shapes)."""
     return (
@@ -99,6 +113,7 @@ def search_stages(
     cluster=None,
     cost: IntraStageCost | None = None,
     model: str = "model",
+    progress: Progress | None = None,
 ) -> InterPlan:
     """Alpa's inter-operator search on a step already traced at the microbatch size.
 
@@ -110,7 +125,10 @@ def search_stages(
     carries each stage's intra-op plan (``stage_specs``).  Raises ``ValueError`` for more
     stages than layers or devices, equal sub-meshes that do not tile the cluster, and a
     model that fits no stage configuration (with the smallest budget that would).
+    ``progress``: where a long search reports its phases (default: stderr after 2 s,
+    :mod:`autoshard.inter.progress`).
     """
+    progress = progress or Progress()
     num_microbatches, stages = options.num_microbatches, options.stages
     num_stages, logical_meshes = options.num_stages, options.logical_meshes
     schedule, recompute_modes = options.schedule, options.recompute_modes
@@ -124,7 +142,8 @@ def search_stages(
         raise ValueError(
             f"unknown stages={stages!r}; use one of {STAGE_METHODS} or (start, end) layer ranges"
         )
-    num_layers, num_devices = len(graph.layers), num_hosts * devices_per_host
+    layer_names = graph.layers if cost is None else cost.layer_names
+    num_layers, num_devices = len(layer_names), num_hosts * devices_per_host
     if num_layers == 0:
         raise ValueError("the traced step has no layer tags; nothing to split into stages")
     if explicit:
@@ -137,7 +156,7 @@ def search_stages(
         if num_stages > num_layers or num_stages > num_devices:
             raise ValueError(
                 f"num_stages={num_stages} is impossible: {num_layers} layers "
-                f"({', '.join(graph.layers)}) on {num_devices} devices; each stage needs a "
+                f"({', '.join(layer_names)}) on {num_devices} devices; each stage needs a "
                 f"layer and a device, so use 1..{min(num_layers, num_devices)}"
             )
     elif stages != "auto":
@@ -163,23 +182,39 @@ def search_stages(
         )
     t0 = time.perf_counter()
     seconds_before = cost.seconds
+    method = stages if not explicit else "manual"
     if stages == "auto":
-        plan = optimal_stage_plan(
-            num_layers,
-            num_hosts,
-            devices_per_host,
-            cost,
-            num_microbatches,
-            memory_budget_bytes=memory_budget_bytes,
-            schedule=schedule,
-            num_stages=num_stages,
-            recompute_modes=recompute_modes,
-        )
+        search = options.submesh_search
+        if search == "auto":
+            work = alpa_dp_work(num_layers, num_hosts, devices_per_host)
+            search = "uniform" if work > ALPA_DP_WORK_LIMIT else "alpa"
+        if search == "uniform":
+            method = "auto-uniform"
+            plan = uniform_stage_plan(
+                num_layers, num_hosts, devices_per_host, cost, num_microbatches,
+                memory_budget_bytes, schedule, num_stages, recompute_modes, progress,
+                megatron_logical_meshes(devices_per_host, _microbatch(graph)),
+            )  # fmt: skip
+        else:
+            plan = optimal_stage_plan(
+                num_layers,
+                num_hosts,
+                devices_per_host,
+                cost,
+                num_microbatches,
+                memory_budget_bytes=memory_budget_bytes,
+                schedule=schedule,
+                num_stages=num_stages,
+                recompute_modes=recompute_modes,
+                progress=progress,
+            )
     else:
         submesh = _equal_submesh(num_stages, num_hosts, devices_per_host)
         if stages == "equal-layer":
             ranges = equal_layer_stages(num_layers, num_stages)
         elif stages == "equal-flops":
+            if cost.folded:
+                raise ValueError("equal-flops stages need the whole traced step, not a folded one")
             layer_flops = [0.0] * num_layers
             for n in graph.nodes:
                 if n.layer in graph.layers:
@@ -213,7 +248,7 @@ def search_stages(
     ids = place_submeshes([s.submesh for s in plan.stages], num_hosts, devices_per_host)
     out_stages = tuple(
         dataclasses.replace(
-            s, layers=graph.layers[s.start_layer : s.end_layer], device_ids=tuple(group)
+            s, layers=layer_names[s.start_layer : s.end_layer], device_ids=tuple(group)
         )
         for s, group in zip(plan.stages, ids, strict=True)
     )
@@ -232,10 +267,12 @@ def search_stages(
         num_cache_hits=cost.num_cache_hits,
         num_microbatches=num_microbatches,
         schedule=schedule,
-        method=stages if not explicit else "manual",
+        method=method,
         granularity=cost.granularity,
         stage_plan=plan,
-        stage_specs=tuple(
+        stage_specs=()
+        if cost.folded
+        else tuple(
             cost.stage_specs(s.start_layer, s.end_layer, s.logical_mesh) for s in plan.stages
         ),
     )

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.inter.options import GRANULARITIES
 from autoshard.inter.plan import Shape2, StageSpecs
+from autoshard.inter.progress import Progress, quiet
 from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
 from autoshard.inter.subgraph import (
     RangeGraph,
@@ -61,6 +62,7 @@ from autoshard.inter.subgraph import (
     range_subgraph,
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
+from autoshard.inter.unit_cache import UnitCache
 from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.memory import mesh_intervals
@@ -226,6 +228,7 @@ class IntraStageCost:
         granularity: str = "layer",
         num_microbatches: int = 1,
         baseline: str | None = None,
+        deep_layers: int | None = None,
     ) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -236,10 +239,22 @@ class IntraStageCost:
         self.granularity = granularity
         self.num_microbatches = num_microbatches
         self.baseline = baseline
-        self.signatures = layer_signatures(graph)
         self.owners = param_owner_layers(graph)
+        shallow_signatures = layer_signatures(graph)
+        self.layer_names: tuple[str, ...] = graph.layers
+        self._shallow_of: tuple[int, ...] = tuple(range(len(graph.layers)))
+        crossings = self._crossing_pairs()
+        self._pair_rep = {pair: pair for pair in crossings}
+        self.folded = deep_layers is not None and deep_layers != len(graph.layers)
+        if self.folded:
+            crossings = self._fold(deep_layers, crossings, shallow_signatures)
+        self.num_layers = len(self.layer_names)
+        self.signatures = tuple(shallow_signatures[i] for i in self._shallow_of)
         self.num_ilps = 0
         self.num_cache_hits = 0
+        self.num_disk_hits = 0  # units read from the on-disk cache (unit_cache)
+        self.cache = UnitCache.from_env()
+        self._graph_keys: dict[tuple[int, int], str] = {}
         self.ilp_seconds = 0.0
         self.seconds = 0.0
         # why the baseline refused a unit (its pins cannot mean the baseline's name there),
@@ -252,13 +267,95 @@ class IntraStageCost:
         # the same ILP from two logical meshes (1 x n and n x 1 give identical programs
         # with the axes renamed): solved once, the strategy indices carry over
         self._solutions: dict = {}
-        self._crossings = self._crossing_pairs()
+        self._crossings = crossings
+        self._crossings_by_high: dict | None = None
+        self._borrowers: dict[int, list[int]] = {}
+        self._range_keys: dict[tuple[int, int], int] = {}
+        self._key_ids: dict[tuple, int] = {}
+        self._rep: dict = {}  # signature -> its first layer
+        for i, sig in enumerate(self.signatures):
+            self._rep.setdefault(sig, i)
+        self._owners_of: dict = {}
+
+    # -- folding a deep chain onto a shallow trace
+    def _fold(self, deep_layers: int, crossings, signatures) -> tuple[tuple[int, int], ...]:
+        """Make this cost stand for a chain of ``deep_layers`` layers (first, blocks, last)
+        of which ``graph`` is a shallow trace with at least three identical blocks; returns
+        the deep crossing pairs.  Deep block 1 is shallow block 1, the deep last block the
+        shallow last block, every other deep block the shallow second block: their units,
+        junctions and borrowed parameters are the shallow ones.  Raises ``ValueError`` where
+        the trace is not such a chain (a crossing other than between neighbours or between
+        the first and last layer, blocks that differ, parameters borrowed from a block)."""
+        last = len(self.graph.layers) - 1  # shallow
+        blocks = signatures[1:last]
+        if self.granularity != "layer" or self.baseline is not None:
+            raise ValueError("a folded stage cost needs granularity='layer' and no baseline")
+        if len(blocks) < 3 or len(set(blocks)) != 1 or deep_layers < len(signatures):
+            raise ValueError(
+                f"folding needs a trace of >= 3 identical blocks between a first and a last "
+                f"layer and at least as many deep layers; got signatures {signatures} for "
+                f"{deep_layers} deep layers"
+            )
+        for a, b in crossings:
+            if abs(a - b) != 1 and {a, b} != {0, last}:
+                raise ValueError(
+                    f"layers {self.graph.layers[a]} and {self.graph.layers[b]} pass a tensor: "
+                    "not a chain of neighbours, so the trace cannot be folded to another depth"
+                )
+        n = deep_layers - 1  # deep last
+        self._shallow_of = (0, 1, *([2] * (n - 3)), last - 1, last)
+        names = self.graph.layers
+        middle = names[1]
+        stem = middle.rstrip("0123456789")
+        if stem == middle:
+            raise ValueError(f"block name {middle!r} has no index to count deep blocks with")
+        first_index = int(middle[len(stem) :])
+        self.layer_names = (
+            names[0],
+            *(f"{stem}{first_index + i}" for i in range(n - 1)),
+            names[last],
+        )
+        deep: dict[tuple[int, int], tuple[int, int]] = {}
+        for a, b in crossings:
+            if {a, b} == {0, last}:
+                deep[(0 if a == 0 else n, 0 if b == 0 else n)] = (a, b)
+            elif min(a, b) == 0:
+                deep[(a, b)] = (a, b)
+            elif max(a, b) == last:
+                deep[(a - last + n, b - last + n)] = (a, b)
+            else:  # block to block, one way or the other
+                for i in range(1, n - 1):
+                    deep[(i + a - min(a, b), i + b - min(a, b))] = (a, b)
+        self._pair_rep = deep
+        return tuple(sorted(deep))
+
+    def _deep_owner(self, owner: int) -> int:
+        """A shallow owner layer index as a deep one (-1: no layer)."""
+        if not self.folded or owner <= 0:
+            return owner
+        if owner == len(self.graph.layers) - 1:
+            return self.num_layers - 1
+        raise ValueError(
+            f"layer {self.graph.layers[owner]} lends parameters to another: a folded trace "
+            "cannot say which deep block would"
+        )
 
     # -- helpers
     def subgraph(self, start: int, end: int) -> RangeGraph:
+        """The sub-graph of layers ``[start, end)`` (folded: of one layer, its shallow one)."""
+        if self.folded:
+            if end != start + 1:
+                raise ValueError("a folded stage cost plans one layer at a time")
+            start = self._shallow_of[start]
+            end = start + 1
         if (start, end) not in self._subgraphs:
             self._subgraphs[start, end] = range_subgraph(self.graph, start, end)
         return self._subgraphs[start, end]
+
+    def _shallow_subgraph(self, layer: int) -> RangeGraph:
+        if (layer, layer + 1) not in self._subgraphs:
+            self._subgraphs[layer, layer + 1] = range_subgraph(self.graph, layer, layer + 1)
+        return self._subgraphs[layer, layer + 1]
 
     def _crossing_pairs(self) -> tuple[tuple[int, int], ...]:
         """(producer layer, consumer layer) pairs that pass a tensor, as layer indices."""
@@ -275,17 +372,65 @@ class IntraStageCost:
                         pairs.add((a, b))
         return tuple(sorted(pairs))
 
+    def prepare(self, logicals, progress: Progress | None = None) -> None:
+        """Plan every layer on each of ``logicals`` now (the stage DP calls this before it
+        reads costs), counting the distinct ILPs on ``progress`` ("stage ILPs k/N")."""
+        progress = progress or quiet()
+        if self.granularity != "layer":
+            return
+        first = {}  # (signature, mesh) -> a layer with it, in layer order
+        for logical in dict.fromkeys(tuple(g) for g in logicals):
+            mesh = self.mesh_for(logical)
+            for i, sig in enumerate(self.signatures):
+                first.setdefault((sig, mesh), (i, logical))
+        todo = [
+            (i, g) for (sig, mesh), (i, g) in first.items() if ((sig,), mesh) not in self._units
+        ]
+        t0 = time.perf_counter()
+        try:
+            with progress.phase("stage ILPs", len(todo)) as phase:
+                for i, logical in todo:
+                    self.unit(i, i + 1, logical)
+                    phase.advance()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
     def unit(self, start: int, end: int, logical: Shape2) -> UnitCost:
-        """The plan of ``[start, end)`` on ``logical``, or of an identical range's."""
+        """The plan of ``[start, end)`` on ``logical``, or of an identical range's (one
+        layer: always its signature's first layer's, the representative)."""
         mesh = self.mesh_for(logical)
         key = (tuple(self.signatures[start:end]), mesh)
         if key in self._units:
             self.num_cache_hits += 1
             return self._units[key]
+        if end == start + 1:
+            start = self._rep[self.signatures[start]]
+            end = start + 1
         self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
         return cost
 
     def _plan_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
+        """A unit from the on-disk cache (:mod:`autoshard.inter.unit_cache`, when on), else
+        :meth:`_solve_unit`'s, then kept there."""
+        if self.cache is None or self.baseline is not None:  # a baseline's refusals: solve
+            return self._solve_unit(rg, mesh)
+        owners = tuple(
+            self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
+        )
+        settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
+        if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
+            self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
+        # the mesh by its repr: its GEMM timing keeps memo tables that pickle as they fill
+        key = self.cache.key(self._graph_keys[rg.start, rg.end], repr(mesh), owners, settings)
+        unit = self.cache.get(key)
+        if unit is None:
+            unit = self._solve_unit(rg, mesh)
+            self.cache.put(key, unit)
+        else:
+            self.num_disk_hits += 1
+        return unit
+
+    def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
         graph = rg.graph
         if not math.isfinite(mesh.peak_flops):
             mesh = dataclasses.replace(mesh, peak_flops=DEFAULT_PEAK_FLOPS)
@@ -345,7 +490,7 @@ class IntraStageCost:
             if tid in aliased:
                 owned += size * (2 if t.kind == "param" else 1)  # a param's gradient too
             else:
-                owner = self.owners.get(rg.tensor_ids[tid], -1)
+                owner = self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1))
                 borrowed[owner] = borrowed.get(owner, 0.0) + size
         return UnitCost(
             plan,
@@ -365,7 +510,8 @@ class IntraStageCost:
         key = (self.signatures[a], self.signatures[b], b - a, mesh)
         if key not in self._junctions:
             ua, ub = self.unit(a, a + 1, logical), self.unit(b, b + 1, logical)
-            ga, gb = self.subgraph(a, a + 1), self.subgraph(b, b + 1)
+            sa, sb = self._pair_rep[(a, b)]  # the shallow pair that passes these tensors
+            ga, gb = self._shallow_subgraph(sa), self._shallow_subgraph(sb)
             cost = 0.0
             if ua.plan is None or ub.plan is None:
                 cost = math.inf
@@ -390,6 +536,10 @@ class IntraStageCost:
         ``"range"`` the range's plan.  Raises if the range has no finite plan there.
         """
         logical = tuple(logical)
+        if self.folded:
+            raise ValueError(
+                "a folded stage cost (deep_layers) has no tensor-level plan of the deep step"
+            )
         if self.granularity == "range":
             pieces = [(self.unit(start, end, logical), self.subgraph(start, end))]
         else:
@@ -420,10 +570,68 @@ class IntraStageCost:
         return StageSpecs(logical, tensor_specs, input_specs, operand_specs)
 
     # -- the callback
+    def range_key(self, start: int, end: int):
+        """What :meth:`range_cost` of ``[start, end)`` depends on, as a small int, so that
+        the stage DP costs ranges with equal keys once.  With ``granularity="layer"``: the
+        key of ``[start, end - 1)`` and what layer ``end - 1`` adds -- its signature, the
+        crossings it closes inside the range (by offset), the owners of the parameters it
+        borrows (inside, by offset; outside, by index), the earlier layers whose borrowed
+        owner it is, and whether it is the last layer (no recompute there; the first key
+        says whether the range starts at layer 0).  Equal keys mean equal layers,
+        crossings, borrowings and recompute, so equal costs.  With ``"range"``: the range."""
+        if self.granularity != "layer":
+            return (start, end)
+        memo = self._range_keys
+        if (start, end) in memo:
+            return memo[start, end]
+        if self._crossings_by_high is None:
+            by_high: dict[int, list[tuple[int, int, int]]] = {}
+            borrowers: dict[int, list[int]] = {}
+            for a, b in self._crossings:
+                by_high.setdefault(max(a, b), []).append((min(a, b), a, b))
+            for layer in range(self.num_layers):
+                for o in self._borrow_owners(layer):
+                    borrowers.setdefault(o, []).append(layer)
+            self._crossings_by_high, self._borrowers = by_high, borrowers
+        last = end - 1
+        closed = tuple(
+            sorted(
+                (a - start, b - start)
+                for low, a, b in self._crossings_by_high.get(last, ())
+                if low >= start
+            )
+        )
+        owners = tuple(
+            o - start if start <= o < end else ("out", o) for o in self._borrow_owners(last)
+        )
+        flips = tuple(x - start for x in self._borrowers.get(last, ()) if start <= x < last)
+        delta = (self.signatures[last], closed, owners, flips, end == self.num_layers)
+        prev = ("first", start == 0) if last == start else self.range_key(start, last)
+        key = self._key_ids.setdefault((prev, delta), len(self._key_ids))
+        memo[start, end] = key
+        return key
+
+    def _borrow_owners(self, layer: int) -> tuple[int, ...]:
+        """The owner layers of the parameters layer ``layer``'s unit reads but does not
+        update (its representative's, as :meth:`_plan_unit` records them)."""
+        sig = self.signatures[layer]
+        if sig not in self._owners_of:
+            rg = self.subgraph(self._rep[sig], self._rep[sig] + 1)
+            g = rg.graph
+            aliased = {src for src, _ in g.aliases}
+            self._owners_of[sig] = tuple(
+                dict.fromkeys(
+                    self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1))
+                    for tid in g.inputs
+                    if g.tensors[tid].kind in ("param", "opt_state") and tid not in aliased
+                )
+            )
+        return self._owners_of[sig]
+
     def recomputes(self, layer: int) -> bool:
         """Recompute applies to the inner layers (transformer blocks), not to the first
         (embedding) and last (head, loss: Megatron never recomputes the logits)."""
-        return 0 < layer < len(self.graph.layers) - 1
+        return 0 < layer < self.num_layers - 1
 
     @staticmethod
     def _mode_terms(u: UnitCost, mode: str, recomputed: bool) -> tuple[float, float, float]:
@@ -439,7 +647,7 @@ class IntraStageCost:
         borrowed) under ``mode``; per crossing pair: junction seconds.  Built once per
         logical mesh and mode."""
         if (logical, mode) not in self._tables:
-            units = [self.unit(i, i + 1, logical) for i in range(len(self.graph.layers))]
+            units = [self.unit(i, i + 1, logical) for i in range(self.num_layers)]
             crossings = [(a, b, self.junction(a, b, logical)) for a, b in self._crossings]
             terms = [self._mode_terms(u, mode, self.recomputes(i)) for i, u in enumerate(units)]
             self._tables[logical, mode] = (

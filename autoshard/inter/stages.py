@@ -32,7 +32,10 @@ the default ``"frontier"`` walks them downwards, jumping below the slowest stage
 DP solution, which visits only the corners of the (sum, max) trade-off and returns the
 same optimum with far fewer DP runs.  One DP run costs about ``L^2 * S * J * D`` numpy
 element operations (``J`` sub-mesh shapes, ``D`` devices): fine for Alpa-sized problems
-(tens of layers, tens of devices), not for a thousand devices.
+(tens of layers, tens of devices), not for a thousand devices.  There
+:func:`uniform_stage_plan` runs the same DP once per sub-mesh shape with every stage on
+that shape (``L^2 * S`` each, :func:`_one_size_dp`).  Ranges whose costs the callback says
+are equal (``range_key``: identical layers) are costed once, whatever their position.
 
 Sub-meshes are ``(1, 1), (1, 2), (1, 4), ..., (1, M)`` and ``(k, M)``; as in Alpa, any
 multiset of them whose sizes add up to ``N * M`` tiles the cluster, and
@@ -41,6 +44,7 @@ multiset of them whose sizes add up to ``N * M`` tiles the cluster, and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoshard.inter.plan import Shape2, Stage, StagePlan
+from autoshard.inter.progress import Progress, quiet
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -212,14 +217,17 @@ def _check_modes(recompute_modes) -> tuple[str, ...]:
 class _CostTable:
     """Memoised callback: each (range, sub-mesh, logical mesh, recompute) is costed once."""
 
-    def __init__(self, stage_cost: StageCostFn, recompute_modes=NO_RECOMPUTE) -> None:
+    def __init__(
+        self, stage_cost: StageCostFn, recompute_modes=NO_RECOMPUTE, logical_meshes=None
+    ) -> None:
         self.stage_cost = stage_cost
         self.modes = _check_modes(recompute_modes)
+        self.logical_meshes = logical_meshes or logical_mesh_shapes
         self.table: dict[tuple, StageCost] = {}
 
     def variants(self, submesh: Shape2) -> list[tuple[Shape2, str]]:
         """(logical mesh, recompute mode) pairs a stage on ``submesh`` may take, in order."""
-        return [(g, m) for g in logical_mesh_shapes(submesh) for m in self.modes]
+        return [(g, m) for g in self.logical_meshes(submesh) for m in self.modes]
 
     def __call__(
         self, start: int, end: int, submesh: Shape2, logical: Shape2, mode: str = "none"
@@ -341,6 +349,8 @@ def _suffix_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, combine
     max_stages, num_layers = cost.shape[0] - 1, cost.shape[2] - 1
     table = np.full((max_stages + 1, num_layers + 1, num_devices + 1), np.inf)
     table[0, num_layers, 0] = 0.0
+    if list(sizes) == [1]:  # one sub-mesh of one unit: s stages use exactly s units
+        return _one_size_dp(cost, table, combine)
     for k in range(num_layers - 1, -1, -1):
         best = np.full((max_stages, num_devices + 1), np.inf)
         rest = table[:-1, k + 1 :, :]  # rest[s-1, i-k-1, d]: the stages after [k, i)
@@ -351,6 +361,20 @@ def _suffix_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, combine
             merged = combine(stage, rest[:, :, : num_devices + 1 - size]).min(axis=1)
             np.minimum(best[:, size:], merged, out=best[:, size:])
         table[1:, k, :] = best
+    return table
+
+
+def _one_size_dp(cost: np.ndarray, table: np.ndarray, combine) -> np.ndarray:
+    """:func:`_suffix_dp` when every stage takes one device unit: ``F[s, k, d]`` is finite
+    only at ``d = s``, so the DP runs over ``(s, k)`` (the same values, ``D`` times less work)."""
+    max_stages, num_layers = cost.shape[0] - 1, cost.shape[2] - 1
+    best = np.full((max_stages + 1, num_layers + 1), np.inf)
+    best[0, num_layers] = 0.0
+    for k in range(num_layers - 1, -1, -1):
+        stage = cost[1:, 0, k, k + 1 :]  # [s - 1, i - k - 1]
+        best[1:, k] = combine(stage, best[:-1, k + 1 :]).min(axis=1)
+    s = np.arange(min(max_stages, table.shape[2] - 1) + 1)
+    table[s, :, s] = best[s, :]
     return table
 
 
@@ -385,57 +409,88 @@ def _trace_back(
     return out
 
 
+def _range_classes(stage_cost, num_layers: int, max_len: int) -> dict:
+    """Layer ranges ``[k, i)`` grouped by what their cost depends on: the callback's
+    ``range_key(k, i)`` where it has one (ranges of identical layers cost the same and
+    are costed once), else each range alone. Ranges longer than ``max_len`` are left out
+    (no stage may hold them)."""
+    key_of = getattr(stage_cost, "range_key", None)
+    classes: dict = {}
+    for k in range(num_layers):
+        for i in range(k + 1, min(num_layers, k + max_len) + 1):
+            key = (k, i) if key_of is None else key_of(k, i)
+            classes.setdefault(key, []).append((k, i))
+    return classes
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per ``[s, j, k, i]`` (stage ``[k, i)`` on sub-mesh ``j``, first of ``s`` remaining):
+    the fastest fitting (logical mesh, recompute)'s latency, the leanest one's memory
+    (fitting or not) and the chosen variant's index in ``costs.variants(submesh)``
+    (-1: none fits)."""
+
+    latency: np.ndarray
+    min_memory: np.ndarray
+    variant: np.ndarray
+
+    def choice(self, costs: _CostTable, submeshes, s: int, j: int, k: int, i: int):
+        """``((logical_shape, recompute), StageCost)`` chosen for ``[s, j, k, i]``."""
+        v = costs.variants(submeshes[j])[int(self.variant[s, j, k, i])]
+        return v, costs(k, i, submeshes[j], *v)
+
+
 def _stage_tables(
     costs: _CostTable,
     num_layers: int,
     submeshes: Sequence[Shape2],
+    sizes: Sequence[int],
     num_devices: int,
     max_stages: int,
     num_microbatches: int,
     schedule: str,
     budget: float,
-) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Per ``[s, j, k, i]`` (stage ``[k, i)`` on sub-mesh ``j``, first of ``s`` remaining):
-    the fastest fitting (logical mesh, recompute)'s latency, the leanest one's memory
-    (fitting or not) and the chosen ``((logical_shape, recompute), StageCost)``."""
+    classes: dict,
+    progress: Progress,
+) -> _Tables:
+    """The tables of :class:`_Tables`; each class of ``classes`` (see
+    :func:`_range_classes`) is costed once per variant and fills all its ranges."""
     shape = (max_stages + 1, len(submeshes), num_layers + 1, num_layers + 1)
     latency = np.full(shape, np.inf)
     min_memory = np.full(shape, np.inf)
-    choice: dict[tuple[int, int, int, int], tuple[tuple[Shape2, str], StageCost]] = {}
+    variant = np.full(shape, -1, dtype=np.int32)
     # the first of s remaining stages is stage S - s of S: 1F1B keeps min(s, B) in flight
-    in_flight = [
-        microbatches_in_flight(0, s, num_microbatches, schedule) for s in range(max_stages + 1)
-    ]
-    for j, submesh in enumerate(submeshes):
-        if submesh[0] * submesh[1] > num_devices:
-            continue
-        for k in range(num_layers):
-            for i in range(k + 1, num_layers + 1):
-                runnable = [
-                    (v, c)
-                    for v in costs.variants(submesh)
-                    if math.isfinite((c := costs(k, i, submesh, *v)).latency_s)
-                ]
-                for s in range(1, max_stages + 1):
-                    if s > 1 and in_flight[s] == in_flight[s - 1]:
-                        latency[s, j, k, i] = latency[s - 1, j, k, i]
-                        min_memory[s, j, k, i] = min_memory[s - 1, j, k, i]
-                        if (s - 1, j, k, i) in choice:
-                            choice[s, j, k, i] = choice[s - 1, j, k, i]
-                        continue
-                    memories = [c.memory_bytes(in_flight[s]) for _, c in runnable]
-                    if memories:
-                        min_memory[s, j, k, i] = min(memories)
-                    fitting = [
-                        (c.latency_s, n)
-                        for n, (_, c) in enumerate(runnable)
-                        if memories[n] <= budget
-                    ]
-                    if fitting:  # fastest, first logical mesh on ties
-                        n = min(fitting)[1]
-                        latency[s, j, k, i] = runnable[n][1].latency_s
-                        choice[s, j, k, i] = runnable[n]
-    return latency, min_memory, choice
+    in_flight = np.array(
+        [microbatches_in_flight(0, s, num_microbatches, schedule) for s in range(max_stages + 1)],
+        dtype=float,
+    )[1:, None]
+    usable = [j for j, n in enumerate(sizes) if n <= num_devices]
+    with progress.phase("stage spans", len(usable) * len(classes)) as phase:
+        for j in usable:
+            submesh = submeshes[j]
+            variants = costs.variants(submesh)
+            for ranges in classes.values():
+                k, i = ranges[0]
+                found = [costs(k, i, submesh, *v) for v in variants]
+                lat = np.array([c.latency_s for c in found])
+                runnable = np.isfinite(lat)
+                phase.advance()
+                if not runnable.any():
+                    continue
+                param = np.array([c.param_bytes for c in found])
+                work = np.array([c.working_bytes for c in found])
+                act = np.array([c.activation_bytes for c in found])
+                memory = param + work + in_flight * act  # [s - 1, variant]
+                lean = np.where(runnable, memory, np.inf).min(axis=1)
+                fitting = np.where(runnable & (memory <= budget), lat, np.inf)
+                best = fitting.argmin(axis=1)  # fastest, first variant on ties
+                fastest = fitting[np.arange(len(best)), best]
+                best = np.where(np.isfinite(fastest), best, -1)
+                ks, is_ = np.array(ranges).T
+                min_memory[1:, j, ks, is_] = lean[:, None]
+                latency[1:, j, ks, is_] = fastest[:, None]
+                variant[1:, j, ks, is_] = best[:, None]
+    return _Tables(latency, min_memory, variant)
 
 
 def optimal_stage_plan(
@@ -449,6 +504,9 @@ def optimal_stage_plan(
     num_stages: int | None = None,
     t_max_search: str = "frontier",
     recompute_modes: Sequence[str] = NO_RECOMPUTE,
+    progress: Progress | None = None,
+    submeshes: Sequence[Shape2] | None = None,
+    logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
 ) -> StagePlan:
     """Alpa's stage DP: the stage plan minimising ``sum(t) + (B - 1) max(t)``.
 
@@ -457,7 +515,15 @@ def optimal_stage_plan(
     plan; if only memory is the obstacle, the error gives the smallest per-device budget
     that would admit one; where every plan needs an infinite-latency stage, it quotes the
     callback's ``refusals`` (if it has that attribute: why it refused a stage).
+    ``progress``: where the phases report (:class:`~autoshard.inter.progress.Progress`).
+    A callback with a ``prepare(logical_meshes, progress)`` method is told every logical
+    mesh first (it may plan them all at once); one with ``range_key(start, end)`` is asked
+    once per class of ranges with equal keys (equal costs).  ``submeshes`` narrows the
+    sub-mesh shapes (default :func:`submesh_shapes`; they must still tile the cluster),
+    ``logical_meshes(submesh)`` the logical meshes of each (default
+    :func:`logical_mesh_shapes`); the DP counts devices in units of the sizes' gcd.
     """
+    progress = progress or quiet()
     t0 = time.perf_counter()
     _check_problem(num_layers, num_microbatches, schedule)
     _check_cluster(num_hosts, devices_per_host)
@@ -472,15 +538,31 @@ def optimal_stage_plan(
         )
     if num_stages is not None:
         max_stages = num_stages
-    submeshes = submesh_shapes(num_hosts, devices_per_host)
-    sizes = [r * c for r, c in submeshes]
+    if submeshes is None:
+        submeshes = submesh_shapes(num_hosts, devices_per_host)
+    submeshes = tuple(tuple(m) for m in submeshes)
+    unit = math.gcd(*(r * c for r, c in submeshes))
+    if num_devices % unit:
+        raise ValueError(f"sub-meshes {submeshes} cannot tile {num_devices} devices")
+    sizes = [r * c // unit for r, c in submeshes]
+    num_devices //= unit  # in units of `unit` devices from here on
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
-    costs = _CostTable(stage_cost, recompute_modes)
-
-    latency, min_memory, choice = _stage_tables(
-        costs, num_layers, submeshes, num_devices, max_stages, num_microbatches, schedule, budget
-    )
+    costs = _CostTable(stage_cost, recompute_modes, logical_meshes)
+    usable = [m for m, n in zip(submeshes, sizes, strict=True) if n <= num_devices]
+    prepare = getattr(stage_cost, "prepare", None)
+    if prepare is not None:
+        prepare([g for m in usable for g in costs.logical_meshes(m)], progress)
+    # a stage leaves at least one layer to each of the others
+    max_len = num_layers - (num_stages - 1 if num_stages is not None else 0)
+    classes = _range_classes(stage_cost, num_layers, max_len)
+    tables = _stage_tables(
+        costs, num_layers, submeshes, sizes, num_devices, max_stages, num_microbatches,
+        schedule, budget, classes, progress,
+    )  # fmt: skip
+    latency, min_memory = tables.latency, tables.min_memory
+    dp_runs = progress.phase("stage DP runs")
     unconstrained = _suffix_dp(latency, sizes, num_devices, np.add)
+    dp_runs.advance()
     total, _ = _best_total(unconstrained, num_stages, num_devices)
     if not math.isfinite(total):
         need, _ = _best_total(
@@ -498,12 +580,14 @@ def optimal_stage_plan(
             f"no plan of {count} stages exists for {num_layers} layers on a "
             f"{num_hosts}x{devices_per_host} cluster with sub-meshes {submeshes}: every "
             f"split needs a stage whose stage_cost latency is infinite or a sub-mesh mix "
-            f"that does not add up to {num_devices} devices{why}"
+            f"that does not add up to {num_devices * unit} devices{why}"
         )
 
     def capped_dp(t_max: float) -> tuple[np.ndarray, np.ndarray]:
         capped = np.where(latency <= t_max, latency, np.inf)
-        return capped, _suffix_dp(capped, sizes, num_devices, np.add)
+        table = _suffix_dp(capped, sizes, num_devices, np.add)
+        dp_runs.advance()
+        return capped, table
 
     candidates = np.unique(latency[np.isfinite(latency)])
     slack = num_microbatches - 1
@@ -540,12 +624,13 @@ def optimal_stage_plan(
                 break
             num_dp_runs += 1
             capped, table = capped_dp(float(below[-1]))
+    dp_runs.__exit__(None, None, None)
 
     _, _, capped, table = best
     _, s = _best_total(table, num_stages, num_devices)
     stages = []
     for index, (s_left, j, k, i) in enumerate(_trace_back(table, capped, sizes, s, num_devices)):
-        (logical, mode), cost = choice[s_left, j, k, i]
+        (logical, mode), cost = tables.choice(costs, submeshes, s_left, j, k, i)
         in_flight = microbatches_in_flight(index, s, num_microbatches, schedule)
         stages.append(
             Stage(
@@ -567,4 +652,100 @@ def optimal_stage_plan(
         num_microbatches,
         schedule,
         num_dp_runs,
+    )
+
+
+# ----------------------------------------------------------------------------- frontier scale
+
+ALPA_DP_WORK_LIMIT = 2e9  # element operations of one Alpa DP run beyond which "auto" goes uniform
+
+
+def alpa_dp_work(num_layers: int, num_hosts: int, devices_per_host: int) -> float:
+    """Element operations of one run of Alpa's DP: ``L^2 * S * J * D`` (the module docstring)."""
+    devices = num_hosts * devices_per_host
+    shapes = len(submesh_shapes(num_hosts, devices_per_host))
+    return float(num_layers) ** 2 * min(num_layers, devices) * shapes * devices
+
+
+def megatron_logical_meshes(devices_per_host: int, microbatch: int):
+    """``submesh -> logical meshes`` keeping Megatron-LM's grid rules: the tensor-parallel
+    axis inside a host (``tp <= devices_per_host``) and a data-parallel degree that divides
+    the micro-batch (whole sequences per replica; ``microbatch`` 0: any)."""
+
+    def allowed(submesh: Shape2) -> tuple[Shape2, ...]:
+        return tuple(
+            (dp, tp)
+            for dp, tp in logical_mesh_shapes(submesh)
+            if tp <= devices_per_host and (microbatch == 0 or microbatch % dp == 0)
+        )
+
+    return allowed
+
+
+def uniform_stage_plan(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    stage_cost: StageCostFn,
+    num_microbatches: int,
+    memory_budget_bytes: float | None = None,
+    schedule: str = "1f1b",
+    num_stages: int | None = None,
+    recompute_modes: Sequence[str] = NO_RECOMPUTE,
+    progress: Progress | None = None,
+    logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
+) -> StagePlan:
+    """The stage DP restricted to pipelines whose stages all take one sub-mesh shape.
+
+    For every shape of :func:`submesh_shapes` whose size ``n`` divides the ``D`` devices
+    with ``D / n`` stages no more than the layers (or exactly ``num_stages``), the DP of
+    :func:`optimal_stage_plan` splits the layers into ``D / n`` stages on that shape alone
+    (each stage still takes its fastest fitting logical mesh and recompute mode); the best
+    of these plans wins.  One DP run costs ``L^2 * S`` instead of ``L^2 * S * J * D``: the
+    search for thousands of devices, where Megatron-LM's grids (equal stages) live.
+    Raises ``ValueError`` when no shape gives a plan (quoting why, e.g. the memory budget).
+    """
+    progress = progress or quiet()
+    _check_cluster(num_hosts, devices_per_host)
+    devices = num_hosts * devices_per_host
+    candidates = [
+        (shape, devices // (shape[0] * shape[1]))
+        for shape in submesh_shapes(num_hosts, devices_per_host)
+        if devices % (shape[0] * shape[1]) == 0
+        and devices // (shape[0] * shape[1]) <= num_layers
+        and (num_stages is None or devices // (shape[0] * shape[1]) == num_stages)
+    ]
+    if not candidates:
+        raise ValueError(
+            f"no sub-mesh shape of {submesh_shapes(num_hosts, devices_per_host)} splits "
+            f"{devices} devices into equal stages of >= 1 of the {num_layers} layers"
+            + ("" if num_stages is None else f" in {num_stages} stages")
+        )
+    t0 = time.perf_counter()
+    prepare = getattr(stage_cost, "prepare", None)
+    if prepare is not None:  # every candidate's ILPs, counted on one phase
+        meshes = logical_meshes or logical_mesh_shapes
+        prepare([g for shape, _ in candidates for g in meshes(shape)], progress)
+    best, errors, runs, calls = None, [], 0, 0
+    with progress.phase("equal-stage pipelines", len(candidates)) as phase:
+        for shape, count in candidates:
+            try:
+                plan = optimal_stage_plan(
+                    num_layers, num_hosts, devices_per_host, stage_cost, num_microbatches,
+                    memory_budget_bytes, schedule, count, recompute_modes=recompute_modes,
+                    submeshes=(shape,), logical_meshes=logical_meshes,
+                )  # fmt: skip
+            except ValueError as err:
+                errors.append(f"{count} stages on {shape}: {err}")
+                continue
+            finally:
+                phase.advance()
+            runs += plan.num_dp_runs
+            calls += plan.num_cost_calls
+            if best is None or plan.objective_s < best.objective_s:
+                best = plan
+    if best is None:
+        raise ValueError("no plan of equal sub-meshes: " + " | ".join(errors))
+    return dataclasses.replace(
+        best, search_seconds=time.perf_counter() - t0, num_cost_calls=calls, num_dp_runs=runs
     )

@@ -15,6 +15,12 @@ fastest mode whose memory fits the device's HBM, and records it in ``plan["stage
 ``none`` / ``selective`` / ``full`` force one mode on every stage. If no plan fits, the
 fastest is reported, flagged ``oom``.
 
+Frontier scale: a GPT deeper than :data:`FOLD_MIN_BLOCKS` blocks is traced with
+:data:`FOLD_BLOCKS` and its stage costs folded to the full depth (exact: identical blocks
+plan identically, :func:`search_stage_cost`), and where one run of Alpa's stage DP
+would exceed 2e9 element operations (GPT-175B on 512 GPUs already does) it keeps one
+sub-mesh shape per pipeline (``StageSearchOptions.submesh_search``).
+
 Micro-batches under ``auto``: one count (:func:`_default_microbatches`, or the caller's),
 or searched (:func:`microbatch_candidates`, :func:`search_microbatches`): the whole search
 above runs once per candidate count and the fastest report that fits the HBM wins (none
@@ -170,16 +176,20 @@ def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
 
 def simulate_auto(
     model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides,
-    seq_len: int | None = None, optimizer: str = "adamw",
+    seq_len: int | None = None, optimizer: str = "adamw", progress=None,
 ) -> SimulationReport:  # fmt: skip
     """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
     :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
     global micro-batch ``batch / m``, which each stage splits over its own DP degree.
     ``shape=None`` (a GPT-MoE): FLOPs come from the traced step (:func:`_traced_flops`)
     and ``seq_len`` gives the tokens per sequence. ``optimizer``: the traced step's
-    (:data:`autoshard.models.OPTIMIZERS`)."""
+    (:data:`autoshard.models.OPTIMIZERS`). ``progress``: where the phases report
+    (:class:`autoshard.inter.progress.Progress`; default: stderr once past 2 s)."""
     from autoshard.inter.options import StageSearchOptions
+    from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
+
+    progress = progress or Progress(f"{model} auto")
 
     if num_microbatches is None:
         m = _default_microbatches(batch, shape, cluster, dtype)
@@ -194,9 +204,10 @@ def simulate_auto(
     t0 = time.perf_counter()
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
-    cost = shared_stage_cost(
-        model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
-    )
+    with progress.phase(f"trace (m={m})"):
+        cost = shared_stage_cost(
+            model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
+        )
     ilp_seconds_before = cost.seconds  # the cost may come from an earlier call
     traced_graph = cost.graph
     t_trace = time.perf_counter()
@@ -211,11 +222,14 @@ def simulate_auto(
             dataclasses.replace(options, memory_budget_bytes=hbm),
             cost=cost,
             model=model,
+            progress=progress,
         )
     except ValueError as err:
         if "budget" not in str(err):
             raise
-        inter = search_stages(traced_graph, hosts, per_host, options, cost=cost, model=model)
+        inter = search_stages(
+            traced_graph, hosts, per_host, options, cost=cost, model=model, progress=progress
+        )
     total = time.perf_counter() - t0
     phases = {  # over both searches when the fallback ran (the ILPs are solved once)
         "trace": t_trace - t0,  # trace and stage-cost set-up
@@ -224,7 +238,7 @@ def simulate_auto(
     }
     inter = dataclasses.replace(inter, search_seconds=total, phase_seconds=phases)
 
-    last = len(traced_graph.layers) - 1
+    last = cost.num_layers - 1
     blocks = [
         sum(1 for i in range(st.start_layer, st.end_layer) if 0 < i < last) for st in inter.stages
     ]
@@ -333,24 +347,52 @@ def search_stage_cost(
     ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step).
     ``baseline``: every stage's inputs pinned the way that intra-op baseline does (a
     restricted search, e.g. ZeRO data parallelism). ``optimizer``: the traced step's.
-    ``graph``: that traced step, already traced with these arguments (another baseline's
-    ``IntraStageCost.graph``), so it is not traced again."""
-    from autoshard.api_pipeline import trace_microbatch  # lazy: traces with jax
+    ``IntraStageCost.graph``), so it is not traced again.
+
+    Depth folding: a GPT of more than :data:`FOLD_MIN_BLOCKS` blocks (no baseline, no
+    ``graph`` given) is traced with :data:`FOLD_BLOCKS` blocks only and the cost stands
+    for the whole depth (``IntraStageCost(deep_layers=...)``: identical blocks plan the
+    same, so the deep step's stage costs are the shallow one's units and junctions); a
+    trace that is not such a chain is traced again whole."""
+    from autoshard.api_pipeline import microbatch_graph  # lazy: traces with jax
     from autoshard.inter.stage_cost import IntraStageCost
     from autoshard.inter.submesh import cluster_for, logical_mesh_costs
+    from autoshard.models import get_workload
+    from autoshard.models.gpt import GPTConfig
 
     search_cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, default_dtype=dtype)
     )
-    if graph is None:
-        graph = trace_microbatch(
-            model, m, optimizer, batch_size=batch,
-            dtype="float32" if dtype == "fp32" else "bfloat16", **overrides,
-        ).graph  # fmt: skip
     mesh_for = logical_mesh_costs(
         cluster_for(search_cluster, cluster.num_nodes, cluster.devices_per_node)
     )
-    return IntraStageCost(
-        graph, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
-        baseline=baseline,
-    )  # fmt: skip
+    trace_dtype = "float32" if dtype == "fp32" else "bfloat16"
+
+    def cost_of(g, deep_layers=None):
+        return IntraStageCost(
+            g, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
+            baseline=baseline, deep_layers=deep_layers,
+        )  # fmt: skip
+
+    if graph is None and baseline is None:
+        config = get_workload(model, **{k: v for k, v in overrides.items() if k != "batch_size"})
+        blocks = config.config.num_layers
+        if type(config.config) is GPTConfig and blocks > FOLD_MIN_BLOCKS:  # not MoE, ResNet
+            _, shallow = microbatch_graph(
+                model, m, optimizer, batch_size=batch, dtype=trace_dtype,
+                **{**overrides, "num_layers": FOLD_BLOCKS},
+            )  # fmt: skip
+            if len(shallow.layers) == FOLD_BLOCKS + 2:
+                try:
+                    return cost_of(shallow, deep_layers=blocks + 2)
+                except ValueError:
+                    pass  # not a chain of identical blocks: trace it whole
+    if graph is None:
+        _, graph = microbatch_graph(
+            model, m, optimizer, batch_size=batch, dtype=trace_dtype, **overrides
+        )
+    return cost_of(graph)
+
+
+FOLD_BLOCKS = 3  # blocks traced when a deep GPT is folded (first, middle, last)
+FOLD_MIN_BLOCKS = 8  # fold GPTs deeper than this

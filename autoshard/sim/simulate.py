@@ -241,6 +241,7 @@ def simulate(
     sequence_parallel: bool = False,
     virtual_stages: int = 1,
     optimizer: str = "adamw",
+    progress=None,
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
@@ -248,7 +249,8 @@ def simulate(
     ``global_batch`` defaults to the preset's batch size; ``dtype`` (``bf16``, ``fp16``,
     ``fp32``) to the device's 16-bit dtype (fp16 on V100); ``overrides``: any of
     ``MODEL_OVERRIDES`` (``attention``, ``"fused"`` by default or ``"unfused"``: the traced
-    step's, with ``program="traced"`` or ``plan="auto"``). ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``.
+    step's, with ``program="traced"`` or ``plan="auto"``). ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``;
+    ``progress`` (:class:`autoshard.inter.progress.Progress`) is where its phases report.
     ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the stage DP chooses per
     stage; only with ``plan="auto"``, and its default there; ``none`` elsewhere).
     ``exact``: also compile the plan on ``gpus`` fake CPU devices and put compiled vs
@@ -310,7 +312,7 @@ def simulate(
         )
     report = _simulate(
         model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
-        ilp_time_limit_s, exact, overrides, program, optimizer, search,
+        ilp_time_limit_s, exact, overrides, program, optimizer, search, progress,
     )  # fmt: skip
     if not exact:
         return report
@@ -396,6 +398,7 @@ def _schedule(
 def _simulate(
     model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
     ilp_time_limit_s, exact, overrides, program="megatron-lm", optimizer="adamw", search=None,
+    progress=None,
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
     if program not in PROGRAMS:
@@ -449,7 +452,7 @@ def _simulate(
             return simulate_auto(
                 model, shape, the_cluster, batch, m, recompute, dtype, peak,
                 ilp_time_limit_s, overrides, seq_len=None if traced_cfg is None else seq_len,
-                optimizer=optimizer,
+                optimizer=optimizer, progress=progress,
             )  # fmt: skip
 
         if search is None:
@@ -471,7 +474,7 @@ def _simulate(
     if program == "traced":
         return simulate_traced_grid(
             model, shape, the_cluster, batch, schedule, request.grid, recompute,
-            dtype, peak, ilp_time_limit_s, overrides,
+            dtype, peak, ilp_time_limit_s, overrides, progress,
         )  # fmt: skip
     return simulate_grid(
         model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak,

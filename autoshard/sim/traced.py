@@ -45,9 +45,14 @@ def _grid_submesh(devices: int, cluster: Cluster) -> tuple[int, int]:
 
 def simulate_traced_grid(
     model, shape, cluster, batch, schedule: Schedule, grid, recompute, dtype, peak, time_limit,
-    overrides,
+    overrides, progress=None,
 ) -> SimulationReport:  # fmt: skip
+    """Each grid point of ``megatron_grid`` priced on the traced step (module docstring);
+    ``progress`` (:class:`autoshard.inter.progress.Progress`) counts the points."""
+    from autoshard.inter.progress import Progress
     from autoshard.inter.stages import microbatches_in_flight, pipeline_objective
+
+    progress = progress or Progress(f"{model} traced grid")
 
     gpus = cluster.num_gpus
     if grid is not None and shape.layers % grid[1]:
@@ -67,6 +72,7 @@ def simulate_traced_grid(
     hbm = cluster.device.hbm_bytes
     points, stages = [], {}
     # one trace (and one set of stage ILPs) per number of micro-batches
+    phase = progress.phase("grid points (trace and stage ILPs)", len(configs))
     for cfg in sorted(configs, key=lambda c: (c.num_microbatches, c.tp, c.pp, c.dp)):
         m = cfg.num_microbatches
         cost = shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
@@ -91,7 +97,7 @@ def simulate_traced_grid(
             step,
         )
         points.append(GridPoint(cfg, step, max(memory), max(memory) > hbm, breakdown, parts))
-        names = cost.graph.layers
+        names = cost.layer_names
         stages[cfg] = [
             {
                 "layers": [names[a], names[b - 1]],
@@ -104,6 +110,8 @@ def simulate_traced_grid(
             }
             for (a, b), lat, mem in zip(ranges, latencies, memory, strict=True)
         ]
+        phase.advance()
+    phase.__exit__(None, None, None)
     best = best_point(points)
     cfg = best.cfg
     plan_dict = {
