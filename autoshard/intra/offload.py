@@ -31,8 +31,15 @@ transfers of the state for a device update, and the gradients' copies out for a 
 update, overlap the backward pass: only what exceeds the backward's compute time is
 exposed. A host update is not overlapped: the CPU's Adam and the copy of the updated
 16-bit weights back to the device follow the backward (ZeRO-Offload without its delayed
-parameter update). The device keeps a staging buffer of twice the largest streamed tensor
-(double buffering), counted in its peak. Saved activations are not offloaded here: their
+parameter update). A host update partitions the host state over the plan's devices, as
+ZeRO-Offload does over its data-parallel ranks: each device sends its 1/N of the reduced
+gradients, its CPU share updates 1/N of the parameters and sends them back, and the
+devices all-gather the updated 16-bit weights; that all-gather and the gradients'
+reduce-scatter are taken to cost what the plan's gradient all-reduce does (an all-gather
+of 16-bit weights costs less than one of f32 gradients), so nothing is added for them. A
+device update streams each device's own shard of the state. The device keeps a staging buffer of twice the largest streamed tensor
+(double buffering), counted in its peak (the one-mesh ILP, which does not yet know the
+split, counts the whole tensor; the stage search its shard). Saved activations are not offloaded here: their
 live ranges would split in two, which the memory model does not yet express.
 """
 
@@ -123,7 +130,7 @@ class OffloadTensors:
     to_device: tuple[tuple[int, float], ...]  # (tensor, its bytes per step host -> device)
     to_host: tuple[tuple[int, float], ...]  # (tensor, its bytes per step device -> host)
     host_update_params: tuple[int, ...]  # parameters the host's Adam updates
-    staging_bytes: float  # the device's staging buffers (twice the largest streamed tensor)
+    staging_bytes: float  # the device's staging buffers (twice the largest streamed tensor, whole)
 
 
 def tensor_classes(graph: Graph) -> dict[str, frozenset[int]]:
@@ -245,7 +252,7 @@ class OffloadCost:
     overlapped_s: float  # of which hidden behind the backward pass
     host_update_s: float  # CPU Adam (host update only)
     exposed_s: float  # what the step pays: added to the device's step time
-    staging_bytes: float  # device staging buffers (in the plan's peak)
+    staging_bytes: float  # device staging buffers: twice the largest streamed shard
     where: Mapping[str, str]  # class -> "host" / "device"
 
     @property
@@ -282,7 +289,11 @@ def offload_cost(
             "dgx-h100, dgx2h-v100) or add it to your preset file"
         )
 
+    devices = math.prod(mesh.shape)
+
     def per_device(tid: int, nbytes: float) -> float:
+        if tensors.offload.host_update:  # ZeRO-Offload: each device owns 1/N of the state
+            return nbytes / devices
         spec = spec_of.get(tid)
         return nbytes * (spec.shard_fraction(mesh) if spec is not None else 1.0)
 
@@ -290,18 +301,16 @@ def offload_cost(
     if tensors.offload.host_update:  # the gradients land in host memory too
         on_host += sum(per_device(t, b) for t, b in tensors.to_host)
     if gpus_per_node is None:
-        gpus_per_node = min(math.prod(mesh.shape), cluster.devices_per_node)
+        gpus_per_node = min(devices, cluster.devices_per_node)
     bandwidth = host.link_bandwidth(gpus_per_node)
     h2d = sum(per_device(t, b) for t, b in tensors.to_device)
     d2h = sum(per_device(t, b) for t, b in tensors.to_host)
+    streamed = [per_device(t, b) for t, b in (*tensors.to_device, *tensors.to_host)]
     latency = host.link.latency * max(len(tensors.to_device), len(tensors.to_host))
     if tensors.offload.host_update:
         out_s = d2h / bandwidth + latency
         hidden = min(out_s, backward_s)
-        params = sum(
-            graph.tensors[t].size * (spec_of[t].shard_fraction(mesh) if t in spec_of else 1.0)
-            for t in tensors.host_update_params
-        )
+        params = sum(graph.tensors[t].size for t in tensors.host_update_params) / devices
         adam_s = params / (host.adam_params_per_s / gpus_per_node)
         in_s = h2d / bandwidth + latency
         transfer_s, exposed = out_s + in_s, (out_s - hidden) + adam_s + in_s
@@ -324,6 +333,6 @@ def offload_cost(
         hidden,
         adam_s,
         exposed,
-        tensors.staging_bytes,
+        2.0 * max(streamed, default=0.0),
         where,
     )

@@ -65,7 +65,15 @@ def _priced(graph, dmesh, options, pinned, name, offload: Offload, cluster):
     spec_of = plan.specs_by_tensor(graph.inputs)
     backward_s = float(plan.solver.get("compute_s_by_phase", {}).get("backward", 0.0))
     cost = offload_cost(graph, tensors, spec_of, dmesh.mesh, cluster, backward_s)
+    aliased = dict(graph.aliases)
+    host_in = [i for i, t in enumerate(graph.inputs) if t in tensors.host]
+    host_out = {aliased[graph.inputs[i]] for i in host_in if graph.inputs[i] in aliased}
     record = cost.to_json() | {
+        # what the runtime places in host memory (pinned_host): flat argument / output
+        # positions of the state at rest
+        "host_inputs": host_in,
+        "host_outputs": [j for j, t in enumerate(graph.outputs) if t in host_out],
+        "staging_bytes": tensors.staging_bytes,  # what the plan's peak counts (whole)
         "device_step_s": plan.objective,
         "step_time_s": plan.objective + cost.exposed_s,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
