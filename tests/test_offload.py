@@ -190,6 +190,28 @@ def test_transfer_prices(plain):
     )
 
 
+def test_a_host_update_partitions_the_host_state_over_the_devices(plain):
+    """ZeRO-Offload: with the state replicated over 8 devices, a host update keeps 1/8 of it
+    per device in host memory; a device update streams each device's own (here whole) copy."""
+    from autoshard.ir.spec import Mesh
+
+    g = plain.graph
+    spec_of = plain.plan.specs_by_tensor(g.inputs)  # replicated: planned on one device
+    mesh, cluster = Mesh(("data",), (8,)), load_cluster("alpa-v100", 8)
+    host = offload_tensors(g, Offload(("optimizer", "master", "gradients")))
+    device = offload_tensors(g, Offload(("optimizer", "master")))
+    state = sum(g.tensors[t].nbytes for t in host.state_in)
+    grads = sum(b for _, b in host.to_host)
+    on_host = offload_cost(g, host, spec_of, mesh, cluster, 0.0)
+    on_device = offload_cost(g, device, spec_of, mesh, cluster, 0.0)
+    assert on_host.host_bytes_per_device == pytest.approx((state + grads) / 8)
+    assert on_host.host_bytes_per_node == pytest.approx(state + grads)  # 8 GPUs, one copy
+    assert on_device.host_bytes_per_device == pytest.approx(state)
+    params = sum(g.tensors[t].size for t in g.inputs if g.tensors[t].kind == "param")
+    # each GPU's CPU share (1/8 of the node's rate) updates 1/8 of the parameters
+    assert on_host.host_update_s == pytest.approx(params / cluster.host.adam_params_per_s)
+
+
 def test_host_update_costs_no_device_update(plain):
     opts = HIGHS.replace(memory_budget_bytes=2**40, offload=("optimizer", "master", "gradients"))
     off = plan_workload("gpt-tiny", "1", options=opts, cluster="alpa-v100", **TINY).plan
@@ -284,6 +306,26 @@ def test_simulate_offload_takes_the_state_out_of_hbm_and_prices_it(sim_plain):
     assert opt.step_breakdown["compute"] == pytest.approx(sim_plain.step_breakdown["compute"])
     assert host.plan["offload"]["where"]["update"] == "host"
     assert opt.plan["offload"]["host_bytes_per_device"] > 0
+
+
+def test_simulate_master_offload_keeps_the_16_bit_weights_on_the_device(sim_plain):
+    """optimizer,master frees the moments and the f32 masters but holds their bf16 copies
+    (and the gradients, and the staging buffers) -- one GPU, one micro-batch, no recompute:
+    the peak is state + activations, so the difference is exact."""
+    from autoshard.intra.offload import narrow_copy_bytes
+    from autoshard.sim.simulate import simulate
+
+    g = trace_workload("gpt-tiny", "adamw", dtype="bfloat16").graph
+    moved = offload_tensors(g, Offload(("optimizer", "master")))
+    master = [t for t in moved.state_in if g.tensors[t].kind == "param"]
+    opt = [t for t in moved.state_in if g.tensors[t].kind == "opt_state"]
+    freed = sum(g.tensors[t].nbytes for t in opt) + sum(
+        g.tensors[t].nbytes - narrow_copy_bytes(g, t) for t in master
+    )
+    r = simulate("gpt-tiny", "alpa-v100", 1, offload="optimizer,master", **SIM)
+    assert r.peak_bytes_per_device == pytest.approx(
+        sim_plain.peak_bytes_per_device - freed + moved.staging_bytes, rel=1e-6
+    )
 
 
 def test_simulate_auto_offloads_only_when_the_plan_does_not_fit(tmp_path, sim_plain):

@@ -64,7 +64,13 @@ from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.memory import mesh_intervals
-from autoshard.intra.offload import NO_OFFLOAD, Offload, offload_cost, offload_tensors
+from autoshard.intra.offload import (
+    NO_OFFLOAD,
+    Offload,
+    narrow_copy_bytes,
+    offload_cost,
+    offload_tensors,
+)
 from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import build_problem, plan_from_solution
 from autoshard.ir.graph import Graph
@@ -361,11 +367,17 @@ class IntraStageCost:
                 continue
             size = t.nbytes * _spec_fraction(spec, mesh)
             if tid in aliased:
-                # the state in HBM (not when offloaded), and a param's gradient (streamed
-                # out as it is made when the host updates)
-                owned += (0.0 if tid in host else size) + (
-                    size if t.kind == "param" and grads_here else 0.0
-                )
+                # the state in HBM (a master weight offloaded: its 16-bit copy, which the
+                # device holds all step), and a param's gradient (streamed out as it is
+                # made when the host updates)
+                resident = size
+                if tid in host:
+                    resident = (
+                        size * narrow_copy_bytes(graph, tid) / t.nbytes
+                        if t.kind == "param"
+                        else 0.0
+                    )
+                owned += resident + (size if t.kind == "param" and grads_here else 0.0)
             else:
                 owner = self.owners.get(rg.tensor_ids[tid], -1)
                 borrowed[owner] = borrowed.get(owner, 0.0) + size

@@ -206,7 +206,7 @@ def offload_tensors(graph: Graph, offload: Offload, strict: bool = True) -> Offl
         # step reads them in (16 bits for master weights, their own for the rest)
         params = tuple(t for t in graph.inputs if graph.tensors[t].kind == "param")
         to_device = tuple(
-            (t, _narrow_copy_bytes(graph, t) if t in classes["master"] else nbytes[t])
+            (t, narrow_copy_bytes(graph, t) if t in classes["master"] else nbytes[t])
             for t in params
         )
     else:
@@ -226,7 +226,9 @@ def offload_tensors(graph: Graph, offload: Offload, strict: bool = True) -> Offl
     )
 
 
-def _narrow_copy_bytes(graph: Graph, tid: int) -> float:
+def narrow_copy_bytes(graph: Graph, tid: int) -> float:
+    """Bytes of the 16-bit copy the step converts parameter ``tid`` to (its own bytes when
+    it reads it unconverted)."""
     t = graph.tensors[tid]
     outs = [
         graph.tensors[graph.nodes[c].outputs[0]]
