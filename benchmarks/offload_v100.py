@@ -93,6 +93,21 @@ def _host_bytes(cost, result) -> float:
     return most
 
 
+def _leanest(cost, stage_cost, cluster) -> float:
+    """The least per-device memory of one stage on the whole cluster over its logical
+    meshes and recompute modes (one micro-batch in flight: a single stage)."""
+    from autoshard.inter.stages import RECOMPUTE_MODES, logical_mesh_shapes
+
+    submesh = (cluster.num_nodes, cluster.devices_per_node)
+    layers = len(cost.graph.layers)
+    return min(
+        stage_cost(0, layers, submesh, logical, mode).memory_bytes(1)
+        for logical in logical_mesh_shapes(submesh)
+        for mode in RECOMPUTE_MODES
+        if stage_cost(0, layers, submesh, logical, mode).latency_s < float("inf")
+    )
+
+
 def weak_point(name: str, placements=PLACEMENTS) -> list[dict]:
     sys.path.insert(0, str(ROOT / "experiments"))
     import weak_scaling as ws
@@ -125,6 +140,7 @@ def weak_point(name: str, placements=PLACEMENTS) -> list[dict]:
             cost._solutions = solutions
         stage_cost = ws._data_parallel_only(cost, views) if baseline else cost
         r = ws._stage_search(cost, stage_cost, cluster, m, 1)
+        leanest = _leanest(cost, stage_cost, cluster) if r["oom"] else r["peak_bytes_per_device"]
         host = _host_bytes(cost, r) if offload else 0.0
         per_node = host * cluster.devices_per_node
         fits_host = per_node <= cluster.host.memory_bytes * HOST_USABLE_FRACTION
@@ -146,6 +162,7 @@ def weak_point(name: str, placements=PLACEMENTS) -> list[dict]:
                 "oom_hbm": r["oom"],
                 "fits_host": fits_host,
                 "peak_bytes": r["peak_bytes_per_device"],
+                "leanest_bytes": leanest,  # the least any (logical mesh, recompute) needs
                 "step_time_s": r["step_time_s"],
                 "pflops": flops / r["step_time_s"] / 1e15,
                 "host_bytes_per_node": per_node,
