@@ -18,7 +18,7 @@ Writes ``benchmarks/results/offload_v100.json`` and prints a table::
     python benchmarks/offload_v100.py [--placements P1;P2] [POINT ...]    # default: all
 
 (``--placements``: the placements to run, separated by ``;``; rows of other placements of a
-point already in the JSON are kept.)
+point already in the JSON are kept; ``OFFLOAD_V100_OUT``: another JSON to write.)
 """
 
 from __future__ import annotations
@@ -182,10 +182,11 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown point(s) {unknown}; choose from ablation, {', '.join(WEAK)}")
         return 2
-    out = ROOT / "benchmarks" / "results" / "offload_v100.json"
-    doc = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    out = Path(os.environ.get("OFFLOAD_V100_OUT", ROOT / "benchmarks/results/offload_v100.json"))
     for point in points:
         rows = ablation_point() if point == "ablation" else weak_point(point, placements)
+        # read just before writing: another run may have added rows meanwhile
+        doc = json.loads(out.read_text()) if out.exists() else {"rows": []}
         redone = {(r["point"], r["offload"]) for r in rows}
         doc["rows"] = [r for r in doc["rows"] if (r["point"], r["offload"]) not in redone]
         doc["rows"] += rows
