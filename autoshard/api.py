@@ -319,11 +319,20 @@ def _plan_offloaded(graph, dmesh, options, pinned, baseline, cluster, offload):
     name = baseline or "auto"
     loaded = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dmesh.num_devices)
     fits = None
-    if offload == "auto":
-        try:  # the plain plan, when it fits, costs no transfers
-            fits = auto_shard_graph(graph, dmesh, options, pinned_inputs=pinned, name=name)
-        except InfeasibleBudgetError:
-            fits = None
+    if offload == "auto":  # the plain plan, when it fits, costs no transfers
+        # unbudgeted first (fast: no memory rows), then under the budget (it may shard
+        # the state instead), as without offload
+        free = auto_shard_graph(
+            graph, dmesh, options.replace(memory_budget_bytes=None), pinned_inputs=pinned,
+            name=name,
+        )  # fmt: skip
+        if free.predicted_peak_bytes <= options.memory_budget_bytes:
+            fits = free
+        else:
+            try:
+                fits = auto_shard_graph(graph, dmesh, options, pinned_inputs=pinned, name=name)
+            except InfeasibleBudgetError:
+                fits = None
     return plan_with_offload(
         graph, dmesh, options, offload, loaded, pinned=pinned, name=name, fits_plan=fits
     )
