@@ -272,12 +272,19 @@ def test_cli_plan_offload_json_and_plan_file(tmp_path):
         ("--offload optimizer", "pass --cluster"),
         ("--cluster alpa-v100 --offload gradients", "update runs on the host"),
         ("--cluster alpa-v100 --baseline dp --offload auto", "without CPU offload"),
+        ("--cluster alpa-v100 --offload activations", "not offloaded yet"),
     ],
 )
 def test_cli_bad_offload_exits_2(flags, message):
     proc = _cli(f"plan --model gpt-tiny --layers 1 --dtype bfloat16 --mesh 1 {flags}")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_pipeline_plan_refuses_offload():
+    proc = _cli("plan --model gpt-tiny --layers 1 --pipeline auto --devices 2 --offload optimizer")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "does not offload yet" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # -- the simulator: the stage search with offloaded state
