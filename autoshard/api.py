@@ -195,6 +195,7 @@ def auto_shard(
     baseline: str | None = None,
     check_compiled_memory: bool = True,
     cluster=None,
+    offload=None,
 ):
     """Plan ``fn(*example_args)`` on ``mesh`` with Alpa's intra-operator ILP.
 
@@ -211,6 +212,12 @@ def auto_shard(
     peak any plan reaches. ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
     that baseline does and lets the ILP place the rest; "heuristic" also splits every
     operator's largest output dim (Alpa's shard-the-largest-dimension baseline).
+    ``offload`` (with ``cluster``; :mod:`autoshard.intra.offload`): ``None`` or ``"none"``,
+    a placement (``"optimizer"``, ``"optimizer,master"``, ``"optimizer,master,gradients"``
+    or an :class:`~autoshard.intra.offload.Offload`), or ``"auto"``: the cheapest placement
+    that fits the HBM and the host's memory when the plan alone does not
+    (:func:`autoshard.intra.offload_search.plan_with_offload`); the plan's ``offload``
+    record and notes say what lives where and what it costs.
 
     Returns a :class:`BoundPlan`: the jax-free :class:`~autoshard.ir.plan.ParallelPlan`
     (``.plan``) with the traced program, so ``.jit()`` gives the sharded callable and
@@ -232,9 +239,12 @@ def auto_shard(
         options = baseline_options(options, dmesh.mesh, baseline)
     given_budget = options.memory_budget_bytes is not None
     options, notes = _cluster_memory_budget(options, dmesh, cluster)
+    offload = _offload_request(offload, baseline, cluster, options)
     try:
         plan = None
-        if notes and not given_budget:
+        if offload is not None:
+            plan = _plan_offloaded(graph, dmesh, options, pinned, baseline, cluster, offload)
+        elif notes and not given_budget:
             # the device's HBM is only a default: plan without it first (a budget makes the
             # ILP list every resharded copy, slow and large on big models) and solve again
             # under it only when the unbudgeted plan is predicted not to fit
@@ -276,6 +286,56 @@ def auto_shard(
     if options.memory_budget_bytes is not None and check_compiled_memory:
         bound = fit_compiled_budget(bound, dmesh, options, pinned=pinned)
     return bound
+
+
+def _offload_request(offload, baseline, cluster, options):
+    """None (no offload) or what :func:`~autoshard.intra.offload_search.plan_with_offload`
+    takes, checked: a cluster with a host section, a baseline that allows it, a budget."""
+    from autoshard.hardware.clusters import Cluster, load_cluster
+    from autoshard.intra.offload import Offload, parse_offload
+    from autoshard.intra.offload_search import check_offload_request
+
+    if offload is None:
+        return None
+    request = offload if isinstance(offload, Offload) else parse_offload(offload)
+    if request != "auto" and not request:
+        return None
+    if options.offload:
+        raise ValueError("give offload= or IntraOptions(offload=...), not both")
+    loaded = cluster if cluster is None or isinstance(cluster, Cluster) else load_cluster(cluster)
+    check_offload_request(request, baseline, loaded)
+    if options.memory_budget_bytes is None:
+        raise ValueError("offload plans against a memory budget: give one, or a cluster preset")
+    return request
+
+
+def _plan_offloaded(graph, dmesh, options, pinned, baseline, cluster, offload):
+    """The plan with ``offload`` (``"auto"``: plain first, when it fits the budget)."""
+    from autoshard.hardware.clusters import Cluster, load_cluster
+    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.offload_search import plan_with_offload
+    from autoshard.intra.problem import auto_shard_graph
+
+    name = baseline or "auto"
+    loaded = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dmesh.num_devices)
+    fits = None
+    if offload == "auto":  # the plain plan, when it fits, costs no transfers
+        # unbudgeted first (fast: no memory rows), then under the budget (it may shard
+        # the state instead), as without offload
+        free = auto_shard_graph(
+            graph, dmesh, options.replace(memory_budget_bytes=None), pinned_inputs=pinned,
+            name=name,
+        )  # fmt: skip
+        if free.predicted_peak_bytes <= options.memory_budget_bytes:
+            fits = free
+        else:
+            try:
+                fits = auto_shard_graph(graph, dmesh, options, pinned_inputs=pinned, name=name)
+            except InfeasibleBudgetError:
+                fits = None
+    return plan_with_offload(
+        graph, dmesh, options, offload, loaded, pinned=pinned, name=name, fits_plan=fits
+    )
 
 
 def _cluster_memory_budget(options: IntraOptions, dmesh, cluster) -> tuple[IntraOptions, tuple]:
@@ -412,10 +472,12 @@ def plan_workload(
     baseline: str | None = None,
     options: IntraOptions | None = None,
     cluster=None,
+    offload=None,
     **overrides,
 ):
     """``auto_shard`` for a preset model's training step (abstract shapes); ``overrides``
-    change the preset's sizes (``num_layers=2``, ``batch_size=8``, ...)."""
+    change the preset's sizes (``num_layers=2``, ``batch_size=8``, ...); ``offload`` as in
+    :func:`auto_shard`."""
     if isinstance(workload, str):
         workload = get_workload(workload, **overrides)
     opt = make_optimizer(optimizer)
@@ -428,6 +490,7 @@ def plan_workload(
             baseline=baseline,
             options=options,
             cluster=cluster,
+            offload=offload,
         )
     except BaselineRefusedError as err:  # the model may say which sizes would work
         hint = getattr(workload.config, "data_parallel_hint", None)

@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
             ".json): seconds instead of Alpa's relative units (default: no cluster)",
         )
         p.add_argument(
+            "--offload",
+            metavar="PLACEMENT",
+            help="keep training state in host memory (needs --cluster): auto (the cheapest "
+            "placement that fits, only when the plan alone does not), none, or classes "
+            "joined by commas: optimizer, master, gradients (docs/offload.md)",
+        )
+        p.add_argument(
             "--solver",
             choices=("cbc", "highs"),
             default=None,

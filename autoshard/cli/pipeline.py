@@ -196,6 +196,7 @@ IGNORED_BY_PIPELINE = {
     "plan": (
         ("--verify", "verify", "the verifier checks one-mesh plans; stage plans are not compiled"),
         ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
+        ("--offload", "offload", "the stage search does not offload yet (one mesh: --mesh)"),
     ),
     "run": (
         ("--cluster", "cluster", "the pipeline runtime plans its stages on abstract costs"),
@@ -203,6 +204,7 @@ IGNORED_BY_PIPELINE = {
         ("--json", "json", "the pipeline runtime prints text only"),
         ("--time-limit", "time_limit", "the pipeline runtime's ILPs use their own limit"),
         ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
+        ("--offload", "offload", "the pipeline runtime does not offload yet"),
     ),
 }
 

@@ -33,6 +33,7 @@ def plan_from_args(args):
         baseline=args.baseline,
         options=intra_options(args),
         cluster=getattr(args, "cluster", None),
+        offload=getattr(args, "offload", None),
         **_overrides(args),
     )
 
@@ -56,6 +57,8 @@ def _plan_file(model: str, bound, report):
         "solver": dict(plan.solver),
         "notes": list(plan.notes),
     }
+    if plan.offload:
+        out["offload"] = dict(plan.offload)
     if report is not None:
         verification = report.to_json()
         out.update(

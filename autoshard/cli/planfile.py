@@ -26,6 +26,7 @@ PLANNING_FLAGS = (
     ("--baseline", "baseline"),
     ("--memory-budget", "memory_budget"),
     ("--cluster", "cluster"),
+    ("--offload", "offload"),
     ("--solver", "solver"),
     ("--time-limit", "time_limit"),
     ("--merge-elementwise", "merge_elementwise"),

@@ -80,6 +80,18 @@ def _plan_text(plan: dict) -> str:
     return f"{plan['kind']}: {grid}{extra}{searched}"
 
 
+def _offload_text(record: dict) -> str:
+    where = record["where"]
+    host = [c for c, w in where.items() if w == "host" and c != "update"]
+    return (
+        f"{', '.join(host)} in host memory ({_gib(record['host_bytes_per_device'])} per GPU, "
+        f"{_gib(record['host_bytes_per_node'])} per node of {_gib(record['host_memory_bytes'])} "
+        f"usable), update on {where['update']}; exposed transfer + host update per step: "
+        + ", ".join(f"{s:.3g} s" for s in record["exposed_s_per_stage"])
+        + " (per stage)"
+    )
+
+
 def print_report(report) -> None:
     """A readable table of a :class:`~autoshard.sim.report.SimulationReport`."""
     from rich.console import Console
@@ -111,6 +123,19 @@ def print_report(report) -> None:
     ]
     if plan.get("microbatch_search"):
         rows.append(("micro-batches searched", _searched_text(plan)))
+    if plan.get("offload"):
+        rows.append(("offload", _offload_text(plan["offload"])))
+    if plan.get("offload_candidates"):
+        rows.append(
+            (
+                "offload tried",
+                "; ".join(
+                    f"{c['offload']}: {c['step_time_s']:.4g} s, peak "
+                    f"{_gib(c['peak_bytes_per_device'])}" + ("" if c["fits"] else " (no fit)")
+                    for c in plan["offload_candidates"]
+                ),
+            )
+        )
     rows.append(("step breakdown", "compute, recompute, exposed comm per mesh axis, ..."))
     rows += [
         (f"  {name}", f"{seconds:.4g} s ({seconds / report.step_time_s:.1%})")
@@ -202,6 +227,7 @@ def cmd_simulate(args) -> int:
         virtual_stages=args.virtual_stages,
         optimizer=args.optimizer,
         progress=Progress(f"{args.model} {args.plan}", enabled=not getattr(args, "quiet", False)),
+        offload=args.offload,
         **_model_overrides(args),
     )
     if args.json:
@@ -326,6 +352,13 @@ def register(subparsers) -> None:
         "(megatron-lm-flash: today's Megatron-LM, on presets with an attention table: "
         "dgx-a100, dgx-h100) or the traced JAX step with the search's stage costs, the "
         "program --plan auto is timed on",
+    )
+    p.add_argument(
+        "--offload",
+        metavar="PLACEMENT",
+        help="--plan auto: keep training state in host memory: auto (the cheapest placement "
+        "that fits, only when the plan alone does not), none, or classes joined by commas: "
+        "optimizer, master, gradients (docs/offload.md)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)

@@ -25,6 +25,12 @@ Preset file format (one JSON object; write your own and pass its path)::
       "max_nodes": null,                 # or an int: the largest cluster that exists
       "intra_node_link": {"name": "NVLink", "bandwidth": 300e9, "latency": 5e-6},
       "inter_node_link": {"name": "IB", "bandwidth": 25e9, "latency": 10e-6},
+      "host": {                          # optional: what offload (docs/offload.md) needs
+        "memory_bytes": 2e12,            # host RAM per node, bytes
+        "link": {"name": "PCIe 4.0 x16", "bandwidth": 25e9, "latency": 10e-6},
+        "gpus_per_link": 2,              # GPUs sharing one host link's uplink
+        "adam_params_per_s": 2.7e9       # the node's CPU Adam, parameters per second
+      },
       "notes": "where the figures come from"
     }
 
@@ -33,7 +39,10 @@ moves (vendor NVLink figures are both directions added: 600 GB/s on A100 -> 300e
 The inter-node figure is the node's NIC bandwidth divided by ``devices_per_node``: we assume
 that when one mesh axis crosses nodes, every GPU of a node runs its own collective along that
 axis at the same time (true of row-major meshes, where all inner-axis groups are busy in
-parallel), so the GPUs share the NICs evenly. Latencies are assumptions (about 5 us for
+parallel), so the GPUs share the NICs evenly. The host ``link`` (PCIe) bandwidth is per GPU in
+one direction when it copies alone; ``gpus_per_link`` GPUs share one uplink to the CPU, so
+with that many in use on a node each gets its share (:meth:`HostSpec.link_bandwidth`).
+Latencies are assumptions (about 5 us for
 NVLink, 10-20 us for the network), not measurements.
 
 Mesh axes map to links (:func:`cluster_mesh_costs`): devices are numbered row-major over the
@@ -117,6 +126,23 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class HostSpec:
+    """A node's host side, what offloading state to host memory pays for: RAM per node,
+    the host link (PCIe) per GPU, how many GPUs share one uplink, and the node's CPU
+    Adam throughput (parameters per second, all its cores)."""
+
+    memory_bytes: float
+    link: LinkSpec
+    gpus_per_link: int
+    adam_params_per_s: float
+
+    def link_bandwidth(self, gpus_in_use: int) -> float:
+        """Bytes/s per GPU in one direction when ``gpus_in_use`` GPUs of the node copy at
+        once: the link's, divided among the GPUs that share an uplink."""
+        return self.link.bandwidth / max(1, min(self.gpus_per_link, int(gpus_in_use)))
+
+
+@dataclass(frozen=True)
 class Cluster:
     """``num_nodes`` nodes of ``devices_per_node`` identical devices.
 
@@ -132,6 +158,7 @@ class Cluster:
     inter_node: LinkSpec
     max_nodes: int | None = None
     description: str = ""
+    host: HostSpec | None = None  # None: the preset says nothing of its host (no offload)
 
     @property
     def num_gpus(self) -> int:
@@ -197,13 +224,29 @@ def _number(
     return int(value) if integer else float(value)
 
 
-def _link(obj: dict, key: str, origin: str) -> LinkSpec:
-    link = _field(obj, key, origin)
-    prefix = key + "."
+def _link(obj: dict, key: str, origin: str, outer: str = "") -> LinkSpec:
+    link = _field(obj, key, origin, outer)
+    prefix = outer + key + "."
     return LinkSpec(
         name=str(link.get("name", key)) if isinstance(link, dict) else key,
         bandwidth=_number(link, "bandwidth", origin, prefix),
         latency=_number(link, "latency", origin, prefix, positive=False),
+    )
+
+
+def _host(obj: dict, origin: str) -> HostSpec | None:
+    host = obj.get("host")
+    if host is None:
+        return None
+    if not isinstance(host, dict):
+        raise ValueError(
+            f"{origin}: field 'host' must be an object (see clusters.py), got {host!r}"
+        )
+    return HostSpec(
+        memory_bytes=_number(host, "memory_bytes", origin, "host."),
+        link=_link(host, "link", origin, "host."),
+        gpus_per_link=_number(host, "gpus_per_link", origin, "host.", integer=True),
+        adam_params_per_s=_number(host, "adam_params_per_s", origin, "host."),
     )
 
 
@@ -241,6 +284,7 @@ def cluster_from_json(obj: dict, origin: str = "preset") -> Cluster:
         inter_node=_link(obj, "inter_node_link", origin),
         max_nodes=max_nodes,
         description=str(obj.get("description", "")),
+        host=_host(obj, origin),
     )
     if max_nodes is not None and cluster.num_nodes > max_nodes:
         raise ValueError(f"{origin}: num_nodes {cluster.num_nodes} exceeds max_nodes {max_nodes}")

@@ -66,6 +66,13 @@ from autoshard.inter.unit_cache import UnitCache
 from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.memory import mesh_intervals
+from autoshard.intra.offload import (
+    NO_OFFLOAD,
+    Offload,
+    narrow_copy_bytes,
+    offload_cost,
+    offload_tensors,
+)
 from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import build_problem, plan_from_solution
 from autoshard.ir.graph import Graph
@@ -90,6 +97,11 @@ class UnitCost:
     # per recompute mode: seconds it adds per microbatch, activation bytes it keeps
     recompute_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     kept_activation_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # offload (IntraStageCost's ``offload``): seconds a step pays for the unit's transfers
+    # and host update, the device's staging buffers, the state held in host memory
+    offload_s: float = 0.0
+    staging_bytes: float = 0.0
+    host_bytes: float = 0.0
 
 
 def is_attention_sized(shape: tuple[int, ...]) -> bool:
@@ -229,6 +241,8 @@ class IntraStageCost:
         num_microbatches: int = 1,
         baseline: str | None = None,
         deep_layers: int | None = None,
+        offload: Offload = NO_OFFLOAD,
+        cluster=None,
     ) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -239,6 +253,9 @@ class IntraStageCost:
         self.granularity = granularity
         self.num_microbatches = num_microbatches
         self.baseline = baseline
+        if offload and getattr(cluster, "host", None) is None:
+            raise ValueError("offload in the stage search needs a cluster with a 'host' section")
+        self.offload, self.cluster = offload, cluster
         self.owners = param_owner_layers(graph)
         shallow_signatures = layer_signatures(graph)
         self.layer_names: tuple[str, ...] = graph.layers
@@ -418,6 +435,7 @@ class IntraStageCost:
             self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
         )
         settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
+        settings += (repr(self.offload), repr(getattr(self.cluster, "host", None)))
         if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
             self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
         # the mesh by its repr: its GEMM timing keeps memo tables that pickle as they fill
@@ -449,6 +467,8 @@ class IntraStageCost:
                         self.refusals.append(str(err))
                     raise InfeasibleProblemError(f"baseline {self.baseline}") from None
                 options = baseline_options(options, mesh.mesh, self.baseline)
+            if self.offload:  # a host update costs the device nothing
+                options = options.replace(offload=self.offload.classes)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
             problem = _amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
@@ -463,10 +483,12 @@ class IntraStageCost:
             return UnitCost(None, graph.flops, math.inf, math.inf, 0.0, {}, 0.0)
         plan = plan_from_solution(ip, solution, name="stage")
         self.ilp_seconds += time.perf_counter() - t0
+        on_host = self.offload.host_update  # then the host runs the update, not the device
         compute = sum(
             ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]].compute_cost
             * (amortise if n.phase == "update" else 1.0)
             for n in graph.nodes
+            if not (on_host and n.phase == "update")
         )
         spec_of = plan.specs_by_tensor(graph.inputs)
         kept = kept_activations(graph, spec_of, mesh)
@@ -482,16 +504,40 @@ class IntraStageCost:
         aliased = {src for src, _ in graph.aliases}
         owned = 0.0
         borrowed: dict[int, float] = {}
+        moved = offload_tensors(graph, self.offload, strict=False) if self.offload else None
+        host = moved.host if moved is not None else frozenset()
+        grads_here = not self.offload.host_update
         for tid, spec in zip(graph.inputs, plan.input_specs):
             t = graph.tensors[tid]
             if t.kind not in ("param", "opt_state"):
                 continue
             size = t.nbytes * _spec_fraction(spec, mesh)
             if tid in aliased:
-                owned += size * (2 if t.kind == "param" else 1)  # a param's gradient too
+                # the state in HBM (a master weight offloaded: its 16-bit copy, which the
+                # device holds all step), and a param's gradient (streamed out as it is
+                # made when the host updates)
+                resident = size
+                if tid in host:
+                    resident = (
+                        size * narrow_copy_bytes(graph, tid) / t.nbytes
+                        if t.kind == "param"
+                        else 0.0
+                    )
+                owned += resident + (size if t.kind == "param" and grads_here else 0.0)
             else:
                 owner = self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1))
                 borrowed[owner] = borrowed.get(owner, 0.0) + size
+        offload_s = staging = host_bytes = 0.0
+        if moved is not None and moved.state_in:
+            # transfers hide behind the backward of every microbatch of the step
+            backward = plan.solver.get("compute_s_by_phase", {}).get("backward", 0.0)
+            paid = offload_cost(
+                graph, moved, plan.specs_by_tensor(graph.inputs), mesh.mesh, self.cluster,
+                backward * self.num_microbatches, self.cluster.devices_per_node,
+            )  # fmt: skip
+            offload_s, staging, host_bytes = (
+                paid.exposed_s, paid.staging_bytes, paid.host_bytes_per_device,
+            )  # fmt: skip
         return UnitCost(
             plan,
             graph.flops,
@@ -502,6 +548,9 @@ class IntraStageCost:
             sum(kept.values()),
             recompute_s,
             kept_bytes,
+            offload_s,
+            staging,
+            host_bytes,
         )
 
     def junction(self, a: int, b: int, logical: Shape2) -> float:
@@ -633,14 +682,19 @@ class IntraStageCost:
         (embedding) and last (head, loss: Megatron never recomputes the logits)."""
         return 0 < layer < self.num_layers - 1
 
-    @staticmethod
-    def _mode_terms(u: UnitCost, mode: str, recomputed: bool) -> tuple[float, float, float]:
-        """(latency, kept activation bytes, working bytes) of one unit under ``mode``."""
-        latency = u.compute_s + u.communication_s
+    def _mode_terms(self, u: UnitCost, mode: str, recomputed: bool) -> tuple[float, float, float]:
+        """(latency, kept activation bytes, working bytes) of one unit under ``mode``; the
+        offload's seconds per step are spread over the microbatches, as the update's are,
+        and its staging buffers are working bytes."""
+        latency = u.compute_s + u.communication_s + u.offload_s / self.num_microbatches
         if mode == "none" or not recomputed or not math.isfinite(latency):
-            return latency, u.activation_bytes, 0.0
+            return latency, u.activation_bytes, u.staging_bytes
         working = u.activation_bytes if mode == "full" else 0.0
-        return latency + u.recompute_s[mode], u.kept_activation_bytes[mode], working
+        return (
+            latency + u.recompute_s[mode],
+            u.kept_activation_bytes[mode],
+            working + u.staging_bytes,
+        )
 
     def _layer_table(self, logical: Shape2, mode: str) -> tuple:
         """Per layer: (latency, owned bytes, kept activation bytes, working bytes,

@@ -268,12 +268,15 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
-def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, int]]:
+def tensor_buffers(
+    graph: Graph, mesh: DeviceMesh, host: frozenset[int] = frozenset()
+) -> list[tuple[int, int, int, int]]:
     """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
     layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
     the f32 copies of :func:`widened_dot_operands` and the transposed copies of
     :func:`transposed_conv_values`.  The ILP's memory rows and
-    :func:`predicted_peak_bytes` both count these."""
+    :func:`predicted_peak_bytes` both count these.  ``host``: tensors offloaded to host
+    memory (:mod:`autoshard.intra.offload`), left out."""
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
     out = [
@@ -288,7 +291,7 @@ def tensor_buffers(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, 
         (tid, first, last, graph.tensors[tid].nbytes)
         for tid, first, last in transposed_conv_values(graph, mesh)
     ]
-    return out
+    return [b for b in out if b[0] not in host] if host else out
 
 
 def predicted_live_bytes(
@@ -296,6 +299,7 @@ def predicted_live_bytes(
     spec_of: Mapping[int, ShardingSpec],
     mesh: DeviceMesh,
     operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+    host: frozenset[int] = frozenset(),
 ) -> tuple[float, ...]:
     """Per-device bytes of live buffers at each program position (index ``p + 1`` for
     position ``p``, from -1, the program inputs alone, to the end): :func:`live_intervals`,
@@ -303,7 +307,8 @@ def predicted_live_bytes(
     ``operand_specs`` (node -> operand slot -> the spec it is resharded to), one buffer
     per value and resharded layout, from its first reader in that layout to its last
     (XLA gathers a weight once for its forward and backward dots and keeps the gathered
-    copy; a reduced partial sum is a buffer of its own)."""
+    copy; a reduced partial sum is a buffer of its own). ``host``: offloaded tensors, not
+    counted (:func:`tensor_buffers`)."""
     n = len(graph.nodes)
     delta = [0.0] * (n + 3)
     operand_specs = operand_specs or {}
@@ -316,7 +321,7 @@ def predicted_live_bytes(
             spec = operand_specs.get(last, {}).get(node.inputs.index(tid))
             if spec is not None:
                 at_conv[(tid, first, last)] = spec
-    own = tensor_buffers(graph, mesh)
+    own = tensor_buffers(graph, mesh, host)
     buffers = [
         (
             first,
@@ -366,10 +371,11 @@ def predicted_peak_bytes(
     spec_of: Mapping[int, ShardingSpec],
     mesh: DeviceMesh,
     operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+    host: frozenset[int] = frozenset(),
 ) -> float:
     """Peak per-device bytes of live buffers over the program: the most of
-    :func:`predicted_live_bytes`."""
-    return max(0.0, *predicted_live_bytes(graph, spec_of, mesh, operand_specs))
+    :func:`predicted_live_bytes` (``host``: offloaded tensors, not counted)."""
+    return max(0.0, *predicted_live_bytes(graph, spec_of, mesh, operand_specs, host))
 
 
 # ----------------------------------------------------------------------------- ILP rows
@@ -392,15 +398,17 @@ def memory_rows(
     n_in: int,
     mesh: DeviceMesh,
     operands: Sequence,
+    host: frozenset[int] = frozenset(),
 ) -> MemoryRows:
     """Per-strategy bytes of each ILP node's live buffers, the live sets at every position
     where a buffer may be born, and the resharded copies as :class:`CopyBuffer` -- the
     same model as :func:`predicted_peak_bytes`.  ``strategies``: ILP node -> its
     strategies (inputs first); ``producer``: tensor -> (ILP node, output index);
-    ``operands``: the problem's operand edges (:class:`autoshard.intra.problem.Operand`)."""
+    ``operands``: the problem's operand edges (:class:`autoshard.intra.problem.Operand`);
+    ``host``: offloaded tensors, not counted."""
     # a tensor's buffers (itself, its f32 copy) count together, over the union of their
     # intervals (the tensor's holds the copy's unless the tensor is fused away)
-    own = tensor_buffers(graph, mesh)
+    own = tensor_buffers(graph, mesh, host)
     intervals = _union_intervals(own)
     sizes: dict[int, float] = {}
     for tid, _, _, nbytes in own:

@@ -122,6 +122,13 @@ class IntraOptions:
       it moves no more bytes than the first (Alpa: "if no communication overhead is
       introduced"); the plan's notes say which was kept and the peaks of both. Twice
       the solver time.
+
+    ``offload``: tensor classes kept in host memory, not HBM
+    (:data:`~autoshard.intra.offload.OFFLOAD_CLASSES`: ``optimizer``, ``master``,
+    ``gradients``; :mod:`autoshard.intra.offload`): the memory rows and the predicted peak
+    leave them out (and count the device's staging buffers), and with ``gradients`` the
+    update's device equations cost nothing (the host runs it). The transfers' seconds are
+    priced after the solve (:func:`autoshard.intra.offload.offload_cost`).
     """
 
     solver: str = "highs"
@@ -145,6 +152,7 @@ class IntraOptions:
     allow_all_gather: bool = True
     allow_all_to_all: bool = True
     prefer_reduce_scatter: bool = False
+    offload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -198,6 +206,11 @@ class IntraOptions:
         ):
             if not isinstance(getattr(self, knob), bool):
                 raise TypeError(f"{knob} must be True or False, got {getattr(self, knob)!r}")
+        if not isinstance(self.offload, tuple):
+            raise TypeError(f"offload must be a tuple of class names, got {self.offload!r}")
+        from autoshard.intra.offload import Offload
+
+        object.__setattr__(self, "offload", Offload(self.offload).classes)  # checked, ordered
         dp_axes = self.data_parallel_axes
         if not (
             isinstance(dp_axes, tuple)

@@ -9,6 +9,7 @@ resharded once per distinct spec its consumers want) and predicted peak memory.
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING
 
 from autoshard.intra.cost import DEFAULT_COST_OPTIONS, reshard_to_consumers
@@ -58,6 +59,14 @@ def plan_from_solution(
     by_value = collectives_by_value(ip, choice, relabelled)
     collectives = tuple(c for _, cols in by_value for c in cols)
     solver = json.loads(solution.to_json())
+    # seconds of compute per phase under the chosen strategies (offload hides transfers
+    # behind the backward's: autoshard.intra.offload)
+    by_phase: dict[str, float] = {}
+    for node in graph.nodes:
+        cost = ip.problem.node_costs[ip.node_of(node.index)][choice[ip.node_of(node.index)]]
+        if math.isfinite(cost):
+            by_phase[node.phase] = by_phase.get(node.phase, 0.0) + cost
+    solver["compute_s_by_phase"] = by_phase
     if forbidden:
         priced = {
             "all-reduce" if tid in relabelled else c.kind for tid, cols in by_value for c in cols
@@ -80,7 +89,10 @@ def plan_from_solution(
         operand_specs=operand_specs,
         node_strategies=tuple(names),
         predicted_collectives=collectives,
-        predicted_peak_bytes=predicted_peak_bytes(graph, spec_of, mesh, operand_specs),
+        predicted_peak_bytes=predicted_peak_bytes(
+            graph, spec_of, mesh, operand_specs, ip.host_tensors
+        )
+        + ip.staging_bytes,
         objective=solution.objective,
         solver=solver,
         notes=notes,

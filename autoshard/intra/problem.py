@@ -43,6 +43,7 @@ from autoshard.intra.ilp import (
     solve,
 )
 from autoshard.intra.memory import memory_rows, streamed_tensors
+from autoshard.intra.offload import Offload, offload_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.predict import (
     dot_batch_dims,
@@ -91,6 +92,9 @@ class IntraProblem:
     # nodes past len(strategies) only price values (autoshard.intra.value_edges)
     edge_consumers: tuple[tuple[int, ...], ...] = ()
     values: ValueEdges | None = None  # the values' extra nodes (exact_values)
+    # offload (options.offload): tensors in host memory, and the device's staging bytes
+    host_tensors: frozenset[int] = frozenset()
+    staging_bytes: float = 0.0
 
     def node_of(self, graph_node: int) -> int:
         return self.num_inputs + graph_node
@@ -161,6 +165,8 @@ class _Common:
     ties: tuple
     memory: object
     notes: tuple = ()  # what shaping the problem did that the plan should say
+    host: frozenset = frozenset()  # offloaded tensors (options.offload)
+    staging_bytes: float = 0.0  # the device's staging buffers for them
     # value_edges' cost matrices and distinct demands, shared by the two programs
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -206,11 +212,16 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
             producer[tid] = (n_in + node.index, k)
 
     outputs = set(graph.outputs)
+    offloaded = None
+    if options.offload:  # strict: one mesh's whole step; a stage search's layer may lack one
+        offloaded = offload_tensors(graph, Offload(options.offload), strict=False)
+    host_update = offloaded is not None and offloaded.offload.host_update
     node_costs = []
     for i, strats in enumerate(strategies):
+        on_host = host_update and i >= n_in and graph.nodes[i - n_in].phase == "update"
         costs = []
         for s in strats:
-            c = s.compute_cost
+            c = 0.0 if on_host else s.compute_cost  # the host runs the update
             if i >= n_in and s.output_specs and s.output_specs[0].partial:
                 node = graph.nodes[i - n_in]
                 if any(t in outputs for t in node.outputs):
@@ -308,11 +319,15 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
     if options.shard_largest_dim:  # after the ties: only the operators that choose
         notes = shard_largest_dims(graph, strategies, node_costs, n_in, mesh.mesh, ties)
 
-    memory = memory_rows(graph, strategies, producer, n_in, mesh, operands if copy_buffers else ())
+    host = offloaded.host if offloaded is not None else frozenset()
+    memory = memory_rows(
+        graph, strategies, producer, n_in, mesh, operands if copy_buffers else (), host
+    )
     return _Common(
         graph, mesh, options, cost_options, tuple(strategies), n_in, tuple(node_costs),
         tuple(prefs), tuple(operands), tuple(values), tuple(edges), tuple(edge_consumers),
-        tuple(ties), memory, notes,
+        tuple(ties), memory, notes, host,
+        offloaded.staging_bytes if offloaded is not None else 0.0,
     )  # fmt: skip
 
 
@@ -332,7 +347,7 @@ def _finish(c: _Common, exact_values: bool) -> IntraProblem:
         ties=c.ties + per_value.ties,
         node_memory=memory.node_memory,
         live_sets=memory.live_sets,
-        memory_budget_bytes=c.options.memory_budget_bytes,
+        memory_budget_bytes=_budget_less_staging(c),
         copies=memory.copies,
         preferences=c.prefs + tuple((0.0,) * k for k in extra),
     )
@@ -345,7 +360,23 @@ def _finish(c: _Common, exact_values: bool) -> IntraProblem:
         c.n_in,
         c.edge_consumers + per_value.edge_consumers,
         per_value,
+        c.host,
+        c.staging_bytes,
     )
+
+
+def _budget_less_staging(c: _Common) -> float | None:
+    """The ILP's budget: the memory budget less the offload's staging buffers (a constant:
+    twice the largest streamed tensor, whole, whatever its split)."""
+    budget = c.options.memory_budget_bytes
+    if budget is None or not c.staging_bytes:
+        return budget
+    if budget <= c.staging_bytes:
+        raise ValueError(
+            f"the memory budget ({budget:.4g} B) does not even hold the offload's staging "
+            f"buffers ({c.staging_bytes:.4g} B): raise the budget or offload less"
+        )
+    return budget - c.staging_bytes
 
 
 # The exact program's budget, past the per-demand solve that gives its start: a number of
@@ -571,7 +602,7 @@ def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> Paral
         plan = cheapest_fallback(plan, solution, ip, options, plan_from_solution)
         solution = None
     if memory_budget_bytes is not None and solution is not None:
-        rows = peak_memory(ip.problem, solution.strategy)
+        rows = peak_memory(ip.problem, solution.strategy) + ip.staging_bytes
         if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
             raise RuntimeError(
                 f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "

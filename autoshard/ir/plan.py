@@ -34,6 +34,9 @@ class ParallelPlan:
     objective: float
     solver: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # what lives in host memory and what it costs (autoshard.intra.offload.OffloadCost's
+    # JSON, with the step time it adds up to); empty: nothing is offloaded
+    offload: Mapping[str, Any] = field(default_factory=dict)
 
     def specs_by_tensor(self, input_ids) -> dict[int, ShardingSpec]:
         """Tensor id -> spec of every program input (``input_ids``: the graph's input
@@ -41,6 +44,12 @@ class ParallelPlan:
         return {**dict(zip(input_ids, self.input_specs, strict=True)), **self.tensor_specs}
 
     def to_json(self) -> dict:
+        out = self._to_json()
+        if self.offload:
+            out["offload"] = dict(self.offload)
+        return out
+
+    def _to_json(self) -> dict:
         return {
             "name": self.name,
             "mesh": {"axis_names": list(self.mesh.axis_names), "shape": list(self.mesh.shape)},
@@ -83,6 +92,7 @@ class ParallelPlan:
             objective=float(obj["objective"]),
             solver=dict(obj.get("solver", {})),
             notes=tuple(obj.get("notes", ())),
+            offload=dict(obj.get("offload", {})),
         )
 
     def dumps(self) -> str:

@@ -228,7 +228,14 @@ def memory_by_category(plan_file: PlanFile) -> dict[str, float]:
         "optimizer state": per_device["opt_state"],
         "data": per_device["data"],
     }
-    rest = plan_file.plan.predicted_peak_bytes - sum(out.values())
+    where = dict(plan_file.plan.offload.get("where", {}))  # offload: what the host holds
+    for cls, key in (("master", "weights"), ("optimizer", "optimizer state")):
+        if where.get(cls) == "host":
+            out[f"{key} (host memory)"] = out.pop(key)
+    if where.get("gradients") == "host":
+        out["gradients (host memory)"] = out.pop("gradients")
+    on_device = sum(v for k, v in out.items() if not k.endswith("(host memory)"))
+    rest = plan_file.plan.predicted_peak_bytes - on_device
     out["activations and temporaries"] = max(rest, 0.0)
     return out
 

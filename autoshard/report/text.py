@@ -188,6 +188,7 @@ def explain_json(d: PlanDigest, simulated: Mapping | None = None) -> dict:
         },
         "memory_bytes_per_device": dict(d.memory_bytes),
         "predicted_peak_bytes": d.plan.predicted_peak_bytes,
+        "offload": dict(d.plan.offload) if d.plan.offload else None,
         "verification": dict(d.verification) if d.verification else None,
         "simulated": dict(simulated) if simulated else None,
     }

@@ -41,6 +41,8 @@ from autoshard.ir.records import EqnRecord
 from autoshard.runtime.distributed import to_host
 from autoshard.trace.jaxpr import TracedProgram
 
+HOST_MEMORY = "pinned_host"  # JAX's memory kind of offloaded state (docs/offload.md)
+
 
 def make_mesh(plan_mesh: aspec.Mesh, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
     """A ``jax.sharding.Mesh`` with the logical mesh's axis names and shape (Auto axes).
@@ -243,6 +245,17 @@ class ShardedStep:
         self.program, self.plan, self.mesh, self.donate = program, plan, mesh, donate
         flat_in = [named_sharding(mesh, s) for s in plan.input_specs]
         flat_out = [named_sharding(mesh, s) for s in plan.output_specs]
+        # offload (plan.offload): the state at rest lives in host memory; the step copies
+        # it in where it starts and the updated state out where it ends (JAX memory kinds)
+        offload = getattr(plan, "offload", None) or {}
+        self.host_inputs = tuple(offload.get("host_inputs", ()))
+        self.host_outputs = tuple(offload.get("host_outputs", ()))
+        self._device_in = {i: flat_in[i] for i in self.host_inputs}
+        self._device_out = {j: flat_out[j] for j in self.host_outputs}
+        for i in self.host_inputs:
+            flat_in[i] = flat_in[i].with_memory_kind(HOST_MEMORY)
+        for j in self.host_outputs:
+            flat_out[j] = flat_out[j].with_memory_kind(HOST_MEMORY)
         self.in_shardings = jax.tree_util.tree_unflatten(program.in_tree, flat_in)
         self.out_shardings = jax.tree_util.tree_unflatten(program.out_tree, flat_out)
         self.donate_argnums = _donated_argnums(program) if donate else ()
@@ -264,7 +277,18 @@ class ShardedStep:
 
     def _evaluate(self, *args):
         c = self.constraints
-        return self.program.evaluate(*args, hook=c.outputs_hook, in_hook=c.operands_hook)
+        if self.host_inputs:  # host -> device at the start of the step
+            flat = jax.tree_util.tree_leaves(args)
+            for i, sharding in self._device_in.items():
+                flat[i] = jax.device_put(flat[i], sharding)
+            args = jax.tree_util.tree_unflatten(self.program.in_tree, flat)
+        out = self.program.evaluate(*args, hook=c.outputs_hook, in_hook=c.operands_hook)
+        if self.host_outputs:  # device -> host (out_shardings say pinned_host too)
+            flat = jax.tree_util.tree_leaves(out)
+            for j, sharding in self._device_out.items():
+                flat[j] = jax.device_put(flat[j], sharding.with_memory_kind(HOST_MEMORY))
+            out = jax.tree_util.tree_unflatten(self.program.out_tree, flat)
+        return out
 
     def lower(self, *args) -> jax.stages.Lowered:
         """Lower for ``args`` (arrays or ``jax.ShapeDtypeStruct``; default: abstract_args)."""
@@ -318,12 +342,14 @@ def build_sharded_step(
 def abstract_args(program: TracedProgram, plan: ParallelPlan, mesh: jax.sharding.Mesh):
     """The step's arguments as ``jax.ShapeDtypeStruct`` leaves carrying the plan's shardings."""
     _check_mesh(plan, mesh)
+    on_host = set((getattr(plan, "offload", None) or {}).get("host_inputs", ()))
     leaves = []
-    for tid, s in zip(program.records.inputs, plan.input_specs, strict=True):
+    for i, (tid, s) in enumerate(zip(program.records.inputs, plan.input_specs, strict=True)):
         rec = program.records.tensors[tid]
-        leaves.append(
-            jax.ShapeDtypeStruct(rec.shape, np.dtype(rec.dtype), sharding=named_sharding(mesh, s))
-        )
+        sharding = named_sharding(mesh, s)
+        if i in on_host:
+            sharding = sharding.with_memory_kind(HOST_MEMORY)
+        leaves.append(jax.ShapeDtypeStruct(rec.shape, np.dtype(rec.dtype), sharding=sharding))
     return jax.tree_util.tree_unflatten(program.in_tree, leaves)
 
 

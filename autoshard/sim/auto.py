@@ -176,7 +176,7 @@ def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
 
 def simulate_auto(
     model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides,
-    seq_len: int | None = None, optimizer: str = "adamw", progress=None,
+    seq_len: int | None = None, optimizer: str = "adamw", progress=None, offload=None,
 ) -> SimulationReport:  # fmt: skip
     """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
     :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
@@ -184,7 +184,10 @@ def simulate_auto(
     ``shape=None`` (a GPT-MoE): FLOPs come from the traced step (:func:`_traced_flops`)
     and ``seq_len`` gives the tokens per sequence. ``optimizer``: the traced step's
     (:data:`autoshard.models.OPTIMIZERS`). ``progress``: where the phases report
-    (:class:`autoshard.inter.progress.Progress`; default: stderr once past 2 s)."""
+    (:class:`autoshard.inter.progress.Progress`; default: stderr once past 2 s).
+    ``offload``: an :class:`~autoshard.intra.offload.Offload` every stage takes (its state
+    out of HBM, its transfers and host update priced per step, :class:`autoshard.inter.
+    stage_cost.IntraStageCost`); ``plan["offload"]`` then says what lives where."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
@@ -206,8 +209,9 @@ def simulate_auto(
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
     with progress.phase(f"trace (m={m})"):
         cost = shared_stage_cost(
-            model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
-        )
+            model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer,
+            offload=offload,
+        )  # fmt: skip
     ilp_seconds_before = cost.seconds  # the cost may come from an earlier call
     traced_graph = cost.graph
     t_trace = time.perf_counter()
@@ -280,6 +284,8 @@ def simulate_auto(
         "phase_seconds": dict(inter.phase_seconds),
     }
     peak_bytes = max(st.peak_bytes for st in inter.stages)
+    if offload:
+        plan_dict["offload"] = _offload_summary(cost, inter, cluster, offload)
     gpus = cluster.num_gpus
     if shape is None:
         s = seq_len
@@ -314,11 +320,40 @@ def simulate_auto(
     )
 
 
+def _offload_summary(cost, inter, cluster, offload) -> dict:
+    """What lives where in a searched plan, and what it costs per step (per device: the
+    stage holding most in host memory; per node: that times the node's GPUs)."""
+    from autoshard.intra.offload import HOST_USABLE_FRACTION, OFFLOAD_CLASSES
+
+    host_bytes, exposed = [], []
+    for st in inter.stages:
+        units = [
+            cost.unit(i, i + 1, tuple(st.logical_mesh)) for i in range(st.start_layer, st.end_layer)
+        ]
+        host_bytes.append(sum(u.host_bytes for u in units))
+        exposed.append(sum(u.offload_s for u in units))
+    where = {c: ("host" if c in offload.classes else "device") for c in OFFLOAD_CLASSES}
+    where["update"] = "host" if offload.host_update else "device"
+    per_node = max(host_bytes) * cluster.devices_per_node
+    usable = cluster.host.memory_bytes * HOST_USABLE_FRACTION
+    return {
+        "offload": offload.label,
+        "where": where,
+        "host_bytes_per_device": max(host_bytes),
+        "host_bytes_per_node": per_node,
+        "host_memory_bytes": usable,
+        "fits_host": per_node <= usable,
+        "exposed_s_per_stage": exposed,  # per step, spread over the microbatches
+    }
+
+
 _STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused
 _STAGE_COSTS_KEPT = 6  # a micro-batch search's candidates (at most 5 by default) and one more
 
 
-def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, optimizer="adamw"):
+def shared_stage_cost(
+    model, cluster, batch, m, dtype, time_limit, overrides, optimizer="adamw", offload=None
+):
     """:func:`search_stage_cost`, kept for the next call with the same arguments, so that
     ``plan="auto"`` and a Megatron grid on the traced program (:mod:`autoshard.sim.traced`)
     at the same micro-batches price the same plans from the same ILPs (each logical mesh's
@@ -326,28 +361,31 @@ def shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides, op
     that a micro-batch search's chosen count is still there for the restricted searches
     of ``experiments/weak_scaling.py``."""
     key = (model, repr(cluster), batch, m, dtype, time_limit, tuple(sorted(overrides.items())))
-    key += (optimizer,)
+    key += (optimizer, offload)
     if key in _STAGE_COSTS:  # least recently used goes first
         _STAGE_COSTS[key] = _STAGE_COSTS.pop(key)
     else:
         if len(_STAGE_COSTS) >= _STAGE_COSTS_KEPT:
             _STAGE_COSTS.pop(next(iter(_STAGE_COSTS)))
         _STAGE_COSTS[key] = search_stage_cost(
-            model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer
-        )
+            model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer,
+            offload=offload,
+        )  # fmt: skip
     return _STAGE_COSTS[key]
 
 
 def search_stage_cost(
     model, cluster, batch, m, dtype, time_limit, overrides, baseline=None, optimizer="adamw",
-    graph=None,
+    graph=None, offload=None,
 ):  # fmt: skip
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
     ``cluster`` (an :class:`autoshard.inter.stage_cost.IntraStageCost`; its ``graph`` is the step).
     ``baseline``: every stage's inputs pinned the way that intra-op baseline does (a
     restricted search, e.g. ZeRO data parallelism). ``optimizer``: the traced step's.
-    ``IntraStageCost.graph``), so it is not traced again.
+    ``graph``: that traced step, already traced with these arguments (another baseline's
+    ``IntraStageCost.graph``), so it is not traced again. ``offload``: the
+    :class:`~autoshard.intra.offload.Offload` every stage takes (None: none).
 
     Depth folding: a GPT of more than :data:`FOLD_MIN_BLOCKS` blocks (no baseline, no
     ``graph`` given) is traced with :data:`FOLD_BLOCKS` blocks only and the cost stands
@@ -372,6 +410,7 @@ def search_stage_cost(
         return IntraStageCost(
             g, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
             baseline=baseline, deep_layers=deep_layers,
+            **({"offload": offload, "cluster": cluster} if offload else {}),
         )  # fmt: skip
 
     if graph is None and baseline is None:

@@ -21,7 +21,9 @@ axis that communicates):
   ``sum(t) + (m - 1) max(t)``;
 * ``optimizer`` -- the optimizer update (memory-bound). On the traced program the update
   equations are amortised into each stage's ``compute`` by the search and are not
-  separated (``optimizer`` is 0 there).
+  separated (``optimizer`` is 0 there);
+* ``offload`` -- host <-> device transfers not hidden behind the backward pass and the
+  host's optimizer update, when state lives in host memory (:mod:`autoshard.intra.offload`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
-STEP_COMPONENTS = ("compute", "recompute", "pipeline_bubble", "optimizer")
+STEP_COMPONENTS = ("compute", "recompute", "pipeline_bubble", "optimizer", "offload")
 COMM_PREFIX = "comm_"
 
 
@@ -91,11 +93,12 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
     start, end, logical, mode, latency = stages[slowest]
     logical = tuple(logical)
     mesh = cost.mesh_for(logical)
-    compute = recompute = 0.0
+    compute = recompute = offload = 0.0
     comm: dict[str, float] = {}
     for layer in range(start, end):
         unit = cost.unit(layer, layer + 1, logical)
         compute += unit.compute_s
+        offload += unit.offload_s / m  # per step, spread over the micro-batches
         if mode != "none" and cost.recomputes(layer):
             recompute += unit.recompute_s[mode]
         if unit.plan is not None:
@@ -103,10 +106,10 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
                 unit.communication_s, _axis_weights(unit.plan, mesh)
             ).items():
                 comm[key] = comm.get(key, 0.0) + sec
-    reshard = latency - compute - recompute - sum(comm.values())
+    reshard = latency - compute - recompute - offload - sum(comm.values())
     if reshard > 0:
         comm[f"{COMM_PREFIX}reshard"] = comm.get(f"{COMM_PREFIX}reshard", 0.0) + reshard
-    parts = {"compute": m * compute, "recompute": m * recompute}
+    parts = {"compute": m * compute, "recompute": m * recompute, "offload": m * offload}
     parts.update({k: m * v for k, v in comm.items()})
     parts["pipeline_bubble"] = sum(st[4] for i, st in enumerate(stages) if i != slowest)
     # the slowest stage's latency is the sum of its parts (up to rounding): rescale the

@@ -242,6 +242,7 @@ def simulate(
     virtual_stages: int = 1,
     optimizer: str = "adamw",
     progress=None,
+    offload: str | None = None,
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
@@ -278,7 +279,13 @@ def simulate(
     ``--num-layers-per-virtual-pipeline-stage`` = layers / (PP x v)) are modelled on
     Megatron-LM's program only. ``optimizer`` (``OPTIMIZERS``): the optimizer of the traced
     step, for ``plan="auto"`` only (the grids' memory model is mixed-precision Adam);
-    Alpa's GPT-MoE benchmark trains with ``adafactor``.
+    Alpa's GPT-MoE benchmark trains with ``adafactor``. ``offload`` (``plan="auto"`` only;
+    :mod:`autoshard.intra.offload`, docs/offload.md): ``None``/``"none"``, a placement
+    (``"optimizer"``, ``"optimizer,master"``, ``"optimizer,master,gradients"``) every stage
+    takes, or ``"auto"``: the search without offload, and when its plan does not fit the
+    HBM, the search under each placement, the fastest that fits the HBM and the host's
+    memory winning (``plan["offload_candidates"]`` lists them); ``plan["offload"]`` says
+    what lives where.
     """
     from autoshard.models import OPTIMIZERS  # lazy: the models import jax
 
@@ -300,6 +307,7 @@ def simulate(
             "fused kernels; program 'megatron-lm-flash' for its flash attention): use "
             "program='traced' or plan='auto'"
         )
+    offload = _offload_request(offload, plan, cluster)
     search = _microbatch_search(num_microbatches, plan, microbatch_size)
     schedule = _schedule(
         plan, program, microbatch_size, None if search else num_microbatches,
@@ -310,14 +318,40 @@ def simulate(
             "exact mode compiles the plan with autoshard's intra-op runtime, which has no "
             "sequence parallelism; drop --exact or --sequence-parallel"
         )
+    if exact and offload is not None:
+        raise ValueError("exact mode compiles the plan without offload; drop --exact or --offload")
     report = _simulate(
         model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
-        ilp_time_limit_s, exact, overrides, program, optimizer, search, progress,
+        ilp_time_limit_s, exact, overrides, program, optimizer, search, progress, offload,
     )  # fmt: skip
     if not exact:
         return report
     checked = exact_check(report, cluster, time_limit_s=ilp_time_limit_s, **overrides)
     return dataclasses.replace(report, exact=checked)
+
+
+def _offload_request(offload, plan: str, cluster):
+    """None, ``"auto"`` or an :class:`~autoshard.intra.offload.Offload`, checked against the
+    plan (``auto`` only: the grids model systems without offload) and the cluster's host."""
+    from autoshard.intra.offload import parse_offload
+
+    if offload is None:
+        return None
+    request = parse_offload(offload)
+    if request != "auto" and not request:
+        return None
+    if parse_plan(plan).kind != "auto":
+        raise ValueError(
+            f"offload is priced on autoshard's search (plan='auto'); plan {plan!r} models "
+            "Megatron-LM / PyTorch DDP / ZeRO without CPU offload: use --plan auto or drop "
+            "--offload"
+        )
+    if load_cluster(cluster).host is None:
+        raise ValueError(
+            f"cluster {cluster} has no 'host' section (RAM, PCIe, CPU Adam) to price offload "
+            "with: use a shipped preset or add one to the preset file"
+        )
+    return request
 
 
 def _positive(name: str, value) -> None:
@@ -398,7 +432,7 @@ def _schedule(
 def _simulate(
     model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
     ilp_time_limit_s, exact, overrides, program="megatron-lm", optimizer="adamw", search=None,
-    progress=None,
+    progress=None, offload=None,
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
     if program not in PROGRAMS:
@@ -446,14 +480,19 @@ def _simulate(
     if request.kind == "auto":
         moe = hasattr(traced_cfg, "expert_group_size")
 
-        def price(m):
+        def price_with(m, placement):
             if moe:
                 m = moe_microbatches(traced_cfg, batch, m)
             return simulate_auto(
                 model, shape, the_cluster, batch, m, recompute, dtype, peak,
                 ilp_time_limit_s, overrides, seq_len=None if traced_cfg is None else seq_len,
-                optimizer=optimizer, progress=progress,
+                optimizer=optimizer, progress=progress, offload=placement,
             )  # fmt: skip
+
+        def price(m):
+            if offload != "auto":
+                return price_with(m, offload)
+            return _cheapest_offload(lambda placement: price_with(m, placement))
 
         if search is None:
             return price(schedule.num_microbatches)
@@ -480,6 +519,38 @@ def _simulate(
         model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak,
         program,
     )  # fmt: skip
+
+
+def _cheapest_offload(price) -> SimulationReport:
+    """``offload="auto"``: ``price(None)`` when it fits; else the fastest of ``price(p)``
+    over the placements that fit the HBM and the host (none fits: the plan without
+    offload, still out of memory), with every candidate in ``plan["offload_candidates"]``."""
+    from types import MappingProxyType
+
+    from autoshard.intra.offload import AUTO_CANDIDATES
+
+    plain = price(None)
+    if not plain.oom:
+        return plain
+    tried, best = [], None
+    for placement in AUTO_CANDIDATES:
+        report = price(placement)
+        record = report.plan["offload"]
+        fits = not report.oom and record["fits_host"]
+        tried.append(
+            {
+                "offload": placement.label,
+                "fits": fits,
+                "step_time_s": report.step_time_s,
+                "peak_bytes_per_device": report.peak_bytes_per_device,
+                "host_bytes_per_node": record["host_bytes_per_node"],
+            }
+        )
+        if fits and (best is None or report.step_time_s < best.step_time_s):
+            best = report
+    chosen = best if best is not None else plain
+    plan = dict(chosen.plan) | {"offload_candidates": tried}
+    return dataclasses.replace(chosen, plan=MappingProxyType(plan))
 
 
 __all__ = [
