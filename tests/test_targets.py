@@ -181,3 +181,60 @@ def test_verify_a_plan_file_on_cpu_names_its_target(plan_path):
     assert proc.returncode == (0 if out["agree"] else 1), proc.stderr
     assert out["verification"]["target"] == "cpu"
     assert out["collectives_agree"] is True
+
+
+# --------------------------------------------------------------------------- the GPU path's
+# plumbing, with jax.experimental.topologies answering with this process's CPU devices
+
+FAKE_TOPOLOGY = (
+    "import sys, types, jax\n"
+    "from jax.experimental import topologies\n"
+    "def fake(**kw):\n"
+    "    assert kw == {'topology_name': 'gpu', 'platform': 'cuda', 'topology': '1x1x4'}, kw\n"
+    "    return types.SimpleNamespace(devices=jax.devices()[:4])\n"
+    "topologies.get_topology_desc = fake\n"
+)
+
+
+def test_verify_plan_compiles_on_the_topology_s_devices(bound, monkeypatch):
+    import jax
+    from jax.experimental import topologies
+
+    from autoshard.verify.check import verify_plan
+
+    asked = []
+
+    def fake(**kw):
+        asked.append(kw)
+        return type("Topology", (), {"devices": jax.devices()[4:8]})()
+
+    monkeypatch.setattr(topologies, "get_topology_desc", fake)
+    report = verify_plan(bound.program, bound.plan, target="gpu-aot", live_peak="never")
+    assert asked == [{"topology_name": "gpu", "platform": "cuda", "topology": "1x1x4"}]
+    assert report.target == "gpu-aot:1x1x4"  # the topology it was sized to
+    assert report.collectives_agree  # device ids 4..7 read back as the mesh's positions
+    assert bound.verify(target="gpu-aot:1x1x4", live_peak="never").target == "gpu-aot:1x1x4"
+
+
+def test_cli_verify_a_plan_file_for_a_topology(plan_path):
+    code = FAKE_TOPOLOGY + "from autoshard.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "verify",
+            "--plan",
+            str(plan_path),
+            "--target",
+            "gpu-aot",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = json.loads(proc.stdout)
+    assert proc.returncode == (0 if out["agree"] else 1), proc.stderr
+    assert out["verification"]["target"] == "gpu-aot:1x1x4"
+    assert out["collectives_agree"] is True

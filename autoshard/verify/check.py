@@ -238,6 +238,9 @@ def verify_plan(
     from autoshard.runtime.targets import describe_devices, parse_target, target_devices
 
     compile_target = parse_target(target)
+    if compile_target.kind == "gpu-aot":  # name the topology it was sized to
+        topology = compile_target.topology_for(plan.mesh.num_devices)
+        compile_target = replace(compile_target, topology=topology)
     if mesh is None and devices is None and target is not None:
         devices = target_devices(compile_target, plan.mesh.num_devices)
     jmesh = mesh if mesh is not None else make_mesh(plan.mesh, devices)
