@@ -3,7 +3,8 @@
 # the plan files under benchmarks/results/gpu_truth_plans (gpt-1.3b, 24 layers: auto, zero2,
 # zero3, megatron on 2x4 and 8 GPUs, auto on 8x8; planned on CPU with jax 0.11.2, no solver
 # needed here) compiled by XLA:GPU ahead of time for as many GPUs as each plan's mesh
-# (jax.experimental.topologies: compile-only H100s), predicted vs compiled per row.
+# (jax.experimental.topologies: compile-only H100s), predicted vs compiled per row; gpt-tiny
+# auto and zero3 on 2x4 first (seconds; their HLO is the first real XLA:GPU fixture to commit).
 # Writes under $OUT (3 files): gpu_truth.json, hlo.tar.gz (each row's compiled HLO, less
 # its metadata), log.txt.
 #     OUT=/tmp/out bash benchmarks/gpu_truth.sh          # DRY=1: the same on fake CPU devices
