@@ -224,12 +224,26 @@ def verify_row(entry: dict, plans_dir: Path, target: str, live_peak: str) -> dic
         "memory_error_signed": (report.predicted_peak_bytes - report.compiled_peak_bytes)
         / max(report.compiled_peak_bytes, 1.0),
         "memory_agree": report.memory_agree,
-        "verification": report.to_json(),
+        "verification": {**report.to_json(), "notes": _condensed(report.compiled_notes)},
         "xla_warnings": _xla_warnings(log.getvalue()),
         "trace_seconds": trace_s,
         "compile_seconds": report.compile_seconds,
         "_hlo": report.hlo_text,
     }
+
+
+def _condensed(notes) -> dict[str, int]:
+    """The verifier's distinct notes, without the "operand k of n of a combined ..." part
+    that makes one note per operand: note -> how many distinct notes it stood for."""
+    out: dict[str, int] = {}
+    for note in notes:
+        parts = [p for p in note.split("; ") if not _COMBINED.match(p)]
+        key = "; ".join(parts) or "an operand of a combined collective"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+_COMBINED = re.compile(r"operand \d+ of \d+ of a combined ")
 
 
 def _summary(row: dict) -> str:
@@ -337,7 +351,11 @@ def main(argv=None) -> int:
         import jax
 
         manifest = json.loads((args.plans / "manifest.json").read_text())
-        need = max(_num_devices(args.plans / e["file"]) for e in manifest["rows"] if "file" in e)
+        need = max(
+            _num_devices(args.plans / e["file"])
+            for e in manifest["rows"]
+            if "file" in e and (not args.rows or e["name"] in args.rows)
+        )
         with contextlib.suppress(RuntimeError):  # a test's conftest may have set them
             jax.config.update("jax_num_cpu_devices", need)
     else:  # refuse a target this process cannot compile for, before any row

@@ -68,6 +68,7 @@ def test_dry_run_writes_predicted_vs_compiled_per_row(gpu_truth, plans, tmp_path
         (row["predicted_peak_bytes"] - row["compiled_peak_bytes"]) / row["compiled_peak_bytes"]
     )
     assert row["xla_warnings"]["involuntary_full_rematerializations"] >= 0
+    assert all("operand 0 of" not in note for note in row["verification"]["notes"])
 
     other = by_name["other-program"]
     assert other["status"] == "not compiled" and "program differs" in other["reason"]
@@ -87,6 +88,20 @@ def test_a_gpu_target_without_cuda_is_refused_before_any_row(gpu_truth, plans, t
     out = tmp_path / "truth.json"
     assert gpu_truth.main(["--plans", str(plans), "--out", str(out), "--target", "gpu-aot"]) == 2
     assert "needs a CUDA jaxlib" in capsys.readouterr().err and not out.exists()
+
+
+def test_notes_of_combined_operands_are_condensed(gpu_truth):
+    notes = [
+        "operand 0 of 3 of a combined all-reduce",
+        "operand 1 of 3 of a combined all-reduce; bf16 upcast to f32 normalised",
+        "operand 2 of 3 of a combined all-reduce; bf16 upcast to f32 normalised",
+        "inside while loop %w: counted once, runs 4 times",
+    ]
+    assert gpu_truth._condensed(notes) == {
+        "an operand of a combined collective": 1,
+        "bf16 upcast to f32 normalised": 2,
+        "inside while loop %w: counted once, runs 4 times": 1,
+    }
 
 
 def test_xla_remat_warnings_are_counted(gpu_truth):
