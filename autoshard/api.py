@@ -454,13 +454,23 @@ class BoundPlan:
 
         return build_sharded_step(self.program, self.plan, self.mesh(devices), donate=donate)
 
-    def verify(self, devices=None, **kw):
+    def verify(self, devices=None, target=None, **kw):
         """Predicted vs compiled collectives and memory (:class:`VerificationReport`);
-        compiled once: the memory-budget loop's report is reused when it has one."""
+        compiled once: the memory-budget loop's report is reused when it has one.
+        ``target`` ("cpu", "gpu-aot", "gpu-aot:1x1x8"; :mod:`autoshard.runtime.targets`)
+        compiles on that target's devices instead of this process's."""
         from autoshard.verify.check import verify_plan
 
-        if self.report is not None and devices is None and not kw:
+        if self.report is not None and devices is None and target is None and not kw:
             return self.report
+        if target is not None:  # the target's devices, not the bound mesh
+            from autoshard.runtime.sharded import make_mesh
+            from autoshard.runtime.targets import target_devices
+
+            if devices is None:
+                devices = target_devices(target, self.plan.mesh.num_devices)
+            mesh = make_mesh(self.plan.mesh, devices)
+            return verify_plan(self.program, self.plan, mesh, target=target, **kw)
         return verify_plan(self.program, self.plan, self.mesh(devices), **kw)
 
 

@@ -194,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print JSON")
         if name == "plan":
             p.add_argument("--verify", action="store_true", help="also compile and compare")
+        if name == "verify":
+            p.add_argument(
+                "--target",
+                default=None,
+                help="where to compile: cpu (this process's devices, the default), gpu-aot "
+                "(XLA:GPU ahead of time on as many GPUs as the mesh: needs a CUDA jaxlib and "
+                "one GPU) or gpu-aot:SxHxD (slices x hosts x GPUs per host, e.g. 1x1x8, 1x8x8)",
+            )
         if name == "run":
             p.add_argument("--steps", type=_positive_int, default=2, help="training steps")
             p.add_argument(

@@ -138,8 +138,13 @@ def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
             bound = plan_from_args(args)
     report = None
     if args.verify or verify_exit:
-        with progress(args, "compiling the plan to compare with XLA ..."):
-            report = bound.verify()
+        target = getattr(args, "target", None)
+        where = f" for {target}" if target else ""
+        with progress(args, f"compiling the plan{where} to compare with XLA ..."):
+            if target is None:
+                report = bound.verify()
+            else:
+                report = bound.verify(devices=args.target_devices, target=target)
     out_path = getattr(args, "out", None)
     if args.json or out_path:
         plan_file = _plan_file(args.model, bound, report)
@@ -171,9 +176,28 @@ def _print_in_words(bound, console) -> None:
 def cmd_verify(args) -> int:
     args.verify = True
     needs_model(args, "verify")
-    if getattr(args, "loaded_plan", None) is not None:
-        return cmd_plan(args, verify_exit=True, bound=bound_from_args(args))
-    if not args.mesh:
+    loaded = getattr(args, "loaded_plan", None)
+    if loaded is None and not args.mesh:
         raise ValueError("verify needs --mesh (e.g. 2x4), or --plan FILE")
+    if getattr(args, "target", None) is not None:  # refused here, before any planning
+        args.target_devices = _target_devices(args, loaded)
+    if loaded is not None:
+        return cmd_plan(args, verify_exit=True, bound=bound_from_args(args))
     args.optimizer = args.optimizer or "adamw"
     return cmd_plan(args, verify_exit=True)
+
+
+def _target_devices(args, loaded) -> list:
+    """The devices of ``--target`` for the plan's mesh (TargetUnavailableError, a ValueError,
+    where this process cannot compile for it)."""
+    import math
+
+    from autoshard.runtime.targets import target_devices
+
+    if loaded is not None:
+        num_devices = loaded.plan.mesh.num_devices
+    else:
+        from autoshard.api import parse_mesh_shape
+
+        num_devices = math.prod(parse_mesh_shape(args.mesh))
+    return target_devices(args.target, num_devices)

@@ -128,7 +128,7 @@ def bound_from_args(args):
     from autoshard.runtime.sharded import make_mesh
 
     pf = args.loaded_plan
-    bound = bind_plan(pf, make_mesh(pf.plan.mesh))
+    bound = bind_plan(pf, make_mesh(pf.plan.mesh, getattr(args, "target_devices", None)))
     print(
         f"loaded plan {pf.plan.name!r} from {args.plan_file} (made for {pf.model}, mesh "
         f"{describe_mesh(pf.plan.mesh)}): program and mesh match, not solving again",

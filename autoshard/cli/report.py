@@ -114,7 +114,8 @@ def print_collectives(totals, title: str, console: Console) -> None:
 
 def print_verification(report, console: Console | None = None) -> None:
     console = console or Console()
-    table = Table(title=f"predicted vs compiled: plan {report.plan} on {report.mesh}")
+    where = f" ({report.target}: {report.devices})" if report.target != "cpu" else ""
+    table = Table(title=f"predicted vs compiled: plan {report.plan} on {report.mesh}{where}")
     for col in (
         "collective",
         "mesh axes",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Collective
@@ -60,6 +60,12 @@ class VerificationReport:
     compiled_live_peak_bytes: float | None = None
     compiled_live_peak_instruction: str = ""  # where XLA's schedule reaches it
     live_peak_note: str = ""
+    # what it was compiled for: "cpu" (this process's devices) or "gpu-aot:1x1x8", and
+    # the devices in words (autoshard.runtime.targets)
+    target: str = "cpu"
+    devices: str = ""
+    # the compiled HLO text, kept only with verify_plan(..., keep_hlo=True)
+    hlo_text: str = field(default="", repr=False, compare=False)
 
     @property
     def compiled_peak_bytes(self) -> float:
@@ -152,6 +158,8 @@ class VerificationReport:
         return {
             "plan": self.plan,
             "mesh": self.mesh,
+            "target": self.target,
+            "devices": self.devices,
             "predicted_collectives": [
                 {
                     "kind": r.kind,
@@ -204,11 +212,19 @@ def verify_plan(
     mesh=None,
     *,
     devices=None,
+    target=None,
     bytes_rtol: float = 0.02,
     memory_rtol: float = 0.10,
     live_peak: str = "on_disagreement",
+    keep_hlo: bool = False,
 ) -> VerificationReport:
     """Compile ``plan`` for ``program`` and compare its predictions with XLA's.
+
+    Where it compiles: ``mesh`` (a ``jax.sharding.Mesh``), else ``devices``, else
+    ``target`` (:mod:`autoshard.runtime.targets`): ``"cpu"`` (default: this process's
+    devices) or ``"gpu-aot"`` / ``"gpu-aot:1x1x8"`` (XLA:GPU ahead of time on compile-only
+    GPUs; needs a CUDA jaxlib and one GPU, else TargetUnavailableError, a ValueError).
+    ``keep_hlo`` keeps the compiled HLO text in the report (``hlo_text``).
 
     ``live_peak`` says when to compile the step a second time with an XLA dump (a
     temporary folder, removed after) to read XLA's live peak
@@ -219,13 +235,21 @@ def verify_plan(
     import numpy as np
 
     from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
+    from autoshard.runtime.targets import describe_devices, parse_target, target_devices
 
+    compile_target = parse_target(target)
+    if compile_target.kind == "gpu-aot":  # name the topology it was sized to
+        topology = compile_target.topology_for(plan.mesh.num_devices)
+        compile_target = replace(compile_target, topology=topology)
+    if mesh is None and devices is None and target is not None:
+        devices = target_devices(compile_target, plan.mesh.num_devices)
     jmesh = mesh if mesh is not None else make_mesh(plan.mesh, devices)
     step = build_sharded_step(program, plan, jmesh, donate=True)
     start = time.perf_counter()
     compiled = step.lower(*abstract_args(program, plan, jmesh)).compile()
     seconds = time.perf_counter() - start
-    device_ids = [d.id for d in np.asarray(jmesh.devices).flat]
+    flat_devices = list(np.asarray(jmesh.devices).flat)
+    device_ids = [d.id for d in flat_devices]
     parsed = analyze_collectives(compiled.as_text(), plan.mesh, device_ids)
     collectives = tuple(c.collective for c in parsed.collectives)
     notes = tuple(sorted({c.note for c in parsed.collectives if c.note}))
@@ -240,6 +264,9 @@ def verify_plan(
         memory=memory_stats(compiled),
         memory_rtol=memory_rtol,
         compile_seconds=seconds,
+        target=str(compile_target) if target is not None else _platform_target(flat_devices),
+        devices=describe_devices(flat_devices),
+        hlo_text=compiled.as_text() if keep_hlo else "",
     )
     if live_peak == "never":
         return replace(report, live_peak_note="not measured (live_peak='never')")
@@ -288,6 +315,12 @@ def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[Li
         f"XLA's dumps: most bytes live at once, at {live.instruction or '?'} "
         f"(position {live.position} of its schedule)"
     )
+
+
+def _platform_target(devices) -> str:
+    """ "cpu" for CPU devices; a mesh of other devices is named by their platform."""
+    platform = getattr(devices[0], "platform", "cpu")
+    return "cpu" if platform == "cpu" else platform
 
 
 def _allocated(m: MemoryStats) -> int:

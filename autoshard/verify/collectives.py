@@ -9,7 +9,11 @@ predicted collectives can be compared with the compiled ones
 :mod:`autoshard.verify.xla_cpu` says.
 
 Counting: each collective instruction is counted once where it is defined (fusions, async
-wrappers and called computations included; ``*-done`` halves are skipped).  Tuple-shaped
+wrappers and called computations included; ``*-update`` and ``*-done`` halves are skipped).
+XLA:GPU's spellings read as XLA:CPU's sync ones: ``all-reduce-start``, ``all-gather-start``
+and ``collective-permute-start``; reduce-scatter and all-to-all inside a generic
+``async-start`` (counted in the computation it calls) or, printed with XLA's async syntax
+sugar, as ``reduce-scatter-start`` / ``all-to-all-start`` (tests/test_hlo_gpu.py).  Tuple-shaped
 (combined) all-reduces, all-gathers and reduce-scatters give one record per operand; a
 tuple all-to-all is one exchange and gives one record.  Collectives inside while-loop
 bodies are counted once and flagged ``in_loop`` (the note gives the known trip count).
@@ -46,10 +50,16 @@ from autoshard.verify.replica_groups import (
 )
 from autoshard.verify.xla_cpu import _normalise
 
+# Synchronous opcodes (XLA:CPU) and XLA:GPU's asynchronous starts: all-reduce-start,
+# all-gather-start and collective-permute-start are opcodes of their own; reduce-scatter and
+# all-to-all run inside a generic async-start whose called computation holds the plain op
+# (counted there), or, printed with XLA's async syntax sugar, as reduce-scatter-start /
+# all-to-all-start.  The -update and -done halves are never counted.
 _COLLECTIVE_OPCODES = {
     "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
     "all-gather": "all-gather", "all-gather-start": "all-gather",
-    "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
+    "reduce-scatter": "reduce-scatter", "reduce-scatter-start": "reduce-scatter",
+    "all-to-all": "all-to-all", "all-to-all-start": "all-to-all",
     "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
 }  # fmt: skip
 

@@ -72,6 +72,7 @@ class _Module:
 
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_COMP_END_RE = re.compile(r"^\s*\}\s*(?:,\s*\w+=.*)?$")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _ARRAY_RE = re.compile(r"([a-z]\w*)\[([^\]]*)\]")
@@ -122,7 +123,7 @@ def _parse_module(hlo_text: str) -> _Module:
                 comp = m.group(2)
                 mod.computations[comp] = []
             continue
-        if line.strip() == "}":
+        if _COMP_END_RE.match(line):  # "}", or "}, execution_thread=..." (async threads)
             comp = None
             continue
         m = _INSTR_RE.match(_COMMENT_RE.sub("", line))  # long lists carry /*index=5*/

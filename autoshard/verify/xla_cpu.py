@@ -57,6 +57,9 @@ _PASS_THROUGH = {
     "copy",
     "reshape",
     "all-reduce-done",
+    "all-gather-done",
+    "all-to-all-done",
+    "reduce-scatter-done",
     "async-done",
     "optimization-barrier",
 }

@@ -20,7 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pulp
+
+try:  # planning with CBC (and the solver check) needs PuLP; binding and verifying a saved
+    import pulp  # plan do not, so a machine without it (a lent GPU) still imports autoshard
+except ImportError:
+    pulp = None
 
 from autoshard.intra.ilp.model import OBJECTIVE_RANGE, _Model
 from autoshard.intra.ilp.problem import SolverUnavailableError
@@ -31,7 +35,8 @@ SOLVERS = {"cbc": "PULP_CBC_CMD", "highs": "HiGHS"}
 _ABS_GAP = 1e-9 * OBJECTIVE_RANGE
 
 
-def _new_var(prob: pulp.LpProblem, name: str, low=None, cat=pulp.LpContinuous) -> pulp.LpVariable:
+def _new_var(prob: pulp.LpProblem, name: str, low=None, cat=None) -> pulp.LpVariable:
+    cat = pulp.LpContinuous if cat is None else cat
     if hasattr(prob, "add_variable"):  # PuLP >= 3.3; constructing LpVariable is deprecated there
         return prob.add_variable(name, lowBound=low, cat=cat)
     return pulp.LpVariable(name, lowBound=low, cat=cat)
@@ -53,6 +58,11 @@ def _check_solver(name: str) -> None:
     """Clear errors for an unknown solver or one that is not installed."""
     if name not in SOLVERS:
         raise ValueError(f"unknown solver {name!r}; choose one of {sorted(SOLVERS)}")
+    if pulp is None:
+        raise SolverUnavailableError(
+            f"solver {name!r}: PuLP is not installed (pip install 'pulp>=2.8,<4' highspy); "
+            "plans saved elsewhere (plan --out) still verify and run here without it"
+        )
     available = pulp.listSolvers(onlyAvailable=True)
     if SOLVERS[name] not in available:
         ours = sorted(n for n, p in SOLVERS.items() if p in available)

@@ -1,0 +1,385 @@
+"""Predicted vs compiled on XLA:GPU: plans made on CPU, compiled ahead of time on one lent GPU.
+
+Two halves, so the GPU machine (jax with CUDA, no PuLP or HiGHS) never solves:
+
+1. ``--make-plans`` (here, with the solver): plan every row of :data:`ROWS` with
+   ``plan_workload(..., cluster="dgx-h100")`` and save the plan files (with their program
+   fingerprints) and ``manifest.json`` under ``--plans`` (default
+   ``benchmarks/results/gpu_truth_plans``).  Run it with the GPU's JAX minor version
+   (jax >= 0.11 traces the same program; 0.10 does not): a plan whose fingerprint does
+   not match the GPU's trace is reported, not compiled.
+2. The run (on the GPU): bind every plan file to its re-traced program, compile it with
+   abstract shapes for ``--target`` (default ``gpu-aot``: XLA:GPU on compile-only GPUs
+   described by ``jax.experimental.topologies``, as many as the plan's mesh), compare
+   predicted and compiled collectives and peak memory (``verify_plan``), and write one
+   JSON (``--out``) after every row, so a run cut short keeps what it did.  XLA's
+   stderr during each compile is kept per row (its "Involuntary full rematerialization"
+   warnings are counted), and the compiled HLO of every row goes into one
+   ``--hlo-tar`` (gzip'd texts) for reading offline.  ``--budget-s`` skips rows that
+   would not finish in time.
+
+``--dry-run`` is the same run on this process's fake CPU devices (``--target cpu``):
+the pipeline tested without a GPU (tests/test_gpu_truth.py runs it on gpt-tiny)::
+
+    python benchmarks/gpu_truth.py --make-plans                  # CPU, jax >= 0.11
+    python benchmarks/gpu_truth.py --out $OUT/gpu_truth.json     # GPU (gpu_truth.sh)
+    python benchmarks/gpu_truth.py --dry-run --out /tmp/t.json   # CPU, fake devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANS_DIR = ROOT / "benchmarks" / "results" / "gpu_truth_plans"
+CLUSTER = "dgx-h100"
+
+
+class Row(NamedTuple):
+    model: str
+    layers: int
+    plan: str  # "auto" or a baseline
+    mesh: str  # "2x4", "8", "8x8"
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-L{self.layers}-{self.plan}-{self.mesh}"
+
+
+# gpt-tiny first (seconds to compile; its HLO is small enough to commit as the first XLA:GPU
+# fixtures), then gpt-1.3b at full depth (24 layers, batch 8, seq 1024, f32, AdamW) on 8
+# GPUs, the 64-GPU row last (the budget skips it first)
+ROWS = (
+    (Row("gpt-tiny", 2, "auto", "2x4"), Row("gpt-tiny", 2, "zero3", "2x4"))
+    + tuple(
+        Row("gpt-1.3b", 24, plan, mesh)
+        for mesh in ("2x4", "8")
+        for plan in ("auto", "zero2", "zero3", "megatron")
+    )
+    + (Row("gpt-1.3b", 24, "auto", "8x8"),)
+)
+
+
+def _log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- planning (CPU)
+
+
+def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
+    """Plan every row and save its plan file; a refusal is recorded with its reason."""
+    import jax
+
+    from autoshard.api import plan_workload
+    from autoshard.intra.options import IntraOptions
+
+    plans_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = plans_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    entries = {e["name"]: e for e in manifest.get("rows", [])}
+    for row in rows:
+        _log(f"planning {row.name} on {CLUSTER} ...")
+        t0 = time.perf_counter()
+        entry = {"name": row.name, **row._asdict(), "cluster": CLUSTER}
+        try:
+            bound = plan_workload(
+                row.model,
+                row.mesh,
+                baseline=None if row.plan == "auto" else row.plan,
+                options=IntraOptions(solver="highs", time_limit_s=time_limit),
+                cluster=CLUSTER,
+                num_layers=row.layers,
+            )
+        except ValueError as err:  # a baseline refused, an infeasible budget: say why
+            entry.update(refused=str(err), plan_seconds=time.perf_counter() - t0)
+            _log(f"  refused: {str(err)[:200]}")
+        else:
+            path = plans_dir / f"{row.name}.json.gz"
+            bound.save(path)
+            entry.update(
+                file=path.name,
+                plan_seconds=time.perf_counter() - t0,
+                predicted_peak_bytes=bound.plan.predicted_peak_bytes,
+                solver_status=bound.plan.solver.get("status"),
+            )
+            _log(f"  saved {path.name} in {entry['plan_seconds']:.0f} s")
+        entries[row.name] = entry
+    order = {r.name: i for i, r in enumerate(ROWS)}
+    manifest = {
+        "made_with": {"jax": jax.__version__, "python": sys.version.split()[0]},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python benchmarks/gpu_truth.py --make-plans",
+        "rows": sorted(entries.values(), key=lambda e: order.get(e["name"], len(order))),
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+# ----------------------------------------------------------------------------- compiling (GPU)
+
+
+@contextlib.contextmanager
+def captured_stderr(sink: io.StringIO):
+    """XLA's C++ log lines (fd 2) into ``sink`` as well as to stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            sink.write(text)
+            sys.stderr.write(text)
+
+
+def _xla_warnings(text: str) -> dict:
+    lines = [ln for ln in text.splitlines() if "Involuntary full rematerialization" in ln]
+    return {
+        "involuntary_full_rematerializations": len(lines),
+        "examples": [ln.strip()[:400] for ln in lines[:3]],
+    }
+
+
+_TRACED: dict = {}  # (model, optimizer, overrides) -> TracedWorkload: one trace per program
+
+
+def bind(pf, mesh):
+    """``bind_plan`` with the trace shared by the rows of one program (a 24-layer GPT takes
+    seconds to trace); PlanFileError (a ValueError) where the program is not the planned one."""
+    from autoshard.api import BoundPlan, trace_workload
+    from autoshard.ir.planfile import check_fingerprint, require_one_mesh
+    from autoshard.ir.spec import Mesh
+
+    require_one_mesh(pf)
+    key = (pf.model, pf.optimizer or "adamw", json.dumps(pf.overrides, sort_keys=True))
+    if key not in _TRACED:
+        _TRACED[key] = trace_workload(pf.model, pf.optimizer or "adamw", **pf.overrides)
+    traced = _TRACED[key]
+    logical = Mesh(tuple(mesh.axis_names), tuple(int(s) for s in mesh.devices.shape))
+    check_fingerprint(pf, traced.graph, logical)
+    return BoundPlan(pf.plan, traced.program, traced.graph, mesh)
+
+
+def verify_row(entry: dict, plans_dir: Path, target: str, live_peak: str) -> dict:
+    """Bind one plan file and compile it for ``target``; the row's JSON."""
+    import jax
+
+    from autoshard.ir.planfile import load_plan
+    from autoshard.runtime.sharded import make_mesh
+    from autoshard.runtime.targets import target_devices
+
+    out = {k: entry[k] for k in ("name", "model", "layers", "plan", "mesh")}
+    if "refused" in entry:
+        return {**out, "status": "refused when planned", "reason": entry["refused"]}
+    pf = load_plan(plans_dir / entry["file"])
+    t0 = time.perf_counter()
+    devices = target_devices(target, pf.plan.mesh.num_devices)
+    try:
+        bound = bind(pf, make_mesh(pf.plan.mesh, devices))
+    except ValueError as err:  # the traced program is not the one planned (jax version)
+        return {**out, "status": "not compiled", "reason": f"plan file does not bind: {err}"}
+    trace_s = time.perf_counter() - t0
+    log = io.StringIO()
+    with captured_stderr(log):
+        report = bound.verify(devices, target=target, live_peak=live_peak, keep_hlo=True)
+    rows = [
+        {
+            "kind": r.kind,
+            "axes": list(r.axes),
+            "predicted_count": r.predicted_count,
+            "predicted_bytes": r.predicted_bytes,
+            "compiled_count": r.compiled_count,
+            "compiled_bytes": r.compiled_bytes,
+            "agree": r.agree,
+        }
+        for r in report.comparison.rows
+    ]
+    return {
+        **out,
+        "status": "compiled",
+        "target": report.target,
+        "devices": report.devices,
+        "jax": jax.__version__,
+        "collectives": rows,
+        "collectives_agree": report.collectives_agree,
+        "predicted_peak_bytes": report.predicted_peak_bytes,
+        "compiled_peak_bytes": report.compiled_peak_bytes,
+        "memory_error_signed": (report.predicted_peak_bytes - report.compiled_peak_bytes)
+        / max(report.compiled_peak_bytes, 1.0),
+        "memory_agree": report.memory_agree,
+        "verification": {**report.to_json(), "notes": _condensed(report.compiled_notes)},
+        "xla_warnings": _xla_warnings(log.getvalue()),
+        "trace_seconds": trace_s,
+        "compile_seconds": report.compile_seconds,
+        "_hlo": report.hlo_text,
+    }
+
+
+def _condensed(notes) -> dict[str, int]:
+    """The verifier's distinct notes, without the "operand k of n of a combined ..." part
+    that makes one note per operand: note -> how many distinct notes it stood for."""
+    out: dict[str, int] = {}
+    for note in notes:
+        parts = [p for p in note.split("; ") if not _COMBINED.match(p)]
+        key = "; ".join(parts) or "an operand of a combined collective"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+_COMBINED = re.compile(r"operand \d+ of \d+ of a combined ")
+
+
+def _summary(row: dict) -> str:
+    if row["status"] != "compiled":
+        return f"{row['name']}: {row['status']}: {row.get('reason', '')[:200]}"
+
+    def size(b: float) -> str:
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+    bad = [f"{r['kind']}@{','.join(r['axes'])}" for r in row["collectives"] if not r["agree"]]
+    return (
+        f"{row['name']}: peak {size(row['predicted_peak_bytes'])} predicted, "
+        f"{size(row['compiled_peak_bytes'])} compiled ({row['memory_error_signed']:+.1%}); "
+        f"collectives {'agree' if row['collectives_agree'] else 'differ: ' + ' '.join(bad)}; "
+        f"{row['xla_warnings']['involuntary_full_rematerializations']} involuntary remats; "
+        f"compile {row['compile_seconds']:.0f} s"
+    )
+
+
+def run(args) -> dict:
+    import jax
+
+    manifest = json.loads((args.plans / "manifest.json").read_text())
+    entries = [e for e in manifest["rows"] if not args.rows or e["name"] in args.rows]
+    doc = {
+        "command": "python benchmarks/gpu_truth.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "target": args.target,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "local_devices": [d.device_kind for d in jax.local_devices()],
+        "plans_made_with": manifest.get("made_with"),
+        "rows": [],
+    }
+    hlo = {}
+    start, slowest = time.perf_counter(), 0.0
+    for entry in entries:
+        elapsed = time.perf_counter() - start
+        if args.budget_s and elapsed + slowest > args.budget_s:
+            row = {k: entry[k] for k in ("name", "model", "layers", "plan", "mesh")}
+            row.update(
+                status="skipped", reason=f"time budget: {elapsed:.0f} s of {args.budget_s} s used"
+            )
+        else:
+            _log(f"{entry['name']}: compiling for {args.target} ...")
+            t0 = time.perf_counter()
+            try:
+                row = verify_row(entry, args.plans, args.target, args.live_peak)
+            except Exception as err:  # one failing row must not lose the others
+                row = {k: entry[k] for k in ("name", "model", "layers", "plan", "mesh")}
+                row.update(status="failed", reason=f"{type(err).__name__}: {str(err)[:2000]}")
+            slowest = max(slowest, time.perf_counter() - t0)
+        if "_hlo" in row:
+            hlo[row["name"]] = row.pop("_hlo")
+        doc["rows"].append(row)
+        _log(_summary(row))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        if args.hlo_tar and hlo:
+            write_hlo_tar(args.hlo_tar, hlo)
+    return doc
+
+
+# metadata={op_type="..." op_name="..." source_file="..." ...}: most of a module's text,
+# none of what the verifier reads
+_METADATA = re.compile(r', metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+
+
+def write_hlo_tar(path: Path, texts: dict[str, str]) -> None:
+    """Every row's compiled HLO (less its metadata), one ``NAME.hlo.txt`` each, in one
+    gzip'd tar."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in texts.items():
+            data = _METADATA.sub("", text).encode()
+            info = tarfile.TarInfo(f"{name}.hlo.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--make-plans", action="store_true", help="plan the rows (needs the solver)")
+    p.add_argument("--plans", type=Path, default=PLANS_DIR, help="the plan files' folder")
+    p.add_argument("--rows", nargs="*", default=[], help="only these rows (names)")
+    p.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit (s)")
+    p.add_argument("--target", default="gpu-aot", help="gpu-aot (default), gpu-aot:SxHxD, cpu")
+    p.add_argument("--dry-run", action="store_true", help="--target cpu on fake CPU devices")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu_truth.json")
+    p.add_argument("--hlo-tar", type=Path, default=None, help="write the compiled HLO here")
+    p.add_argument(
+        "--live-peak",
+        choices=("never", "on_disagreement", "always"),
+        default="never",
+        help="also compile with an XLA dump to read XLA's live peak (default never: time)",
+    )
+    p.add_argument("--budget-s", type=float, default=0.0, help="skip rows past this (0: none)")
+    args = p.parse_args(argv)
+    if args.make_plans:
+        rows = [r for r in ROWS if not args.rows or r.name in args.rows]
+        make_plans(rows, args.plans, args.time_limit)
+        return 0
+    if args.dry_run:
+        args.target = "cpu"
+        import jax
+
+        manifest = json.loads((args.plans / "manifest.json").read_text())
+        need = max(
+            _num_devices(args.plans / e["file"])
+            for e in manifest["rows"]
+            if "file" in e and (not args.rows or e["name"] in args.rows)
+        )
+        with contextlib.suppress(RuntimeError):  # a test's conftest may have set them
+            jax.config.update("jax_num_cpu_devices", need)
+    else:  # refuse a target this process cannot compile for, before any row
+        from autoshard.runtime.targets import target_devices
+
+        manifest = json.loads((args.plans / "manifest.json").read_text())
+        first = next((e for e in manifest["rows"] if "file" in e), None)
+        try:
+            if first is not None:
+                target_devices(args.target, _num_devices(args.plans / first["file"]))
+        except ValueError as err:
+            print(f"gpu_truth: error: {err}", file=sys.stderr)
+            return 2
+    doc = run(args)
+    compiled = [r for r in doc["rows"] if r["status"] == "compiled"]
+    _log(f"{len(compiled)} of {len(doc['rows'])} rows compiled; wrote {args.out}")
+    return 0 if compiled else 1
+
+
+def _num_devices(path: Path) -> int:
+    from autoshard.ir.planfile import load_plan
+
+    return load_plan(path).plan.mesh.num_devices
+
+
+if __name__ == "__main__":
+    sys.exit(main())
