@@ -270,7 +270,7 @@ def register(subparsers) -> None:
     dims.add_argument(
         "--attention",
         choices=("fused", "unfused"),
-        help="the traced step's attention (--program traced or --plan auto; default fused)",
+        help="the traced step's attention (--program traced or --plan auto; default unfused)",
     )
     p.add_argument("--cluster", required=True, help="cluster preset or preset .json path")
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
