@@ -555,12 +555,14 @@ def test_a_checkpointed_recompute_is_the_forward_value_xla_keeps():
     assert not {n.outputs[0] for n in bwd} & materialized_tensors(g)
 
 
-def test_a_kernel_slice_a_dot_reads_through_a_view_is_a_buffer(tiny_fused_graph):
-    """The fused program's q, k, v GEMMs read slices of the qkv kernel through a squeeze:
-    each slice is a buffer (XLA:CPU's copy_bitcast_fusion feeding the dot)."""
+def test_a_kernel_slice_a_dot_reads_through_a_view_is_a_buffer():
+    """The fused program's q, k, v GEMMs with ``qkv_gemms=3`` read slices of the qkv
+    kernel through a squeeze: each slice is a buffer (XLA:CPU's copy_bitcast_fusion
+    feeding the dot)."""
+    from autoshard.api import trace_workload
     from autoshard.intra.memory import materialized_tensors
 
-    g = tiny_fused_graph
+    g = trace_workload("gpt-tiny", optimizer="sgd", attention="fused", qkv_gemms=3).graph
     qkv = [  # the kernel's [h, heads, 1, head_dim] slices (the bias's are [heads, 1, d])
         n.outputs[0]
         for n in g.nodes
@@ -570,10 +572,3 @@ def test_a_kernel_slice_a_dot_reads_through_a_view_is_a_buffer(tiny_fused_graph)
     ]
     assert len(qkv) == 6  # q, k, v of two blocks
     assert set(qkv) <= materialized_tensors(g)
-
-
-@pytest.fixture(scope="module")
-def tiny_fused_graph():
-    from autoshard.api import trace_workload
-
-    return trace_workload("gpt-tiny", optimizer="sgd", attention="fused").graph
