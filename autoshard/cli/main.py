@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -313,9 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.launch_status
     warnings.showwarning = _warn_plainly
     from autoshard.intra.ilp import SolverTimeLimitError
+    from autoshard.runtime.checkpoint import CheckpointError
 
     try:
         return args.func(args)
+    except CheckpointError as err:  # Orbax's threads wait on: end the process here
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except ValueError as err:  # bad input: say what was wrong, no traceback
         print(f"autoshard: error: {err}", file=sys.stderr)
         return 2

@@ -20,6 +20,10 @@ def cmd_run(args, bound=None) -> int:
     from autoshard.runtime.sharded import check_against_single_device, run_steps
 
     needs_model(args, "run")
+    if getattr(args, "save", None) and getattr(args, "pipeline", None) is None:
+        from autoshard.runtime.checkpoint import check_save_dir
+
+        check_save_dir(args.save)  # before any work: a save that cannot happen is bad input
     if bound is None and getattr(args, "loaded_plan", None) is not None:
         bound = bound_from_args(args)
     if bound is None and route(args, "run"):
