@@ -18,7 +18,7 @@ from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.cli.config_file import expand_config
-from autoshard.cli.console import out_console, progress, version
+from autoshard.cli.console import out_console, progress, results_only_stdout, version
 from autoshard.cli.launch import add_launch_args
 from autoshard.cli.pipeline import (
     add_pipeline_args,
@@ -277,7 +277,21 @@ def _multi_process(args, argv: list[str] | None, devices: int | None) -> bool:
     return False
 
 
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status.  Ctrl-C ends it with one line and status 130;
+    what libraries print on descriptor 1 goes to stderr (:func:`results_only_stdout`)."""
+    try:
+        with results_only_stdout():
+            return _main(argv)
+    except KeyboardInterrupt:
+        print("autoshard: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
