@@ -61,3 +61,76 @@ def test_ctrl_c_is_one_line_and_status_130(argv, marker):
     assert rc == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.count("autoshard: interrupted (Ctrl-C)") == 1
+
+
+# ------------------------------------------------------- cheap bounds before the searches
+
+
+def test_a_mesh_of_a_million_devices_is_refused_before_jax_starts():
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", "--model", "gpt-tiny", "--mesh", "1000000"],
+        capture_output=True,
+        text=True,
+        timeout=60,  # it used to run for minutes, growing past 5 GB
+        env=ENV,
+    )
+    assert proc.returncode == 2
+    assert "--mesh 1000000 asks for 1,000,000 fake CPU devices" in proc.stderr
+    assert "makes at most 4,096" in proc.stderr and "autoshard simulate" in proc.stderr
+
+
+def test_a_three_axis_mesh_is_warned_about_before_planning(capsys, monkeypatch):
+    import autoshard.cli.plan as plan_cli
+    from autoshard.cli.main import main
+
+    def stop(*a, **k):
+        raise ValueError("stopped before planning")
+
+    monkeypatch.setattr(plan_cli, "plan_from_args", stop)
+    assert main(["plan", *MLP, "--mesh", "2x2x2"]) == 2
+    err = capsys.readouterr().err
+    warning, stopped = err.index("mesh 2x2x2 has 3 axes"), err.index("stopped before planning")
+    assert warning < stopped
+    assert "2x4, 4x2 (or 8)" in err
+
+
+def _spy_solves(monkeypatch):
+    import autoshard.intra.problem as problem
+
+    budgets, real = [], problem.auto_shard_graph
+
+    def spy(graph, mesh, options, **kw):
+        budgets.append(options.memory_budget_bytes)
+        return real(graph, mesh, options, **kw)
+
+    monkeypatch.setattr(problem, "auto_shard_graph", spy)
+    return budgets
+
+
+def test_a_budget_that_does_not_bind_is_not_solved_under(monkeypatch):
+    """The unbudgeted optimum fits a loose budget, so it is the budgeted optimum too: no
+    ILP with memory rows is built (it made planning ~10x slower)."""
+    from autoshard.api import plan_workload
+    from autoshard.intra.options import IntraOptions
+
+    sizes = dict(batch_size=16, hidden=16)
+    free = plan_workload("mlp", "2x4", options=IntraOptions(solver="highs"), **sizes)
+    budgets = _spy_solves(monkeypatch)
+    loose = IntraOptions(solver="highs", memory_budget_bytes=1e12)
+    bound = plan_workload("mlp", "2x4", options=loose, **sizes)
+    assert budgets == [None]
+    assert bound.plan.objective == free.plan.objective
+    assert bound.plan.predicted_peak_bytes <= 1e12
+
+
+def test_a_budget_below_the_parameters_and_state_is_refused_before_any_solve(monkeypatch):
+    from autoshard.api import plan_workload
+    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.options import IntraOptions
+
+    budgets = _spy_solves(monkeypatch)
+    tight = IntraOptions(solver="highs", memory_budget_bytes=100.0)
+    with pytest.raises(InfeasibleBudgetError, match="optimizer state alone take") as caught:
+        plan_workload("mlp", "2x4", options=tight, batch_size=16, hidden=16)
+    assert budgets == []
+    assert caught.value.proven and caught.value.min_feasible_bytes > 100

@@ -277,6 +277,28 @@ def _multi_process(args, argv: list[str] | None, devices: int | None) -> bool:
     return False
 
 
+# the most fake CPU devices a command makes (4,096: 8 s and 0.6 GB to start here; a
+# million would take ~100 GB)
+MAX_FAKE_DEVICES = 4096
+
+
+def _warn_mesh_rank(text: str, shape: tuple[int, ...]) -> None:
+    """Meshes of more than two axes are accepted but planned poorly: say so at once."""
+    if len(shape) <= 2:
+        return
+    n = 1
+    for s in shape:
+        n *= s
+    two = sorted({f"{a}x{n // a}" for a in range(2, n) if n % a == 0})[:3]
+    print(
+        f"autoshard: warning: mesh {text} has {len(shape)} axes; the cost model and the ILP are "
+        "built for one- and two-axis meshes (Alpa's), and a 3-axis mesh makes the ILP much "
+        f"larger and slower to solve; the same {n} devices as a 2-axis mesh: "
+        f"{', '.join(two) or str(n)} (or {n})",
+        file=sys.stderr,
+    )
+
+
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
 
 
@@ -310,7 +332,7 @@ def _main(argv: list[str] | None) -> int:
     if devices is None and args.command == "demo":
         devices = 8
     if devices is None and getattr(args, "mesh", None):
-        from autoshard.api import parse_mesh_shape
+        from autoshard.hardware.mesh import parse_mesh_shape
 
         try:
             shape = parse_mesh_shape(args.mesh)
@@ -319,11 +341,22 @@ def _main(argv: list[str] | None) -> int:
         devices = 1
         for s in shape:
             devices *= s
+        _warn_mesh_rank(args.mesh, shape)
     if devices is None and getattr(args, "exact", False):
         from autoshard.sim.exact import MAX_EXACT_DEVICES
 
         if args.gpus <= MAX_EXACT_DEVICES:  # more: simulate() says why
             devices = args.gpus  # simulate --exact compiles on one fake device per GPU
+    if devices is not None and devices > MAX_FAKE_DEVICES:
+        what = f"--mesh {args.mesh}" if getattr(args, "mesh", None) else f"{devices} devices"
+        print(
+            f"autoshard: error: {what} asks for {devices:,} fake CPU devices; this command "
+            f"makes at most {MAX_FAKE_DEVICES:,} (each takes memory and start-up time: 4,096 "
+            "took 8 s and 0.6 GB here): plan a mesh of at most that many devices, or price a "
+            "larger cluster with `autoshard simulate --cluster PRESET --gpus N`",
+            file=sys.stderr,
+        )
+        return 2
     if _multi_process(args, argv, devices):
         return args.launch_status
     warnings.showwarning = _warn_plainly
