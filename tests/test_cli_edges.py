@@ -134,3 +134,39 @@ def test_a_budget_below_the_parameters_and_state_is_refused_before_any_solve(mon
         plan_workload("mlp", "2x4", options=tight, batch_size=16, hidden=16)
     assert budgets == []
     assert caught.value.proven and caught.value.min_feasible_bytes > 100
+
+
+# ------------------------------------------- exit statuses: 0 agree / fits, 1 does not
+
+
+def test_simulate_of_a_model_that_does_not_fit_exits_1_without_a_speed(capsys):
+    from autoshard.cli.main import main
+
+    argv = ["simulate", "--model", "gpt-39b", "--cluster", "alpa-v100", "--gpus", "8"]
+    assert main([*argv, "--plan", "megatron"]) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF MEMORY" in out and "the step does not run" in out
+    assert "tokens/s" not in out and "%" not in out.split("peak memory")[0]  # no MFU, no speed
+    assert main([*argv, "--plan", "megatron", "--json"]) == 1
+    assert '"oom": true' in capsys.readouterr().out
+    assert main(["simulate", "--model", "gpt-125m", "--cluster", "dgx-a100", "--gpus", "8"]) == 0
+
+
+def test_plan_verify_exits_1_on_a_disagreement_as_verify_does(monkeypatch, capsys):
+    """A tolerance of 0 makes any memory error a disagreement: both commands say 1."""
+    import dataclasses
+
+    from autoshard.api import BoundPlan
+    from autoshard.cli.main import main
+
+    real = BoundPlan.verify
+    monkeypatch.setattr(
+        BoundPlan, "verify", lambda self, *a, **k: dataclasses.replace(real(self, *a, **k),
+                                                                        memory_rtol=0.0)
+    )  # fmt: skip
+    argv = [*MLP, "--mesh", "2x4", "--baseline", "dp"]
+    assert main(["verify", *argv]) == 1
+    assert main(["plan", *argv, "--verify"]) == 1
+    monkeypatch.setattr(BoundPlan, "verify", real)
+    assert main(["plan", *argv, "--verify"]) == main(["verify", *argv])
+    capsys.readouterr()
