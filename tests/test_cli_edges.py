@@ -170,3 +170,37 @@ def test_plan_verify_exits_1_on_a_disagreement_as_verify_does(monkeypatch, capsy
     monkeypatch.setattr(BoundPlan, "verify", real)
     assert main(["plan", *argv, "--verify"]) == main(["verify", *argv])
     capsys.readouterr()
+
+
+# ------------------------------------------ outputs checked before the work they record
+
+
+@pytest.mark.parametrize("where", ["parent is a file", "read-only file system"])
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(
+    tmp_path, where, capsys, monkeypatch
+):
+    import autoshard.cli.plan as plan_cli
+    from autoshard.cli.main import main
+
+    def no_work(*a, **k):
+        raise AssertionError("worked before checking the output path")
+
+    monkeypatch.setattr(plan_cli, "plan_from_args", no_work)
+    if where == "parent is a file":
+        (tmp_path / "file").write_text("x")
+        bad = str(tmp_path / "file" / "out")
+    else:
+        bad = "/sys/autoshard-out"  # root writes any folder, not a read-only mount
+    cases = [
+        ["reproduce", "--out", bad],  # the experiments would run for minutes first
+        ["plan", *MLP, "--mesh", "2x4", "--out", f"{bad}.json"],
+        ["plan", "--model", "gpt-tiny", "--devices", "8", "--pipeline", "auto", "--out", bad],
+        ["explain", "plan.json", "--html", f"{bad}.html"],
+        ["explain", "plan.json", "--pictures", bad],
+    ]
+    for argv in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"autoshard: error: {argv[-2]} "), err
+        assert "is a file, not a folder" in err or "cannot write in" in err
+    assert not list(tmp_path.glob("**/.autoshard-probe-*"))

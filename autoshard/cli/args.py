@@ -54,6 +54,35 @@ class HelpfulParser(argparse.ArgumentParser):
         )
 
 
+def check_writable(path: str, flag: str, directory: bool = False) -> None:
+    """Refuse (ValueError) an output path this process cannot write, before any work: the
+    nearest existing folder above it must take a new file (probed with a temporary file,
+    removed again); an existing ``path`` must be a folder for ``directory`` outputs and a
+    file otherwise.  Creates nothing."""
+    import os
+    import tempfile
+
+    full = os.path.abspath(path)
+    if os.path.exists(full) and os.path.isdir(full) != directory:
+        kind = "a file" if directory else "a folder"
+        raise ValueError(f"{flag} {path}: {full} is {kind}; give {flag} a "
+                         f"{'folder' if directory else 'file'} path")  # fmt: skip
+    probe = full if directory and os.path.isdir(full) else os.path.dirname(full)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".autoshard-probe-", dir=probe)
+    except OSError as err:
+        raise ValueError(
+            f"{flag} {path}: cannot write in {probe} ({err.strerror or err}); give a path "
+            "you can write"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

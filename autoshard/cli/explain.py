@@ -146,8 +146,13 @@ def _print_sections(secs) -> None:
 
 
 def cmd_explain(args) -> int:
+    from autoshard.cli.args import check_writable
     from autoshard.report.text import explain_json, sections
 
+    if args.html:
+        check_writable(args.html, "--html")
+    if args.pictures:
+        check_writable(args.pictures, "--pictures", directory=True)
     d = _digest(args.plan_path)
     if not hasattr(d, "parallelism"):
         return _explain_pipeline(d, args)
