@@ -283,9 +283,8 @@ def _refuse_budget_below_the_state(graph, dmesh, budget: float) -> None:
         return
     err = InfeasibleBudgetError(budget, least, True)
     err.args = (
-        f"no sharding plan fits memory_budget_bytes={budget:.6g} ({budget / 2**30:.3f} GiB per "
-        "device): the parameters and optimizer state alone take {least:.6g} bytes "
-        f"({least / 2**30:.3f} GiB) per device even split evenly over all "
+        f"no sharding plan fits a budget of {_bytes(budget)} per device: the parameters and "
+        f"optimizer state alone take {_bytes(least)} per device even split evenly over all "
         f"{dmesh.mesh.num_devices} devices; raise the budget to at least that (more for "
         "activations), or shrink the model or batch",
     )
@@ -309,6 +308,14 @@ def _cluster_memory_budget(options: IntraOptions, dmesh, cluster) -> tuple[Intra
     source = f"the {cluster} preset's HBM" if isinstance(cluster, str) else "the cluster's HBM"
     note = f"memory budget: {_gib(hbm)} per device, {source}, {where}"
     return options.replace(memory_budget_bytes=float(hbm)), (note,)
+
+
+def _bytes(nbytes: float) -> str:
+    """``107 B``, ``1.41 KiB``, ``3.2 MiB``, ``16.0 GiB``: binary units, one per size."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit} ({nbytes:,.0f} B)"
+    return f"{nbytes:,.0f} B"
 
 
 def _gib(nbytes: float) -> str:
