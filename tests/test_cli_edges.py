@@ -204,3 +204,87 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(
         assert err.count("\n") == 1 and err.startswith(f"autoshard: error: {argv[-2]} "), err
         assert "is a file, not a folder" in err or "cannot write in" in err
     assert not list(tmp_path.glob("**/.autoshard-probe-*"))
+
+
+# ------------------------------------------------------------------------ smaller edges
+
+
+def test_a_png_given_as_a_plan_names_the_file(tmp_path, capsys):
+    from autoshard.cli.main import main
+
+    png = tmp_path / "plan.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    assert main(["explain", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert f"plan file '{png}' is not text" in err and "utf-8" not in err
+
+
+def test_a_plan_from_a_newer_version_says_upgrade(tmp_path):
+    import json
+
+    from autoshard.ir.planfile import PlanFileError, load_plan
+
+    path = tmp_path / "new.json"
+    path.write_text(json.dumps({"schema": "autoshard.plan/99", "kind": "intra"}))
+    with pytest.raises(PlanFileError, match="a newer autoshard wrote it: upgrade autoshard"):
+        load_plan(path)
+    path.write_text(json.dumps({"schema": "autoshard.plan/0", "kind": "intra"}))
+    with pytest.raises(PlanFileError, match="re-plan with this version"):
+        load_plan(path)
+
+
+def test_an_infinite_time_limit_is_refused_with_what_to_type(capsys):
+    from autoshard.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", *MLP, "--mesh", "2x4", "--time-limit", "inf"])
+    err = capsys.readouterr().err
+    assert "got inf: give a finite one" in err and "None" not in err
+
+
+def test_pipeline_plan_defaults_to_4_microbatches_as_plan_pipeline_does():
+    from autoshard.cli.main import build_parser
+
+    args = build_parser().parse_args(["pipeline-plan", "--model", "gpt-tiny"])
+    assert args.microbatches == 4
+
+
+def test_resumed_step_times_are_numbered_from_the_resume():
+    from autoshard.cli.run import _step_times
+
+    assert _step_times([0.5], done=1).startswith("step time: step 2 500.0 ms")
+    assert "steps 3-4" in _step_times([0.5, 0.1, 0.1], done=1)
+    assert _step_times([0.5, 0.1]).startswith("step time: step 1 ") and "; step 2 " in (
+        _step_times([0.5, 0.1])
+    )
+
+
+def test_help_lists_every_cluster_preset(capsys):
+    from autoshard.cli.main import build_parser
+    from autoshard.hardware.clusters import available_presets
+
+    for command in ("plan", "simulate", "explain"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        for name in available_presets():
+            assert name in out, (command, name)
+
+
+def test_export_differences_fold_identical_layers_only():
+    from autoshard.cli.explain import fold_differences
+    from autoshard.report.export import TensorDifference, state_path
+
+    rows = [
+        TensorDifference("Conv_0/kernel", "param", "f32[3, 3, 3, 16@model]", "f32[3, 3, 3, 16]"),
+        TensorDifference("Conv_1/kernel", "param", "f32[3, 3, 16, 32@model]", "f32[3, 3, 16, 32]"),
+        TensorDifference("block_0/w", "param", "f32[8@model]", "f32[8]"),
+        TensorDifference("block_1/w", "param", "f32[8@model]", "f32[8]"),
+    ]
+    assert [(p, n) for p, _, _, n in fold_differences(rows)] == [
+        ("Conv_0/kernel", 1), ("Conv_1/kernel", 1), ("block_*/w", 2)
+    ]  # fmt: skip
+    assert state_path("[1][0].mu['params']['Dense_0']['kernel']") == (
+        "opt_state/mu/params/Dense_0/kernel"
+    )
+    assert state_path("[1][0].trace['block_0']['w']") == "opt_state/trace/block_0/w"

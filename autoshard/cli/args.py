@@ -100,6 +100,11 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number, got {text}: give a finite one (leave the flag out "
+            "for its default, or give a large number such as 1e6)"
+        )
     return value
 
 
@@ -151,6 +156,21 @@ def model_overrides(args) -> dict:
         scan_layers=getattr(args, "scan_layers", False) or None,
         attention=getattr(args, "attention", None),
     )
+
+
+def cluster_presets() -> str:
+    """The cluster presets shipped, for ``--help`` (``alpa-v100, dgx-a100, ...``)."""
+    from autoshard.hardware.clusters import available_presets
+
+    return ", ".join(available_presets())
+
+
+def binary_size(nbytes: float) -> str:
+    """``3.2 MiB``, ``512 KiB``, ``96 B``: the largest binary unit the size reaches."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def gib(x: float) -> str:

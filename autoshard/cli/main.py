@@ -13,7 +13,12 @@ import os
 import sys
 import warnings
 
-from autoshard.cli.args import HelpfulParser, add_intra_option_args, positive_float
+from autoshard.cli.args import (
+    HelpfulParser,
+    add_intra_option_args,
+    cluster_presets,
+    positive_float,
+)
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
@@ -163,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--cluster",
-            help="cost the plan on a cluster preset (dgx-a100, dgx-h100, alpa-v100, or a preset "
+            help=f"cost the plan on a cluster preset ({cluster_presets()}, or a preset "
             ".json): seconds instead of Alpa's relative units (default: no cluster)",
         )
         p.add_argument(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from autoshard.cli.args import cluster_presets
 from autoshard.cli.args import gib as _gib
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.inter.stages import RECOMPUTE_MODES as _PLANNED_MODES
@@ -246,7 +247,7 @@ def register(subparsers) -> None:
         "simulate",
         help="predict step time, MFU and memory of a plan on a cluster preset",
         description=(
-            "Simulate a GPT preset on a cluster preset (alpa-v100, dgx-a100, dgx-h100 or a "
+            f"Simulate a GPT preset on a cluster preset ({cluster_presets()} or a "
             "preset .json): data parallel, ZeRO-2/3, a Megatron TPxPPxDP grid (or the best "
             "grid), or Alpa's search (auto)."
         ),
@@ -273,7 +274,9 @@ def register(subparsers) -> None:
         choices=("fused", "unfused"),
         help="the traced step's attention (--program traced or --plan auto; default unfused)",
     )
-    p.add_argument("--cluster", required=True, help="cluster preset or preset .json path")
+    p.add_argument(
+        "--cluster", required=True, help=f"cluster preset ({cluster_presets()}) or a preset .json"
+    )
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
     p.add_argument(
         "--plan",

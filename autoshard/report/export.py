@@ -163,6 +163,21 @@ def layout_specs(d: PlanDigest, layout: Layout) -> list[ShardingSpec]:
     return out
 
 
+def state_path(path: str) -> str:
+    """An optimizer-state input's path for people: ``[1][0].mu['params']['Dense_0']
+    ['kernel']`` -> ``opt_state/mu/params/Dense_0/kernel`` (the leading argument and
+    chain indices dropped; attribute names and keys kept in order)."""
+    parts = re.findall(r"\.(\w+)|\['([^']+)'\]|\[(\d+)\]", path)
+    names, started = [], False
+    for attr, key, index in parts:
+        if attr or key:
+            started = True
+            names.append(attr or key)
+        elif started:
+            names.append(index)
+    return "/".join(["opt_state", *names]) if names else path
+
+
 def differences(d: PlanDigest, layout: Layout) -> tuple[TensorDifference, ...]:
     """Every param, optimizer-state and data input whose spec under ``layout`` is not the
     plan's."""
@@ -173,7 +188,7 @@ def differences(d: PlanDigest, layout: Layout) -> tuple[TensorDifference, ...]:
         if spec.dims != want.dims:
             out.append(
                 TensorDifference(
-                    short_path(inp.path) if inp.kind != "opt_state" else inp.path,
+                    short_path(inp.path) if inp.kind != "opt_state" else state_path(inp.path),
                     inp.kind,
                     spec.format(inp.shape, inp.dtype),
                     want.format(inp.shape, inp.dtype),
