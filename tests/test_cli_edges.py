@@ -288,3 +288,15 @@ def test_export_differences_fold_identical_layers_only():
         "opt_state/mu/params/Dense_0/kernel"
     )
     assert state_path("[1][0].trace['block_0']['w']") == "opt_state/trace/block_0/w"
+
+
+def test_no_highs_licence_banner_on_a_plans_output():
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", *MLP, "--mesh", "2x4", "--solver", "highs"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "HiGHS" not in proc.stderr + proc.stdout and "licence" not in proc.stderr
