@@ -319,22 +319,30 @@ def pipeline_pictures(d: PipelineDigest) -> dict[str, bytes]:
     pp, m = len(d.stages), d.inter.num_microbatches
     schedule = (gpipe if d.inter.schedule == "gpipe" else one_f_one_b)(pp, m)
     plt, fig, ax = _figure(8.0, 1.4 + 0.6 * pp)
-    length = np.array([s.latency_s for s in d.stages])
+    # in ms on a cluster; else relative to the slowest stage (abstract units are ~1e-7:
+    # matplotlib's offset label "1e-6" then sat on the axis label)
+    on_cluster = bool(d.plan_file.fingerprint.get("cluster"))
+    raw = np.array([s.latency_s for s in d.stages])
+    length = raw * 1e3 if on_cluster else raw / max(raw.max(), 1e-300)
+    # a stage far quicker than the others (an embedding alone) still shows its bars
+    visible = 0.004 * float(length.max()) * (3 * m)
     clock = 0.0
     for tick in schedule:
         width = 0.0
         for t in tick:
             w = length[t.stage] * (2 / 3 if t.kind == BACKWARD else 1 / 3)
-            ax.barh(t.stage, w, left=clock, color=PHASE_COLOURS[t.kind], edgecolor="white")
-            ax.text(clock + w / 2, t.stage, f"{t.kind[0].upper()}{t.microbatch}", ha="center",
-                    va="center", color="white", fontsize=7)  # fmt: skip
+            ax.barh(t.stage, max(w, visible), left=clock, color=PHASE_COLOURS[t.kind],
+                    edgecolor="white")  # fmt: skip
+            if w >= 0.15 * float(length.max()):  # a label that fits its bar
+                ax.text(clock + w / 2, t.stage, f"{t.kind[0].upper()}{t.microbatch}",
+                        ha="center", va="center", color="white", fontsize=7)  # fmt: skip
             width = max(width, w)
         clock += width
     for s in range(pp):
         ax.barh(s, length.max() / 6, left=clock, color=PHASE_COLOURS["update"], edgecolor="white")
     ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
     ax.invert_yaxis()
-    unit = "s" if d.plan_file.fingerprint.get("cluster") else "abstract cost units"
+    unit = "ms" if on_cluster else "the slowest stage's latency = 1"
     ax.set_xlabel(f"time ({unit}; forward 1/3, backward 2/3 of a stage's latency; idle = bubble)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
     ax.legend(handles, list(PHASE_COLOURS), loc="upper left", bbox_to_anchor=(1.01, 1.0),
