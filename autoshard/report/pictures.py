@@ -138,11 +138,18 @@ def timeline_picture(d: PlanDigest, microbatches: int = 1) -> bytes:
         ax.barh(s, 0.5, left=clock, color=PHASE_COLOURS["update"], edgecolor="white")
     ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
     ax.invert_yaxis()
-    ax.set_xlabel("time (schedule ticks: forward 1, backward 2, update 0.5; idle = bubble)")
+    if stages == 1:  # no pipeline: the order of the step's phases, not a profile
+        ax.set_xlabel("phases in order (schedule ticks, not measured times)")
+    else:
+        ax.set_xlabel("time (schedule ticks: forward 1, backward 2, update 0.5; idle = bubble)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
     ax.legend(handles, list(PHASE_COLOURS), loc="upper left", bbox_to_anchor=(1.01, 1.0),
               fontsize=8)  # fmt: skip
-    ax.set_title(f"pipeline timeline: {stages} stage(s), {microbatches} microbatch(es), 1F1B")
+    ax.set_title(
+        "one stage, no pipeline: forward, backward, update"
+        if stages == 1
+        else f"pipeline timeline: {stages} stages, {microbatches} microbatch(es), 1F1B"
+    )
     return _png(plt, fig)
 
 
