@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
+from autoshard.hardware.mesh import parse_mesh_shape  # re-exported (jax-free, for the CLI)
 from autoshard.intra.baselines import BaselineRefusedError
 from autoshard.intra.options import IntraOptions
 from autoshard.ir.graph import Graph, build_graph
@@ -93,17 +94,6 @@ def inspect_model(name: str, optimizer: str = "adamw", **overrides) -> ModelSumm
 
 
 # ----------------------------------------------------------------------------- intra-op
-
-
-def parse_mesh_shape(text: str) -> tuple[int, ...]:
-    """``"2x4"`` -> (2, 4); ``"8"`` -> (8,). Clear error for anything else."""
-    try:
-        shape = tuple(int(p) for p in str(text).lower().split("x"))
-    except ValueError:
-        raise ValueError(f"mesh {text!r} is not a shape like 8, 2x4 or 1x8") from None
-    if not shape or any(s <= 0 for s in shape):
-        raise ValueError(f"mesh {text!r} must have positive sizes, like 8, 2x4 or 1x8")
-    return shape
 
 
 def default_axis_names(shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -237,17 +227,20 @@ def auto_shard(
     options = options if options is not None else IntraOptions()
     if baseline:  # dp and megatron keep every activation split over their data axes
         options = baseline_options(options, dmesh.mesh, baseline)
-    given_budget = options.memory_budget_bytes is not None
     options, notes = _cluster_memory_budget(options, dmesh, cluster)
     offload = _offload_request(offload, baseline, cluster, options)
     try:
+        if options.memory_budget_bytes is not None and offload is None:
+            # (offloaded state is not in the device's memory: its plans are checked there)
+            _refuse_budget_below_the_state(graph, dmesh, options.memory_budget_bytes)
         plan = None
         if offload is not None:
             plan = _plan_offloaded(graph, dmesh, options, pinned, baseline, cluster, offload)
-        elif notes and not given_budget:
-            # the device's HBM is only a default: plan without it first (a budget makes the
-            # ILP list every resharded copy, slow and large on big models) and solve again
-            # under it only when the unbudgeted plan is predicted not to fit
+        elif options.memory_budget_bytes is not None:
+            # plan without the budget first: a budget makes the ILP list every resharded
+            # copy (slow and large), and the unbudgeted optimum, when predicted to fit, is
+            # the budgeted optimum too (it is feasible there, and nothing there is cheaper);
+            # solve again under the budget only when it binds
             free = auto_shard_graph(
                 graph,
                 dmesh,
@@ -338,6 +331,27 @@ def _plan_offloaded(graph, dmesh, options, pinned, baseline, cluster, offload):
     )
 
 
+def _refuse_budget_below_the_state(graph, dmesh, budget: float) -> None:
+    """A proven-infeasible budget, refused before any solve: the parameters and optimizer
+    state are live at the start of the step, and no plan holds less of them per device
+    than their bytes split evenly over every device."""
+    from autoshard.intra.ilp import InfeasibleBudgetError
+
+    kinds = ("param", "opt_state")
+    state = sum(graph.tensors[t].nbytes for k in kinds for t in graph.inputs_of_kind(k))
+    least = state / dmesh.mesh.num_devices
+    if budget >= least:
+        return
+    err = InfeasibleBudgetError(budget, least, True)
+    err.args = (
+        f"no sharding plan fits a budget of {_bytes(budget)} per device: the parameters and "
+        f"optimizer state alone take {_bytes(least)} per device even split evenly over all "
+        f"{dmesh.mesh.num_devices} devices; raise the budget to at least that (more for "
+        "activations), or shrink the model or batch",
+    )
+    raise err
+
+
 def _cluster_memory_budget(options: IntraOptions, dmesh, cluster) -> tuple[IntraOptions, tuple]:
     """With a cluster preset, its HBM per device is the default memory budget; returns the
     options to plan with and the notes that say where the budget comes from."""
@@ -355,6 +369,14 @@ def _cluster_memory_budget(options: IntraOptions, dmesh, cluster) -> tuple[Intra
     source = f"the {cluster} preset's HBM" if isinstance(cluster, str) else "the cluster's HBM"
     note = f"memory budget: {_gib(hbm)} per device, {source}, {where}"
     return options.replace(memory_budget_bytes=float(hbm)), (note,)
+
+
+def _bytes(nbytes: float) -> str:
+    """``107 B``, ``1.41 KiB``, ``3.2 MiB``, ``16.0 GiB``: binary units, one per size."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit} ({nbytes:,.0f} B)"
+    return f"{nbytes:,.0f} B"
 
 
 def _gib(nbytes: float) -> str:

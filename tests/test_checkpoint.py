@@ -67,3 +67,79 @@ def test_pipeline_runs_refuse_checkpoint_flags(capsys):
     argv = ["run", "--model", "gpt-tiny", "--pipeline", "auto", "--devices", "8"]
     assert main([*argv, "--save", "x"]) == 2
     assert "--save checkpoint one-mesh runs only" in capsys.readouterr().err
+
+
+def _unwritable(tmp_path, kind: str) -> str:
+    if kind == "parent is a file":
+        (tmp_path / "file").write_text("x")
+        return str(tmp_path / "file" / "ckpt")
+    # a read-only file system (root may write any directory, not a read-only mount)
+    return "/sys/autoshard-ckpt"
+
+
+@pytest.mark.parametrize("kind", ["parent is a file", "read-only file system"])
+def test_run_refuses_an_unwritable_save_dir_before_any_work(tmp_path, kind, capsys, monkeypatch):
+    import autoshard.cli.run as run_cli
+
+    def no_planning(*a, **k):
+        raise AssertionError("planned before checking --save")
+
+    monkeypatch.setattr(run_cli, "plan_from_args", no_planning)
+    save = _unwritable(tmp_path, kind)
+    argv = ["run", "--model", "mlp", "--batch", "16", "--hidden", "16", "--mesh", "2x4"]
+    assert main([*argv, "--save", save]) == 2
+    err = capsys.readouterr().err
+    assert f"autoshard: error: cannot save the checkpoint to {save}" in err
+    assert "not a directory" in err or "is not writable" in err
+    assert not list(tmp_path.glob("**/.autoshard-probe-*"))  # the probe left nothing behind
+
+
+def test_a_save_that_fails_in_orbax_ends_in_one_line_not_a_hang(tmp_path):
+    """Orbax's failure (its own threads wait forever behind it) ends the command: one
+    error line, exit 2, within the timeout. The up-front check is bypassed to reach it."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("x")
+    script = (
+        "import os, sys\n"
+        "import autoshard.runtime.checkpoint as c\n"
+        "c.check_save_dir = lambda d: os.path.abspath(os.fspath(d))\n"
+        "from autoshard.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["run", "--model", "mlp", "--batch", "16", "--hidden", "16", "--mesh", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *argv, "--steps", "1", "--save", str(tmp_path / "file/c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"autoshard: error: cannot save the checkpoint to {tmp_path / 'file/c'}: Not a directory"
+    ]
+    assert "Traceback" not in proc.stderr
+
+
+def test_save_state_has_a_deadline(tmp_path, monkeypatch):
+    import threading
+
+    import autoshard.runtime.checkpoint as ckpt
+
+    never = threading.Event()
+
+    class Stuck:
+        def save(self, *a, **k):
+            never.wait(30)
+
+        def wait_until_finished(self):
+            pass
+
+    monkeypatch.setattr(ckpt, "_checkpointer", Stuck)
+    with pytest.raises(ckpt.CheckpointError, match="did not finish in 0 s"):
+        save_state(tmp_path / "c", {"w": np.zeros(3, np.float32)}, 1, deadline_s=0.2)
+    never.set()

@@ -75,7 +75,9 @@ def test_cli_cluster_that_cannot_fit_exits_2_with_the_least_peak(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "cannot fit the device" in proc.stderr
-    assert "the smallest peak any plan reaches is" in proc.stderr
+    # 64 KiB is below the parameters and optimizer state alone: refused before any solve
+    assert "the parameters and optimizer state alone take" in proc.stderr
+    assert "raise the budget to at least that" in proc.stderr
 
 
 def test_cli_cluster_json_carries_the_budget_note():

@@ -322,3 +322,16 @@ def test_an_ilp_plan_export_names_its_differences(tmp_path, capsys):
         if diff["kind"] == "param":
             assert params[diff["path"]] == diff["plan"]
     assert any(d["kind"] == "param" for d in out["differences"])
+
+
+def test_memory_by_layer_adds_up_to_the_predicted_peak(plans):
+    """The memory picture's bars: each layer's state and a whole-step bar for what no
+    layer holds (activations and temporaries, data), together the predicted peak (the
+    dp plan: no ZeRO, gradients laid out like the weights)."""
+    from autoshard.report.pictures import memory_by_layer
+
+    d = digest(load_plan(plans["dp"]))
+    rows = memory_by_layer(d)
+    assert rows["(whole step)"]["activations and temporaries"] > 0
+    total = sum(sum(r.values()) for r in rows.values())
+    assert total == pytest.approx(d.plan.predicted_peak_bytes, rel=1e-3)

@@ -55,6 +55,35 @@ class HelpfulParser(argparse.ArgumentParser):
         )
 
 
+def check_writable(path: str, flag: str, directory: bool = False) -> None:
+    """Refuse (ValueError) an output path this process cannot write, before any work: the
+    nearest existing folder above it must take a new file (probed with a temporary file,
+    removed again); an existing ``path`` must be a folder for ``directory`` outputs and a
+    file otherwise.  Creates nothing."""
+    import os
+    import tempfile
+
+    full = os.path.abspath(path)
+    if os.path.exists(full) and os.path.isdir(full) != directory:
+        kind = "a file" if directory else "a folder"
+        raise ValueError(f"{flag} {path}: {full} is {kind}; give {flag} a "
+                         f"{'folder' if directory else 'file'} path")  # fmt: skip
+    probe = full if directory and os.path.isdir(full) else os.path.dirname(full)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".autoshard-probe-", dir=probe)
+    except OSError as err:
+        raise ValueError(
+            f"{flag} {path}: cannot write in {probe} ({err.strerror or err}); give a path "
+            "you can write"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -72,6 +101,11 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number, got {text}: give a finite one (leave the flag out "
+            "for its default, or give a large number such as 1e6)"
+        )
     return value
 
 
@@ -123,6 +157,21 @@ def model_overrides(args) -> dict:
         scan_layers=getattr(args, "scan_layers", False) or None,
         attention=getattr(args, "attention", None),
     )
+
+
+def cluster_presets() -> str:
+    """The cluster presets shipped, for ``--help`` (``alpa-v100, dgx-a100, ...``)."""
+    from autoshard.hardware.clusters import available_presets
+
+    return ", ".join(available_presets())
+
+
+def binary_size(nbytes: float) -> str:
+    """``3.2 MiB``, ``512 KiB``, ``96 B``: the largest binary unit the size reaches."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def gib(x: float) -> str:

@@ -146,8 +146,13 @@ def _print_sections(secs) -> None:
 
 
 def cmd_explain(args) -> int:
+    from autoshard.cli.args import check_writable
     from autoshard.report.text import explain_json, sections
 
+    if args.html:
+        check_writable(args.html, "--html")
+    if args.pictures:
+        check_writable(args.pictures, "--pictures", directory=True)
     d = _digest(args.plan_path)
     if not hasattr(d, "parallelism"):
         return _explain_pipeline(d, args)
@@ -209,18 +214,29 @@ def cmd_export(args) -> int:
             f"{args.to} configuration (plan -> {args.to}):",
             file=sys.stderr,
         )
-        folded: dict[tuple[str, str, str], int] = {}  # identical layers' rows folded
-        for diff in out.differences:
-            key = (re.sub(r"_\d+(?=\W)", "_*", diff.path), diff.plan_spec, diff.export_spec)
-            folded[key] = folded.get(key, 0) + 1
-        for (path, planned, exported), n in folded.items():
+        for path, planned, exported, n in fold_differences(out.differences):
             times = f" (x{n})" if n > 1 else ""
             print(f"  {path}{times}: {planned} -> {exported}", file=sys.stderr)
     return 0
 
 
+def fold_differences(differences) -> list[tuple[str, str, str, int]]:
+    """Rows of identical layers (same name but for the layer number, same specs and
+    shapes) folded into one ``block_*`` row with its count; a row alone keeps its name."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for diff in differences:
+        key = (re.sub(r"_\d+(?=\W|$)", "_*", diff.path), diff.plan_spec, diff.export_spec)
+        groups.setdefault(key, []).append(diff.path)
+    return [
+        (pattern if len(paths) > 1 else paths[0], planned, exported, len(paths))
+        for (pattern, planned, exported), paths in groups.items()
+    ]
+
+
 def register(sub) -> None:
     """Add ``explain`` and ``export`` to ``sub`` (argparse sub-parsers)."""
+    from autoshard.cli.args import cluster_presets
+
     p = sub.add_parser(
         "explain", help="what a saved plan is: roles, specs, collectives, memory, pictures"
     )
@@ -234,7 +250,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--cluster",
-        help="also simulate the step on this cluster preset (dgx-a100, dgx-h100, alpa-v100): "
+        help=f"also simulate the step on this cluster preset ({cluster_presets()}): "
         "step time and MFU",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document")

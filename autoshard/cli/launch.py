@@ -18,7 +18,6 @@ makes each call ``jax.distributed.initialize()`` with no arguments (docs/distrib
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -31,11 +30,6 @@ from autoshard.cli.args import positive_int
 from autoshard.runtime.distributed import ProcessGroup
 
 GRACE_S = 5.0
-# gloo writes its connection messages on standard output, interleaved across threads
-GLOO_CHATTER = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to \d+|"
-    r" peer ranks\. Expected number of connected peer ranks is : \d+"
-)
 
 
 def add_launch_args(p) -> None:
@@ -134,8 +128,8 @@ def launch(argv: list[str], num_processes: int, num_devices: int) -> int:
         _stop(procs)
         raise
     out.seek(0)
-    text = GLOO_CHATTER.sub("", out.read().decode(errors="replace"))
-    sys.stdout.write("".join(line for line in text.splitlines(True) if line.strip()))
+    # Gloo's connection lines went to each child's stderr (main's results_only_stdout)
+    sys.stdout.write(out.read().decode(errors="replace"))
     sys.stdout.flush()
     if failure is None:
         _replay(logs[0])

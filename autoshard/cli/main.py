@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
-from autoshard.cli.args import HelpfulParser, add_intra_option_args, positive_float
+from autoshard.cli.args import (
+    HelpfulParser,
+    add_intra_option_args,
+    cluster_presets,
+    positive_float,
+)
 from autoshard.cli.args import add_model_args as _model_args
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.cli.config_file import expand_config
-from autoshard.cli.console import out_console, progress, version
+from autoshard.cli.console import out_console, progress, results_only_stdout, version
 from autoshard.cli.launch import add_launch_args
 from autoshard.cli.pipeline import (
     add_pipeline_args,
@@ -162,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--cluster",
-            help="cost the plan on a cluster preset (dgx-a100, dgx-h100, alpa-v100, or a preset "
+            help=f"cost the plan on a cluster preset ({cluster_presets()}, or a preset "
             ".json): seconds instead of Alpa's relative units (default: no cluster)",
         )
         p.add_argument(
@@ -291,7 +297,43 @@ def _multi_process(args, argv: list[str] | None, devices: int | None) -> bool:
     return False
 
 
+# the most fake CPU devices a command makes (4,096: 8 s and 0.6 GB to start here; a
+# million would take ~100 GB)
+MAX_FAKE_DEVICES = 4096
+
+
+def _warn_mesh_rank(text: str, shape: tuple[int, ...]) -> None:
+    """Meshes of more than two axes are accepted but planned poorly: say so at once."""
+    if len(shape) <= 2:
+        return
+    n = 1
+    for s in shape:
+        n *= s
+    two = sorted({f"{a}x{n // a}" for a in range(2, n) if n % a == 0})[:3]
+    print(
+        f"autoshard: warning: mesh {text} has {len(shape)} axes; the cost model and the ILP are "
+        "built for one- and two-axis meshes (Alpa's), and a 3-axis mesh makes the ILP much "
+        f"larger and slower to solve; the same {n} devices as a 2-axis mesh: "
+        f"{', '.join(two) or str(n)} (or {n})",
+        file=sys.stderr,
+    )
+
+
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status.  Ctrl-C ends it with one line and status 130;
+    what libraries print on descriptor 1 goes to stderr (:func:`results_only_stdout`)."""
+    try:
+        with results_only_stdout():
+            return _main(argv)
+    except KeyboardInterrupt:
+        print("autoshard: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -310,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if devices is None and args.command == "demo":
         devices = 8
     if devices is None and getattr(args, "mesh", None):
-        from autoshard.api import parse_mesh_shape
+        from autoshard.hardware.mesh import parse_mesh_shape
 
         try:
             shape = parse_mesh_shape(args.mesh)
@@ -319,18 +361,35 @@ def main(argv: list[str] | None = None) -> int:
         devices = 1
         for s in shape:
             devices *= s
+        _warn_mesh_rank(args.mesh, shape)
     if devices is None and getattr(args, "exact", False):
         from autoshard.sim.exact import MAX_EXACT_DEVICES
 
         if args.gpus <= MAX_EXACT_DEVICES:  # more: simulate() says why
             devices = args.gpus  # simulate --exact compiles on one fake device per GPU
+    if devices is not None and devices > MAX_FAKE_DEVICES:
+        what = f"--mesh {args.mesh}" if getattr(args, "mesh", None) else f"{devices} devices"
+        print(
+            f"autoshard: error: {what} asks for {devices:,} fake CPU devices; this command "
+            f"makes at most {MAX_FAKE_DEVICES:,} (each takes memory and start-up time: 4,096 "
+            "took 8 s and 0.6 GB here): plan a mesh of at most that many devices, or price a "
+            "larger cluster with `autoshard simulate --cluster PRESET --gpus N`",
+            file=sys.stderr,
+        )
+        return 2
     if _multi_process(args, argv, devices):
         return args.launch_status
     warnings.showwarning = _warn_plainly
     from autoshard.intra.ilp import SolverTimeLimitError
+    from autoshard.runtime.checkpoint import CheckpointError
 
     try:
         return args.func(args)
+    except CheckpointError as err:  # Orbax's threads wait on: end the process here
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except ValueError as err:  # bad input: say what was wrong, no traceback
         print(f"autoshard: error: {err}", file=sys.stderr)
         return 2

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 
-from autoshard.cli.args import add_model_args, positive_float
-from autoshard.cli.args import gib as _gib
+from autoshard.cli.args import add_model_args, binary_size, cluster_presets, positive_float
 from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.inter.options import STAGE_METHODS
@@ -77,9 +76,10 @@ def cmd_pipeline_plan(args) -> int:
     for i, s in enumerate(plan.stages):
         first, last = s.layers[0], s.layers[-1]
         print(
-            f"  stage {i}: {first}..{last} ({len(s.layers)} layers) on sub-mesh "
+            f"  stage {i}: {first}..{last} ({len(s.layers)} layer"
+            f"{'' if len(s.layers) == 1 else 's'}) on sub-mesh "
             f"{s.submesh[0]}x{s.submesh[1]} as (dp, tp) = {tuple(s.logical_mesh)}: "
-            f"{cost(s.latency_s)} per microbatch, peak {_gib(s.peak_bytes)}"
+            f"{cost(s.latency_s)} per microbatch, peak {binary_size(s.peak_bytes)} per device"
         )
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in plan.phase_seconds.items())
     print(
@@ -330,10 +330,12 @@ def register(subparsers) -> None:
     p.add_argument("--hosts", type=_positive_int, default=1)
     p.add_argument("--devices-per-host", type=_positive_int, default=8)
     p.add_argument("--pipeline", choices=STAGE_METHODS, default="auto")
-    p.add_argument("--microbatches", type=_positive_int, required=True)
+    p.add_argument(
+        "--microbatches", type=_positive_int, default=4, help="micro-batches per step (4)"
+    )
     p.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
-    p.add_argument("--cluster", help="cluster preset (alpa-v100, dgx-a100, ...) or .json")
+    p.add_argument("--cluster", help=f"cluster preset ({cluster_presets()}) or .json")
     p.add_argument("--memory-budget", type=float, help="per-device memory budget in GiB")
     p.add_argument("--solver", choices=("cbc", "highs"), default="highs")
     p.add_argument("--time-limit", type=float, default=60.0, help="per-ILP time limit (s)")

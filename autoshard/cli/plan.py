@@ -128,7 +128,11 @@ def single_mesh_defaults(args) -> None:
 
 
 def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
+    from autoshard.cli.args import check_writable
     from autoshard.cli.report import print_plan, print_verification
+
+    if getattr(args, "out", None):  # before the search: a file that cannot be written
+        check_writable(args.out, "--out")
 
     if bound is None and not verify_exit and route(args, "plan"):
         return cmd_pipeline_plan(args)
@@ -159,7 +163,7 @@ def cmd_plan(args, verify_exit: bool = False, bound=None) -> int:
         _print_in_words(bound, console)
         if report is not None:
             print_verification(report, console)
-    if verify_exit and report is not None and not report.agree:  # collectives or memory
+    if report is not None and not report.agree:  # collectives or memory: as verify
         return 1
     return 0
 

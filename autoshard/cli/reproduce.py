@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import autoshard
+from autoshard.cli.args import check_writable
 
 SOURCES = ("simulated", "compiled", "measured")
 
@@ -129,6 +130,7 @@ def cmd_reproduce(args) -> int:
             for e in experiments:
                 print(f"{e.name:{width}}  [{e.source}]  {e.title}")
         return 0
+    check_writable(args.out, "--out", directory=True)
     out = Path(args.out).resolve()  # the scripts run in experiments/, not here
     out.mkdir(parents=True, exist_ok=True)
     results = []

@@ -20,6 +20,10 @@ def cmd_run(args, bound=None) -> int:
     from autoshard.runtime.sharded import check_against_single_device, run_steps
 
     needs_model(args, "run")
+    if getattr(args, "save", None) and getattr(args, "pipeline", None) is None:
+        from autoshard.runtime.checkpoint import check_save_dir
+
+        check_save_dir(args.save)  # before any work: a save that cannot happen is bad input
     if bound is None and getattr(args, "loaded_plan", None) is not None:
         bound = bound_from_args(args)
     if bound is None and route(args, "run"):
@@ -56,7 +60,7 @@ def cmd_run(args, bound=None) -> int:
             + ", ".join(f"{x:.6f}" for x in losses)
             + (f" (steps {first + 1}..{first + args.steps})" if first else "")
         )
-        console.print(_step_times(seconds))
+        console.print(_step_times(seconds, first))
     if getattr(args, "save", None):
         from autoshard.runtime.checkpoint import save_state
 
@@ -103,12 +107,14 @@ def cmd_run(args, bound=None) -> int:
     return 0 if report.ok else 1
 
 
-def _step_times(seconds: list[float]) -> str:
-    first = f"step 1 {seconds[0] * 1e3:.1f} ms (includes compilation)"
+def _step_times(seconds: list[float], done: int = 0) -> str:
+    """Step times, numbered from the step after the ``done`` ones a resume starts from."""
+    one = done + 1
+    first = f"step {one} {seconds[0] * 1e3:.1f} ms (includes compilation)"
     if len(seconds) == 1:
         return f"step time: {first}"
     rest = seconds[1:]
-    later = "step 2" if len(rest) == 1 else f"steps 2-{len(seconds)}"
+    later = f"step {one + 1}" if len(rest) == 1 else f"steps {one + 1}-{done + len(seconds)}"
     return (
         f"step time: {first}; {later} {sum(rest) / len(rest) * 1e3:.1f} ms each "
         "(wall time on these devices)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from autoshard.cli.args import cluster_presets
 from autoshard.cli.args import gib as _gib
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.inter.stages import RECOMPUTE_MODES as _PLANNED_MODES
@@ -111,16 +112,37 @@ def print_report(report) -> None:
             f"global {plan['global_batch']}, {plan['num_microbatches']} micro-batches of "
             f"{plan['microbatch_size']} ({per}), recompute {plan['recompute']}, {plan['dtype']}",
         ),
-        ("step time", f"{report.step_time_s:.4g} s"),
-        ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
-        ("TFLOP/s per device", f"{report.tflops_per_device:.1f} (hardware FLOPs)"),
-        ("MFU / HFU", f"{report.mfu:.1%} / {report.hfu:.1%}"),
+    ]
+    if report.oom:  # the step would not run: no speed to report, only what it would need
+        from autoshard.hardware.clusters import load_cluster
+
+        try:
+            hbm = load_cluster(report.cluster).device.hbm_bytes
+        except (ValueError, OSError):
+            hbm = None
+        rows += [
+            (
+                "does not fit",
+                f"[red]OUT OF MEMORY[/red]: the step does not run on {report.cluster}"
+                + (f" ({_gib(hbm)} HBM per device)" if hbm else ""),
+            ),
+            ("step time", f"- (it would take {report.step_time_s:.4g} s with enough memory)"),
+            ("throughput, TFLOP/s, MFU / HFU", "- (the step does not run)"),
+        ]
+    else:
+        rows += [
+            ("step time", f"{report.step_time_s:.4g} s"),
+            ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
+            ("TFLOP/s per device", f"{report.tflops_per_device:.1f} (hardware FLOPs)"),
+            ("MFU / HFU", f"{report.mfu:.1%} / {report.hfu:.1%}"),
+        ]
+    rows.append(
         (
             "peak memory per device",
             _gib(report.peak_bytes_per_device)
             + ("  [red]OUT OF MEMORY[/red]" if report.oom else ""),
-        ),
-    ]
+        )
+    )
     if plan.get("microbatch_search"):
         rows.append(("micro-batches searched", _searched_text(plan)))
     if plan.get("offload"):
@@ -236,7 +258,15 @@ def cmd_simulate(args) -> int:
         print_report(report)
         if report.exact is not None:
             print_exact(report.exact)
-    return 0
+    return fits_status(report)
+
+
+def fits_status(report) -> int:
+    """The exit status: 0 the step fits the device's memory (and, with ``--exact``, the
+    compiled step does too), 1 it does not (as ``verify`` exits 1 on a disagreement)."""
+    exact = report.exact
+    compiled_over = exact is not None and exact.available and not exact.fits_hbm
+    return 1 if report.oom or compiled_over else 0
 
 
 def register(subparsers) -> None:
@@ -245,7 +275,7 @@ def register(subparsers) -> None:
         "simulate",
         help="predict step time, MFU and memory of a plan on a cluster preset",
         description=(
-            "Simulate a GPT preset on a cluster preset (alpa-v100, dgx-a100, dgx-h100 or a "
+            f"Simulate a GPT preset on a cluster preset ({cluster_presets()} or a "
             "preset .json): data parallel, ZeRO-2/3, a Megatron TPxPPxDP grid (or the best "
             "grid), or Alpa's search (auto)."
         ),
@@ -272,7 +302,9 @@ def register(subparsers) -> None:
         choices=("fused", "unfused"),
         help="the traced step's attention (--program traced or --plan auto; default unfused)",
     )
-    p.add_argument("--cluster", required=True, help="cluster preset or preset .json path")
+    p.add_argument(
+        "--cluster", required=True, help=f"cluster preset ({cluster_presets()}) or a preset .json"
+    )
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs")
     p.add_argument(
         "--plan",

@@ -360,3 +360,14 @@ __all__ = [
     "to_device_mesh",
     "uniform_mesh",
 ]
+
+
+def parse_mesh_shape(text: str) -> tuple[int, ...]:
+    """``"2x4"`` -> (2, 4); ``"8"`` -> (8,). Clear error for anything else."""
+    try:
+        shape = tuple(int(p) for p in str(text).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"mesh {text!r} is not a shape like 8, 2x4 or 1x8") from None
+    if not shape or any(s <= 0 for s in shape):
+        raise ValueError(f"mesh {text!r} must have positive sizes, like 8, 2x4 or 1x8")
+    return shape

@@ -214,9 +214,14 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile | P
             "`autoshard plan ... --out plan.json`)"
         )
     if schema != SCHEMA:
+        newer = _schema_version(schema) > _schema_version(SCHEMA)
         raise PlanFileError(
             f"{source} has schema {schema!r}; this autoshard reads {SCHEMA!r} "
-            "(re-plan with this version to write one)"
+            + (
+                "(a newer autoshard wrote it: upgrade autoshard to read it)"
+                if newer
+                else "(re-plan with this version to write one)"
+            )
         )
     kind = obj.get("kind")
     if kind not in KINDS:
@@ -264,6 +269,13 @@ def plan_file_from_json(obj: Any, source: str = "the plan file") -> PlanFile | P
     return PlanFile(plan, fp, kind, extra, inputs)
 
 
+def _schema_version(schema) -> int:
+    """``autoshard.plan/3`` -> 3 (-1: not of that form)."""
+    prefix = SCHEMA.rsplit("/", 1)[0] + "/"
+    rest = str(schema)[len(prefix) :] if str(schema).startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else -1
+
+
 def load_plan(path) -> PlanFile | PipelinePlanFile:
     """Read a plan file from ``path``, gzip'd or not (PlanFileError: missing, not JSON,
     not a plan file)."""
@@ -271,9 +283,14 @@ def load_plan(path) -> PlanFile | PipelinePlanFile:
         with open(path, "rb") as f:
             data = f.read()
         text = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode()
-    except (OSError, EOFError, UnicodeDecodeError) as err:
+    except (OSError, EOFError) as err:
         why = getattr(err, "strerror", None) or str(err)
         raise PlanFileError(f"cannot read plan file {str(path)!r}: {why}") from None
+    except UnicodeDecodeError:
+        raise PlanFileError(
+            f"plan file {str(path)!r} is not text (a PNG, an archive?): a plan file is the "
+            "JSON `autoshard plan ... --out FILE` writes"
+        ) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:

@@ -126,18 +126,23 @@ def layout_specs(d: PlanDigest, layout: Layout) -> list[ShardingSpec]:
     from autoshard.intra.baselines import baseline_inputs
 
     mesh = d.mesh
+    own_model = d.plan_file.model is None  # the rule table knows only the presets
     if layout.tp_axes:  # Megatron's rules take the last mesh axis as the TP axis
         tp = layout.tp_axes[-1]
         order = [a for a in mesh.axis_names if a != tp] + [tp]
         mesh = Mesh(tuple(order), tuple(d.mesh.size(a) for a in order))
-        base = baseline_inputs(_as_graph(d), mesh, "megatron")
+        try:
+            base = baseline_inputs(_as_graph(d), mesh, "megatron")
+        except ValueError:  # no weight the rule table knows: all are your model's own
+            if not own_model:
+                raise
+            base = baseline_inputs(_as_graph(d), mesh, "dp")
     else:
         base = baseline_inputs(_as_graph(d), mesh, "dp")
     dp = tuple(a for a in d.mesh.axis_names if a in layout.dp_axes)
     out = []
     for k, (inp, planned) in enumerate(d.specs()):
         spec = base[k]
-        own_model = d.plan_file.model is None  # the rule table knows only the presets
         if (
             own_model
             and layout.tp_axes
@@ -158,6 +163,21 @@ def layout_specs(d: PlanDigest, layout: Layout) -> list[ShardingSpec]:
     return out
 
 
+def state_path(path: str) -> str:
+    """An optimizer-state input's path for people: ``[1][0].mu['params']['Dense_0']
+    ['kernel']`` -> ``opt_state/mu/params/Dense_0/kernel`` (the leading argument and
+    chain indices dropped; attribute names and keys kept in order)."""
+    parts = re.findall(r"\.(\w+)|\['([^']+)'\]|\[(\d+)\]", path)
+    names, started = [], False
+    for attr, key, index in parts:
+        if attr or key:
+            started = True
+            names.append(attr or key)
+        elif started:
+            names.append(index)
+    return "/".join(["opt_state", *names]) if names else path
+
+
 def differences(d: PlanDigest, layout: Layout) -> tuple[TensorDifference, ...]:
     """Every param, optimizer-state and data input whose spec under ``layout`` is not the
     plan's."""
@@ -168,7 +188,7 @@ def differences(d: PlanDigest, layout: Layout) -> tuple[TensorDifference, ...]:
         if spec.dims != want.dims:
             out.append(
                 TensorDifference(
-                    short_path(inp.path) if inp.kind != "opt_state" else inp.path,
+                    short_path(inp.path) if inp.kind != "opt_state" else state_path(inp.path),
                     inp.kind,
                     spec.format(inp.shape, inp.dtype),
                     want.format(inp.shape, inp.dtype),
@@ -196,6 +216,26 @@ def _micro_batch(d: PlanDigest, dp: int, target: str) -> int:
             f"{target}: global batch {batch} does not split over {dp} data-parallel devices"
         )
     return batch // dp
+
+
+# autoshard's recompute -> MaxText's remat_policy: nothing recomputed is nearest to
+# 'minimal_with_context' (it keeps the matmul outputs and the attention context);
+# selective recompute (the attention core again) is 'minimal' (the context not kept)
+MAXTEXT_REMAT = {"none": "minimal_with_context", "selective": "minimal", "full": "full"}
+
+
+def megatron_recompute(recompute: str) -> dict[str, object]:
+    """Megatron-LM's recompute flags: full recompute of every layer is ``--recompute-method
+    uniform --recompute-num-layers 1`` (Megatron-LM refuses ``full`` without a method)."""
+    if recompute == "full":
+        return {
+            "recompute-granularity": "full",
+            "recompute-method": "uniform",
+            "recompute-num-layers": 1,
+        }
+    if recompute == "selective":
+        return {"recompute-granularity": "selective"}
+    return {}
 
 
 def megatron_args(config: dict[str, object]) -> str:
@@ -238,8 +278,7 @@ def megatron(d: PlanDigest) -> Export:
         "sequence-parallel": False,
         "use-distributed-optimizer": distributed,
     }
-    if roles.recompute != "none":
-        config["recompute-granularity"] = roles.recompute
+    config.update(megatron_recompute(roles.recompute))
     if d.dtype == "bfloat16":
         config["bf16"] = True
     return Export("megatron", config, megatron_args(config), differences(d, layout), tuple(notes))
@@ -297,11 +336,11 @@ def maxtext(d: PlanDigest) -> Export:
             f"maxtext: global batch {batch} is not a multiple of {d.mesh.num_devices} devices "
             "(per_device_batch_size would not be whole)"
         )
-    remat = {"none": "minimal", "selective": "minimal", "full": "full"}[roles.recompute]
+    remat = MAXTEXT_REMAT[roles.recompute]
     if roles.recompute == "none":
         notes.append(
-            "MaxText has no remat-off policy: 'minimal' keeps every matmul output and "
-            "recomputes only elementwise work"
+            "MaxText has no remat-off policy: 'minimal_with_context' keeps every matmul "
+            "output and the attention context, and recomputes only elementwise work"
         )
     config: dict[str, object] = {
         "ici_data_parallelism": 1 if fsdp else dp,
@@ -320,7 +359,25 @@ def maxtext(d: PlanDigest) -> Export:
 
 
 def export(d: PlanDigest, target: str) -> Export:
-    """``target``'s export of the plan (ValueError naming the targets for another)."""
+    """``target``'s export of the plan, checked against the target's start-up rules
+    (:mod:`autoshard.report.launchable`); ValueError naming the targets for another, or
+    the rules an export breaks."""
+    from autoshard.report.launchable import launch_problems
+
     if target not in EXPORTERS:
         raise ValueError(f"unknown export target {target!r}; choose one of {', '.join(EXPORTERS)}")
-    return EXPORTERS[target](d)
+    out = EXPORTERS[target](d)
+    problems = launch_problems(target, out.config, one_mesh_facts(d), d.parallelism.num_stages)
+    if problems:
+        raise ValueError(f"{target} cannot launch this plan's export: {'; '.join(problems)}")
+    return out
+
+
+def one_mesh_facts(d: PlanDigest):
+    """The job a one-mesh plan's export must fit: its devices, transformer blocks, batch."""
+    from autoshard.report.digest import layer_of
+    from autoshard.report.launchable import JobFacts
+
+    blocks = {layer_of(i.path) for i in d.plan_file.inputs if i.kind == "param"}
+    layers = len({b for b in blocks if re.fullmatch(r"block_\d+", b)}) or None
+    return JobFacts(d.mesh.num_devices, layers, _batch(d), 1)

@@ -9,7 +9,8 @@ PNGs by name:
   the optimizer update; idle ticks are the bubble), in schedule ticks (a forward is one
   tick, a backward two: the usual ratio, not a measurement);
 * ``memory``: bytes per device of each layer's weights, gradients and optimizer state,
-  stacked bars;
+  stacked bars, and a bar of the rest of the predicted peak (activations, temporaries and
+  data: they belong to no one layer);
 * ``tensor``: which device holds which block of one tensor (the largest parameter, or
   the one ``tensor=`` names by regex), over its first two dimensions.
 
@@ -137,15 +138,27 @@ def timeline_picture(d: PlanDigest, microbatches: int = 1) -> bytes:
         ax.barh(s, 0.5, left=clock, color=PHASE_COLOURS["update"], edgecolor="white")
     ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
     ax.invert_yaxis()
-    ax.set_xlabel("time (schedule ticks: forward 1, backward 2, update 0.5; idle = bubble)")
+    if stages == 1:  # no pipeline: the order of the step's phases, not a profile
+        ax.set_xlabel("phases in order (schedule ticks, not measured times)")
+    else:
+        ax.set_xlabel("time (schedule ticks: forward 1, backward 2, update 0.5; idle = bubble)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
     ax.legend(handles, list(PHASE_COLOURS), loc="upper left", bbox_to_anchor=(1.01, 1.0),
               fontsize=8)  # fmt: skip
-    ax.set_title(f"pipeline timeline: {stages} stage(s), {microbatches} microbatch(es), 1F1B")
+    ax.set_title(
+        "one stage, no pipeline: forward, backward, update"
+        if stages == 1
+        else f"pipeline timeline: {stages} stages, {microbatches} microbatch(es), 1F1B"
+    )
     return _png(plt, fig)
 
 
-def memory_picture(d: PlanDigest) -> bytes:
+def memory_by_layer(d: PlanDigest) -> dict[str, dict[str, float]]:
+    """Bytes per device by layer and category (weights, gradients, optimizer state), and
+    a ``(whole step)`` row with what belongs to no one layer (activations and
+    temporaries, data). Gradients are counted like the weights (under ZeRO-2/3 they are
+    split further); otherwise the rows add up to the predicted peak, less the optimizer's
+    step counters."""
     mesh = d.mesh
     per_layer: dict[str, dict[str, float]] = {}
     for inp, spec in d.specs():
@@ -165,17 +178,32 @@ def memory_picture(d: PlanDigest) -> bytes:
             row["gradients"] += nbytes
         else:
             row["optimizer state"] += nbytes
+    # the rest of the predicted peak belongs to no one layer: one bar of its own
+    rest = {k: d.memory_bytes.get(k, 0.0) for k in ("activations and temporaries", "data")}
+    zero = {"weights": 0.0, "gradients": 0.0, "optimizer state": 0.0}
+    per_layer["(whole step)"] = {**zero, **rest}
+    return per_layer
+
+
+def memory_picture(d: PlanDigest) -> bytes:
+    per_layer = memory_by_layer(d)
     names = list(per_layer)
     plt, fig, ax = _figure(max(6.5, 1.5 + 0.8 * len(names)), 4.0)
     bottom = np.zeros(len(names))
-    colours = ("#4C72B0", "#DD8452", "#55A868")
-    for colour, cat in zip(colours, ("weights", "gradients", "optimizer state")):
-        vals = np.array([per_layer[n][cat] for n in names]) / 1e3
+    colours = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")
+    categories = ("weights", "gradients", "optimizer state", "activations and temporaries",
+                  "data")  # fmt: skip
+    for colour, cat in zip(colours, categories):
+        vals = np.array([per_layer[n].get(cat, 0.0) for n in names]) / 1e3
         ax.bar(names, vals, bottom=bottom, label=cat, color=colour)
         bottom += vals
     ax.set_ylim(0, max(float(bottom.max()), 1e-3) * 1.15)  # room above the tallest bar
     ax.set_ylabel("kB per device")
-    ax.set_title("memory per device by layer (gradients: laid out like the weights)")
+    ax.set_title(
+        f"memory per device: each layer's state, and the rest of the predicted peak "
+        f"({d.plan.predicted_peak_bytes / 1e3:,.0f} kB in all)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     return _png(plt, fig)

@@ -8,11 +8,17 @@ TP 4), no recompute``), and the report's sections, pictures and exports:
 * Megatron-LM: ``--pipeline-model-parallel-size`` = stages, TP and DP from the stages'
   ``(dp, tp)`` views (the most common one when they differ: the stages that differ are
   listed), ``--micro-batch-size`` = global batch / (DP x microbatches),
-  ``--recompute-granularity`` when the stages recompute;
+  ``--recompute-granularity`` when the stages recompute (full: with ``--recompute-method
+  uniform --recompute-num-layers 1``, every layer recomputed);
 * DeepSpeed: micro batch and ``gradient_accumulation_steps`` = microbatches (the pipeline
   itself is set in code, ``PipelineModule(num_stages=...)``: said in a note), ZeRO 0;
 * MaxText: ``ici_pipeline_parallelism``, ``ici_data_parallelism``,
   ``ici_tensor_parallelism``, ``num_pipeline_microbatches``, ``per_device_batch_size``.
+
+Every configuration is checked against its target's start-up rules
+(:mod:`autoshard.report.launchable`: layers divisible by stages, GPUs = TP x PP x DP,
+companion flags); one the target cannot launch is refused (``ValueError``) with the
+nearest grid it can, and that grid's settings.
 
 The per-stage differences are :class:`~autoshard.report.export.TensorDifference` rows
 whose ``path`` names the stage (a pipeline plan file keeps no per-tensor specs of its own).
@@ -21,6 +27,7 @@ whose ``path`` names the stage (a pipeline plan file keeps no per-tensor specs o
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -29,10 +36,15 @@ import numpy as np
 from autoshard.inter.plan import InterPlan, Stage
 from autoshard.inter.schedules import BACKWARD, gpipe, one_f_one_b
 from autoshard.ir.planfile import PipelinePlanFile
-from autoshard.report.export import Export, TensorDifference, megatron_args
+from autoshard.report.export import (
+    MAXTEXT_REMAT,
+    Export,
+    TensorDifference,
+    megatron_args,
+    megatron_recompute,
+)
+from autoshard.report.launchable import Grid, JobFacts, launch_problems, nearest_grid
 from autoshard.report.text import Section, human_bytes
-
-RECOMPUTE_FLAGS = {"selective": "selective", "full": "full"}
 
 
 @dataclass(frozen=True)
@@ -140,10 +152,82 @@ def _micro(d: PipelineDigest, dp: int) -> int:
     return batch // (dp * m)
 
 
+def transformer_layers(layer_names) -> int | None:
+    """How many transformer blocks (``block_N``) the names hold; None where none is one
+    (not a layered model: the targets' layer rules are not checked)."""
+    blocks = {name for name in layer_names if re.fullmatch(r"block_\d+", name)}
+    return len(blocks) or None
+
+
+def job_facts(d: PipelineDigest) -> JobFacts:
+    if d.global_batch is None:
+        raise ValueError("the pipeline plan file records no global batch: nothing to export")
+    layers = transformer_layers(name for s in d.stages for name in s.layers)
+    return JobFacts(d.num_devices, layers, d.global_batch, d.inter.num_microbatches)
+
+
 def export_pipeline(d: PipelineDigest, target: str) -> Export:
+    """``target``'s configuration of the plan's grid (TP and DP from the stages' common
+    view, PP = stages), checked against the target's start-up rules
+    (:mod:`autoshard.report.launchable`); ``ValueError`` naming the rules it breaks and
+    the nearest grid the target can launch, with its settings, otherwise."""
+    if target not in ("megatron", "deepspeed", "maxtext"):
+        raise ValueError(f"unknown export target {target!r}")
     dp, tp = d.common_view()
-    pp, m = len(d.stages), d.inter.num_microbatches
-    diffs = _stage_differences(d, (dp, tp))
+    pp = len(d.stages)
+    want = Grid(1, pp, dp * tp) if target == "deepspeed" else Grid(tp, pp, dp)
+    facts = job_facts(d)
+    if d.global_batch % (want.dp * d.inter.num_microbatches) == 0:
+        out = _export_on(d, target, want)
+        problems = launch_problems(target, out.config, facts, pipeline_stages=pp)
+        if not problems:
+            return out
+    else:
+        problems = [
+            f"global batch {d.global_batch} does not split into DP {want.dp} x "
+            f"{d.inter.num_microbatches} microbatches"
+        ]
+    stated = f"{want}" if want.gpus == facts.gpus else f"{want}, of {facts.gpus}"
+    text = f"{target} cannot launch this plan as it is ({stated}): {'; '.join(problems)}"
+    m = d.inter.num_microbatches
+    if target == "maxtext" and want.gpus == facts.gpus and m % pp:
+        keep = [k for k in range(pp, 4 * m + 1, pp) if k >= m and d.global_batch % k == 0]
+        if keep:
+            text += f" (re-planning with --microbatches {keep[0]} keeps the {pp} stages)"
+    near = nearest_grid(target, want, facts)
+    if near is None:
+        raise ValueError(
+            f"{text}; no TP x PP x DP grid of {facts.gpus} GPUs keeps {target}'s rules for "
+            f"{facts.layers or 'these'} layers, global batch {facts.global_batch} and "
+            f"{facts.microbatches} microbatches: "
+            "re-plan with --stages dividing the layers and the devices"
+        )
+    nearest = _export_on(d, target, near)
+    assert not launch_problems(target, nearest.config, facts, pipeline_stages=near.pp)
+    one_line = {
+        "megatron": nearest.text,
+        "deepspeed": json.dumps(dict(nearest.config)),
+        "maxtext": nearest.text.replace("\n", " "),
+    }[target]
+    if target == "deepspeed":
+        one_line += f" with PipelineModule(num_stages={near.pp})"
+    raise ValueError(
+        f"{text}; the nearest launchable configuration is {near}: {one_line} "
+        f"(or re-plan with --stages {near.pp})"
+    )
+
+
+def _export_on(d: PipelineDigest, target: str, grid: Grid) -> Export:
+    """``target``'s settings for the plan laid on ``grid``; stages on another view are
+    listed as differences."""
+    tp, pp, dp, m = grid.tp, grid.pp, grid.dp, d.inter.num_microbatches
+    diffs = _stage_differences(d, (dp, tp)) if pp == len(d.stages) else ()
+    if pp != len(d.stages):
+        diffs = (
+            TensorDifference(
+                "stages", "stage", f"{len(d.stages)} stages", f"{pp} stages of equal layers"
+            ),
+        )
     rc = d.recompute()
     notes = []
     if rc == "mixed":
@@ -157,52 +241,54 @@ def export_pipeline(d: PipelineDigest, target: str) -> Export:
             "sequence-parallel": False,
             "use-distributed-optimizer": False,
         }
-        if rc in RECOMPUTE_FLAGS:
-            config["recompute-granularity"] = RECOMPUTE_FLAGS[rc]
+        config.update(megatron_recompute(rc))
         if d.inter.schedule == "gpipe":
             notes.append("Megatron-LM runs 1F1B; the plan was costed for GPipe")
         return Export("megatron", config, megatron_args(config), diffs, tuple(notes))
     if target == "deepspeed":  # no tensor parallelism: every TP group becomes DP
-        if tp > 1:
+        view_tp = d.common_view()[1]
+        if view_tp > 1 and pp == len(d.stages):
             diffs = tuple(
                 TensorDifference(
                     f"stage {i} ({', '.join(s.layers)})",
                     "stage",
                     f"DP {s.logical_mesh[0]}, TP {s.logical_mesh[1]}",
-                    f"DP {s.logical_mesh[0] * s.logical_mesh[1]}, TP 1",
+                    f"DP {dp}, TP 1",
                 )
                 for i, s in enumerate(d.stages)
             )
         config = {
             "train_batch_size": d.global_batch,
-            "train_micro_batch_size_per_gpu": _micro(d, dp * tp),
+            "train_micro_batch_size_per_gpu": _micro(d, dp),
             "gradient_accumulation_steps": m,
             "zero_optimization": {"stage": 0},
         }
         notes.append(
             f"DeepSpeed sets the pipeline in code: PipelineModule(num_stages={pp})"
-            + (f"; its config has no tensor parallelism ({tp}): nearest is DP" if tp > 1 else "")
+            + (
+                f"; its config has no tensor parallelism ({view_tp}): nearest is DP"
+                if view_tp > 1
+                else ""
+            )
         )
         return Export("deepspeed", config, json.dumps(config, indent=2), diffs, tuple(notes))
-    if target == "maxtext":
-        batch = d.global_batch or 0
-        if batch % d.num_devices:
-            raise ValueError(f"maxtext: global batch {batch} is not a multiple of "
-                             f"{d.num_devices} devices")  # fmt: skip
-        config = {
-            "ici_pipeline_parallelism": pp,
-            "ici_data_parallelism": dp,
-            "ici_fsdp_parallelism": 1,
-            "ici_tensor_parallelism": tp,
-            "dcn_pipeline_parallelism": 1,
-            "dcn_data_parallelism": 1,
-            "num_pipeline_microbatches": m,
-            "per_device_batch_size": batch // d.num_devices,
-            "remat_policy": "full" if rc == "full" else "minimal",
-        }
-        text = "\n".join(f"{k}={v}" for k, v in config.items())
-        return Export("maxtext", config, text, diffs, tuple(notes))
-    raise ValueError(f"unknown export target {target!r}")
+    batch = d.global_batch or 0
+    if batch % d.num_devices:
+        raise ValueError(f"maxtext: global batch {batch} is not a multiple of "
+                         f"{d.num_devices} devices")  # fmt: skip
+    config = {
+        "ici_pipeline_parallelism": pp,
+        "ici_data_parallelism": dp,
+        "ici_fsdp_parallelism": 1,
+        "ici_tensor_parallelism": tp,
+        "dcn_pipeline_parallelism": 1,
+        "dcn_data_parallelism": 1,
+        "num_pipeline_microbatches": m,
+        "per_device_batch_size": batch // d.num_devices,
+        "remat_policy": MAXTEXT_REMAT[rc if rc in MAXTEXT_REMAT else "none"],
+    }
+    text = "\n".join(f"{k}={v}" for k, v in config.items())
+    return Export("maxtext", config, text, diffs, tuple(notes))
 
 
 def pipeline_pictures(d: PipelineDigest) -> dict[str, bytes]:
@@ -233,22 +319,30 @@ def pipeline_pictures(d: PipelineDigest) -> dict[str, bytes]:
     pp, m = len(d.stages), d.inter.num_microbatches
     schedule = (gpipe if d.inter.schedule == "gpipe" else one_f_one_b)(pp, m)
     plt, fig, ax = _figure(8.0, 1.4 + 0.6 * pp)
-    length = np.array([s.latency_s for s in d.stages])
+    # in ms on a cluster; else relative to the slowest stage (abstract units are ~1e-7:
+    # matplotlib's offset label "1e-6" then sat on the axis label)
+    on_cluster = bool(d.plan_file.fingerprint.get("cluster"))
+    raw = np.array([s.latency_s for s in d.stages])
+    length = raw * 1e3 if on_cluster else raw / max(raw.max(), 1e-300)
+    # a stage far quicker than the others (an embedding alone) still shows its bars
+    visible = 0.004 * float(length.max()) * (3 * m)
     clock = 0.0
     for tick in schedule:
         width = 0.0
         for t in tick:
             w = length[t.stage] * (2 / 3 if t.kind == BACKWARD else 1 / 3)
-            ax.barh(t.stage, w, left=clock, color=PHASE_COLOURS[t.kind], edgecolor="white")
-            ax.text(clock + w / 2, t.stage, f"{t.kind[0].upper()}{t.microbatch}", ha="center",
-                    va="center", color="white", fontsize=7)  # fmt: skip
+            ax.barh(t.stage, max(w, visible), left=clock, color=PHASE_COLOURS[t.kind],
+                    edgecolor="white")  # fmt: skip
+            if w >= 0.15 * float(length.max()):  # a label that fits its bar
+                ax.text(clock + w / 2, t.stage, f"{t.kind[0].upper()}{t.microbatch}",
+                        ha="center", va="center", color="white", fontsize=7)  # fmt: skip
             width = max(width, w)
         clock += width
     for s in range(pp):
         ax.barh(s, length.max() / 6, left=clock, color=PHASE_COLOURS["update"], edgecolor="white")
     ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
     ax.invert_yaxis()
-    unit = "s" if d.plan_file.fingerprint.get("cluster") else "abstract cost units"
+    unit = "ms" if on_cluster else "the slowest stage's latency = 1"
     ax.set_xlabel(f"time ({unit}; forward 1/3, backward 2/3 of a stage's latency; idle = bubble)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
     ax.legend(handles, list(PHASE_COLOURS), loc="upper left", bbox_to_anchor=(1.01, 1.0),

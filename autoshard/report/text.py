@@ -46,7 +46,7 @@ def sections(d: PlanDigest, simulated: Mapping | None = None) -> list[Section]:
     """The report, top to bottom (module docstring)."""
     pf, roles = d.plan_file, d.parallelism
     head = [
-        f"model {pf.model or '(your own function)'}, optimizer {pf.optimizer or '?'}, "
+        f"model {pf.model or '(your own function)'}, optimizer {pf.optimizer or '(not recorded: your own step)'}, "
         f"global batch {d.global_batch if d.global_batch is not None else '?'}, "
         f"dtype {d.dtype or '?'}",
         f"plan {d.plan.name!r} on mesh {describe_mesh(d.mesh)}: {d.mesh.num_devices} devices",

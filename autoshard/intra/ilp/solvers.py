@@ -164,6 +164,28 @@ def solver_output_to_stderr():
         os.close(saved)
 
 
+@contextlib.contextmanager
+def _banner_to_devnull():
+    """Descriptor 1 to /dev/null meanwhile: HiGHS prints its copyright banner there when a
+    ``Highs`` object is made, before ``output_flag`` can silence it (every plan's stderr
+    showed it). Nothing else is printed while the object is made."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError):  # no descriptors to swap (embedded interpreters)
+        yield
+        return
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _flush_c_stdio() -> None:
     try:
         ctypes.CDLL(None).fflush(None)
@@ -185,7 +207,8 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
     """HiGHS through its own Python API, the matrix passed as is (no PuLP objects)."""
     import highspy
 
-    highs = highspy.Highs()
+    with _banner_to_devnull():  # the licence banner, printed before any option is read
+        highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     if time_limit_s is not None:
         highs.setOptionValue("time_limit", float(time_limit_s))

@@ -1,0 +1,315 @@
+"""The command line at its edges: Ctrl-C, unwritable outputs, exit statuses.
+
+Subprocess tests (with timeouts) where the behaviour is the process's: its exit status
+after a signal, what it leaves on stdout and stderr.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+MLP = ["--model", "mlp", "--batch", "16", "--hidden", "16"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _interrupt_when(argv, marker: str | None, timeout=300):
+    """Start ``autoshard *argv`` in its own process group, send the group SIGINT (as a
+    terminal's Ctrl-C does) once ``marker`` shows on stderr (None: once the process has
+    run 3 s of CPU, well past its imports, inside the command); its status and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autoshard", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    seen = []
+    deadline = time.monotonic() + timeout
+    try:
+        if marker is None:
+            while _cpu_seconds(proc.pid) < 3.0:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        else:
+            for line in proc.stderr:
+                seen.append(line)
+                if marker in line:
+                    break
+                assert time.monotonic() < deadline, "".join(seen)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, "".join(seen) + err
+
+
+@pytest.mark.parametrize(
+    "argv, marker",
+    [
+        (["run", *MLP, "--mesh", "2", "--steps", "100000"], None),
+        (
+            ["run", *MLP, "--mesh", "2", "--steps", "100000", "--processes", "2"],
+            "started process 1 of 2",
+        ),
+    ],
+    ids=["one process", "two processes"],
+)
+def test_ctrl_c_is_one_line_and_status_130(argv, marker):
+    rc, out, err = _interrupt_when(argv, marker)
+    assert rc == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.count("autoshard: interrupted (Ctrl-C)") == 1
+
+
+# ------------------------------------------------------- cheap bounds before the searches
+
+
+def test_a_mesh_of_a_million_devices_is_refused_before_jax_starts():
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", "--model", "gpt-tiny", "--mesh", "1000000"],
+        capture_output=True,
+        text=True,
+        timeout=60,  # it used to run for minutes, growing past 5 GB
+        env=ENV,
+    )
+    assert proc.returncode == 2
+    assert "--mesh 1000000 asks for 1,000,000 fake CPU devices" in proc.stderr
+    assert "makes at most 4,096" in proc.stderr and "autoshard simulate" in proc.stderr
+
+
+def test_a_three_axis_mesh_is_warned_about_before_planning(capsys, monkeypatch):
+    import autoshard.cli.plan as plan_cli
+    from autoshard.cli.main import main
+
+    def stop(*a, **k):
+        raise ValueError("stopped before planning")
+
+    monkeypatch.setattr(plan_cli, "plan_from_args", stop)
+    assert main(["plan", *MLP, "--mesh", "2x2x2"]) == 2
+    err = capsys.readouterr().err
+    warning, stopped = err.index("mesh 2x2x2 has 3 axes"), err.index("stopped before planning")
+    assert warning < stopped
+    assert "2x4, 4x2 (or 8)" in err
+
+
+def _spy_solves(monkeypatch):
+    import autoshard.intra.problem as problem
+
+    budgets, real = [], problem.auto_shard_graph
+
+    def spy(graph, mesh, options, **kw):
+        budgets.append(options.memory_budget_bytes)
+        return real(graph, mesh, options, **kw)
+
+    monkeypatch.setattr(problem, "auto_shard_graph", spy)
+    return budgets
+
+
+def test_a_budget_that_does_not_bind_is_not_solved_under(monkeypatch):
+    """The unbudgeted optimum fits a loose budget, so it is the budgeted optimum too: no
+    ILP with memory rows is built (it made planning ~10x slower)."""
+    from autoshard.api import plan_workload
+    from autoshard.intra.options import IntraOptions
+
+    sizes = dict(batch_size=16, hidden=16)
+    free = plan_workload("mlp", "2x4", options=IntraOptions(solver="highs"), **sizes)
+    budgets = _spy_solves(monkeypatch)
+    loose = IntraOptions(solver="highs", memory_budget_bytes=1e12)
+    bound = plan_workload("mlp", "2x4", options=loose, **sizes)
+    assert budgets == [None]
+    assert bound.plan.objective == free.plan.objective
+    assert bound.plan.predicted_peak_bytes <= 1e12
+
+
+def test_a_budget_below_the_parameters_and_state_is_refused_before_any_solve(monkeypatch):
+    from autoshard.api import plan_workload
+    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.options import IntraOptions
+
+    budgets = _spy_solves(monkeypatch)
+    tight = IntraOptions(solver="highs", memory_budget_bytes=100.0)
+    with pytest.raises(InfeasibleBudgetError, match="optimizer state alone take") as caught:
+        plan_workload("mlp", "2x4", options=tight, batch_size=16, hidden=16)
+    assert budgets == []
+    assert caught.value.proven and caught.value.min_feasible_bytes > 100
+
+
+# ------------------------------------------- exit statuses: 0 agree / fits, 1 does not
+
+
+def test_simulate_of_a_model_that_does_not_fit_exits_1_without_a_speed(capsys):
+    from autoshard.cli.main import main
+
+    argv = ["simulate", "--model", "gpt-39b", "--cluster", "alpa-v100", "--gpus", "8"]
+    assert main([*argv, "--plan", "megatron"]) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF MEMORY" in out and "the step does not run" in out
+    assert "tokens/s" not in out and "%" not in out.split("peak memory")[0]  # no MFU, no speed
+    assert main([*argv, "--plan", "megatron", "--json"]) == 1
+    assert '"oom": true' in capsys.readouterr().out
+    assert main(["simulate", "--model", "gpt-125m", "--cluster", "dgx-a100", "--gpus", "8"]) == 0
+
+
+def test_plan_verify_exits_1_on_a_disagreement_as_verify_does(monkeypatch, capsys):
+    """A tolerance of 0 makes any memory error a disagreement: both commands say 1."""
+    import dataclasses
+
+    from autoshard.api import BoundPlan
+    from autoshard.cli.main import main
+
+    real = BoundPlan.verify
+    monkeypatch.setattr(
+        BoundPlan, "verify", lambda self, *a, **k: dataclasses.replace(real(self, *a, **k),
+                                                                        memory_rtol=0.0)
+    )  # fmt: skip
+    argv = [*MLP, "--mesh", "2x4", "--baseline", "dp"]
+    assert main(["verify", *argv]) == 1
+    assert main(["plan", *argv, "--verify"]) == 1
+    monkeypatch.setattr(BoundPlan, "verify", real)
+    assert main(["plan", *argv, "--verify"]) == main(["verify", *argv])
+    capsys.readouterr()
+
+
+# ------------------------------------------ outputs checked before the work they record
+
+
+@pytest.mark.parametrize("where", ["parent is a file", "read-only file system"])
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(
+    tmp_path, where, capsys, monkeypatch
+):
+    import autoshard.cli.plan as plan_cli
+    from autoshard.cli.main import main
+
+    def no_work(*a, **k):
+        raise AssertionError("worked before checking the output path")
+
+    monkeypatch.setattr(plan_cli, "plan_from_args", no_work)
+    if where == "parent is a file":
+        (tmp_path / "file").write_text("x")
+        bad = str(tmp_path / "file" / "out")
+    else:
+        bad = "/sys/autoshard-out"  # root writes any folder, not a read-only mount
+    cases = [
+        ["reproduce", "--out", bad],  # the experiments would run for minutes first
+        ["plan", *MLP, "--mesh", "2x4", "--out", f"{bad}.json"],
+        ["plan", "--model", "gpt-tiny", "--devices", "8", "--pipeline", "auto", "--out", bad],
+        ["explain", "plan.json", "--html", f"{bad}.html"],
+        ["explain", "plan.json", "--pictures", bad],
+    ]
+    for argv in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"autoshard: error: {argv[-2]} "), err
+        assert "is a file, not a folder" in err or "cannot write in" in err
+    assert not list(tmp_path.glob("**/.autoshard-probe-*"))
+
+
+# ------------------------------------------------------------------------ smaller edges
+
+
+def test_a_png_given_as_a_plan_names_the_file(tmp_path, capsys):
+    from autoshard.cli.main import main
+
+    png = tmp_path / "plan.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    assert main(["explain", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert f"plan file '{png}' is not text" in err and "utf-8" not in err
+
+
+def test_a_plan_from_a_newer_version_says_upgrade(tmp_path):
+    import json
+
+    from autoshard.ir.planfile import PlanFileError, load_plan
+
+    path = tmp_path / "new.json"
+    path.write_text(json.dumps({"schema": "autoshard.plan/99", "kind": "intra"}))
+    with pytest.raises(PlanFileError, match="a newer autoshard wrote it: upgrade autoshard"):
+        load_plan(path)
+    path.write_text(json.dumps({"schema": "autoshard.plan/0", "kind": "intra"}))
+    with pytest.raises(PlanFileError, match="re-plan with this version"):
+        load_plan(path)
+
+
+def test_an_infinite_time_limit_is_refused_with_what_to_type(capsys):
+    from autoshard.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", *MLP, "--mesh", "2x4", "--time-limit", "inf"])
+    err = capsys.readouterr().err
+    assert "got inf: give a finite one" in err and "None" not in err
+
+
+def test_pipeline_plan_defaults_to_4_microbatches_as_plan_pipeline_does():
+    from autoshard.cli.main import build_parser
+
+    args = build_parser().parse_args(["pipeline-plan", "--model", "gpt-tiny"])
+    assert args.microbatches == 4
+
+
+def test_resumed_step_times_are_numbered_from_the_resume():
+    from autoshard.cli.run import _step_times
+
+    assert _step_times([0.5], done=1).startswith("step time: step 2 500.0 ms")
+    assert "steps 3-4" in _step_times([0.5, 0.1, 0.1], done=1)
+    assert _step_times([0.5, 0.1]).startswith("step time: step 1 ") and "; step 2 " in (
+        _step_times([0.5, 0.1])
+    )
+
+
+def test_help_lists_every_cluster_preset(capsys):
+    from autoshard.cli.main import build_parser
+    from autoshard.hardware.clusters import available_presets
+
+    for command in ("plan", "simulate", "explain"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        for name in available_presets():
+            assert name in out, (command, name)
+
+
+def test_export_differences_fold_identical_layers_only():
+    from autoshard.cli.explain import fold_differences
+    from autoshard.report.export import TensorDifference, state_path
+
+    rows = [
+        TensorDifference("Conv_0/kernel", "param", "f32[3, 3, 3, 16@model]", "f32[3, 3, 3, 16]"),
+        TensorDifference("Conv_1/kernel", "param", "f32[3, 3, 16, 32@model]", "f32[3, 3, 16, 32]"),
+        TensorDifference("block_0/w", "param", "f32[8@model]", "f32[8]"),
+        TensorDifference("block_1/w", "param", "f32[8@model]", "f32[8]"),
+    ]
+    assert [(p, n) for p, _, _, n in fold_differences(rows)] == [
+        ("Conv_0/kernel", 1), ("Conv_1/kernel", 1), ("block_*/w", 2)
+    ]  # fmt: skip
+    assert state_path("[1][0].mu['params']['Dense_0']['kernel']") == (
+        "opt_state/mu/params/Dense_0/kernel"
+    )
+    assert state_path("[1][0].trace['block_0']['w']") == "opt_state/trace/block_0/w"
+
+
+def test_no_highs_licence_banner_on_a_plans_output():
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", "plan", *MLP, "--mesh", "2x4", "--solver", "highs"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "HiGHS" not in proc.stderr + proc.stdout and "licence" not in proc.stderr
