@@ -36,3 +36,29 @@ def load_experiment(stem: str):
     finally:
         sys.path.remove(str(folder))
     return module
+
+
+# ----------------------------------------------------------------------------- workers
+# pyproject's addopts runs the tests on pytest-xdist workers (-n logical --dist worksteal:
+# each worker takes a contiguous half of the files, so module fixtures are built once,
+# and steals from the other's tail when it runs dry). Without pytest-xdist (or with
+# -p no:xdist) those options are accepted here and the tests run in this one process.
+
+
+def pytest_addoption(parser, pluginmanager):
+    if pluginmanager.has_plugin("xdist"):
+        return
+    group = parser.getgroup("xdist-absent", "pytest-xdist is absent: these options do nothing")
+    # _addoption: pytest reserves lowercase short options for plugins (xdist uses it too)
+    group._addoption("-n", "--numprocesses", dest="numprocesses", default=None)
+    group.addoption("--maxprocesses", dest="maxprocesses", default=None)
+    group.addoption("--dist", dest="dist", default="no")
+
+
+def pytest_report_header(config):
+    if not config.pluginmanager.has_plugin("xdist"):
+        return (
+            "pytest-xdist is absent: the tests run in one process "
+            "(pip install -e '.[dev]' installs it; it runs them on every core)"
+        )
+    return None
