@@ -62,3 +62,22 @@ def pytest_report_header(config):
             "(pip install -e '.[dev]' installs it; it runs them on every core)"
         )
     return None
+
+
+# ----------------------------------------------------------------------------- shared plans
+_PLANS: dict = {}
+
+
+def shared_plan(traced, mesh, options=None, **kw):
+    """``auto_shard_graph(traced.graph, mesh, options, **kw)``, solved once per worker for
+    the same traced object (a module or session fixture), mesh, options and keywords:
+    several tests check one plan (its collectives against XLA, its training against one
+    device, its JSON) without solving it again. Plans are frozen dataclasses. A test
+    that asserts what solving warns must call ``auto_shard_graph`` itself."""
+    from autoshard.intra.problem import auto_shard_graph
+
+    key = (id(traced), repr(mesh), repr(options), repr(sorted(kw.items())))
+    hit = _PLANS.get(key)
+    if hit is None or hit[0] is not traced:  # the id of a freed object can come back
+        hit = _PLANS[key] = (traced, auto_shard_graph(traced.graph, mesh, options, **kw))
+    return hit[1]
