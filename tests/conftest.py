@@ -3,6 +3,14 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# LLVM's code for the tiny test steps at -O0: XLA:CPU compiles them about 35% faster and
+# most of a test's time is compiling. The HLO XLA compiles (its collectives, fusions and
+# buffer assignment, which the tests compare with the plan) is the same at every level;
+# only the machine code differs. Set the flag yourself in XLA_FLAGS to test another level.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 import jax  # noqa: E402
 
@@ -36,3 +44,48 @@ def load_experiment(stem: str):
     finally:
         sys.path.remove(str(folder))
     return module
+
+
+# ----------------------------------------------------------------------------- workers
+# pyproject's addopts runs the tests on pytest-xdist workers (-n logical --dist worksteal:
+# each worker takes a contiguous half of the files, so module fixtures are built once,
+# and steals from the other's tail when it runs dry). Without pytest-xdist (or with
+# -p no:xdist) those options are accepted here and the tests run in this one process.
+
+
+def pytest_addoption(parser, pluginmanager):
+    if pluginmanager.has_plugin("xdist"):
+        return
+    group = parser.getgroup("xdist-absent", "pytest-xdist is absent: these options do nothing")
+    # _addoption: pytest reserves lowercase short options for plugins (xdist uses it too)
+    group._addoption("-n", "--numprocesses", dest="numprocesses", default=None)
+    group.addoption("--maxprocesses", dest="maxprocesses", default=None)
+    group.addoption("--dist", dest="dist", default="no")
+
+
+def pytest_report_header(config):
+    if not config.pluginmanager.has_plugin("xdist"):
+        return (
+            "pytest-xdist is absent: the tests run in one process "
+            "(pip install -e '.[dev]' installs it; it runs them on every core)"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------- shared plans
+_PLANS: dict = {}
+
+
+def shared_plan(traced, mesh, options=None, **kw):
+    """``auto_shard_graph(traced.graph, mesh, options, **kw)``, solved once per worker for
+    the same traced object (a module or session fixture), mesh, options and keywords:
+    several tests check one plan (its collectives against XLA, its training against one
+    device, its JSON) without solving it again. Plans are frozen dataclasses. A test
+    that asserts what solving warns must call ``auto_shard_graph`` itself."""
+    from autoshard.intra.problem import auto_shard_graph
+
+    key = (id(traced), repr(mesh), repr(options), repr(sorted(kw.items())))
+    hit = _PLANS.get(key)
+    if hit is None or hit[0] is not traced:  # the id of a freed object can come back
+        hit = _PLANS[key] = (traced, auto_shard_graph(traced.graph, mesh, options, **kw))
+    return hit[1]

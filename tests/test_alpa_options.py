@@ -8,6 +8,7 @@ from collections import Counter
 
 import jax
 import pytest
+from conftest import shared_plan
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
@@ -73,7 +74,7 @@ def test_no_all_gather_plan_has_none_and_xla_agrees(momentum, shape):
     options = IntraOptions(allow_all_gather=False)
     plan = auto_shard_graph(momentum.graph, mesh, options)
     assert "all-gather" not in {c.kind for c in plan.predicted_collectives}
-    default = auto_shard_graph(momentum.graph, mesh, IntraOptions())
+    default = shared_plan(momentum, mesh, IntraOptions())
     assert "all-gather" in {c.kind for c in default.predicted_collectives}
     assert plan.objective >= default.objective  # a restriction costs, never gains
     assert not plan.notes  # no forbidden kind held: no warning
@@ -87,7 +88,7 @@ def test_no_all_gather_plan_has_none_and_xla_agrees(momentum, shape):
 def test_no_all_to_all_plan_has_none(momentum):
     """allow_all_to_all=False on 1x8, where the default plan exchanges with all-to-alls."""
     mesh = _mesh((1, 8))
-    default = auto_shard_graph(momentum.graph, mesh, IntraOptions())
+    default = shared_plan(momentum, mesh, IntraOptions())
     assert "all-to-all" in {c.kind for c in default.predicted_collectives}
     plan = auto_shard_graph(momentum.graph, mesh, IntraOptions(allow_all_to_all=False))
     assert "all-to-all" not in {c.kind for c in plan.predicted_collectives}
@@ -101,7 +102,7 @@ def test_prefer_reduce_scatter_splits_the_state_for_the_same_bytes(momentum_unfu
     a lower peak -- and XLA compiles what it predicts, and it trains like one device."""
     momentum = momentum_unfused
     mesh = _mesh((8, 1))
-    first = auto_shard_graph(momentum.graph, mesh, IntraOptions())
+    first = shared_plan(momentum, mesh, IntraOptions())
     options = IntraOptions(prefer_reduce_scatter=True)
     plan = auto_shard_graph(momentum.graph, mesh, options)
     g = momentum.graph
@@ -133,7 +134,7 @@ def test_prefer_reduce_scatter_keeps_the_first_plan_when_it_would_send_more(mome
     """Alpa's rule: the rewrite only where it adds no communication. A second plan that
     sends more (here one extra all-gather) is not taken, and the note says why."""
     mesh = _mesh((8, 1))
-    first = auto_shard_graph(momentum.graph, mesh, IntraOptions())
+    first = shared_plan(momentum, mesh, IntraOptions())
     heavier = dataclasses.replace(
         first,
         predicted_collectives=first.predicted_collectives
@@ -150,7 +151,7 @@ def test_prefer_reduce_scatter_without_a_data_parallel_axis_says_so(momentum):
     """A plan whose data inputs all keep their batch whole has no data-parallel axis:
     nothing is re-planned (the second solve is not called), and the note says so."""
     mesh = _mesh((8, 1))
-    first = auto_shard_graph(momentum.graph, mesh, IntraOptions())
+    first = shared_plan(momentum, mesh, IntraOptions())
     g = momentum.graph
     assert data_parallel_axes(g, first) == ("data",)
     whole = dataclasses.replace(
@@ -190,7 +191,7 @@ def test_split_state_spec():
 def test_a_plan_holding_a_forbidden_kind_warns_and_says_so(momentum):
     """The exact program never picks a forbidden kind; a fallback or per-demand plan
     could, and then the user is told (warning and note), never silently."""
-    plan = auto_shard_graph(momentum.graph, _mesh((2, 4)), IntraOptions())
+    plan = shared_plan(momentum, _mesh((2, 4)), IntraOptions())
     assert "all-gather" in {c.kind for c in plan.predicted_collectives}
     with pytest.warns(UserWarning, match="allow_all_gather=False"):
         said = checked_forbidden(plan, IntraOptions(allow_all_gather=False), exact=False)

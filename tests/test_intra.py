@@ -4,6 +4,7 @@ predictions that match what XLA compiled."""
 import jax
 import numpy as np
 import pytest
+from conftest import shared_plan
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
@@ -146,7 +147,8 @@ def _plan(traced, shape, which=None):
     mesh = alpa_test_mesh(shape, ("data", "model")[: len(shape)])
     pinned = baseline_inputs(traced.graph, mesh.mesh, which) if which else None
     options = baseline_options(HIGHS, mesh.mesh, which) if which else HIGHS
-    return auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name=which or "auto")
+    # solved once per worker: several tests check the same plan (train, XLA, JSON)
+    return shared_plan(traced, mesh, options, pinned_inputs=pinned, name=which or "auto")
 
 
 def _assert_trains_like_one_device(traced, plan, optimizer="sgd", num_steps=1):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import shared_plan
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
@@ -57,7 +58,7 @@ def test_force_batch_dim_puts_every_batch_on_the_axis(tiny):
     # no time limit: the objectives are compared, so both plans must be optimal (on a
     # loaded machine 60 s can pass before HiGHS proves the free plan)
     exact = HIGHS.replace(time_limit_s=None)
-    free = auto_shard_graph(tiny.graph, mesh, exact)
+    free = shared_plan(tiny, mesh, exact)
     forced = auto_shard_graph(tiny.graph, mesh, exact.replace(force_batch_dim_to_mesh_axis="model"))
     assert not all("model" in s.dims[0] for s in _data_specs(tiny, free))  # it does bind
     assert all("model" in s.dims[0] for s in _data_specs(tiny, forced))
@@ -80,7 +81,8 @@ def test_no_mixed_mesh_shape_splits_each_dim_over_one_axis_at_most(tiny):
         specs = [*plan.input_specs, *plan.tensor_specs.values()]
         return [s for s in specs if any(len(d) > 1 for d in s.dims)]
 
-    free = auto_shard_graph(tiny.graph, mesh, HIGHS)
+    # the free plan of the test above (solved once; no time limit: the optimum)
+    free = shared_plan(tiny, mesh, HIGHS.replace(time_limit_s=None))
     plain = auto_shard_graph(tiny.graph, mesh, HIGHS.replace(allow_mixed_mesh_shape=False))
     assert mixed(free)  # the option has something to forbid
     assert not mixed(plain)

@@ -26,6 +26,7 @@ SGD that is ``-lr * grad``, so it checks gradients) and every output after N ste
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -466,6 +467,20 @@ def _update_rel_error(old, new_sharded, new_reference) -> float:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
+# One jitted single-device step per program, so that checking several plans of one
+# program compiles its reference once (jax caches compiles per jitted function). The
+# function holds the program weakly: the entry goes when the program does.
+_REFERENCE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reference_step(program: TracedProgram):
+    step = _REFERENCE_STEPS.get(program)
+    if step is None:
+        program_ref = weakref.ref(program)
+        step = _REFERENCE_STEPS[program] = jax.jit(lambda *a: program_ref().evaluate(*a))
+    return step
+
+
 def check_against_single_device(
     program: TracedProgram,
     plan: ParallelPlan,
@@ -489,7 +504,7 @@ def check_against_single_device(
 
     # the reference runs on this process's first device of the mesh (every process runs it)
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    reference = jax.jit(program.evaluate)
+    reference = _reference_step(program)
     ref_args = jax.device_put(host_args, device)
     sharded = step if step is not None else build_sharded_step(program, plan, mesh)
     shd_args = host_args
