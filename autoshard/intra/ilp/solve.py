@@ -116,13 +116,13 @@ def _solve_model(red, model, solver, time_limit_s, mip_gap, seed) -> _Outcome:
 # times the absolute gap the solves prove, so the solver sees every step of preference;
 # the cost row, not this weight, keeps the cost at the first solve's
 TIE_WEIGHT = 10 * _ABS_GAP
-# the tie-breaking solve's time: this fraction of the first solve's, at least
-# TIE_MIN_SECONDS, within the user's limit; out of it the best plan found is kept (its
-# cost is the first's). On large programs the preferences are a hard problem of their own
-# (gpt-350m on 2x4: HiGHS's root alone took 50 s against the first solve's 39 s), so the
-# budget bounds the planning time at 1.5x the solve without preferences.
-TIE_TIME_FACTOR = 0.5
-TIE_MIN_SECONDS = 1.0
+# programs with more columns skip the tie-breaking solve (the last pass, _polish, still
+# runs). On large programs the preferences are a hard problem of their own: on gpt-350m's
+# per-demand program on 2x4 (85,000 columns) HiGHS spent 50 s at the root of that solve
+# against 39 s for the whole first solve, and in a budget of half the first solve's time
+# it improved neither that plan nor gpt-1.3b's on 8x8. A rule on the program's size
+# keeps the plan independent of the machine's load, which a time budget would not.
+TIE_MAX_COLUMNS = 20_000
 
 
 def _tie_break(model: _Model, solver: str, time_limit_s, seed: int) -> _Outcome | None:
@@ -279,11 +279,12 @@ def solve(
         out = _Outcome("time_limit", out.bound, out.nodes, out.limit)
     tie_break = None
     if out.status == "optimal" and model.values is not None:
-        spent = time.perf_counter() - start
-        left = max(TIE_MIN_SECONDS, TIE_TIME_FACTOR * spent)
-        if time_limit_s is not None:
-            left = min(left, time_limit_s - spent)
-        if left > 0.0:
+        left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
+        if model.num_cols > TIE_MAX_COLUMNS:
+            tie_break = "skipped" if np.asarray(model.preference).any() else None
+            if merge and problem.preferences is not None:
+                _polish(red, model)
+        elif left is None or left > 0.0:
             second = _tie_break(model, solver, left, seed)
             if merge and problem.preferences is not None:  # (tie rows bind unmerged)
                 _polish(red, model)
