@@ -299,11 +299,12 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
                 diff[np.isnan(diff)] = -math.inf  # both forbidden: that q is out either way
                 worst = worst + diff.max(axis=2, initial=-math.inf)
         gone = np.zeros(ok.size, bool)
-        for i in range(ok.size):
-            others = ~gone
-            others[i] = False
-            if np.any(worst[others, i] <= 0):
-                gone[i] = True
+        with np.errstate(invalid="ignore"):  # NaN (inf - inf): not dominated, as for floats
+            for i in range(ok.size):
+                others = ~gone
+                others[i] = False
+                if np.any(worst[others, i] <= 0):
+                    gone[i] = True
         if not gone.any():
             return False
         c_new = cost[b].copy()
