@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices, configured before any JAX backend starts."""
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM's code for the tiny test steps at -O0: XLA:CPU compiles them about 35% faster and
@@ -89,3 +90,38 @@ def shared_plan(traced, mesh, options=None, **kw):
     if hit is None or hit[0] is not traced:  # the id of a freed object can come back
         hit = _PLANS[key] = (traced, auto_shard_graph(traced.graph, mesh, options, **kw))
     return hit[1]
+
+
+def save_plan(tmp, model, mesh, baseline=None, **sizes):
+    """Plan preset ``model`` on ``mesh`` (HiGHS; ``baseline`` or the ILP's own) and save
+    the plan file under ``tmp``; returns its path."""
+    from autoshard.api import plan_workload
+    from autoshard.intra.options import IntraOptions
+
+    bound = plan_workload(
+        model, mesh, baseline=baseline, options=IntraOptions(solver="highs"), **sizes
+    )
+    path = tmp / f"{model}-{mesh}-{baseline or 'auto'}.json"
+    bound.save(path)
+    return path
+
+
+# the CLI in a fresh process whose planner refuses to run (a command that must not plan)
+_NO_PLANNER = (
+    "import sys\n"
+    "import autoshard.intra.problem as problem\n"
+    "def refuse(*a, **k):\n"
+    "    raise AssertionError('the planner ran')\n"
+    "problem.auto_shard_graph = refuse\n"
+    "from autoshard.cli.main import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def run_cli_without_planner(*args):
+    """``autoshard *args`` in a fresh process whose planner raises if it runs."""
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-c", _NO_PLANNER, *args], capture_output=True, text=True, timeout=600
+    )

@@ -15,6 +15,7 @@ import json
 import re
 
 import pytest
+from conftest import save_plan
 
 from autoshard.inter.plan import InterPlan, Stage, StagePlan
 from autoshard.ir.planfile import PipelinePlanFile, load_plan
@@ -223,29 +224,17 @@ def test_the_rule_check_catches_what_megatron_refuses():
 # ----------------------------------------------------------------------- one-mesh plans
 
 
-def _save(tmp, model, mesh, baseline=None, **sizes):
-    from autoshard.api import plan_workload
-    from autoshard.intra.options import IntraOptions
-
-    bound = plan_workload(
-        model, mesh, baseline=baseline, options=IntraOptions(solver="highs"), **sizes
-    )
-    path = tmp / f"{model}-{mesh}-{baseline or 'auto'}.json"
-    bound.save(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def one_mesh_plans(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
     mlp = dict(batch_size=64, hidden=32)
     plans = [
-        _save(tmp, "mlp", mesh, b, **mlp)
+        save_plan(tmp, "mlp", mesh, b, **mlp)
         for mesh in ("2x4", "4x2", "1x8", "8")
         for b in ("dp", "zero2", "zero3", "megatron")
     ]
-    plans.append(_save(tmp, "mlp", "2x4", None, **mlp))
-    plans.append(_save(tmp, "gpt-tiny", "2x4", "megatron", seq_len=16, vocab_size=64))
+    plans.append(save_plan(tmp, "mlp", "2x4", None, **mlp))
+    plans.append(save_plan(tmp, "gpt-tiny", "2x4", "megatron", seq_len=16, vocab_size=64))
     return plans
 
 

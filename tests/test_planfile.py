@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli_without_planner
 
 from autoshard.cli.main import main
 from autoshard.ir.planfile import SCHEMA, PlanFileError, load_plan
@@ -55,30 +56,13 @@ def test_round_trip_in_python(tmp_path):
     assert len(rebound.graph.nodes) == len(bound.graph.nodes)
 
 
-NO_SOLVER = (
-    "import sys\n"
-    "import autoshard.intra.problem as problem\n"
-    "def refuse(*a, **k):\n"
-    "    raise AssertionError('the planner ran')\n"
-    "problem.auto_shard_graph = refuse\n"
-    "from autoshard.cli.main import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
-
-
-def _run_without_planner(*args):
-    return subprocess.run(
-        [sys.executable, "-c", NO_SOLVER, *args], capture_output=True, text=True, timeout=600
-    )
-
-
 def test_run_plan_matches_one_device_without_solving(plan_path):
-    proc = _run_without_planner("run", "--plan", str(plan_path), "--check")
+    proc = run_cli_without_planner("run", "--plan", str(plan_path), "--check")
     assert proc.returncode == 0, proc.stderr
     assert "MATCH" in proc.stdout and "MISMATCH" not in proc.stdout
     assert "not solving again" in proc.stderr
     # the same run without --plan needs the planner, which the harness removed
-    proc = _run_without_planner("run", *MODEL, "--mesh", "2x2")
+    proc = run_cli_without_planner("run", *MODEL, "--mesh", "2x2")
     assert proc.returncode != 0 and "the planner ran" in proc.stderr
 
 

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from conftest import save_plan
 
 from autoshard.cli.main import main
 from autoshard.ir.planfile import PlanFile, load_plan
@@ -17,28 +18,16 @@ MLP = dict(batch_size=64, hidden=32)
 MLP_FLAGS = ("--model", "mlp", "--batch", "64", "--hidden", "32")
 
 
-def _save(tmp, model, mesh, baseline=None, **sizes):
-    from autoshard.api import plan_workload
-    from autoshard.intra.options import IntraOptions
-
-    bound = plan_workload(
-        model, mesh, baseline=baseline, options=IntraOptions(solver="highs"), **sizes
-    )
-    path = tmp / f"{model}-{mesh}-{baseline or 'auto'}.json"
-    bound.save(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report")
-    return {b: _save(tmp, "mlp", "2x4", b, **MLP) for b in ("dp", "zero2", "zero3", "megatron")}
+    return {b: save_plan(tmp, "mlp", "2x4", b, **MLP) for b in ("dp", "zero2", "zero3", "megatron")}
 
 
 @pytest.fixture(scope="module")
 def gpt_plan(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpt")
-    return _save(tmp, "gpt-tiny", "2x4", "megatron", seq_len=16, vocab_size=64)
+    return save_plan(tmp, "gpt-tiny", "2x4", "megatron", seq_len=16, vocab_size=64)
 
 
 def _exported(path, target):
@@ -49,7 +38,7 @@ def _exported(path, target):
     "mesh, tp, dp", [("2x4", 4, 2), ("4x2", 2, 4), ("1x8", 8, 1), ("8", 8, 1), ("8x1", 1, 8)]
 )
 def test_megatron_baseline_exports_exactly_its_grid(tmp_path, mesh, tp, dp):
-    out = _exported(_save(tmp_path, "mlp", mesh, "megatron", **MLP), "megatron")
+    out = _exported(save_plan(tmp_path, "mlp", mesh, "megatron", **MLP), "megatron")
     assert out.exact, out.differences
     assert out.config["tensor-model-parallel-size"] == tp
     assert out.config["pipeline-model-parallel-size"] == 1

@@ -338,7 +338,7 @@ def test_stage_dp_with_recompute_choice_matches_brute_force(case, modes):
 def test_uniform_search_is_the_best_plan_of_equal_submeshes(seed):
     """uniform_stage_plan = brute force over plans whose stages all take one sub-mesh
     shape; never better than Alpa's DP over every mix (a restriction of it)."""
-    from autoshard.inter.stages import uniform_stage_plan
+    from autoshard.inter.uniform_stages import uniform_stage_plan
 
     layers, hosts, per_host, micro = 5, 2, 4, 4
     cost = random_cost_table(seed, layers, additive=seed % 2 == 0)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli_without_planner
 
 from autoshard.runtime.targets import (
     CompileTarget,
@@ -19,22 +20,6 @@ from autoshard.runtime.targets import (
 )
 
 MODEL = ["--model", "mlp", "--batch", "64", "--hidden", "32", "--optimizer", "sgd"]
-NO_SOLVER = (
-    "import sys\n"
-    "import autoshard.intra.problem as problem\n"
-    "def refuse(*a, **k):\n"
-    "    raise AssertionError('the planner ran')\n"
-    "problem.auto_shard_graph = refuse\n"
-    "from autoshard.cli.main import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
-
-
-def _cli(*args):
-    """The CLI in a fresh process whose planner refuses to run."""
-    return subprocess.run(
-        [sys.executable, "-c", NO_SOLVER, *args], capture_output=True, text=True, timeout=600
-    )
 
 
 def _has_cuda() -> bool:
@@ -164,19 +149,19 @@ def plan_path(bound, tmp_path_factory):
     ],
 )
 def test_verify_refuses_a_target_it_cannot_compile_for_before_planning(flags, says):
-    proc = _cli("verify", *MODEL, "--mesh", "2x2", *flags)
+    proc = run_cli_without_planner("verify", *MODEL, "--mesh", "2x2", *flags)
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr
     assert "the planner ran" not in proc.stderr
 
 
 def test_verify_a_plan_file_for_a_gpu_without_cuda_is_refused(plan_path):
-    proc = _cli("verify", "--plan", str(plan_path), "--target", "gpu-aot")
+    proc = run_cli_without_planner("verify", "--plan", str(plan_path), "--target", "gpu-aot")
     assert proc.returncode == 2 and "one visible NVIDIA GPU" in proc.stderr, proc.stderr
 
 
 def test_verify_a_plan_file_on_cpu_names_its_target(plan_path):
-    proc = _cli("verify", "--plan", str(plan_path), "--target", "cpu", "--json")
+    proc = run_cli_without_planner("verify", "--plan", str(plan_path), "--target", "cpu", "--json")
     out = json.loads(proc.stdout)
     assert proc.returncode == (0 if out["agree"] else 1), proc.stderr
     assert out["verification"]["target"] == "cpu"

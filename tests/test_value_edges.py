@@ -269,7 +269,8 @@ def test_price_per_value_is_the_exact_programs_objective(model, shape, which):
     (:func:`price_per_value`); it must equal ``objective_of`` on the built program at the
     completed assignment -- for the per-demand optimum and for other feasible assignments
     (a baseline's) -- and the plan must be the one the built program gives."""
-    from autoshard.intra.problem import _common, _finish, _solve_exact, price_per_value
+    from autoshard.intra.exact_values import price_per_value, solve_exact
+    from autoshard.intra.problem import _common, _finish
 
     kw = {"batch_size": 16, "hidden": 256, "num_layers": 2} if model == "mlp" else {}
     traced = trace_workload(model, optimizer="sgd", **kw)
@@ -288,7 +289,7 @@ def test_price_per_value_is_the_exact_programs_objective(model, shape, which):
         assert price_per_value(common, choice) == pytest.approx(
             objective_of(exact.problem, full), rel=1e-9, abs=1e-12
         )
-    built = _solve_exact(exact, demand, mesh, {"solver": "highs", "time_limit_s": 60,
+    built = solve_exact(exact, demand, mesh, {"solver": "highs", "time_limit_s": 60,
                          "mip_gap": 0.0, "seed": 0}, "not solved (test)")  # fmt: skip
     plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned)
     assert plan.objective == pytest.approx(built.objective, rel=1e-9)

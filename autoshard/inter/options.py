@@ -34,8 +34,8 @@ class StageSearchOptions:
     ``"range"``, see :mod:`autoshard.inter.stage_cost`) set the intra-op ILPs.
     ``submesh_search`` (with ``stages="auto"``): ``"alpa"``, Alpa's DP over every mix of
     sub-meshes; ``"uniform"``, one sub-mesh shape for all stages and Megatron-LM's logical
-    meshes (:func:`autoshard.inter.stages.uniform_stage_plan`); ``"auto"``, Alpa's unless one
-    of its DP runs would exceed :data:`~autoshard.inter.stages.ALPA_DP_WORK_LIMIT` element
+    meshes (:func:`autoshard.inter.uniform_stages.uniform_stage_plan`); ``"auto"``, Alpa's unless one
+    of its DP runs would exceed :data:`~autoshard.inter.uniform_stages.ALPA_DP_WORK_LIMIT` element
     operations (thousands of devices).
     """
 

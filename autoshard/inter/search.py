@@ -23,20 +23,22 @@ from autoshard.inter.plan import InterPlan, Shape2
 from autoshard.inter.progress import Progress
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
-    ALPA_DP_WORK_LIMIT,
     StageCost,
-    alpa_dp_work,
     cost_stage_choices,
     equal_flops_stages,
     equal_layer_stages,
     logical_mesh_shapes,
-    megatron_logical_meshes,
     optimal_stage_plan,
     place_submeshes,
     submesh_shapes,
-    uniform_stage_plan,
 )
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
+from autoshard.inter.uniform_stages import (
+    ALPA_DP_WORK_LIMIT,
+    alpa_dp_work,
+    megatron_logical_meshes,
+    uniform_stage_plan,
+)
 from autoshard.ir.graph import Graph
 
 

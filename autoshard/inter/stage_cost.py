@@ -51,9 +51,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.inter.folding import crossing_pairs, fold_chain
 from autoshard.inter.options import GRANULARITIES
 from autoshard.inter.plan import Shape2, StageSpecs
 from autoshard.inter.progress import Progress, quiet
+from autoshard.inter.stage_memory import amortise_update, kept_activations, recompute_costs
+from autoshard.inter.stage_memory import spec_fraction as _spec_fraction
 from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
 from autoshard.inter.subgraph import (
     RangeGraph,
@@ -65,7 +68,6 @@ from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
 from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
-from autoshard.intra.memory import mesh_intervals
 from autoshard.intra.offload import (
     NO_OFFLOAD,
     Offload,
@@ -102,119 +104,6 @@ class UnitCost:
     offload_s: float = 0.0
     staging_bytes: float = 0.0
     host_bytes: float = 0.0
-
-
-def is_attention_sized(shape: tuple[int, ...]) -> bool:
-    """A ``[batch, heads, s, s]`` tensor: attention scores, probabilities, their masks."""
-    return len(shape) == 4 and shape[-1] == shape[-2] > 1
-
-
-def _spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
-    return spec.shard_fraction(mesh.mesh)
-
-
-def activation_bytes_of(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> float:
-    """Per-device bytes of buffers live across the forward -> backward boundary: made (or
-    received) before the last forward equation and still read after it."""
-    return sum(kept_activations(graph, spec_of, mesh).values())
-
-
-def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> dict[int, float]:
-    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts."""
-    forward = [n.index for n in graph.nodes if n.phase == "forward"]
-    if not forward:
-        return {}
-    boundary = max(forward)
-    kept: dict[int, float] = {}
-    for tid, (first, last) in mesh_intervals(graph, mesh).items():
-        t = graph.tensors[tid]
-        if t.kind in ("param", "opt_state") or tid not in spec_of:
-            continue
-        if t.producer is None:  # an input: kept when the forward reads it and a later op too
-            reads = list(t.consumers)
-            keep = (
-                any(graph.nodes[c].phase == "forward" for c in reads)
-                and max(reads, default=-1) > boundary
-            )
-        else:
-            keep = first <= boundary < last and graph.nodes[t.producer].phase == "forward"
-        if keep:
-            kept[tid] = t.nbytes * _spec_fraction(spec_of[tid], mesh)
-    return kept
-
-
-def recompute_costs(
-    graph: Graph,
-    ip,
-    solution,
-    kept: Mapping[int, float],
-    layer_inputs: Mapping[int, float] | None = None,
-):
-    """Per recompute mode, (seconds added per microbatch, activation bytes kept).
-
-    * ``none``: nothing added; every kept buffer.
-    * ``selective`` (Korthikanti et al.): the attention core is recomputed -- the forward
-      equations that make or read attention-sized tensors (:func:`is_attention_sized`:
-      Q K^T, softmax, dropout, P V) -- and its buffers are not kept.  A fused attention
-      operator (``attention_fwd``) has no attention-sized tensor: it keeps only ``q, k, v``,
-      its output and the log-sum-exp, which the layer keeps anyway, and its backward
-      recomputes the scores itself (counted in its FLOPs), so selective recompute adds
-      nothing and drops nothing there: it costs what ``none`` costs.
-    * ``full``: the whole forward (equations at their chosen strategies, plus the
-      resharding into them) runs again; only the unit's inputs (the layer input) are kept:
-      ``layer_inputs`` (tensor id -> per-device bytes of the activations entering the unit
-      that its forward reads), which the forward needs to run again even where the
-      backward never reads them (so ``kept`` may lack them); without it, the inputs in
-      ``kept``.
-    """
-    forward = {n.index for n in graph.nodes if n.phase == "forward"}
-    chosen = [
-        ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]]
-        for n in graph.nodes
-    ]
-    forward_s = sum(chosen[i].compute_cost for i in forward)
-    forward_nodes = {ip.node_of(i) for i in forward}
-    for edge, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True):
-        if any(r in forward_nodes for r in readers):  # a value resharded for the forward
-            forward_s += edge.costs[solution.strategy[edge.src]][solution.strategy[edge.dst]]
-    attention = [
-        n.index
-        for n in graph.nodes
-        if n.index in forward
-        and any(is_attention_sized(graph.tensors[t].shape) for t in (*n.inputs, *n.outputs))
-    ]
-    selective_s = sum(chosen[i].compute_cost for i in attention)
-    total = sum(kept.values())
-    attention_bytes = sum(b for t, b in kept.items() if is_attention_sized(graph.tensors[t].shape))
-    inputs_bytes = sum(b for t, b in kept.items() if graph.tensors[t].producer is None)
-    seconds = {"none": 0.0, "selective": selective_s, "full": forward_s}
-    full = sum(layer_inputs.values()) if layer_inputs else inputs_bytes
-    kept_bytes = {"none": total, "selective": total - attention_bytes, "full": full}
-    return seconds, kept_bytes
-
-
-def _amortise_update(ip, factor: float):
-    """The ILP with the optimizer update's costs scaled by ``factor`` (= 1 / microbatches).
-
-    Gradients are accumulated over microbatches; the reduction (the resharding into the
-    update equations) and the update itself run once per step.  Scaling their compute
-    costs and the costs of resharding the values only they read makes the objective
-    seconds per microbatch.
-    """
-    if factor == 1.0:
-        return ip.problem
-    update = {ip.node_of(n.index) for n in ip.graph.nodes if n.phase == "update"}
-    edges = tuple(
-        dataclasses.replace(e, costs=tuple(tuple(c * factor for c in row) for row in e.costs))
-        if readers and all(r in update for r in readers)
-        else e
-        for e, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True)
-    )
-    node_costs = tuple(
-        tuple(c * factor for c in row) if i in update else row
-        for i, row in enumerate(ip.problem.node_costs)
-    )
-    return dataclasses.replace(ip.problem, edges=edges, node_costs=node_costs)
 
 
 class IntraStageCost:
@@ -260,7 +149,7 @@ class IntraStageCost:
         shallow_signatures = layer_signatures(graph)
         self.layer_names: tuple[str, ...] = graph.layers
         self._shallow_of: tuple[int, ...] = tuple(range(len(graph.layers)))
-        crossings = self._crossing_pairs()
+        crossings = crossing_pairs(self.graph)
         self._pair_rep = {pair: pair for pair in crossings}
         self.folded = deep_layers is not None and deep_layers != len(graph.layers)
         if self.folded:
@@ -296,55 +185,14 @@ class IntraStageCost:
 
     # -- folding a deep chain onto a shallow trace
     def _fold(self, deep_layers: int, crossings, signatures) -> tuple[tuple[int, int], ...]:
-        """Make this cost stand for a chain of ``deep_layers`` layers (first, blocks, last)
-        of which ``graph`` is a shallow trace with at least three identical blocks; returns
-        the deep crossing pairs.  Deep block 1 is shallow block 1, the deep last block the
-        shallow last block, every other deep block the shallow second block: their units,
-        junctions and borrowed parameters are the shallow ones.  Raises ``ValueError`` where
-        the trace is not such a chain (a crossing other than between neighbours or between
-        the first and last layer, blocks that differ, parameters borrowed from a block)."""
-        last = len(self.graph.layers) - 1  # shallow
-        blocks = signatures[1:last]
+        """Make this cost stand for a chain of ``deep_layers`` layers
+        (:func:`~autoshard.inter.folding.fold_chain`); returns the deep crossing pairs."""
         if self.granularity != "layer" or self.baseline is not None:
             raise ValueError("a folded stage cost needs granularity='layer' and no baseline")
-        if len(blocks) < 3 or len(set(blocks)) != 1 or deep_layers < len(signatures):
-            raise ValueError(
-                f"folding needs a trace of >= 3 identical blocks between a first and a last "
-                f"layer and at least as many deep layers; got signatures {signatures} for "
-                f"{deep_layers} deep layers"
-            )
-        for a, b in crossings:
-            if abs(a - b) != 1 and {a, b} != {0, last}:
-                raise ValueError(
-                    f"layers {self.graph.layers[a]} and {self.graph.layers[b]} pass a tensor: "
-                    "not a chain of neighbours, so the trace cannot be folded to another depth"
-                )
-        n = deep_layers - 1  # deep last
-        self._shallow_of = (0, 1, *([2] * (n - 3)), last - 1, last)
-        names = self.graph.layers
-        middle = names[1]
-        stem = middle.rstrip("0123456789")
-        if stem == middle:
-            raise ValueError(f"block name {middle!r} has no index to count deep blocks with")
-        first_index = int(middle[len(stem) :])
-        self.layer_names = (
-            names[0],
-            *(f"{stem}{first_index + i}" for i in range(n - 1)),
-            names[last],
+        self._shallow_of, self.layer_names, self._pair_rep = fold_chain(
+            self.graph.layers, crossings, signatures, deep_layers
         )
-        deep: dict[tuple[int, int], tuple[int, int]] = {}
-        for a, b in crossings:
-            if {a, b} == {0, last}:
-                deep[(0 if a == 0 else n, 0 if b == 0 else n)] = (a, b)
-            elif min(a, b) == 0:
-                deep[(a, b)] = (a, b)
-            elif max(a, b) == last:
-                deep[(a - last + n, b - last + n)] = (a, b)
-            else:  # block to block, one way or the other
-                for i in range(1, n - 1):
-                    deep[(i + a - min(a, b), i + b - min(a, b))] = (a, b)
-        self._pair_rep = deep
-        return tuple(sorted(deep))
+        return tuple(sorted(self._pair_rep))
 
     def _deep_owner(self, owner: int) -> int:
         """A shallow owner layer index as a deep one (-1: no layer)."""
@@ -373,21 +221,6 @@ class IntraStageCost:
         if (layer, layer + 1) not in self._subgraphs:
             self._subgraphs[layer, layer + 1] = range_subgraph(self.graph, layer, layer + 1)
         return self._subgraphs[layer, layer + 1]
-
-    def _crossing_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(producer layer, consumer layer) pairs that pass a tensor, as layer indices."""
-        index = {name: i for i, name in enumerate(self.graph.layers)}
-        pairs = set()
-        for n in self.graph.nodes:
-            if n.layer not in index:
-                continue
-            for t in n.inputs:
-                p = self.graph.tensors[t].producer
-                if p is not None and self.graph.nodes[p].layer in index:
-                    a, b = index[self.graph.nodes[p].layer], index[n.layer]
-                    if a != b:
-                        pairs.add((a, b))
-        return tuple(sorted(pairs))
 
     def prepare(self, logicals, progress: Progress | None = None) -> None:
         """Plan every layer on each of ``logicals`` now (the stage DP calls this before it
@@ -470,7 +303,7 @@ class IntraStageCost:
             if self.offload:  # a host update costs the device nothing
                 options = options.replace(offload=self.offload.classes)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
-            problem = _amortise_update(ip, amortise)
+            problem = amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:
                 solution = solve(problem, solver=self.solver, time_limit_s=self.time_limit_s)

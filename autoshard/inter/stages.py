@@ -33,7 +33,7 @@ DP solution, which visits only the corners of the (sum, max) trade-off and retur
 same optimum with far fewer DP runs.  One DP run costs about ``L^2 * S * J * D`` numpy
 element operations (``J`` sub-mesh shapes, ``D`` devices): fine for Alpa-sized problems
 (tens of layers, tens of devices), not for a thousand devices.  There
-:func:`uniform_stage_plan` runs the same DP once per sub-mesh shape with every stage on
+:func:`~autoshard.inter.uniform_stages.uniform_stage_plan` runs the same DP once per sub-mesh shape with every stage on
 that shape (``L^2 * S`` each, :func:`_one_size_dp`).  Ranges whose costs the callback says
 are equal (``range_key``: identical layers) are costed once, whatever their position.
 
@@ -44,7 +44,6 @@ multiset of them whose sizes add up to ``N * M`` tiles the cluster, and
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +53,12 @@ import numpy as np
 
 from autoshard.inter.plan import Shape2, Stage, StagePlan
 from autoshard.inter.progress import Progress, quiet
+from autoshard.inter.submesh import (  # noqa: F401 - re-exported: the stage DP's sub-meshes
+    check_cluster,
+    logical_mesh_shapes,
+    place_submeshes,
+    submesh_shapes,
+)
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -97,77 +102,6 @@ def microbatches_in_flight(
     if schedule == "1f1b":
         return min(num_stages - stage_index, num_microbatches)
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-
-
-def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
-    for name, v in (("num_hosts", num_hosts), ("devices_per_host", devices_per_host)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-
-
-def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape2, ...]:
-    """Alpa's candidate sub-meshes: ``(1, 2^j)`` for powers of two dividing ``M``,
-    ``(1, M)``, and ``(k, M)`` for ``k = 2..N``.
-
-    Single-host sizes divide each other and ``M``; multi-host ones are whole hosts.  That
-    is what lets any multiset of them with total ``N * M`` tile the cluster.  For ``M`` a
-    power of two this is exactly Alpa's list.
-    """
-    _check_cluster(num_hosts, devices_per_host)
-    shapes = []
-    width = 1
-    while width < devices_per_host and devices_per_host % width == 0:
-        shapes.append((1, width))
-        width *= 2
-    shapes.append((1, devices_per_host))
-    shapes += [(k, devices_per_host) for k in range(2, num_hosts + 1)]
-    return tuple(shapes)
-
-
-def logical_mesh_shapes(submesh_shape: Shape2) -> tuple[Shape2, ...]:
-    """Every ``(dp, tp)`` with ``dp * tp`` = the sub-mesh's device count, ``dp`` ascending."""
-    n = submesh_shape[0] * submesh_shape[1]
-    if n < 1:
-        raise ValueError(f"sub-mesh shape {submesh_shape} has no devices")
-    return tuple((dp, n // dp) for dp in range(1, n + 1) if n % dp == 0)
-
-
-def place_submeshes(
-    shapes: Sequence[Shape2], num_hosts: int, devices_per_host: int
-) -> tuple[tuple[int, ...], ...]:
-    """Device ids (``host * M + local``) for each sub-mesh, tiling the cluster exactly.
-
-    Multi-host shapes ``(k, M)`` take whole hosts in order; single-host shapes are packed
-    largest first into the hosts left.  Raises if the shapes do not tile the cluster.
-    """
-    _check_cluster(num_hosts, devices_per_host)
-    total = sum(r * c for r, c in shapes)
-    if total != num_hosts * devices_per_host:
-        raise ValueError(
-            f"sub-meshes {list(shapes)} use {total} devices; the {num_hosts}x{devices_per_host} "
-            f"cluster has {num_hosts * devices_per_host} and all must be used exactly once"
-        )
-    placed: list[tuple[int, ...] | None] = [None] * len(shapes)
-    host = 0
-    for idx, (rows, cols) in enumerate(shapes):
-        if rows > 1:
-            if cols != devices_per_host:
-                raise ValueError(f"multi-host sub-mesh {(rows, cols)} must span whole hosts")
-            ids = range(host * devices_per_host, (host + rows) * devices_per_host)
-            placed[idx] = tuple(ids)
-            host += rows
-    used = [0] * num_hosts  # devices taken on each remaining host, filled left to right
-    for idx in sorted((i for i, s in enumerate(shapes) if s[0] == 1), key=lambda i: -shapes[i][1]):
-        width = shapes[idx][1]
-        for h in range(host, num_hosts):
-            if used[h] + width <= devices_per_host:
-                start = h * devices_per_host + used[h]
-                placed[idx] = tuple(range(start, start + width))
-                used[h] += width
-                break
-        else:
-            raise ValueError(f"sub-meshes {list(shapes)} cannot be packed onto whole hosts")
-    return tuple(p for p in placed if p is not None)
 
 
 def equal_layer_stages(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -526,7 +460,7 @@ def optimal_stage_plan(
     progress = progress or quiet()
     t0 = time.perf_counter()
     _check_problem(num_layers, num_microbatches, schedule)
-    _check_cluster(num_hosts, devices_per_host)
+    check_cluster(num_hosts, devices_per_host)
     if t_max_search not in ("frontier", "alpa"):
         raise ValueError(f"t_max_search must be 'frontier' or 'alpa', got {t_max_search!r}")
     num_devices = num_hosts * devices_per_host
@@ -652,100 +586,4 @@ def optimal_stage_plan(
         num_microbatches,
         schedule,
         num_dp_runs,
-    )
-
-
-# ----------------------------------------------------------------------------- frontier scale
-
-ALPA_DP_WORK_LIMIT = 2e9  # element operations of one Alpa DP run beyond which "auto" goes uniform
-
-
-def alpa_dp_work(num_layers: int, num_hosts: int, devices_per_host: int) -> float:
-    """Element operations of one run of Alpa's DP: ``L^2 * S * J * D`` (the module docstring)."""
-    devices = num_hosts * devices_per_host
-    shapes = len(submesh_shapes(num_hosts, devices_per_host))
-    return float(num_layers) ** 2 * min(num_layers, devices) * shapes * devices
-
-
-def megatron_logical_meshes(devices_per_host: int, microbatch: int):
-    """``submesh -> logical meshes`` keeping Megatron-LM's grid rules: the tensor-parallel
-    axis inside a host (``tp <= devices_per_host``) and a data-parallel degree that divides
-    the micro-batch (whole sequences per replica; ``microbatch`` 0: any)."""
-
-    def allowed(submesh: Shape2) -> tuple[Shape2, ...]:
-        return tuple(
-            (dp, tp)
-            for dp, tp in logical_mesh_shapes(submesh)
-            if tp <= devices_per_host and (microbatch == 0 or microbatch % dp == 0)
-        )
-
-    return allowed
-
-
-def uniform_stage_plan(
-    num_layers: int,
-    num_hosts: int,
-    devices_per_host: int,
-    stage_cost: StageCostFn,
-    num_microbatches: int,
-    memory_budget_bytes: float | None = None,
-    schedule: str = "1f1b",
-    num_stages: int | None = None,
-    recompute_modes: Sequence[str] = NO_RECOMPUTE,
-    progress: Progress | None = None,
-    logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
-) -> StagePlan:
-    """The stage DP restricted to pipelines whose stages all take one sub-mesh shape.
-
-    For every shape of :func:`submesh_shapes` whose size ``n`` divides the ``D`` devices
-    with ``D / n`` stages no more than the layers (or exactly ``num_stages``), the DP of
-    :func:`optimal_stage_plan` splits the layers into ``D / n`` stages on that shape alone
-    (each stage still takes its fastest fitting logical mesh and recompute mode); the best
-    of these plans wins.  One DP run costs ``L^2 * S`` instead of ``L^2 * S * J * D``: the
-    search for thousands of devices, where Megatron-LM's grids (equal stages) live.
-    Raises ``ValueError`` when no shape gives a plan (quoting why, e.g. the memory budget).
-    """
-    progress = progress or quiet()
-    _check_cluster(num_hosts, devices_per_host)
-    devices = num_hosts * devices_per_host
-    candidates = [
-        (shape, devices // (shape[0] * shape[1]))
-        for shape in submesh_shapes(num_hosts, devices_per_host)
-        if devices % (shape[0] * shape[1]) == 0
-        and devices // (shape[0] * shape[1]) <= num_layers
-        and (num_stages is None or devices // (shape[0] * shape[1]) == num_stages)
-    ]
-    if not candidates:
-        raise ValueError(
-            f"no sub-mesh shape of {submesh_shapes(num_hosts, devices_per_host)} splits "
-            f"{devices} devices into equal stages of >= 1 of the {num_layers} layers"
-            + ("" if num_stages is None else f" in {num_stages} stages")
-        )
-    t0 = time.perf_counter()
-    prepare = getattr(stage_cost, "prepare", None)
-    if prepare is not None:  # every candidate's ILPs, counted on one phase
-        meshes = logical_meshes or logical_mesh_shapes
-        prepare([g for shape, _ in candidates for g in meshes(shape)], progress)
-    best, errors, runs, calls = None, [], 0, 0
-    with progress.phase("equal-stage pipelines", len(candidates)) as phase:
-        for shape, count in candidates:
-            try:
-                plan = optimal_stage_plan(
-                    num_layers, num_hosts, devices_per_host, stage_cost, num_microbatches,
-                    memory_budget_bytes, schedule, count, recompute_modes=recompute_modes,
-                    submeshes=(shape,), logical_meshes=logical_meshes,
-                )  # fmt: skip
-            except ValueError as err:
-                errors.append(f"{count} stages on {shape}: {err}")
-                continue
-            finally:
-                phase.advance()
-            runs += plan.num_dp_runs
-            calls += plan.num_cost_calls
-            if best is None or plan.objective_s < best.objective_s:
-                best = plan
-    if best is None:
-        raise ValueError("no plan of equal sub-meshes: " + " | ".join(errors))
-    return dataclasses.replace(
-        best, search_seconds=time.perf_counter() - t0, num_cost_calls=calls, num_dp_runs=runs
     )

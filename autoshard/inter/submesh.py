@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from types import MappingProxyType
 
 from autoshard.hardware.clusters import (
@@ -80,3 +81,78 @@ def logical_mesh_costs(cluster, dtype: str | None = None):
         return cache[logical]
 
     return mesh_for
+
+
+# ----------------------------------------------------------------------------- Alpa's sub-meshes
+
+
+def check_cluster(num_hosts: int, devices_per_host: int) -> None:
+    """ValueError unless both are positive ints."""
+    for name, v in (("num_hosts", num_hosts), ("devices_per_host", devices_per_host)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape2, ...]:
+    """Alpa's candidate sub-meshes: ``(1, 2^j)`` for powers of two dividing ``M``,
+    ``(1, M)``, and ``(k, M)`` for ``k = 2..N``.
+
+    Single-host sizes divide each other and ``M``; multi-host ones are whole hosts.  That
+    is what lets any multiset of them with total ``N * M`` tile the cluster.  For ``M`` a
+    power of two this is exactly Alpa's list.
+    """
+    check_cluster(num_hosts, devices_per_host)
+    shapes = []
+    width = 1
+    while width < devices_per_host and devices_per_host % width == 0:
+        shapes.append((1, width))
+        width *= 2
+    shapes.append((1, devices_per_host))
+    shapes += [(k, devices_per_host) for k in range(2, num_hosts + 1)]
+    return tuple(shapes)
+
+
+def logical_mesh_shapes(submesh_shape: Shape2) -> tuple[Shape2, ...]:
+    """Every ``(dp, tp)`` with ``dp * tp`` = the sub-mesh's device count, ``dp`` ascending."""
+    n = submesh_shape[0] * submesh_shape[1]
+    if n < 1:
+        raise ValueError(f"sub-mesh shape {submesh_shape} has no devices")
+    return tuple((dp, n // dp) for dp in range(1, n + 1) if n % dp == 0)
+
+
+def place_submeshes(
+    shapes: Sequence[Shape2], num_hosts: int, devices_per_host: int
+) -> tuple[tuple[int, ...], ...]:
+    """Device ids (``host * M + local``) for each sub-mesh, tiling the cluster exactly.
+
+    Multi-host shapes ``(k, M)`` take whole hosts in order; single-host shapes are packed
+    largest first into the hosts left.  Raises if the shapes do not tile the cluster.
+    """
+    check_cluster(num_hosts, devices_per_host)
+    total = sum(r * c for r, c in shapes)
+    if total != num_hosts * devices_per_host:
+        raise ValueError(
+            f"sub-meshes {list(shapes)} use {total} devices; the {num_hosts}x{devices_per_host} "
+            f"cluster has {num_hosts * devices_per_host} and all must be used exactly once"
+        )
+    placed: list[tuple[int, ...] | None] = [None] * len(shapes)
+    host = 0
+    for idx, (rows, cols) in enumerate(shapes):
+        if rows > 1:
+            if cols != devices_per_host:
+                raise ValueError(f"multi-host sub-mesh {(rows, cols)} must span whole hosts")
+            ids = range(host * devices_per_host, (host + rows) * devices_per_host)
+            placed[idx] = tuple(ids)
+            host += rows
+    used = [0] * num_hosts  # devices taken on each remaining host, filled left to right
+    for idx in sorted((i for i, s in enumerate(shapes) if s[0] == 1), key=lambda i: -shapes[i][1]):
+        width = shapes[idx][1]
+        for h in range(host, num_hosts):
+            if used[h] + width <= devices_per_host:
+                start = h * devices_per_host + used[h]
+                placed[idx] = tuple(range(start, start + width))
+                used[h] += width
+                break
+        else:
+            raise ValueError(f"sub-meshes {list(shapes)} cannot be packed onto whole hosts")
+    return tuple(p for p in placed if p is not None)

@@ -40,7 +40,6 @@ def materialized_tensors(
     reductions_read_memory: bool = False,
     fused_transcendentals: bool = False,
     same: dict[int, int] | None = None,
-    dot_lhs_copies: bool = False,
 ) -> set[int]:
     """Tensors that occupy memory in the compiled step (a model of XLA's fusion).
 
@@ -63,14 +62,6 @@ def materialized_tensors(
 
     Values that depend on no program input (an attention mask: iota, compare,
     broadcast) never are: XLA folds them or regenerates them inside each reader's fusion.
-
-    With ``dot_lhs_copies`` (XLA:CPU: a dot that reads its lhs transposed reads a
-    transposed copy made just before it, :func:`~autoshard.intra.layout_copies.
-    transposed_dot_lhs`), a value made by cheap elementwise ops is computed twice, in its
-    own fusion and in the copy's, so the transcendental or division they are made from is
-    read by two fusions and kept (the fused cross-entropy's backward: ``exp(logits -
-    lse)``, ``subtract_exponential_fusion`` beside the logits gradient and its transposed
-    copy on gpt-350m, 200 MiB each).
 
     A value an unfused op reads through views (a slice of a kernel, squeezed, read by a
     dot: the fused program's q/k/v GEMMs) is materialised: the view is a bitcast of its
@@ -115,19 +106,19 @@ def materialized_tensors(
                 )
                 if not recomputable:
                     out.add(tid)
-    if dot_lhs_copies:
-        for tid in copied_lhs_sources(graph, out):
-            if graph.nodes[graph.tensors[tid].producer].primitive in expensive:
-                out.add(tid)
     return out
 
 
 def copied_lhs_sources(graph: Graph, kept: set[int]) -> dict[int, int]:
-    """Values XLA:CPU reads again at a transposed dot lhs copy (``dot_lhs_copies``): for
-    each lhs that cheap elementwise ops make and that is read in its own fusion too, the
-    backward pass's transcendentals and divisions in that fusion (kept once two fusions
-    read them: a recompute such as the fused cross-entropy's ``exp``), mapped to the last
-    such dot's node index.  Forward ones are left to the rules above (saved or recomputed
+    """Values XLA:CPU keeps for a transposed dot lhs copy (``dot_lhs_copies``: a dot that
+    reads its lhs transposed reads a copy made just before it,
+    :func:`~autoshard.intra.layout_copies.transposed_dot_lhs`).  An lhs made by cheap
+    elementwise ops and read in its own fusion too is computed twice, in that fusion and in
+    the copy's, so the backward pass's transcendentals and divisions in it are read by two
+    fusions and kept (the fused cross-entropy's ``exp(logits - lse)``:
+    ``subtract_exponential_fusion`` beside the logits gradient and its transposed copy on
+    gpt-350m, 200 MiB each).  Returns them mapped to the last such dot's node index, to
+    which they live (:func:`~autoshard.intra.memory.live_intervals`).  Forward ones are left to the rules above (saved or recomputed
     for the backward: on gpt-tiny's and gpt-350m's unfused steps counting them again
     over-predicted XLA:CPU by up to 45% at the embedding gradient's dot)."""
     copied: dict[int, set[int]] = {}

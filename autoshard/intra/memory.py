@@ -108,6 +108,9 @@ def live_intervals(
     last op that reads it, directly or through values fused away (:func:`_readers`: a
     value recomputed in the backward pass keeps what it is made of alive until then).
 
+    With ``dot_lhs_copies`` (XLA:CPU) what a transposed dot lhs copy reads again is kept
+    until that dot (:func:`~autoshard.intra.materialized.copied_lhs_sources`).
+
     With ``early_inputs`` (XLA:CPU, ``early_input_reshards``) the zeros an in-place update
     writes into and no add absorbs (:mod:`autoshard.intra.update_zeros`) are a buffer made
     at the start of the step, which the update's result then takes over.
@@ -115,9 +118,9 @@ def live_intervals(
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
     same = common_values(graph)  # once: the fusion part reads it too
-    keep = materialized_tensors(
-        graph, reductions_read_memory, fused_transcendentals, same, dot_lhs_copies
-    )
+    keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals, same)
+    copied = copied_lhs_sources(graph, keep) if dot_lhs_copies else {}
+    keep |= copied.keys()
     consumers = merged_consumers(graph, same)
     aliased_outputs = {dst for _, dst in graph.aliases}
     out: dict[int, tuple[int, int]] = {}
@@ -133,10 +136,9 @@ def live_intervals(
         else:
             last = max([pos[c] for c in _readers(graph, t.id, keep, consumers)] + [first])
         out[t.id] = (first, last)
-    if dot_lhs_copies:  # what a transposed lhs copy's fusion reads lives until then
-        for src, dot in copied_lhs_sources(graph, keep).items():
-            if src in out and out[src][1] < pos[dot]:
-                out[src] = (out[src][0], pos[dot])
+    for src, dot in copied.items():  # read again by the transposed lhs copy, at its dot
+        if src in out and out[src][1] < pos[dot]:
+            out[src] = (out[src][0], pos[dot])
     if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
         for z in graph_update_zeros(graph):
             if z.add is None and z.zeros not in out:

@@ -22,7 +22,7 @@ the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` pri
 * ``none``: every residual kept;
 * ``selective`` (Korthikanti et al., Megatron-LM): the layer runs under
   ``jax.checkpoint`` with a policy that saves every value except attention-sized ones
-  (:func:`~autoshard.inter.stage_cost.is_attention_sized`: scores, softmax, masks) and
+  (:func:`~autoshard.inter.stage_memory.is_attention_sized`: scores, softmax, masks) and
   those computed from them: the attention core is recomputed, everything else is kept;
 * ``full``: the layer runs under ``jax.checkpoint`` with nothing saveable: only its
   inputs are kept and its forward runs again in the backward.
@@ -43,7 +43,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from autoshard.inter.program_cut import StageProgram
-from autoshard.inter.stage_cost import is_attention_sized
+from autoshard.inter.stage_memory import is_attention_sized
 from autoshard.inter.stages import RECOMPUTE_MODES
 from autoshard.ir.records import TensorRecord
 from autoshard.runtime.distributed import to_host

@@ -8,7 +8,7 @@ with HiGHS on abstract shapes, then the stage DP) over the stage costs of
 
 Recompute under ``auto``: a plan dimension of the stage DP. Every stage candidate is
 costed with no, selective and full recompute of its transformer blocks
-(:func:`autoshard.inter.stage_cost.recompute_costs`: the forward or attention-core time of the chosen
+(:func:`autoshard.inter.stage_memory.recompute_costs`: the forward or attention-core time of the chosen
 intra-op plans added to the latency, the activations Korthikanti et al.'s scheme keeps);
 with ``recompute="auto"`` (the default for ``plan="auto"``) the DP takes, per stage, the
 fastest mode whose memory fits the device's HBM, and records it in ``plan["stages"]``;
@@ -153,7 +153,7 @@ def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
     the forward FLOPs its recompute mode runs again in its blocks (full: their forward;
     selective: their attention-sized equations, none with fused attention) -- not the
     first layer (embedding) nor the last (logits and loss), as for GPT."""
-    from autoshard.inter.stage_cost import is_attention_sized
+    from autoshard.inter.stage_memory import is_attention_sized
     from autoshard.ir.graph import recomputed_flops
 
     learn = ("forward", "backward")

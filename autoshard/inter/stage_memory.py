@@ -1,0 +1,128 @@
+"""A stage unit's per-micro-batch terms (jax-free): what it keeps between its forward and
+backward passes, what recompute adds and saves, and the optimizer update's share of each
+micro-batch -- the parts of :class:`~autoshard.inter.stage_cost.IntraStageCost`'s units
+that are not the ILP itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.memory import mesh_intervals
+from autoshard.ir.graph import Graph
+from autoshard.ir.spec import ShardingSpec
+
+
+def is_attention_sized(shape: tuple[int, ...]) -> bool:
+    """A ``[batch, heads, s, s]`` tensor: attention scores, probabilities, their masks."""
+    return len(shape) == 4 and shape[-1] == shape[-2] > 1
+
+
+def spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
+    """The share of ``spec``'s whole tensor one device of ``mesh`` holds."""
+    return spec.shard_fraction(mesh.mesh)
+
+
+def activation_bytes_of(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> float:
+    """Per-device bytes of buffers live across the forward -> backward boundary: made (or
+    received) before the last forward equation and still read after it."""
+    return sum(kept_activations(graph, spec_of, mesh).values())
+
+
+def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> dict[int, float]:
+    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts."""
+    forward = [n.index for n in graph.nodes if n.phase == "forward"]
+    if not forward:
+        return {}
+    boundary = max(forward)
+    kept: dict[int, float] = {}
+    for tid, (first, last) in mesh_intervals(graph, mesh).items():
+        t = graph.tensors[tid]
+        if t.kind in ("param", "opt_state") or tid not in spec_of:
+            continue
+        if t.producer is None:  # an input: kept when the forward reads it and a later op too
+            reads = list(t.consumers)
+            keep = (
+                any(graph.nodes[c].phase == "forward" for c in reads)
+                and max(reads, default=-1) > boundary
+            )
+        else:
+            keep = first <= boundary < last and graph.nodes[t.producer].phase == "forward"
+        if keep:
+            kept[tid] = t.nbytes * spec_fraction(spec_of[tid], mesh)
+    return kept
+
+
+def recompute_costs(
+    graph: Graph,
+    ip,
+    solution,
+    kept: Mapping[int, float],
+    layer_inputs: Mapping[int, float] | None = None,
+):
+    """Per recompute mode, (seconds added per microbatch, activation bytes kept).
+
+    * ``none``: nothing added; every kept buffer.
+    * ``selective`` (Korthikanti et al.): the attention core is recomputed -- the forward
+      equations that make or read attention-sized tensors (:func:`is_attention_sized`:
+      Q K^T, softmax, dropout, P V) -- and its buffers are not kept.  A fused attention
+      operator (``attention_fwd``) has no attention-sized tensor: it keeps only ``q, k, v``,
+      its output and the log-sum-exp, which the layer keeps anyway, and its backward
+      recomputes the scores itself (counted in its FLOPs), so selective recompute adds
+      nothing and drops nothing there: it costs what ``none`` costs.
+    * ``full``: the whole forward (equations at their chosen strategies, plus the
+      resharding into them) runs again; only the unit's inputs (the layer input) are kept:
+      ``layer_inputs`` (tensor id -> per-device bytes of the activations entering the unit
+      that its forward reads), which the forward needs to run again even where the
+      backward never reads them (so ``kept`` may lack them); without it, the inputs in
+      ``kept``.
+    """
+    forward = {n.index for n in graph.nodes if n.phase == "forward"}
+    chosen = [
+        ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]]
+        for n in graph.nodes
+    ]
+    forward_s = sum(chosen[i].compute_cost for i in forward)
+    forward_nodes = {ip.node_of(i) for i in forward}
+    for edge, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True):
+        if any(r in forward_nodes for r in readers):  # a value resharded for the forward
+            forward_s += edge.costs[solution.strategy[edge.src]][solution.strategy[edge.dst]]
+    attention = [
+        n.index
+        for n in graph.nodes
+        if n.index in forward
+        and any(is_attention_sized(graph.tensors[t].shape) for t in (*n.inputs, *n.outputs))
+    ]
+    selective_s = sum(chosen[i].compute_cost for i in attention)
+    total = sum(kept.values())
+    attention_bytes = sum(b for t, b in kept.items() if is_attention_sized(graph.tensors[t].shape))
+    inputs_bytes = sum(b for t, b in kept.items() if graph.tensors[t].producer is None)
+    seconds = {"none": 0.0, "selective": selective_s, "full": forward_s}
+    full = sum(layer_inputs.values()) if layer_inputs else inputs_bytes
+    kept_bytes = {"none": total, "selective": total - attention_bytes, "full": full}
+    return seconds, kept_bytes
+
+
+def amortise_update(ip, factor: float):
+    """The ILP with the optimizer update's costs scaled by ``factor`` (= 1 / microbatches).
+
+    Gradients are accumulated over microbatches; the reduction (the resharding into the
+    update equations) and the update itself run once per step.  Scaling their compute
+    costs and the costs of resharding the values only they read makes the objective
+    seconds per microbatch.
+    """
+    if factor == 1.0:
+        return ip.problem
+    update = {ip.node_of(n.index) for n in ip.graph.nodes if n.phase == "update"}
+    edges = tuple(
+        dataclasses.replace(e, costs=tuple(tuple(c * factor for c in row) for row in e.costs))
+        if readers and all(r in update for r in readers)
+        else e
+        for e, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True)
+    )
+    node_costs = tuple(
+        tuple(c * factor for c in row) if i in update else row
+        for i, row in enumerate(ip.problem.node_costs)
+    )
+    return dataclasses.replace(ip.problem, edges=edges, node_costs=node_costs)
