@@ -30,6 +30,8 @@ else
   ATT=(--table-out "$OUT/attention_h100.json" --total-s 70)
   BASELINES=(gpt-1.3b:24:8:unfused gpt-1.3b:24:8:fused-qkv3 gpt-350m:24:8:fused-qkv3)
 fi
+# BASELINE_CONFIGS="a b" replaces step 6's configurations (benchmarks/gpu_lease.sh)
+[ -n "${BASELINE_CONFIGS:-}" ] && read -r -a BASELINES <<<"$BASELINE_CONFIGS"
 log "start"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
 
 log "0. the fused attention on this device"
@@ -75,26 +77,6 @@ timeout 330 "$PY" benchmarks/gpu_single.py measure --out "$OUT/measured_u.json" 
   --configs "${BASELINES[@]}" --timeout-s 110
 
 log "merge"
-"$PY" - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-for kind, parts in (("measured", ["measured_0", "measured_1", "measured_u"]),
-                    ("peer", ["peer_0", "peer_1"])):
-    merged = None
-    for p in parts:
-        f = out / f"{p}.json"
-        if not f.exists():
-            continue
-        d = json.loads(f.read_text())
-        if merged is None:
-            merged = d
-        else:
-            merged["runs"] += d["runs"]
-            merged["command"] += " ; " + d["command"]
-        f.unlink()
-    if merged is not None:
-        (out / f"{kind}.json").write_text(json.dumps(merged, indent=1) + "\n")
-EOF
+"$PY" benchmarks/gpu_merge_out.py "$OUT"
 ls -la "$OUT" "$OUT/hlo"
 log "done"
