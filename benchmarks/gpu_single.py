@@ -327,7 +327,9 @@ def predict_one(
     from autoshard.sim.simulate import simulate
 
     out = {}
-    for program in ("megatron-lm", "traced"):
+    for program in ("megatron-lm", "megatron-lm-flash", "traced"):
+        if program == "megatron-lm-flash" and attention == "unfused":
+            continue  # the flash program is the fused step's peer
         report = simulate(
             model, cluster, 1, plan="megatron:1x1x1", global_batch=batch,
             microbatch_size=batch, recompute="none", dtype="bf16", program=program,
@@ -503,6 +505,11 @@ def cmd_predict(args) -> int:
             "errors": {
                 "step_time_megatron_lm": _err(pred["megatron-lm"]["step_time_s"], step),
                 "step_time_traced": _err(pred["traced"]["step_time_s"], step),
+                **(
+                    {"step_time_megatron_lm_flash": _err(flash["step_time_s"], step)}
+                    if (flash := pred.get("megatron-lm-flash"))
+                    else {}
+                ),
                 "peak_megatron_lm": _err(pred["megatron-lm"]["peak_bytes"], compiled),
                 "peak_traced": _err(pred["traced"]["peak_bytes"], compiled),
                 "peak_intra": _err(pred["intra_predicted_peak_bytes"], compiled),
@@ -528,20 +535,26 @@ def cmd_predict(args) -> int:
 def markdown_table(rows: list[dict]) -> str:
     gib = 2**30
     lines = [
-        "| config | measured step | simulated (megatron-lm) | simulated (traced) | "
-        "measured MFU | sim. MFU (traced) | XLA:GPU peak | sim. peak (traced) | "
-        "intra-op peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| config | measured step | simulated (megatron-lm) | simulated (megatron-lm-flash) | "
+        "simulated (traced) | measured MFU | sim. MFU (traced) | XLA:GPU peak | "
+        "sim. peak (traced) | intra-op peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "predicted" not in r:
-            lines.append(f"| {r['config']} | failed | | | | | | | |")
+            lines.append(f"| {r['config']} | failed | | | | | | | | |")
             continue
         p, e = r["predicted"], r["errors"]
+        flash = p.get("megatron-lm-flash")
+        flash_cell = (
+            f"{flash['step_time_s'] * 1e3:.1f} ms ({e['step_time_megatron_lm_flash']:+.1%})"
+            if flash
+            else "-"
+        )
         lines.append(
             f"| {r['config']} | {r['measured_step_time_s'] * 1e3:.1f} ms | "
             f"{p['megatron-lm']['step_time_s'] * 1e3:.1f} ms ({e['step_time_megatron_lm']:+.1%}) | "
-            f"{p['traced']['step_time_s'] * 1e3:.1f} ms ({e['step_time_traced']:+.1%}) | "
+            f"{flash_cell} | {p['traced']['step_time_s'] * 1e3:.1f} ms ({e['step_time_traced']:+.1%}) | "
             f"{r['measured_mfu']:.1%} | {p['traced']['mfu']:.1%} | "
             f"{r['measured_compiled_peak_bytes'] / gib:.2f} GiB | "
             f"{p['traced']['peak_bytes'] / gib:.2f} GiB ({e['peak_traced']:+.1%}) | "

@@ -34,10 +34,17 @@ Sources (figures, not code; docs/validation.md says how each was read):
 * ``gpu-single-h100``: autoshard's own GPT step measured on one H100 here (docs/
   validation.md, benchmarks/results/gpu_single.json); the H100 GEMM table was measured
   separately (GEMMs alone), so these rows are validation.
+* ``gpu-peer-h100``: the PyTorch peer step (benchmarks/gpu_peer_torch.py: nanoGPT-style
+  blocks, ``scaled_dot_product_attention``, bf16 autocast, fused AdamW, ``torch.compile``)
+  measured on one H100 here (benchmarks/results/gpu_fused_2026-11-27.json), priced as
+  Megatron-LM's flash-attention program: the nearest measured stand-in for it, and the
+  validation of the H100 attention table (benchmarks/gpu_attention.py measured the kernel
+  alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -67,6 +74,7 @@ class PublishedRun:
     recompute: str = "full"
     dtype: str = "fp16"
     relative_to: str | None = None  # a row of the same source: also compare the ratio
+    attention: str = "softmax"  # MegatronConfig.attention: "flash" prices the fused kernel
 
     @property
     def dp(self) -> int:
@@ -198,4 +206,19 @@ GPU_SINGLE_H100 = [
     _h100("gpt-1.3b L8 B8", 8, 2048, 32, 8, 0.0724661),
 ]
 
-ALL_RUNS = [*SC21_TABLE_1, *KORTHIKANTI_22, *ALPA_README, *SHOEYBI_19, *GPU_SINGLE_H100]
+
+def _h100_peer(name, layers, hidden, heads, batch, step_s):
+    return dataclasses.replace(
+        _h100(name, layers, hidden, heads, batch, step_s), source="gpu-peer-h100", attention="flash"
+    )
+
+
+# measured here: benchmarks/results/gpu_fused_2026-11-27.json, "peer" (median of 10 steps)
+GPU_PEER_H100 = [
+    _h100_peer("gpt-350m L24 B8", 24, 1024, 16, 8, 0.0511120),
+    _h100_peer("gpt-1.3b L24 B8", 24, 2048, 32, 8, 0.1447582),
+]
+
+ALL_RUNS = [
+    *SC21_TABLE_1, *KORTHIKANTI_22, *ALPA_README, *SHOEYBI_19, *GPU_SINGLE_H100, *GPU_PEER_H100,
+]  # fmt: skip
