@@ -16,13 +16,19 @@ and the suite's totals; writes ``benchmarks/results/bench_simulate.json``.
 
 ``--auto-microbatches``: fix the micro-batch count of ``auto`` (and ``megatron-traced``);
 by default ``simulate`` chooses it (64, or more where no Megatron layout fits at that
-micro-batch size).
+micro-batch size). ``--attention fused`` prices ``auto`` and ``megatron-traced`` on the
+fused-attention step; ``megatron-flash`` is the Megatron grid on Megatron-LM's
+flash-attention program (presets with an attention table: dgx-a100, dgx-h100)::
+
+    python benchmarks/bench_simulate.py --cluster dgx-h100 --dtype bf16 --attention fused \
+        --plans megatron-flash auto megatron-traced --out benchmarks/results/bench_simulate_h100_fused.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -45,7 +51,13 @@ def main() -> None:
         "--plans",
         nargs="+",
         default=["megatron", "auto", "megatron-traced"],
-        choices=["megatron", "auto", "megatron-traced", "dp", "zero2", "zero3"],
+        choices=["megatron", "megatron-flash", "auto", "megatron-traced", "dp", "zero2", "zero3"],
+    )
+    ap.add_argument(
+        "--attention",
+        choices=["unfused", "fused"],
+        default="unfused",
+        help="the traced step's attention (auto, megatron-traced); docs/fused.md",
     )
     ap.add_argument("--cluster", default="alpa-v100")
     ap.add_argument("--global-batch", type=int, default=1024)
@@ -74,7 +86,13 @@ def main() -> None:
                 continue
             kw = {}
             if plan in ("auto", "megatron-traced"):
-                kw = dict(num_microbatches=args.auto_microbatches, ilp_time_limit_s=args.time_limit)
+                kw = dict(
+                    num_microbatches=args.auto_microbatches,
+                    ilp_time_limit_s=args.time_limit,
+                    attention=args.attention,
+                )
+            if plan == "megatron-flash":
+                kw["program"] = "megatron-lm-flash"
             if plan == "megatron-traced":
                 if args.auto_microbatches is None:  # auto's own default
                     shape, _ = gpt_shape(model)
@@ -88,7 +106,7 @@ def main() -> None:
                 model,
                 args.cluster,
                 gpus,
-                "megatron" if plan == "megatron-traced" else plan,
+                "megatron" if plan in ("megatron-traced", "megatron-flash") else plan,
                 global_batch=args.global_batch,
                 recompute=args.recompute,
                 dtype=args.dtype,
@@ -97,8 +115,8 @@ def main() -> None:
             wall = time.perf_counter() - t0
             totals[plan] += wall
             rows.append(
-                {"model": model, "gpus": gpus, "plan": plan, "wall_seconds": wall}
-                | report.to_json()
+                {"model": model, "gpus": gpus, "method": plan, "wall_seconds": wall}
+                | report.to_json()  # its "plan" is the report's plan dict
             )
             p = report.plan
             grid = (
@@ -119,6 +137,8 @@ def main() -> None:
                 "global_batch": args.global_batch,
                 "recompute": args.recompute,
                 "dtype": args.dtype,
+                "attention": args.attention,
+                "command": "python benchmarks/bench_simulate.py " + " ".join(sys.argv[1:]),
                 "ilp_time_limit_s": args.time_limit,
                 "auto_microbatches": args.auto_microbatches,
                 "total_seconds_by_plan": totals,
