@@ -243,7 +243,9 @@ def _condensed(notes) -> dict[str, int]:
     return out
 
 
-_COMBINED = re.compile(r"operand \d+ of \d+ of a combined ")
+_COMBINED = re.compile(
+    r"operand \d+ of \d+ of a combined |part \d+ of \d+ of an all-reduce combined by concat"
+)
 
 
 def _summary(row: dict) -> str:
