@@ -340,3 +340,16 @@ def test_a_concatenation_piece_sliced_at_the_wrong_offsets_stays_an_all_reduce()
     found = analyze_collectives(text, MESH, range(8))
     assert [c.collective.kind for c in found.collectives] == ["all-reduce", "all-reduce"]
     assert "slice offsets are not the device's group rank" in found.collectives[1].note
+
+
+def test_a_concatenation_read_whole_is_one_value():
+    # the program's own concatenation (some use reads the whole reduced buffer): not the
+    # combiner's, so one all-reduce of all of it
+    text = CONCATENATED.replace(
+        "ROOT %out = (f32[2,4]{1,0}, f32[2]{0}) tuple(%whole, %mine)",
+        "ROOT %out = (f32[2,4]{1,0}, f32[2]{0}, f32[16]{0}) tuple(%whole, %mine, %ard)",
+    ).replace("-> (f32[2,4], f32[2])", "-> (f32[2,4], f32[2], f32[16])")
+    found = analyze_collectives(text, MESH, range(8))
+    assert [(c.collective.kind, c.collective.bytes, c.note) for c in found.collectives] == [
+        ("all-reduce", 64, "")
+    ]

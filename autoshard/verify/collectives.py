@@ -51,7 +51,7 @@ from autoshard.verify.replica_groups import (
     _group_order_note,
     parse_replica_groups,
 )
-from autoshard.verify.xla_cpu import _normalise
+from autoshard.verify.xla_cpu import _PASS_THROUGH, _normalise, _static_slice
 
 # Synchronous opcodes (XLA:CPU) and XLA:GPU's asynchronous starts: all-reduce-start,
 # all-gather-start and collective-permute-start are opcodes of their own; reduce-scatter and
@@ -236,7 +236,22 @@ def _concatenated_pieces(mod: _Module, ins: _Instr) -> list[_Piece] | None:
         dtype, (size,) = leaves[0]
         pieces.append(_Piece(fusion.operands[params[o]], start, start + size, dtype))
         start += size
+    # the combiner's signature: every use takes one piece back whole. A concatenation the
+    # program makes itself (read whole, or sliced otherwise) is one value: left as it is
+    ranges = {(piece.start, piece.stop) for piece in pieces}
+    if not all(taken in ranges for taken in _slices_taken(mod, ins.name)):
+        return None
     return pieces
+
+
+def _slices_taken(mod: _Module, name: str) -> list:
+    """The static slice taken by each use of ``name`` past its ``-done`` and bitcasts
+    (None for a use that is no static slice)."""
+    out = []
+    for uname, _ in mod.users.get(name, []):
+        u = mod.instrs[uname]
+        out += _slices_taken(mod, uname) if u.opcode in _PASS_THROUGH else [_static_slice(mod, u)]
+    return out
 
 
 def analyze_collectives(
