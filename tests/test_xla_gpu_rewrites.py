@@ -111,3 +111,27 @@ def test_the_h100_modules_hold_what_the_rewrites_predict():
     auto = "gpt-1.3b-L24-auto-2x4"
     assert count(auto, "all-reduce", ("data", "model"), 8192) == (1, 2)
     assert count(auto, "all-reduce", ("model",), 8192) == (1, 0)
+
+
+def test_verify_applies_the_rewrites_on_a_gpu_target(megatron, monkeypatch):
+    import jax
+
+    from autoshard.verify import check
+
+    # XLA:CPU's module read as if its devices were GPUs: the reassociation is predicted
+    # (and the CPU module, which did not run it, moves the embedding gradient twice)
+    monkeypatch.setattr(check, "_platform_target", lambda devices: "gpu")
+    report = megatron.verify(jax.devices()[:8], live_peak="never")
+    assert [n.split(":")[0] for n in report.prediction_notes] == ["AllReduceReassociate"]
+    (row,) = [r for r in report.comparison.rows if (r.kind, r.axes) == ("all-reduce", ("data",))]
+    tensors = megatron.graph.tensors
+    (table,) = [tensors[t] for t in megatron.graph.inputs if tensors[t].path == WTE]
+    vocab, hidden = table.shape
+    planned = sum(
+        c.bytes
+        for c in megatron.plan.predicted_collectives
+        if (c.kind, c.axes) == ("all-reduce", ("data",))
+    )
+    assert planned - row.predicted_bytes == vocab // 4 * hidden * 4
+    assert row.compiled_bytes == planned  # XLA:CPU: both all-reduces, as the plan says
+    assert not row.agree
