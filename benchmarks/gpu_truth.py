@@ -24,6 +24,11 @@ the pipeline tested without a GPU (tests/test_gpu_truth.py runs it on gpt-tiny):
     python benchmarks/gpu_truth.py --make-plans                  # CPU, jax >= 0.11
     python benchmarks/gpu_truth.py --out $OUT/gpu_truth.json     # GPU (gpu_truth.sh)
     python benchmarks/gpu_truth.py --dry-run --out /tmp/t.json   # CPU, fake devices
+
+``--reread RUN_JSON HLO...`` reads a GPU run's stored HLO again (its ``--hlo-tar``, or
+``NAME.hlo.txt.gz`` files) and compares it with the plans by this tree's verifier, with
+XLA:GPU's all-reduce rewrites predicted (:mod:`autoshard.verify.xla_gpu`): no compile, no
+GPU (``benchmarks/results/gpu_truth_h100_2026-11-27_reread.json``; docs/truth.md).
 """
 
 from __future__ import annotations
