@@ -24,12 +24,18 @@ the pipeline tested without a GPU (tests/test_gpu_truth.py runs it on gpt-tiny):
     python benchmarks/gpu_truth.py --make-plans                  # CPU, jax >= 0.11
     python benchmarks/gpu_truth.py --out $OUT/gpu_truth.json     # GPU (gpu_truth.sh)
     python benchmarks/gpu_truth.py --dry-run --out /tmp/t.json   # CPU, fake devices
+
+``--reread RUN_JSON HLO...`` reads a GPU run's stored HLO again (its ``--hlo-tar``, or
+``NAME.hlo.txt.gz`` files) and compares it with the plans by this tree's verifier, with
+XLA:GPU's all-reduce rewrites predicted (:mod:`autoshard.verify.xla_gpu`): no compile, no
+GPU (``benchmarks/results/gpu_truth_h100_2026-11-27_reread.json``; docs/truth.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import io
 import json
 import os
@@ -243,7 +249,9 @@ def _condensed(notes) -> dict[str, int]:
     return out
 
 
-_COMBINED = re.compile(r"operand \d+ of \d+ of a combined ")
+_COMBINED = re.compile(
+    r"operand \d+ of \d+ of a combined |part \d+ of \d+ of an all-reduce combined by concat"
+)
 
 
 def _summary(row: dict) -> str:
@@ -324,6 +332,90 @@ def write_hlo_tar(path: Path, texts: dict[str, str]) -> None:
             tar.addfile(info, io.BytesIO(data))
 
 
+def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
+    """The collectives of a GPU run's stored HLO (its ``--hlo-tar``, or ``NAME.hlo.txt.gz``
+    files) compared again with its
+    plans, by this tree's verifier and with XLA:GPU's rewrites of the predictions
+    (:mod:`autoshard.verify.xla_gpu`): no compile, no GPU. Each row keeps the GPU run's
+    figures (``before``: its comparison; memory) beside the new comparison."""
+    import jax
+
+    from autoshard.ir.planfile import check_fingerprint, load_plan
+    from autoshard.verify.collectives import analyze_collectives
+    from autoshard.verify.compare import compare_collectives
+    from autoshard.verify.xla_gpu import xla_gpu_collectives
+
+    before = json.loads(before_path.read_text())
+    rows_before = {r["name"]: r for r in before["rows"]}
+    manifest = {e["name"]: e for e in json.loads((plans_dir / "manifest.json").read_text())["rows"]}
+    doc = {
+        "command": "python benchmarks/gpu_truth.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "what": f"the HLO of {before_path.name} ({before.get('date')}, "
+        f"{before.get('local_devices')}) read again and compared with its plans, with "
+        "XLA:GPU's all-reduce rewrites applied to the predictions; no compile",
+        "jax": jax.__version__,
+        "rows": [],
+    }
+    texts = {}
+    for path in sources:
+        if path.name.endswith(".hlo.txt.gz"):  # one module (the committed fixtures)
+            texts[path.name.removesuffix(".hlo.txt.gz")] = gzip.open(path, "rt").read()
+            continue
+        with tarfile.open(path) as tar:  # a run's --hlo-tar
+            for m in tar.getmembers():
+                texts[m.name.removesuffix(".hlo.txt")] = tar.extractfile(m).read().decode()
+    texts = {n: texts[n] for n in sorted(texts, key=lambda n: list(rows_before).index(n))}
+    for name, text in texts.items():
+        _log(f"{name}: reading its HLO again ...")
+        pf = load_plan(plans_dir / manifest[name]["file"])
+        key = (pf.model, pf.optimizer or "adamw", json.dumps(pf.overrides, sort_keys=True))
+        if key not in _TRACED:
+            from autoshard.api import trace_workload
+
+            _TRACED[key] = trace_workload(pf.model, pf.optimizer or "adamw", **pf.overrides)
+        graph = _TRACED[key].graph
+        check_fingerprint(pf, graph, pf.plan.mesh)
+        parsed = analyze_collectives(text, pf.plan.mesh, range(pf.plan.mesh.num_devices))
+        compiled = [c.collective for c in parsed.collectives]
+        gpu = xla_gpu_collectives(graph, pf.plan)
+        cmp = compare_collectives(gpu.collectives, compiled)
+        plain = compare_collectives(pf.plan.predicted_collectives, compiled)
+        old = rows_before.get(name, {})
+        row = {
+            "name": name,
+            "collectives": [_row(r) for r in cmp.rows],
+            "collectives_agree": cmp.agree,
+            "collectives_agree_without_gpu_rewrites": plain.agree,
+            "prediction_notes": list(gpu.notes),
+            "before": {
+                "collectives": old.get("collectives"),
+                "collectives_agree": old.get("collectives_agree"),
+            },
+            "memory_error_signed": old.get("memory_error_signed"),
+            "memory_agree": old.get("memory_agree"),
+            "xla_warnings": old.get("xla_warnings"),
+        }
+        doc["rows"].append(row)
+        bad = [f"{r['kind']}@{','.join(r['axes'])}" for r in row["collectives"] if not r["agree"]]
+        _log(f"  collectives {'agree' if cmp.agree else 'differ: ' + ' '.join(bad)}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def _row(r) -> dict:
+    return {
+        "kind": r.kind,
+        "axes": list(r.axes),
+        "predicted_count": r.predicted_count,
+        "predicted_bytes": r.predicted_bytes,
+        "compiled_count": r.compiled_count,
+        "compiled_bytes": r.compiled_bytes,
+        "agree": r.agree,
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--make-plans", action="store_true", help="plan the rows (needs the solver)")
@@ -341,7 +433,20 @@ def main(argv=None) -> int:
         help="also compile with an XLA dump to read XLA's live peak (default never: time)",
     )
     p.add_argument("--budget-s", type=float, default=0.0, help="skip rows past this (0: none)")
+    p.add_argument(
+        "--reread",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="RUN_JSON HLO...: compare a GPU run's stored HLO (its --hlo-tar, or "
+        "NAME.hlo.txt.gz files) with its plans again, no compile; writes --out",
+    )
     args = p.parse_args(argv)
+    if args.reread:
+        if len(args.reread) < 2:
+            p.error("--reread takes the run's JSON, then its HLO (a tar or .hlo.txt.gz files)")
+        reread(args.reread[0], args.reread[1:], args.plans, args.out)
+        return 0
     if args.make_plans:
         rows = [r for r in ROWS if not args.rows or r.name in args.rows]
         make_plans(rows, args.plans, args.time_limit)

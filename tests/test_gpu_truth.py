@@ -96,9 +96,14 @@ def test_notes_of_combined_operands_are_condensed(gpu_truth):
         "operand 1 of 3 of a combined all-reduce; bf16 upcast to f32 normalised",
         "operand 2 of 3 of a combined all-reduce; bf16 upcast to f32 normalised",
         "inside while loop %w: counted once, runs 4 times",
+        "part 0 of 2 of an all-reduce combined by concatenation",
+        "part 1 of 2 of an all-reduce combined by concatenation; all-reduce + dynamic-slice "
+        "normalised to reduce-scatter (offsets checked on all 8 devices)",
     ]
     assert gpu_truth._condensed(notes) == {
-        "an operand of a combined collective": 1,
+        "an operand of a combined collective": 2,
+        "all-reduce + dynamic-slice normalised to reduce-scatter (offsets checked on all 8 "
+        "devices)": 1,
         "bf16 upcast to f32 normalised": 2,
         "inside while loop %w: counted once, runs 4 times": 1,
     }

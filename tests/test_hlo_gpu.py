@@ -260,3 +260,96 @@ def test_a_real_xla_gpu_module_is_read_whole():
     assert all(_leaves(i.shape) or i.shape == "()" for i in mod.instrs.values())
     found = analyze_collectives(text, Mesh(("data",), (1,)), [0])
     assert found.collectives == () and found.permutes == ()  # one GPU: nothing to exchange
+
+
+# --------------------------------------------------------------------------- combined by concatenation
+
+CONCATENATED = """HloModule m, num_partitions=8
+
+%wrapped_concatenate_computation (p0: f32[8], p1: f32[8]) -> f32[16] {
+  %p0 = f32[8]{0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  ROOT %concatenate.1 = f32[16]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+%wrapped_slice_computation (q0: f32[16]) -> f32[8] {
+  %q0 = f32[16]{0} parameter(0)
+  ROOT %slice.1 = f32[8]{0} slice(%q0), slice={[0:8]}
+}
+
+%wrapped_slice_computation.1 (q1: f32[16]) -> f32[8] {
+  %q1 = f32[16]{0} parameter(0)
+  ROOT %slice.2 = f32[8]{0} slice(%q1), slice={[8:16]}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[2,4], b: bf16[8]) -> (f32[2,4], f32[2]) {
+  %a = f32[2,4]{1,0} parameter(0)
+  %b = bf16[8]{0} parameter(1)
+  %a.flat = f32[8]{0} bitcast(%a)
+  %b.up = f32[8]{0} convert(%b)
+  %wrapped_concatenate = f32[16]{0} fusion(%a.flat, %b.up), kind=kLoop, calls=%wrapped_concatenate_computation
+  %ars = ((f32[16]{0}), f32[16]{0}) all-reduce-start(%wrapped_concatenate), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  %ard = f32[16]{0} all-reduce-done(%ars)
+  %wrapped_slice = f32[8]{0} fusion(%ard), kind=kLoop, calls=%wrapped_slice_computation
+  %wrapped_slice.1 = f32[8]{0} fusion(%ard), kind=kLoop, calls=%wrapped_slice_computation.1
+  %whole = f32[2,4]{1,0} bitcast(%wrapped_slice)
+  %pid = u32[] partition-id()
+  %table = s32[8]{0} constant({0, 2, 4, 6, 0, 2, 4, 6})
+  %entry = s32[1]{0} dynamic-slice(%table, %pid), dynamic_slice_sizes={1}
+  %offset = s32[] bitcast(%entry)
+  %mine = f32[2]{0} dynamic-slice(%wrapped_slice.1, %offset), dynamic_slice_sizes={2}
+  ROOT %out = (f32[2,4]{1,0}, f32[2]{0}) tuple(%whole, %mine)
+}
+"""
+
+
+def test_an_all_reduce_combined_by_concatenation_is_read_piece_by_piece():
+    # XLA:GPU's combiner: the flat operands concatenated, one all-reduce, each piece sliced
+    # back (the captured gpt-1.3b megatron module: the cross-entropy's reduce-scatter
+    # over model hides in such a piece)
+    found = analyze_collectives(CONCATENATED, MESH, range(8))
+    assert [(c.collective.kind, c.collective.axes, c.collective.bytes) for c in found.raw] == [
+        ("all-reduce", ("model",), 32),
+        ("all-reduce", ("model",), 32),
+    ]
+    whole, mine = found.collectives
+    assert (whole.collective.kind, whole.collective.bytes, whole.dtype) == (
+        "all-reduce",
+        32,
+        "float32",
+    )
+    assert "part 0 of 2 of an all-reduce combined by concatenation" in whole.note
+    # the second piece: each device keeps its rank's 1/4 (a reduce-scatter) of a bf16
+    # value that XLA reduces in f32
+    assert (mine.collective.kind, mine.collective.bytes, mine.dtype) == (
+        "reduce-scatter",
+        16,
+        "bfloat16",
+    )
+    assert "normalised to reduce-scatter (offsets checked on all 8 devices)" in mine.note
+
+
+def test_a_concatenation_piece_sliced_at_the_wrong_offsets_stays_an_all_reduce():
+    text = CONCATENATED.replace("{0, 2, 4, 6, 0, 2, 4, 6}", "{6, 4, 2, 0, 6, 4, 2, 0}")
+    found = analyze_collectives(text, MESH, range(8))
+    assert [c.collective.kind for c in found.collectives] == ["all-reduce", "all-reduce"]
+    assert "slice offsets are not the device's group rank" in found.collectives[1].note
+
+
+def test_a_concatenation_read_whole_is_one_value():
+    # the program's own concatenation (some use reads the whole reduced buffer): not the
+    # combiner's, so one all-reduce of all of it
+    text = CONCATENATED.replace(
+        "ROOT %out = (f32[2,4]{1,0}, f32[2]{0}) tuple(%whole, %mine)",
+        "ROOT %out = (f32[2,4]{1,0}, f32[2]{0}, f32[16]{0}) tuple(%whole, %mine, %ard)",
+    ).replace("-> (f32[2,4], f32[2])", "-> (f32[2,4], f32[2], f32[16])")
+    found = analyze_collectives(text, MESH, range(8))
+    assert [(c.collective.kind, c.collective.bytes, c.note) for c in found.collectives] == [
+        ("all-reduce", 64, "")
+    ]

@@ -137,6 +137,8 @@ def print_verification(report, console: Console | None = None) -> None:
             "[green]yes[/green]" if r.agree else "[red]NO[/red]",
         )
     console.print(table)
+    for note in getattr(report, "prediction_notes", ()):  # XLA:GPU's rewrites, predicted
+        console.print(f"predicted for XLA:GPU: {note}", markup=False, highlight=False)
     mem_ok = "[green]yes[/green]" if report.memory_agree else "[red]NO[/red]"
     console.print(
         f"peak memory per device: predicted {human(report.predicted_peak_bytes, 'B')}, compiled "

@@ -66,6 +66,9 @@ class VerificationReport:
     devices: str = ""
     # the compiled HLO text, kept only with verify_plan(..., keep_hlo=True)
     hlo_text: str = field(default="", repr=False, compare=False)
+    # on a GPU target: XLA:GPU's rewrites applied to the plan's predicted collectives
+    # before comparing (autoshard.verify.xla_gpu), one note each
+    prediction_notes: tuple[str, ...] = ()
 
     @property
     def compiled_peak_bytes(self) -> float:
@@ -200,6 +203,7 @@ class VerificationReport:
             "agree": self.agree,
             "compile_seconds": self.compile_seconds,
             "notes": list(self.compiled_notes),
+            "prediction_notes": list(self.prediction_notes),
         }
 
 
@@ -253,7 +257,15 @@ def verify_plan(
     parsed = analyze_collectives(compiled.as_text(), plan.mesh, device_ids)
     collectives = tuple(c.collective for c in parsed.collectives)
     notes = tuple(sorted({c.note for c in parsed.collectives if c.note}))
-    comparison = compare_collectives(plan.predicted_collectives, collectives, rel_tol=bytes_rtol)
+    on_gpu = compile_target.kind == "gpu-aot" or _platform_target(flat_devices) == "gpu"
+    predicted, prediction_notes = plan.predicted_collectives, ()
+    if on_gpu:  # XLA:GPU folds and reassociates all-reduces that XLA:CPU keeps
+        from autoshard.ir.graph import build_graph
+        from autoshard.verify.xla_gpu import xla_gpu_collectives
+
+        gpu = xla_gpu_collectives(build_graph(program.records), plan)
+        predicted, prediction_notes = gpu.collectives, gpu.notes
+    comparison = compare_collectives(predicted, collectives, rel_tol=bytes_rtol)
     report = VerificationReport(
         plan=plan.name,
         mesh=str(plan.mesh),
@@ -267,6 +279,7 @@ def verify_plan(
         target=str(compile_target) if target is not None else _platform_target(flat_devices),
         devices=describe_devices(flat_devices),
         hlo_text=compiled.as_text() if keep_hlo else "",
+        prediction_notes=prediction_notes,
     )
     if live_peak == "never":
         return replace(report, live_peak_note="not measured (live_peak='never')")

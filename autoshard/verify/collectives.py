@@ -15,7 +15,10 @@ and ``collective-permute-start``; reduce-scatter and all-to-all inside a generic
 ``async-start`` (counted in the computation it calls) or, printed with XLA's async syntax
 sugar, as ``reduce-scatter-start`` / ``all-to-all-start`` (tests/test_hlo_gpu.py).  Tuple-shaped
 (combined) all-reduces, all-gathers and reduce-scatters give one record per operand; a
-tuple all-to-all is one exchange and gives one record.  Collectives inside while-loop
+tuple all-to-all is one exchange and gives one record.  XLA:GPU also combines all-reduces
+by concatenation (one flat buffer of the operands, sliced back after): such an all-reduce
+gives one record per concatenated operand too, normalised through its slice
+(:func:`_concatenated_pieces`), so a record is one reduced value on both backends.  Collectives inside while-loop
 bodies are counted once and flagged ``in_loop`` (the note gives the known trip count).
 ``collective-permute`` is not an alpha-beta collective kind in :mod:`autoshard.ir.spec`;
 it is reported separately as :class:`CompiledPermute`.
@@ -48,7 +51,7 @@ from autoshard.verify.replica_groups import (
     _group_order_note,
     parse_replica_groups,
 )
-from autoshard.verify.xla_cpu import _normalise
+from autoshard.verify.xla_cpu import _PASS_THROUGH, _normalise, _static_slice
 
 # Synchronous opcodes (XLA:CPU) and XLA:GPU's asynchronous starts: all-reduce-start,
 # all-gather-start and collective-permute-start are opcodes of their own; reduce-scatter and
@@ -155,6 +158,20 @@ def _raw_collectives(mod: _Module, mesh: Mesh, coords: np.ndarray):
         elif order := _group_order_note(groups, mesh, coords, axes):
             notes.append(order)
         factor = len(groups[0]) if kind == "all-gather" else 1  # all-gather: gathered output
+        pieces = _concatenated_pieces(mod, ins) if kind == "all-reduce" else None
+        if pieces:  # XLA:GPU's combiner: one all-reduce of the operands concatenated
+            combined = "part {} of {} of an all-reduce combined by concatenation"
+            for k, piece in enumerate(pieces):
+                record = CompiledCollective(
+                    Collective(kind, axes, piece.bytes),
+                    _HLO_DTYPES[piece.dtype][0],
+                    ins.name,
+                    "; ".join(notes + [combined.format(k, len(pieces))]),
+                    bool(loop_note),
+                    ins.opcode,
+                )
+                found.append((record, ins, piece, groups))
+            continue
         if kind == "all-to-all" or len(leaves) == 1:  # a tuple all-to-all is one exchange
             parts = [(None, leaves, notes)]
         else:
@@ -175,6 +192,66 @@ def _raw_collectives(mod: _Module, mesh: Mesh, coords: np.ndarray):
             )
             found.append((record, ins, index, groups))
     return found, permutes
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One operand of an all-reduce combined by concatenation: ``operand`` (the value
+    concatenated, in the calling computation), elements ``[start, stop)`` of the
+    concatenated buffer."""
+
+    operand: str
+    start: int
+    stop: int
+    dtype: str
+
+    @property
+    def bytes(self) -> int:
+        return _nbytes(self.dtype, (self.stop - self.start,))
+
+
+def _concatenated_pieces(mod: _Module, ins: _Instr) -> list[_Piece] | None:
+    """The pieces of an all-reduce whose one operand is a concatenation of flat values.
+
+    XLA:GPU writes several all-reduces (same replica groups) as one: the operands, bitcast
+    flat, are concatenated by a loop fusion (``wrapped_concatenate``) and each use of the
+    result takes its piece back with a static slice (``wrapped_slice``; the captured
+    gpt-1.3b and gpt-tiny modules of 2026-11-27).  None when the operand is not such a concatenation
+    (an ordinary all-reduce)."""
+    if len(ins.operands) != 1:
+        return None
+    fusion = mod.instrs[ins.operands[0]]
+    if fusion.opcode != "fusion":
+        return None
+    called = _called(fusion.attrs, "calls")
+    root = mod.instrs.get(mod.roots.get(called[0], "")) if called else None
+    if root is None or root.opcode != "concatenate" or len(root.operands) < 2:
+        return None
+    params = {name: k for k, name in mod.params(called[0]).items()}
+    pieces, start = [], 0
+    for o in root.operands:
+        leaves = _leaves(mod.instrs[o].shape)
+        if o not in params or len(leaves) != 1 or len(leaves[0][1]) != 1:
+            return None  # not a flat parameter of the fusion: some other concatenation
+        dtype, (size,) = leaves[0]
+        pieces.append(_Piece(fusion.operands[params[o]], start, start + size, dtype))
+        start += size
+    # the combiner's signature: every use takes one piece back whole. A concatenation the
+    # program makes itself (read whole, or sliced otherwise) is one value: left as it is
+    ranges = {(piece.start, piece.stop) for piece in pieces}
+    if not all(taken in ranges for taken in _slices_taken(mod, ins.name)):
+        return None
+    return pieces
+
+
+def _slices_taken(mod: _Module, name: str) -> list:
+    """The static slice taken by each use of ``name`` past its ``-done`` and bitcasts
+    (None for a use that is no static slice)."""
+    out = []
+    for uname, _ in mod.users.get(name, []):
+        u = mod.instrs[uname]
+        out += _slices_taken(mod, uname) if u.opcode in _PASS_THROUGH else [_static_slice(mod, u)]
+    return out
 
 
 def analyze_collectives(

@@ -4,6 +4,13 @@
 list and the compiled ones (:mod:`autoshard.verify.collectives`) and returns a
 :class:`CollectiveComparison`, one row per (kind, axes) that agrees when both sides have it
 and their bytes are within a relative tolerance.  Jax-free.
+
+The rule is bytes, not counts, on every backend: a row's counts are shown but need not
+match.  XLA combines collectives (tuples on XLA:CPU and XLA:GPU, concatenated buffers on
+XLA:GPU) and the verifier reads a combined one back one value at a time, so counts usually
+do match; but XLA:GPU also folds and reassociates all-reduces (moving fewer bytes:
+:mod:`autoshard.verify.xla_gpu` predicts that on a GPU target), and what it moves is
+what a plan is priced on.
 """
 
 from __future__ import annotations

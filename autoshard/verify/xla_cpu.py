@@ -310,7 +310,11 @@ def _normalise(
     if c.kind != "all-reduce":
         return cc
     notes = [cc.note] if cc.note else []
-    paths = _use_paths(mod, ins.name, index, _Path())
+    piece = index if hasattr(index, "operand") else None  # a part of a concatenation
+    if piece is not None:
+        paths, index = _piece_paths(mod, ins.name, piece), None
+    else:
+        paths = _use_paths(mod, ins.name, index, _Path())
     kind, dtype, nbytes = c.kind, cc.dtype, c.bytes
     n = len(groups[0])
     if n > 1 and paths and all(p.slice_dims and _is_shard_slice(p.slice_dims, n) for p in paths):
@@ -323,7 +327,7 @@ def _normalise(
         and all(p.slice_dims and _sliced_dim(p.slice_dims) is not None for p in paths)
     ):
         notes.append(_window_note(mod, groups, paths))
-    operand = ins.operands[index or 0]
+    operand = piece.operand if piece is not None else ins.operands[index or 0]
     source = _upcast_source(mod, operand)
     narrow = {p.narrow for p in paths}
     if len(narrow) != 1 or None in narrow or narrow != {_narrow_inputs(mod, operand)}:
@@ -336,6 +340,45 @@ def _normalise(
     return replace(
         cc, collective=Collective(kind, c.axes, nbytes), dtype=dtype, note="; ".join(notes)
     )
+
+
+def _piece_paths(mod: _Module, name: str, piece, seen: set | None = None) -> list[_Path]:
+    """Where piece ``piece`` (elements ``[start, stop)``) of the concatenated all-reduce
+    ``name`` is used: the uses of each static slice that takes exactly that range (a
+    ``slice`` or a loop fusion whose root slices its parameter), past the ``-done`` half
+    and bitcasts. Slices of other pieces are not its uses; any other use of the whole
+    buffer ends a path unsliced (the piece then stays an all-reduce)."""
+    seen = set() if seen is None else seen
+    out = []
+    for uname, _ in mod.users.get(name, []):
+        if uname in seen:
+            continue
+        seen.add(uname)
+        u = mod.instrs[uname]
+        if u.opcode in _PASS_THROUGH:
+            out += _piece_paths(mod, uname, piece, seen)
+            continue
+        taken = _static_slice(mod, u)
+        if taken is None:
+            out.append(_Path())
+        elif taken == (piece.start, piece.stop):
+            out += _use_paths(mod, uname, None, _Path())
+    return out
+
+
+def _static_slice(mod: _Module, ins: _Instr) -> tuple[int, int] | None:
+    """``(start, stop)`` of a 1-D ``slice`` with stride 1, or of a fusion whose root is one
+    taken of its only parameter; None for anything else."""
+    if ins.opcode == "fusion" and len(ins.operands) == 1:
+        called = _called(ins.attrs, "calls")
+        root = mod.instrs.get(mod.roots.get(called[0], "")) if called else None
+        if root is None or root.operands != tuple(mod.params(called[0]).values()):
+            return None
+        ins = root
+    if ins.opcode != "slice":
+        return None
+    m = re.fullmatch(r"\{\[(\d+):(\d+)(?::1)?\]\}", _attr(ins.attrs, "slice") or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _normalise_upcast(
