@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.exact_values import (
+    held_warnings,
     kept_per_demand,
     price_per_value,
     solve_exact,
@@ -442,6 +443,24 @@ def _plan_once(
     )
     budgeted = memory_budget_bytes is not None
     unsolved = unsolved_because(mesh, options.exact_search, budgeted) if exact_values else None
+    with held_warnings() as held:  # until the plan's objective is known
+        ip, solution, plan = _solved(common, mesh, options, pinned_inputs, name, exact_values,
+                                     settings, budgeted, unsolved)  # fmt: skip
+    held.release(plan.objective)
+    if memory_budget_bytes is not None and solution is not None:
+        rows = peak_memory(ip.problem, solution.strategy) + ip.staging_bytes
+        if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
+            raise RuntimeError(
+                f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
+                f"prediction {plan.predicted_peak_bytes:.6g} B"
+            )
+    return plan
+
+
+def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, budgeted,
+            unsolved):  # fmt: skip
+    """:func:`_plan_once`'s solve: (the problem solved, its solution or None where a
+    fallback plan stands in, the plan)."""
     if unsolved is not None and not budgeted and common.values:
         # the exact program would only price the per-demand plan: price it without
         # building that program (a third of the planning time outside the solver on
@@ -470,14 +489,7 @@ def _plan_once(
 
         plan = cheapest_fallback(plan, solution, ip, options, plan_from_solution)
         solution = None
-    if memory_budget_bytes is not None and solution is not None:
-        rows = peak_memory(ip.problem, solution.strategy) + ip.staging_bytes
-        if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
-            raise RuntimeError(
-                f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
-                f"prediction {plan.predicted_peak_bytes:.6g} B"
-            )
-    return plan
+    return ip, solution, plan
 
 
 __all__ = [
