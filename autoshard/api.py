@@ -452,6 +452,7 @@ def fit_compiled_budget(bound, dmesh, options: IntraOptions, *, pinned=None, max
 
     from autoshard.intra.ilp import InfeasibleBudgetError
     from autoshard.intra.problem import auto_shard_graph
+    from autoshard.ir.units import format_bytes
 
     memory_budget = options.memory_budget_bytes
     notes = list(bound.plan.notes)
@@ -483,17 +484,18 @@ def fit_compiled_budget(bound, dmesh, options: IntraOptions, *, pinned=None, max
             estimate = err.min_feasible_bytes * ratio
             out = InfeasibleBudgetError(memory_budget, estimate, False)
             out.args = (
-                f"no plan compiles within {memory_budget:.4g} B ({memory_budget / 2**30:.3f} GiB) "
-                f"per device: the smallest plan the memory model finds needs "
-                f"{err.min_feasible_bytes:.4g} B predicted, and XLA compiled the last plan at "
-                f"{ratio:.2f}x its prediction, so about {estimate:.4g} B "
-                f"({estimate / 2**30:.3f} GiB); raise the budget to about that",
+                f"no plan compiles within {format_bytes(memory_budget, exact=True)} per "
+                f"device: the smallest plan the memory model finds needs "
+                f"{format_bytes(err.min_feasible_bytes)} predicted, and XLA compiled the last "
+                f"plan at {ratio:.2f}x its prediction, so about {format_bytes(estimate)}; "
+                "raise the budget to about that",
             )
             raise out from err
         bound = dataclasses.replace(bound, plan=plan)
     raise ValueError(
-        f"after {max_rounds} re-plans the compiled peak is still {compiled:.4g} B per device, over "
-        f"the budget of {memory_budget:.4g} B; raise the budget or pass check_compiled_memory=False"
+        f"after {max_rounds} re-plans the compiled peak is still {format_bytes(compiled)} per "
+        f"device, over the budget of {format_bytes(memory_budget)}; raise the budget or pass "
+        "check_compiled_memory=False"
     )
 
 

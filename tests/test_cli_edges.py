@@ -248,6 +248,67 @@ def test_a_run_beyond_the_hosts_memory_is_refused_before_planning(capsys, monkey
     assert f"needs at least {2 * whole / 2**10:.3g} KiB" in err
 
 
+def test_a_time_limit_warning_names_the_objective_the_plan_prints(capsys, monkeypatch):
+    """A solve stopped by its time limit warns with the objective its program charged; the
+    plan printed is priced per value (or is a fallback), which can differ: 2x2x2 printed
+    1.45819e+07 in the warning and 1.445e+07 in the plan. The warning names the plan's.
+    (The stop is simulated: the solver's program charging 3% more than the plan costs.)"""
+    import json
+    import warnings
+
+    import autoshard.intra.problem as problem
+    from autoshard.cli.main import main
+    from autoshard.intra.ilp import SolverTimeLimitWarning
+
+    real = problem.solve
+
+    def stopped(pb, *a, **k):
+        solution = real(pb, *a, **k)
+        warnings.warn(
+            f"highs stopped with its best plan at time_limit_s=1: objective "
+            f"{solution.objective * 1.03:.6g}, relative gap 0.5; raise the time limit "
+            "(--time-limit) for a better plan",
+            SolverTimeLimitWarning,
+            stacklevel=2,
+        )
+        return solution
+
+    monkeypatch.setattr(problem, "solve", stopped)
+    assert main(["plan", *MLP, "--mesh", "2x4", "--json"]) == 0
+    captured = capsys.readouterr()
+    objective = json.loads(captured.out)["objective"]
+    assert f"the plan's objective {objective:.6g}" in captured.err
+    assert f"charged its own plan {objective * 1.03:.6g}" in captured.err
+    assert captured.err.count("autoshard: warning:") == 1  # held, issued once
+
+
+def test_memory_figures_are_printed_in_binary_units_only(tmp_path, capsys):
+    """plan, verify and explain write every memory figure in KiB/MiB/GiB (they mixed MB,
+    kB and MiB: verify's table said 1.55MB and its note 1.6 MiB)."""
+    import json
+    import re
+
+    from autoshard.cli.main import main
+
+    argv = [*MLP, "--mesh", "2x4", "--baseline", "dp"]
+    path = tmp_path / "p.json"
+    assert main(["plan", *argv, "--out", str(path)]) == 0
+    first = capsys.readouterr()
+    assert main(["plan", *argv, "--json"]) == 0
+    peak = json.loads(capsys.readouterr().out)["predicted_peak_bytes"]
+    main(["plan", *argv])
+    main(["verify", *argv])
+    main(["explain", str(path)])
+    said = capsys.readouterr()
+    text = first.out + first.err + said.out + said.err
+    decimal = re.findall(r"\d\s?(?:kB|KB|MB|GB|TB)\b", text)
+    assert decimal == [], decimal
+    line = re.search(r"predicted peak memory per device: ([0-9.]+) (KiB|MiB)\n", text)
+    value, unit = float(line.group(1)), line.group(2)
+    assert value == pytest.approx(peak / {"KiB": 2**10, "MiB": 2**20}[unit], rel=5e-3)
+    assert re.search(r"peak memory per device: predicted [0-9.]+ KiB, compiled [0-9.]+ KiB", text)
+
+
 # ------------------------------------------- exit statuses: 0 agree / fits, 1 does not
 
 

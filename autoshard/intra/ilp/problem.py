@@ -37,18 +37,22 @@ class InfeasibleBudgetError(ValueError):
             "" if proven else " (best found within the time limit; the true minimum may be lower)"
         )
         if not math.isfinite(min_feasible_bytes):
+            from autoshard.ir.units import format_bytes
+
             super().__init__(
-                f"no sharding plan fits memory_budget_bytes={memory_budget_bytes:.6g} "
-                f"({memory_budget_bytes / 2**30:.3f} GiB per device), and the solver found "
+                f"no sharding plan fits a budget of {format_bytes(memory_budget_bytes)} per "
+                "device, and the solver found "
                 "no plan's least peak within the time limit; raise the budget, or shrink "
                 "the model or batch"
             )
             return
+        from autoshard.ir.units import format_bytes
+
         super().__init__(
-            f"no sharding plan fits memory_budget_bytes={memory_budget_bytes:.6g} "
-            f"({memory_budget_bytes / 2**30:.3f} GiB per device): the smallest peak any plan "
-            f"reaches is {min_feasible_bytes:.6g} bytes ({min_feasible_bytes / 2**30:.3f} GiB)"
-            f"{caveat}; raise the budget to at least that, or shrink the model or batch"
+            f"no sharding plan fits a budget of {format_bytes(memory_budget_bytes, exact=True)} "
+            f"per device: the smallest peak any plan reaches is "
+            f"{format_bytes(min_feasible_bytes, exact=True)}{caveat}; raise the budget to at "
+            "least that, or shrink the model or batch"
         )
 
 
