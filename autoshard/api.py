@@ -409,9 +409,9 @@ def _refuse_budget_below_the_state(graph, dmesh, budget: float) -> None:
     err = InfeasibleBudgetError(budget, least, True)
     err.args = (
         f"no sharding plan fits a budget of {format_bytes(budget, exact=True)} per device: the "
-        f"parameters and optimizer state alone take {format_bytes(least, exact=True)} per device even split evenly over all "
-        f"{dmesh.mesh.num_devices} devices; raise the budget to at least that (more for "
-        "activations), or shrink the model or batch",
+        f"parameters and optimizer state alone take {format_bytes(least, exact=True)} per "
+        f"device even split evenly over all {dmesh.mesh.num_devices} devices; raise the "
+        "budget to at least that (more for activations), or shrink the model or batch",
     )
     raise err
 
