@@ -186,6 +186,7 @@ def auto_shard(
     check_compiled_memory: bool = True,
     cluster=None,
     offload=None,
+    progress=None,
 ):
     """Plan ``fn(*example_args)`` on ``mesh`` with Alpa's intra-operator ILP.
 
@@ -207,7 +208,9 @@ def auto_shard(
     or an :class:`~autoshard.intra.offload.Offload`), or ``"auto"``: the cheapest placement
     that fits the HBM and the host's memory when the plan alone does not
     (:func:`autoshard.intra.offload_search.plan_with_offload`); the plan's ``offload``
-    record and notes say what lives where and what it costs.
+    record and notes say what lives where and what it costs. ``progress``
+    (:class:`~autoshard.inter.progress.Progress`; default: lines on stderr) hears when a
+    budget binds, before the slow solves under it.
 
     Returns a :class:`BoundPlan`: the jax-free :class:`~autoshard.ir.plan.ParallelPlan`
     (``.plan``) with the traced program, so ``.jit()`` gives the sharded callable and
@@ -218,6 +221,10 @@ def auto_shard(
     from autoshard.intra.problem import auto_shard_graph
     from autoshard.trace.jaxpr import trace
 
+    if progress is None:
+        from autoshard.inter.progress import Progress
+
+        progress = Progress("plan")
     if aliases is None and tuple(arg_kinds)[:2] == ("param", "opt_state"):
         aliases = {0: 0, 1: 1}
     program = trace(fn, *example_args, arg_kinds=arg_kinds, aliases=aliases)
@@ -241,15 +248,21 @@ def auto_shard(
             # copy (slow and large), and the unbudgeted optimum, when predicted to fit, is
             # the budgeted optimum too (it is feasible there, and nothing there is cheaper);
             # solve again under the budget only when it binds
+            # (a budget every plan provably peaks over is refused before this solve)
             free = auto_shard_graph(
                 graph,
                 dmesh,
                 options.replace(memory_budget_bytes=None),
                 pinned_inputs=pinned,
                 name=baseline or "auto",
+                refuse_over=options.memory_budget_bytes,
             )
             if free.predicted_peak_bytes <= options.memory_budget_bytes:
                 plan = free
+            else:
+                plan = _plan_under_binding_budget(
+                    graph, dmesh, options, pinned, baseline, free, progress
+                )
         if plan is None:
             plan = auto_shard_graph(
                 graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto"
@@ -331,11 +344,62 @@ def _plan_offloaded(graph, dmesh, options, pinned, baseline, cluster, offload):
     )
 
 
+def _plan_under_binding_budget(graph, dmesh, options, pinned, baseline, free, progress):
+    """The plan under a budget the unbudgeted plan ``free`` peaks over: a line on
+    ``progress`` first (these solves list every resharded copy and can take minutes), and a
+    refusal that says how far the budget is from the least peak found."""
+    from autoshard.intra.ilp import InfeasibleBudgetError, SolverTimeLimitError
+    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.ir.units import format_bytes
+
+    budget = options.memory_budget_bytes
+    limit = options.time_limit_s
+    if progress is not None:
+        progress.write(
+            f"the plan without the budget peaks at {format_bytes(free.predicted_peak_bytes)}, "
+            f"over the budget of {format_bytes(budget)} per device; planning under the budget "
+            "(and, if no plan fits, finding the least peak): "
+            + (f"each solve stops at {limit:g} s" if limit is not None else "no time limit")
+        )
+    try:
+        return auto_shard_graph(
+            graph, dmesh, options, pinned_inputs=pinned, name=baseline or "auto"
+        )
+    except SolverTimeLimitError as err:  # say what fits for sure
+        err.args = (
+            f"{err}; a budget of {format_bytes(free.predicted_peak_bytes)} per device fits "
+            "(the plan without the budget)",
+        )
+        raise
+    except InfeasibleBudgetError as err:
+        least = min(err.min_feasible_bytes, free.predicted_peak_bytes)
+        floor = err.lower_bound_bytes
+        found = (
+            "the least peak is"
+            if err.proven and err.min_feasible_bytes <= free.predicted_peak_bytes
+            else "the least peak found is"
+        )
+        between = (
+            f" (and no plan peaks under {format_bytes(floor)})"
+            if floor is not None and floor < least and found != "the least peak is"
+            else ""
+        )
+        out = InfeasibleBudgetError(budget, least, err.proven)
+        out.lower_bound_bytes = floor
+        out.args = (
+            f"no sharding plan fits a budget of {format_bytes(budget)} per device (proven by "
+            f"the solver): {found} {format_bytes(least, exact=True)}{between}; raise the "
+            "budget to at least that, or shrink the model or batch",
+        )
+        raise out from err
+
+
 def _refuse_budget_below_the_state(graph, dmesh, budget: float) -> None:
     """A proven-infeasible budget, refused before any solve: the parameters and optimizer
     state are live at the start of the step, and no plan holds less of them per device
     than their bytes split evenly over every device."""
     from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.ir.units import format_bytes
 
     kinds = ("param", "opt_state")
     state = sum(graph.tensors[t].nbytes for k in kinds for t in graph.inputs_of_kind(k))
@@ -344,10 +408,10 @@ def _refuse_budget_below_the_state(graph, dmesh, budget: float) -> None:
         return
     err = InfeasibleBudgetError(budget, least, True)
     err.args = (
-        f"no sharding plan fits a budget of {_bytes(budget)} per device: the parameters and "
-        f"optimizer state alone take {_bytes(least)} per device even split evenly over all "
-        f"{dmesh.mesh.num_devices} devices; raise the budget to at least that (more for "
-        "activations), or shrink the model or batch",
+        f"no sharding plan fits a budget of {format_bytes(budget, exact=True)} per device: the "
+        f"parameters and optimizer state alone take {format_bytes(least, exact=True)} per "
+        f"device even split evenly over all {dmesh.mesh.num_devices} devices; raise the "
+        "budget to at least that (more for activations), or shrink the model or batch",
     )
     raise err
 
@@ -371,14 +435,6 @@ def _cluster_memory_budget(options: IntraOptions, dmesh, cluster) -> tuple[Intra
     return options.replace(memory_budget_bytes=float(hbm)), (note,)
 
 
-def _bytes(nbytes: float) -> str:
-    """``107 B``, ``1.41 KiB``, ``3.2 MiB``, ``16.0 GiB``: binary units, one per size."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit} ({nbytes:,.0f} B)"
-    return f"{nbytes:,.0f} B"
-
-
 def _gib(nbytes: float) -> str:
     gib = nbytes / 2**30
     return f"{gib:.1f} GiB" if gib >= 1 else f"{gib:.3g} GiB"
@@ -396,6 +452,7 @@ def fit_compiled_budget(bound, dmesh, options: IntraOptions, *, pinned=None, max
 
     from autoshard.intra.ilp import InfeasibleBudgetError
     from autoshard.intra.problem import auto_shard_graph
+    from autoshard.ir.units import format_bytes
 
     memory_budget = options.memory_budget_bytes
     notes = list(bound.plan.notes)
@@ -427,17 +484,18 @@ def fit_compiled_budget(bound, dmesh, options: IntraOptions, *, pinned=None, max
             estimate = err.min_feasible_bytes * ratio
             out = InfeasibleBudgetError(memory_budget, estimate, False)
             out.args = (
-                f"no plan compiles within {memory_budget:.4g} B ({memory_budget / 2**30:.3f} GiB) "
-                f"per device: the smallest plan the memory model finds needs "
-                f"{err.min_feasible_bytes:.4g} B predicted, and XLA compiled the last plan at "
-                f"{ratio:.2f}x its prediction, so about {estimate:.4g} B "
-                f"({estimate / 2**30:.3f} GiB); raise the budget to about that",
+                f"no plan compiles within {format_bytes(memory_budget, exact=True)} per "
+                f"device: the smallest plan the memory model finds needs "
+                f"{format_bytes(err.min_feasible_bytes)} predicted, and XLA compiled the last "
+                f"plan at {ratio:.2f}x its prediction, so about {format_bytes(estimate)}; "
+                "raise the budget to about that",
             )
             raise out from err
         bound = dataclasses.replace(bound, plan=plan)
     raise ValueError(
-        f"after {max_rounds} re-plans the compiled peak is still {compiled:.4g} B per device, over "
-        f"the budget of {memory_budget:.4g} B; raise the budget or pass check_compiled_memory=False"
+        f"after {max_rounds} re-plans the compiled peak is still {format_bytes(compiled)} per "
+        f"device, over the budget of {format_bytes(memory_budget)}; raise the budget or pass "
+        "check_compiled_memory=False"
     )
 
 
@@ -505,6 +563,7 @@ def plan_workload(
     options: IntraOptions | None = None,
     cluster=None,
     offload=None,
+    progress=None,
     **overrides,
 ):
     """``auto_shard`` for a preset model's training step (abstract shapes); ``overrides``
@@ -523,6 +582,7 @@ def plan_workload(
             options=options,
             cluster=cluster,
             offload=offload,
+            progress=progress,
         )
     except BaselineRefusedError as err:  # the model may say which sizes would work
         hint = getattr(workload.config, "data_parallel_hint", None)

@@ -149,6 +149,166 @@ def test_a_budget_below_the_parameters_and_state_is_refused_before_any_solve(mon
     assert caught.value.proven and caught.value.min_feasible_bytes > 100
 
 
+def _spy_ilp_solves(monkeypatch):
+    """The budgets of every ILP solve (the per-demand and the exact program's)."""
+    import autoshard.intra.exact_values as exact_values
+    import autoshard.intra.problem as problem
+
+    budgets = []
+    for module in (problem, exact_values):
+        real = module.solve
+
+        def spy(pb, *a, _real=real, **k):
+            budgets.append(pb.memory_budget_bytes)
+            return _real(pb, *a, **k)
+
+        monkeypatch.setattr(module, "solve", spy)
+    return budgets
+
+
+def _refusal(budget: float):
+    from autoshard.api import plan_workload
+    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.options import IntraOptions
+
+    options = IntraOptions(solver="highs", memory_budget_bytes=budget)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        plan_workload("mlp", "2x4", options=options, batch_size=16, hidden=16)
+    return caught.value
+
+
+def test_a_budget_every_plan_peaks_over_is_refused_before_any_ilp(monkeypatch):
+    """Above the parameters and state, below what any plan's live set holds at the step's
+    fullest point (each tensor split as far as its shardings go): refused with that bound,
+    before any ILP (gpt-tiny's refusal took 6 min 19 s, then named no peak at all)."""
+    state = _refusal(1.0).min_feasible_bytes  # the state bound: refused before tracing on
+    budgets = _spy_ilp_solves(monkeypatch)
+    err = _refusal(state * 1.05)
+    assert budgets == []
+    assert err.proven and err.lower_bound_bytes == err.min_feasible_bytes > state * 1.05
+    assert "or more" in str(err) and "proven without solving" in str(err)
+    # the bound is a true bound: no plan the solver finds peaks under it
+    least = _refusal(err.lower_bound_bytes * 1.0001).min_feasible_bytes
+    assert least >= err.lower_bound_bytes
+
+
+def test_a_binding_budget_says_so_before_the_slow_solves_and_names_the_least_peak():
+    """Between that bound and the least peak: a progress line when the budget binds (the
+    solves under it can take minutes), then the least peak, in binary units with bytes."""
+    import io
+
+    from autoshard.api import plan_workload
+    from autoshard.inter.progress import Progress
+    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.options import IntraOptions
+
+    bound = _refusal(_refusal(1.0).min_feasible_bytes * 1.05).lower_bound_bytes
+    stream = io.StringIO()
+    options = IntraOptions(solver="highs", memory_budget_bytes=bound * 1.0001)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        plan_workload(
+            "mlp", "2x4", options=options, batch_size=16, hidden=16,
+            progress=Progress("plan", stream=stream),
+        )  # fmt: skip
+    said, err = stream.getvalue(), caught.value
+    assert "the plan without the budget peaks at" in said and "planning under the budget" in said
+    assert err.proven and err.min_feasible_bytes > bound * 1.0001
+    assert f"the least peak is {err.min_feasible_bytes / 2**10:.3g} KiB" in str(err)
+    assert f"({err.min_feasible_bytes:,.0f} B)" in str(err)
+
+
+def test_a_run_beyond_the_hosts_memory_is_refused_before_planning(capsys, monkeypatch):
+    """run on CPU devices holds the state whole and again as shards, all in host memory
+    (gpt-6.7b on 2 devices grew past 6 GB and went on): with less available than that,
+    refused before planning, naming both sizes and what to do instead."""
+    import autoshard.cli.plan as plan_cli
+    import autoshard.cli.run as run_cli
+    from autoshard.cli.main import main
+
+    def no_plan(*a, **k):
+        raise AssertionError("planned before checking the host's memory")
+
+    monkeypatch.setattr(run_cli, "plan_from_args", no_plan)
+    monkeypatch.setattr(plan_cli, "plan_from_args", no_plan)
+    monkeypatch.setattr(run_cli, "available_host_bytes", lambda: 2048.0)
+    assert main(["run", *MLP, "--mesh", "2x4", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs at least" in err and "2 KiB is available" in err
+    assert "the shards of the 8 CPU devices" in err
+    assert "`autoshard plan --model mlp --mesh 2x4`" in err and "Traceback" not in err
+    # the sizes are the state's: mlp 16x16, SGD, as float32 (params, no state, batch)
+    import jax
+
+    from autoshard.models import get_workload, make_optimizer
+
+    leaves = jax.tree_util.tree_leaves(
+        get_workload("mlp", batch_size=16, hidden=16).abstract_train_args(make_optimizer("sgd"))
+    )
+    whole = sum(x.size * x.dtype.itemsize for x in leaves)
+    assert f"needs at least {2 * whole / 2**10:.3g} KiB" in err
+
+
+def test_a_time_limit_warning_names_the_objective_the_plan_prints(capsys, monkeypatch):
+    """A solve stopped by its time limit warns with the objective its program charged; the
+    plan printed is priced per value (or is a fallback), which can differ: 2x2x2 printed
+    1.45819e+07 in the warning and 1.445e+07 in the plan. The warning names the plan's.
+    (The stop is simulated: the solver's program charging 3% more than the plan costs.)"""
+    import json
+    import warnings
+
+    import autoshard.intra.problem as problem
+    from autoshard.cli.main import main
+    from autoshard.intra.ilp import SolverTimeLimitWarning
+
+    real = problem.solve
+
+    def stopped(pb, *a, **k):
+        solution = real(pb, *a, **k)
+        warnings.warn(
+            f"highs stopped with its best plan at time_limit_s=1: objective "
+            f"{solution.objective * 1.03:.6g}, relative gap 0.5; raise the time limit "
+            "(--time-limit) for a better plan",
+            SolverTimeLimitWarning,
+            stacklevel=2,
+        )
+        return solution
+
+    monkeypatch.setattr(problem, "solve", stopped)
+    assert main(["plan", *MLP, "--mesh", "2x4", "--json"]) == 0
+    captured = capsys.readouterr()
+    objective = json.loads(captured.out)["objective"]
+    assert f"the plan's objective {objective:.6g}" in captured.err
+    assert f"charged its own plan {objective * 1.03:.6g}" in captured.err
+    assert captured.err.count("autoshard: warning:") == 1  # held, issued once
+
+
+def test_memory_figures_are_printed_in_binary_units_only(tmp_path, capsys):
+    """plan, verify and explain write every memory figure in KiB/MiB/GiB (they mixed MB,
+    kB and MiB: verify's table said 1.55MB and its note 1.6 MiB)."""
+    import json
+    import re
+
+    from autoshard.cli.main import main
+
+    argv = [*MLP, "--mesh", "2x4", "--baseline", "dp"]
+    path = tmp_path / "p.json"
+    assert main(["plan", *argv, "--out", str(path)]) == 0
+    first = capsys.readouterr()
+    assert main(["plan", *argv, "--json"]) == 0
+    peak = json.loads(capsys.readouterr().out)["predicted_peak_bytes"]
+    main(["plan", *argv])
+    main(["verify", *argv])
+    main(["explain", str(path)])
+    said = capsys.readouterr()
+    text = first.out + first.err + said.out + said.err
+    decimal = re.findall(r"\d\s?(?:kB|KB|MB|GB|TB)\b", text)
+    assert decimal == [], decimal
+    line = re.search(r"predicted peak memory per device: ([0-9.]+) (KiB|MiB)\n", text)
+    value, unit = float(line.group(1)), line.group(2)
+    assert value == pytest.approx(peak / {"KiB": 2**10, "MiB": 2**20}[unit], rel=5e-3)
+    assert re.search(r"peak memory per device: predicted [0-9.]+ KiB, compiled [0-9.]+ KiB", text)
+
+
 # ------------------------------------------- exit statuses: 0 agree / fits, 1 does not
 
 

@@ -141,12 +141,14 @@ def test_explain_json_html_and_pictures(gpt_plan, tmp_path, capsys):
     page = html_path.read_text()
     assert "http://" not in page and "https://" not in page and "<script" not in page
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == 4
+    assert len(images) == 3
     for b64 in images:
         assert base64.b64decode(b64)[:8] == b"\x89PNG\r\n\x1a\n"
-    for name in ("mesh", "timeline", "memory", "tensor"):
+    for name in ("mesh", "memory", "tensor"):
         data = (pics / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    # one stage: no timeline (fixed-width forward/backward/update bars said nothing)
+    assert not (pics / "timeline.png").exists() and 'alt="timeline"' not in page
     assert "--tensor-model-parallel-size 4" in page
 
 

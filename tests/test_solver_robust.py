@@ -52,9 +52,9 @@ def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(limit):
 
 
 def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback():
-    # 0.0005 GiB: above what the parameters and optimizer state alone take per device (a
-    # budget below that is refused before any solve), below the unbudgeted plan's peak
-    argv = "plan --model gpt-tiny --mesh 2x4 --memory-budget 0.0005 --time-limit 0.01"
+    # 0.001 GiB: above the bound every plan's peak is over (a budget below it is refused
+    # before any solve: 673 KiB), below the unbudgeted plan's peak (1.25 MiB)
+    argv = "plan --model gpt-tiny --mesh 2x4 --memory-budget 0.001 --time-limit 0.01"
     proc = _cli(*argv.split())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr

@@ -168,10 +168,9 @@ def cluster_presets() -> str:
 
 def binary_size(nbytes: float) -> str:
     """``3.2 MiB``, ``512 KiB``, ``96 B``: the largest binary unit the size reaches."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
+    from autoshard.ir.units import format_bytes
+
+    return format_bytes(nbytes)
 
 
 def gib(x: float) -> str:

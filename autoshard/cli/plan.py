@@ -25,6 +25,7 @@ from autoshard.cli.planfile import bound_from_args, needs_model
 
 def plan_from_args(args):
     from autoshard.api import plan_workload
+    from autoshard.inter.progress import Progress
 
     return plan_workload(
         args.model,
@@ -34,6 +35,7 @@ def plan_from_args(args):
         options=intra_options(args),
         cluster=getattr(args, "cluster", None),
         offload=getattr(args, "offload", None),
+        progress=Progress("autoshard", enabled=not getattr(args, "quiet", False)),
         **_overrides(args),
     )
 

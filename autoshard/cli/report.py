@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autoshard.api import ModelSummary
+from autoshard.ir.units import format_bytes
 
 
 def human(n: float, unit: str = "") -> str:
@@ -99,7 +100,7 @@ def print_plan(plan, graph, console: Console | None = None, cluster: str | None 
         sharded = sum(1 for _, s in states if not s.is_replicated)
         console.print(f"optimizer state: {sharded} of {len(states)} arrays sharded")
     print_collectives(plan.collective_totals(), "predicted collectives (per device)", console)
-    console.print(f"predicted peak memory per device: {human(plan.predicted_peak_bytes, 'B')}")
+    console.print(f"predicted peak memory per device: {format_bytes(plan.predicted_peak_bytes)}")
 
 
 def print_collectives(totals, title: str, console: Console) -> None:
@@ -141,8 +142,8 @@ def print_verification(report, console: Console | None = None) -> None:
         console.print(f"predicted for XLA:GPU: {note}", markup=False, highlight=False)
     mem_ok = "[green]yes[/green]" if report.memory_agree else "[red]NO[/red]"
     console.print(
-        f"peak memory per device: predicted {human(report.predicted_peak_bytes, 'B')}, compiled "
-        f"{human(report.compiled_peak_bytes, 'B')} (error {report.memory_error:.1%}, "
+        f"peak memory per device: predicted {format_bytes(report.predicted_peak_bytes)}, compiled "
+        f"{format_bytes(report.compiled_peak_bytes)} (error {report.memory_error:.1%}, "
         f"tolerance {report.memory_rtol:.0%}) agree: {mem_ok}"
     )
     if not report.memory_agree:

@@ -31,11 +31,12 @@ def cmd_run(args, bound=None) -> int:
     single_mesh_defaults(args)
     console = out_console()
     args.optimizer = args.optimizer or "sgd"
+    workload = get_workload(args.model, **_overrides(args))
+    opt = make_optimizer(args.optimizer)
+    refuse_beyond_host_memory(args, workload, opt)  # before planning: seconds, not minutes
     if bound is None:
         with progress(args, f"planning {args.model} on mesh {args.mesh} ..."):
             bound = plan_from_args(args)
-    workload = get_workload(args.model, **_overrides(args))
-    opt = make_optimizer(args.optimizer)
     concrete = workload.init_train_args(opt, seed=0)
     step = bound.jit()
     concrete, first = _resume(args, bound, step, concrete)
@@ -105,6 +106,50 @@ def cmd_run(args, bound=None) -> int:
     if hint:
         console.print(f"[yellow]hint:[/yellow] {hint}")
     return 0 if report.ok else 1
+
+
+def available_host_bytes() -> float | None:
+    """This host's available memory (Linux's MemAvailable, bytes), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def refuse_beyond_host_memory(args, workload, opt) -> None:
+    """``run`` on CPU devices keeps everything in this host's memory: the parameters,
+    optimizer state and batch are made whole first (``init_train_args``), then again as the
+    devices' shards (which add up to at least the whole). Refuse, before planning, a model
+    whose two copies already exceed the memory available (gpt-6.7b on 2 devices grew past
+    6 GB and kept going)."""
+    import jax
+
+    if jax.devices()[0].platform != "cpu":  # accelerators hold the shards in their own memory
+        return
+    available = available_host_bytes()
+    if available is None:
+        return
+    from autoshard.ir.units import format_bytes
+
+    leaves = jax.tree_util.tree_leaves(workload.abstract_train_args(opt))
+    whole = float(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
+    need = 2 * whole
+    if need <= available:
+        return
+    mesh = f" --mesh {args.mesh}" if getattr(args, "mesh", None) else ""
+    raise ValueError(
+        f"run --model {args.model} needs at least {format_bytes(need)} of this host's memory: "
+        f"its parameters, {args.optimizer} state and batch ({format_bytes(whole)}) are made "
+        f"whole, then again as the shards of the {jax.device_count()} CPU devices, which live "
+        f"in host memory too, activations on top; {format_bytes(available)} is available. Run a "
+        "smaller size (--layers, --hidden, --batch), or plan it without running: "
+        f"`autoshard plan --model {args.model}{mesh}` (add --cluster PRESET to "
+        "check it against a GPU's memory)"
+    )
 
 
 def _step_times(seconds: list[float], done: int = 0) -> str:

@@ -171,10 +171,9 @@ def print_report(report) -> None:
 
 
 def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
+    from autoshard.ir.units import format_bytes
+
+    return format_bytes(nbytes)
 
 
 def print_exact(exact) -> None:

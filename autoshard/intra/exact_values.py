@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,53 @@ def unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> s
     return None
 
 
+class held_warnings:
+    """Hold the warnings of a solve until the plan's objective is known (:meth:`release`):
+    a time-limit warning names the objective the solver saw, which pricing per value, the
+    exact program or a fallback plan can change, and the plan printed beside it must not
+    show another number (a 2x2x2 mesh printed 1.45819e+07 in the warning and 1.445e+07 in
+    the plan)."""
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings(record=True)
+        self.caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        if exc[0] is not None:  # no plan: say what the solver said, as it said it
+            self.release(None)
+        return False
+
+    def release(self, objective: float | None) -> None:
+        """Issue the held warnings; a time-limit warning that names another objective than
+        ``objective`` (the plan's) names the plan's, and what the solver's program charged."""
+        caught, self.caught = self.caught, []
+        for w in caught:
+            text = str(w.message)
+            if issubclass(w.category, SolverTimeLimitWarning) and objective is not None:
+                text = _restated(text, objective)
+            warnings.warn_explicit(text, w.category, w.filename, w.lineno)
+
+
+_SAID = re.compile(r"(the plan's )?objective ([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)")
+
+
+def _restated(text: str, objective: float) -> str:
+    said = _SAID.search(text)
+    if said is None or math.isclose(float(said.group(2)), objective, rel_tol=1e-5):
+        return text
+    if said.group(1):  # restated already (a nested hold): the newer plan's objective
+        return text[: said.start(2)] + f"{objective:.6g}" + text[said.end(2) :]
+    return (
+        text[: said.start()]
+        + f"the plan's objective {objective:.6g} (priced per value, or a fallback plan's; "
+        f"the program the solver stopped on charged its own plan {said.group(2)})"
+        + text[said.end() :]
+    )
+
+
 def kept_per_demand(first, strategy, priced: float, unsolved: str | None):
     """The per-demand solution ``first`` as the plan (assignment ``strategy``, objective
     its per-value price ``priced``) where the exact program need not be solved; None where
@@ -138,7 +186,16 @@ def solve_exact(
     per-demand plan is priced per value (``exact_stopped`` says so where that price is
     below the per-demand one)."""
     if first is None:
-        first = solve(demand.problem, **settings)
+        with held_warnings() as held:
+            first = solve(demand.problem, **settings)
+            solution = _from_start(ip, mesh, settings, unsolved, first)
+        held.release(solution.objective)
+        return solution
+    return _from_start(ip, mesh, settings, unsolved, first)
+
+
+def _from_start(ip, mesh, settings, unsolved, first):
+    """:func:`solve_exact` past the per-demand solve ``first``."""
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     kept = kept_per_demand(first, initial, objective_of(ip.problem, initial), unsolved)
     if kept is not None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.exact_values import (
+    held_warnings,
     kept_per_demand,
     price_per_value,
     solve_exact,
@@ -45,6 +46,7 @@ from autoshard.intra.ilp import (
     peak_memory,
     solve,
 )
+from autoshard.intra.ilp.problem import below_bound_error, peak_lower_bound
 from autoshard.intra.memory import memory_rows, streamed_tensors
 from autoshard.intra.offload import Offload, offload_tensors
 from autoshard.intra.options import DEFAULT_INTRA_OPTIONS, IntraOptions
@@ -390,6 +392,7 @@ def auto_shard_graph(
     pinned_inputs: Mapping[int, ShardingSpec] | None = None,
     name: str = "auto",
     exact_values: bool | None = None,
+    refuse_over: float | None = None,
 ) -> ParallelPlan:
     """Plan ``graph`` on ``mesh`` with the ILP and return the plan with its predictions.
 
@@ -399,26 +402,39 @@ def auto_shard_graph(
     ``exact_values``: see :func:`build_problem` (None: ``options.exact_values``).
     ``options.prefer_reduce_scatter`` re-plans with the optimizer state split
     (:func:`autoshard.intra.alpa_passes.prefer_reduce_scatter`).
+    ``refuse_over`` (bytes per device): raise InfeasibleBudgetError before any solve when
+    every plan provably peaks over it (:func:`~autoshard.intra.ilp.problem.peak_lower_bound`;
+    the options' memory budget is checked so anyway) -- for a plan solved without a budget
+    that a caller then fits to one.
     """
     from autoshard.intra.alpa_passes import checked_forbidden, prefer_reduce_scatter
 
-    plan = _plan_once(graph, mesh, options, pinned_inputs, name, exact_values)
+    plan = _plan_once(graph, mesh, options, pinned_inputs, name, exact_values, refuse_over)
     if options.prefer_reduce_scatter:
 
         def replan(pins):
-            return _plan_once(graph, mesh, options, pins, name, exact_values)
+            return _plan_once(graph, mesh, options, pins, name, exact_values, refuse_over)
 
         plan = prefer_reduce_scatter(graph, mesh.mesh, plan, pinned_inputs or {}, replan)
     exact = options.exact_values if exact_values is None else exact_values
     return checked_forbidden(plan, options, exact)
 
 
-def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> ParallelPlan:
+def _plan_once(
+    graph, mesh, options, pinned_inputs, name, exact_values, refuse_over=None
+) -> ParallelPlan:
     """:func:`auto_shard_graph` without its post-processing: one plan from the ILP."""
     if exact_values is None:
         exact_values = options.exact_values
     memory_budget_bytes = options.memory_budget_bytes
     common = _common(graph, mesh, options, pinned_inputs, True, None)
+    for budget in (memory_budget_bytes, refuse_over):  # proven out of reach: no solve
+        if budget is not None:
+            bound = common.staging_bytes + peak_lower_bound(
+                common.memory.node_memory, common.memory.live_sets
+            )
+            if bound > budget:
+                raise below_bound_error(budget, bound)
     settings = dict(
         solver=options.solver,
         time_limit_s=options.time_limit_s,
@@ -427,6 +443,24 @@ def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> Paral
     )
     budgeted = memory_budget_bytes is not None
     unsolved = unsolved_because(mesh, options.exact_search, budgeted) if exact_values else None
+    with held_warnings() as held:  # until the plan's objective is known
+        ip, solution, plan = _solved(common, mesh, options, pinned_inputs, name, exact_values,
+                                     settings, budgeted, unsolved)  # fmt: skip
+    held.release(plan.objective)
+    if memory_budget_bytes is not None and solution is not None:
+        rows = peak_memory(ip.problem, solution.strategy) + ip.staging_bytes
+        if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
+            raise RuntimeError(
+                f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
+                f"prediction {plan.predicted_peak_bytes:.6g} B"
+            )
+    return plan
+
+
+def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, budgeted,
+            unsolved):  # fmt: skip
+    """:func:`_plan_once`'s solve: (the problem solved, its solution or None where a
+    fallback plan stands in, the plan)."""
     if unsolved is not None and not budgeted and common.values:
         # the exact program would only price the per-demand plan: price it without
         # building that program (a third of the planning time outside the solver on
@@ -455,14 +489,7 @@ def _plan_once(graph, mesh, options, pinned_inputs, name, exact_values) -> Paral
 
         plan = cheapest_fallback(plan, solution, ip, options, plan_from_solution)
         solution = None
-    if memory_budget_bytes is not None and solution is not None:
-        rows = peak_memory(ip.problem, solution.strategy) + ip.staging_bytes
-        if not math.isclose(rows, plan.predicted_peak_bytes, rel_tol=1e-9, abs_tol=1.0):
-            raise RuntimeError(
-                f"internal error: the ILP's memory rows give {rows:.6g} B for the plan, the "
-                f"prediction {plan.predicted_peak_bytes:.6g} B"
-            )
-    return plan
+    return ip, solution, plan
 
 
 __all__ = [

@@ -1,13 +1,15 @@
 """Pictures of a plan, as PNG bytes (jax-free; matplotlib's Agg backend, no display).
 
-Takes a :class:`~autoshard.report.digest.PlanDigest`; returns :class:`Pictures`, four
-PNGs by name:
+Takes a :class:`~autoshard.report.digest.PlanDigest`; returns :class:`Pictures`, PNGs
+by name:
 
 * ``mesh``: the device mesh, one cell per device (its id and coordinates), coloured by
   pipeline stage, each axis labelled with its role;
 * ``timeline``: the pipeline schedule as a Gantt chart per stage (forward, backward,
   the optimizer update; idle ticks are the bubble), in schedule ticks (a forward is one
-  tick, a backward two: the usual ratio, not a measurement);
+  tick, a backward two: the usual ratio, not a measurement); only for plans of more than
+  one stage (a one-stage plan's would be three fixed-width bars: the order of the
+  phases, which says nothing about the plan and read like a profile);
 * ``memory``: bytes per device of each layer's weights, gradients and optimizer state,
   stacked bars, and a bar of the rest of the predicted peak (activations, temporaries and
   data: they belong to no one layer);
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from autoshard.inter.schedules import BACKWARD, one_f_one_b
+from autoshard.ir.units import format_bytes
 from autoshard.report.digest import PlanDigest, layer_of, short_path
 
 STAGE_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
@@ -185,6 +188,14 @@ def memory_by_layer(d: PlanDigest) -> dict[str, dict[str, float]]:
     return per_layer
 
 
+def _binary_unit(nbytes: float) -> tuple[str, float]:
+    """The binary unit a size is written in (:func:`autoshard.ir.units.format_bytes`)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return unit, float(scale)
+    return "B", 1.0
+
+
 def memory_picture(d: PlanDigest) -> bytes:
     per_layer = memory_by_layer(d)
     names = list(per_layer)
@@ -193,15 +204,16 @@ def memory_picture(d: PlanDigest) -> bytes:
     colours = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")
     categories = ("weights", "gradients", "optimizer state", "activations and temporaries",
                   "data")  # fmt: skip
+    unit, scale = _binary_unit(max(d.plan.predicted_peak_bytes, 1.0))
     for colour, cat in zip(colours, categories):
-        vals = np.array([per_layer[n].get(cat, 0.0) for n in names]) / 1e3
+        vals = np.array([per_layer[n].get(cat, 0.0) for n in names]) / scale
         ax.bar(names, vals, bottom=bottom, label=cat, color=colour)
         bottom += vals
     ax.set_ylim(0, max(float(bottom.max()), 1e-3) * 1.15)  # room above the tallest bar
-    ax.set_ylabel("kB per device")
+    ax.set_ylabel(f"{unit} per device")
     ax.set_title(
         f"memory per device: each layer's state, and the rest of the predicted peak "
-        f"({d.plan.predicted_peak_bytes / 1e3:,.0f} kB in all)",
+        f"({format_bytes(d.plan.predicted_peak_bytes)} in all)",
         fontsize=9,
     )
     ax.legend(fontsize=8)
@@ -258,14 +270,11 @@ def tensor_picture(d: PlanDigest, tensor: str | None = None) -> tuple[bytes, str
 
 
 def write_pictures(d: PlanDigest, tensor: str | None = None) -> Pictures:
-    """All four pictures of ``d`` (module docstring)."""
+    """The pictures of ``d`` (module docstring): ``timeline`` only where there is a
+    pipeline schedule to draw (more than one stage)."""
     tensor_png, path = tensor_picture(d, tensor)
-    return Pictures(
-        {
-            "mesh": mesh_picture(d),
-            "timeline": timeline_picture(d),
-            "memory": memory_picture(d),
-            "tensor": tensor_png,
-        },
-        path,
-    )
+    png = {"mesh": mesh_picture(d)}
+    if d.parallelism.num_stages > 1:
+        png["timeline"] = timeline_picture(d)
+    png.update(memory=memory_picture(d), tensor=tensor_png)
+    return Pictures(png, path)

@@ -13,15 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from autoshard.ir.planfile import describe_mesh
+from autoshard.ir.units import format_bytes
 from autoshard.report.digest import PlanDigest
 
 
 def human_bytes(n: float) -> str:
-    """``1.57 MB`` (decimal units, as XLA and the verifier print them)."""
-    for scale, suffix in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {suffix}"
-    return f"{n:.3g} B"
+    """``1.5 MiB``: binary units, as every memory figure autoshard prints
+    (:func:`autoshard.ir.units.format_bytes`)."""
+    return format_bytes(n)
 
 
 @dataclass(frozen=True)

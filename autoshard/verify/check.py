@@ -341,6 +341,6 @@ def _allocated(m: MemoryStats) -> int:
 
 
 def _mib(nbytes: float) -> str:
-    if abs(nbytes) < 2**20:
-        return f"{nbytes / 2**10:,.1f} KiB"
-    return f"{nbytes / 2**20:,.1f} MiB"
+    from autoshard.ir.units import format_bytes
+
+    return format_bytes(nbytes)

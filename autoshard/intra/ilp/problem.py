@@ -32,15 +32,54 @@ class InfeasibleBudgetError(ValueError):
         self.memory_budget_bytes = memory_budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.proven = proven
+        self.lower_bound_bytes: float | None = None  # set where only a bound is known
         caveat = (
             "" if proven else " (best found within the time limit; the true minimum may be lower)"
         )
+        if not math.isfinite(min_feasible_bytes):
+            from autoshard.ir.units import format_bytes
+
+            super().__init__(
+                f"no sharding plan fits a budget of {format_bytes(memory_budget_bytes)} per "
+                "device, and the solver found "
+                "no plan's least peak within the time limit; raise the budget, or shrink "
+                "the model or batch"
+            )
+            return
+        from autoshard.ir.units import format_bytes
+
         super().__init__(
-            f"no sharding plan fits memory_budget_bytes={memory_budget_bytes:.6g} "
-            f"({memory_budget_bytes / 2**30:.3f} GiB per device): the smallest peak any plan "
-            f"reaches is {min_feasible_bytes:.6g} bytes ({min_feasible_bytes / 2**30:.3f} GiB)"
-            f"{caveat}; raise the budget to at least that, or shrink the model or batch"
+            f"no sharding plan fits a budget of {format_bytes(memory_budget_bytes, exact=True)} "
+            f"per device: the smallest peak any plan reaches is "
+            f"{format_bytes(min_feasible_bytes, exact=True)}{caveat}; raise the budget to at "
+            "least that, or shrink the model or batch"
         )
+
+
+def peak_lower_bound(node_memory, live_sets) -> float:
+    """A lower bound on every assignment's peak (bytes per device), in one pass: each live
+    set with every node in its smallest strategy, no resharded copies (a relaxation that
+    ignores edges, ties and copies, so no assignment peaks lower); 0 without live sets."""
+    if node_memory is None:
+        return 0.0
+    least = [min(row, default=0.0) for row in node_memory]
+    return max((math.fsum(least[v] for v in live) for live in live_sets), default=0.0)
+
+
+def below_bound_error(budget: float, bound: float) -> InfeasibleBudgetError:
+    """The refusal of a budget under :func:`peak_lower_bound`'s ``bound`` (proven, no
+    solve)."""
+    from autoshard.ir.units import format_bytes
+
+    err = InfeasibleBudgetError(budget, bound, True)
+    err.lower_bound_bytes = bound
+    err.args = (
+        f"no sharding plan fits a budget of {format_bytes(budget)} per device: every plan "
+        f"peaks at {format_bytes(bound)} or more (the step's fullest point with each live "
+        "tensor split as finely as its shardings allow; proven without solving); raise the "
+        "budget above that, or shrink the model or batch",
+    )
+    return err
 
 
 class InfeasibleProblemError(ValueError):

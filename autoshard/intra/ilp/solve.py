@@ -22,6 +22,7 @@ from autoshard.intra.ilp.problem import (
     SolverTimeLimitError,
     SolverTimeLimitWarning,
     objective_of,
+    peak_lower_bound,
     peak_memory,
     with_preferences,
 )
@@ -181,8 +182,13 @@ def solve(
             raise InfeasibleProblemError(
                 "no assignment avoids infinite costs while honouring the ties"
             )
-        need, proven = _min_peak(problem, solver, time_limit_s, seed)
-        raise InfeasibleBudgetError(problem.memory_budget_bytes, need, proven)
+        try:
+            need, proven = _min_peak(problem, solver, time_limit_s, seed)
+        except SolverTimeLimitError:  # the budget is still proven out of reach
+            need, proven = math.inf, False
+        err = InfeasibleBudgetError(problem.memory_budget_bytes, need, proven)
+        err.lower_bound_bytes = peak_lower_bound(problem.node_memory, problem.live_sets)
+        raise err
     fallback = None
     if out.status == "no_incumbent":
         greedy = greedy_assignment(problem)
