@@ -81,6 +81,7 @@ def test_three_held_buffers_a_layernorm_that_passes_a_gradient_on(blocks):
     assert held_broadcasts(graph, _without_rule(mesh), set()) == []
 
 
+@pytest.mark.slow
 def test_the_data_parallel_peak_counts_them_as_xla_cpu_holds_them(blocks):
     program, graph = blocks
     mesh = device_mesh_for((8,), ("data",))
@@ -94,3 +95,22 @@ def test_the_data_parallel_peak_counts_them_as_xla_cpu_holds_them(blocks):
     without = predicted_peak_bytes(graph, spec_of, _without_rule(mesh), plan.operand_specs)
     # 2026-11-27, jax 0.10.2: 3,300,660 B compiled; 3,298,820 predicted, 1,728,516 without
     assert without < 0.6 * report.compiled_peak_bytes
+
+
+@pytest.mark.slow
+def test_the_ilp_memory_rows_count_them_as_the_prediction_does(blocks):
+    """The held broadcasts are copy groups of the ILP's memory rows too: its own peak for
+    the chosen plan is the plan's predicted peak, and dropping the rule lowers both."""
+    from autoshard.intra.ilp import peak_memory, solve
+    from autoshard.intra.problem import build_problem, plan_from_solution
+
+    _, graph = blocks
+    mesh = device_mesh_for((2, 4), ("data", "model"))
+    ip = build_problem(graph, mesh, copy_buffers=True)
+    # any plan will do (the rows must count what the prediction counts for each)
+    solution = solve(ip.problem, solver="highs", time_limit_s=2.0, mip_gap=0.5)
+    plan = plan_from_solution(ip, solution)
+    peak = peak_memory(ip.problem, solution.strategy)
+    assert peak == pytest.approx(plan.predicted_peak_bytes, rel=1e-12)
+    off = build_problem(graph, _without_rule(mesh), copy_buffers=True)
+    assert peak_memory(off.problem, solution.strategy) < peak
