@@ -104,6 +104,7 @@ def run(
     only_models: tuple[str, ...] = (),
     only_meshes: tuple[str, ...] = (),
     only_plans: tuple[str, ...] = (),
+    attention: str | None = None,
 ) -> list[dict]:
     from autoshard.api import trace_workload
     from autoshard.intra.baselines import BaselineRefusedError
@@ -115,7 +116,8 @@ def run(
     for model, overrides, optimizer, meshes in SUITES[suite]:
         if only_models and _label(model, overrides) not in only_models:
             continue
-        traced = trace_workload(model, optimizer=optimizer, **overrides)
+        extra = {"attention": attention} if attention and model.startswith(("gpt", "moe")) else {}
+        traced = trace_workload(model, optimizer=optimizer, **overrides, **extra)
         for mesh_text in meshes:
             if only_meshes and mesh_text not in only_meshes:
                 continue
@@ -164,6 +166,7 @@ def run(
                     "model": _label(model, overrides),
                     "mesh": mesh_text,
                     "plan": which,
+                    **extra,
                     "collectives_agree": report.collectives_agree,
                     "disagreeing_rows": disagree,
                     "predicted_collective_bytes": sum(
@@ -262,6 +265,12 @@ def main() -> None:
         help="plan with the per-demand pricing alone (the planner's default adds the exact "
         "per-value program, started from that plan)",
     )
+    ap.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        default=None,
+        help="the GPT and GPT-MoE rows' attention program (default: the model's default)",
+    )
     args = ap.parse_args()
 
     import jax
@@ -281,18 +290,20 @@ def main() -> None:
             tuple(m for m in args.models.split(";") if m),
             tuple(m for m in args.meshes.split(",") if m),
             tuple(p for p in args.plans.split(",") if p),
+            args.attention,
         )
     ]
     wall = time.perf_counter() - t_start
     out = Path(args.out)
-    if out.exists() and (args.suite != "all" or args.plans):
+    if out.exists() and (args.suite != "all" or args.plans or args.models or args.meshes):
         # keep the last run's rows of what was not run: the other suites, or (--plans)
         # the other plans; the rows run replace theirs in place
         def key(r):
             return r["suite"], r["model"], r["mesh"], r["plan"]
 
         old = json.loads(out.read_text())["rows"]
-        merged = {key(r): r for r in old if args.plans or r["suite"] not in suites}
+        subset = args.plans or args.models or args.meshes
+        merged = {key(r): r for r in old if subset or r["suite"] not in suites}
         merged.update({key(r): r for r in rows})
         rows = sorted(merged.values(), key=lambda r: list(SUITES).index(r["suite"]))
     rows_all = rows

@@ -8,7 +8,7 @@ largest values live there with the bytes each holds::
 
     python benchmarks/live_peak_values.py --model moe-tiny --mesh 4x2 --plan megatron [--top 25]
 
-``--layers``, ``--batch`` and ``--dtype`` override the preset as bench_truth's memory suite
+``--layers``, ``--batch``, ``--dtype`` and ``--attention`` override the preset as bench_truth's memory suite
 does (``--model gpt-350m --layers 2 --batch 8 --dtype bfloat16 --optimizer adamw``).
 """
 
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="num_layers override")
     ap.add_argument("--batch", type=int, default=None, help="batch_size override")
     ap.add_argument("--dtype", default=None, help="dtype override, e.g. bfloat16")
+    ap.add_argument("--attention", default=None, choices=("fused", "unfused"))
     ap.add_argument("--dump", default=None, help="keep XLA's dump (HLO, live ranges) here")
     args = ap.parse_args()
 
@@ -53,7 +54,12 @@ def main() -> None:
     check.dump_live_peak = keep
     overrides = {
         k: v
-        for k, v in (("num_layers", args.layers), ("batch_size", args.batch), ("dtype", args.dtype))
+        for k, v in (
+            ("num_layers", args.layers),
+            ("batch_size", args.batch),
+            ("dtype", args.dtype),
+            ("attention", args.attention),
+        )
         if v is not None
     }
     traced = trace_workload(args.model, optimizer=args.optimizer, **overrides)

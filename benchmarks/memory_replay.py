@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--models", default="", help="only these row labels, ';'-separated")
     ap.add_argument("--plans", default="", help="only these plans, e.g. dp,zero3")
     ap.add_argument("--meshes", default="", help="only these meshes, e.g. 8,2x4")
+    ap.add_argument("--attention", default=None, choices=("fused", "unfused"))
     ap.add_argument("--live", action="store_true", help="also read XLA's live peak (new rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = ap.parse_args()
@@ -57,7 +58,10 @@ def main() -> None:
         label = _label(model, overrides)
         if args.models and label not in args.models.split(";"):
             continue
-        traced = trace_workload(model, optimizer=optimizer, **overrides)
+        extra = {}
+        if args.attention and model.startswith(("gpt", "moe")):
+            extra = {"attention": args.attention}
+        traced = trace_workload(model, optimizer=optimizer, **overrides, **extra)
         g = traced.graph
         for mesh_text in meshes:
             if args.meshes and mesh_text not in args.meshes.split(","):
@@ -67,7 +71,8 @@ def main() -> None:
             for which in PLANS:
                 if args.plans and which not in args.plans.split(","):
                     continue
-                path = cache / f"{args.suite}__{label}__{mesh_text}__{which}.json"
+                tag = f"__{extra['attention']}" if extra else ""
+                path = cache / f"{args.suite}__{label}__{mesh_text}__{which}{tag}.json"
                 if not path.exists():
                     pinned = baseline_inputs(g, mesh.mesh, which) if which != "auto" else None
                     options = IntraOptions(solver="highs", time_limit_s=60)

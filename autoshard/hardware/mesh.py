@@ -92,6 +92,11 @@ class MemoryLayout:
     # flash attention (XLA:GPU) holds no S x S buffer. The memory model counts the
     # workspace at the operator (autoshard/intra/attention_workspace.py).
     attention_scores_workspace: bool = False
+    # XLA:CPU's reduction fusions (YNNPACK) read a broadcast operand as a buffer, which
+    # its scheduler makes in the forward pass and shares with the backward: a LayerNorm
+    # keeps its rsqrt and scale broadcast to [B, S, h], and rsqrt * scale, from its
+    # forward to its backward (autoshard/intra/broadcast_buffers.py).
+    materialized_broadcasts: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -110,6 +115,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     batched_dot_weight_copies=True,
     dot_lhs_copies=True,
     attention_scores_workspace=True,
+    materialized_broadcasts=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).

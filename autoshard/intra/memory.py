@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.attention_workspace import held_buffers, workspace_groups
+from autoshard.intra.broadcast_buffers import held_broadcast_buffers, held_broadcast_groups
 from autoshard.intra.common_values import common_values, merged_consumers
 from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.layout_copies import (
@@ -362,6 +363,8 @@ def predicted_live_bytes(
     ]
     # a fused attention's S x S temporaries on XLA:CPU (attention_workspace)
     buffers += held_buffers(graph, spec_of, mesh, pos)
+    # broadcasts XLA:CPU keeps from the forward pass to the backward (broadcast_buffers)
+    buffers += held_broadcast_buffers(graph, spec_of, mesh, pos, {b[0] for b in own})
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -443,6 +446,7 @@ def memory_rows(
         zeros = foldable_zeros(graph_update_zeros(graph), mesh)
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
     groups += workspace_groups(graph, strategies, n_in, mesh, pos)
+    groups += held_broadcast_groups(graph, strategies, n_in, mesh, pos, set(intervals))
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     born: dict[int, list[int]] = {}

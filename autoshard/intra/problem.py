@@ -221,12 +221,14 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
     if options.offload:  # strict: one mesh's whole step; a stage search's layer may lack one
         offloaded = offload_tensors(graph, Offload(options.offload), strict=False)
     host_update = offloaded is not None and offloaded.offload.host_update
+    dead = graph.dead_nodes()  # XLA drops them: no compute, no operand resharded
     node_costs = []
     for i, strats in enumerate(strategies):
         on_host = host_update and i >= n_in and graph.nodes[i - n_in].phase == "update"
+        free = on_host or (i >= n_in and i - n_in in dead)  # the host runs the update
         costs = []
         for s in strats:
-            c = 0.0 if on_host else s.compute_cost  # the host runs the update
+            c = 0.0 if free else s.compute_cost
             if i >= n_in and s.output_specs and s.output_specs[0].partial:
                 node = graph.nodes[i - n_in]
                 if any(t in outputs for t in node.outputs):
@@ -243,6 +245,8 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
     operands: list[Operand] = []
     uses: dict[int, list[Use]] = {}
     for node in graph.nodes:
+        if node.index in dead:
+            continue
         dst = n_in + node.index
         for slot, tid in enumerate(node.inputs):
             if tid not in producer:

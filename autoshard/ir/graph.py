@@ -259,6 +259,20 @@ class Graph:
     def num_params(self) -> int:
         return sum(self.tensors[t].size for t in self.inputs_of_kind("param"))
 
+    def dead_nodes(self) -> frozenset[int]:
+        """Indices of the nodes whose results nothing reads, directly or through other
+        dead nodes, and that are no program output: XLA's dead-code elimination drops
+        them before its partitioner runs (jax's ``logsumexp`` makes a ``sign`` of the sum
+        that only ``return_sign=True`` reads), so they ask for no resharding."""
+        read = set(self.outputs)
+        dead = set()
+        for node in reversed(self.nodes):
+            if any(t in read for t in node.outputs):
+                read.update(node.inputs)
+            else:
+                dead.add(node.index)
+        return frozenset(dead)
+
 
 def eqn_is_elementwise(eqn: EqnRecord, ins: list[TensorRecord], outs: list[TensorRecord]) -> bool:
     """Whether ``eqn`` is elementwise by kind (:func:`~autoshard.ir.primitives.is_elementwise`)."""
