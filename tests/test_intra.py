@@ -292,21 +292,56 @@ def test_open_loop_memory_model_keeps_compiled_within_budget(gpt350m_2l):
     assert abs(report.compiled_peak_bytes - plan.predicted_peak_bytes) < 0.1 * 1.6e9
 
 
-def test_closed_loop_budget_holds_for_the_compiled_step():
+GPT350M_2L = dict(optimizer="adamw", batch_size=8, num_layers=2)
+
+
+# one budget a test: two shorter tests share out better over the xdist workers
+@pytest.mark.parametrize("budget", [2.0e9, 1.6e9])
+def test_closed_loop_budget_holds_for_the_compiled_step(budget):
+    from autoshard.api import plan_workload
+
+    bound = plan_workload(
+        "gpt-350m", "8", options=HIGHS.replace(memory_budget_bytes=budget), **GPT350M_2L
+    )
+    assert bound.verify().compiled_peak_bytes <= budget
+    assert any("compiled" in note for note in bound.plan.notes)
+
+
+def test_closed_loop_refuses_with_the_smallest_peak_or_the_compiled_estimate():
+    """Both refusals of the closed loop, on a small MLP: below the smallest peak any plan
+    reaches, the model's own error (proven); above it, but where XLA compiles even the
+    smallest plan over the budget, "no plan compiles within" with the estimate."""
     from autoshard.api import plan_workload
     from autoshard.intra.ilp import InfeasibleBudgetError
 
-    kw = dict(optimizer="adamw", batch_size=8, num_layers=2)
-    for budget in (2.0e9, 1.6e9):
-        bound = plan_workload(
-            "gpt-350m", "8", options=HIGHS.replace(memory_budget_bytes=budget), **kw
-        )
-        assert bound.verify().compiled_peak_bytes <= budget
-        assert any("compiled" in note for note in bound.plan.notes)
+    sizes = dict(batch_size=16, hidden=16)  # 817 B of state per device; least peak 2,368 B
+    with pytest.raises(InfeasibleBudgetError, match="smallest peak") as err:
+        plan_workload("mlp", "2x4", options=HIGHS.replace(memory_budget_bytes=2000.0), **sizes)
+    least = err.value.min_feasible_bytes
+    assert err.value.proven and least > 2000.0
+    # 2,800 B: above the least peak, but XLA compiled the least plan at 1.37x its
+    # prediction when written (budgets of 2,400-2,605 B and 3,400 B meet an internal
+    # error today: the ILP's memory rows short of the prediction on a re-plan)
+    budget = 2800.0
+    assert least < budget
+    with pytest.raises(InfeasibleBudgetError, match="no plan compiles within") as err:
+        plan_workload("mlp", "2x4", options=HIGHS.replace(memory_budget_bytes=budget), **sizes)
+    assert err.value.min_feasible_bytes > budget  # the estimate of what would compile
+
+
+# slow: the time-limited search for the smallest peak runs its whole 60 s; the same
+# refusal through plan_workload is checked fast on an MLP (the test above)
+@pytest.mark.slow
+def test_closed_loop_refuses_a_budget_below_gpt350m_smallest_peak():
+    from autoshard.api import plan_workload
+    from autoshard.intra.ilp import InfeasibleBudgetError
+
     # 1.2 GB: the model already finds no plan (its error states the least peak found);
     # budgets the model accepts but XLA does not get "no plan compiles within"
     with pytest.raises(InfeasibleBudgetError, match="no plan compiles within|least peak"):
-        plan_workload("gpt-350m", "8", options=HIGHS.replace(memory_budget_bytes=1.2e9), **kw)
+        plan_workload(
+            "gpt-350m", "8", options=HIGHS.replace(memory_budget_bytes=1.2e9), **GPT350M_2L
+        )
 
 
 def test_bad_inputs_get_clear_errors(tiny):
@@ -355,9 +390,13 @@ def test_zero2_with_optimizer_state_trains_like_one_device():
     assert report.ok, report
 
 
-def test_deeper_gpt_auto_plan_trains_like_one_device():
-    traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
-    _assert_trains_like_one_device(traced, _plan(traced, (2, 4)))
+@pytest.fixture(scope="module")
+def tiny4():
+    return trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
+
+
+def test_deeper_gpt_auto_plan_trains_like_one_device(tiny4):
+    _assert_trains_like_one_device(tiny4, _plan(tiny4, (2, 4)))
 
 
 # Plans on 2-D meshes whose predicted collectives equal the compiled ones (kind, mesh
@@ -398,12 +437,11 @@ def test_zero2_on_4x2_disagrees_by_one_all_to_all_over_model(tiny):
     assert row.compiled_bytes - row.predicted_bytes == 24576
 
 
-def test_deeper_zero3_on_4x2_collectives_match_xla():
+def test_deeper_zero3_on_4x2_collectives_match_xla(tiny4):
     """Reductions and scatter-adds (the bias and embedding gradients) leave partial sums
     that XLA reduces where they are made, before slicing: all-reduce + dynamic-slice, a
     reduce-scatter only when the slice is exactly the reduced axes'."""
-    traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
-    _assert_collectives_agree(traced, (4, 2), "zero3")
+    _assert_collectives_agree(tiny4, (4, 2), "zero3")
 
 
 @pytest.mark.slow
@@ -419,14 +457,13 @@ def test_zero3_on_2x4_disagrees_where_xla_exchanges_over_part_of_an_axis(tiny):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["megatron", None], ids=["megatron", "auto"])
-def test_deeper_megatron_on_4x2_collectives_match_xla(which):
+def test_deeper_megatron_on_4x2_collectives_match_xla(tiny4, which):
     # Was a known disagreement (docs/truth.md): a LayerNorm-backward value the plan moved
     # with a 256-byte all-gather over `model`, which XLA moved with an 8 KiB all-to-all.
     # Megatron now keeps activations split over `data` (baseline_options), and the auto
     # plan ties the 4 blocks two at a time; neither plan moves that value any more.
-    traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
-    plan = _plan(traced, (4, 2), which)
-    report = verify_plan(traced.program, plan, devices=jax.devices()[:8])
+    plan = _plan(tiny4, (4, 2), which)
+    report = verify_plan(tiny4.program, plan, devices=jax.devices()[:8])
     assert report.collectives_agree, report.comparison.format()
 
 

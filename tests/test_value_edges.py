@@ -283,14 +283,15 @@ def test_price_per_value_is_the_exact_programs_objective(model, shape, which):
     common = _common(traced.graph, mesh, options, pinned, True, None)
     exact, demand = _finish(common, True), _finish(common, False)
     assert exact.values.groups  # there is something to price per value
-    first = solve(demand.problem, solver="highs")
+    settings = {"solver": "highs", "time_limit_s": 60, "mip_gap": 0.0, "seed": 0}
+    first = solve(demand.problem, **settings)
     for choice in (first.strategy, *_other_assignments(demand, first.strategy)):
         full = exact.values.complete(exact.strategies, choice, mesh)
         assert price_per_value(common, choice) == pytest.approx(
             objective_of(exact.problem, full), rel=1e-9, abs=1e-12
         )
-    built = solve_exact(exact, demand, mesh, {"solver": "highs", "time_limit_s": 60,
-                         "mip_gap": 0.0, "seed": 0}, "not solved (test)")  # fmt: skip
+    # from that per-demand solution (as the planner passes its own), not solved again
+    built = solve_exact(exact, demand, mesh, settings, "not solved (test)", first)
     plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned)
     assert plan.objective == pytest.approx(built.objective, rel=1e-9)
     assert list(plan.solver["strategy"]) == list(built.strategy[: len(demand.strategies)])
