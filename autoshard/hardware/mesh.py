@@ -30,7 +30,7 @@ from autoshard.hardware.clusters import (
     load_cluster,
 )
 from autoshard.hardware.gemm import GemmTable, GemmTiming
-from autoshard.ir.spec import Axes, Mesh
+from autoshard.ir.spec import Axes, Mesh, cached_hash
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,7 @@ def check_nonnegative(name: str, value: float, *, allow_inf: bool, positive: boo
         )
 
 
+@cached_hash
 @dataclass(frozen=True)
 class DeviceMesh:
     """A logical mesh plus the figures the cost model needs, per axis and per device.
