@@ -45,10 +45,12 @@ Everything uses abstract shapes: no parameter is allocated.  Jax-free.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import multiprocessing
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -157,13 +159,27 @@ def _pool_unit(job: tuple[int, Shape2]):
     return i, logical, unit, counts
 
 
+def _pool_init() -> None:
+    """In a forked worker: drop the garbage-collector callbacks jax registered in the
+    parent (they call into XLA's runtime, whose threads a forked child does not have)."""
+    gc.callbacks[:] = [
+        cb for cb in gc.callbacks if not getattr(cb, "__module__", "").startswith("jax")
+    ]
+
+
 def _solve_in_pool(cost: IntraStageCost, jobs_list, jobs: int):
     """Yield ``_pool_unit``'s results for ``jobs_list`` as ``jobs`` forked processes solve
     them (the workers inherit ``cost``: its graph and sub-graphs are not pickled)."""
     global _POOL_COST
     _POOL_COST = cost
     try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        with warnings.catch_warnings():
+            # jax warns at every fork of a process that has started its runtime; the workers
+            # run jax-free code only (and _pool_init drops jax's gc callback), so the
+            # runtime's threads they lack are never waited for
+            warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+            pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_pool_init)
+        with pool:
             yield from pool.imap_unordered(_pool_unit, jobs_list, chunksize=1)
     finally:
         _POOL_COST = None
