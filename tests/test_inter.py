@@ -312,3 +312,63 @@ def test_the_traced_step_is_read_back_from_the_disk_cache(tmp_path, monkeypatch)
     assert again == (name, graph)
     with pytest.raises(AssertionError, match="traced again"):  # other settings: a miss
         api.microbatch_graph("gpt-tiny", 4, batch_size=8, num_layers=2)
+
+
+def test_a_mesh_with_its_axis_sizes_swapped_reuses_the_twins_plan(tiny4, monkeypatch):
+    """On uniform links a (4, 2) mesh is the (2, 4) mesh with its axes renamed: its units
+    are the (2, 4) plans with 'data' and 'model' swapped (no ILP), as fast as solving it
+    afresh, and valid on the (4, 2) mesh; across nodes the twin is not used."""
+    mesh_for = logical_mesh_costs(cluster_for("alpa-v100", 1, 8))
+    cost = IntraStageCost(tiny4.graph, mesh_for, solver=SOLVER)
+    n = len(tiny4.graph.layers)
+    cost.prepare([(2, 4)])
+    ilps = cost.num_ilps
+    cost.prepare([(4, 2)])
+    assert cost.num_ilps == ilps  # every (4, 2) unit came from its (2, 4) twin
+    fresh = IntraStageCost(tiny4.graph, mesh_for, solver=SOLVER)
+    monkeypatch.setattr(fresh, "_twin", lambda logical, mesh: None)
+    for i in range(n):
+        got, twin = cost.unit(i, i + 1, (4, 2)), cost.unit(i, i + 1, (2, 4))
+        assert got.plan.mesh == mesh_for((4, 2)).mesh
+        assert (got.compute_s, got.communication_s) == (twin.compute_s, twin.communication_s)
+        solved = fresh.unit(i, i + 1, (4, 2))
+        assert got.compute_s + got.communication_s <= (
+            solved.compute_s + solved.communication_s
+        ) * (1 + 1e-6)
+        for spec, swapped in zip(twin.plan.input_specs, got.plan.input_specs, strict=True):
+            assert [len(d) for d in spec.dims] == [len(d) for d in swapped.dims]
+            assert spec.used_axes == tuple(
+                {"data": "model", "model": "data"}[a] for a in swapped.used_axes
+            )
+    specs = cost.stage_specs(0, n, (4, 2))  # validates every spec on the (4, 2) mesh
+    assert specs.logical_mesh == (4, 2)
+    two_nodes = IntraStageCost(
+        tiny4.graph, logical_mesh_costs(cluster_for("alpa-v100", 2, 4)), solver=SOLVER
+    )
+    assert two_nodes._twin((4, 2), two_nodes.mesh_for((4, 2))) is None
+
+
+def test_stage_ilps_solved_in_forked_processes_give_the_same_plan():
+    """``AUTOSHARD_JOBS=2`` (ILPs solved by two forked processes) and ``1`` (in the search's
+    own process) give the same plan, stage specs included; each run is a fresh process, so
+    the pool is forked before this process has run HiGHS (see ``solvers.highs_ran``)."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [
+        sys.executable, "-m", "autoshard", "plan", "--model", "gpt-tiny", "--batch", "8",
+        "--devices", "8", "--cluster", "alpa-v100", "--pipeline", "auto", "--microbatches", "2",
+        "--json",
+    ]  # fmt: skip
+    plans = []
+    for jobs in ("2", "1"):
+        env = {**os.environ, "AUTOSHARD_JOBS": jobs}
+        env.pop("AUTOSHARD_CACHE_DIR", None)
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        plans.append(json.loads(proc.stdout))
+    forked, alone = plans
+    assert forked["num_ilps"] == alone["num_ilps"] > 0
+    for key in ("objective_s", "stages", "stage_specs"):
+        assert forked[key] == alone[key], key

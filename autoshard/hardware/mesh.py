@@ -30,7 +30,7 @@ from autoshard.hardware.clusters import (
     load_cluster,
 )
 from autoshard.hardware.gemm import GemmTable, GemmTiming
-from autoshard.ir.spec import Axes, Mesh
+from autoshard.ir.spec import Axes, Mesh, cached_hash
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,7 @@ def check_nonnegative(name: str, value: float, *, allow_inf: bool, positive: boo
         )
 
 
+@cached_hash
 @dataclass(frozen=True)
 class DeviceMesh:
     """A logical mesh plus the figures the cost model needs, per axis and per device.
@@ -202,20 +203,30 @@ class DeviceMesh:
 
     def group(self, axes: str | Sequence[str]) -> Axes:
         """``axes`` as a collective group: a tuple of distinct axes of this mesh."""
+        key = axes if isinstance(axes, (str, tuple)) else tuple(axes)
+        memo = self.__dict__.setdefault("_groups_", {})  # not a field, not pickled
+        if key in memo:
+            return memo[key]
         group = (axes,) if isinstance(axes, str) else tuple(axes)
         for a in group:
             self.mesh.index(a)  # raises ValueError naming the axis and the mesh's axes
         if len(set(group)) != len(group):
             raise ValueError(f"collective group {group} repeats a mesh axis")
+        memo[key] = group
         return group
 
     def link(self, axes: str | Sequence[str]) -> tuple[float, float]:
         """(alpha, beta) of a ring over ``axes``: the slowest link among axes of size > 1."""
         group = self.group(axes)
-        idx = [self.mesh.index(a) for a in group if self.mesh.size(a) > 1]
-        if not idx:
-            return 0.0, 0.0
-        return max(self.alpha[i] for i in idx), max(self.beta[i] for i in idx)
+        memo = self.__dict__.setdefault("_links_", {})  # not a field, not pickled
+        if group not in memo:
+            idx = [self.mesh.index(a) for a in group if self.mesh.size(a) > 1]
+            memo[group] = (
+                (max(self.alpha[i] for i in idx), max(self.beta[i] for i in idx))
+                if idx
+                else (0.0, 0.0)
+            )
+        return memo[group]
 
     def node_span(self, axes: str | Sequence[str]) -> tuple[int, int] | None:
         """``(devices per node, nodes)`` of every group over ``axes`` when the mesh knows its

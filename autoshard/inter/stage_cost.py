@@ -45,8 +45,12 @@ Everything uses abstract shapes: no parameter is allocated.  Jax-free.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
+import multiprocessing
+import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -66,7 +70,7 @@ from autoshard.inter.subgraph import (
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
-from autoshard.intra.cost import CostOptions, reshard
+from autoshard.intra.cost import CostOptions, _valid_spec, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload import (
     NO_OFFLOAD,
@@ -104,6 +108,135 @@ class UnitCost:
     offload_s: float = 0.0
     staging_bytes: float = 0.0
     host_bytes: float = 0.0
+
+
+JOBS_ENV = "AUTOSHARD_JOBS"  # processes that solve a search's stage ILPs (1: in this one)
+POOL_MIN_UNITS = 4  # fewer units than this are solved in this process
+
+
+def _jobs(num_units: int) -> int:
+    """How many processes solve ``num_units`` stage ILPs: ``AUTOSHARD_JOBS`` if set, else
+    one per CPU this process may run on; 1 (this process) for fewer than
+    :data:`POOL_MIN_UNITS` units, where processes cannot be forked, or once this process
+    has run HiGHS (a forked child would wait for HiGHS's threads forever)."""
+    from autoshard.intra.ilp import solvers
+
+    if num_units < POOL_MIN_UNITS or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if solvers.highs_ran:  # HiGHS's threads would be missing in a forked child
+        return 1
+    given = os.environ.get(JOBS_ENV)
+    if given is not None:
+        try:
+            jobs = int(given)
+        except ValueError:
+            raise ValueError(f"{JOBS_ENV}={given!r}: give a whole number of processes") from None
+        if jobs < 1:
+            raise ValueError(f"{JOBS_ENV}={given!r}: give at least 1 process")
+    else:
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(jobs or 1, num_units))
+
+
+_POOL_COST: IntraStageCost | None = None  # the cost object the forked workers solve for
+
+
+def _pool_unit(job: tuple[int, Shape2]):
+    """In a forked worker: the unit of layer ``i`` on ``logical`` and what solving it
+    counted (ILPs, ILP seconds, cache hits, refusals, disk-cache hits)."""
+    i, logical = job
+    cost = _POOL_COST
+    before = (cost.num_ilps, cost.ilp_seconds, cost.num_cache_hits, len(cost.refusals))
+    disk_hits = cost.num_disk_hits
+    unit = cost._plan_unit(cost.subgraph(i, i + 1), cost.mesh_for(logical))
+    counts = (
+        cost.num_ilps - before[0],
+        cost.ilp_seconds - before[1],
+        cost.num_cache_hits - before[2],
+        tuple(cost.refusals[before[3] :]),
+        cost.num_disk_hits - disk_hits,
+    )
+    return i, logical, unit, counts
+
+
+def _pool_init() -> None:
+    """In a forked worker: drop the garbage-collector callbacks jax registered in the
+    parent (they call into XLA's runtime, whose threads a forked child does not have)."""
+    gc.callbacks[:] = [
+        cb for cb in gc.callbacks if not getattr(cb, "__module__", "").startswith("jax")
+    ]
+
+
+def _solve_in_pool(cost: IntraStageCost, jobs_list, jobs: int):
+    """Yield ``_pool_unit``'s results for ``jobs_list`` as ``jobs`` forked processes solve
+    them (the workers inherit ``cost``: its graph and sub-graphs are not pickled)."""
+    global _POOL_COST
+    _POOL_COST = cost
+    try:
+        with warnings.catch_warnings():
+            # jax warns at every fork of a process that has started its runtime; the workers
+            # run jax-free code only (and _pool_init drops jax's gc callback), so the
+            # runtime's threads they lack are never waited for
+            warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+            pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_pool_init)
+        with pool:
+            yield from pool.imap_unordered(_pool_unit, jobs_list, chunksize=1)
+    finally:
+        _POOL_COST = None
+
+
+def _swappable(a: DeviceMesh, b: DeviceMesh) -> bool:
+    """Whether two 2-axis meshes are one mesh with its axes' sizes exchanged: uniform
+    links, devices in one node (or no node layout), every other figure equal."""
+    if len(a.mesh.shape) != 2 or a.mesh.axis_names != b.mesh.axis_names:
+        return False
+    if a.mesh.shape != b.mesh.shape[::-1]:
+        return False
+    if len(set(a.alpha)) != 1 or len(set(a.beta)) != 1:
+        return False
+    if a.nodes is not None and a.mesh.num_devices > a.nodes.devices_per_node:
+        return False
+    return dataclasses.replace(a, mesh=b.mesh) == b
+
+
+def _swap_spec(spec: ShardingSpec, names: Mapping[str, str]) -> ShardingSpec:
+    return ShardingSpec(
+        tuple(tuple(names[x] for x in d) for d in spec.dims),
+        tuple(names[x] for x in spec.partial),
+        spec.partial_op,
+    )
+
+
+def _swap_axes(unit: UnitCost, mesh: DeviceMesh) -> UnitCost:
+    """``unit`` (planned on the mesh with the two axis sizes exchanged) on ``mesh``: its
+    plan's specs and collectives with the two axis names swapped; every cost the same."""
+    plan = unit.plan
+    if plan is None:
+        return unit
+    a, b = mesh.mesh.axis_names
+    names = {a: b, b: a}
+    memo: dict[ShardingSpec, ShardingSpec] = {}
+
+    def sw(spec: ShardingSpec) -> ShardingSpec:
+        if spec not in memo:
+            memo[spec] = _swap_spec(spec, names)
+        return memo[spec]
+
+    swapped = dataclasses.replace(
+        plan,
+        mesh=mesh.mesh,
+        input_specs=tuple(sw(x) for x in plan.input_specs),
+        output_specs=tuple(sw(x) for x in plan.output_specs),
+        tensor_specs={t: sw(x) for t, x in plan.tensor_specs.items()},
+        operand_specs={
+            n: {k: sw(x) for k, x in ops.items()} for n, ops in plan.operand_specs.items()
+        },
+        predicted_collectives=tuple(
+            dataclasses.replace(c, axes=tuple(names.get(x, x) for x in c.axes))
+            for c in plan.predicted_collectives
+        ),
+    )
+    return dataclasses.replace(unit, plan=swapped)
 
 
 class IntraStageCost:
@@ -237,9 +370,24 @@ class IntraStageCost:
             (i, g) for (sig, mesh), (i, g) in first.items() if ((sig,), mesh) not in self._units
         ]
         t0 = time.perf_counter()
+        # the units to solve (not a twin's, see _twin), biggest first: the pool's share
+        solve = [(i, g) for i, g in todo if self._twin(g, self.mesh_for(g)) is None]
+        solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
+        jobs = _jobs(len(solve))
         try:
             with progress.phase("stage ILPs", len(todo)) as phase:
+                if jobs > 1:
+                    for i, logical, unit, counts in _solve_in_pool(self, solve, jobs):
+                        self._units[((self.signatures[i],), self.mesh_for(logical))] = unit
+                        self.num_ilps += counts[0]
+                        self.ilp_seconds += counts[1]
+                        self.num_cache_hits += counts[2]
+                        self.refusals.extend(r for r in counts[3] if r not in self.refusals)
+                        self.num_disk_hits += counts[4]
+                        phase.advance()
                 for i, logical in todo:
+                    if ((self.signatures[i],), self.mesh_for(logical)) in self._units:
+                        continue  # solved by the pool
                     self.unit(i, i + 1, logical)
                     phase.advance()
         finally:
@@ -253,11 +401,32 @@ class IntraStageCost:
         if key in self._units:
             self.num_cache_hits += 1
             return self._units[key]
+        twin = self._twin(logical, mesh)
+        if twin is not None:  # (dp, tp) with dp > tp: the (tp, dp) plan, axes swapped
+            self._units[key] = cost = _swap_axes(self.unit(start, end, twin), mesh)
+            return cost
         if end == start + 1:
             start = self._rep[self.signatures[start]]
             end = start + 1
         self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
         return cost
+
+    def _twin(self, logical: Shape2, mesh: DeviceMesh) -> Shape2 | None:
+        """``(tp, dp)`` when ``logical = (dp, tp)`` has ``dp > tp`` and the two meshes
+        differ only by which axis has which size: the same links on both axes and one node
+        (or no node layout), the same device figures.  The ILP on one is then the ILP on
+        the other with the axis names swapped (nothing in the intra-op problem reads an
+        axis by name), so :meth:`unit` plans the ``dp < tp`` mesh and swaps its plan's
+        axes.  None otherwise (a baseline or offload pins axes by name)."""
+        if self.baseline is not None or self.offload or len(logical) != 2:
+            return None
+        dp, tp = logical
+        if dp <= tp:
+            return None
+        other = self.mesh_for((tp, dp))
+        if not _swappable(mesh, other):
+            return None
+        return (tp, dp)
 
     def _plan_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
         """A unit from the on-disk cache (:mod:`autoshard.inter.unit_cache`, when on), else
@@ -448,7 +617,7 @@ class IntraStageCost:
                 operand_specs[rg.node_ids[node]] = dict(ops)
         mesh = self.mesh_for(logical).mesh
         for tid, spec in (*input_specs.items(), *tensor_specs.items()):
-            spec.validate(mesh, self.graph.tensors[tid].shape)  # a reused plan must fit
+            _valid_spec(spec, mesh, self.graph.tensors[tid].shape)  # a reused plan must fit
         return StageSpecs(logical, tensor_specs, input_specs, operand_specs)
 
     # -- the callback

@@ -43,7 +43,7 @@ from types import MappingProxyType
 
 from autoshard.hardware.clusters import node_aware_collective_time
 from autoshard.hardware.mesh import DeviceMesh, check_nonnegative
-from autoshard.ir.spec import Collective
+from autoshard.ir.spec import Collective, cached_hash
 
 # Alpa's constants (auto_sharding.py, LogicalDeviceMesh.*_cost).
 ALPA_TIE_BREAKERS = MappingProxyType(
@@ -51,6 +51,7 @@ ALPA_TIE_BREAKERS = MappingProxyType(
 )
 
 
+@cached_hash
 @dataclass(frozen=True)
 class CostOptions:
     """Knobs of the collective cost formulas.

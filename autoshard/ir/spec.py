@@ -22,6 +22,31 @@ from dataclasses import dataclass
 Axes = tuple[str, ...]
 
 
+def cached_hash(cls):
+    """Decorate a frozen dataclass so that its hash is computed once per instance.
+
+    The planner uses specs and meshes as memo keys millions of times; the generated
+    ``__hash__`` re-hashes every field each time.  The hash is kept in the instance's
+    ``__dict__`` and left out of its pickle (string hashes differ between processes)."""
+    generated = cls.__hash__
+
+    def __hash__(self) -> int:
+        try:
+            return self.__dict__["_hash_"]
+        except KeyError:
+            h = generated(self)
+            object.__setattr__(self, "_hash_", h)
+            return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_") or k[0] != "_"}
+
+    cls.__hash__ = __hash__
+    cls.__getstate__ = __getstate__
+    return cls
+
+
+@cached_hash
 @dataclass(frozen=True)
 class Mesh:
     """A logical mesh: axis names and sizes (no devices, no costs)."""
@@ -52,11 +77,17 @@ class Mesh:
 
     def size(self, axes: str | Axes) -> int:
         """Number of devices spanned by one axis or a group of axes."""
-        if isinstance(axes, str):
-            axes = (axes,)
+        if not isinstance(axes, (str, tuple)):
+            axes = tuple(axes)
+        try:
+            return self.__dict__["_sizes_"][axes]
+        except KeyError:
+            pass
+        group = (axes,) if isinstance(axes, str) else axes
         n = 1
-        for a in axes:
+        for a in group:
             n *= self.shape[self.index(a)]
+        self.__dict__.setdefault("_sizes_", {})[axes] = n  # memo: not a field, not pickled
         return n
 
     def index(self, axis: str) -> int:
@@ -77,6 +108,7 @@ class Mesh:
 PARTIAL_OPS = ("sum", "max", "min")
 
 
+@cached_hash
 @dataclass(frozen=True)
 class ShardingSpec:
     """Per-dimension mesh axes plus the axes over which the value is a partial result

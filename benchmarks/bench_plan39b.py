@@ -1,0 +1,115 @@
+"""The issue-#32 search-time target: ``autoshard plan --model gpt-39b --batch 1024
+--devices 64 --cluster alpa-v100 --pipeline auto --microbatches 64 --json``, cold.
+
+Each run is a fresh process with no ``AUTOSHARD_CACHE_DIR`` (no unit read from disk),
+timed wall-clock and in CPU seconds (user + system of the child, which an idle machine's
+wall time approaches when one core is busy), with the 1-minute load average before and
+after.  ``--baseline DIR`` alternates each run with the same command run from another
+checkout (``PYTHONPATH=DIR``), so that both are measured in the same minutes.  Prints each
+run and the medians, and writes ``benchmarks/results/bench_plan39b.json``.
+
+    python benchmarks/bench_plan39b.py [--repeats 3] [--baseline /work/main] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGV = (
+    "plan --model gpt-39b --batch 1024 --devices 64 --cluster alpa-v100 --pipeline auto "
+    "--microbatches 64 --json"
+).split()
+
+
+def run_once(tree: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "AUTOSHARD_CACHE_DIR"}
+    env["PYTHONPATH"] = str(tree)
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", *ARGV],
+        capture_output=True, text=True, env=env, cwd=tree, timeout=3600,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    row = {
+        "tree": str(tree),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "load_1min_before": load,
+        "load_1min_after": os.getloadavg()[0],
+    }
+    if proc.returncode != 0:
+        row["error"] = proc.stderr[-2000:]
+        return row
+    plan = json.loads(proc.stdout)
+    row.update(
+        objective_s=plan["objective_s"],
+        phase_seconds=plan["phase_seconds"],
+        num_ilps=plan["num_ilps"],
+        stages=[
+            [s["start_layer"], s["end_layer"], s["submesh"], s["logical_mesh"], s["latency_s"]]
+            for s in plan["stages"]
+        ],
+    )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline", default=None, help="another checkout to alternate with")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_plan39b.json"))
+    args = ap.parse_args()
+    trees = {"this": ROOT}
+    if args.baseline:
+        trees["baseline"] = Path(args.baseline).resolve()
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for k in range(args.repeats):
+        for name, tree in trees.items():
+            row = run_once(tree)
+            runs[name].append(row)
+            print(
+                f"{name} run {k + 1}: wall {row['wall_s']:.1f} s, CPU {row['cpu_s']:.1f} s, "
+                f"load {row['load_1min_before']:.1f}->{row['load_1min_after']:.1f}, "
+                f"objective {row.get('objective_s', 'ERROR')} s, phases "
+                f"{ {p: round(v, 1) for p, v in row.get('phase_seconds', {}).items()} }",
+                flush=True,
+            )
+    summary = {}
+    for name, rows in runs.items():
+        ok = [r for r in rows if "error" not in r]
+        summary[name] = {
+            "median_wall_s": statistics.median(r["wall_s"] for r in ok) if ok else None,
+            "median_cpu_s": statistics.median(r["cpu_s"] for r in ok) if ok else None,
+            "objectives_s": sorted({r["objective_s"] for r in ok}),
+        }
+        print(f"{name}: median wall {summary[name]['median_wall_s']} s, "
+              f"median CPU {summary[name]['median_cpu_s']} s")  # fmt: skip
+    doc = {
+        "benchmark": "bench_plan39b",
+        "command": "autoshard " + " ".join(ARGV),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "summary": summary,
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
