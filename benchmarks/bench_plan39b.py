@@ -9,6 +9,9 @@ checkout (``PYTHONPATH=DIR``), so that both are measured in the same minutes.  P
 run and the medians, and writes ``benchmarks/results/bench_plan39b.json``.
 
     python benchmarks/bench_plan39b.py [--repeats 3] [--baseline /work/main] [--out FILE]
+
+The child inherits the environment: ``AUTOSHARD_JOBS=0`` (the stage ILPs in one forked
+process per CPU) is how the runs of 2026-11-27 were made, when the pool was the default.
 """
 
 from __future__ import annotations

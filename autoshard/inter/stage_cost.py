@@ -116,7 +116,8 @@ POOL_MIN_UNITS = 4  # fewer units than this are solved in this process
 
 def _jobs(num_units: int) -> int:
     """How many processes solve ``num_units`` stage ILPs: ``AUTOSHARD_JOBS`` if set, else
-    one per CPU this process may run on; 1 (this process) for fewer than
+    1 (this process: forking a process that runs jax is not safe in general, so the pool is
+    opt-in); ``AUTOSHARD_JOBS=0`` one per CPU this process may run on; 1 for fewer than
     :data:`POOL_MIN_UNITS` units, where processes cannot be forked, or once this process
     has run HiGHS (a forked child would wait for HiGHS's threads forever)."""
     from autoshard.intra.ilp import solvers
@@ -131,9 +132,11 @@ def _jobs(num_units: int) -> int:
             jobs = int(given)
         except ValueError:
             raise ValueError(f"{JOBS_ENV}={given!r}: give a whole number of processes") from None
-        if jobs < 1:
-            raise ValueError(f"{JOBS_ENV}={given!r}: give at least 1 process")
+        if jobs < 0:
+            raise ValueError(f"{JOBS_ENV}={given!r}: give 0 (one per CPU) or more processes")
     else:
+        jobs = 1
+    if jobs == 0:
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(jobs or 1, num_units))
 
