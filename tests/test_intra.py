@@ -315,7 +315,9 @@ def test_closed_loop_refuses_with_the_smallest_peak_or_the_compiled_estimate():
     from autoshard.intra.ilp import InfeasibleBudgetError
 
     sizes = dict(batch_size=16, hidden=16)  # 817 B of state per device; least peak 2,368 B
-    with pytest.raises(InfeasibleBudgetError, match="smallest peak") as err:
+    with pytest.raises(
+        InfeasibleBudgetError, match=r"proven by the solver\): the least peak"
+    ) as err:
         plan_workload("mlp", "2x4", options=HIGHS.replace(memory_budget_bytes=2000.0), **sizes)
     least = err.value.min_feasible_bytes
     assert err.value.proven and least > 2000.0
