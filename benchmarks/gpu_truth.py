@@ -57,10 +57,16 @@ class Row(NamedTuple):
     layers: int
     plan: str  # "auto" or a baseline
     mesh: str  # "2x4", "8", "8x8"
+    batch: int | None = None  # the preset's batch size where None
 
     @property
     def name(self) -> str:
-        return f"{self.model}-L{self.layers}-{self.plan}-{self.mesh}"
+        tail = f"-B{self.batch}" if self.batch is not None else ""
+        return f"{self.model}-L{self.layers}-{self.plan}-{self.mesh}{tail}"
+
+    @property
+    def overrides(self) -> dict:
+        return {"num_layers": self.layers, "batch_size": self.batch}
 
 
 # gpt-tiny first (seconds to compile; its HLO is small enough to commit as the first XLA:GPU
@@ -76,6 +82,40 @@ ROWS = (
     + (Row("gpt-1.3b", 24, "auto", "8x8"),)
 )
 
+# Issue 36's GPU suite: GPT (1.3b, 6.7b, 39b at full depth), GPT-MoE and Wide-ResNet, auto
+# and the baselines, on 8 / 16 / 64 GPUs and one 512-GPU row, most informative first (a
+# run's --budget-s skips the tail): each model's auto plan and each new GPU count before the
+# baselines. SCALE_SECONDS: each row's estimated H100 seconds (AOT compile + its share of
+# the trace), from the 2026-11-27 H100 run (gpt-1.3b L24 on 8 GPUs: 31-42 s compile, 4 s
+# trace; gpt-tiny 10 s) scaled by each program's XLA:CPU compile time (docs/truth.md).
+SCALE_ROWS = (
+    Row("gpt-1.3b", 24, "auto", "2x4"),  # the one row that differed on the first H100 run
+    Row("gpt-6.7b", 32, "auto", "2x8"),  # 16 GPUs
+    Row("gpt-39b", 48, "auto", "8x8"),  # 64 GPUs
+    Row("moe-1.3b", 16, "auto", "2x4"),
+    Row("wresnet-1b", 50, "auto", "2x4", batch=128),
+    Row("gpt-39b", 48, "auto", "64x8", batch=64),  # 512 GPUs
+    Row("moe-1.3b", 16, "expert-zero2", "2x4"),
+    Row("gpt-6.7b", 32, "megatron", "2x8"),
+    Row("gpt-6.7b", 32, "zero3", "2x8"),
+    Row("wresnet-1b", 50, "zero3", "2x4", batch=128),
+    Row("gpt-39b", 48, "megatron", "8x8"),
+    Row("moe-1.3b", 16, "zero3", "2x4"),
+    Row("gpt-6.7b", 32, "zero2", "2x8"),
+    Row("gpt-6.7b", 32, "dp", "2x8"),
+    Row("gpt-6.7b", 32, "heuristic", "2x8"),
+    Row("gpt-39b", 48, "zero3", "8x8"),
+    Row("gpt-39b", 48, "zero2", "8x8"),
+    Row("moe-1.3b", 16, "megatron", "2x4"),
+    Row("moe-1.3b", 16, "zero2", "2x4"),
+    Row("wresnet-1b", 50, "dp", "2x4", batch=128),
+    Row("wresnet-1b", 50, "zero2", "2x4", batch=128),
+    Row("wresnet-1b", 50, "heuristic", "2x4", batch=128),
+)
+
+SUITES = {"h100-8": ROWS, "scale": SCALE_ROWS}
+SUITE_PLANS = {"h100-8": PLANS_DIR, "scale": PLANS_DIR.with_name("gpu_truth_plans_scale")}
+
 
 def _log(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
@@ -86,8 +126,6 @@ def _log(text: str) -> None:
 
 def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
     """Plan every row and save its plan file; a refusal is recorded with its reason."""
-    import jax
-
     from autoshard.api import plan_workload
     from autoshard.intra.options import IntraOptions
 
@@ -106,7 +144,7 @@ def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
                 baseline=None if row.plan == "auto" else row.plan,
                 options=IntraOptions(solver="highs", time_limit_s=time_limit),
                 cluster=CLUSTER,
-                num_layers=row.layers,
+                **{k: v for k, v in row.overrides.items() if v is not None},
             )
         except ValueError as err:  # a baseline refused, an infeasible budget: say why
             entry.update(refused=str(err), plan_seconds=time.perf_counter() - t0)
@@ -122,14 +160,21 @@ def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
             )
             _log(f"  saved {path.name} in {entry['plan_seconds']:.0f} s")
         entries[row.name] = entry
-    order = {r.name: i for i, r in enumerate(ROWS)}
+        manifest = _write_manifest(manifest_path, entries)  # after each row: a cut keeps it
+    return manifest
+
+
+def _write_manifest(path: Path, entries: dict) -> dict:
+    import jax
+
+    order = {r.name: i for i, r in enumerate(r for rows in SUITES.values() for r in rows)}
     manifest = {
         "made_with": {"jax": jax.__version__, "python": sys.version.split()[0]},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python benchmarks/gpu_truth.py --make-plans",
+        "command": "python benchmarks/gpu_truth.py --make-plans [--suite NAME | --rows NAME...]",
         "rows": sorted(entries.values(), key=lambda e: order.get(e["name"], len(order))),
     }
-    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -419,7 +464,16 @@ def _row(r) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--make-plans", action="store_true", help="plan the rows (needs the solver)")
-    p.add_argument("--plans", type=Path, default=PLANS_DIR, help="the plan files' folder")
+    p.add_argument(
+        "--suite",
+        choices=tuple(SUITES),
+        default="h100-8",
+        help="which rows: h100-8 (gpt-tiny and gpt-1.3b on 8 GPUs, the first H100 run) or "
+        "scale (GPT 1.3b/6.7b/39b, GPT-MoE, Wide-ResNet on 8 to 512 GPUs); default h100-8",
+    )
+    p.add_argument(
+        "--plans", type=Path, default=None, help="the plan files' folder (default: the suite's)"
+    )
     p.add_argument("--rows", nargs="*", default=[], help="only these rows (names)")
     p.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit (s)")
     p.add_argument("--target", default="gpu-aot", help="gpu-aot (default), gpu-aot:SxHxD, cpu")
@@ -442,15 +496,25 @@ def main(argv=None) -> int:
         "NAME.hlo.txt.gz files) with its plans again, no compile; writes --out",
     )
     args = p.parse_args(argv)
+    if args.plans is None:
+        args.plans = SUITE_PLANS[args.suite]
     if args.reread:
         if len(args.reread) < 2:
             p.error("--reread takes the run's JSON, then its HLO (a tar or .hlo.txt.gz files)")
         reread(args.reread[0], args.reread[1:], args.plans, args.out)
         return 0
     if args.make_plans:
-        rows = [r for r in ROWS if not args.rows or r.name in args.rows]
+        rows = [r for r in SUITES[args.suite] if not args.rows or r.name in args.rows]
         make_plans(rows, args.plans, args.time_limit)
         return 0
+    if not (args.plans / "manifest.json").exists():
+        print(
+            f"gpu_truth: error: no manifest.json under {args.plans}; make the plans first "
+            f"(python benchmarks/gpu_truth.py --make-plans --suite {args.suite}, with the "
+            "GPU's JAX and the solver) or name the folder that holds them (--plans)",
+            file=sys.stderr,
+        )
+        return 2
     if args.dry_run:
         args.target = "cpu"
         import jax
