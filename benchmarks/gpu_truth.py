@@ -113,6 +113,18 @@ SCALE_ROWS = (
     Row("wresnet-1b", 50, "heuristic", "2x4", batch=128),
 )
 
+# Estimated H100 seconds per scale row: XLA:GPU's AOT compile grows with the program's size,
+# 7 s + 2.7 ms per traced equation (fit to the H100 run: gpt-tiny L2, 1,122 equations, 10 s;
+# gpt-1.3b L24, 11,132 equations, 31-42 s), +20% for the 512-GPU partition (a guess), plus
+# the trace on the first row of each program (4.4 s for gpt-1.3b L24 on the H100 host, the
+# others scaled by their trace time here). Equations (jax 0.11.2): GPT L24 11,132, L32 14,772,
+# L48 22,052; moe-1.3b 8,292; wresnet-1b 6,116. Wide-ResNet's convolutions may autotune
+# longer than this says.
+_SCALE_ESTIMATES = (46, 53, 78, 34, 27, 91, 29, 47, 47, 24, 67, 29, 47, 47, 47, 67, 67)
+_SCALE_ESTIMATES += (29, 29, 24, 24, 24)
+ESTIMATED_S = {r.name: 10 if r.model == "gpt-tiny" else 40 for r in ROWS}
+ESTIMATED_S.update({r.name: s for r, s in zip(SCALE_ROWS, _SCALE_ESTIMATES, strict=True)})
+
 SUITES = {"h100-8": ROWS, "scale": SCALE_ROWS}
 SUITE_PLANS = {"h100-8": PLANS_DIR, "scale": PLANS_DIR.with_name("gpu_truth_plans_scale")}
 
@@ -335,7 +347,10 @@ def run(args) -> dict:
     start, slowest = time.perf_counter(), 0.0
     for entry in entries:
         elapsed = time.perf_counter() - start
-        if args.budget_s and elapsed + slowest > args.budget_s:
+        # a row is skipped where its estimate (or the slowest row so far) would overrun the
+        # budget; a cheaper row after it may still run
+        need = 0.0 if "refused" in entry else ESTIMATED_S.get(entry["name"], slowest)
+        if args.budget_s and elapsed + need > args.budget_s:
             row = {k: entry[k] for k in ("name", "model", "layers", "plan", "mesh")}
             row.update(
                 status="skipped", reason=f"time budget: {elapsed:.0f} s of {args.budget_s} s used"
@@ -486,6 +501,9 @@ def main(argv=None) -> int:
         default="never",
         help="also compile with an XLA dump to read XLA's live peak (default never: time)",
     )
+    p.add_argument(
+        "--list", action="store_true", help="print the suite's rows, estimates and plan status"
+    )
     p.add_argument("--budget-s", type=float, default=0.0, help="skip rows past this (0: none)")
     p.add_argument(
         "--reread",
@@ -502,6 +520,9 @@ def main(argv=None) -> int:
         if len(args.reread) < 2:
             p.error("--reread takes the run's JSON, then its HLO (a tar or .hlo.txt.gz files)")
         reread(args.reread[0], args.reread[1:], args.plans, args.out)
+        return 0
+    if args.list:
+        list_suite(args.suite, args.plans)
         return 0
     if args.make_plans:
         rows = [r for r in SUITES[args.suite] if not args.rows or r.name in args.rows]
@@ -542,6 +563,28 @@ def main(argv=None) -> int:
     compiled = [r for r in doc["rows"] if r["status"] == "compiled"]
     _log(f"{len(compiled)} of {len(doc['rows'])} rows compiled; wrote {args.out}")
     return 0 if compiled else 1
+
+
+def list_suite(suite: str, plans_dir: Path) -> None:
+    """The suite's rows in run order: estimated H100 seconds, their running total, and
+    whether the plan is made (its file), refused when planned, or not made yet."""
+    path = plans_dir / "manifest.json"
+    made = {e["name"]: e for e in json.loads(path.read_text())["rows"]} if path.exists() else {}
+    total = 0.0
+    print(f"{'row':44} {'GPUs':>5} {'est. s':>7} {'total':>6}  plan")
+    for row in SUITES[suite]:
+        entry = made.get(row.name)
+        if entry is None:
+            status, est = "not made (--make-plans)", ESTIMATED_S.get(row.name, 0)
+        elif "refused" in entry:
+            status, est = "refused: " + entry["refused"][:60], 0
+        else:
+            status, est = entry["file"], ESTIMATED_S.get(row.name, 0)
+        total += est
+        gpus = 1
+        for s in row.mesh.split("x"):
+            gpus *= int(s)
+        print(f"{row.name:44} {gpus:5d} {est:7.0f} {total:6.0f}  {status}")
 
 
 def _num_devices(path: Path) -> int:
