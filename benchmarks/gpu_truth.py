@@ -97,12 +97,12 @@ SCALE_ROWS = (
     Row("gpt-39b", 48, "auto", "64x8", batch=64),  # 512 GPUs
     Row("moe-1.3b", 16, "expert-zero2", "2x4"),
     Row("gpt-6.7b", 32, "megatron", "2x8"),
-    Row("gpt-6.7b", 32, "zero3", "2x8"),
+    Row("gpt-6.7b", 32, "zero3", "2x8", batch=16),  # batch 8 does not split over 16
     Row("wresnet-1b", 50, "zero3", "2x4", batch=128),
     Row("gpt-39b", 48, "megatron", "8x8"),
     Row("moe-1.3b", 16, "zero3", "2x4"),
-    Row("gpt-6.7b", 32, "zero2", "2x8"),
-    Row("gpt-6.7b", 32, "dp", "2x8"),
+    Row("gpt-6.7b", 32, "zero2", "2x8", batch=16),  # batch 8 does not split over 16
+    Row("gpt-6.7b", 32, "dp", "2x8", batch=16),  # batch 8 does not split over 16
     Row("gpt-6.7b", 32, "heuristic", "2x8"),
     Row("gpt-39b", 48, "zero3", "8x8"),
     Row("gpt-39b", 48, "zero2", "8x8"),
@@ -120,7 +120,7 @@ SCALE_ROWS = (
 # others scaled by their trace time here). Equations (jax 0.11.2): GPT L24 11,132, L32 14,772,
 # L48 22,052; moe-1.3b 8,292; wresnet-1b 6,116. Wide-ResNet's convolutions may autotune
 # longer than this says.
-_SCALE_ESTIMATES = (46, 53, 78, 34, 27, 91, 29, 47, 47, 24, 67, 29, 47, 47, 47, 67, 67)
+_SCALE_ESTIMATES = (46, 53, 78, 34, 27, 91, 29, 47, 53, 24, 67, 29, 47, 47, 47, 67, 67)
 _SCALE_ESTIMATES += (29, 29, 24, 24, 24)
 ESTIMATED_S = {r.name: 10 if r.model == "gpt-tiny" else 40 for r in ROWS}
 ESTIMATED_S.update({r.name: s for r, s in zip(SCALE_ROWS, _SCALE_ESTIMATES, strict=True)})
