@@ -7,7 +7,11 @@
 #      H100 validation rows with the fused step (gpt-1.3b 24 layers batch 4, 8 layers
 #      batch 8; BASELINE_CONFIGS overrides);
 #   2. the part files merged (benchmarks/gpu_merge_out.py), also when 1 was cut short;
-#   3. benchmarks/gpu_truth.sh with a time budget of what is left of TOTAL_S (default 540 s).
+#   3. benchmarks/gpu_truth.sh with a time budget of what is left of TOTAL_S (default 540 s):
+#      the rows of SUITE (default scale: GPT 1.3b/6.7b/39b, GPT-MoE, Wide-ResNet on 8 to 512
+#      GPUs, most informative first; ~100 s left after the fused check compiles its first
+#      two rows). The whole scale suite wants a lease of its own (~9 min):
+#          run(command="BUDGET=470 TIMEOUT=560 bash benchmarks/gpu_truth.sh", timeout_s=600)
 # At most 8 files come back: check.json, measured.json, peer.json, log.txt, hlo/ (two
 # dumps), gpu_truth.json, hlo.tar.gz.
 #     run(command="bash benchmarks/gpu_lease.sh", timeout_s=600)
@@ -25,6 +29,6 @@ timeout "${FUSED_S:-430}" bash benchmarks/gpu_fused_check.sh
 left=$((TOTAL_S - SECONDS))
 echo "[gpu_lease] fused check took ${SECONDS} s; ${left} s left for gpu_truth" | tee -a "$OUT/log.txt"
 if [ "$left" -gt 45 ]; then
-  BUDGET=$((left - 35)) TIMEOUT=$((left - 5)) bash benchmarks/gpu_truth.sh
+  SUITE=${SUITE:-scale} BUDGET=$((left - 35)) TIMEOUT=$((left - 5)) bash benchmarks/gpu_truth.sh
 fi
 ls -la "$OUT" "$OUT/hlo" 2>/dev/null

@@ -57,10 +57,16 @@ class Row(NamedTuple):
     layers: int
     plan: str  # "auto" or a baseline
     mesh: str  # "2x4", "8", "8x8"
+    batch: int | None = None  # the preset's batch size where None
 
     @property
     def name(self) -> str:
-        return f"{self.model}-L{self.layers}-{self.plan}-{self.mesh}"
+        tail = f"-B{self.batch}" if self.batch is not None else ""
+        return f"{self.model}-L{self.layers}-{self.plan}-{self.mesh}{tail}"
+
+    @property
+    def overrides(self) -> dict:
+        return {"num_layers": self.layers, "batch_size": self.batch}
 
 
 # gpt-tiny first (seconds to compile; its HLO is small enough to commit as the first XLA:GPU
@@ -76,6 +82,50 @@ ROWS = (
     + (Row("gpt-1.3b", 24, "auto", "8x8"),)
 )
 
+# Issue 36's GPU suite: GPT (1.3b, 6.7b, 39b at full depth), GPT-MoE and Wide-ResNet, auto
+# and the baselines, on 8 / 16 / 64 GPUs and one 512-GPU row, most informative first (a
+# run's --budget-s skips the tail): the GPT auto plans and each new GPU count first.
+_SCALE = (  # (row, estimated H100 seconds: see below)
+    (Row("gpt-1.3b", 24, "auto", "2x4"), 46),  # the one row that differed on the first H100 run
+    (Row("gpt-6.7b", 32, "auto", "2x8"), 53),  # 16 GPUs
+    (Row("gpt-39b", 48, "auto", "8x8"), 78),  # 64 GPUs
+    (Row("gpt-39b", 48, "auto", "64x8", batch=64), 91),  # 512 GPUs
+    (Row("gpt-6.7b", 32, "megatron", "2x8"), 47),
+    (Row("gpt-6.7b", 32, "zero3", "2x8", batch=16), 53),  # batch 8 does not split over 16
+    (Row("gpt-39b", 48, "megatron", "8x8"), 67),
+    # GPT-MoE and Wide-ResNet after GPT: their auto plans already differ on XLA:CPU (every
+    # kind of collective; memory -26% and -70%, docs/truth.md), the GPT rows are open
+    (Row("moe-1.3b", 16, "expert-zero2", "2x4"), 29),
+    (Row("moe-1.3b", 16, "auto", "2x4"), 34),
+    (Row("wresnet-1b", 50, "auto", "2x4", batch=128), 27),
+    (Row("wresnet-1b", 50, "zero3", "2x4", batch=128), 24),
+    (Row("moe-1.3b", 16, "zero3", "2x4"), 29),
+    (Row("gpt-6.7b", 32, "zero2", "2x8", batch=16), 47),
+    (Row("gpt-6.7b", 32, "dp", "2x8", batch=16), 47),
+    (Row("gpt-6.7b", 32, "heuristic", "2x8"), 47),
+    (Row("gpt-39b", 48, "zero3", "8x8"), 67),
+    (Row("gpt-39b", 48, "zero2", "8x8"), 67),
+    (Row("moe-1.3b", 16, "megatron", "2x4"), 29),
+    (Row("moe-1.3b", 16, "zero2", "2x4"), 29),
+    (Row("wresnet-1b", 50, "dp", "2x4", batch=128), 24),
+    (Row("wresnet-1b", 50, "zero2", "2x4", batch=128), 24),
+    (Row("wresnet-1b", 50, "heuristic", "2x4", batch=128), 24),
+)
+SCALE_ROWS = tuple(row for row, _ in _SCALE)
+
+# Estimated H100 seconds per scale row: XLA:GPU's AOT compile grows with the program's size,
+# 7 s + 2.7 ms per traced equation (fit to the H100 run: gpt-tiny L2, 1,122 equations, 10 s;
+# gpt-1.3b L24, 11,132 equations, 31-42 s), +20% for the 512-GPU partition (a guess), plus
+# the trace on the first row of each program (4.4 s for gpt-1.3b L24 on the H100 host, the
+# others scaled by their trace time here). Equations (jax 0.11.2): GPT L24 11,132, L32 14,772,
+# L48 22,052; moe-1.3b 8,292; wresnet-1b 6,116. Wide-ResNet's convolutions may autotune
+# longer than this says.
+ESTIMATED_S = {r.name: 10 if r.model == "gpt-tiny" else 40 for r in ROWS}
+ESTIMATED_S.update({row.name: seconds for row, seconds in _SCALE})
+
+SUITES = {"h100-8": ROWS, "scale": SCALE_ROWS}
+SUITE_PLANS = {"h100-8": PLANS_DIR, "scale": PLANS_DIR.with_name("gpu_truth_plans_scale")}
+
 
 def _log(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
@@ -86,8 +136,6 @@ def _log(text: str) -> None:
 
 def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
     """Plan every row and save its plan file; a refusal is recorded with its reason."""
-    import jax
-
     from autoshard.api import plan_workload
     from autoshard.intra.options import IntraOptions
 
@@ -106,7 +154,7 @@ def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
                 baseline=None if row.plan == "auto" else row.plan,
                 options=IntraOptions(solver="highs", time_limit_s=time_limit),
                 cluster=CLUSTER,
-                num_layers=row.layers,
+                **{k: v for k, v in row.overrides.items() if v is not None},
             )
         except ValueError as err:  # a baseline refused, an infeasible budget: say why
             entry.update(refused=str(err), plan_seconds=time.perf_counter() - t0)
@@ -122,14 +170,21 @@ def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
             )
             _log(f"  saved {path.name} in {entry['plan_seconds']:.0f} s")
         entries[row.name] = entry
-    order = {r.name: i for i, r in enumerate(ROWS)}
+        manifest = _write_manifest(manifest_path, entries)  # after each row: a cut keeps it
+    return manifest
+
+
+def _write_manifest(path: Path, entries: dict) -> dict:
+    import jax
+
+    order = {r.name: i for i, r in enumerate(r for rows in SUITES.values() for r in rows)}
     manifest = {
         "made_with": {"jax": jax.__version__, "python": sys.version.split()[0]},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python benchmarks/gpu_truth.py --make-plans",
+        "command": "python benchmarks/gpu_truth.py --make-plans [--suite NAME | --rows NAME...]",
         "rows": sorted(entries.values(), key=lambda e: order.get(e["name"], len(order))),
     }
-    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -290,7 +345,10 @@ def run(args) -> dict:
     start, slowest = time.perf_counter(), 0.0
     for entry in entries:
         elapsed = time.perf_counter() - start
-        if args.budget_s and elapsed + slowest > args.budget_s:
+        # a row is skipped where its estimate (or the slowest row so far) would overrun the
+        # budget; a cheaper row after it may still run
+        need = 0.0 if "refused" in entry else ESTIMATED_S.get(entry["name"], slowest)
+        if args.budget_s and elapsed + need > args.budget_s:
             row = {k: entry[k] for k in ("name", "model", "layers", "plan", "mesh")}
             row.update(
                 status="skipped", reason=f"time budget: {elapsed:.0f} s of {args.budget_s} s used"
@@ -419,7 +477,16 @@ def _row(r) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--make-plans", action="store_true", help="plan the rows (needs the solver)")
-    p.add_argument("--plans", type=Path, default=PLANS_DIR, help="the plan files' folder")
+    p.add_argument(
+        "--suite",
+        choices=tuple(SUITES),
+        default="h100-8",
+        help="which rows: h100-8 (gpt-tiny and gpt-1.3b on 8 GPUs, the first H100 run) or "
+        "scale (GPT 1.3b/6.7b/39b, GPT-MoE, Wide-ResNet on 8 to 512 GPUs); default h100-8",
+    )
+    p.add_argument(
+        "--plans", type=Path, default=None, help="the plan files' folder (default: the suite's)"
+    )
     p.add_argument("--rows", nargs="*", default=[], help="only these rows (names)")
     p.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit (s)")
     p.add_argument("--target", default="gpu-aot", help="gpu-aot (default), gpu-aot:SxHxD, cpu")
@@ -432,6 +499,9 @@ def main(argv=None) -> int:
         default="never",
         help="also compile with an XLA dump to read XLA's live peak (default never: time)",
     )
+    p.add_argument(
+        "--list", action="store_true", help="print the suite's rows, estimates and plan status"
+    )
     p.add_argument("--budget-s", type=float, default=0.0, help="skip rows past this (0: none)")
     p.add_argument(
         "--reread",
@@ -442,15 +512,28 @@ def main(argv=None) -> int:
         "NAME.hlo.txt.gz files) with its plans again, no compile; writes --out",
     )
     args = p.parse_args(argv)
+    if args.plans is None:
+        args.plans = SUITE_PLANS[args.suite]
     if args.reread:
         if len(args.reread) < 2:
             p.error("--reread takes the run's JSON, then its HLO (a tar or .hlo.txt.gz files)")
         reread(args.reread[0], args.reread[1:], args.plans, args.out)
         return 0
+    if args.list:
+        list_suite(args.suite, args.plans)
+        return 0
     if args.make_plans:
-        rows = [r for r in ROWS if not args.rows or r.name in args.rows]
+        rows = [r for r in SUITES[args.suite] if not args.rows or r.name in args.rows]
         make_plans(rows, args.plans, args.time_limit)
         return 0
+    if not (args.plans / "manifest.json").exists():
+        print(
+            f"gpu_truth: error: no manifest.json under {args.plans}; make the plans first "
+            f"(python benchmarks/gpu_truth.py --make-plans --suite {args.suite}, with the "
+            "GPU's JAX and the solver) or name the folder that holds them (--plans)",
+            file=sys.stderr,
+        )
+        return 2
     if args.dry_run:
         args.target = "cpu"
         import jax
@@ -478,6 +561,28 @@ def main(argv=None) -> int:
     compiled = [r for r in doc["rows"] if r["status"] == "compiled"]
     _log(f"{len(compiled)} of {len(doc['rows'])} rows compiled; wrote {args.out}")
     return 0 if compiled else 1
+
+
+def list_suite(suite: str, plans_dir: Path) -> None:
+    """The suite's rows in run order: estimated H100 seconds, their running total, and
+    whether the plan is made (its file), refused when planned, or not made yet."""
+    path = plans_dir / "manifest.json"
+    made = {e["name"]: e for e in json.loads(path.read_text())["rows"]} if path.exists() else {}
+    total = 0.0
+    print(f"{'row':44} {'GPUs':>5} {'est. s':>7} {'total':>6}  plan")
+    for row in SUITES[suite]:
+        entry = made.get(row.name)
+        if entry is None:
+            status, est = "not made (--make-plans)", ESTIMATED_S.get(row.name, 0)
+        elif "refused" in entry:
+            status, est = "refused: " + entry["refused"][:60], 0
+        else:
+            status, est = entry["file"], ESTIMATED_S.get(row.name, 0)
+        total += est
+        gpus = 1
+        for s in row.mesh.split("x"):
+            gpus *= int(s)
+        print(f"{row.name:44} {gpus:5d} {est:7.0f} {total:6.0f}  {status}")
 
 
 def _num_devices(path: Path) -> int:

@@ -8,6 +8,7 @@ and a plan refused when planned come out as rows that say so, not as a crash.
 
 import gzip
 import json
+import math
 import subprocess
 import sys
 import tarfile
@@ -137,3 +138,45 @@ def test_autoshard_imports_where_the_solver_is_not_installed():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "PuLP is not installed" in proc.stdout and "still verify" in proc.stdout
+
+
+def test_suites_have_unique_rows_estimates_and_their_own_plan_folders(gpu_truth):
+    assert set(gpu_truth.SUITES) == set(gpu_truth.SUITE_PLANS)
+    assert len(set(gpu_truth.SUITE_PLANS.values())) == len(gpu_truth.SUITES)
+    for rows in gpu_truth.SUITES.values():
+        names = [r.name for r in rows]
+        assert len(names) == len(set(names))
+        assert all(gpu_truth.ESTIMATED_S[n] > 0 for n in names)
+    scale = gpu_truth.SUITES["scale"]
+    gpus = {math.prod(int(s) for s in r.mesh.split("x")) for r in scale}
+    assert {8, 16, 64, 512} <= gpus
+    assert {r.model for r in scale} >= {"gpt-1.3b", "gpt-6.7b", "gpt-39b", "moe-1.3b"}
+    assert gpu_truth.Row("gpt-39b", 48, "auto", "64x8", batch=64).name.endswith("-B64")
+    assert gpu_truth.Row("gpt-tiny", 2, "auto", "2x4").overrides == {
+        "num_layers": 2,
+        "batch_size": None,
+    }
+
+
+def test_a_suite_without_plans_says_how_to_make_them(gpu_truth, tmp_path, capsys):
+    argv = ["--suite", "scale", "--plans", str(tmp_path), "--dry-run"]
+    assert gpu_truth.main([*argv, "--out", str(tmp_path / "t.json")]) == 2
+    assert "--make-plans --suite scale" in capsys.readouterr().err
+    assert gpu_truth.main(["--list", "--suite", "scale", "--plans", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 1 + len(gpu_truth.SUITES["scale"])
+    assert all("not made" in line for line in listed[1:])
+
+
+def test_the_budget_skips_a_row_its_estimate_would_overrun(gpu_truth, plans, tmp_path):
+    out = tmp_path / "truth.json"
+    name = "gpt-tiny-L1-auto-2x4"
+    gpu_truth.ESTIMATED_S[name] = 1e6  # far past the budget: skipped before compiling
+    try:
+        argv = ["--dry-run", "--plans", str(plans), "--out", str(out), "--budget-s", "100"]
+        assert gpu_truth.main([*argv, "--rows", name, "gpt-tiny-L2-megatron-8"]) == 1
+    finally:
+        del gpu_truth.ESTIMATED_S[name]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[name]["status"] == "skipped" and "budget" in rows[name]["reason"]
+    assert rows["gpt-tiny-L2-megatron-8"]["status"] == "refused when planned"  # costs nothing

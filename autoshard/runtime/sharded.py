@@ -128,15 +128,30 @@ class SpecConstraints:
             if found:
                 outputs[eqn.index] = found
         operands: dict[int, tuple[tuple[int, NamedSharding], ...]] = {}
-        wanted = {eqn.index for eqn in eqns}
+        by_index = {eqn.index: eqn for eqn in eqns}
+        made_by = {tid: eqn.primitive for eqn in eqns for tid in eqn.outputs}
         for node, ops in operand_specs.items():
-            found = tuple(
-                (k, named_sharding(mesh, spec))
-                for k, spec in sorted(ops.items())
-                if not spec.partial
-            )
-            if found and node in wanted:
-                operands[node] = found
+            if node not in by_index:
+                continue
+            found: list[tuple[int, NamedSharding]] = []
+            for k, spec in sorted(ops.items()):
+                if spec.partial:
+                    continue
+                tid = by_index[node].inputs[k]
+                made = tensor_specs.get(tid)
+                if made_by.get(tid) == "gather" and made is not None and _scatters(made, spec):
+                    # reduced in the gather's own layout first (an all-reduce), then split
+                    # (a slice): XLA:CPU reads it as the reduce-scatter the plan priced, and
+                    # XLA:GPU's ReduceScatterCreator makes it one. Without this XLA
+                    # propagates the split back into the gather, whose partitioner splits
+                    # the indices over the mesh axis the table leaves free (data), all-
+                    # reduces that half over the table's axis and moves the rows it keeps
+                    # with a collective-permute (docs/truth.md, gpt-1.3b auto 2x4)
+                    reduced = aspec.ShardingSpec(made.dims)
+                    found.append((k, named_sharding(mesh, reduced)))
+                found.append((k, named_sharding(mesh, spec)))
+            if found:
+                operands[node] = tuple(found)
         return SpecConstraints(outputs, operands)
 
     @property
@@ -152,6 +167,13 @@ class SpecConstraints:
         for pos, sharding in self.operands.get(eqn_index, ()):
             invals[pos] = jax.lax.with_sharding_constraint(invals[pos], sharding)
         return invals
+
+
+def _scatters(made: aspec.ShardingSpec, read: aspec.ShardingSpec) -> bool:
+    """Whether reading the partial sum ``made`` as ``read`` splits a dim over an axis the
+    sum is partial over (a reduce-scatter, not only an all-reduce)."""
+    split = {a for axes in read.dims for a in axes}
+    return made.partial_op == "sum" and bool(split & set(made.partial))
 
 
 def _check_mesh(plan: ParallelPlan, mesh: jax.sharding.Mesh) -> None:

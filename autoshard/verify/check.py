@@ -210,6 +210,23 @@ class VerificationReport:
 LIVE_PEAK_WHEN = ("on_disagreement", "always", "never")
 
 
+def compiled_hlo_text(compiled) -> str:
+    """The compiled module's text as ``compiled.as_text()`` prints it, but with large
+    constants written out: ``as_text`` elides any literal past a few elements as
+    ``{...}``, and on 64 or more devices the table of each device's slice offset (an
+    all-reduce + dynamic-slice read as a reduce-scatter) is such a literal. Falls back to
+    ``as_text()`` where the executable's modules cannot be had (an older jaxlib)."""
+    try:
+        from jaxlib import _hlo
+
+        options = _hlo.HloPrintOptions()  # as_text's options
+        options.print_large_constants = True
+        modules = compiled.runtime_executable().hlo_modules()
+        return "\n\n".join(m.to_string(options) for m in modules)
+    except (ImportError, AttributeError, RuntimeError, TypeError):
+        return compiled.as_text()
+
+
 def verify_plan(
     program,
     plan: ParallelPlan,
@@ -254,7 +271,8 @@ def verify_plan(
     seconds = time.perf_counter() - start
     flat_devices = list(np.asarray(jmesh.devices).flat)
     device_ids = [d.id for d in flat_devices]
-    parsed = analyze_collectives(compiled.as_text(), plan.mesh, device_ids)
+    text = compiled_hlo_text(compiled)
+    parsed = analyze_collectives(text, plan.mesh, device_ids)
     collectives = tuple(c.collective for c in parsed.collectives)
     notes = tuple(sorted({c.note for c in parsed.collectives if c.note}))
     on_gpu = compile_target.kind == "gpu-aot" or _platform_target(flat_devices) == "gpu"
@@ -278,7 +296,7 @@ def verify_plan(
         compile_seconds=seconds,
         target=str(compile_target) if target is not None else _platform_target(flat_devices),
         devices=describe_devices(flat_devices),
-        hlo_text=compiled.as_text() if keep_hlo else "",
+        hlo_text=text if keep_hlo else "",
         prediction_notes=prediction_notes,
     )
     if live_peak == "never":
