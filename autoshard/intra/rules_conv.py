@@ -30,7 +30,11 @@ Registers slot rules (see :mod:`autoshard.intra.strategies`) for:
   cut a group), and group splits of convs with several channels per group: on a
   ResNeXt-style block (8 groups of 32 channels, 4 devices, 2 groups each) XLA 0.10's
   partitioner all-gathers the grouped convs' operands and kernel (4 all-gathers, 1.1 MB,
-  and a second all-to-all the plan did not predict) instead of partitioning them.
+  and a second all-to-all the plan did not predict) instead of partitioning them. Nor,
+  for those convs, the batch split: XLA's partitioner (jaxlib 0.10.2 and 0.12) gathers
+  the batch of a batch-split grouped conv with several channels per group and computes
+  it whole (a depthwise conv, one channel per group, it splits by the batch), so such a
+  conv is planned whole, its all-gather priced and predicted.
 
 * ``rev`` (the flipped kernel of an input gradient): split on the dims it keeps.
 
@@ -77,13 +81,14 @@ def conv_slots(ctx: NodeContext) -> list[Slot]:
     groups = int(params.get("feature_group_count", 1) or 1)
     batch_groups = int(params.get("batch_group_count", 1) or 1)
     slots: list[Slot] = []
-    if batch_groups == 1:
+    rhs = ctx.in_shapes[1]
+    # XLA's partitioner gathers the batch of a grouped conv with several channels per group
+    if batch_groups == 1 and (groups == 1 or rhs[rhs_spec[1]] == 1):
         slots.append(Slot("shard", ((0, lhs_spec[0]), (OUT, out_spec[0]))))
     if groups == 1 and batch_groups == 1:
         slots.append(Slot("shard", ((1, rhs_spec[0]), (OUT, out_spec[1]))))
     if groups == 1 and batch_groups == 1:
         slots.append(Slot("reduce", ((0, lhs_spec[1]), (1, rhs_spec[1]))))
-    rhs = ctx.in_shapes[1]
     # whole feature groups (their input channels, kernels and outputs), depthwise only
     if groups > 1 and rhs[rhs_spec[1]] == 1:
         where = ((0, lhs_spec[1]), (1, rhs_spec[0]), (OUT, out_spec[1]))
