@@ -40,8 +40,9 @@ def test_target_logit_all_reduced_then_split_by_the_loss_is_a_reduce_scatter(sha
     # Keeping the per-token loss split is the optimum only where its elementwise ops cost
     # something: on Alpa's relative mesh they are free, and replicating them after the
     # all-reduce saves the loss's own 4-byte all-reduce (8.01 units). With memory traffic
-    # priced (HBM 100x a link's bandwidth; the split plan wins from 1x to 1,000x, not at 10,000x) the replicated
-    # tail costs more than that all-reduce, so the all-reduce-then-slice is the optimum.
+    # priced (HBM 100x a link's bandwidth; the split plan wins from 1x to 1,000x, not at
+    # 10,000x) the replicated tail costs more than that all-reduce: all-reduce-then-slice
+    # is the optimum.
     batch, seq = 8, 128
     traced = trace_workload(
         "gpt-350m",

@@ -172,3 +172,55 @@ def data_free_tensors(graph: Graph) -> set[int]:
         if all(graph.tensors[i].kind in ("literal", "const") or i in free for i in node.inputs):
             free.update(node.outputs)
     return free
+
+
+# XLA:CPU hands a reduction to its library (XNNPACK) from this many elements per device on
+# (a LayerNorm's backward, jaxlib 0.10.2 and 0.12: [1, 64, 64] f32 is, [1, 63, 64] is not);
+# smaller ones are its own loops, which fuse the broadcasts too
+LIBRARY_REDUCTION_MIN_ELEMENTS = 4096
+
+
+def reduction_broadcast_factors(graph: Graph) -> list[tuple[int, int, int]]:
+    """Broadcast factors XLA:CPU keeps as buffers of their own (``reductions_read_memory``).
+
+    A reduction whose operand is a product (``mul``) of a value and a factor with
+    size-1 dimensions (a LayerNorm's 1/std ``[b, s, 1]`` or its scale ``[1, 1, h]``, in
+    the backward pass), where the forward pass multiplies by the same factor broadcast to
+    the same shape: XLA merges the two broadcasts into one instruction, fuses the
+    forward's copy into the forward's multiply, and the reduction -- a library call that
+    fuses the product but takes the broadcast as an operand -- reads it from memory. The
+    broadcast is made at the forward multiply and kept to the reduction (gpt-350m, 2
+    blocks, 8 devices, jaxlib 0.10.2 and 0.12: each block's two LayerNorms keep their
+    1/std and scale broadcast, 8 buffers of 4 MiB at XLA's peak). Where the backward
+    product is laid out otherwise than the forward's (resharded), the broadcasts differ
+    and nothing is kept (the model's callers compare the two layouts), nor where the
+    product holds fewer than :data:`LIBRARY_REDUCTION_MIN_ELEMENTS` elements per device
+    (the callers check: gpt-tiny on 8 devices keeps none).
+
+    Returns ``(forward, product, reduction)``: the forward multiply's node, the backward
+    product's tensor id (the buffer has its shape) and the last reduction reading it."""
+    found: dict[tuple[int, int], list[int]] = {}
+    for node in graph.nodes:
+        if node.primitive not in ALL_REDUCTIONS or not node.inputs:
+            continue
+        product = graph.tensors[node.inputs[0]]
+        if product.producer is None or graph.nodes[product.producer].primitive != "mul":
+            continue
+        mul = graph.nodes[product.producer]
+        for tid in mul.inputs:
+            factor = graph.tensors[tid]
+            if factor.kind in ("literal", "const") or len(factor.shape) != len(product.shape):
+                continue
+            if factor.shape == product.shape:
+                continue
+            forward = [
+                c
+                for c in factor.consumers
+                if c < mul.index
+                and graph.nodes[c].primitive == "mul"
+                and graph.tensors[graph.nodes[c].outputs[0]].shape == product.shape
+            ]
+            if forward:
+                entry = found.setdefault((min(forward), product.id), [node.index])
+                entry[0] = max(entry[0], node.index)
+    return [(f, p, r[0]) for (f, p), r in found.items()]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,11 +38,13 @@ from autoshard.intra.materialized import (  # noqa: F401 - re-exported: the mode
     CONV_AND_WINDOW,
     EXPENSIVE,
     FREE_VIEWS,
+    LIBRARY_REDUCTION_MIN_ELEMENTS,
     MATERIALIZING,
     UNFUSED_CONSUMERS,
     copied_lhs_sources,
     data_free_tensors,
     materialized_tensors,
+    reduction_broadcast_factors,
 )
 from autoshard.intra.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.strategies import Strategy
@@ -362,6 +365,12 @@ def predicted_live_bytes(
     ]
     # a fused attention's S x S temporaries on XLA:CPU (attention_workspace)
     buffers += held_buffers(graph, spec_of, mesh, pos)
+    for forward, tid, last in _broadcast_factors(graph, mesh):  # a reduction reads (XLA:CPU)
+        spec = spec_of.get(tid)
+        if spec is not None and spec_of.get(graph.nodes[forward].outputs[0]) == spec:
+            nbytes = _broadcast_bytes(graph, tid, spec, mesh)
+            if nbytes:
+                buffers.append((pos[forward], pos[last], nbytes))
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -442,6 +451,7 @@ def memory_rows(
         groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
         zeros = foldable_zeros(graph_update_zeros(graph), mesh)
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
+        groups += _broadcast_groups(graph, strategies, n_in, mesh, pos)
     groups += workspace_groups(graph, strategies, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
@@ -490,6 +500,47 @@ def memory_rows(
             )
         )
     return MemoryRows(tuple(node_memory), tuple(live_sets), tuple(copies))
+
+
+def _broadcast_factors(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:
+    """:func:`~autoshard.intra.materialized.reduction_broadcast_factors` where reductions
+    read memory (``reductions_read_memory``: XLA:CPU), else none."""
+    if not mesh.memory_layout.reductions_read_memory:
+        return []
+    return reduction_broadcast_factors(graph)
+
+
+def _broadcast_bytes(graph: Graph, tid: int, spec: ShardingSpec, mesh: DeviceMesh) -> float:
+    """Bytes per device of the broadcast a reduction reads for product ``tid`` laid out as
+    ``spec``: 0 below the size XLA:CPU hands to its reduction library."""
+    t = graph.tensors[tid]
+    fraction = spec.shard_fraction(mesh.mesh)
+    if math.prod(t.shape) * fraction < LIBRARY_REDUCTION_MIN_ELEMENTS:
+        return 0.0
+    return t.nbytes * fraction
+
+
+def _broadcast_groups(graph, strategies, n_in, mesh, pos) -> list[CopyGroup]:
+    """:func:`_broadcast_factors` as :class:`CopyGroup` entries: a broadcast is a buffer
+    from the forward multiply to the reduction when the backward product is laid out as
+    the forward's (one group per layout)."""
+    out = []
+    for forward, tid, last in _broadcast_factors(graph, mesh):
+        back = graph.tensors[tid].producer
+        fwd_specs: dict[ShardingSpec, list[int]] = {}
+        for p, s in enumerate(strategies[n_in + forward]):
+            fwd_specs.setdefault(s.output_specs[0], []).append(p)
+        for spec, ps in fwd_specs.items():
+            qs = tuple(
+                q for q, s in enumerate(strategies[n_in + back]) if s.output_specs[0] == spec
+            )
+            nbytes = _broadcast_bytes(graph, tid, spec, mesh)
+            if qs and nbytes:
+                reader = ((pos[back], n_in + back, qs),)
+                out.append(
+                    CopyGroup(n_in + forward, tuple(ps), nbytes, pos[forward], pos[last], reader)
+                )
+    return out
 
 
 def _union_intervals(buffers) -> dict[int, tuple[int, int]]:
