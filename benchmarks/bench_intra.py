@@ -9,10 +9,14 @@ devices as the mesh has.  Writes benchmarks/results/bench_intra.json.
     python benchmarks/bench_intra.py [--models gpt-350m gpt-1.3b ...] [--meshes 2x4 8x8]
         [--solver cbc] [--merge-elementwise] [--layer-period 1] [--[no-]layer-ends]
         [--per-demand-pricing]
-        [--no-compile] [--repeat 3]
+        [--no-compile] [--repeat 3] [--tie-break-columns 0]
 
 Without ``--solver``, ``--merge-elementwise``, ``--layer-period`` or ``--layer-ends`` it
 plans with the planner's defaults (:class:`~autoshard.intra.options.IntraOptions`).
+
+``--tie-break-columns N`` sets the largest program that gets the second, tie-breaking
+solve (:data:`autoshard.intra.ilp.solve.TIE_MAX_COLUMNS`; 0: none does), to measure what
+that solve costs; each row says how it went (``tie_break``).
 
 With ``--repeat N`` every (mesh, model) is planned and compiled N times in the same
 process; each row reports the median of every timing and keeps the N runs under ``runs``.
@@ -81,6 +85,7 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
         "solver_status": sol["status"],
         "exact_stopped": sol.get("exact_stopped"),
         "objective": plan.objective,
+        "tie_break": sol.get("tie_break"),
     }
     if not args.no_compile:
         jmesh = make_mesh(plan.mesh, jax.devices()[:n])
@@ -120,11 +125,23 @@ def main() -> None:
         action="store_true",
         help="Alpa's follower rule for binary elementwise ops (smaller ILP)",
     )
+    ap.add_argument(
+        "--tie-break-columns",
+        type=int,
+        default=None,
+        help="largest program (columns) solved a second time to break ties (0: none)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_intra.json"))
     args = ap.parse_args()
 
     import jax
 
+    if args.tie_break_columns is not None:
+        if args.tie_break_columns < 0:
+            ap.error(f"--tie-break-columns {args.tie_break_columns}: give a number >= 0")
+        import autoshard.intra.ilp.solve  # noqa: F401 - the module; the package's name is a function
+
+        sys.modules["autoshard.intra.ilp.solve"].TIE_MAX_COLUMNS = args.tie_break_columns
     max_devices = max(eval(m.replace("x", "*")) for m in args.meshes)  # noqa: S307
     jax.config.update("jax_num_cpu_devices", max_devices)
 

@@ -231,3 +231,122 @@ def test_a_strided_conv_gradients_cost_what_the_forward_costs():
     assert [n.phase for n in convs] == ["forward", "backward", "backward"]
     assert convs[0].flops == 2 * N * (H // 2) ** 2 * F * 9 * C
     assert [n.flops for n in convs[1:]] == [convs[0].flops] * 2
+
+
+# --- grouped and depthwise convolutions (issue #31) -------------------------------------------
+
+CB, EXPAND = 64, 4  # block channels, expansion of the MobileNet-style block
+
+
+def _block_loss(groups: int):
+    """1x1 expand -> relu -> 3x3 grouped conv (``groups`` 0: depthwise) -> relu -> 1x1
+    project, residual, squared error: a MobileNet (depthwise) or ResNeXt (grouped) block."""
+
+    def conv(x, w, g=1):
+        return jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=g
+        )
+
+    def loss(params, batch):
+        y = jax.nn.relu(conv(batch["x"], params["expand"]))
+        y = jax.nn.relu(conv(y, params["group"], groups or CB * EXPAND))
+        return jnp.mean((conv(y, params["project"]) + batch["x"] - batch["t"]) ** 2)
+
+    return loss
+
+
+def _block_args(groups: int, n: int = 4):
+    k = jax.random.split(jax.random.key(1), 5)
+    wide = CB * EXPAND
+    params = {
+        "expand": jax.random.normal(k[0], (1, 1, CB, wide)) * 0.1,
+        "group": jax.random.normal(k[1], (3, 3, wide // groups if groups else 1, wide)) * 0.1,
+        "project": jax.random.normal(k[2], (1, 1, wide, CB)) * 0.1,
+    }
+    batch = {
+        "x": jax.random.normal(k[3], (n, H, H, CB)),
+        "t": jax.random.normal(k[4], (n, H, H, CB)),
+    }
+    return params, batch
+
+
+@functools.cache
+def _block(groups: int):
+    opt = optax.sgd(0.1)
+    params, batch = _block_args(groups)
+    program = trace_train_step(
+        make_train_step(_block_loss(groups), opt), params, opt.init(params), batch
+    )
+    return program, build_graph(program.records), opt
+
+
+def _grouped(graph):
+    return [
+        n
+        for n in _conv_nodes(graph)
+        if (n.params.get("feature_group_count") or 1) > 1
+        or (n.params.get("batch_group_count") or 1) > 1
+    ]
+
+
+def test_depthwise_convs_split_their_channels_and_match_xla():
+    """A depthwise conv (and its input gradient, and its weight gradient: a conv with
+    batch_group_count) splits its channels with their groups: on 4 devices the plan splits them (it had only the
+    batch split, and no split of the weight gradient), trains like one device and
+    predicts the collectives XLA compiles."""
+    program, graph, opt = _block(0)
+    mesh = alpa_test_mesh((4,), ("x",))
+    grouped = _grouped(graph)
+    assert len(grouped) == 3  # the forward conv, its input and its weight gradient
+    for node in grouped:
+        split = {
+            d
+            for s in node_strategies(graph, node, mesh)
+            for d, axes in enumerate(s.output_specs[0].dims)
+            if axes
+        }
+        assert 3 in split, node  # the channel (feature) dim of both outputs
+    plan = auto_shard_graph(graph, mesh, HIGHS)
+    for node in grouped:
+        assert plan.tensor_specs[node.outputs[0]].dims[3] == ("x",)
+    devices = jax.devices()[:4]
+    params, batch = _block_args(0)
+    report = check_against_single_device(
+        program, plan, make_mesh(plan.mesh, devices), (params, opt.init(params), batch), rtol=1e-5
+    )
+    assert report.ok, report
+    verified = verify_plan(program, plan, devices=devices)
+    assert verified.collectives_agree, verified.comparison.format()
+
+
+def test_grouped_convs_with_several_channels_per_group_keep_whole_groups():
+    """A ResNeXt-style conv (8 groups of 32 channels) is offered no group split (XLA's
+    partitioner gathers it instead of partitioning 2 groups per device, and its weight
+    gradient's image split), and its plan trains like one device."""
+    program, graph, opt = _block(8)
+    mesh = alpa_test_mesh((4,), ("x",))
+    grouped = _grouped(graph)
+    forward = grouped[0]
+    weight_grad = next(n for n in grouped if (n.params.get("batch_group_count") or 1) > 1)
+    assert forward.params["feature_group_count"] == 8
+    assert weight_grad.params["batch_group_count"] == 8
+    for node in grouped:
+        for s in node_strategies(graph, node, mesh):
+            assert not s.output_specs[0].dims[3] and not s.output_specs[0].partial
+    plan = auto_shard_graph(graph, mesh, HIGHS)
+    devices = jax.devices()[:4]
+    params, batch = _block_args(8)
+    report = check_against_single_device(
+        program, plan, make_mesh(plan.mesh, devices), (params, opt.init(params), batch), rtol=1e-5
+    )
+    assert report.ok, report
+
+
+def test_grouped_conv_plan_collectives_match_xla():
+    """XLA gathers the batch of a batch-split grouped conv with several channels per
+    group: the plan computes those convs whole and predicts the all-gathers XLA makes (it
+    had the batch split, and XLA made one more [4, 8, 8, 256] all-gather than predicted)."""
+    program, graph, _ = _block(8)
+    plan = auto_shard_graph(graph, alpa_test_mesh((4,), ("x",)), HIGHS)
+    verified = verify_plan(program, plan, devices=jax.devices()[:4])
+    assert verified.collectives_agree, verified.comparison.format()

@@ -1,6 +1,7 @@
 """Tests for autoshard.intra.ilp: hand-built cases, every error path, and brute force on random
 small problems (with and without merging, CBC and HiGHS)."""
 
+import dataclasses
 import itertools
 import math
 import os
@@ -217,7 +218,8 @@ def test_constant_edge_adds_its_cost_without_edge_variables():
     plain = ShardingProblem((3, 3), ((0, 1, 2), (2, 1, 0)))
     a, b = solve(with_const), solve(plain)
     assert a.objective == pytest.approx(b.objective + 7.0)
-    assert a.num_variables == b.num_variables == 6
+    assert a.num_variables == b.num_variables
+    assert a.strategy == b.strategy == (0, 2)
 
 
 def test_chains_and_dominated_strategies_reduce_exactly():
@@ -664,21 +666,75 @@ def test_preferences_break_ties_the_same_way_on_every_solver(pb):
             assert chosen == best[1], (solver, merge)
 
 
-def test_preferences_decide_only_between_near_equal_costs():
-    """A preference step weighs TIE_BREAK x the largest cost: a cost difference above the
-    preferences' whole range (here 1e-6 of the largest cost against 5 steps) wins although
-    the other strategy is preferred; an exact tie goes to the preference."""
-    from autoshard.intra.ilp import TIE_BREAK
+@st.composite
+def steep_problems(draw) -> ShardingProblem:
+    """Problems whose preferences would outweigh their cost differences under a weight
+    tied to the largest cost: one strategy costs 1e6 (1e-8 of it is 0.01 per step, and
+    preferences run to 30 per node), the others differ by quarters (above the solvers'
+    absolute gap, 1e-9 of the largest cost)."""
+    pb = draw(problems(max_nodes=6))
+    costs = [list(row) for row in pb.node_costs]
+    v = draw(st.integers(0, pb.num_nodes - 1))
+    costs[v][draw(st.integers(0, pb.num_strategies[v] - 1))] = 1e6
+    prefs = [[float(draw(st.integers(0, 30))) for _ in range(k)] for k in pb.num_strategies]
+    return ShardingProblem(pb.num_strategies, costs, pb.edges, pb.ties, preferences=prefs)
 
-    assert 5 * TIE_BREAK * 1e6 < 1.0
-    pb = ShardingProblem(
-        (2, 2), [(1.0, 1.0 + 1.0), (0.0, 1e6)], preferences=[(5.0, 0.0), (0.0, 1.0)]
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steep_problems())
+def test_preferences_never_buy_cost(pb):
+    """Lexicographic tie-breaks: with preferences the plan costs exactly the optimum
+    without them (brute force, and the solve of the same problem without preferences),
+    and among the plans of that cost it has the least preference total."""
+    best = lexicographic_best(pb)
+    if best is None:
+        return
+    plain = dataclasses.replace(pb, preferences=None)
+    for solver in ("highs", "cbc"):
+        sol = solve(pb, solver=solver)
+        assert sol.objective == best[0], solver
+        assert sol.objective == solve(plain, solver="highs").objective
+        chosen = math.fsum(pb.preferences[v][p] for v, p in enumerate(sol.strategy))
+        assert chosen == best[1], solver
+
+
+def test_preferences_decide_only_between_equal_costs():
+    """A cost difference of 1e-9 of the largest cost beats a preference of 5 (a weighted
+    tie-break of 1e-8 of the largest cost per step took the preferred, dearer plan); an
+    exact tie, and one equal but for floating-point rounding (0.1 + 0.2 against 0.3),
+    goes to the preference."""
+    dearer = ShardingProblem(
+        (2, 2), [(1.0, 1.0 + 1e-3), (0.0, 1e6)], preferences=[(5.0, 0.0), (0.0, 1.0)]
     )
-    for solver in ("highs", "cbc"):
-        assert solve(pb, solver=solver).strategy == (0, 0)
     tied = ShardingProblem((2, 2), [(1.0, 1.0), (0.0, 1e6)], preferences=[(5.0, 0.0), (0.0, 1.0)])
+    rounded = ShardingProblem(
+        (2, 2),
+        [(0.1, 0.0), (0.0, 1.0)],
+        [EdgeCost(0, 1, [[0.2, 0.2], [0.3, 0.3]])],
+        preferences=[(1.0, 0.0), (0.0, 1.0)],
+    )
+    assert 0.1 + 0.2 != 0.3
     for solver in ("highs", "cbc"):
+        assert solve(dearer, solver=solver).strategy == (0, 0)
         assert solve(tied, solver=solver).strategy == (1, 0)
+        assert solve(rounded, solver=solver).strategy == (1, 0)
+
+
+def test_the_tie_break_solve_is_reported():
+    """The solution says how the second solve went: "optimal" where preferences were left
+    to decide, None where the reductions resolved them all (a chain collapses) or the
+    problem has none."""
+    agree = [[0.0, 1.0], [1.0, 0.0]]
+    edges = [EdgeCost(a, b, agree) for a, b in itertools.combinations(range(4), 2)]
+    prefs = [(1.0, 0.0), (1.0, 0.0), (0.0, 1.0), (0.0, 0.0)]
+    clique = ShardingProblem((2,) * 4, [(0.0, 0.0)] * 4, edges, preferences=prefs)
+    sol = solve(clique, solver="highs")  # every node has 3 neighbours: nothing eliminated
+    assert sol.tie_break == "optimal"
+    assert sol.strategy == (1, 1, 1, 1)  # preference total 1, against 2 for all zeros
+    assert sol.objective == 0.0
+    chain = ShardingProblem((2,) * 3, [(0.0, 0.0)] * 3, edges[:2], preferences=prefs[:3])
+    assert solve(chain, solver="highs").tie_break is None
+    assert solve(dataclasses.replace(clique, preferences=None), solver="highs").tie_break is None
 
 
 def test_solver_output_never_reaches_stdout():

@@ -17,8 +17,24 @@ Registers slot rules (see :mod:`autoshard.intra.strategies`) for:
     elementwise dim.  Wider windows need halo exchanges (collective-permutes) that the
     cost model does not price, so those splits are not offered.
 
-  Grouped convolutions (``feature_group_count`` or ``batch_group_count`` > 1) keep only
-  the splits that do not cut a group: the batch split when ``batch_group_count`` is 1.
+  Grouped convolutions split whole groups, where XLA's SPMD partitioner does too.
+  ``feature_group_count`` G > 1 with one input channel per group (depthwise convs and
+  their input gradients): the lhs feature dim, the kernel's output-feature dim and the
+  output feature dim together, on axes whose size divides G (each device holds G/n
+  groups: their channels, kernels and outputs). ``batch_group_count`` B > 1 (the weight
+  gradient of a grouped conv: the lhs "batch" is the channels, its "feature" the
+  images): with one input channel per group, the lhs batch dim, the kernel's
+  output-feature dim and the output feature dim together, on axes whose size divides B.
+  Not offered: the image (feature) split of a batch-grouped conv (on the ResNeXt-style
+  block below XLA all-gathers its operand, 2 x 262 KB, instead of the partial sum), the input-channel split of a feature-grouped conv (it would
+  cut a group), and group splits of convs with several channels per group: on a
+  ResNeXt-style block (8 groups of 32 channels, 4 devices, 2 groups each) XLA 0.10's
+  partitioner all-gathers the grouped convs' operands and kernel (4 all-gathers, 1.1 MB,
+  and a second all-to-all the plan did not predict) instead of partitioning them. Nor,
+  for those convs, the batch split: XLA's partitioner (jaxlib 0.10.2 and 0.12) gathers
+  the batch of a batch-split grouped conv with several channels per group and computes
+  it whole (a depthwise conv, one channel per group, it splits by the batch), so such a
+  conv is planned whole, its all-gather priced and predicted.
 
 * ``rev`` (the flipped kernel of an input gradient): split on the dims it keeps.
 
@@ -58,18 +74,29 @@ def _pointwise_spatial(params: dict, rhs_shape: tuple[int, ...], rhs_spec, k: in
 
 @register("conv_general_dilated")
 def conv_slots(ctx: NodeContext) -> list[Slot]:
-    """Batch, output-channel, input-channel (partial sum) and pointwise-spatial slots."""
+    """Batch, output-channel, input-channel (partial sum), group and pointwise-spatial
+    slots."""
     params = ctx.node.params
     lhs_spec, rhs_spec, out_spec = conv_dimension_numbers(params)
     groups = int(params.get("feature_group_count", 1) or 1)
     batch_groups = int(params.get("batch_group_count", 1) or 1)
     slots: list[Slot] = []
-    if batch_groups == 1:
+    rhs = ctx.in_shapes[1]
+    # XLA's partitioner gathers the batch of a grouped conv with several channels per group
+    if batch_groups == 1 and (groups == 1 or rhs[rhs_spec[1]] == 1):
         slots.append(Slot("shard", ((0, lhs_spec[0]), (OUT, out_spec[0]))))
     if groups == 1 and batch_groups == 1:
         slots.append(Slot("shard", ((1, rhs_spec[0]), (OUT, out_spec[1]))))
+    if groups == 1 and batch_groups == 1:
         slots.append(Slot("reduce", ((0, lhs_spec[1]), (1, rhs_spec[1]))))
-    rhs = ctx.in_shapes[1]
+    # whole feature groups (their input channels, kernels and outputs), depthwise only
+    if groups > 1 and rhs[rhs_spec[1]] == 1:
+        where = ((0, lhs_spec[1]), (1, rhs_spec[0]), (OUT, out_spec[1]))
+        slots.append(Slot("shard", where, groups=groups))
+    # whole batch groups (their lhs "batch", kernels and outputs), depthwise only
+    if batch_groups > 1 and ctx.out_shapes[0][out_spec[0]] == 1:
+        where = ((0, lhs_spec[0]), (1, rhs_spec[0]), (OUT, out_spec[1]))
+        slots.append(Slot("shard", where, groups=batch_groups))
     for k in range(len(lhs_spec) - 2):
         if _pointwise_spatial(params, rhs, rhs_spec, k):
             slots.append(Slot("shard", ((0, lhs_spec[2 + k]), (OUT, out_spec[2 + k]))))

@@ -48,6 +48,9 @@ class Slot:
         tuple[int, int], ...
     ]  # (operand index or OUT-k for output k, dim); dim -1 for "through"
     op: str = "sum"  # reduce: how the partial results combine (ShardingSpec.partial_op)
+    # the axes' size must also divide this: a split of grouped dims that keeps whole
+    # groups on a device (a grouped convolution's channels)
+    groups: int = 1
 
     def __post_init__(self) -> None:
         assert self.kind in ("shard", "reduce", "through"), self.kind
@@ -313,6 +316,8 @@ def _scatter_add(ctx: NodeContext) -> list[Slot] | None:
 
 
 def _positions_ok(slot: Slot, axes_size: int, ctx: NodeContext) -> bool:
+    if slot.groups > 1 and slot.groups % axes_size:
+        return False
     for opnd, dim in slot.positions:
         if dim < 0:
             continue

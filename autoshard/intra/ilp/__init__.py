@@ -33,8 +33,12 @@ neighbours and drops strategies that another strategy of the same root beats wha
 neighbours pick (dead-end elimination) -- all of it, repeated until nothing changes, only
 on roots whose memory does not enter a budget row. The optimum is unchanged; among equal
 optima the one returned may differ from the unreduced program's -- unless the problem has
-``preferences``: then the solver minimises cost plus TIE_BREAK (1e-8) x the largest cost
-per preference step, and equal-cost plans resolve by the preferences on every solver.
+``preferences``: then ties break lexicographically. The reductions carry (cost,
+preference) pairs (costs rounded to a power-of-two quantum, ``cost_quantum``, so equal
+costs are equal exactly); a first solve minimises the cost, a second, started from its
+plan, the preference total under a row that keeps the cost at most the first's plus the
+gap it proved. A preference never buys cost, and equal-cost plans resolve by the
+preferences on every solver.
 
 Solver details that are approximate: the objective is rescaled so that its largest
 coefficient is 1e5 (``OBJECTIVE_RANGE``, above the solvers' absolute tolerances) and
@@ -45,7 +49,7 @@ random seed of 0 as "time of day", so seeds are passed to CBC as ``seed + 1``.
 """
 
 from autoshard.intra.ilp.problem import (
-    TIE_BREAK,
+    COST_QUANTUM,
     CopyBuffer,
     EdgeCost,
     InfeasibleBudgetError,
@@ -55,17 +59,17 @@ from autoshard.intra.ilp.problem import (
     SolverTimeLimitWarning,
     SolverUnavailableError,
     Tie,
+    cost_quantum,
     objective_of,
     peak_memory,
     resolve_ties,
-    with_preferences,
 )
 from autoshard.intra.ilp.solve import Solution, min_peak_memory, solve
 from autoshard.intra.ilp.solvers import SOLVERS, solver_output_to_stderr
 
 __all__ = [
+    "COST_QUANTUM",
     "SOLVERS",
-    "TIE_BREAK",
     "CopyBuffer",
     "EdgeCost",
     "InfeasibleBudgetError",
@@ -81,6 +85,6 @@ __all__ = [
     "peak_memory",
     "resolve_ties",
     "solve",
+    "cost_quantum",
     "solver_output_to_stderr",
-    "with_preferences",
 ]

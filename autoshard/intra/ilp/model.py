@@ -15,10 +15,8 @@ from autoshard.intra.ilp.reduce import _Reduced
 
 # The objective is rescaled so that its largest coefficient is this. Solvers' tolerances
 # are absolute (HiGHS and CBC treat reduced costs under 1e-7 as zero, CBC's preprocessing
-# drops smaller objective differences): with the largest cost at 1e5, a preference step of
-# TIE_BREAK x the largest cost is 1e-3, which every solver sees, so equal-cost plans
-# resolve by the preferences on HiGHS and CBC alike (tests/test_ilp.py); at 1 it was
-# 1e-8, below those tolerances, and ties went by each solver's (and version's) path.
+# drops smaller objective differences): with the largest coefficient at 1e5 the absolute
+# gap the solve proves (solvers._ABS_GAP, 1e-9 of it) is above them.
 OBJECTIVE_RANGE = 1e5
 
 
@@ -30,6 +28,7 @@ class _Model:
 
     num_binary: int = 0
     cost: list[float] = field(default_factory=list)  # per column, rescaled
+    preference: list[float] = field(default_factory=list)  # per column, as given
     num_cols: int = 0
     rows: list[int] = field(default_factory=list)
     cols: list[int] = field(default_factory=list)
@@ -43,8 +42,9 @@ class _Model:
     presolve: bool = False  # HiGHS's presolve (see autoshard.intra.ilp.solve)
     max_nodes: int | None = None  # a branch-and-bound node limit (deterministic, unlike time)
 
-    def column(self, cost: float = 0.0) -> int:
+    def column(self, cost: float = 0.0, preference: float = 0.0) -> int:
         self.cost.append(cost)
+        self.preference.append(preference)
         self.num_cols += 1
         return self.num_cols - 1
 
@@ -98,13 +98,15 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
             o = int(red.offset[b])
             model.row([(o + i, 1.0) for i in range(cols.size)], 1.0, 1.0)
     finite = [c for c in red.costs if c.size] + [m[np.isfinite(m)] for _, _, m in red.pairs]
-    largest = max([float(np.abs(c).max()) for c in finite if c.size] + [0.0]) or 1.0
+    finite = [c for c in finite if c.size]
+    largest = max([float(np.abs(c.real).max()) for c in finite] + [0.0]) or 1.0
     model.scale = largest / OBJECTIVE_RANGE
     if not minimise_peak:
         for b, c in enumerate(red.costs):
             o = int(red.offset[b])
             for i, w in enumerate(c.tolist()):
-                model.cost[o + i] = w / model.scale
+                model.cost[o + i] = w.real / model.scale
+                model.preference[o + i] = w.imag
     for a, b, mat in red.pairs:
         finite_pairs = np.isfinite(mat)
         if minimise_peak and finite_pairs.all():
@@ -117,8 +119,8 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
         cmat = mat[np.ix_(rows_rep, cols_rep)]
         e = {}
         for p, q in zip(*np.nonzero(np.isfinite(cmat)), strict=True):
-            w = 0.0 if minimise_peak else float(cmat[p, q]) / model.scale
-            e[p, q] = model.column(w)
+            w = 0.0 if minimise_peak else complex(cmat[p, q])
+            e[p, q] = model.column(w.real / model.scale, w.imag)
         oa, ob = int(red.offset[a]), int(red.offset[b])
         for p in range(cmat.shape[0]):
             terms = [(e[p, q], 1.0) for q in range(cmat.shape[1]) if (p, q) in e]

@@ -2,7 +2,7 @@
 
 :class:`ShardingProblem` (nodes, strategies, costs, :class:`EdgeCost` matrices, :class:`Tie`
 constraints, memory with live sets and :class:`CopyBuffer` copies, preferences), its
-validation, :func:`resolve_ties`, :func:`with_preferences`, :func:`objective_of`,
+validation, :func:`resolve_ties`, :func:`cost_quantum`, :func:`objective_of`,
 :func:`peak_memory`, and the errors and warnings the solve raises.
 """
 
@@ -16,13 +16,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-# one step of preference costs this fraction of the problem's largest finite cost: ten
-# times the absolute gap the solvers prove, and above their tolerances once the objective
-# is rescaled (model.OBJECTIVE_RANGE), so every solver and version sees the same
-# tie-breaks; small enough to decide only between (near-)equal costs: on gpt-350m
-# (2 blocks, 8 devices, budgets none / 2.0 / 1.2 GB) HiGHS 1.16 and CBC 2.10 return the
-# same three plans, each at the objective found without preferences
-TIE_BREAK = 1e-8
+# preferences break ties lexicographically: costs are rounded to multiples of a power of
+# two this fraction (about 9e-13) of the problem's largest finite cost, so that plans
+# whose costs differ only by the rounding of their floating-point sums tie exactly, and
+# sums of up to 2**13 such costs stay exact in float64 (see :func:`cost_quantum`)
+COST_QUANTUM = 2.0**-40
 
 
 class InfeasibleBudgetError(ValueError):
@@ -222,9 +220,10 @@ class ShardingProblem:
     ``live_sets[i]`` lists the nodes whose outputs are live at checkpoint i; a node listed
     twice counts twice. ``node_memory[v][p]`` is bytes per device of v's output under p.
     ``preferences[v][p]`` (optional, finite, >= 0; lower is preferred) breaks ties between
-    equal-cost assignments the same way on every solver and version: the solver minimises
-    cost + ``TIE_BREAK`` x (largest finite cost) x preference, while ``Solution.objective``
-    stays the cost alone.
+    equal-cost assignments the same way on every solver and version, lexicographically:
+    the solve first minimises the cost, then the preference total among the assignments
+    of that cost (to the solver's tolerance), so a preference never buys cost;
+    ``Solution.objective`` is the cost alone.
     ``ties`` is empty (no ties) or has one entry per node. ``copies`` are buffers that
     depend on several nodes' strategies (:class:`CopyBuffer`); they count in the live sets
     their windows name.
@@ -433,33 +432,32 @@ def resolve_ties(problem: ShardingProblem) -> tuple[tuple[int, ...], tuple[tuple
     return tuple(roots), tuple(tuple(int(p) for p in m) for m in maps)
 
 
-def with_preferences(problem: ShardingProblem) -> ShardingProblem:
-    """The problem the solver minimises: node costs plus the weighted preferences (the
-    problem itself when it has none). One step of preference weighs ``TIE_BREAK`` x the
-    largest finite cost, so the plan returned costs at most that times the sum over nodes
-    of their preference ranges more than the least-cost plan (gpt-350m, 2 blocks: none)."""
-    if problem.preferences is None:
-        return problem
-    finite = [c for row in problem.node_costs for c in row if math.isfinite(c)]
+def cost_quantum(problem: ShardingProblem) -> float:
+    """The power of two, :data:`COST_QUANTUM` of the largest finite cost (node or edge)
+    of ``problem`` or just above, to which the solve rounds costs when the problem has
+    preferences (1.0 when every cost is zero or infinite).
+
+    Rounding makes equal costs that floating point computed along different paths equal
+    exactly (a tie-break must see them as a tie) and keeps the reductions' sums exact;
+    it moves each cost by at most half a quantum, so the plan returned costs at most
+    (number of terms) x quantum / 2 more than the least-cost plan before rounding:
+    far below the solvers' own tolerance (1e-9 of the largest cost)."""
+    largest = 0.0
+    for row in problem.node_costs:
+        for c in row:
+            if c != math.inf and abs(c) > largest:
+                largest = abs(c)
     seen: set[int] = set()  # edges of identical layers share one matrix
     for e in problem.edges:
         if id(e.costs) not in seen:
             seen.add(id(e.costs))
-            finite.extend(c for row in e.costs for c in row if math.isfinite(c))
-    weight = TIE_BREAK * max([abs(c) for c in finite] + [0.0])
-    if weight == 0.0:  # every cost zero: preferences alone decide
-        weight = 1.0
-    costs = tuple(
-        tuple(float(c + weight * p) for c, p in zip(row, pref, strict=True))
-        for row, pref in zip(problem.node_costs, problem.preferences, strict=True)
-    )
-    # the problem was validated when it was made, and adding finite preferences keeps it
-    # valid: copy it without validating again (seconds on a large graph)
-    out = object.__new__(ShardingProblem)
-    out.__dict__.update(problem.__dict__)
-    object.__setattr__(out, "node_costs", costs)
-    object.__setattr__(out, "preferences", None)
-    return out
+            m = np.asarray(e.costs, dtype=float)
+            m = np.abs(m[np.isfinite(m)])
+            if m.size:
+                largest = max(largest, float(m.max()))
+    if largest == 0.0:
+        return 1.0
+    return math.ldexp(COST_QUANTUM, math.frexp(largest)[1])
 
 
 def objective_of(problem: ShardingProblem, strategy) -> float:

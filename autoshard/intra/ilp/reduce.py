@@ -4,6 +4,13 @@
 edges into node costs, sums parallel edges and, with merging, eliminates chains and
 trees and dominated strategies (:func:`_eliminate`). The result, :class:`_Reduced`, is the
 problem in block space, with its memory rows (:mod:`.memory`).
+
+With preferences the reductions are lexicographic: every cost is a complex number, its
+real part the cost (rounded to :func:`cost_quantum`), its imaginary part the preference,
+and numpy orders complex numbers lexicographically (real part first), so a min over
+strategies (elimination), a dominance test and the decoding's argmin keep the least
+cost first and, among equal costs, the least preference -- exactly, with no weight
+that could trade one against the other.
 """
 
 from __future__ import annotations
@@ -14,7 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoshard.intra.ilp.memory_rows import _memory_rows
-from autoshard.intra.ilp.problem import InfeasibleProblemError, ShardingProblem, resolve_ties
+from autoshard.intra.ilp.problem import (
+    InfeasibleProblemError,
+    ShardingProblem,
+    cost_quantum,
+    resolve_ties,
+)
 
 
 @dataclass
@@ -30,7 +42,7 @@ class _Reduced:
     offset: np.ndarray  # block -> index of its first variable
     costs: list[np.ndarray]  # block -> cost per column (shifted, >= 0)
     pairs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # cols_a x cols_b
-    constant: float = 0.0
+    constant: complex = 0.0  # real: cost; imaginary: preference (lexicographic only)
     mem_rows: list[tuple[float, np.ndarray, np.ndarray]] = field(default_factory=list)
     # copies' windows (see _copy_windows); memory-row columns >= num_strategy_cols are
     # window columns
@@ -45,10 +57,31 @@ class _Reduced:
 
 
 def _reduce(
-    pb: ShardingProblem, merge: bool, eliminate: bool = True, memory: bool = False
+    pb: ShardingProblem,
+    merge: bool,
+    eliminate: bool = True,
+    memory: bool = False,
+    lexicographic: bool | None = None,
 ) -> _Reduced:
-    """``memory``: build the memory rows even without a budget (to minimise the peak)."""
+    """``memory``: build the memory rows even without a budget (to minimise the peak).
+    ``lexicographic`` (None: where ``pb`` has preferences): costs as complex numbers,
+    cost then preference (see the module)."""
     roots, root_maps = resolve_ties(pb)  # also rejects cycles when merge=False
+    if lexicographic is None:
+        lexicographic = pb.preferences is not None
+    quantum = cost_quantum(pb) if lexicographic else None
+
+    def rounded(c: np.ndarray) -> np.ndarray:  # exact: the quantum is a power of two
+        return c if quantum is None else np.round(c / quantum) * quantum
+
+    def node_cost(v: int) -> np.ndarray:
+        c = rounded(np.asarray(pb.node_costs[v], dtype=float))
+        if not lexicographic:
+            return c
+        z = np.empty(c.size, complex)
+        z.real, z.imag = c, pb.preferences[v] if pb.preferences is not None else 0.0
+        return z
+
     n, k = pb.num_nodes, pb.num_strategies
     if merge:
         blocks = sorted(set(roots))
@@ -59,14 +92,17 @@ def _reduce(
         blocks, block_of = list(range(n)), np.arange(n)
         maps = [np.arange(kv) for kv in k]
     inf = math.inf
-    cost = [np.zeros(k[r]) for r in blocks]
+    cost = [np.zeros(k[r], complex if lexicographic else float) for r in blocks]
     for v in range(n):
         m = maps[v]
-        cost[block_of[v]] += np.where(m >= 0, np.asarray(pb.node_costs[v])[m], inf)
+        cost[block_of[v]] += np.where(m >= 0, node_cost(v)[m], inf)
     pair_acc: dict[tuple[int, int], np.ndarray] = {}
+    matrices: dict[int, np.ndarray] = {}  # edges of identical layers share one matrix
     for e in pb.edges:
         a, b, ma, mb = block_of[e.src], block_of[e.dst], maps[e.src], maps[e.dst]
-        c = np.asarray(e.costs)
+        c = matrices.get(id(e.costs))
+        if c is None:
+            c = matrices[id(e.costs)] = rounded(np.asarray(e.costs, dtype=float))
         if a == b:  # both ends on one root: a node-cost term of that root
             cost[a] += np.where((ma >= 0) & (mb >= 0), c[ma, mb], inf)
             continue
@@ -103,7 +139,7 @@ def _reduce(
                 raise InfeasibleProblemError(
                     f"the only strategies of {where(a)} and {where(b)} are a forbidden pair"
                 )
-            red.constant += float(mat[fa, fb])
+            red.constant += mat[fa, fb].item()
         elif fa >= 0:
             cost[b] = cost[b] + mat[fa, :]
         elif fb >= 0:
@@ -115,7 +151,7 @@ def _reduce(
     gone = {b for b, _, _ in red.eliminated}
     for b, f in enumerate(fixed):
         if f >= 0:
-            red.constant += float(cost[b][f])
+            red.constant += cost[b][f].item()
             red.cols.append(np.zeros(0, int))
         elif b in gone:
             red.cols.append(np.zeros(0, int))
@@ -136,12 +172,12 @@ def _reduce(
             costs[b] = costs[b] + split[1]
             continue
         low = sub[finite].min()
-        red.constant += float(low)
+        red.constant += low.item()
         red.pairs.append((a, b, sub - low))
     for b in range(len(blocks)):
         if costs[b].size:
             low = costs[b].min()
-            red.constant += float(low)
+            red.constant += low.item()
             costs[b] = costs[b] - low
     red.costs = costs
     if not merge:
@@ -156,13 +192,19 @@ def _reduce(
 
 
 def _separable(sub: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """(a, b) with sub[p, q] = a[p] + b[q] (to rounding), or None."""
+    """(a, b) with sub[p, q] = a[p] + b[q] (to rounding; lexicographic costs: both their
+    parts), or None."""
     if not sub.size or not np.isfinite(sub).all():
         return None
     row, col = sub[:, 0], sub[0, :] - sub[0, 0]
-    if np.allclose(sub, row[:, None] + col[None, :], rtol=1e-12, atol=1e-12 * np.abs(sub).max()):
-        return row, col
-    return None
+    both = row[:, None] + col[None, :]
+    parts = (
+        [(sub.real, both.real), (sub.imag, both.imag)] if np.iscomplexobj(sub) else [(sub, both)]
+    )
+    for have, want in parts:
+        if not np.allclose(have, want, rtol=1e-12, atol=1e-12 * np.abs(have).max()):
+            return None
+    return row, col
 
 
 def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
@@ -174,6 +216,7 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
       allowed strategy p it adds M[p, :] to every neighbour's cost. The optimum over the
       remaining blocks is unchanged, and b's best strategy given its neighbours' is
       recovered after the solve (``_decode``).
+    * A block left without neighbours keeps its cheapest strategy alone.
     * Dominance (dead-end elimination): strategy p of b goes when another allowed p' is
       no worse whatever the neighbours pick, c_b[p'] - c_b[p] +
       sum_u max_q (M_bu[p', q] - M_bu[p, q]) <= 0 over the neighbours' allowed q. The
@@ -199,7 +242,7 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
         split = _separable(mat[np.ix_(ok_a, ok_b)])
         if split is not None:  # no real edge: fold it now, so it links nothing
             for v, ok, part in ((a, ok_a, split[0]), (b, ok_b, split[1])):
-                add = np.zeros(ok.size)
+                add = np.zeros(ok.size, part.dtype)
                 add[ok] = part
                 cost[v] = cost[v] + add
             continue
@@ -256,11 +299,12 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
                 diff[np.isnan(diff)] = -math.inf  # both forbidden: that q is out either way
                 worst = worst + diff.max(axis=2, initial=-math.inf)
         gone = np.zeros(ok.size, bool)
-        for i in range(ok.size):
-            others = ~gone
-            others[i] = False
-            if np.any(worst[others, i] <= 0):
-                gone[i] = True
+        with np.errstate(invalid="ignore"):  # NaN (inf - inf): not dominated, as for floats
+            for i in range(ok.size):
+                others = ~gone
+                others[i] = False
+                if np.any(worst[others, i] <= 0):
+                    gone[i] = True
         if not gone.any():
             return False
         c_new = cost[b].copy()
@@ -280,4 +324,11 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
             if b not in protected and nbrs[b] and dominated(b):
                 todo.add(b)
                 todo.update(nbrs[b])
+    gone = {b for b, _, _ in red.eliminated}
+    for b, c in enumerate(cost):  # alone: its own cheapest strategy (lexicographic: and
+        # among the cheapest the preferred), whatever the others pick
+        if fixed[b] < 0 and b not in gone and b not in protected and not nbrs.get(b):
+            ok = np.isfinite(c)
+            if np.count_nonzero(ok) > 1:
+                fixed[b] = int(np.argmin(c))
     return [(a, b, m) for (a, b), m in mats.items()]

@@ -5,6 +5,7 @@ nodes as a :class:`Solution`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -24,10 +25,9 @@ from autoshard.intra.ilp.problem import (
     objective_of,
     peak_lower_bound,
     peak_memory,
-    with_preferences,
 )
 from autoshard.intra.ilp.reduce import _reduce, _Reduced
-from autoshard.intra.ilp.solvers import SOLVERS, _Outcome, _run
+from autoshard.intra.ilp.solvers import _ABS_GAP, SOLVERS, _check_solver, _Outcome, _run
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class Solution:
     ``seconds`` covers build + solve; ``build_seconds`` the model building alone.
     ``exact_stopped``: where the exact per-value program, started from the per-demand
     plan, stopped unproven (its own time budget), or None.
+    ``tie_break``: how the second solve that breaks ties by the preferences went:
+    "optimal", "time_limit" (its best plan kept: still of the least cost), "skipped" (no
+    time left, or the first solve was not proven optimal), or None (no preferences, or
+    none left to decide once the reductions had resolved them).
     """
 
     strategy: tuple[int, ...]
@@ -56,6 +60,7 @@ class Solution:
     exact_stopped: str | None = None  # the exact per-value program stopped before proof
     nodes: int | None = None  # branch-and-bound nodes explored (HiGHS; None: not reported)
     limit: str | None = None  # "time" or "nodes": which limit stopped a "time_limit" solve
+    tie_break: str | None = None  # the preference solve: optimal | time_limit | skipped
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -108,8 +113,91 @@ def _solve_model(red, model, solver, time_limit_s, mip_gap, seed) -> _Outcome:
     return _run(model, solver, time_limit_s, mip_gap, seed)
 
 
+# what one unit of preference weighs in the tie-breaking solve, in rescaled cost units: ten
+# times the absolute gap the solves prove, so the solver sees every step of preference;
+# the cost row, not this weight, keeps the cost at the first solve's
+TIE_WEIGHT = 10 * _ABS_GAP
+# programs with more columns skip the tie-breaking solve (the last pass, _polish, still
+# runs). On large programs the preferences are a hard problem of their own: on gpt-350m's
+# per-demand program on 2x4 (85,000 columns) HiGHS spent 50 s at the root of that solve
+# against 39 s for the whole first solve, and in a budget of half the first solve's time
+# it improved neither that plan nor gpt-1.3b's on 8x8. A rule on the program's size
+# keeps the plan independent of the machine's load, which a time budget would not.
+TIE_MAX_COLUMNS = 20_000
+# and branch-and-bound nodes (its best plan kept at the limit, status "time_limit"): also
+# a rule that does not depend on the load; gpt-350m's exact program on 8 devices (10,000
+# columns) explored 658 nodes in 2 minutes without proving its tie-break
+TIE_MAX_NODES = 20
+
+
+def _tie_break(model: _Model, solver: str, time_limit_s, seed: int) -> _Outcome | None:
+    """The second, lexicographic solve: among the plans whose cost is at most the first
+    solve's (``model.values``) plus the gap it proved (``_ABS_GAP``), the least preference
+    total. Started from the first solve's plan, it minimises cost + :data:`TIE_WEIGHT` x
+    preference under that cost row: every plan it may return costs what the first did
+    (to the solver's tolerance). ``model``'s values are the new plan's where the outcome
+    has one (else the first plan's, kept). None: no preference left to decide (the
+    reductions resolved them, or they are constant on every block)."""
+    preference = np.asarray(model.preference)
+    if not preference.any() or model.values is None:
+        return None
+    first = model.values
+    cost = np.asarray(model.cost)
+    paid = [(j, float(c)) for j, c in enumerate(cost.tolist()) if c]
+    model.row(paid, -math.inf, float(cost @ first) + _ABS_GAP)
+    model.cost = (cost + TIE_WEIGHT * preference).tolist()
+    binary = list(range(model.num_binary))
+    model.start = (binary, np.round(first[: model.num_binary]).tolist())
+    model.max_nodes = min(model.max_nodes or TIE_MAX_NODES, TIE_MAX_NODES)
+    model.values = None
+    out = _run(model, solver, time_limit_s, 0.0, seed)
+    if model.values is None or out.status not in ("optimal", "time_limit"):
+        model.values = first  # no plan from the second solve: the first stays
+    return out
+
+
+def _polish(red: _Reduced, model: _Model, rounds: int = 50) -> int:
+    """Move single blocks to a preferred strategy of equal cost, given their neighbours'
+    (``model.values``, updated in place), until no move helps: each move lowers the
+    (cost, preference) pair lexicographically -- exactly, on the rounded costs -- so it
+    never buys cost. What the tie-breaking solve left undecided within its budget, a
+    large program's many independent ties, goes this way in milliseconds. Not with
+    memory rows (a move could break the budget). Returns the number of moves."""
+    if red.mem_rows or red.ties or model.values is None:
+        return 0
+    live = [b for b, cols in enumerate(red.cols) if cols.size > 1]
+    if not live:
+        return 0
+    chosen = {}
+    for b, cols in enumerate(red.cols):
+        if cols.size:
+            o = red.offset[b]
+            chosen[b] = int(np.argmax(model.values[o : o + cols.size]))
+    around: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for a, b, mat in red.pairs:
+        around.setdefault(a, []).append((b, mat))
+        around.setdefault(b, []).append((a, mat.T))
+    moves = 0
+    for _ in range(rounds):
+        moved = False
+        for b in live:
+            total = red.costs[b].astype(complex)
+            for u, mat in around.get(b, ()):
+                total = total + mat[:, chosen[u]]
+            best = int(np.argmin(total))  # numpy orders complex numbers lexicographically
+            if total[best] < total[chosen[b]]:
+                chosen[b], moved = best, True
+                moves += 1
+        if not moved:
+            break
+    for b, j in chosen.items():
+        o, size = red.offset[b], red.cols[b].size
+        model.values[o : o + size] = np.arange(size) == j
+    return moves
+
+
 def _min_peak(pb: ShardingProblem, solver: str, time_limit_s, seed: int) -> tuple[float, bool]:
-    red = _reduce(pb, merge=True, eliminate=False, memory=True)  # eliminating follows costs
+    red = _reduce(pb, merge=True, eliminate=False, memory=True, lexicographic=False)
     model = _build(red, minimise_peak=True)
     out = _solve_model(red, model, solver, time_limit_s, 0.0, seed)
     if out.status == "infeasible":
@@ -161,6 +249,7 @@ def solve(
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    _check_solver(solver)  # also where the reductions leave the solver nothing to do
     if not 0.0 <= mip_gap < 1.0:
         raise ValueError(f"mip_gap={mip_gap} is a relative gap; give a value in [0, 1)")
     if max_nodes is not None and (
@@ -168,8 +257,7 @@ def solve(
     ):
         raise ValueError(f"max_nodes={max_nodes!r}: give a positive whole number of nodes, or None")
     start = time.perf_counter()
-    work = with_preferences(problem)
-    red = _reduce(work, merge)
+    red = _reduce(problem, merge)
     model = _build(red, minimise_peak=False)
     if initial is not None:
         model.start = _start(red, initial)
@@ -200,7 +288,26 @@ def solve(
             )
         strategy, fallback = greedy, "greedy"
         out = _Outcome("time_limit", out.bound, out.nodes, out.limit)
-    else:
+    tie_break = None
+    if out.status == "optimal" and model.values is not None:
+        left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
+        if model.num_cols > TIE_MAX_COLUMNS:
+            tie_break = "skipped" if np.asarray(model.preference).any() else None
+            if merge and problem.preferences is not None:
+                _polish(red, model)
+        elif left is None or left > 0.0:
+            second = _tie_break(model, solver, left, seed)
+            if merge and problem.preferences is not None:  # (tie rows bind unmerged)
+                _polish(red, model)
+            if second is not None:
+                statuses = {"optimal": "optimal", "time_limit": "time_limit"}
+                tie_break = statuses.get(second.status, "skipped")
+                out = dataclasses.replace(out, nodes=_add(out.nodes, second.nodes))
+        elif np.asarray(model.preference).any():
+            tie_break = "skipped"
+    elif np.asarray(model.preference).any():
+        tie_break = "skipped"
+    if fallback is None:
         strategy = _decode(red, model)
     objective = objective_of(problem, strategy)
     if not math.isfinite(objective):
@@ -208,10 +315,9 @@ def solve(
             f"internal error: the {solver} solution breaks a tie or picks an infinite cost"
         )
     gap = None
-    if out.bound is not None:  # a bound on cost + preferences
-        bound = out.bound * model.scale + red.constant
-        solved = objective_of(work, strategy)
-        gap = max(0.0, solved - bound) / max(abs(solved), 1e-300)
+    if out.bound is not None:  # a bound on the cost (the first solve's)
+        bound = out.bound * model.scale + red.constant.real
+        gap = max(0.0, objective - bound) / max(abs(objective), 1e-300)
     elif out.status == "optimal" and mip_gap == 0.0:
         gap = 0.0
     if out.status == "time_limit":
@@ -243,4 +349,9 @@ def solve(
         fallback=fallback,
         nodes=out.nodes,
         limit=out.limit,
+        tie_break=tie_break,
     )
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else a + b

@@ -30,8 +30,8 @@ from autoshard.intra.ilp.model import OBJECTIVE_RANGE, _Model
 from autoshard.intra.ilp.problem import SolverUnavailableError
 
 SOLVERS = {"cbc": "PULP_CBC_CMD", "highs": "HiGHS"}
-# absolute MIP gap on the rescaled objective: 1e-9 of its largest coefficient, a tenth of a
-# preference step (TIE_BREAK)
+# absolute MIP gap on the rescaled objective: 1e-9 of its largest coefficient; the
+# tie-breaking solve keeps the cost within it of the first solve's (solve._tie_break)
 _ABS_GAP = 1e-9 * OBJECTIVE_RANGE
 
 
