@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
