@@ -35,7 +35,7 @@ fi
 log "start"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
 
 log "0. the fused attention on this device"
-timeout 90 "$PY" - "$OUT/check.json" <<'EOF'
+timeout --foreground 90 "$PY" - "$OUT/check.json" <<'EOF'
 import json, sys
 import jax, jax.numpy as jnp
 from autoshard.models.attention import default_implementation, fused_attention
@@ -61,19 +61,19 @@ EOF
 
 for i in 0 1; do
   log "$((2 * i + 1)). autoshard fused ${FUSED[$i]:-}"
-  [ -n "${FUSED[$i]:-}" ] && timeout 150 "$PY" benchmarks/gpu_single.py measure \
+  [ -n "${FUSED[$i]:-}" ] && timeout --foreground 150 "$PY" benchmarks/gpu_single.py measure \
     --out "$OUT/measured_$i.json" --configs "${FUSED[$i]}" --profile --dump-hlo "$OUT/hlo" \
     --timeout-s 140
   log "$((2 * i + 2)). PyTorch peer ${PEER[$i]:-}"
-  [ -n "${PEER[$i]:-}" ] && timeout 130 "$PY" benchmarks/gpu_peer_torch.py \
+  [ -n "${PEER[$i]:-}" ] && timeout --foreground 130 "$PY" benchmarks/gpu_peer_torch.py \
     --configs "${PEER[$i]}" --out "$OUT/peer_$i.json"
 done
 if [ "${TABLE:-0}" = 1 ]; then
   log "5. attention kernel table"
-  timeout 140 "$PY" benchmarks/gpu_attention.py --out "$OUT/attention_measured.json" "${ATT[@]}"
+  timeout --foreground 140 "$PY" benchmarks/gpu_attention.py --out "$OUT/attention_measured.json" "${ATT[@]}"
 fi
 log "6. autoshard ${BASELINES[*]}"
-timeout 330 "$PY" benchmarks/gpu_single.py measure --out "$OUT/measured_u.json" \
+timeout --foreground 330 "$PY" benchmarks/gpu_single.py measure --out "$OUT/measured_u.json" \
   --configs "${BASELINES[@]}" --timeout-s 110
 
 log "merge"
