@@ -322,9 +322,31 @@ def _warn_mesh_rank(text: str, shape: tuple[int, ...]) -> None:
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
 
 
+def _interrupt_hook(previous):
+    """A ``sys.unraisablehook`` that ends the process on a swallowed Ctrl-C.
+
+    Python drops an exception raised in a garbage-collector callback ("Exception ignored
+    in: <function _xla_gc_callback ...>"): a SIGINT that lands while jax's callback runs
+    (often during its import or a trace) would be lost and the command would run on to
+    its end. Seen as an unraisable ``KeyboardInterrupt``, it ends the command as any
+    Ctrl-C does: one line and status 130."""
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            print("autoshard: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            os._exit(INTERRUPTED)
+        previous(unraisable)
+
+    hook.autoshard_interrupt = True
+    return hook
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status.  Ctrl-C ends it with one line and status 130;
-    what libraries print on descriptor 1 goes to stderr (:func:`results_only_stdout`)."""
+    """Run one command; its exit status.  Ctrl-C ends it with one line and status 130
+    (also when Python would drop it: :func:`_interrupt_hook`); what libraries print on
+    descriptor 1 goes to stderr (:func:`results_only_stdout`)."""
+    if not getattr(sys.unraisablehook, "autoshard_interrupt", False):
+        sys.unraisablehook = _interrupt_hook(sys.unraisablehook)
     try:
         with results_only_stdout():
             return _main(argv)
