@@ -16,6 +16,13 @@ MLP = ["--model", "mlp", "--batch", "16", "--hidden", "16"]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
+def _as_from_a_terminal() -> None:
+    """In the child: SIGINT's default disposition, as a command typed at a terminal has
+    (a test run started in the background by a shell without job control inherits
+    SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -34,6 +41,7 @@ def _interrupt_when(argv, marker: str | None, timeout=300):
         text=True,
         env=ENV,
         start_new_session=True,
+        preexec_fn=_as_from_a_terminal,
     )
     seen = []
     deadline = time.monotonic() + timeout
@@ -488,6 +496,7 @@ def test_ctrl_c_during_jax_import_still_ends_the_command(cpu_seconds):
         text=True,
         env=ENV,
         start_new_session=True,
+        preexec_fn=_as_from_a_terminal,
     )
     try:
         deadline = time.monotonic() + 120
