@@ -45,21 +45,23 @@ Everything uses abstract shapes: no parameter is allocated.  Jax-free.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
-import multiprocessing
-import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.inter.axis_swap import swap_axes, swappable
 from autoshard.inter.folding import crossing_pairs, fold_chain
 from autoshard.inter.options import GRANULARITIES
 from autoshard.inter.plan import Shape2, StageSpecs
 from autoshard.inter.progress import Progress, quiet
-from autoshard.inter.stage_memory import amortise_update, kept_activations, recompute_costs
+from autoshard.inter.stage_memory import (
+    amortise_update,
+    kept_activations,
+    recompute_costs,
+    unit_state,
+)
 from autoshard.inter.stage_memory import spec_fraction as _spec_fraction
 from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
 from autoshard.inter.subgraph import (
@@ -70,14 +72,12 @@ from autoshard.inter.subgraph import (
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
+from autoshard.inter.unit_pool import jobs_for, solve_in_pool
 from autoshard.intra.cost import CostOptions, _valid_spec, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload import (
     NO_OFFLOAD,
     Offload,
-    narrow_copy_bytes,
-    offload_cost,
-    offload_tensors,
 )
 from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import build_problem, plan_from_solution
@@ -108,138 +108,6 @@ class UnitCost:
     offload_s: float = 0.0
     staging_bytes: float = 0.0
     host_bytes: float = 0.0
-
-
-JOBS_ENV = "AUTOSHARD_JOBS"  # processes that solve a search's stage ILPs (1: in this one)
-POOL_MIN_UNITS = 4  # fewer units than this are solved in this process
-
-
-def _jobs(num_units: int) -> int:
-    """How many processes solve ``num_units`` stage ILPs: ``AUTOSHARD_JOBS`` if set, else
-    1 (this process: forking a process that runs jax is not safe in general, so the pool is
-    opt-in); ``AUTOSHARD_JOBS=0`` one per CPU this process may run on; 1 for fewer than
-    :data:`POOL_MIN_UNITS` units, where processes cannot be forked, or once this process
-    has run HiGHS (a forked child would wait for HiGHS's threads forever)."""
-    from autoshard.intra.ilp import solvers
-
-    if num_units < POOL_MIN_UNITS or "fork" not in multiprocessing.get_all_start_methods():
-        return 1
-    if solvers.highs_ran:  # HiGHS's threads would be missing in a forked child
-        return 1
-    given = os.environ.get(JOBS_ENV)
-    if given is not None:
-        try:
-            jobs = int(given)
-        except ValueError:
-            raise ValueError(f"{JOBS_ENV}={given!r}: give a whole number of processes") from None
-        if jobs < 0:
-            raise ValueError(f"{JOBS_ENV}={given!r}: give 0 (one per CPU) or more processes")
-    else:
-        jobs = 1
-    if jobs == 0:
-        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(jobs or 1, num_units))
-
-
-_POOL_COST: IntraStageCost | None = None  # the cost object the forked workers solve for
-
-
-def _pool_unit(job: tuple[int, Shape2]):
-    """In a forked worker: the unit of layer ``i`` on ``logical`` and what solving it
-    counted (ILPs, ILP seconds, cache hits, refusals, disk-cache hits)."""
-    i, logical = job
-    cost = _POOL_COST
-    before = (cost.num_ilps, cost.ilp_seconds, cost.num_cache_hits, len(cost.refusals))
-    disk_hits = cost.num_disk_hits
-    unit = cost._plan_unit(cost.subgraph(i, i + 1), cost.mesh_for(logical))
-    counts = (
-        cost.num_ilps - before[0],
-        cost.ilp_seconds - before[1],
-        cost.num_cache_hits - before[2],
-        tuple(cost.refusals[before[3] :]),
-        cost.num_disk_hits - disk_hits,
-    )
-    return i, logical, unit, counts
-
-
-def _pool_init() -> None:
-    """In a forked worker: drop the garbage-collector callbacks jax registered in the
-    parent (they call into XLA's runtime, whose threads a forked child does not have)."""
-    gc.callbacks[:] = [
-        cb for cb in gc.callbacks if not getattr(cb, "__module__", "").startswith("jax")
-    ]
-
-
-def _solve_in_pool(cost: IntraStageCost, jobs_list, jobs: int):
-    """Yield ``_pool_unit``'s results for ``jobs_list`` as ``jobs`` forked processes solve
-    them (the workers inherit ``cost``: its graph and sub-graphs are not pickled)."""
-    global _POOL_COST
-    _POOL_COST = cost
-    try:
-        with warnings.catch_warnings():
-            # jax warns at every fork of a process that has started its runtime; the workers
-            # run jax-free code only (and _pool_init drops jax's gc callback), so the
-            # runtime's threads they lack are never waited for
-            warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-            pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_pool_init)
-        with pool:
-            yield from pool.imap_unordered(_pool_unit, jobs_list, chunksize=1)
-    finally:
-        _POOL_COST = None
-
-
-def _swappable(a: DeviceMesh, b: DeviceMesh) -> bool:
-    """Whether two 2-axis meshes are one mesh with its axes' sizes exchanged: uniform
-    links, devices in one node (or no node layout), every other figure equal."""
-    if len(a.mesh.shape) != 2 or a.mesh.axis_names != b.mesh.axis_names:
-        return False
-    if a.mesh.shape != b.mesh.shape[::-1]:
-        return False
-    if len(set(a.alpha)) != 1 or len(set(a.beta)) != 1:
-        return False
-    if a.nodes is not None and a.mesh.num_devices > a.nodes.devices_per_node:
-        return False
-    return dataclasses.replace(a, mesh=b.mesh) == b
-
-
-def _swap_spec(spec: ShardingSpec, names: Mapping[str, str]) -> ShardingSpec:
-    return ShardingSpec(
-        tuple(tuple(names[x] for x in d) for d in spec.dims),
-        tuple(names[x] for x in spec.partial),
-        spec.partial_op,
-    )
-
-
-def _swap_axes(unit: UnitCost, mesh: DeviceMesh) -> UnitCost:
-    """``unit`` (planned on the mesh with the two axis sizes exchanged) on ``mesh``: its
-    plan's specs and collectives with the two axis names swapped; every cost the same."""
-    plan = unit.plan
-    if plan is None:
-        return unit
-    a, b = mesh.mesh.axis_names
-    names = {a: b, b: a}
-    memo: dict[ShardingSpec, ShardingSpec] = {}
-
-    def sw(spec: ShardingSpec) -> ShardingSpec:
-        if spec not in memo:
-            memo[spec] = _swap_spec(spec, names)
-        return memo[spec]
-
-    swapped = dataclasses.replace(
-        plan,
-        mesh=mesh.mesh,
-        input_specs=tuple(sw(x) for x in plan.input_specs),
-        output_specs=tuple(sw(x) for x in plan.output_specs),
-        tensor_specs={t: sw(x) for t, x in plan.tensor_specs.items()},
-        operand_specs={
-            n: {k: sw(x) for k, x in ops.items()} for n, ops in plan.operand_specs.items()
-        },
-        predicted_collectives=tuple(
-            dataclasses.replace(c, axes=tuple(names.get(x, x) for x in c.axes))
-            for c in plan.predicted_collectives
-        ),
-    )
-    return dataclasses.replace(unit, plan=swapped)
 
 
 class IntraStageCost:
@@ -376,11 +244,11 @@ class IntraStageCost:
         # the units to solve (not a twin's, see _twin), biggest first: the pool's share
         solve = [(i, g) for i, g in todo if self._twin(g, self.mesh_for(g)) is None]
         solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
-        jobs = _jobs(len(solve))
+        jobs = jobs_for(len(solve))
         try:
             with progress.phase("stage ILPs", len(todo)) as phase:
                 if jobs > 1:
-                    for i, logical, unit, counts in _solve_in_pool(self, solve, jobs):
+                    for i, logical, unit, counts in solve_in_pool(self, solve, jobs):
                         self._units[((self.signatures[i],), self.mesh_for(logical))] = unit
                         self.num_ilps += counts[0]
                         self.ilp_seconds += counts[1]
@@ -406,7 +274,7 @@ class IntraStageCost:
             return self._units[key]
         twin = self._twin(logical, mesh)
         if twin is not None:  # (dp, tp) with dp > tp: the (tp, dp) plan, axes swapped
-            self._units[key] = cost = _swap_axes(self.unit(start, end, twin), mesh)
+            self._units[key] = cost = swap_axes(self.unit(start, end, twin), mesh)
             return cost
         if end == start + 1:
             start = self._rep[self.signatures[start]]
@@ -418,16 +286,19 @@ class IntraStageCost:
         """``(tp, dp)`` when ``logical = (dp, tp)`` has ``dp > tp`` and the two meshes
         differ only by which axis has which size: the same links on both axes and one node
         (or no node layout), the same device figures.  The ILP on one is then the ILP on
-        the other with the axis names swapped (nothing in the intra-op problem reads an
-        axis by name), so :meth:`unit` plans the ``dp < tp`` mesh and swaps its plan's
-        axes.  None otherwise (a baseline or offload pins axes by name)."""
+        the other with the axis names swapped, but for one thing: a dimension split over
+        both axes lists its strategies in mesh order, so the two ILPs are not exact mirrors
+        and the swapped plan can cost a little more than the ``dp > tp`` mesh's own optimum
+        (gpt-2.6b on 1 x 8: +0.15%, docs/results.md); the search trades that for a third
+        fewer ILPs.  :meth:`unit` plans the ``dp < tp`` mesh and swaps its plan's axes.
+        None otherwise (a baseline or offload pins axes by name)."""
         if self.baseline is not None or self.offload or len(logical) != 2:
             return None
         dp, tp = logical
         if dp <= tp:
             return None
         other = self.mesh_for((tp, dp))
-        if not _swappable(mesh, other):
+        if not swappable(mesh, other):
             return None
         return (tp, dp)
 
@@ -506,43 +377,10 @@ class IntraStageCost:
             and tid in spec_of
         }
         recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept, layer_inputs)
-        aliased = {src for src, _ in graph.aliases}
-        owned = 0.0
-        borrowed: dict[int, float] = {}
-        moved = offload_tensors(graph, self.offload, strict=False) if self.offload else None
-        host = moved.host if moved is not None else frozenset()
-        grads_here = not self.offload.host_update
-        for tid, spec in zip(graph.inputs, plan.input_specs):
-            t = graph.tensors[tid]
-            if t.kind not in ("param", "opt_state"):
-                continue
-            size = t.nbytes * _spec_fraction(spec, mesh)
-            if tid in aliased:
-                # the state in HBM (a master weight offloaded: its 16-bit copy, which the
-                # device holds all step), and a param's gradient (streamed out as it is
-                # made when the host updates)
-                resident = size
-                if tid in host:
-                    resident = (
-                        size * narrow_copy_bytes(graph, tid) / t.nbytes
-                        if t.kind == "param"
-                        else 0.0
-                    )
-                owned += resident + (size if t.kind == "param" and grads_here else 0.0)
-            else:
-                owner = self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1))
-                borrowed[owner] = borrowed.get(owner, 0.0) + size
-        offload_s = staging = host_bytes = 0.0
-        if moved is not None and moved.state_in:
-            # transfers hide behind the backward of every microbatch of the step
-            backward = plan.solver.get("compute_s_by_phase", {}).get("backward", 0.0)
-            paid = offload_cost(
-                graph, moved, plan.specs_by_tensor(graph.inputs), mesh.mesh, self.cluster,
-                backward * self.num_microbatches, self.cluster.devices_per_node,
-            )  # fmt: skip
-            offload_s, staging, host_bytes = (
-                paid.exposed_s, paid.staging_bytes, paid.host_bytes_per_device,
-            )  # fmt: skip
+        owned, borrowed, offload_s, staging, host_bytes = unit_state(
+            graph, plan, mesh, self.offload, self.cluster, self.num_microbatches,
+            lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
+        )  # fmt: skip
         return UnitCost(
             plan,
             graph.flops,

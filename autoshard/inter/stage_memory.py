@@ -126,3 +126,51 @@ def amortise_update(ip, factor: float):
         for i, row in enumerate(ip.problem.node_costs)
     )
     return dataclasses.replace(ip.problem, edges=edges, node_costs=node_costs)
+
+
+def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
+    """A stage unit's training state per device and what offloading it costs:
+    ``(owned, borrowed, offload_s, staging_bytes, host_bytes)``. ``owned``: the unit's own
+    parameters and optimizer state resident in HBM, and its parameters' gradients where the
+    device updates; ``borrowed``: bytes of parameters read from a layer outside the unit,
+    by owner layer (``owner_of(tid)``, e.g. a tied embedding); the rest from
+    :func:`autoshard.intra.offload.offload_cost` where ``offload`` moves state to the host
+    (its transfers hidden behind the backward of every one of ``num_microbatches``)."""
+    from autoshard.intra.offload import narrow_copy_bytes, offload_cost, offload_tensors
+
+    aliased = {src for src, _ in graph.aliases}
+    owned = 0.0
+    borrowed: dict[int, float] = {}
+    moved = offload_tensors(graph, offload, strict=False) if offload else None
+    host = moved.host if moved is not None else frozenset()
+    grads_here = not offload.host_update
+    for tid, spec in zip(graph.inputs, plan.input_specs):
+        t = graph.tensors[tid]
+        if t.kind not in ("param", "opt_state"):
+            continue
+        size = t.nbytes * spec_fraction(spec, mesh)
+        if tid in aliased:
+            # the state in HBM (a master weight offloaded: its 16-bit copy, which the
+            # device holds all step), and a param's gradient (streamed out as it is
+            # made when the host updates)
+            resident = size
+            if tid in host:
+                resident = (
+                    size * narrow_copy_bytes(graph, tid) / t.nbytes if t.kind == "param" else 0.0
+                )
+            owned += resident + (size if t.kind == "param" and grads_here else 0.0)
+        else:
+            owner = owner_of(tid)
+            borrowed[owner] = borrowed.get(owner, 0.0) + size
+    offload_s = staging = host_bytes = 0.0
+    if moved is not None and moved.state_in:
+        # transfers hide behind the backward of every microbatch of the step
+        backward = plan.solver.get("compute_s_by_phase", {}).get("backward", 0.0)
+        paid = offload_cost(
+            graph, moved, plan.specs_by_tensor(graph.inputs), mesh.mesh, cluster,
+            backward * num_microbatches, cluster.devices_per_node,
+        )  # fmt: skip
+        offload_s, staging, host_bytes = (
+            paid.exposed_s, paid.staging_bytes, paid.host_bytes_per_device,
+        )  # fmt: skip
+    return owned, borrowed, offload_s, staging, host_bytes
