@@ -483,31 +483,35 @@ def test_no_highs_licence_banner_on_a_plans_output():
     assert "HiGHS" not in proc.stderr + proc.stdout and "licence" not in proc.stderr
 
 
-@pytest.mark.parametrize("cpu_seconds", [0.5, 1.0])
-def test_ctrl_c_during_jax_import_still_ends_the_command(cpu_seconds):
-    """A SIGINT that lands while jax's garbage-collector callback runs (its import, the
-    first trace) is dropped by Python ("Exception ignored in ... _xla_gc_callback"); the
-    command must still end with one line and status 130, not run on (it ran 100,000 steps
-    to status 0 in a fresh clone's CI before main() caught the dropped interrupt)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "autoshard", "run", *MLP, "--mesh", "2", "--steps", "100000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        start_new_session=True,
-        preexec_fn=_as_from_a_terminal,
+def test_a_ctrl_c_python_drops_in_a_gc_callback_still_ends_the_command():
+    """Python drops an exception raised in a garbage-collector callback ("Exception
+    ignored in ... _xla_gc_callback"): a Ctrl-C landing in jax's callback (its import, a
+    trace) was lost and the command ran on (a fresh clone's CI: 100,000 steps and status 0).
+    The hook the entry point installs ends the process with the one line and 130; the same
+    program without it runs on to its end."""
+    program = (
+        "import gc, sys\n"
+        "{install}"
+        "def callback(phase, info):\n"
+        "    raise KeyboardInterrupt\n"
+        "gc.callbacks.append(callback)\n"
+        "gc.collect()\n"
+        "print('ran on')\n"
     )
-    try:
-        deadline = time.monotonic() + 120
-        while _cpu_seconds(proc.pid) < cpu_seconds:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, err
-    assert err.count("autoshard: interrupted (Ctrl-C)") == 1
+    install = (
+        "from autoshard.cli.interrupt import install_interrupt_hook\ninstall_interrupt_hook()\n"
+    )
+    runs = {
+        hooked: subprocess.run(
+            [sys.executable, "-c", program.format(install=install if hooked else "")],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=120,
+        )
+        for hooked in (True, False)
+    }
+    assert runs[True].returncode == 130, runs[True].stderr
+    assert runs[True].stderr.count("autoshard: interrupted (Ctrl-C)") == 1
+    assert "ran on" not in runs[True].stdout
+    assert runs[False].returncode == 0 and "ran on" in runs[False].stdout

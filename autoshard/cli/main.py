@@ -24,6 +24,7 @@ from autoshard.cli.args import model_overrides as _overrides
 from autoshard.cli.args import positive_int as _positive_int
 from autoshard.cli.config_file import expand_config
 from autoshard.cli.console import out_console, progress, results_only_stdout, version
+from autoshard.cli.interrupt import INTERRUPTED, MESSAGE, install_interrupt_hook
 from autoshard.cli.launch import add_launch_args
 from autoshard.cli.pipeline import (
     add_pipeline_args,
@@ -319,39 +320,16 @@ def _warn_mesh_rank(text: str, shape: tuple[int, ...]) -> None:
     )
 
 
-INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
-
-
-def _interrupt_hook(previous):
-    """A ``sys.unraisablehook`` that ends the process on a swallowed Ctrl-C.
-
-    Python drops an exception raised in a garbage-collector callback ("Exception ignored
-    in: <function _xla_gc_callback ...>"): a SIGINT that lands while jax's callback runs
-    (often during its import or a trace) would be lost and the command would run on to
-    its end. Seen as an unraisable ``KeyboardInterrupt``, it ends the command as any
-    Ctrl-C does: one line and status 130."""
-
-    def hook(unraisable) -> None:
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            print("autoshard: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-            os._exit(INTERRUPTED)
-        previous(unraisable)
-
-    hook.autoshard_interrupt = True
-    return hook
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status.  Ctrl-C ends it with one line and status 130
-    (also when Python would drop it: :func:`_interrupt_hook`); what libraries print on
+    (also when Python would drop it: :mod:`autoshard.cli.interrupt`); what libraries print on
     descriptor 1 goes to stderr (:func:`results_only_stdout`)."""
-    if not getattr(sys.unraisablehook, "autoshard_interrupt", False):
-        sys.unraisablehook = _interrupt_hook(sys.unraisablehook)
+    install_interrupt_hook()
     try:
         with results_only_stdout():
             return _main(argv)
     except KeyboardInterrupt:
-        print("autoshard: interrupted (Ctrl-C)", file=sys.stderr)
+        print(MESSAGE, file=sys.stderr)
         return INTERRUPTED
 
 
