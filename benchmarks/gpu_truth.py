@@ -260,18 +260,7 @@ def verify_row(entry: dict, plans_dir: Path, target: str, live_peak: str) -> dic
     log = io.StringIO()
     with captured_stderr(log):
         report = bound.verify(devices, target=target, live_peak=live_peak, keep_hlo=True)
-    rows = [
-        {
-            "kind": r.kind,
-            "axes": list(r.axes),
-            "predicted_count": r.predicted_count,
-            "predicted_bytes": r.predicted_bytes,
-            "compiled_count": r.compiled_count,
-            "compiled_bytes": r.compiled_bytes,
-            "agree": r.agree,
-        }
-        for r in report.comparison.rows
-    ]
+    rows = [_row(r) for r in report.comparison.rows]
     return {
         **out,
         "status": "compiled",
