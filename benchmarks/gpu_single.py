@@ -133,10 +133,12 @@ def measure_one(
     profile: bool,
     dump_hlo: str | None = None,
     attention: str = "fused",
+    xla_options: dict | None = None,
 ) -> dict:
     """One configuration in this process: compile, memory, step time (and a profile).
     ``dump_hlo``: a folder for the compiled HLO text (gzip), to name the profile's kernels;
-    with ``steps=0`` nothing runs."""
+    with ``steps=0`` nothing runs. ``xla_options``: XLA debug options for this compile only
+    (``Lowered.compile(compiler_options=...)``), e.g. ``{"xla_gpu_enable_cublaslt": True}``."""
     import jax
     import numpy as np
 
@@ -158,9 +160,11 @@ def measure_one(
     out = {"model": model, "layers": layers, "batch": batch, "seq_len": work.config.seq_len,
            "vocab": work.config.vocab_size, "hidden": work.config.hidden, "dtype": dtype,
            "params": work.config.num_params, "optimizer": "adamw",
-           "attention": attention}  # fmt: skip
+           "attention": attention, "xla_options": dict(xla_options or {})}  # fmt: skip
     t0 = time.perf_counter()
-    compiled = step.lower(*work.abstract_train_args(opt)).compile()
+    compiled = step.lower(*work.abstract_train_args(opt)).compile(
+        compiler_options=dict(xla_options) if xla_options else None
+    )
     out["compile_s"] = time.perf_counter() - t0
     mem = memory_stats(compiled)
     out["memory_analysis"] = {
@@ -232,8 +236,32 @@ def measure_one(
     return out
 
 
+def parse_xla_options(items: list[str] | None) -> dict:
+    """``["xla_gpu_enable_cublaslt=true", "xla_gpu_autotune_level=2"]`` -> a dict with
+    booleans and numbers converted (what ``compile(compiler_options=...)`` takes)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("xla_"):
+            raise ValueError(f"an XLA option is xla_name=value, got {item!r}")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    out[key] = value
+    return out
+
+
 def cmd_measure(args) -> int:
     import jax
+
+    parse_xla_options(args.xla_options)  # refuse a malformed option before any child runs
 
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     if args.configs:
@@ -268,6 +296,7 @@ def cmd_measure(args) -> int:
             attention,
         ]
         cmd += ["--profile"] if args.profile else []  # fmt: skip
+        cmd += ["--xla-options", *args.xla_options] if args.xla_options else []
         cmd += ["--dump-hlo", args.dump_hlo] if args.dump_hlo else []
         t0 = time.perf_counter()
         left = args.total_s - (time.monotonic() - t_start)
@@ -286,6 +315,8 @@ def cmd_measure(args) -> int:
         run["wall_s"] = time.perf_counter() - t0
         result["runs"].append(run)
         out.write_text(json.dumps(result, indent=1) + "\n")
+        if args.xla_options:
+            run.setdefault("xla_options", parse_xla_options(args.xla_options))
         if "error" in run:
             print(f"{_label(model, layers, batch, attention)}: FAILED\n{run['error']}", flush=True)
         elif "step_time_s" not in run:
@@ -308,7 +339,7 @@ def cmd_one(args) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     run = measure_one(
         args.model, args.layers, args.batch, args.steps, args.profile, args.dump_hlo,
-        args.attention,
+        args.attention, parse_xla_options(args.xla_options),
     )  # fmt: skip
     Path(args.child_out).write_text(json.dumps(run))
     return 0
@@ -604,6 +635,12 @@ def main() -> int:
     m.add_argument("--quick", action="store_true", help="gpt-tiny only (a CPU check)")
     m.add_argument("--timeout-s", type=float, default=300.0, help="per configuration")
     m.add_argument("--total-s", type=float, default=1e9, help="for all configurations")
+    m.add_argument(
+        "--xla-options",
+        nargs="+",
+        metavar="xla_NAME=VALUE",
+        help="XLA options for every configuration's compile, e.g. xla_gpu_enable_cublaslt=true",
+    )
     m.set_defaults(func=cmd_measure)
     one = sub.add_parser("_one")  # internal: one configuration in a child process
     one.add_argument("model")
@@ -614,6 +651,7 @@ def main() -> int:
     one.add_argument("--profile", action="store_true")
     one.add_argument("--dump-hlo")
     one.add_argument("--attention", choices=ATTENTION, default="fused")
+    one.add_argument("--xla-options", nargs="+")
     one.set_defaults(func=cmd_one)
     p = sub.add_parser("predict", help="autoshard's predictions next to a measured file")
     p.add_argument("--measured", required=True)
