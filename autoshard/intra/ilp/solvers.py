@@ -52,6 +52,7 @@ class _Outcome:
     bound: float | None  # best bound on the model objective
     nodes: int | None = None  # branch-and-bound nodes explored (HiGHS)
     limit: str | None = None  # which limit stopped a "time_limit" solve: "time" or "nodes"
+    wall_s: float | None = None  # the solver's own run, wall clock (HiGHS)
 
 
 def _check_solver(name: str) -> None:
@@ -251,7 +252,9 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
         except TypeError:  # highspy < 1.8 takes only a whole HighsSolution: no warm start
             # (a start changes the solve's time, not its optimum; tests/test_value_edges.py)
             pass
+    started = time.monotonic()
     highs.run()
+    wall_s = time.monotonic() - started
     ms, info, status = highs.getModelStatus(), highs.getInfo(), highspy.HighsModelStatus
     if ms in (status.kInfeasible, status.kUnboundedOrInfeasible):
         return _Outcome("infeasible", None)
@@ -260,11 +263,13 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
         model.values = np.asarray(highs.getSolution().col_value)
     nodes = int(info.mip_node_count)
     if ms == status.kOptimal:
-        return _Outcome("optimal", info.mip_dual_bound, nodes)
+        return _Outcome("optimal", info.mip_dual_bound, nodes, wall_s=wall_s)
     # kSolutionLimit: the node limit (model.max_nodes)
     if ms in (status.kTimeLimit, status.kIterationLimit, status.kInterrupt, status.kSolutionLimit):
         limit = "nodes" if ms == status.kSolutionLimit else "time"
-        return _Outcome("time_limit" if has else "no_incumbent", info.mip_dual_bound, nodes, limit)
+        return _Outcome(
+            "time_limit" if has else "no_incumbent", info.mip_dual_bound, nodes, limit, wall_s
+        )
     raise RuntimeError(f"HiGHS ended with model status {highs.modelStatusToString(ms)}")
 
 
