@@ -10,13 +10,19 @@ wresnet-tiny on 8). One point per (model, mesh, plan, mesh axes) for
 bytes, one per plan for memory; a baseline that refuses (it cannot mean its name for that
 model and mesh) is a row marked ``refused`` with the reason, counted apart.
 
+The third panel is XLA:GPU's: the committed runs of ``benchmarks/gpu_truth.py`` (plan files
+compiled ahead of time for 8 to 512 H100s on one lent GPU, ``GPU_RESULTS``), read from
+their JSON; no GPU is needed to draw it.
+
     python experiments/truth.py [--quick] [--out docs/figures]
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import figure
 
@@ -26,6 +32,12 @@ SOURCE = "compiled"
 FIGURE = 5
 
 PLANS = ("auto", "dp", "zero2", "zero3", "megatron")
+# XLA:GPU runs, oldest first (a later row of the same name replaces an earlier one); a
+# "_reread" file beside a run holds that run's HLO read again by a newer verifier
+GPU_RESULTS = (
+    "benchmarks/results/gpu_truth_h100_2026-11-27.json",
+    "benchmarks/results/gpu_truth_scale_h100_2026-11-27.json",
+)
 MID = {"num_layers": 2, "batch_size": 8}
 QUICK_CASES = (("gpt-tiny", {}, ("8", "2x4")), ("gpt-350m", MID, ("8",)))
 FULL_CASES = (
@@ -108,7 +120,42 @@ def run(quick: bool, progress) -> dict:
         },
         "rows": rows,
         "summary": summary(rows),
+        "xla_gpu": xla_gpu_rows(),
     }
+
+
+def xla_gpu_rows(root: Path | None = None) -> dict:
+    """The compiled rows of :data:`GPU_RESULTS`: name, plan, devices, predicted and
+    compiled peak bytes, whether the collectives agree (the re-read's verdict where one
+    exists), and the files they came from."""
+    root = root or Path(__file__).resolve().parent.parent
+    rows, sources = {}, []
+    for rel in GPU_RESULTS:
+        path = root / rel
+        if not path.exists():
+            continue
+        sources.append(rel)
+        doc = json.loads(path.read_text())
+        reread = path.with_name(path.stem + "_reread.json")
+        agree = {}
+        if reread.exists():
+            sources.append(str(reread.relative_to(root)))
+            agree = {
+                r["name"]: r["collectives_agree"] for r in json.loads(reread.read_text())["rows"]
+            }
+        for r in doc["rows"]:
+            if r.get("status") != "compiled":
+                continue
+            rows[r["name"]] = {
+                "name": r["name"],
+                "plan": r["plan"],
+                "target": r.get("target"),
+                "predicted_peak_bytes": r["predicted_peak_bytes"],
+                "compiled_peak_bytes": r["compiled_peak_bytes"],
+                "collectives_agree": agree.get(r["name"], r["collectives_agree"]),
+                "date": doc.get("date"),
+            }
+    return {"sources": sources, "rows": list(rows.values())}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -154,12 +201,27 @@ def memory_points(rows) -> list[tuple[str, float, float]]:
 def scatter_points(doc: dict) -> list[tuple[float, float]]:
     """Every (x, y) the figure plots."""
     rows = doc["data"]["rows"]
-    return [(x, y) for _, x, y in byte_points(rows) + memory_points(rows)]
+    points = byte_points(rows) + memory_points(rows) + gpu_points(gpu_rows(doc))
+    return [(x, y) for _, x, y in points]
+
+
+def gpu_rows(doc: dict) -> list[dict]:
+    """The XLA:GPU rows of ``doc``; a JSON written before they were recorded: the
+    committed runs."""
+    return (doc["data"].get("xla_gpu") or xla_gpu_rows())["rows"]
+
+
+def gpu_points(rows: list[dict]) -> list[tuple[str, float, float]]:
+    """(plan, XLA:GPU compiled GiB, predicted GiB) of the peak memory per plan file."""
+    return [
+        (r["plan"], r["compiled_peak_bytes"] / 2**30, r["predicted_peak_bytes"] / 2**30)
+        for r in rows
+    ]
 
 
 def plot(doc: dict):
     rows = doc["data"]["rows"]
-    fig, (a, b) = figure.plt.subplots(1, 2, figsize=(11, 4.6))
+    fig, (a, b, g) = figure.plt.subplots(1, 3, figsize=(16, 4.8))
     figure.truth_scatter(
         a, byte_points(rows),
         xlabel="Compiled bytes per device (MiB)", ylabel="Predicted bytes per device (MiB)",
@@ -178,10 +240,38 @@ def plot(doc: dict):
     refused = f"; {s['refused']} refused" if s.get("refused") else ""
     b.set_title(f"Peak memory per plan: {s['memory_within_10_percent']}/{s['plans']} within 10%"
                 f"{refused}", fontsize=8)  # fmt: skip
+    gpu_panel(g, gpu_rows(doc))
     models = ", ".join(dict.fromkeys(r["model"] for r in rows))
-    fig.suptitle(figure.title(doc, f"{TITLE} on 8 fake CPU devices\n{models}"), fontsize=10)
+    fig.suptitle(
+        figure.title(doc, f"{TITLE}: 8 fake CPU devices ({models}); XLA:GPU, right"), fontsize=10
+    )
     fig.tight_layout()
     return fig
+
+
+def gpu_panel(ax, rows: list[dict]) -> None:
+    """Peak memory per device on XLA:GPU (H100s, compiled ahead of time), predicted
+    against compiled, one point per plan file; the title counts the collectives too."""
+    figure.truth_scatter(
+        ax,
+        gpu_points(rows),
+        xlabel="XLA:GPU compiled peak per device (GiB)",
+        ylabel="Predicted peak per device (GiB)",
+    )  # fmt: skip
+    within = sum(
+        abs(r["predicted_peak_bytes"] - r["compiled_peak_bytes"]) <= 0.10 * r["compiled_peak_bytes"]
+        for r in rows
+    )
+    agree = sum(bool(r["collectives_agree"]) for r in rows)
+    for r in rows:  # the rows out of the band, named
+        x, y = r["compiled_peak_bytes"] / 2**30, r["predicted_peak_bytes"] / 2**30
+        if abs(y - x) > 0.10 * x:
+            ax.annotate(r["name"], (x, y), fontsize=6, xytext=(4, -8), textcoords="offset points")
+    ax.set_title(
+        f"XLA:GPU, H100s compiled ahead of time (8-512 GPUs), {len(rows)} plan files:\n"
+        f"memory within 10% on {within}/{len(rows)}, collectives agree on {agree}/{len(rows)}",
+        fontsize=8,
+    )
 
 
 if __name__ == "__main__":
