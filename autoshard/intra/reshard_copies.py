@@ -242,7 +242,7 @@ def copy_groups(
 ) -> list[CopyGroup]:
     """One :class:`CopyGroup` per value and layout some reader may want that its
     producer may not give (the buffers of :func:`reshard_buffers`), and, for a copy made
-    at the combined gradient reduction, one per size of the gradient kept until then."""
+    at the combined gradient reduction, the gradient kept until then (:func:`_kept_groups`)."""
     found: dict[tuple[int, ShardingSpec], list] = {}
     for op in operands:
         if op.slot < 0 or op.dst < n_in:
@@ -254,7 +254,8 @@ def copy_groups(
                 wants.setdefault(spec, []).append(q)
         for spec, qs in wants.items():
             found.setdefault((op.tensor, spec), []).append((pos[op.dst - n_in], op.dst, tuple(qs)))
-    out, kept, update = [], set(), first_update(graph)
+    out, update = [], first_update(graph)
+    tails: dict[int, tuple[tuple[int, int], list]] = {}  # tid -> (kept, [(layout, readers)])
     for (tid, spec), readers in found.items():
         src, k = producer[tid]
         other = tuple(p for p, s in enumerate(strategies[src]) if s.output_specs[k] != spec)
@@ -265,10 +266,6 @@ def copy_groups(
         if not other or copy is None:
             continue
         nbytes, start, end, keep, tail = copy
-        by_size: dict[float, list[int]] = {}  # the source's bytes under each strategy
-        for p in other:
-            size = _device_bytes(graph, tid, strategies[src][p].output_specs[k], mesh)
-            by_size.setdefault(size, []).append(p)
         if tail is None:
             if nbytes:
                 out.append(CopyGroup(src, other, nbytes, start, end, readers))
@@ -276,20 +273,49 @@ def copy_groups(
             if nbytes and early is not None:  # made right after the value if only they read
                 t = graph.tensors[tid]
                 out.append(CopyGroup(src, other, nbytes, pos[t.producer], None, readers, early))
-        else:
-            for size, ps in by_size.items():
-                made = combined_copy_bytes(nbytes, size, tail)
-                if made:
-                    out.append(CopyGroup(src, tuple(ps), made, start, end, readers))
-        if keep is None or tid in kept:
             continue
-        kept.add(tid)
-        out += [
-            CopyGroup(src, tuple(ps), size, keep[0], keep[1], readers)
-            for size, ps in by_size.items()
-            if size
-        ]
+        by_size: dict[float, list[int]] = {}  # the source's bytes under each strategy
+        for p in other:
+            size = _device_bytes(graph, tid, strategies[src][p].output_specs[k], mesh)
+            by_size.setdefault(size, []).append(p)
+        for size, ps in by_size.items():
+            made = combined_copy_bytes(nbytes, size, tail)
+            if made:
+                out.append(CopyGroup(src, tuple(ps), made, start, end, readers))
+        if keep is not None:
+            tails.setdefault(tid, (keep, []))[1].append((spec, readers))
+    for tid, (keep, read) in tails.items():
+        out += _kept_groups(graph, tid, strategies, producer, mesh, keep, read)
     return out
+
+
+def _kept_groups(graph, tid, strategies, producer, mesh, keep, tails) -> list[CopyGroup]:
+    """The gradient ``tid`` kept from ``keep[0]`` to the combined reduction at ``keep[1]``
+    past its own buffer, as :class:`CopyGroup` entries: one buffer, whichever layouts it is
+    copied to there (:func:`reshard_buffers` counts it once per value).  Per layout the
+    source may give, it is live when the source gives that layout and some reader reads
+    the value in another layout that is made at the reduction (``tails``: (layout, its
+    readers as in :class:`CopyGroup`) for each such layout); source layouts of one size
+    and one such reader set share a group."""
+    src, k = producer[tid]
+    by_spec: dict[ShardingSpec, list[int]] = {}
+    for p, s in enumerate(strategies[src]):
+        by_spec.setdefault(s.output_specs[k], []).append(p)
+    merged: dict[tuple, list[int]] = {}
+    for own, ps in by_spec.items():
+        size = _device_bytes(graph, tid, own, mesh)
+        reads: dict[tuple[int, int], set[int]] = {}  # (position, reader) -> its strategies
+        for spec, readers in tails:
+            if spec != own:
+                for at, node, qs in readers:
+                    reads.setdefault((at, node), set()).update(qs)
+        if size and reads:
+            key = (size, tuple((at, v, tuple(sorted(qs))) for (at, v), qs in sorted(reads.items())))
+            merged.setdefault(key, []).extend(ps)
+    return [
+        CopyGroup(src, tuple(sorted(ps)), size, keep[0], keep[1], readers)
+        for (size, readers), ps in merged.items()
+    ]
 
 
 __all__ = [
