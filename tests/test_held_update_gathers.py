@@ -2,7 +2,7 @@
 (``MemoryLayout.held_update_gathers``, autoshard/intra/reshard_copies.py): a split
 update all-gathered to its parameter's layout is made right after its gradient and added
 into the donated parameter after the backward pass. gpt-39b's auto plan on 8x8 H100s
-holds 192 of them (19.3 GB per device) at XLA:GPU's peak, which the model missed by 19%
+holds 190 of its 192 (19.19 GB per device) at XLA:GPU's peak, which the model missed (-19%)
 (docs/truth.md); the captured HLO's schedule is checked in tests/test_hlo_gpu_liveness.py."""
 
 from __future__ import annotations

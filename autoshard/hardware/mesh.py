@@ -101,7 +101,7 @@ class MemoryLayout:
     # is ready and all-gathers it to the parameter's layout right away, but adds it into
     # the donated parameter only after the backward pass, so every gathered update is live
     # from its gradient to the backward's end: gpt-39b (48 layers, 8x8 H100s, jax 0.11.2)
-    # holds 192 of them, 19.3 GB per device, at XLA's peak (docs/truth.md). The memory
+    # holds 190 of its 192, 19.19 GB per device, at XLA's peak (docs/truth.md). The memory
     # model counts it so (autoshard/intra/reshard_copies.py, held_update_copy).
     held_update_gathers: bool = False
 
