@@ -21,12 +21,12 @@ bytes live at once, parameters included.  Buffer rules, as XLA's buffer assignme
 
 Not modelled: buffers inside ``while`` bodies and called computations (the steps read so
 far have none), heap fragmentation.  Measured against XLA's ``temp_size_in_bytes``
-(compiled peak minus the parameters; 2026-11-27, jax 0.11.2): XLA:CPU gpt-39b 4 layers on
-8x8 fake devices 3.7461 vs 3.7461 GB; XLA:GPU (H100, compile-only topology) gpt-1.3b auto
-2x4 12.185 vs 12.202 GB, gpt-6.7b megatron 2x8 17.727 vs 17.728, zero3 2x8 47.58 vs 47.76,
-gpt-39b auto 64x8 19.79 vs 19.92, moe-1.3b expert-zero2 3.81 vs 3.93; over XLA's on
-gpt-6.7b auto 2x8 (18.10 vs 17.14, +5.6%) and gpt-39b auto 8x8 (24.10 vs 21.39, +12.7%),
-where XLA:GPU shares buffers this reader does not find.
+(compiled peak minus the parameters; 2026-11-27, jax 0.11.2): XLA:CPU gpt-39b 4 layers
+on 64 fake devices (8x8) 3,746,062,356 vs 3,746,059,616 B; XLA:GPU (H100, compile-only
+topology) gpt-1.3b auto 2x4 12.185 vs 12.202 GB, gpt-6.7b megatron 2x8 17.727 vs 17.728,
+zero3 2x8 47.58 vs 47.76, gpt-39b auto 64x8 19.79 vs 19.92, moe-1.3b expert-zero2 3.81 vs
+3.93; over XLA's on gpt-6.7b auto 2x8 (18.10 vs 17.14, +5.6%) and gpt-39b auto 8x8 (24.10
+vs 21.39, +12.7%), where XLA:GPU shares buffers this reader does not find.
 """
 
 from __future__ import annotations

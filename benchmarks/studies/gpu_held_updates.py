@@ -8,11 +8,20 @@ parameters late (``held_update_gathers``, autoshard/intra/reshard_copies.py).
         benchmarks/results/gpu_truth_scale_hlo_h100_2026-11-27.tar.gz \\
         --out benchmarks/results/gpu_held_updates_2026-11-27.json
 
+``--cpu LAYERS`` instead plans gpt-39b with LAYERS layers on 8x8 for dgx-h100 (the GPU's
+memory layout; needs the solver) and compiles it on 64 fake CPU devices (jax >= 0.11, the
+plan files' JAX), to see whether XLA:CPU holds the gathered updates too: its compiled peak
+against the plan's prediction in XLA:CPU's layout, and each gathered update's distance to
+its add in XLA:CPU's schedule (``--out`` gets the figures)::
+
+    python benchmarks/studies/gpu_held_updates.py --cpu 4 \\
+        --out benchmarks/results/gpu_held_updates_xla_cpu_2026-11-27.json
+
 ``--slice ROW PATH`` also writes the gathered updates of one row's module (each
 ``all-gather-start``/``-done`` and the add that reads it, in the schedule's order, the
 instructions they read replaced by parameters, ``backend_config`` dropped) as a small
 gzip'd HLO module: the test fixture ``tests/fixtures/xla_gpu/h100_2026-11-27/
-gpt-39b-L48-auto-8x8.held-updates.hlo.txt.gz``.  jax-free; a few seconds a row.
+gpt-39b-L48-auto-8x8.held-updates.hlo.txt.gz``.  Jax-free but for ``--cpu``; a few seconds a row.
 """
 
 from __future__ import annotations
@@ -147,13 +156,92 @@ def held_slice(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def cpu_check(layers: int) -> dict:
+    """gpt-39b at ``layers`` layers, planned for dgx-h100 on 8x8 and compiled on 64 fake CPU
+    devices (module docstring's ``--cpu``)."""
+    import dataclasses
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 64)
+    from autoshard.api import plan_workload, xla_cpu_memory_layout
+    from autoshard.intra.memory import predicted_peak_bytes
+    from autoshard.intra.options import IntraOptions
+
+    t0 = time.perf_counter()
+    bound = plan_workload(
+        "gpt-39b", "8x8", options=IntraOptions(solver="highs"), cluster="dgx-h100",
+        num_layers=layers,
+    )  # fmt: skip
+    planned_s = time.perf_counter() - t0
+    print(f"planned in {planned_s:.0f} s; compiling on 64 CPU devices ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    report = bound.verify(jax.devices()[:64], target="cpu", live_peak="never", keep_hlo=True)
+    compile_s = time.perf_counter() - t0
+    graph, plan = bound.graph, bound.plan
+    spec_of = plan.specs_by_tensor(graph.inputs)
+    cpu_layout = xla_cpu_memory_layout()
+    from autoshard.hardware.mesh import preset_mesh
+
+    mesh = preset_mesh("dgx-h100", (8, 8), ("data", "model"))
+    cpu_pred = predicted_peak_bytes(
+        graph, spec_of, dataclasses.replace(mesh, memory_layout=cpu_layout), plan.operand_specs
+    )
+    off = dataclasses.replace(
+        mesh, memory_layout=dataclasses.replace(mesh.memory_layout, held_update_gathers=False)
+    )
+    text = report.hlo_text
+    held = held_updates(text)
+    peak = hlo_live_peak(text)
+    memory = report.to_json().get("compiled_memory") or {}
+    return {
+        "model": "gpt-39b",
+        "layers": layers,
+        "mesh": "8x8",
+        "jax": jax.__version__,
+        "plan_seconds": planned_s,
+        "compile_seconds": compile_s,
+        "predicted_peak_bytes_gpu_layout": plan.predicted_peak_bytes,
+        "predicted_peak_bytes_gpu_layout_without_held_updates": predicted_peak_bytes(
+            graph, spec_of, off, plan.operand_specs
+        ),
+        "predicted_peak_bytes_cpu_layout": cpu_pred,
+        "xla_cpu_compiled_peak_bytes": report.compiled_peak_bytes,
+        "xla_cpu_memory": memory,
+        "collectives_agree": report.collectives_agree,
+        "hlo_live_peak_temp_bytes": peak.temp_bytes,
+        "gathered_updates": len(held),
+        "gathered_update_bytes": sum(h.bytes for h in held),
+        "median_gather_to_add_instructions": (
+            sorted(h.added_at - h.gathered_at for h in held)[len(held) // 2] if held else None
+        ),
+        "gathered_updates_live_at_peak": sum(
+            h.gathered_at <= peak.position <= h.added_at for h in held
+        ),
+        "schedule_length": len(entry_instructions(text)),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("run", type=Path, help="a gpu_truth run's JSON")
-    p.add_argument("hlo", type=Path, help="its --hlo-tar")
+    p.add_argument("run", type=Path, nargs="?", help="a gpu_truth run's JSON")
+    p.add_argument("hlo", type=Path, nargs="?", help="its --hlo-tar")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--slice", nargs=2, metavar=("ROW", "PATH"))
+    p.add_argument("--cpu", type=int, metavar="LAYERS", help="the XLA:CPU check instead")
     args = p.parse_args(argv)
+    if args.cpu is not None:
+        doc = {
+            "command": "python benchmarks/studies/gpu_held_updates.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            **cpu_check(args.cpu),
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc, indent=1))
+        return 0
+    if args.run is None or args.hlo is None:
+        p.error("give a gpu_truth run's JSON and its --hlo-tar (or --cpu LAYERS)")
     run = json.loads(args.run.read_text())
     rows = {r["name"]: r for r in run["rows"]}
     texts = _texts(args.hlo)
