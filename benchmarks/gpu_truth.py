@@ -410,8 +410,13 @@ def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
             texts[path.name.removesuffix(".hlo.txt.gz")] = gzip.open(path, "rt").read()
             continue
         with tarfile.open(path) as tar:  # a run's --hlo-tar
-            for m in tar.getmembers():
-                texts[m.name.removesuffix(".hlo.txt")] = tar.extractfile(m).read().decode()
+            for m in tar.getmembers():  # ("./" and its entry in a tar made by tar -C)
+                if m.isfile():
+                    name = Path(m.name).name.removesuffix(".hlo.txt")
+                    texts[name] = tar.extractfile(m).read().decode()
+    for name in [n for n in texts if n not in rows_before]:  # another run's, or a slice
+        _log(f"{name}: not a row of {before_path.name}, left out")
+        del texts[name]
     texts = {n: texts[n] for n in sorted(texts, key=lambda n: list(rows_before).index(n))}
     for name, text in texts.items():
         _log(f"{name}: reading its HLO again ...")
@@ -441,14 +446,61 @@ def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
             },
             "memory_error_signed": old.get("memory_error_signed"),
             "memory_agree": old.get("memory_agree"),
+            "memory": reread_memory(graph, pf, manifest[name], text, old),
             "xla_warnings": old.get("xla_warnings"),
         }
         doc["rows"].append(row)
         bad = [f"{r['kind']}@{','.join(r['axes'])}" for r in row["collectives"] if not r["agree"]]
         _log(f"  collectives {'agree' if cmp.agree else 'differ: ' + ' '.join(bad)}")
+        mem = row["memory"]
+        if mem.get("error_signed") is not None:
+            _log(
+                f"  peak: predicted {mem['predicted_peak_bytes'] / 2**30:.2f} GiB now "
+                f"({mem['predicted_peak_bytes_when_planned'] / 2**30:.2f} when planned), "
+                f"compiled {mem['compiled_peak_bytes'] / 2**30:.2f} GiB "
+                f"({mem['error_signed']:+.1%}, was {mem['error_signed_when_planned']:+.1%})"
+            )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
+
+
+def reread_memory(graph, pf, entry: dict, text: str, old: dict) -> dict:
+    """A row's peak memory read again: the plan's prediction by this tree's memory model
+    (the cluster's GPU layout) beside the one made when planned, against the GPU run's
+    compiled peak; and the live peak of the stored HLO's schedule
+    (:func:`~autoshard.verify.hlo_liveness.hlo_live_peak`) with the optimizer updates XLA:GPU
+    holds there (:func:`~autoshard.verify.hlo_liveness.held_updates`)."""
+    from autoshard.hardware.mesh import preset_mesh
+    from autoshard.intra.memory import predicted_peak_bytes
+    from autoshard.verify.hlo_liveness import held_updates, hlo_live_peak
+
+    mesh = preset_mesh(entry.get("cluster", CLUSTER), pf.plan.mesh.shape, pf.plan.mesh.axis_names)
+    out: dict = {"predicted_peak_bytes_when_planned": pf.plan.predicted_peak_bytes}
+    if pf.plan.offload:  # host-offloaded plans add staging the prediction alone lacks
+        out["note"] = "offloaded plan: not predicted again"
+    else:
+        spec_of = pf.plan.specs_by_tensor(graph.inputs)
+        out["predicted_peak_bytes"] = predicted_peak_bytes(
+            graph, spec_of, mesh, pf.plan.operand_specs
+        )
+    compiled = old.get("compiled_peak_bytes")
+    out["compiled_peak_bytes"] = compiled
+    if compiled and "predicted_peak_bytes" in out:
+        out["error_signed"] = (out["predicted_peak_bytes"] - compiled) / compiled
+        out["error_signed_when_planned"] = (pf.plan.predicted_peak_bytes - compiled) / compiled
+        out["agree"] = abs(out["error_signed"]) <= 0.10
+    peak = hlo_live_peak(text)
+    held = [h for h in held_updates(text) if h.gathered_at <= peak.position <= h.added_at]
+    out["hlo_live_peak"] = {
+        "bytes": peak.bytes,
+        "temp_bytes": peak.temp_bytes,
+        "position": peak.position,
+        "instruction": peak.instruction,
+        "held_updates": len(held),
+        "held_update_bytes": sum(h.bytes for h in held),
+    }
+    return out
 
 
 def _row(r) -> dict:

@@ -1,0 +1,382 @@
+"""The live peak of a compiled step from its scheduled HLO text alone (jax-free).
+
+:func:`~autoshard.verify.memory.live_range_peak` reads XLA's own live ranges from an XLA
+dump, which needs a second compile; a run that kept only ``compiled.as_text()`` (the GPU
+runs' ``--hlo-tar``) can still be read here.  :func:`schedule_buffers` walks the entry
+computation in its schedule (the printed order of a module with ``is_scheduled=true``) and
+gives every buffer its bytes (from its shape) and its live range (from the instruction
+that makes it to the last that reads it, both included); :func:`hlo_live_peak` is the most
+bytes live at once, parameters included.  Buffer rules, as XLA's buffer assignment has them:
+
+* ``bitcast``, ``get-tuple-element``, ``tuple`` and an async ``*-done`` make no buffer:
+  they name their operand's (a ``*-done`` the ``*-start``'s result); an async start's
+  operands stay live until its done;
+* ``output_to_operand_aliasing`` (an all-reduce-start, an in-place custom call) writes
+  into the operand's buffer; an output the module aliases to a parameter
+  (``input_output_alias``, a donated parameter) lives in the parameter's buffer;
+* a fusion's output reuses an operand's buffer of the same bytes that dies there (XLA:GPU
+  shares so within 1% on gpt-1.3b and 6.7b megatron, below);
+* parameters live throughout; constants are not counted (XLA's ``memory_analysis`` does
+  not count them as temporaries either).
+
+Not modelled: buffers inside ``while`` bodies and called computations (the steps read so
+far have none), heap fragmentation.  Measured against XLA's ``temp_size_in_bytes``
+(compiled peak minus the parameters; 2026-11-27, jax 0.11.2): XLA:CPU gpt-39b 4 layers
+on 64 fake devices (8x8) 3,746,062,356 vs 3,746,059,616 B; XLA:GPU (H100, compile-only
+topology) gpt-1.3b auto 2x4 12.185 vs 12.202 GB, gpt-6.7b megatron 2x8 17.727 vs 17.728,
+zero3 2x8 47.58 vs 47.76, gpt-39b auto 64x8 19.79 vs 19.92, moe-1.3b expert-zero2 3.81 vs
+3.93; over XLA's on gpt-6.7b auto 2x8 (18.10 vs 17.14, +5.6%) and gpt-39b auto 8x8 (24.10
+vs 21.39, +12.7%), where XLA:GPU shares buffers this reader does not find.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e3m4": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "token": 0,
+}  # fmt: skip
+
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = ")
+_OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+_OPERAND = re.compile(r"%([^\s,()]+)")
+_INDEX = re.compile(r"index=(\d+)")
+_OUTPUT_ALIAS = re.compile(r"\{([\d,]*)\}: \((\d+), \{([\d,]*)\}")
+
+
+class HloParseError(ValueError):
+    """HLO text this reader cannot read (not a module, no scheduled entry computation)."""
+
+
+def _shape(text: str, i: int):
+    """Parse the shape at ``text[i:]``: (leaves [(index path, bytes, text)], end)."""
+    while text[i] == " ":
+        i += 1
+    if text[i] == "(":
+        i += 1
+        leaves, k = [], 0
+        while True:
+            while text[i] in " ,":
+                i += 1
+            if text[i] == ")":
+                return leaves, i + 1
+            if text.startswith("/*", i):
+                i = text.index("*/", i) + 2
+                continue
+            inner, i = _shape(text, i)
+            leaves += [((k, *path), size, t) for path, size, t in inner]
+            k += 1
+    m = _ARRAY.match(text, i)
+    if not m or m.group(1) not in DTYPE_BYTES:
+        raise HloParseError(f"cannot read a shape at {text[i : i + 60]!r}")
+    n = 1
+    for d in m.group(2).split(","):
+        if d:
+            n *= int(d)
+    return [((), n * DTYPE_BYTES[m.group(1)], m.group(0))], m.end()
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    leaves: tuple  # ((index path, bytes, shape text), ...)
+    operands: tuple[str, ...]
+    attributes: str  # the text after the operand list
+    root: bool
+
+
+def entry_instructions(text: str) -> list[Instruction]:
+    """The entry computation's instructions, in the printed (scheduled) order."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY")), None)
+    if start is None:
+        raise HloParseError("no ENTRY computation in this text (is it an HLO module?)")
+    out = []
+    for line in lines[start + 1 :]:
+        if line.startswith("}"):
+            break
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        leaves, j = _shape(line, m.end())
+        op = _OPCODE.match(line, j)
+        if not op:
+            raise HloParseError(f"cannot read the opcode of {line[:120]!r}")
+        k = q = op.end()
+        depth = 1
+        while depth:
+            if line[q] == "(":
+                depth += 1
+            elif line[q] == ")":
+                depth -= 1
+            q += 1
+        operands = tuple(_OPERAND.findall(line[k : q - 1]))
+        out.append(
+            Instruction(
+                m.group(2), op.group(1), tuple(leaves), operands, line[q:], bool(m.group(1))
+            )
+        )
+    if not out:
+        raise HloParseError("the ENTRY computation has no instructions")
+    return out
+
+
+def module_aliases(text: str) -> dict[tuple[int, ...], int]:
+    """The module's ``input_output_alias``: output index -> parameter number."""
+    head = text.split("\n", 1)[0]
+    at = head.find("input_output_alias=")
+    if at < 0:
+        return {}
+    out = {}
+    for m in _OUTPUT_ALIAS.finditer(head, at):
+        out[tuple(int(x) for x in m.group(1).split(",") if x)] = int(m.group(2))
+    return out
+
+
+@dataclass
+class Buffer:
+    """One buffer of the schedule: ``bytes``, live from ``first`` to ``last`` (positions
+    in the entry's schedule, both included), made by ``made_by`` (instruction, index);
+    ``values``: every (instruction, index) that lives in it, in order."""
+
+    bytes: int
+    first: int
+    last: int
+    made_by: tuple[str, tuple[int, ...]]
+    opcode: str
+    parameter: bool = False
+    donated: bool = False  # an output written into a donated parameter's buffer
+    values: list | None = None
+
+
+def schedule_buffers(text: str) -> tuple[list[Instruction], list[Buffer]]:
+    """The entry computation's instructions and buffers (module docstring's rules)."""
+    instrs = entry_instructions(text)
+    ends = _plain_ends(instrs)
+    return instrs, _buffers(instrs, module_aliases(text), ends)
+
+
+def _plain_ends(instrs) -> dict:
+    """(instruction, index) -> the last position its buffer is read, with no buffer
+    shared between values (the sharing rule asks whether an operand dies at a fusion)."""
+    bufs = _buffers(instrs, {}, None)
+    return {v: b.last for b in bufs for v in b.values}
+
+
+def _buffers(instrs, aliases, ends) -> list[Buffer]:
+    by_name = {ins.name: ins for ins in instrs}
+    donated = _donated_outputs(instrs, by_name, aliases)
+    bufs: list[Buffer] = []
+    value: dict[str, dict[tuple[int, ...], int]] = {}  # name -> index -> buffer
+
+    def new(size, pos, made_by, opcode, **kw) -> int:
+        bufs.append(Buffer(size, pos, pos, made_by, opcode, values=[made_by], **kw))
+        return len(bufs) - 1
+
+    def read(b: int, pos: int) -> None:
+        bufs[b].last = max(bufs[b].last, pos)
+
+    n = len(instrs)
+    for pos, ins in enumerate(instrs):
+        for o in ins.operands:
+            for b in value.get(o, {}).values():
+                read(b, pos)
+        op = ins.opcode
+        if op == "parameter":
+            b = new(ins.leaves[0][1], 0, (ins.name, ()), op, parameter=True)
+            bufs[b].last = n
+            value[ins.name] = {(): b}
+        elif op == "bitcast":
+            value[ins.name] = {(): value[ins.operands[0]][()]}
+        elif op == "get-tuple-element":
+            k = int(_INDEX.search(ins.attributes).group(1))
+            src = value[ins.operands[0]]
+            value[ins.name] = {p[1:]: b for p, b in src.items() if p and p[0] == k}
+        elif op == "tuple":
+            value[ins.name] = {
+                (k, *p): b for k, o in enumerate(ins.operands) for p, b in value[o].items()
+            }
+        elif op.endswith("-done"):
+            src = value[ins.operands[0]]
+            for b in src.values():  # an async start's operands are read until its done
+                read(b, pos)
+            value[ins.name] = {p[1:]: b for p, b in src.items() if p and p[0] == 1}
+        elif op == "constant":
+            value[ins.name] = {}
+        else:
+            value[ins.name] = _outputs(ins, pos, value, bufs, new, donated, ends)
+    root = next((ins for ins in reversed(instrs) if ins.root), instrs[-1])
+    for b in value[root.name].values():
+        read(b, n)
+    return bufs
+
+
+def _outputs(ins, pos, value, bufs, new, donated, ends) -> dict:
+    """The buffers of ``ins``'s outputs: an async start's operand echo ({0, ...}), an
+    output aliased to an operand, a donated output, an output sharing a dying operand's
+    buffer (fusions), else a new buffer."""
+    aliased = {}
+    if "output_to_operand_aliasing" in ins.attributes:
+        for m in _OUTPUT_ALIAS.finditer(ins.attributes):
+            out = tuple(int(x) for x in m.group(1).split(",") if x)
+            aliased[out] = (int(m.group(2)), tuple(int(x) for x in m.group(3).split(",") if x))
+    start = ins.opcode.endswith("-start")
+    taken: set[int] = set()
+    out = {}
+    for path, size, _ in ins.leaves:
+        if start and path and path[0] == 0:  # the operands, as the start holds them
+            if len(path) == 1 and len(ins.operands) == 1:
+                out[path] = value[ins.operands[0]][()]
+            else:
+                out[path] = value[ins.operands[path[1]]][path[2:]]
+            continue
+        if path in aliased:
+            k, p = aliased[path]
+            out[path] = value[ins.operands[k]][p]
+            continue
+        key = (ins.name, path)
+        if key in donated:
+            out[path] = new(size, pos, key, ins.opcode, donated=True)
+            continue
+        shared = None
+        if ends is not None and ins.opcode == "fusion":
+            for o in ins.operands:
+                for b in value.get(o, {}).values():
+                    buf = bufs[b]
+                    if buf.parameter or buf.donated or b in taken or buf.bytes != size:
+                        continue
+                    if ends.get(buf.values[-1]) == pos:  # its value dies here
+                        shared = b
+                        break
+                if shared is not None:
+                    break
+        if shared is not None:
+            taken.add(shared)
+            bufs[shared].values.append(key)
+            out[path] = shared
+        else:
+            out[path] = new(size, pos, key, ins.opcode)
+    return out
+
+
+def _donated_outputs(instrs, by_name, aliases) -> set:
+    """(instruction, index) of each value the module returns in a donated parameter."""
+    root = next((ins for ins in reversed(instrs) if ins.root), instrs[-1])
+
+    def resolve(name, path):
+        ins = by_name[name]
+        if ins.opcode == "bitcast":
+            return resolve(ins.operands[0], path)
+        if ins.opcode == "get-tuple-element":
+            k = int(_INDEX.search(ins.attributes).group(1))
+            return resolve(ins.operands[0], (k, *path))
+        return (name, path)
+
+    if root.opcode != "tuple":
+        return {resolve(root.name, ())} if () in aliases else set()
+    return {resolve(o, ()) for k, o in enumerate(root.operands) if (k,) in aliases}
+
+
+@dataclass(frozen=True)
+class HloLivePeak:
+    """The most bytes live at once in a schedule (:func:`hlo_live_peak`): ``bytes``
+    (parameters included; ``parameter_bytes`` of them), at ``position`` of the entry's
+    schedule (``instruction``), and the buffers live there (largest first)."""
+
+    bytes: int
+    parameter_bytes: int
+    position: int
+    instruction: str
+    live: tuple[Buffer, ...]
+
+    @property
+    def temp_bytes(self) -> int:
+        """The peak less the parameters: what XLA's ``temp_size_in_bytes`` allocates
+        (for a module whose outputs are donated)."""
+        return self.bytes - self.parameter_bytes
+
+
+def hlo_live_peak(text: str) -> HloLivePeak:
+    """The live peak of a scheduled module's entry computation (module docstring)."""
+    instrs, bufs = schedule_buffers(text)
+    n = len(instrs)
+    delta = [0] * (n + 2)
+    for b in bufs:
+        if b.bytes and not b.donated:
+            delta[b.first] += b.bytes
+            delta[b.last + 1] -= b.bytes
+    best, at, running = -1, 0, 0
+    for i in range(n + 1):
+        running += delta[i]
+        if running > best:
+            best, at = running, i
+    params = sum(b.bytes for b in bufs if b.parameter)
+    live = sorted(
+        (b for b in bufs if b.bytes and not b.donated and b.first <= at <= b.last),
+        key=lambda b: -b.bytes,
+    )
+    where = instrs[min(at, n - 1)].name
+    return HloLivePeak(best, params, at, where, tuple(live))
+
+
+@dataclass(frozen=True)
+class HeldUpdate:
+    """An optimizer update XLA:GPU gathers early and adds into its parameter late: the
+    ``all-gather-done`` ``gathered`` (at ``gathered_at``) read only by ``add`` (at
+    ``added_at``), a fusion of an entry parameter and the gathered update that writes a
+    donated output; ``bytes`` of gathered update held in between."""
+
+    gathered: str
+    add: str
+    gathered_at: int
+    added_at: int
+    bytes: int
+
+
+def held_updates(text: str) -> list[HeldUpdate]:
+    """Each gathered update of the schedule (:class:`HeldUpdate`): the pattern
+    ``held_update_gathers`` models (autoshard/intra/reshard_copies.py)."""
+    instrs = entry_instructions(text)
+    by_name = {ins.name: ins for ins in instrs}
+    donated = _donated_outputs(instrs, by_name, module_aliases(text))
+    position = {ins.name: k for k, ins in enumerate(instrs)}
+    readers: dict[str, list[int]] = {}
+    for k, ins in enumerate(instrs):
+        for o in ins.operands:
+            readers.setdefault(o, []).append(k)
+    out = []
+    for k, ins in enumerate(instrs):
+        if ins.opcode not in ("all-gather-done", "all-gather"):
+            continue
+        users = readers.get(ins.name, [])
+        if len(users) != 1:
+            continue
+        add = instrs[users[0]]
+        reads_parameter = any(by_name[o].opcode == "parameter" for o in add.operands)
+        if add.opcode != "fusion" or not reads_parameter or (add.name, ()) not in donated:
+            continue
+        first = k
+        if ins.opcode == "all-gather-done":
+            first = position.get(ins.operands[0], k)
+        size = sum(s for _, s, _ in ins.leaves)
+        out.append(HeldUpdate(ins.name, add.name, first, users[0], size))
+    return out
+
+
+__all__ = [
+    "HeldUpdate",
+    "HloLivePeak",
+    "HloParseError",
+    "entry_instructions",
+    "held_updates",
+    "hlo_live_peak",
+    "module_aliases",
+    "schedule_buffers",
+]
