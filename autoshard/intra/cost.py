@@ -449,6 +449,27 @@ def producer_preference(spec: ShardingSpec, mesh: DeviceMesh) -> tuple:
     return (-mesh.mesh.size(used), dims, spec.dims)
 
 
+def _resolution(src: ShardingSpec, dsts, mesh: DeviceMesh, in_place: bool) -> ShardingSpec:
+    """The spec XLA reduces a partial sum into when several consumers want it reduced:
+    the most split target (:func:`producer_preference`), except where a consumer reads it
+    in the producer's own layout (``own``) and XLA all-reduces into that and slices for
+    the others: always when a reduce makes it (``in_place``), and, when a dot or a
+    convolution makes it, where the most split target only splits further dims ``own``
+    already splits (wresnet-1b's conv output ``[.., 2560@data]`` partial over model, read
+    ``[.., 2560@data+model]`` and ``[.., 2560@data]``: one all-reduce over model;
+    ``tests/test_partial_resolution.py`` compiles both)."""
+    first = min(dsts, key=lambda d: producer_preference(d, mesh))
+    own = ShardingSpec(src.dims)
+    if own not in dsts or first == own:
+        return first
+    if in_place:
+        return own
+    refines = all(
+        f[: len(o)] == o and (len(f) == len(o) or o) for f, o in zip(first.dims, own.dims)
+    )
+    return own if refines else first
+
+
 def reshard_to_consumers(
     src: ShardingSpec,
     dsts: Sequence[ShardingSpec],
@@ -503,7 +524,7 @@ def reshard_to_consumers(
             for d in dsts
         ]  # fmt: skip
     else:
-        first = min(dsts, key=lambda d: producer_preference(d, mesh))
+        first = _resolution(src, dsts, mesh, in_place)
         parts = [reshard(src, first, shape, itemsize, mesh, options, reduce_in_place=in_place,
                          batch_dims=batch_dims)]  # fmt: skip
         parts += [reshard(first, d, shape, itemsize, mesh, options) for d in dsts if d != first]
