@@ -5,7 +5,10 @@ Binds the plan file, compiles its step with XLA's dumps (every equation in a nam
 and the largest values live at it with their HLO shape and ``op_name``, beside the plan's
 predicted peak::
 
-    python benchmarks/studies/memory_at_peak.py PLAN.json.gz [--top 30]
+    python benchmarks/studies/memory_at_peak.py PLAN.json.gz [--top 30] [--cluster dgx-h100]
+
+then the memory model's own side: its peak with this XLA:CPU's layout and its own buffers
+live there, by producing primitive (:func:`autoshard.intra.memory.tensor_buffers`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan_file")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--cluster", default="dgx-h100", help="the priced mesh's cluster")
     args = ap.parse_args()
     import jax
 
@@ -69,6 +73,38 @@ def main() -> None:
         base = name.split("{")[0].lstrip("%")
         shape, op = info.get(base, ("?", ""))
         print(f"  {nbytes / 2**20:>10,.1f} MiB  {name:<40} {shape:<32} {op[-60:]}")
+
+    _model_side(bound, args.cluster)
+
+
+def _model_side(bound, cluster: str) -> None:
+    import collections
+    import dataclasses
+
+    from autoshard.api import xla_cpu_memory_layout
+    from autoshard.hardware.mesh import preset_mesh
+    from autoshard.intra.memory import predicted_live_bytes, tensor_buffers
+
+    plan, graph = bound.plan, bound.graph
+    spec_of = plan.specs_by_tensor(graph.inputs)
+    priced = preset_mesh(cluster, plan.mesh.shape, plan.mesh.axis_names)
+    mesh = dataclasses.replace(priced, memory_layout=xla_cpu_memory_layout())
+    live = predicted_live_bytes(graph, spec_of, mesh, plan.operand_specs)
+    at = max(range(len(live)), key=lambda i: live[i]) - 1
+    where = f"{graph.nodes[at].primitive} in {graph.nodes[at].module_path}" if at >= 0 else "inputs"
+    print(f"model, XLA:CPU layout: peak {live[at + 1] / 2**20:,.1f} MiB at node {at} ({where})")
+    total, count = collections.Counter(), collections.Counter()
+    for tid, first, last, nbytes in tensor_buffers(graph, mesh):
+        if first <= at <= last and tid in spec_of:
+            t = graph.tensors[tid]
+            key = (
+                graph.nodes[t.producer].primitive if t.producer is not None else f"input ({t.kind})"
+            )
+            total[key] += nbytes * spec_of[tid].shard_fraction(mesh.mesh)
+            count[key] += 1
+    print(f"  own buffers there {sum(total.values()) / 2**20:,.1f} MiB, by producer:")
+    for key, nbytes in total.most_common():
+        print(f"  {nbytes / 2**20:>10,.1f} MiB  {count[key]:>4}  {key}")
 
 
 if __name__ == "__main__":
