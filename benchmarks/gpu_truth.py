@@ -93,8 +93,8 @@ _SCALE = (  # (row, estimated H100 seconds: see below)
     (Row("gpt-6.7b", 32, "megatron", "2x8"), 47),
     (Row("gpt-6.7b", 32, "zero3", "2x8", batch=16), 53),  # batch 8 does not split over 16
     (Row("gpt-39b", 48, "megatron", "8x8"), 67),
-    # GPT-MoE and Wide-ResNet after GPT: their auto plans already differ on XLA:CPU (every
-    # kind of collective; memory -26% and -70%, docs/truth.md), the GPT rows are open
+    # GPT-MoE and Wide-ResNet after GPT: their first auto plans differed on XLA:CPU; remade
+    # 2026-11-27 with the reshard fixes, their collectives agree there (docs/truth.md)
     (Row("moe-1.3b", 16, "expert-zero2", "2x4"), 29),
     (Row("moe-1.3b", 16, "auto", "2x4"), 34),
     (Row("wresnet-1b", 50, "auto", "2x4", batch=128), 27),

@@ -470,13 +470,18 @@ def test_xla_mode_reduces_all_partial_axes_in_one_all_reduce():
     ]
 
 
-def test_xla_mode_gathers_several_dims_with_one_all_gather():
+def test_xla_mode_gathers_several_dims_one_dim_at_a_time_the_last_first():
+    # XLA replicates [8@data, 32@model] with an all-gather over model (into [8@data, 32]),
+    # then one over data: never one all-gather over both (tests/test_reshard_route.py
+    # compiles it)
     mesh = alpa_test_mesh((2, 4), ("data", "model"))
     src = ShardingSpec((("data",), ("model",)))
     r = reshard(src, ShardingSpec(((), ())), (8, 32), 4, mesh, XLA)
     assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [
-        ("all-gather", ("data", "model"), 8 * 32 * 4)
+        ("all-gather", ("model",), 8 * 32 * 4 // 2),
+        ("all-gather", ("data",), 8 * 32 * 4),
     ]
+    assert r.steps == (ShardingSpec((("data",), ())),)
 
 
 def test_xla_mode_moves_one_axis_with_an_all_to_all():

@@ -48,6 +48,11 @@ class Reshard:
 
     collectives: tuple[Collective, ...]
     cost: float
+    # the specs the value passes through between its collectives (after each one, before
+    # the free slices that end the reshard), partial-sum states left out: the runtime pins
+    # them (``with_sharding_constraint`` one after the other) so that XLA takes this route
+    # and no other (:func:`reshard_route`)
+    steps: tuple[ShardingSpec, ...] = ()
 
     @property
     def is_possible(self) -> bool:
@@ -88,6 +93,7 @@ class _Plan:
     """
 
     def __init__(self, src, dst, shape, itemsize, mesh: DeviceMesh, options: CostOptions):
+        self.src = src
         self.dims: list[Axes] = list(src.dims)
         self.partial: list[str] = list(src.partial)
         self.dst, self.shape, self.itemsize = dst, shape, itemsize
@@ -95,6 +101,7 @@ class _Plan:
         self.whole_scatter = False  # reduce-scatter only into the exact destination
         self.collectives: list[Collective] = []
         self.cost = 0.0
+        self.states: list[ShardingSpec] = []
 
     def local_bytes(self) -> int:
         n = self.itemsize
@@ -105,9 +112,29 @@ class _Plan:
     def emit(self, kind: str, axes: Axes, nbytes: int) -> None:
         if self.mesh.mesh.size(axes) == 1:
             return  # a group of one device moves nothing; XLA emits nothing either
+        self.mark(before=True)  # the free slices taken since the last step, if any
         c = Collective(kind, axes, nbytes)
         self.collectives.append(c)
         self.cost += collective_cost(self.mesh, c, self.options)
+
+    def mark(self, before: bool = False) -> None:
+        """Record the state after a collective, or ``before`` one (where free slices
+        came first): a step of the route, when not partial and not the source."""
+        if (self.collectives or before) and not self.partial:
+            state = ShardingSpec(tuple(self.dims))
+            if state != self.src and (not self.states or self.states[-1] != state):
+                self.states.append(state)
+
+    def gather_dims(self, moved: Sequence[tuple[int, Axes]]) -> None:
+        """All-gather ``group`` off the minor end of dim ``i`` for every ``(i, group)``:
+        one all-gather per dim, the last dim first, each on the buffer as the previous one
+        left it. XLA's partitioner replicates dims that way (jax 0.10 to 0.12: an array
+        split ``[768@model, 2304@data]`` is all-gathered over data into ``[768@model,
+        2304]``, then over model), never with one all-gather over the union of their axes."""
+        for i, group in sorted(moved, reverse=True):
+            self.emit("all-gather", group, self.local_bytes() * self.mesh.mesh.size(group))
+            self.dims[i] = self.dims[i][: -len(group)]
+            self.mark()
 
     def used(self) -> set[str]:
         return {a for d in self.dims for a in d} | set(self.partial)
@@ -192,6 +219,7 @@ class _Plan:
         twin = copy.copy(self)
         twin.dims, twin.partial = list(self.dims), list(self.partial)
         twin.collectives = list(self.collectives)
+        twin.states = list(self.states)
         return twin
 
     def all_to_all_move(self) -> tuple[int, int, Axes] | None:
@@ -222,7 +250,8 @@ class _Plan:
                 f"internal error: resharding plan ended at dims {self.dims} partial "
                 f"{self.partial}, not at {self.dst}"
             )
-        return Reshard(tuple(self.collectives), self.cost)
+        steps = tuple(st for st in self.states if st != self.dst)
+        return Reshard(tuple(self.collectives), self.cost, steps)
 
 
 def _xla_move_and_finish(plan: _Plan, dropped: Axes, unsliced: _Plan | None = None) -> _Plan:
@@ -239,14 +268,12 @@ def _xla_move_and_finish(plan: _Plan, dropped: Axes, unsliced: _Plan | None = No
             plan.emit("all-to-all", group, plan.local_bytes())
             plan.dims[i] = plan.dims[i][: -len(group)]
             plan.dims[targets[0]] = plan.dims[targets[0]] + group
+            plan.mark()
             moved = []
     if moved:
         if unsliced is not None and not plan.collectives and unsliced.partial == plan.partial:
             plan = unsliced
-        union = tuple(a for a in plan.mesh.axis_names if any(a in g for _, g in moved))
-        plan.emit("all-gather", union, plan.local_bytes() * plan.mesh.mesh.size(union))
-        for i, group in moved:
-            plan.dims[i] = plan.dims[i][: -len(group)]
+        plan.gather_dims(moved)
     plan.slice_free()
     plan.reduce(dropped)
     plan.slice_free()
@@ -308,6 +335,12 @@ def gather_then_slice(
     dropped = tuple(a for a in mesh.axis_names if a in src.partial and a not in dst.partial)
     if dropped:
         plan.emit("all-reduce", dropped, plan.local_bytes())
+    if options.group_reductions:  # XLA's way: one all-gather per split dim, the last first
+        plan.partial = [a for a in plan.partial if a not in dropped]
+        plan.mark()
+        plan.gather_dims([(i, d) for i, d in enumerate(src.dims) if d])
+        steps = tuple(st for st in plan.states if st != dst)
+        return Reshard(tuple(plan.collectives), plan.cost, steps)
     sharded = tuple(a for a in mesh.axis_names if any(a in d for d in src.dims))
     if sharded:
         plan.emit("all-gather", sharded, plan.local_bytes() * mesh.mesh.size(sharded))
@@ -416,6 +449,27 @@ def producer_preference(spec: ShardingSpec, mesh: DeviceMesh) -> tuple:
     return (-mesh.mesh.size(used), dims, spec.dims)
 
 
+def _resolution(src: ShardingSpec, dsts, mesh: DeviceMesh, in_place: bool) -> ShardingSpec:
+    """The spec XLA reduces a partial sum into when several consumers want it reduced:
+    the most split target (:func:`producer_preference`), except where a consumer reads it
+    in the producer's own layout (``own``) and XLA all-reduces into that and slices for
+    the others: always when a reduce makes it (``in_place``), and, when a dot or a
+    convolution makes it, where the most split target only splits further dims ``own``
+    already splits (wresnet-1b's conv output ``[.., 2560@data]`` partial over model, read
+    ``[.., 2560@data+model]`` and ``[.., 2560@data]``: one all-reduce over model;
+    ``tests/test_partial_resolution.py`` compiles both)."""
+    first = min(dsts, key=lambda d: producer_preference(d, mesh))
+    own = ShardingSpec(src.dims)
+    if own not in dsts or first == own:
+        return first
+    if in_place:
+        return own
+    refines = all(
+        f[: len(o)] == o and (len(f) == len(o) or o) for f, o in zip(first.dims, own.dims)
+    )
+    return own if refines else first
+
+
 def reshard_to_consumers(
     src: ShardingSpec,
     dsts: Sequence[ShardingSpec],
@@ -470,7 +524,7 @@ def reshard_to_consumers(
             for d in dsts
         ]  # fmt: skip
     else:
-        first = min(dsts, key=lambda d: producer_preference(d, mesh))
+        first = _resolution(src, dsts, mesh, in_place)
         parts = [reshard(src, first, shape, itemsize, mesh, options, reduce_in_place=in_place,
                          batch_dims=batch_dims)]  # fmt: skip
         parts += [reshard(first, d, shape, itemsize, mesh, options) for d in dsts if d != first]

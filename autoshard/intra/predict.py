@@ -244,6 +244,8 @@ def reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
     :func:`autoshard.intra.cost.reshard_to_consumers`); otherwise ()."""
     out = strategy.output_specs[0] if strategy.output_specs else None
     operand = strategy.input_specs[0] if strategy.input_specs else None
+    if node.primitive == "dot_general" and out is not None and out.partial and operand:
+        return _dot_reduce_steps(node, operand, out)
     if node.primitive not in REDUCED_IN_PLACE or out is None or not out.partial:
         return ()
     groups = ()
@@ -254,3 +256,18 @@ def reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
             if g
         )
     return groups or (tuple(out.partial),)  # a scatter-add: all at once, where it is made
+
+
+def _dot_reduce_steps(node, lhs, out) -> tuple[tuple[str, ...], ...]:
+    """A dot whose contracting dims are split over different mesh axes: XLA's partitioner
+    sums one contracting dim's axes at a time, last dim first, as for a reduce (moe-1.3b's
+    gate kernel gradient ``GSM,GSE->ME`` with G split over model and S over data: an
+    all-reduce over data, then one over model, not one over both). () where one group
+    (or none) is summed: the dot's partial sum is resolved like any other."""
+    contracting = node.params["dimension_numbers"][0][0]
+    groups = tuple(
+        g
+        for g in (tuple(a for a in lhs.dims[d] if a in out.partial) for d in reversed(contracting))
+        if g
+    )
+    return groups if len(groups) > 1 else ()

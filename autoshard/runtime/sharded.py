@@ -116,8 +116,19 @@ class SpecConstraints:
         tensor_specs: Mapping[int, aspec.ShardingSpec],
         operand_specs: Mapping[int, Mapping[int, aspec.ShardingSpec]],
         mesh: jax.sharding.Mesh,
+        tensors: Sequence[Any] | None = None,
+        input_specs: Mapping[int, aspec.ShardingSpec] | None = None,
     ) -> SpecConstraints:
-        """Constraints for ``eqns`` (records whose ``index`` keys ``operand_specs``)."""
+        """Constraints for ``eqns`` (records whose ``index`` keys ``operand_specs``).
+
+        With ``tensors`` (the program's tensor records, for shapes and dtypes), an operand
+        read in another spec than its (not partial) producer made it, or than the program
+        input it is (``input_specs``), is constrained to every spec of the route the
+        planner priced for that reshard, one after the other (:func:`reshard_route`):
+        XLA's partitioner then moves it one priced collective at a time. Left to itself it
+        takes other routes for a reshard of several steps (all-to-alls and all-gathers
+        over parts of an axis, collective-permutes), which the plan neither priced nor
+        predicted (docs/truth.md, moe-1.3b and wresnet-1b on 2x4)."""
         outputs: dict[int, tuple[tuple[int, NamedSharding], ...]] = {}
         for eqn in eqns:
             found = tuple(
@@ -130,6 +141,9 @@ class SpecConstraints:
         operands: dict[int, tuple[tuple[int, NamedSharding], ...]] = {}
         by_index = {eqn.index: eqn for eqn in eqns}
         made_by = {tid: eqn.primitive for eqn in eqns for tid in eqn.outputs}
+        plan_mesh = aspec.Mesh(tuple(mesh.axis_names), tuple(int(n) for n in mesh.devices.shape))
+        held = dict(input_specs or {})
+        held.update(tensor_specs)
         for node, ops in operand_specs.items():
             if node not in by_index:
                 continue
@@ -149,6 +163,11 @@ class SpecConstraints:
                     # with a collective-permute (docs/truth.md, gpt-1.3b auto 2x4)
                     reduced = aspec.ShardingSpec(made.dims)
                     found.append((k, named_sharding(mesh, reduced)))
+                source = held.get(tid)
+                if tensors is not None and source is not None and not source.partial:
+                    t = tensors[tid]
+                    for step in reshard_route(source, spec, t.shape, t.dtype, plan_mesh):
+                        found.append((k, named_sharding(mesh, step)))
                 found.append((k, named_sharding(mesh, spec)))
             if found:
                 operands[node] = tuple(found)
@@ -167,6 +186,28 @@ class SpecConstraints:
         for pos, sharding in self.operands.get(eqn_index, ()):
             invals[pos] = jax.lax.with_sharding_constraint(invals[pos], sharding)
         return invals
+
+
+def reshard_route(
+    src: aspec.ShardingSpec, dst: aspec.ShardingSpec, shape, dtype, mesh: aspec.Mesh
+) -> tuple[aspec.ShardingSpec, ...]:
+    """The specs between ``src`` and ``dst`` on the route the planner prices for this
+    reshard (:func:`autoshard.intra.cost.reshard`'s ``steps``): XLA's route, taken one
+    collective at a time. Priced on a uniform mesh: the route of a reshard XLA's way
+    depends on the specs alone (where it falls back to gathering everything, it does so
+    on any mesh)."""
+    from autoshard.hardware.mesh import uniform_mesh
+    from autoshard.intra.cost import reshard
+
+    if src == dst:
+        return ()
+    priced = _uniform_meshes.get(mesh)
+    if priced is None:
+        priced = _uniform_meshes[mesh] = uniform_mesh(mesh.shape, mesh.axis_names, 1e-5, 1e-10)
+    return reshard(src, dst, tuple(shape), np.dtype(dtype).itemsize, priced).steps
+
+
+_uniform_meshes: dict = {}
 
 
 def _scatters(made: aspec.ShardingSpec, read: aspec.ShardingSpec) -> bool:
@@ -283,7 +324,12 @@ class ShardedStep:
         self.out_shardings = jax.tree_util.tree_unflatten(program.out_tree, flat_out)
         self.donate_argnums = _donated_argnums(program) if donate else ()
         self.constraints = SpecConstraints.build(
-            records.eqns, plan.tensor_specs, getattr(plan, "operand_specs", {}), mesh
+            records.eqns,
+            plan.tensor_specs,
+            getattr(plan, "operand_specs", {}),
+            mesh,
+            tensors=records.tensors,
+            input_specs=dict(zip(records.inputs, plan.input_specs)),
         )
         self._jitted = jax.jit(
             self._evaluate,

@@ -142,7 +142,12 @@ def intra_op_layout(
         index_of[node]: ops for node, ops in specs.operand_specs.items() if node in index_of
     }
     constraints = SpecConstraints.build(
-        [records.eqns[i] for i in stage_eqns], specs.tensor_specs, operand_specs, mesh
+        [records.eqns[i] for i in stage_eqns],
+        specs.tensor_specs,
+        operand_specs,
+        mesh,
+        tensors=records.tensors,
+        input_specs=specs.input_specs,
     )
     opt_state_specs = {}
     for tid, spec in specs.input_specs.items():
