@@ -139,18 +139,20 @@ def problems(draw, max_nodes: int = 8, with_copies: bool = False) -> ShardingPro
     return ShardingProblem(k, node_costs, edges, ties, **memory)
 
 
-def check_against_brute_force(pb: ShardingProblem, solver: str, merge: bool) -> None:
+def check_against_brute_force(
+    pb: ShardingProblem, solver: str, merge: bool, lp_first: bool = False
+) -> None:
     best, min_peak = brute_force(pb)
     if min_peak is None:
         with pytest.raises(InfeasibleProblemError):
-            solve(pb, solver=solver, merge=merge)
+            solve(pb, solver=solver, merge=merge, lp_first=lp_first)
     elif best is None:
         with pytest.raises(InfeasibleBudgetError) as err:
-            solve(pb, solver=solver, merge=merge)
+            solve(pb, solver=solver, merge=merge, lp_first=lp_first)
         assert err.value.min_feasible_bytes == pytest.approx(min_peak)
         assert err.value.proven
     else:
-        sol = solve(pb, solver=solver, merge=merge)
+        sol = solve(pb, solver=solver, merge=merge, lp_first=lp_first)
         assert sol.status == "optimal"
         assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
         assert objective_of(pb, sol.strategy) == sol.objective
@@ -180,6 +182,29 @@ def test_copy_buffers_in_the_budget_match_brute_force(pb):
 def test_highs_matches_brute_force_with_and_without_merging(pb):
     check_against_brute_force(pb, "highs", merge=True)
     check_against_brute_force(pb, "highs", merge=False)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=6, with_copies=True))
+def test_highs_lp_first_matches_brute_force(pb):
+    """The LP relaxation first (kept only where integral, else the integer program): the
+    same optimum as brute force, with budgets (whose rows make relaxations fractional)."""
+    check_against_brute_force(pb, "highs", merge=True, lp_first=True)
+    check_against_brute_force(pb, "highs", merge=False, lp_first=True)
+
+
+def test_lp_first_keeps_an_integral_relaxation_and_solves_a_fractional_one():
+    """A chain's relaxation is integral: no branch-and-bound node; a dense quadratic
+    assignment's is not: the integer program runs (nodes) and reaches brute force's
+    optimum."""
+    chain = layered(6)
+    kept = solve(chain, solver="highs", merge=False, lp_first=True)
+    assert kept.nodes == 0 and kept.status == "optimal"
+    assert kept.objective == pytest.approx(solve(chain, solver="highs", merge=False).objective)
+    dense = dense_random(6, 3, seed=4)
+    mip = solve(dense, solver="highs", merge=False, lp_first=True)
+    assert mip.nodes >= 1 and mip.status == "optimal"
+    assert mip.objective == pytest.approx(brute_force(dense)[0], rel=1e-9)
 
 
 # --- hand-built cases --------------------------------------------------------------------

@@ -66,8 +66,10 @@ from autoshard.inter.stage_memory import spec_fraction as _spec_fraction
 from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
 from autoshard.inter.subgraph import (
     RangeGraph,
+    RangeIds,
     layer_signatures,
     param_owner_layers,
+    range_ids,
     range_subgraph,
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
@@ -172,6 +174,7 @@ class IntraStageCost:
         self.refusals: list[str] = []
         self._units: dict[tuple, UnitCost] = {}
         self._subgraphs: dict[tuple[int, int], RangeGraph] = {}
+        self._nodes_by_layer: dict | None = None  # layer name -> its nodes (_ids)
         self._junctions: dict[tuple, float] = {}
         self._tables: dict[Shape2, tuple] = {}
         # the same ILP from two logical meshes (1 x n and n x 1 give identical programs
@@ -220,6 +223,21 @@ class IntraStageCost:
         if (start, end) not in self._subgraphs:
             self._subgraphs[start, end] = range_subgraph(self.graph, start, end)
         return self._subgraphs[start, end]
+
+    def _ids(self, start: int, end: int) -> RangeIds:
+        """The ids of :meth:`subgraph`'s range without its Graph (a stage's plan maps
+        through them; building every layer's Graph for that took a second on gpt-39b)."""
+        if (start, end) in self._subgraphs:
+            rg = self._subgraphs[start, end]
+            return RangeIds(start, end, rg.node_ids, rg.tensor_ids, rg.graph.inputs)
+        if self._nodes_by_layer is None:
+            self._nodes_by_layer = {name: [] for name in self.graph.layers}
+            for n in self.graph.nodes:
+                if n.layer in self._nodes_by_layer:
+                    self._nodes_by_layer[n.layer].append(n)
+        nodes = [n for name in self.graph.layers[start:end] for n in self._nodes_by_layer[name]]
+        nodes.sort(key=lambda n: n.index)
+        return range_ids(self.graph, start, end, nodes)
 
     def _shallow_subgraph(self, layer: int) -> RangeGraph:
         if (layer, layer + 1) not in self._subgraphs:
@@ -349,7 +367,9 @@ class IntraStageCost:
             problem = amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:
-                solution = solve(problem, solver=self.solver, time_limit_s=self.time_limit_s)
+                solution = solve(
+                    problem, solver=self.solver, time_limit_s=self.time_limit_s, lp_first=True
+                )
                 self._solutions[problem] = solution
             else:
                 self.num_ilps -= 1  # counted as a cache hit, not an ILP
@@ -433,10 +453,10 @@ class IntraStageCost:
                 "a folded stage cost (deep_layers) has no tensor-level plan of the deep step"
             )
         if self.granularity == "range":
-            pieces = [(self.unit(start, end, logical), self.subgraph(start, end))]
+            pieces = [(self.unit(start, end, logical), self._ids(start, end))]
         else:
             pieces = [
-                (self.unit(i, i + 1, logical), self.subgraph(i, i + 1)) for i in range(start, end)
+                (self.unit(i, i + 1, logical), self._ids(i, i + 1)) for i in range(start, end)
             ]
         tensor_specs: dict[int, ShardingSpec] = {}
         input_specs: dict[int, ShardingSpec] = {}
@@ -447,10 +467,12 @@ class IntraStageCost:
                     f"layers {list(self.graph.layers[start:end])} have no finite intra-op plan "
                     f"on the logical mesh {logical}"
                 )
-            plan, g = unit.plan, rg.graph
-            if len(plan.input_specs) != len(g.inputs) or len(plan.node_strategies) != len(g.nodes):
+            plan = unit.plan
+            if len(plan.input_specs) != len(rg.inputs) or len(plan.node_strategies) != len(
+                rg.node_ids
+            ):
                 raise AssertionError(f"the plan reused for layers [{rg.start}, {rg.end}) differs")
-            for tid, spec in zip(g.inputs, plan.input_specs, strict=True):
+            for tid, spec in zip(rg.inputs, plan.input_specs, strict=True):
                 input_specs.setdefault(rg.tensor_ids[tid], spec)
             for tid, spec in plan.tensor_specs.items():
                 tensor_specs[rg.tensor_ids[tid]] = spec

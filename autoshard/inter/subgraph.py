@@ -27,21 +27,29 @@ class RangeGraph:
     boundary_inputs: tuple[int, ...]  # original ids of tensors made outside, now inputs
 
 
-def range_subgraph(graph: Graph, start: int, end: int) -> RangeGraph:
-    """Forward, backward and update equations of layers ``[start, end)`` as a Graph.
+@dataclass(frozen=True)
+class RangeIds:
+    """Where the sub-graph of layers ``[start, end)`` comes from, without the sub-graph
+    (:func:`range_ids`): enough to map a plan made for an identical range onto it."""
 
-    Inputs: program inputs the range reads or updates (kinds kept) and tensors made by
-    equations outside the range (kind ``"data"``).  Outputs: what the range makes that
-    the rest of the program reads, and program outputs made in the range.  Aliases: the
-    range's state and its updates.
-    """
+    start: int
+    end: int
+    node_ids: tuple[int, ...]  # original node index of each sub-graph node
+    tensor_ids: tuple[int, ...]  # original tensor id of each sub-graph tensor
+    inputs: tuple[int, ...]  # the sub-graph's inputs (sub-graph tensor ids), in order
+
+
+def _cut(graph: Graph, start: int, end: int, nodes=None):
+    """The pieces of :func:`range_subgraph`: (nodes, inputs, boundary, alias_of, outputs,
+    order), ids original; ``nodes``: the range's nodes where the caller has them."""
     if not 0 <= start < end <= len(graph.layers):
         raise ValueError(
             f"layer range [{start}, {end}) is not a non-empty range of the "
             f"{len(graph.layers)} layers {list(graph.layers)}"
         )
-    in_range = set(graph.layers[start:end])
-    nodes = [n for n in graph.nodes if n.layer in in_range]
+    if nodes is None:
+        in_range = set(graph.layers[start:end])
+        nodes = [n for n in graph.nodes if n.layer in in_range]
     chosen = {n.index for n in nodes}
     made = {t for n in nodes for t in n.outputs}
     alias_of = {dst: src for src, dst in graph.aliases if dst in made}
@@ -69,6 +77,27 @@ def range_subgraph(graph: Graph, start: int, end: int) -> RangeGraph:
     for n in nodes:
         for t in (*n.inputs, *n.outputs):
             order.setdefault(t, len(order))
+    return nodes, inputs, boundary, alias_of, outputs, order
+
+
+def range_ids(graph: Graph, start: int, end: int, nodes=None) -> RangeIds:
+    """:func:`range_subgraph`'s ids without building its Graph (``nodes``: the range's
+    nodes, in order, where the caller has them)."""
+    nodes, inputs, _, _, _, order = _cut(graph, start, end, nodes)
+    return RangeIds(
+        start, end, tuple(n.index for n in nodes), tuple(order), tuple(order[t] for t in inputs)
+    )
+
+
+def range_subgraph(graph: Graph, start: int, end: int) -> RangeGraph:
+    """Forward, backward and update equations of layers ``[start, end)`` as a Graph.
+
+    Inputs: program inputs the range reads or updates (kinds kept) and tensors made by
+    equations outside the range (kind ``"data"``).  Outputs: what the range makes that
+    the rest of the program reads, and program outputs made in the range.  Aliases: the
+    range's state and its updates.
+    """
+    nodes, inputs, boundary, alias_of, outputs, order = _cut(graph, start, end)
     boundary_set = set(boundary)
     tensors = []
     for old, new in order.items():

@@ -36,6 +36,7 @@ The resharding that strings collectives together is :mod:`autoshard.intra.cost`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from types import MappingProxyType
 
 from autoshard.hardware.clusters import node_aware_collective_time
 from autoshard.hardware.mesh import DeviceMesh, check_nonnegative
-from autoshard.ir.spec import Collective, cached_hash
+from autoshard.ir.spec import Axes, Collective, cached_hash
 
 # Alpa's constants (auto_sharding.py, LogicalDeviceMesh.*_cost).
 ALPA_TIE_BREAKERS = MappingProxyType(
@@ -91,6 +92,16 @@ def ring_volume(kind: str, n: int, nbytes: float) -> float:
 
 def _ring_cost(
     kind: str, mesh: DeviceMesh, axes: str | Sequence[str], nbytes: float, options: CostOptions
+) -> float:
+    if not isinstance(axes, (str, tuple)):
+        axes = tuple(axes)
+    return _ring_seconds(kind, mesh, axes, nbytes, options)
+
+
+# the resharding planner prices the same (collective, bytes) on one mesh thousands of times
+@functools.lru_cache(maxsize=500_000)
+def _ring_seconds(
+    kind: str, mesh: DeviceMesh, axes: str | Axes, nbytes: float, options: CostOptions
 ) -> float:
     group = mesh.group(axes)
     check_nonnegative("nbytes", nbytes, allow_inf=False)

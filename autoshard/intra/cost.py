@@ -14,7 +14,6 @@ legal sequence of collectives (listed in the result); the cost never exceeds
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import numbers
@@ -66,9 +65,10 @@ _IMPOSSIBLE = Reshard((), math.inf)
 def _validate(
     src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, mesh: DeviceMesh
 ) -> None:
-    if not isinstance(itemsize, numbers.Integral) or itemsize < 1:
+    plain = type(itemsize) is int and all(type(s) is int for s in shape)  # the planner's case
+    if not (plain or isinstance(itemsize, numbers.Integral)) or itemsize < 1:
         raise ValueError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}")
-    if any(not isinstance(s, numbers.Integral) or s < 0 for s in shape):
+    if any((not plain and not isinstance(s, numbers.Integral)) or s < 0 for s in shape):
         raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
     for name, spec in (("source", src), ("destination", dst)):
         try:
@@ -155,13 +155,16 @@ class _Plan:
 
     def slice_free(self) -> None:
         """R -> S(x): append every axis the destination wants next and nobody uses."""
+        used = self.used()
         changed = True
         while changed:
             changed = False
             for j, want in enumerate(self.dst.dims):
-                k = len(self.dims[j])
-                if k < len(want) and self.ready(j, (want[k],)) and want[k] not in self.used():
-                    self.dims[j] = self.dims[j] + (want[k],)
+                cur = self.dims[j]
+                k = len(cur)
+                if k < len(want) and want[:k] == cur and want[k] not in used:
+                    self.dims[j] = cur + (want[k],)
+                    used.add(want[k])
                     changed = True
 
     def reduce(self, axes: Sequence[str]) -> None:
@@ -216,7 +219,8 @@ class _Plan:
         self.slice_free()
 
     def clone(self) -> _Plan:
-        twin = copy.copy(self)
+        twin = _Plan.__new__(_Plan)
+        twin.__dict__.update(self.__dict__)
         twin.dims, twin.partial = list(self.dims), list(self.partial)
         twin.collectives = list(self.collectives)
         twin.states = list(self.states)
@@ -329,6 +333,11 @@ def gather_then_slice(
     (output: the whole tensor), then a free local slice."""
     _validate(src, dst, tuple(shape), itemsize, mesh)
     shape, itemsize = tuple(int(s) for s in shape), int(itemsize)
+    return _gather_then_slice(src, dst, shape, itemsize, mesh, options)
+
+
+def _gather_then_slice(src, dst, shape, itemsize, mesh, options) -> Reshard:
+    """:func:`gather_then_slice` on arguments already validated."""
     if not set(dst.partial) <= set(src.partial):
         return _IMPOSSIBLE
     plan = _Plan(src, dst, shape, itemsize, mesh, options)
@@ -395,7 +404,7 @@ def reshard(
         return detour
     wanted = {a for d in dst.dims for a in d}
     all_reduce_only = tuple(a for a in dropped if a not in wanted)
-    best = gather_then_slice(src, dst, shape, itemsize, mesh, options)
+    best = _gather_then_slice(src, dst, shape, itemsize, mesh, options)
     timings = [dropped, ()] if options.group_reductions else [dropped, (), all_reduce_only]
     if reduce_in_place and dropped:
         timings = [dropped]

@@ -72,11 +72,23 @@ def _resolve_cost(
 ) -> float:
     """One value into one spec, reductions at the producer included (``steps``; a
     batched dot's ``batch_dims``); infinite where that needs a ``forbidden`` collective
-    kind (:meth:`~autoshard.intra.options.IntraOptions.forbidden_collectives`)."""
+    kind (:meth:`~autoshard.intra.options.IntraOptions.forbidden_collectives`).  Give
+    ``steps`` and ``batch_dims`` through :func:`_relevant`, so that equal costs share
+    one memo entry."""
     r = reshard_to_consumers(
         src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
     )
     return _priced(r, forbidden)
+
+
+def _relevant(src: ShardingSpec, steps, batch_dims) -> tuple[tuple, tuple]:
+    """``(steps, batch_dims)`` reduced to what :func:`reshard_to_consumers` reads from
+    ``src``: the steps' axes over which ``src`` is partial (empty groups dropped), the
+    batch dims only for a partial ``src`` (they only shape a reduction)."""
+    if not src.partial:
+        return (), ()
+    kept = (tuple(a for a in g if a in src.partial) for g in steps)
+    return tuple(g for g in kept if g), batch_dims
 
 
 @lru_cache(maxsize=1_000_000)
@@ -263,17 +275,26 @@ def value_edges(
                 key = ("edge", id(strategies[v.src]), v.k, id(strategies[u.dst]), u.slot,
                        v.shape, v.itemsize, v.steps, v.batch_dims, guarded)  # fmt: skip
                 if key not in matrices:
-                    matrices[key] = tuple(
-                        tuple(
-                            0.0 if b is None
-                            else INF if a.partial and not xla_resolves(a, b)
-                            else INF if a.partial and guarded and b.dims != a.dims
-                            else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options, st,
-                                               v.batch_dims, forbidden)
-                            for b in w
-                        )
-                        for a, st in zip(src_specs, v.steps)
-                    )  # fmt: skip
+                    # a row per distinct (spec, relevant steps): producer strategies that
+                    # make the value alike share one row object
+                    rows: dict[tuple, tuple[float, ...]] = {}
+                    distinct_w = tuple(dict.fromkeys(w))
+                    matrix = []
+                    for a, st in zip(src_specs, v.steps):
+                        rel = _relevant(a, st, v.batch_dims)
+                        row = rows.get((a, rel))
+                        if row is None:
+                            price = {
+                                b: 0.0 if b is None
+                                else INF if a.partial and not xla_resolves(a, b)
+                                else INF if a.partial and guarded and b.dims != a.dims
+                                else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options,
+                                                   *rel, forbidden)
+                                for b in distinct_w
+                            }  # fmt: skip
+                            row = rows[a, rel] = tuple(price[b] for b in w)
+                        matrix.append(row)
+                    matrices[key] = tuple(matrix)
                 edges.append(EdgeCost.of_floats(v.src, u.dst, matrices[key]))
                 consumers.append((u.dst,))
             continue
@@ -323,8 +344,8 @@ def value_edges(
             if key not in matrices:
                 matrices[key] = tuple(
                     (INF,) + tuple(
-                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options, st, v.batch_dims,
-                                      forbidden)
+                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options,
+                                      *_relevant(a, st, v.batch_dims), forbidden)
                         if xla_resolves(a, t) else INF
                         for t in targets
                     ) if a.partial else (0.0,) + (INF,) * len(targets)

@@ -41,6 +41,7 @@ FLOP rules (``flops_of``; a registry keyed by primitive name):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,7 +184,7 @@ class Tensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return int(math.prod(self.shape))
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 PHASES = ("forward", "backward", "update")
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
 INPUT_KINDS = ("param", "opt_state", "data")
 
 
@@ -25,11 +34,11 @@ class TensorRecord:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return int(math.prod(self.shape))
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class _Model:
     start: tuple[list[int], list[float]] | None = None  # a starting point: (columns, values)
     presolve: bool = False  # HiGHS's presolve (see autoshard.intra.ilp.solve)
     max_nodes: int | None = None  # a branch-and-bound node limit (deterministic, unlike time)
+    lp_first: bool = False  # HiGHS: solve the LP relaxation first, keep it when integral
 
     def column(self, cost: float = 0.0, preference: float = 0.0) -> int:
         self.cost.append(cost)

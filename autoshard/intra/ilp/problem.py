@@ -338,7 +338,12 @@ def _validate(pb: ShardingProblem) -> None:
             )
         if id(e.costs) in finite_checked:
             continue
-        if any(math.isnan(c) or c == -math.inf for r in e.costs for c in r):
+        # the sum is NaN or -inf whenever an entry is (sum() runs at C speed); only then
+        # look at the entries (+inf and -inf, or an overflow, also sum to NaN or -inf)
+        total = sum(map(sum, e.costs))
+        if (total != total or total == -math.inf) and any(
+            math.isnan(c) or c == -math.inf for r in e.costs for c in r
+        ):
             raise ValueError(f"edge {i} ({e.src} -> {e.dst}) has NaN or -inf costs")
         finite_checked.add(id(e.costs))
     if pb.ties and len(pb.ties) != n:

@@ -231,6 +231,7 @@ def solve(
     initial: tuple[int, ...] | None = None,
     presolve: bool = False,
     max_nodes: int | None = None,
+    lp_first: bool = False,
 ) -> Solution:
     """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
 
@@ -246,6 +247,10 @@ def solve(
     ``max_nodes``: a limit on branch-and-bound nodes; unlike a time limit it stops at the
     same point on a busy machine and an idle one, so the plan does not depend on the load.
     Reaching it is reported like the time limit (status "time_limit", best plan kept).
+    ``lp_first``: HiGHS solves the LP relaxation first and keeps its solution when it is
+    integral (an optimum of the program: its objective is the bound), running the integer
+    program only when it is not (CBC ignores it).  The optimum is the same; where several
+    plans reach it, which one comes back may differ from the integer program's.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
@@ -263,6 +268,7 @@ def solve(
         model.start = _start(red, initial)
     model.presolve = presolve
     model.max_nodes = None if max_nodes is None else int(max_nodes)
+    model.lp_first = lp_first
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
     if out.status == "infeasible":
