@@ -12,6 +12,19 @@ def _run(*args, timeout=600):
     )
 
 
+def _refused(capsys, *args):
+    """``autoshard *args`` in this process (a refusal needs no fresh process: each
+    subprocess pays the JAX import again); its exit status and stderr. A traceback here
+    is an exception that fails the test."""
+    from autoshard.cli.main import main
+
+    try:
+        rc = main(list(args))
+    except SystemExit as err:  # argparse's errors
+        rc = err.code
+    return rc, capsys.readouterr().err
+
+
 def test_inspect_gpt_76b_without_allocating_parameters():
     code = (
         "import json, resource, sys\n"
@@ -40,21 +53,21 @@ def test_inspect_gpt_76b_without_allocating_parameters():
     assert peak_kib * 1024 < 4 * 2**30  # 76B f32 parameters would be 304 GB
 
 
-def test_unknown_model_lists_presets():
-    proc = _run("inspect", "--model", "gpt-3b")
-    assert proc.returncode == 2
-    assert "gpt-39b" in proc.stderr and "Traceback" not in proc.stderr
+def test_unknown_model_lists_presets(capsys):
+    rc, err = _refused(capsys, "inspect", "--model", "gpt-3b")
+    assert rc == 2
+    assert "gpt-39b" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--seq", "-1"), ("--hidden", "1.5")])
-def test_bad_sizes_name_the_field(flag, value):
-    proc = _run("inspect", "--model", "gpt-tiny", flag, value)
-    assert proc.returncode == 2 and flag in proc.stderr
+def test_bad_sizes_name_the_field(capsys, flag, value):
+    rc, err = _refused(capsys, "inspect", "--model", "gpt-tiny", flag, value)
+    assert rc == 2 and flag in err
 
 
-def test_bad_mesh_is_a_clear_error():
-    proc = _run("plan", "--model", "gpt-tiny", "--mesh", "2by4")
-    assert proc.returncode == 2 and "2x4" in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_mesh_is_a_clear_error(capsys):
+    rc, err = _refused(capsys, "plan", "--model", "gpt-tiny", "--mesh", "2by4")
+    assert rc == 2 and "2x4" in err and "Traceback" not in err
 
 
 def test_verify_json_has_the_documented_keys():
@@ -151,9 +164,9 @@ def test_run_pipeline_check_matches_single_device():
         ("run --model gpt-tiny --steps 1", "needs --mesh"),
     ],
 )
-def test_pipeline_flag_errors_are_clear(argv, message):
-    proc = _run(*argv.split())
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+def test_pipeline_flag_errors_are_clear(capsys, argv, message):
+    rc, err = _refused(capsys, *argv.split())
+    assert rc == 2 and message in err and "Traceback" not in err
 
 
 def test_demo_runs_plans_and_reports_its_checks():
