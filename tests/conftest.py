@@ -125,3 +125,18 @@ def run_cli_without_planner(*args):
     return subprocess.run(
         [sys.executable, "-c", _NO_PLANNER, *args], capture_output=True, text=True, timeout=600
     )
+
+
+def cli_in_process(capsys, *args):
+    """``autoshard *args`` run by ``main()`` in the test's own process: its exit status,
+    stdout and stderr. For a command refused before it plans or compiles, a fresh process
+    (``python -m autoshard``) would only pay the JAX import again; a traceback here is an
+    exception that fails the test. Its fake devices are this process's 8."""
+    from autoshard.cli.main import main
+
+    try:
+        rc = main([str(a) for a in args])
+    except SystemExit as err:  # argparse's errors
+        rc = err.code
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err

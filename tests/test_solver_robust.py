@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 
 
 def _cli(*args):
@@ -41,14 +42,14 @@ def test_cli_time_limit_fallback_is_the_cheapest_of_the_candidates():
 
 
 @pytest.mark.parametrize("limit", ["0", "-5", "nan", "inf"])
-def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(limit):
-    proc = _cli("plan", "--model", "gpt-tiny", "--mesh", "2x4", f"--time-limit={limit}")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    # refused by the flag's type (a positive number) or, for inf, by IntraOptions
-    said = "time_limit_s=" in proc.stderr or (
-        "--time-limit" in proc.stderr and "positive number" in proc.stderr
+def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(capsys, limit):
+    rc, out, err = cli_in_process(
+        capsys, "plan", "--model", "gpt-tiny", "--mesh", "2x4", f"--time-limit={limit}"
     )
-    assert said and "Traceback" not in proc.stderr, proc.stderr
+    assert rc == 2, out + err
+    # refused by the flag's type (a positive number) or, for inf, by IntraOptions
+    said = "time_limit_s=" in err or ("--time-limit" in err and "positive number" in err)
+    assert said and "Traceback" not in err, err
 
 
 def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback():
