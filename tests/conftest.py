@@ -131,11 +131,20 @@ def cli_in_process(capsys, *args):
     """``autoshard *args`` run by ``main()`` in the test's own process: its exit status,
     stdout and stderr. For a command refused before it plans or compiles, a fresh process
     (``python -m autoshard``) would only pay the JAX import again; a traceback here is an
-    exception that fails the test. Its fake devices are this process's 8."""
-    from autoshard.cli.main import main
+    exception that fails the test. Its fake devices are this process's 8: a command for
+    fewer (``--mesh 2``) runs on the first of them (a fresh process would make that many;
+    this one cannot change its count once JAX has started), so use it for refusals."""
+    from unittest import mock
+
+    import autoshard.cli.main as cli_main
+
+    def setup_devices(n):
+        if n and n > len(jax.devices()):
+            raise SystemExit(f"cli_in_process: {n} devices asked for, this process has 8")
 
     try:
-        rc = main([str(a) for a in args])
+        with mock.patch.object(cli_main, "_setup_devices", setup_devices):
+            rc = cli_main.main([str(a) for a in args])
     except SystemExit as err:  # argparse's errors
         rc = err.code
     captured = capsys.readouterr()

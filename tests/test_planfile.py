@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli_without_planner
+from conftest import cli_in_process, run_cli_without_planner
 
 from autoshard.cli.main import main
 from autoshard.ir.planfile import SCHEMA, PlanFileError, load_plan
@@ -178,10 +178,10 @@ def test_missing_plan_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["run", "verify"])
-def test_run_and_verify_need_a_model_or_a_plan(command):
-    proc = _run(command, "--mesh", "2")
-    assert proc.returncode == 2 and "--plan FILE" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_run_and_verify_need_a_model_or_a_plan(capsys, command):
+    rc, _, err = cli_in_process(capsys, command, "--mesh", "2")
+    assert rc == 2 and "--plan FILE" in err
+    assert "Traceback" not in err
 
 
 def test_pipeline_plans_are_saved_and_run_refuses_them(tmp_path, capsys):

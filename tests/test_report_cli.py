@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 
 from autoshard.cli.main import build_parser, main
 
@@ -50,10 +51,10 @@ def test_run_json_has_losses_step_times_and_check():
     assert doc["check"]["ok"] is True and doc["check"]["rtol"] == 1e-5
 
 
-def test_inspect_says_which_batch_its_flops_are_for():
-    proc = _run(*"inspect --model gpt-tiny --batch 4 --seq 16".split())
-    assert proc.returncode == 0, proc.stderr
-    assert "global batch 4, sequence 16" in proc.stdout and "FLOP" in proc.stdout
+def test_inspect_says_which_batch_its_flops_are_for(capsys):
+    rc, out, err = cli_in_process(capsys, *"inspect --model gpt-tiny --batch 4 --seq 16".split())
+    assert rc == 0, err
+    assert "global batch 4, sequence 16" in out and "FLOP" in out
 
 
 def test_version(capsys):
