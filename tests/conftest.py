@@ -149,3 +149,17 @@ def cli_in_process(capsys, *args):
         rc = err.code
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
+
+
+def cli_without_planner_in_process(capsys, monkeypatch, *args):
+    """:func:`cli_in_process` with a planner that raises if it runs (the in-process twin
+    of :func:`run_cli_without_planner`, for refusals on at most 8 devices)."""
+    import autoshard.intra.offload_search as offload_search
+    import autoshard.intra.problem as problem
+
+    def refuse(*a, **k):
+        raise AssertionError("the planner ran")
+
+    monkeypatch.setattr(problem, "auto_shard_graph", refuse)
+    monkeypatch.setattr(offload_search, "auto_shard_graph", refuse)
+    return cli_in_process(capsys, *args)
