@@ -52,14 +52,14 @@ def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(capsys, limit):
     assert said and "Traceback" not in err, err
 
 
-def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback():
+def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback(capsys):
     # 0.001 GiB: above the bound every plan's peak is over (a budget below it is refused
     # before any solve: 673 KiB), below the unbudgeted plan's peak (1.25 MiB)
     argv = "plan --model gpt-tiny --mesh 2x4 --memory-budget 0.001 --time-limit 0.01"
-    proc = _cli(*argv.split())
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "autoshard: error:" in proc.stderr and "--time-limit" in proc.stderr
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 2, out + err
+    assert "Traceback" not in err
+    assert "autoshard: error:" in err and "--time-limit" in err
 
 
 def _frustrated_problem():
