@@ -4,25 +4,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 
 
 def _run(*args, timeout=600):
     return subprocess.run(
         [sys.executable, "-m", "autoshard", *args], capture_output=True, text=True, timeout=timeout
     )
-
-
-def _refused(capsys, *args):
-    """``autoshard *args`` in this process (a refusal needs no fresh process: each
-    subprocess pays the JAX import again); its exit status and stderr. A traceback here
-    is an exception that fails the test."""
-    from autoshard.cli.main import main
-
-    try:
-        rc = main(list(args))
-    except SystemExit as err:  # argparse's errors
-        rc = err.code
-    return rc, capsys.readouterr().err
 
 
 def test_inspect_gpt_76b_without_allocating_parameters():
@@ -54,19 +42,19 @@ def test_inspect_gpt_76b_without_allocating_parameters():
 
 
 def test_unknown_model_lists_presets(capsys):
-    rc, err = _refused(capsys, "inspect", "--model", "gpt-3b")
+    rc, _, err = cli_in_process(capsys, "inspect", "--model", "gpt-3b")
     assert rc == 2
     assert "gpt-39b" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--seq", "-1"), ("--hidden", "1.5")])
 def test_bad_sizes_name_the_field(capsys, flag, value):
-    rc, err = _refused(capsys, "inspect", "--model", "gpt-tiny", flag, value)
+    rc, _, err = cli_in_process(capsys, "inspect", "--model", "gpt-tiny", flag, value)
     assert rc == 2 and flag in err
 
 
 def test_bad_mesh_is_a_clear_error(capsys):
-    rc, err = _refused(capsys, "plan", "--model", "gpt-tiny", "--mesh", "2by4")
+    rc, _, err = cli_in_process(capsys, "plan", "--model", "gpt-tiny", "--mesh", "2by4")
     assert rc == 2 and "2x4" in err and "Traceback" not in err
 
 
@@ -165,7 +153,7 @@ def test_run_pipeline_check_matches_single_device():
     ],
 )
 def test_pipeline_flag_errors_are_clear(capsys, argv, message):
-    rc, err = _refused(capsys, *argv.split())
+    rc, _, err = cli_in_process(capsys, *argv.split())
     assert rc == 2 and message in err and "Traceback" not in err
 
 
