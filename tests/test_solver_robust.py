@@ -53,9 +53,10 @@ def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(capsys, limit):
 
 
 def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback(capsys):
-    # 0.001 GiB: above the bound every plan's peak is over (a budget below it is refused
-    # before any solve: 673 KiB), below the unbudgeted plan's peak (1.25 MiB)
-    argv = "plan --model gpt-tiny --mesh 2x4 --memory-budget 0.001 --time-limit 0.01"
+    # one block, 0.0008 GiB (839 KiB): above the bound every plan's peak is over (a budget
+    # below it is refused before any solve: 407 KiB), below the unbudgeted plan's peak
+    # (983 KiB); the default two blocks at 0.001 GiB took 1.8x as long (memory rows)
+    argv = "plan --model gpt-tiny --layers 1 --mesh 2x4 --memory-budget 0.0008 --time-limit 0.01"
     rc, out, err = cli_in_process(capsys, *argv.split())
     assert rc == 2, out + err
     assert "Traceback" not in err
