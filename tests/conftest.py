@@ -125,3 +125,41 @@ def run_cli_without_planner(*args):
     return subprocess.run(
         [sys.executable, "-c", _NO_PLANNER, *args], capture_output=True, text=True, timeout=600
     )
+
+
+def cli_in_process(capsys, *args):
+    """``autoshard *args`` run by ``main()`` in the test's own process: its exit status,
+    stdout and stderr. For a command refused before it plans or compiles, a fresh process
+    (``python -m autoshard``) would only pay the JAX import again; a traceback here is an
+    exception that fails the test. Its fake devices are this process's 8: a command for
+    fewer (``--mesh 2``) runs on the first of them (a fresh process would make that many;
+    this one cannot change its count once JAX has started), so use it for refusals."""
+    from unittest import mock
+
+    import autoshard.cli.main as cli_main
+
+    def setup_devices(n):
+        if n and n > len(jax.devices()):
+            raise SystemExit(f"cli_in_process: {n} devices asked for, this process has 8")
+
+    try:
+        with mock.patch.object(cli_main, "_setup_devices", setup_devices):
+            rc = cli_main.main([str(a) for a in args])
+    except SystemExit as err:  # argparse's errors
+        rc = err.code
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def cli_without_planner_in_process(capsys, monkeypatch, *args):
+    """:func:`cli_in_process` with a planner that raises if it runs (the in-process twin
+    of :func:`run_cli_without_planner`, for refusals on at most 8 devices)."""
+    import autoshard.intra.offload_search as offload_search
+    import autoshard.intra.problem as problem
+
+    def refuse(*a, **k):
+        raise AssertionError("the planner ran")
+
+    monkeypatch.setattr(problem, "auto_shard_graph", refuse)
+    monkeypatch.setattr(offload_search, "auto_shard_graph", refuse)
+    return cli_in_process(capsys, *args)

@@ -11,12 +11,9 @@ do not keep every activation split) plan.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import jax
 import pytest
-from conftest import load_experiment
+from conftest import cli_in_process, load_experiment
 
 from autoshard.api import plan_workload
 from autoshard.intra.baselines import BaselineRefusedError
@@ -57,14 +54,11 @@ def test_dp_refuses_a_batch_whose_expert_groups_do_not_split(mesh):
     assert "'zero2' / 'zero3'" in msg  # what else would plan
 
 
-def test_cli_refusal_is_exit_2_with_the_reason_on_stderr():
-    proc = subprocess.run(
-        [sys.executable, "-m", "autoshard", "plan", "--model", "moe-tiny", "--mesh", "8",
-         "--baseline", "dp", "--batch", "8", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert "multiple of 16" in proc.stderr and "Traceback" not in proc.stderr
+def test_cli_refusal_is_exit_2_with_the_reason_on_stderr(capsys):
+    argv = "plan --model moe-tiny --mesh 8 --baseline dp --batch 8 --json"
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 2 and out == ""
+    assert "multiple of 16" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

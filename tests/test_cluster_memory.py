@@ -3,10 +3,9 @@ budget, the output says so, and a model that cannot fit is refused with the leas
 any plan reaches."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import cli_in_process
 
 from autoshard.api import plan_workload
 from autoshard.hardware.clusters import load_cluster
@@ -68,26 +67,25 @@ def test_explicit_budget_wins_over_the_cluster_hbm():
     assert bound.report is None
 
 
-def test_cli_cluster_that_cannot_fit_exits_2_with_the_least_peak(tmp_path):
+# the CLI's two tests run main() in this process (its 8 fake devices are the mesh's): a
+# fresh process would pay the JAX import again; stdout's one JSON document in a fresh
+# process is tests/test_cli.py's test_json_output_is_one_document_whichever_solver_runs
+def test_cli_cluster_that_cannot_fit_exits_2_with_the_least_peak(tmp_path, capsys):
     path = _preset_with_hbm(tmp_path, 2**16)
     argv = f"plan --model gpt-tiny --layers 1 --mesh 2x4 --solver highs --cluster {path}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "autoshard", *argv.split()], capture_output=True, text=True
-    )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "cannot fit the device" in proc.stderr
+    rc, stdout, stderr = cli_in_process(capsys, *argv.split())
+    assert rc == 2, stdout + stderr
+    assert "Traceback" not in stderr
+    assert "cannot fit the device" in stderr
     # 64 KiB is below the parameters and optimizer state alone: refused before any solve
-    assert "the parameters and optimizer state alone take" in proc.stderr
-    assert "raise the budget to at least that" in proc.stderr
+    assert "the parameters and optimizer state alone take" in stderr
+    assert "raise the budget to at least that" in stderr
 
 
-def test_cli_cluster_json_carries_the_budget_note():
+def test_cli_cluster_json_carries_the_budget_note(capsys):
     argv = "plan --model gpt-tiny --layers 1 --mesh 2x4 --solver highs --cluster alpa-v100 --json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "autoshard", *argv.split()], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    rc, stdout, stderr = cli_in_process(capsys, *argv.split())
+    assert rc == 0, stderr
+    out = json.loads(stdout)
     assert any("alpa-v100 preset's HBM" in n for n in out["notes"])
     assert out["predicted_peak_bytes"] <= 16 * 2**30

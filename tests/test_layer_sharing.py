@@ -7,12 +7,11 @@ refuse what does not divide.
 """
 
 import math
-import subprocess
-import sys
 from collections import Counter
 
 import jax
 import pytest
+from conftest import cli_in_process
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
@@ -191,30 +190,20 @@ def test_baselines_refuse_what_does_not_divide():
         baseline_inputs(gpt.graph, wide.mesh, "megatron")
 
 
-def test_cli_refuses_an_undivided_dp_batch_with_exit_status_2():
-    out = subprocess.run(
-        [sys.executable, "-m", "autoshard", "plan", "--model", "mlp", "--batch", "3"]
-        + ["--mesh", "2x4", "--baseline", "dp"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 2
-    assert "not divisible by the 8 devices" in out.stderr and "multiple of 8" in out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
+def test_cli_refuses_an_undivided_dp_batch_with_exit_status_2(capsys):
+    argv = ["plan", "--model", "mlp", "--batch", "3", "--mesh", "2x4", "--baseline", "dp"]
+    rc, out, err = cli_in_process(capsys, *argv)
+    assert rc == 2
+    assert "not divisible by the 8 devices" in err and "multiple of 8" in err
+    assert "Traceback" not in err and out == ""
 
 
-def test_cli_refuses_a_layer_period_below_one_with_exit_status_2():
-    out = subprocess.run(
-        [sys.executable, "-m", "autoshard", "plan", "--model", "mlp", "--layers", "2"]
-        + ["--mesh", "4", "--layer-period", "0"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 2
-    assert "layer_period=0: give an integer >= 1" in out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
+def test_cli_refuses_a_layer_period_below_one_with_exit_status_2(capsys):
+    argv = ["plan", "--model", "mlp", "--layers", "2", "--mesh", "4", "--layer-period", "0"]
+    rc, out, err = cli_in_process(capsys, *argv)
+    assert rc == 2
+    assert "layer_period=0: give an integer >= 1" in err
+    assert "Traceback" not in err and out == ""
 
 
 def test_cli_layer_ends_flag_sets_the_option():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 
 from autoshard.api import plan_workload, trace_workload
 from autoshard.hardware.clusters import available_presets, cluster_from_json, load_cluster
@@ -275,16 +276,18 @@ def test_cli_plan_offload_json_and_plan_file(tmp_path):
         ("--cluster alpa-v100 --offload activations", "not offloaded yet"),
     ],
 )
-def test_cli_bad_offload_exits_2(flags, message):
-    proc = _cli(f"plan --model gpt-tiny --layers 1 --dtype bfloat16 --mesh 1 {flags}")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+def test_cli_bad_offload_exits_2(capsys, flags, message):
+    argv = f"plan --model gpt-tiny --layers 1 --dtype bfloat16 --mesh 1 {flags}"
+    rc, out, err = cli_in_process(capsys, *argv.split())  # refused before planning
+    assert rc == 2, out + err
+    assert message in err and "Traceback" not in err
 
 
-def test_cli_pipeline_plan_refuses_offload():
-    proc = _cli("plan --model gpt-tiny --layers 1 --pipeline auto --devices 2 --offload optimizer")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "does not offload yet" in proc.stderr and "Traceback" not in proc.stderr
+def test_cli_pipeline_plan_refuses_offload(capsys):
+    argv = "plan --model gpt-tiny --layers 1 --pipeline auto --devices 2 --offload optimizer"
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 2, out + err
+    assert "does not offload yet" in err and "Traceback" not in err
 
 
 # -- the simulator: the stage search with offloaded state

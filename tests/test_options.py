@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import shared_plan
+from conftest import cli_in_process, shared_plan
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
@@ -117,8 +117,8 @@ def test_cli_flags_build_the_options():
         ),
     ],
 )
-def test_cli_refuses_options_it_cannot_honour(argv, message):
-    proc = _cli(*argv.split())
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_refuses_options_it_cannot_honour(capsys, argv, message):
+    rc, out, err = cli_in_process(capsys, *argv.split())  # refused before planning
+    assert rc == 2, out + err
+    assert message in err
+    assert "Traceback" not in err

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 
 from autoshard.cli.main import build_parser, main
 
@@ -41,19 +42,21 @@ def test_every_json_is_one_document(argv):
     assert isinstance(doc, dict) and doc
 
 
-def test_run_json_has_losses_step_times_and_check():
-    proc = _run(*f"run {MLP} --mesh 2x4 --solver highs --check --steps 3 --json".split())
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
+def test_run_json_has_losses_step_times_and_check(capsys):
+    # in this process (the one-document stdout of run --json in a fresh one: above)
+    argv = f"run {MLP} --mesh 2x4 --solver highs --check --steps 3 --json"
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 0, err
+    doc = json.loads(out)
     assert len(doc["losses"]) == 3 and len(doc["step_seconds"]) == 3
     assert all(s > 0 for s in doc["step_seconds"])
     assert doc["check"]["ok"] is True and doc["check"]["rtol"] == 1e-5
 
 
-def test_inspect_says_which_batch_its_flops_are_for():
-    proc = _run(*"inspect --model gpt-tiny --batch 4 --seq 16".split())
-    assert proc.returncode == 0, proc.stderr
-    assert "global batch 4, sequence 16" in proc.stdout and "FLOP" in proc.stdout
+def test_inspect_says_which_batch_its_flops_are_for(capsys):
+    rc, out, err = cli_in_process(capsys, *"inspect --model gpt-tiny --batch 4 --seq 16".split())
+    assert rc == 0, err
+    assert "global batch 4, sequence 16" in out and "FLOP" in out
 
 
 def test_version(capsys):
@@ -76,11 +79,12 @@ def test_help_lists_presets_and_defaults():
     assert "(default: None)" not in text
 
 
-def test_plan_prints_its_parallelism_in_words_and_objective_unit():
-    proc = _run(*f"plan {MLP} --mesh 2x4 --baseline megatron --solver highs".split())
-    assert proc.returncode == 0, proc.stderr
-    assert "in words: 1 stage x (DP 2 over data, TP 4 over model), no recompute" in proc.stdout
-    assert "Alpa's relative cost units" in proc.stdout
+def test_plan_prints_its_parallelism_in_words_and_objective_unit(capsys):
+    argv = f"plan {MLP} --mesh 2x4 --baseline megatron --solver highs"
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 0, err
+    assert "in words: 1 stage x (DP 2 over data, TP 4 over model), no recompute" in out
+    assert "Alpa's relative cost units" in out
 
 
 def test_tables_are_full_width_when_piped(tmp_path, capsys):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_in_process
 
 
 def _cli(*args):
@@ -41,24 +42,25 @@ def test_cli_time_limit_fallback_is_the_cheapest_of_the_candidates():
 
 
 @pytest.mark.parametrize("limit", ["0", "-5", "nan", "inf"])
-def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(limit):
-    proc = _cli("plan", "--model", "gpt-tiny", "--mesh", "2x4", f"--time-limit={limit}")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    # refused by the flag's type (a positive number) or, for inf, by IntraOptions
-    said = "time_limit_s=" in proc.stderr or (
-        "--time-limit" in proc.stderr and "positive number" in proc.stderr
+def test_cli_refuses_a_time_limit_that_is_not_a_positive_number(capsys, limit):
+    rc, out, err = cli_in_process(
+        capsys, "plan", "--model", "gpt-tiny", "--mesh", "2x4", f"--time-limit={limit}"
     )
-    assert said and "Traceback" not in proc.stderr, proc.stderr
+    assert rc == 2, out + err
+    # refused by the flag's type (a positive number) or, for inf, by IntraOptions
+    said = "time_limit_s=" in err or ("--time-limit" in err and "positive number" in err)
+    assert said and "Traceback" not in err, err
 
 
-def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback():
-    # 0.001 GiB: above the bound every plan's peak is over (a budget below it is refused
-    # before any solve: 673 KiB), below the unbudgeted plan's peak (1.25 MiB)
-    argv = "plan --model gpt-tiny --mesh 2x4 --memory-budget 0.001 --time-limit 0.01"
-    proc = _cli(*argv.split())
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "autoshard: error:" in proc.stderr and "--time-limit" in proc.stderr
+def test_cli_no_plan_in_time_under_a_budget_is_an_error_not_a_traceback(capsys):
+    # one block, 0.0008 GiB (839 KiB): above the bound every plan's peak is over (a budget
+    # below it is refused before any solve: 407 KiB), below the unbudgeted plan's peak
+    # (983 KiB); the default two blocks at 0.001 GiB took 1.8x as long (memory rows)
+    argv = "plan --model gpt-tiny --layers 1 --mesh 2x4 --memory-budget 0.0008 --time-limit 0.01"
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 2, out + err
+    assert "Traceback" not in err
+    assert "autoshard: error:" in err and "--time-limit" in err
 
 
 def _frustrated_problem():
