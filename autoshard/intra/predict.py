@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from autoshard.intra.cost import DEFAULT_COST_OPTIONS, reshard_to_consumers
 from autoshard.intra.ilp import Solution
 from autoshard.intra.memory import predicted_peak_bytes
+from autoshard.intra.reshard_tiles import sliced_dims
 from autoshard.intra.strategies import Strategy
 from autoshard.ir.plan import ParallelPlan
-from autoshard.ir.primitives import SUM_MAX_MIN_REDUCTIONS
+from autoshard.ir.primitives import ELEMENTWISE, SUM_MAX_MIN_REDUCTIONS
 from autoshard.ir.spec import Collective, ShardingSpec
 
 if TYPE_CHECKING:
@@ -203,10 +204,13 @@ def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, read
             if len(grown) == 1 and want.dims[grown[0]] == dims[grown[0]] + axes:
                 sliced = True  # a local slice of one dim over exactly A
                 continue
+            if grown and _slice_then_permute_over(dims, want, axes, ip.mesh.mesh):
+                sliced = True  # XLA's slice-then-permute, the slice over exactly A
+                continue
             if grown or op.dst < nin:
                 return False
             node = graph.nodes[op.dst - nin]
-            if node.primitive not in _RELABELS or op.slot != 0 or len(node.outputs) != 1:
+            if len(node.outputs) != 1 or not _passes_slice(graph, node, op.slot):
                 return False
             out = node.outputs[0]
             if _numel(graph.tensors[out].shape) != _numel(graph.tensors[t].shape):
@@ -216,6 +220,27 @@ def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, read
                 return False
             todo.append((out, tuple(spec.dims)))
     return sliced
+
+
+def _passes_slice(graph, node, slot: int) -> bool:
+    """Does XLA move a slice of ``node``'s result onto its operand ``slot``: an op that
+    relabels elements (operand 0), or an elementwise op whose other operands are scalars
+    (the learning rate times a gradient)?"""
+    if node.primitive in _RELABELS:
+        return slot == 0
+    if node.primitive not in ELEMENTWISE:
+        return False
+    return all(not graph.tensors[t].shape for k, t in enumerate(node.inputs) if k != slot)
+
+
+def _slice_then_permute_over(dims, want: ShardingSpec, axes, mesh) -> bool:
+    """Is ``dims`` -> ``want`` XLA's slice-then-permute whose slice adds exactly ``axes``
+    to one dim (:func:`~autoshard.intra.reshard_tiles.sliced_dims`)?"""
+    cut = sliced_dims(ShardingSpec(tuple(dims)), ShardingSpec(want.dims), mesh)
+    if cut is None:
+        return False
+    grown = [j for j, (c, d) in enumerate(zip(cut, dims)) if c != d]
+    return len(grown) == 1 and cut[grown[0]] == tuple(dims[grown[0]]) + tuple(axes)
 
 
 def _numel(shape) -> int:

@@ -237,6 +237,28 @@ def _minor(factors, k: int):
     return tuple(kept), tuple(part)
 
 
+def sliced_dims(src: ShardingSpec, dst: ShardingSpec, mesh: Mesh):
+    """Where XLA's route from ``src`` to ``dst`` is move 3 (a local slice, then a
+    permute), the dims the slice gives, named by whole mesh axes; else None.  A value
+    all-reduced over the axes that slice adds is the reduce-scatter XLA makes of an
+    all-reduce and a slice (:func:`autoshard.intra.predict.collectives_by_value`)."""
+    route = _route(src.dims, dst.dims, mesh)
+    a, b = _layout(src.dims, mesh), _layout(dst.dims, mesh)
+    ta, tb = _tiles(a), _tiles(b)
+    if route is None or len(route) != 1 or ta == tb or not a[1]:
+        return None
+    if any(y % x for x, y in zip(ta, tb)):
+        return None
+    cut = _cut(a, [y // x for x, y in zip(ta, tb)])
+    if cut is None:
+        return None
+    factors = [f for d in cut[0][0] for f in d]
+    if any((pre, size) != (1, mesh.shape[axis]) for axis, pre, size in factors):
+        return None  # part of an axis: no spec names it
+    names = tuple(tuple(mesh.axis_names[f[0]] for f in d) for d in cut[0][0])
+    return names
+
+
 def _layout(dims, mesh: Mesh) -> Layout:
     used = {a for d in dims for a in d}
     cut = tuple(
