@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from autoshard.intra.cost import DEFAULT_COST_OPTIONS, reshard_to_consumers
 from autoshard.intra.ilp import Solution
 from autoshard.intra.memory import predicted_peak_bytes
-from autoshard.intra.reshard_tiles import sliced_dims
+from autoshard.intra.reshard_tiles import sliced_dims, slices_then_permutes
 from autoshard.intra.strategies import Strategy
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.primitives import ELEMENTWISE, SUM_MAX_MIN_REDUCTIONS
@@ -157,6 +157,8 @@ def collectives_by_value(
             batch_dims=batch.get(tid, ()),
         )
         cols = tuple(r.collectives)
+        if _scatter_folded_into_a_slice(ip, choice, tid, wants, cols, readers):
+            cols = cols[:-1] + (Collective("all-reduce", cols[-1].axes, cols[-1].bytes),)
         if _sliced_after_all_reduce(ip, choice, tid, source[tid], cols, readers):
             cols = (Collective("reduce-scatter", cols[0].axes, cols[0].bytes),)
             if relabelled is not None:
@@ -219,6 +221,46 @@ def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, read
             if spec.partial or any(a in axes for d in spec.dims for a in d):
                 return False
             todo.append((out, tuple(spec.dims)))
+    return sliced
+
+
+def _scatter_folded_into_a_slice(ip: IntraProblem, choice, tid: int, wants, cols, readers) -> bool:
+    """Is ``tid``'s last predicted collective a reduce-scatter whose result is read, as
+    it is or through ops that relabel its elements, only where XLA slices it again before
+    a permute (:func:`~autoshard.intra.reshard_tiles.slices_then_permutes`)?  XLA then
+    all-reduces and makes the two slices one, which the verifier reads as an all-reduce
+    (wresnet-tiny auto on 2x4: ``[8]{U:data,model}`` reduced into ``[8@data]``, read
+    reshaped as ``[..., 8@model]``)."""
+    if not cols or cols[-1].kind != "reduce-scatter" or len(wants) != 1:
+        return False
+    graph, nin, mesh = ip.graph, ip.num_inputs, ip.mesh.mesh
+    outputs = set(graph.outputs)
+    todo, seen, sliced = [(tid, wants[0].dims)], set(), False
+    while todo:
+        t, dims = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in outputs:
+            return False
+        for op in readers.get(t, ()):
+            want = ip.strategies[op.dst][choice[op.dst]].input_specs[op.slot]
+            if want is None or want.partial or len(want.dims) != len(dims):
+                return False
+            if want.dims != tuple(dims):
+                if not slices_then_permutes(ShardingSpec(tuple(dims)), want, mesh):
+                    return False
+                sliced = True
+                continue
+            if op.dst < nin:
+                return False
+            node = graph.nodes[op.dst - nin]
+            if node.primitive not in _RELABELS or op.slot != 0 or len(node.outputs) != 1:
+                return False
+            spec = ip.strategies[op.dst][choice[op.dst]].output_specs[0]
+            if spec.partial:
+                return False
+            todo.append((node.outputs[0], tuple(spec.dims)))
     return sliced
 
 

@@ -237,6 +237,20 @@ def _minor(factors, k: int):
     return tuple(kept), tuple(part)
 
 
+def slices_then_permutes(src: ShardingSpec, dst: ShardingSpec, mesh: Mesh) -> bool:
+    """Is XLA's route from ``src`` to ``dst`` move 3, a local slice and then a permute?"""
+    a, b = _layout(src.dims, mesh), _layout(dst.dims, mesh)
+    ta, tb = _tiles(a), _tiles(b)
+    route = _route(src.dims, dst.dims, mesh)
+    return (
+        route is not None
+        and len(route) == 1
+        and ta != tb
+        and bool(a[1])
+        and all(y % x == 0 for x, y in zip(ta, tb))
+    )
+
+
 def sliced_dims(src: ShardingSpec, dst: ShardingSpec, mesh: Mesh):
     """Where XLA's route from ``src`` to ``dst`` is move 3 (a local slice, then a
     permute), the dims the slice gives, named by whole mesh axes; else None.  A value
