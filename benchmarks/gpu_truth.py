@@ -429,7 +429,7 @@ def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
         graph = _TRACED[key].graph
         check_fingerprint(pf, graph, pf.plan.mesh)
         parsed = analyze_collectives(text, pf.plan.mesh, range(pf.plan.mesh.num_devices))
-        compiled = [c.collective for c in parsed.collectives]
+        compiled = list(parsed.compared())  # collective-permutes included
         gpu = xla_gpu_collectives(graph, pf.plan)
         cmp = compare_collectives(gpu.collectives, compiled)
         plain = compare_collectives(pf.plan.predicted_collectives, compiled)

@@ -534,10 +534,26 @@ ROOT %ds = f32[16,2]{1,0} dynamic-slice(%ar, %z, %z), dynamic_slice_sizes={16,2}
 
 def test_groups_matching_no_mesh_axes_are_marked_unknown_not_guessed():
     text = _module(
-        "ROOT %ar = f32[16,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, use_global_device_ids=true, to_apply=%add"
+        "ROOT %ar = f32[16,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,5},{1,4},{2,7},{3,6}}, use_global_device_ids=true, to_apply=%add"
     )
     found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
     assert found[0].collective.axes == UNKNOWN_AXES and "match no set of mesh axes" in found[0].note
+
+
+@pytest.mark.parametrize(
+    ("groups", "axes"),
+    [
+        ("{{0,1},{2,3},{4,5},{6,7}}", ("model:(2)2",)),  # pairs of model, its minor part
+        ("{{0,2},{1,3},{4,6},{5,7}}", ("model:(1)2",)),  # its major part
+        ("{{0,2,4,6},{1,3,5,7}}", ("data", "model:(1)2")),
+    ],
+)
+def test_groups_over_part_of_an_axis_are_named_as_sub_axes(groups, axes):
+    text = _module(
+        f"ROOT %ar = f32[16,8]{{1,0}} all-reduce(%p), channel_id=1, replica_groups={groups}, use_global_device_ids=true, to_apply=%add"
+    )
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    assert found[0].collective.axes == axes
 
 
 @pytest.mark.parametrize(
@@ -609,11 +625,12 @@ def test_unreadable_replica_groups_raise():
         ((1, 8), "[1,8]<=[8]", ("y",)),
         ((1, 8), "[8,1]<=[8]", ()),
         ((8,), "{}", ("x",)),
-        ((8,), "[4,2]<=[8]", None),
+        ((8,), "[4,2]<=[8]", ("x:(4)2",)),  # pairs of x: its minor part
         ((4, 2), "[4,2]<=[8]", ("y",)),
         ((4, 2), "[2,4]<=[4,2]T(1,0)", ("x",)),
         ((4, 2), "{{0,1,2,3,4,5,6,7}}", ("x", "y")),
-        ((2, 4), "{{0,1},{2,3},{4,5},{6,7}}", None),
+        ((2, 4), "{{0,1},{2,3},{4,5},{6,7}}", ("y:(2)2",)),
+        ((2, 4), "{{0,5},{1,4},{2,7},{3,6}}", None),
     ],
 )
 def test_replica_group_axes_on_several_meshes(shape, text, axes):

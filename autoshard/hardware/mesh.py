@@ -210,14 +210,15 @@ class DeviceMesh:
         return self.mesh.num_devices
 
     def group(self, axes: str | Sequence[str]) -> Axes:
-        """``axes`` as a collective group: a tuple of distinct axes of this mesh."""
+        """``axes`` as a collective group: a tuple of distinct axes (or sub-axes,
+        :func:`~autoshard.ir.spec.sub_axis`) of this mesh."""
         key = axes if isinstance(axes, (str, tuple)) else tuple(axes)
         memo = self.__dict__.setdefault("_groups_", {})  # not a field, not pickled
         if key in memo:
             return memo[key]
         group = (axes,) if isinstance(axes, str) else tuple(axes)
         for a in group:
-            self.mesh.index(a)  # raises ValueError naming the axis and the mesh's axes
+            self.mesh.axis_size(a)  # raises ValueError naming the axis and the mesh's axes
         if len(set(group)) != len(group):
             raise ValueError(f"collective group {group} repeats a mesh axis")
         memo[key] = group
@@ -228,7 +229,7 @@ class DeviceMesh:
         group = self.group(axes)
         memo = self.__dict__.setdefault("_links_", {})  # not a field, not pickled
         if group not in memo:
-            idx = [self.mesh.index(a) for a in group if self.mesh.size(a) > 1]
+            idx = [self.mesh.parent_index(a) for a in group if self.mesh.size(a) > 1]
             memo[group] = (
                 (max(self.alpha[i] for i in idx), max(self.beta[i] for i in idx))
                 if idx
@@ -244,6 +245,9 @@ class DeviceMesh:
             return None
         memo = self.__dict__.setdefault("_node_spans", {})  # not a field: eq/hash ignore it
         if axes not in memo:
+            if any(":(" in a for a in self.group(axes)):  # a sub-axis: priced as a flat ring
+                memo[axes] = None
+                return None
             idx = tuple(self.mesh.index(a) for a in self.group(axes) if self.mesh.size(a) > 1)
             span = group_node_span(self.shape, idx, self.nodes.devices_per_node) if idx else None
             # one device per node is the flat ring over the network: nothing to gain

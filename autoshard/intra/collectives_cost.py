@@ -11,6 +11,7 @@ devices in the group and ``bytes`` the per-device size with the conventions of
     all-gather      alpha + beta *   (n-1)/n   * bytes    (the gathered output)
     reduce-scatter  alpha + beta *   (n-1)/n   * bytes    (the input)
     all-to-all      alpha + beta *   (n-1)/n   * bytes * penalty  (the per-device buffer)
+    collective-permute  alpha + beta *      bytes   (the buffer each device sends)
 
 An all-to-all sends (n-1)/n of every device's buffer to the others, all at once: on a
 switched network (NVSwitch, a non-blocking fabric) each device's link carries
@@ -28,8 +29,12 @@ On a mesh that knows its nodes (``DeviceMesh.nodes``, set for cluster presets) a
 all-reduce, all-gather or reduce-scatter whose groups span several nodes costs the cheaper
 of that flat ring and the two-level (node-aware) algorithm of
 :func:`autoshard.hardware.clusters.node_aware_collective_time`.
+A collective-permute (XLA's move of whole blocks between devices, each device sending its
+buffer to one other) is one point-to-point send per device, all at once: one alpha and the
+whole buffer over the slowest link among the axes the pairs differ on.
 Alpa's tie-breakers (constants added per collective so that equal plans are broken the
-same way every time) are on by default and switched off with ``CostOptions``.
+same way every time) are on by default and switched off with ``CostOptions``; Alpa has no
+collective-permute, which gets the all-to-all's constant.
 
 The resharding that strings collectives together is :mod:`autoshard.intra.cost`.
 """
@@ -48,8 +53,9 @@ from autoshard.ir.spec import Axes, Collective, cached_hash
 
 # Alpa's constants (auto_sharding.py, LogicalDeviceMesh.*_cost).
 ALPA_TIE_BREAKERS = MappingProxyType(
-    {"all-gather": 0.1, "all-reduce": 0.01, "reduce-scatter": 0.001, "all-to-all": 0.001}
-)
+    {"all-gather": 0.1, "all-reduce": 0.01, "reduce-scatter": 0.001, "all-to-all": 0.001,
+     "collective-permute": 0.001}  # not Alpa's: it has no permute; the all-to-all's
+)  # fmt: skip
 
 
 @cached_hash
@@ -87,6 +93,8 @@ def ring_volume(kind: str, n: int, nbytes: float) -> float:
     reduce-scatter's input, an all-to-all's per-device buffer)."""
     if n <= 1:
         return 0.0
+    if kind == "collective-permute":  # every device sends its whole buffer once
+        return float(nbytes)
     return (2 if kind == "all-reduce" else 1) * (n - 1) / n * nbytes
 
 
@@ -117,7 +125,7 @@ def _ring_seconds(
         volume *= penalty
     tie = ALPA_TIE_BREAKERS[kind] if options.tie_breakers else 0.0
     flat = alpha + beta * volume
-    span = mesh.node_span(group) if kind != "all-to-all" else None
+    span = mesh.node_span(group) if kind not in ("all-to-all", "collective-permute") else None
     if span is not None:  # across nodes: NCCL's two-level algorithm when it is cheaper
         two_level = node_aware_collective_time(
             kind, nbytes, span[0], span[1], mesh.nodes.intra, mesh.nodes.inter

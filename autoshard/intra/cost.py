@@ -8,8 +8,10 @@ The collectives' own alpha-beta formulas, compute and memory time are
 :func:`reshard` turns one :class:`~autoshard.ir.spec.ShardingSpec` into another and
 guarantees: identical specs cost 0; every finite cost is the cost of an explicit,
 legal sequence of collectives (listed in the result); the cost never exceeds
-:func:`gather_then_slice` (reduce, all-gather everything, slice locally); the cost is
-``inf`` exactly when the destination is a partial sum over an axis the source is not.
+:func:`gather_then_slice` (reduce, all-gather everything, slice locally) except on the
+moves XLA's partitioner makes with a collective-permute, which are priced as XLA makes
+them (:mod:`autoshard.intra.reshard_tiles`); the cost is ``inf`` exactly when the
+destination is a partial sum over an axis the source is not.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from autoshard.intra.collectives_cost import (
     memory_bound_cost,
     reduce_scatter_cost,
 )
+from autoshard.intra.reshard_tiles import tile_route
 from autoshard.ir.spec import Axes, Collective, ShardingSpec
 
 # ----------------------------------------------------------------------------- resharding
@@ -369,7 +372,10 @@ def reshard(
 ) -> Reshard:
     """Collectives and cost to turn a tensor of global ``shape`` from ``src`` into ``dst``.
 
-    Rules: identical specs are free; ``R -> S(x)`` is a free local slice; ``S(x) -> R``
+    Rules: identical specs are free; without partial sums, the moves XLA's partitioner
+    makes with a collective-permute are priced as it makes them
+    (:func:`~autoshard.intra.reshard_tiles.tile_route`: same tile counts on other devices,
+    finer or coarser blocks); ``R -> S(x)`` is a free local slice; ``S(x) -> R``
     is an all-gather on ``x`` (bytes: the gathered per-device buffer); an axis moving
     from one dim to another is an all-to-all; ``partial(x) -> R`` is an all-reduce and
     ``partial(x) -> S(x)`` a reduce-scatter (bytes: the buffer before scattering); a
@@ -398,6 +404,10 @@ def reshard(
         return _FREE
     if not set(dst.partial) <= set(src.partial):
         return _IMPOSSIBLE
+    if not src.partial and not dst.partial and options.group_reductions:
+        route = tile_route(src, dst, mesh.mesh)  # XLA's collective-permute moves
+        if route is not None:
+            return _priced_route(route, shape, itemsize, mesh, options)
     dropped = tuple(a for a in mesh.axis_names if a in src.partial and a not in dst.partial)
     detour = _batched_dot_detour(src, dst, shape, itemsize, mesh, options, batch_dims, dropped)
     if detour is not None:
@@ -423,6 +433,13 @@ def reshard(
         if candidate.cost <= best.cost:
             best = candidate
     return best
+
+
+def _priced_route(route, shape, itemsize, mesh, options) -> Reshard:
+    """:func:`~autoshard.intra.reshard_tiles.tile_route`'s steps as priced collectives."""
+    total = itemsize * math.prod(shape)
+    collectives = tuple(Collective(kind, axes, total // blocks) for kind, axes, blocks in route)
+    return Reshard(collectives, sum(collective_cost(mesh, c, options) for c in collectives))
 
 
 def _batched_dot_detour(src, dst, shape, itemsize, mesh, options, batch_dims, dropped):

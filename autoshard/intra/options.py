@@ -230,7 +230,7 @@ class IntraOptions:
         """The collective kinds no resharding may use under these options."""
         kinds = set()
         if self.all_reduce_only:
-            kinds |= {"all-gather", "all-to-all", "reduce-scatter"}
+            kinds |= {"all-gather", "all-to-all", "reduce-scatter", "collective-permute"}
         if not self.allow_all_gather:
             kinds.add("all-gather")
         if not self.allow_all_to_all:

@@ -17,9 +17,33 @@ split over ``data``, second over ``model`` and which is an unreduced partial sum
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 Axes = tuple[str, ...]
+
+
+def sub_axis(name: str) -> tuple[str, int, int] | None:
+    """A sub-axis name in Shardy's notation, ``"data:(2)2"``, as ``("data", 2, 2)``: the
+    part of mesh axis ``data`` of size 2 after a major part of size 2 (``data`` of size n
+    read as ``[pre, size, n / (pre * size)]``, the middle factor).  None for a whole axis.
+
+    XLA's partitioner runs some collectives over such parts (a collective-permute and an
+    all-gather over pairs of a 4-device axis); specs never name them, collectives may."""
+    if ":(" not in name:
+        return None
+    m = _SUB_AXIS.fullmatch(name)
+    if m is None:
+        raise ValueError(f"sub-axis {name!r} is not written as AXIS:(PRE)SIZE, e.g. 'data:(2)2'")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def sub_axis_name(axis: str, pre: int, size: int) -> str:
+    """``sub_axis``'s inverse: ``("data", 2, 2)`` -> ``"data:(2)2"``."""
+    return f"{axis}:({pre}){size}"
+
+
+_SUB_AXIS = re.compile(r"(.+):\((\d+)\)(\d+)")
 
 
 def cached_hash(cls):
@@ -86,9 +110,29 @@ class Mesh:
         group = (axes,) if isinstance(axes, str) else axes
         n = 1
         for a in group:
-            n *= self.shape[self.index(a)]
+            n *= self.axis_size(a)
         self.__dict__.setdefault("_sizes_", {})[axes] = n  # memo: not a field, not pickled
         return n
+
+    def axis_size(self, axis: str) -> int:
+        """Devices along one axis or sub-axis (:func:`sub_axis`); raises ValueError for a
+        name that is neither, or a sub-axis that does not divide its axis."""
+        sub = sub_axis(axis)
+        if sub is None:
+            return self.shape[self.index(axis)]
+        parent, pre, size = sub
+        n = self.shape[self.index(parent)]
+        if pre < 1 or size < 1 or n % (pre * size):
+            raise ValueError(
+                f"sub-axis {axis!r}: {pre} x {size} does not divide mesh axis {parent!r} of "
+                f"size {n}"
+            )
+        return size
+
+    def parent_index(self, axis: str) -> int:
+        """Index of the mesh axis that ``axis`` (an axis or a sub-axis) is part of."""
+        sub = sub_axis(axis)
+        return self.index(axis if sub is None else sub[0])
 
     def index(self, axis: str) -> int:
         try:
@@ -225,7 +269,13 @@ def _short_dtype(dtype: str) -> str:
     return _SHORT_DTYPES.get(dtype, dtype)
 
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
 
 
 @dataclass(frozen=True)
@@ -234,8 +284,11 @@ class Collective:
 
     ``bytes`` is the per-device message size with the convention of the alpha-beta
     formulas: all-reduce -> the reduced buffer; all-gather -> the gathered output;
-    reduce-scatter -> the input before scattering; all-to-all -> the buffer exchanged.
-    ``axes`` are the mesh axes the collective runs over (its replica groups).
+    reduce-scatter -> the input before scattering; all-to-all -> the buffer exchanged;
+    collective-permute -> the buffer each device sends.  ``axes`` are the mesh axes the
+    collective runs over (its replica groups; a sub-axis where XLA groups part of an axis,
+    :func:`sub_axis`); a collective-permute's are the axes along which a device and the
+    one it sends to differ.
     """
 
     kind: str

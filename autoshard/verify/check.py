@@ -273,7 +273,7 @@ def verify_plan(
     device_ids = [d.id for d in flat_devices]
     text = compiled_hlo_text(compiled)
     parsed = analyze_collectives(text, plan.mesh, device_ids)
-    collectives = tuple(c.collective for c in parsed.collectives)
+    collectives = parsed.compared()  # collective-permutes included
     notes = tuple(sorted({c.note for c in parsed.collectives if c.note}))
     on_gpu = compile_target.kind == "gpu-aot" or _platform_target(flat_devices) == "gpu"
     predicted, prediction_notes = plan.predicted_collectives, ()

@@ -20,8 +20,11 @@ by concatenation (one flat buffer of the operands, sliced back after): such an a
 gives one record per concatenated operand too, normalised through its slice
 (:func:`_concatenated_pieces`), so a record is one reduced value on both backends.  Collectives inside while-loop
 bodies are counted once and flagged ``in_loop`` (the note gives the known trip count).
-``collective-permute`` is not an alpha-beta collective kind in :mod:`autoshard.ir.spec`;
-it is reported separately as :class:`CompiledPermute`.
+A ``collective-permute`` is reported separately as :class:`CompiledPermute` (its
+source-target pairs too) and compared as a ``collective-permute``
+:class:`~autoshard.ir.spec.Collective` (:meth:`HloCollectives.compared`): the mesh axes
+along which its pairs differ, the bytes each device sends.  Replica groups over part of a
+mesh axis (XLA's all-gathers over pairs of a 4-device axis) read as sub-axes, ``data:(1)2``.
 """
 
 from __future__ import annotations
@@ -99,6 +102,15 @@ class HloCollectives:
     collectives: tuple[CompiledCollective, ...]
     raw: tuple[CompiledCollective, ...]
     permutes: tuple[CompiledPermute, ...]
+
+    def compared(self) -> tuple[Collective, ...]:
+        """What a plan's predictions are compared with: the normalised collectives, and
+        every collective-permute as a ``collective-permute`` :class:`Collective` (the
+        axes its pairs move along, the bytes each device sends)."""
+        permutes = (
+            Collective("collective-permute", p.axes, p.bytes) for p in self.permutes if p.axes
+        )
+        return tuple(c.collective for c in self.collectives) + tuple(permutes)
 
 
 def _loop_notes(mod: _Module) -> dict[str, str]:

@@ -7,7 +7,9 @@ for a jit over one JAX mesh that assignment is the mesh's devices in row-major o
 (permuting the devices of a mesh leaves the HLO text unchanged).  A group's mesh axes are
 the axes along which its members' mesh coordinates vary; the groups must partition the
 devices into exactly the blocks spanned by those axes, otherwise the axes are reported as
-``("?",)`` (:data:`UNKNOWN_AXES`) with a note, never guessed.  Forms understood:
+``("?",)`` (:data:`UNKNOWN_AXES`) with a note, never guessed.  Where the groups are the
+blocks of *parts* of axes (pairs of a 4-device axis), they are named as sub-axes,
+``data:(1)2`` (:func:`~autoshard.ir.spec.sub_axis`).  Forms understood:
 ``{{0,1},{2,3}}``, ``{}`` (all), iota lists ``[2,4]<=[8]`` and ``[4,2]<=[2,4]T(1,0)``, and
 the mesh form ``mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'b'}`` (sub-axes
 ``'b':(1)2`` too).  :func:`_global_groups` applies XLA's group modes (cross-replica,
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autoshard.ir.spec import Axes, Mesh
+from autoshard.ir.spec import Axes, Mesh, sub_axis_name
 from autoshard.verify.hlo import _attr, _balanced, _Instr, _ints, _Module, _split_top
 
 UNKNOWN_AXES: Axes = ("?",)
@@ -147,12 +149,44 @@ def _group_axes(groups: Sequence[Sequence[int]], mesh: Mesh, coords: np.ndarray)
     ]
     size = math.prod(mesh.shape[a] for a in varying)
     if any(len(g) != size for g in groups):
-        return None
+        return _sub_axes(groups, mesh, coords, varying)
+    blocks = {tuple(np.delete(coords[i], varying)) for g in groups for i in g[:1]}
+    if len(blocks) != len(groups):  # as many devices, but not the axes' blocks
+        return _sub_axes(groups, mesh, coords, varying)
     return tuple(mesh.axis_names[a] for a in varying)
 
 
+def _sub_axes(groups, mesh: Mesh, coords: np.ndarray, varying) -> Axes | None:
+    """The axes and sub-axes (``data:(1)2``: :func:`~autoshard.ir.spec.sub_axis`) whose
+    blocks of devices are exactly ``groups``, or None: XLA's partitioner groups parts of
+    an axis (pairs of a 4-device axis) for some all-gathers and all-to-alls."""
+    want = sorted(sorted(g) for g in groups)
+    options = []
+    for a in varying:
+        n = mesh.shape[a]
+        options.append(
+            [(a, pre, k) for pre in range(1, n + 1) for k in range(2, n + 1) if n % (pre * k) == 0]
+        )
+    for choice in itertools.product(*options):
+        if math.prod(k for _, _, k in choice) != len(groups[0]):
+            continue
+        blocks: dict[tuple, list[int]] = {}
+        for i, c in enumerate(coords):
+            key = list(c)
+            for a, pre, k in choice:  # the part's digit removed, the rest of the axis kept
+                minor = mesh.shape[a] // (pre * k)
+                key[a] = (c[a] // (minor * k), c[a] % minor)
+            blocks.setdefault(tuple(key), []).append(i)
+        if sorted(blocks.values()) == want:
+            return tuple(
+                mesh.axis_names[a] if k == mesh.shape[a] else sub_axis_name(mesh.axis_names[a], pre, k)
+                for a, pre, k in choice
+            )  # fmt: skip
+    return None
+
+
 def _group_order_note(groups, mesh: Mesh, coords: np.ndarray, axes: Axes) -> str:
-    if len(axes) < 2:
+    if len(axes) < 2 or any(":(" in a for a in axes):
         return ""
     idx = [mesh.index(a) for a in axes]
     for perm in itertools.permutations(idx):

@@ -1,0 +1,216 @@
+"""XLA's collective-permute reshards, compiled and predicted (issue 31).
+
+Each move compiles ``jax.jit`` of the identity from one spec (input sharding) to another
+(output sharding) on 8 fake CPU devices as 2x2, 2x4 and 4x2 meshes, and compares what XLA
+emits (collective-permutes included, groups over part of an axis read as sub-axes) with
+:func:`autoshard.intra.cost.reshard`: kind, axes, count and bytes.  The moves below are one
+or more of each of :mod:`autoshard.intra.reshard_tiles`' routes per mesh; the ``slow`` test
+compiles all 330 moves of a 2-D tensor (``benchmarks/studies/reshard_moves.py`` prints them).
+"""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from autoshard.hardware.mesh import uniform_mesh
+from autoshard.intra.collectives_cost import collective_cost
+from autoshard.intra.cost import reshard
+from autoshard.intra.reshard_tiles import tile_route
+from autoshard.ir.spec import Collective, Mesh, ShardingSpec, sub_axis
+from autoshard.verify.collectives import analyze_collectives
+
+AXES = ("data", "model")
+SHAPE = (16, 32)  # f32: 2,048 bytes
+
+
+def spec(text: str) -> ShardingSpec:
+    """``"data;model"`` -> [d0@data, d1@model]; ``"data+model;"`` -> [d0@data+model, d1]."""
+    return ShardingSpec(tuple(tuple(d.split("+")) if d else () for d in text.split(";")))
+
+
+_COMPILED: dict = {}  # compiled once per session: (mesh, src, dst) -> records
+
+
+def compiled(mesh_shape, src: ShardingSpec, dst: ShardingSpec):
+    key = (mesh_shape, src, dst)
+    if key not in _COMPILED:
+        n = math.prod(mesh_shape)
+        jmesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(mesh_shape), AXES)
+
+        def sharding(s):
+            return NamedSharding(jmesh, P(*(d[0] if len(d) == 1 else d or None for d in s.dims)))
+
+        move = jax.jit(lambda x: x, in_shardings=sharding(src), out_shardings=sharding(dst))
+        text = move.lower(jax.ShapeDtypeStruct(SHAPE, jnp.float32)).compile().as_text()
+        found = analyze_collectives(text, Mesh(AXES, mesh_shape), range(n)).compared()
+        _COMPILED[key] = _records(found)
+    return _COMPILED[key]
+
+
+def predicted(mesh_shape, src, dst):
+    mesh = uniform_mesh(mesh_shape, AXES, alpha=1e-5, beta=1e-10)
+    return _records(reshard(src, dst, SHAPE, 4, mesh).collectives)
+
+
+def _records(collectives):
+    return sorted((c.kind, tuple(sorted(c.axes)), c.bytes) for c in collectives)
+
+
+PERMUTE = "collective-permute"
+MOVES = [
+    # (mesh, from, to, what XLA emits: kind, axes, bytes)
+    ((2, 2), "data;", "model;", [(PERMUTE, ("data", "model"), 1024)]),
+    ((2, 2), "data+model;", "model+data;", [(PERMUTE, ("data", "model"), 512)]),
+    ((2, 2), "data;", "model;data", [(PERMUTE, ("data", "model"), 512)]),  # slice, permute
+    (
+        (2, 2),
+        "model;data",
+        "data;",
+        [("all-gather", ("model",), 1024), (PERMUTE, ("data", "model"), 512)],
+    ),  # fmt: skip
+    (
+        (2, 2),
+        "data;",
+        ";model",
+        [("all-to-all", ("data",), 1024), (PERMUTE, ("data", "model"), 1024)],
+    ),  # fmt: skip
+    (
+        (2, 2),
+        "data;model",
+        ";",
+        [("all-gather", ("data",), 2048), ("all-gather", ("model",), 1024)],
+    ),  # fmt: skip
+    (
+        (2, 4),
+        "model;",
+        "data;",
+        [("all-gather", ("model:(1)2",), 1024), (PERMUTE, ("data", "model"), 512)],
+    ),  # fmt: skip
+    (
+        (2, 4),
+        "data;model",
+        "model;data",
+        [("all-to-all", ("model:(2)2",), 256), (PERMUTE, ("data", "model"), 256)],
+    ),  # fmt: skip
+    (
+        (2, 4),
+        "data;model",
+        "model;",
+        [("all-gather", ("data",), 512), ("all-to-all", ("model",), 512)],
+    ),  # fmt: skip
+    (
+        (2, 4),
+        "data;model",
+        ";data",
+        [
+            ("all-gather", ("model:(1)2",), 1024),
+            ("all-gather", ("model:(2)2",), 512),
+            (PERMUTE, ("data", "model"), 256),
+        ],
+    ),  # fmt: skip
+    (
+        (2, 4),
+        "data;",
+        ";data+model",
+        [("all-to-all", ("data",), 256), (PERMUTE, ("data", "model"), 256)],
+    ),  # fmt: skip
+    ((2, 4), ";model", "model;data", [("all-to-all", ("model",), 512)]),  # all-to-all, then a slice
+    (
+        (4, 2),
+        "data;",
+        "model;",
+        [("all-gather", ("data:(1)2",), 1024), (PERMUTE, ("data", "model"), 512)],
+    ),  # fmt: skip
+    (
+        (4, 2),
+        "data;",
+        "model;data",
+        [("all-to-all", ("data:(2)2",), 256), (PERMUTE, ("data", "model"), 256)],
+    ),  # fmt: skip
+    (
+        (4, 2),
+        "data;model",
+        ";data",
+        [("all-gather", ("model",), 512), ("all-to-all", ("data",), 512)],
+    ),  # fmt: skip
+    ((4, 2), "model;", "data;", [(PERMUTE, ("data", "model"), 512)]),
+    ((4, 2), "model;", ";data", [("all-gather", ("model",), 2048)]),  # XLA replicates: no permute
+]
+
+
+@pytest.mark.parametrize(("mesh_shape", "src", "dst", "xla"), MOVES)
+def test_each_move_is_predicted_as_xla_compiles_it(mesh_shape, src, dst, xla):
+    src, dst = spec(src), spec(dst)
+    assert compiled(mesh_shape, src, dst) == sorted(xla)  # what XLA does (jax 0.10.2)
+    assert predicted(mesh_shape, src, dst) == sorted(xla)
+
+
+def test_the_zero3_labels_move_on_4x2_is_a_permute_then_an_all_gather_over_pairs_of_data():
+    # gpt-tiny zero3 on 4x2, fused cross-entropy: int32 labels [B@data, S] read [B@model, S]
+    mesh = uniform_mesh((4, 2), AXES, alpha=1e-5, beta=1e-10)
+    r = reshard(spec("data;"), spec("model;"), (8, 16), 4, mesh)
+    assert [(c.kind, c.axes, c.bytes) for c in r.collectives] == [
+        ("collective-permute", ("data", "model"), 8 * 16 * 4 // 4),
+        ("all-gather", ("data:(1)2",), 8 * 16 * 4 // 2),
+    ]
+    assert sub_axis("data:(1)2") == ("data", 1, 2) and mesh.mesh.size(("data:(1)2",)) == 2
+
+
+def test_a_permute_costs_one_alpha_and_its_bytes_over_the_slowest_link():
+    mesh = uniform_mesh((2, 4), AXES, alpha=(1e-5, 2e-5), beta=(1e-10, 3e-10))
+    c = Collective(PERMUTE, ("data", "model"), 1000)
+    from autoshard.intra.collectives_cost import CostOptions
+
+    assert collective_cost(mesh, c, CostOptions(tie_breakers=False)) == pytest.approx(
+        2e-5 + 3e-10 * 1000
+    )
+    # the permute that replaces issue 31's all-gather + all-to-all is cheaper than both
+    r = reshard(spec("data;"), spec("model;data"), SHAPE, 4, mesh)
+    assert [c.kind for c in r.collectives] == [PERMUTE]
+
+
+def test_sub_axes_are_checked_and_priced_on_their_axis():
+    mesh = uniform_mesh((4, 2), AXES, alpha=(1e-5, 2e-5), beta=(1e-10, 3e-10))
+    assert mesh.link(("data:(2)2",)) == (1e-5, 1e-10)
+    with pytest.raises(ValueError, match="does not divide mesh axis 'data'"):
+        mesh.mesh.size(("data:(2)4",))
+    with pytest.raises(ValueError, match="AXIS:\\(PRE\\)SIZE"):
+        mesh.mesh.size(("data:(x)2",))
+    with pytest.raises(ValueError, match="does not exist"):
+        mesh.group(("batch:(1)2",))
+
+
+def test_a_slice_is_never_a_permute_on_a_mesh_of_three_axes():
+    # XLA orders the cuts of a replicated source to match the destination: adding a minor
+    # axis is a local slice, whichever axis comes first among the replicated ones
+    mesh = Mesh(("x", "y", "z"), (2, 2, 2))
+    assert tile_route(spec("x;"), spec("x+z;"), mesh) is None
+    assert tile_route(spec("x;"), spec("x;z"), mesh) is None
+    priced = uniform_mesh((2, 2, 2), ("x", "y", "z"), alpha=1e-5, beta=1e-10)
+    assert reshard(spec("x;"), spec("x+z;"), SHAPE, 4, priced).cost == 0.0
+
+
+def _all_specs():
+    out = []
+    for place in itertools.product(range(3), repeat=2):  # 2: the axis is unused
+        dims = [[a for a, d in zip(AXES, place) if d == i] for i in range(2)]
+        for orders in itertools.product(*(itertools.permutations(d) for d in dims)):
+            out.append(ShardingSpec(tuple(tuple(o) for o in orders)))
+    return list(dict.fromkeys(out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4), (4, 2)])
+def test_every_move_of_a_2d_tensor_is_predicted_as_xla_compiles_it(mesh_shape):
+    wrong = [
+        (str(src), str(dst), compiled(mesh_shape, src, dst), predicted(mesh_shape, src, dst))
+        for src, dst in itertools.permutations(_all_specs(), 2)
+        if compiled(mesh_shape, src, dst) != predicted(mesh_shape, src, dst)
+    ]
+    assert not wrong
