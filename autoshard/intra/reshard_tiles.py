@@ -62,15 +62,8 @@ def _route(src_dims, dst_dims, mesh: Mesh) -> tuple[Step, ...] | None:
     ta, tb = _tiles(a), _tiles(b)
     if math.prod(ta) == 1:
         return None  # from replicated: a local slice
-    if math.prod(tb) == 1:  # 0: to replicated, one all-gather per split dim, last first
-        split = [d for d in range(len(ta)) if ta[d] > 1]
-        if len(split) < 2:
-            return None
-        blocks, steps = list(ta), []
-        for d in reversed(split):
-            blocks[d] = 1
-            steps.append(("all-gather", _names(a[0][d], mesh), math.prod(blocks)))
-        return tuple(steps)
+    if math.prod(tb) == 1:  # to replicated: one all-gather per split dim, last first,
+        return None  # no permute (cost.reshard's gathers, which record the route's steps)
     if ta == tb:  # 1: same tile counts
         moved = _permute_axes(a, b, mesh)
         return (("collective-permute", moved, math.prod(ta)),) if moved else None
