@@ -126,8 +126,10 @@ def run(quick: bool, progress) -> dict:
 
 def xla_gpu_rows(root: Path | None = None) -> dict:
     """The compiled rows of :data:`GPU_RESULTS`: name, plan, devices, predicted and
-    compiled peak bytes, whether the collectives agree (the re-read's verdict where one
-    exists), and the files they came from."""
+    compiled peak bytes, whether the collectives agree, and the files they came from.
+    Where a re-read exists (``gpu_truth.py --reread``: the run's HLO read by a newer
+    verifier and the plan files predicted by a newer memory model), its verdict and its
+    prediction; the prediction stored when the plan was made is kept beside it."""
     root = root or Path(__file__).resolve().parent.parent
     rows, sources = {}, []
     for rel in GPU_RESULTS:
@@ -137,22 +139,24 @@ def xla_gpu_rows(root: Path | None = None) -> dict:
         sources.append(rel)
         doc = json.loads(path.read_text())
         reread = path.with_name(path.stem + "_reread.json")
-        agree = {}
+        again = {}
         if reread.exists():
             sources.append(str(reread.relative_to(root)))
-            agree = {
-                r["name"]: r["collectives_agree"] for r in json.loads(reread.read_text())["rows"]
-            }
+            again = {r["name"]: r for r in json.loads(reread.read_text())["rows"]}
         for r in doc["rows"]:
             if r.get("status") != "compiled":
                 continue
+            later = again.get(r["name"], {})
+            memory = later.get("memory") or {}  # re-predicted by the re-read's memory model
             rows[r["name"]] = {
                 "name": r["name"],
                 "plan": r["plan"],
                 "target": r.get("target"),
-                "predicted_peak_bytes": r["predicted_peak_bytes"],
+                "predicted_peak_bytes": memory.get("predicted_peak_bytes")
+                or r["predicted_peak_bytes"],
+                "predicted_peak_bytes_when_planned": r["predicted_peak_bytes"],
                 "compiled_peak_bytes": r["compiled_peak_bytes"],
-                "collectives_agree": agree.get(r["name"], r["collectives_agree"]),
+                "collectives_agree": later.get("collectives_agree", r["collectives_agree"]),
                 "date": doc.get("date"),
             }
     return {"sources": sources, "rows": list(rows.values())}
@@ -268,7 +272,8 @@ def gpu_panel(ax, rows: list[dict]) -> None:
         if abs(y - x) > 0.10 * x:
             ax.annotate(r["name"], (x, y), fontsize=6, xytext=(4, -8), textcoords="offset points")
     ax.set_title(
-        f"XLA:GPU, H100s compiled ahead of time (8-512 GPUs), {len(rows)} plan files:\n"
+        f"XLA:GPU, H100s compiled ahead of time (8-512 GPUs), {len(rows)} plan files\n"
+        "(re-read: this model's prediction of each plan file):\n"
         f"memory within 10% on {within}/{len(rows)}, collectives agree on {agree}/{len(rows)}",
         fontsize=8,
     )
