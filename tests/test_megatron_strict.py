@@ -157,5 +157,6 @@ def test_strict_options_are_validated():
         "all-gather",
         "all-to-all",
         "reduce-scatter",
+        "collective-permute",  # XLA's tile moves (autoshard.intra.reshard_tiles)
     }
     assert not IntraOptions().forbidden_collectives()
