@@ -15,7 +15,7 @@ from autoshard.intra.options import IntraOptions
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import MOE_PRESETS, get_workload, make_optimizer
 from autoshard.models.moe import alpa_moe_layer_step, top2_gating
-from autoshard.runtime.sharded import check_against_single_device
+from autoshard.runtime.reference_check import check_against_single_device
 
 HIGHS = IntraOptions(solver="highs")
 

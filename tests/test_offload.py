@@ -382,7 +382,8 @@ def test_offloaded_plan_trains_like_one_device_with_state_in_pinned_host(runtime
     import jax
 
     from autoshard.models import get_workload, make_optimizer
-    from autoshard.runtime.sharded import check_against_single_device, run_steps
+    from autoshard.runtime.reference_check import check_against_single_device
+    from autoshard.runtime.sharded import run_steps
 
     optimizer, plain, off = runtime_plans
     record = off.plan.offload

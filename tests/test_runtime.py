@@ -15,10 +15,10 @@ from jax.sharding import PartitionSpec
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Mesh, ShardingSpec
 from autoshard.models import get_workload, make_optimizer, make_train_step
+from autoshard.runtime.reference_check import check_against_single_device
 from autoshard.runtime.sharded import (
     abstract_args,
     build_sharded_step,
-    check_against_single_device,
     make_mesh,
     named_sharding,
     run_steps,
@@ -209,7 +209,7 @@ def test_adamw_mlp_matches_single_device_over_steps():
 
 def test_check_report_catches_a_wrong_sharded_step(monkeypatch):
     """If the sharded side ran a different step (lr 0.2, not 0.1) the report says so."""
-    import autoshard.runtime.sharded as runtime
+    import autoshard.runtime.reference_check as runtime  # where the check looks it up
 
     workload, opt, program = _mlp()
     mesh = Mesh(("data", "model"), (2, 4))

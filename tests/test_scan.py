@@ -13,7 +13,7 @@ import pytest
 import autoshard
 from autoshard.intra.options import IntraOptions
 from autoshard.models import get_workload, make_optimizer, make_train_step
-from autoshard.runtime.sharded import check_against_single_device
+from autoshard.runtime.reference_check import check_against_single_device
 from autoshard.trace import jaxpr as tracer
 from autoshard.trace.jaxpr import trace, trace_train_step
 

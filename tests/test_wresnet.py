@@ -18,7 +18,8 @@ from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import auto_shard_graph
 from autoshard.intra.strategies import node_strategies
 from autoshard.models import WRESNET_PRESETS, get_workload, make_optimizer, model_names
-from autoshard.runtime.sharded import check_against_single_device, make_mesh
+from autoshard.runtime.reference_check import check_against_single_device
+from autoshard.runtime.sharded import make_mesh
 from autoshard.verify.check import verify_plan
 
 HIGHS = IntraOptions(solver="highs")

@@ -17,7 +17,8 @@ from autoshard.cli.planfile import bound_from_args, needs_model
 
 def cmd_run(args, bound=None) -> int:
     from autoshard.models import get_workload, make_optimizer
-    from autoshard.runtime.sharded import check_against_single_device, run_steps
+    from autoshard.runtime.reference_check import check_against_single_device
+    from autoshard.runtime.sharded import run_steps
 
     needs_model(args, "run")
     if getattr(args, "save", None) and getattr(args, "pipeline", None) is None:

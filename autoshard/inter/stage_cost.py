@@ -63,6 +63,7 @@ from autoshard.inter.stage_memory import (
     unit_state,
 )
 from autoshard.inter.stage_memory import spec_fraction as _spec_fraction
+from autoshard.inter.stage_specs import assemble_stage_specs
 from autoshard.inter.stages import RECOMPUTE_MODES, StageCost
 from autoshard.inter.subgraph import (
     RangeGraph,
@@ -75,7 +76,7 @@ from autoshard.inter.subgraph import (
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
 from autoshard.inter.unit_pool import jobs_for, solve_in_pool
-from autoshard.intra.cost import CostOptions, _valid_spec, reshard
+from autoshard.intra.cost import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload import (
     NO_OFFLOAD,
@@ -85,7 +86,6 @@ from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import build_problem, plan_from_solution
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
-from autoshard.ir.spec import ShardingSpec
 
 _NO_TIES = CostOptions(tie_breakers=False)
 _NO_TIES_OPTIONS = IntraOptions(cost=_NO_TIES)  # the stage ILPs price in seconds
@@ -458,30 +458,9 @@ class IntraStageCost:
             pieces = [
                 (self.unit(i, i + 1, logical), self._ids(i, i + 1)) for i in range(start, end)
             ]
-        tensor_specs: dict[int, ShardingSpec] = {}
-        input_specs: dict[int, ShardingSpec] = {}
-        operand_specs: dict[int, dict[int, ShardingSpec]] = {}
-        for unit, rg in pieces:
-            if unit.plan is None:
-                raise ValueError(
-                    f"layers {list(self.graph.layers[start:end])} have no finite intra-op plan "
-                    f"on the logical mesh {logical}"
-                )
-            plan = unit.plan
-            if len(plan.input_specs) != len(rg.inputs) or len(plan.node_strategies) != len(
-                rg.node_ids
-            ):
-                raise AssertionError(f"the plan reused for layers [{rg.start}, {rg.end}) differs")
-            for tid, spec in zip(rg.inputs, plan.input_specs, strict=True):
-                input_specs.setdefault(rg.tensor_ids[tid], spec)
-            for tid, spec in plan.tensor_specs.items():
-                tensor_specs[rg.tensor_ids[tid]] = spec
-            for node, ops in plan.operand_specs.items():
-                operand_specs[rg.node_ids[node]] = dict(ops)
-        mesh = self.mesh_for(logical).mesh
-        for tid, spec in (*input_specs.items(), *tensor_specs.items()):
-            _valid_spec(spec, mesh, self.graph.tensors[tid].shape)  # a reused plan must fit
-        return StageSpecs(logical, tensor_specs, input_specs, operand_specs)
+        return assemble_stage_specs(
+            self.graph, pieces, logical, self.mesh_for(logical).mesh, start, end
+        )
 
     # -- the callback
     def range_key(self, start: int, end: int):
