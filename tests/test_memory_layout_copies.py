@@ -197,12 +197,7 @@ def test_wresnet_2x4_memory_needs_the_early_conv_copies(wresnet_megatron_2x4):
     late = dataclasses.replace(
         mesh, memory_layout=dataclasses.replace(mesh.memory_layout, early_conv_copies=False)
     )
-    without = max(predicted_live_bytes(g, spec_of, late, plan.operand_specs))
-    with_rule = plan.predicted_peak_bytes
-    assert without <= with_rule  # the rule only adds buffers
-    assert abs(with_rule - xla) <= abs(without - xla)
-    if with_rule - without > 0.05 * xla:  # the early copies are live at the peak (jax 0.10)
-        assert without < 0.9 * xla, (without, xla)
+    assert max(predicted_live_bytes(g, spec_of, late, plan.operand_specs)) < 0.9 * xla
 
 
 def trace_workload_graph(name: str, **overrides):
