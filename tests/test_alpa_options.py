@@ -24,7 +24,8 @@ from autoshard.intra.options import IntraOptions
 from autoshard.intra.problem import auto_shard_graph, build_problem
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 from autoshard.models import make_optimizer
-from autoshard.runtime.sharded import check_against_single_device, make_mesh
+from autoshard.runtime.reference_check import check_against_single_device
+from autoshard.runtime.sharded import make_mesh
 from autoshard.verify.check import verify_plan
 
 

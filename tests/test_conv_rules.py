@@ -20,7 +20,8 @@ from autoshard.intra.strategies import RULES, node_strategies
 from autoshard.ir.graph import build_graph
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_train_step
-from autoshard.runtime.sharded import check_against_single_device, make_mesh
+from autoshard.runtime.reference_check import check_against_single_device
+from autoshard.runtime.sharded import make_mesh
 from autoshard.trace.jaxpr import trace_train_step
 from autoshard.verify.check import verify_plan
 

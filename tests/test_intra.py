@@ -15,7 +15,8 @@ from autoshard.intra.problem import auto_shard_graph, build_problem
 from autoshard.ir.primitives import ATTENTION
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_optimizer
-from autoshard.runtime.sharded import check_against_single_device, make_mesh
+from autoshard.runtime.reference_check import check_against_single_device
+from autoshard.runtime.sharded import make_mesh
 from autoshard.verify.check import verify_plan
 from autoshard.verify.compare import summarize
 
