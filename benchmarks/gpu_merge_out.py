@@ -11,8 +11,8 @@ that was cut short (whatever parts exist are merged)::
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 PARTS = {
@@ -43,7 +43,12 @@ def merge(out: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python benchmarks/gpu_merge_out.py OUT_FOLDER")
-    for path in merge(Path(sys.argv[1])):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "out_folder", type=Path, help="the folder a GPU check left its parts in ($OUT)"
+    )
+    args = parser.parse_args()
+    if not args.out_folder.is_dir():
+        parser.error(f"{args.out_folder} is not a folder: give the $OUT folder of a GPU check")
+    for path in merge(args.out_folder):
         print(f"merged into {path}")

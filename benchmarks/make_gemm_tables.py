@@ -42,6 +42,7 @@ Usage: python benchmarks/make_gemm_tables.py
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -255,6 +256,11 @@ def write_table(name: str) -> Path:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Write the modelled GEMM tables (autoshard/hardware/gemm_tables/<device>.json) "
+        f"of {', '.join(DEVICES)}; takes no options."
+    )
+    parser.parse_args()
     for name in DEVICES:
         print(f"wrote {write_table(name)}")
 

@@ -23,6 +23,7 @@ point already in the JSON are kept; ``OFFLOAD_V100_OUT``: another JSON to write.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -174,10 +175,23 @@ def weak_point(name: str, placements=PLACEMENTS) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    placements = PLACEMENTS
-    if argv[:1] == ["--placements"]:
-        placements, argv = tuple(argv[1].split(";")), argv[2:]
-    points = argv or ["ablation", *WEAK]
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="writes benchmarks/results/offload_v100.json (OFFLOAD_V100_OUT: another JSON)",
+    )
+    parser.add_argument(
+        "points",
+        nargs="*",
+        metavar="POINT",
+        help=f"ablation or one of {', '.join(WEAK)} (default: all)",
+    )
+    parser.add_argument(
+        "--placements",
+        help=f"the placements to run, separated by ';' (default: {';'.join(PLACEMENTS)})",
+    )
+    args = parser.parse_args(argv)
+    placements = tuple(args.placements.split(";")) if args.placements else PLACEMENTS
+    points = args.points or ["ablation", *WEAK]
     unknown = [p for p in points if p != "ablation" and p not in WEAK]
     if unknown:
         print(f"unknown point(s) {unknown}; choose from ablation, {', '.join(WEAK)}")

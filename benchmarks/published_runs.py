@@ -222,3 +222,27 @@ GPU_PEER_H100 = [
 ALL_RUNS = [
     *SC21_TABLE_1, *KORTHIKANTI_22, *ALPA_README, *SHOEYBI_19, *GPU_SINGLE_H100, *GPU_PEER_H100,
 ]  # fmt: skip
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        description="List the published (and here-measured) runs the simulator is checked "
+        "against (data only; benchmarks/validate_megatron.py compares them with the simulator)."
+    )
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON document")
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in ALL_RUNS], indent=1))
+        return
+    for r in ALL_RUNS:
+        print(
+            f"{r.source:14s} {r.role:11s} {r.name:32s} {r.cluster:10s} {r.gpus:5d} GPUs "
+            f"tp {r.tp} pp {r.pp} dp {r.dp}  {r.metric} {r.published:g}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -19,12 +19,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 def load_benchmark(name: str):
-    """Import ``benchmarks/<name>.py`` (a script, not a package) as a module."""
+    """Import ``benchmarks/<name>.py`` (a script, not a package) as a module; ``name`` may
+    name a sub-folder (``"studies/host_overhead_v100"``)."""
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

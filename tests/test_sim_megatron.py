@@ -308,12 +308,12 @@ def test_small_shape_factor_keeps_the_calibrated_level():
 
 
 def test_host_overhead_what_if_on_the_2019_rows():
-    """benchmarks/host_overhead_v100.py (docs/validation.md): Megatron-LM 2019's kernels per
+    """benchmarks/studies/host_overhead_v100.py (docs/validation.md): Megatron-LM 2019's kernels per
     step as counted from its code, and PyTorch's published per-op host time (280k ops/s):
     with the host running ahead of the GPU the term never binds on these rows (26 ms
     against a step of 0.42 s or more), so the shipped model is what the principled
     variant predicts."""
-    bench = load_benchmark("host_overhead_v100")
+    bench = load_benchmark("studies/host_overhead_v100")
     runs = {r.name: r for r in bench.SHOEYBI_19}
     baseline, strong8 = runs["1.2B 1 GPU (baseline)"], runs["1.2B MP 8 (strong)"]
     assert bench.kernels_per_step(baseline) == 40 * 120 + 30 + 5 * (12 * 40 + 4)
@@ -352,14 +352,14 @@ def test_elementwise_structures_fused_default_and_2019_unfused():
 
 
 def test_megatron_2019_strong_scaling_is_not_a_replicated_elementwise_part():
-    """benchmarks/megatron2019_elementwise.py (docs/validation.md): the time missing on the
+    """benchmarks/studies/megatron2019_elementwise.py (docs/validation.md): the time missing on the
     1.2B strong-scaling rows fits c (1 - 1/t) with c about 0.36 s, but the part of the 1-GPU
     step that does not shrink with t -- the passes over [s, b, h] tensors every TP rank
     repeats -- is 0.05 s fused and 0.07 s with the unfused 2019 kernels. The 2019 structure,
     refitted on the 1-GPU row, leaves the strong rows where they were and pushes weak-scaling
     rows past 15%; making the replicated part as large as c fixes the strong rows but makes
     the 8.3B rows, whose [s, b, h] work is 3.6x the 1.2B model's, over 15% too slow."""
-    result = load_benchmark("megatron2019_elementwise").analyse()
+    result = load_benchmark("studies/megatron2019_elementwise").analyse()
     by = {s["elementwise"]: s for s in result["structures"]}
     fused, unfused = by["fused"], by["megatron-lm-2019"]
     (hypothesis,) = [s for k, s in by.items() if k.startswith("hypothesis")]
@@ -381,12 +381,12 @@ def test_megatron_2019_strong_scaling_is_not_a_replicated_elementwise_part():
 
 
 def test_tensor_parallel_step_cost_form_what_if():
-    """benchmarks/tp_overhead_forms.py (docs/validation.md): fitted the same way on the three
+    """benchmarks/studies/tp_overhead_forms.py (docs/validation.md): fitted the same way on the three
     model-parallel weak-scaling runs, the shipped form c (1 - 1/t) and log2 t both keep every
     V100 validation row within 15%, while a constant per-step cost for any t > 1 misses the
     1.2B model's 8-way strong-scaling row by more than 15% -- the validation rows can tell
     the shapes apart, and the shipped one is not the only one that holds."""
-    forms = {f["form"]: f for f in load_benchmark("tp_overhead_forms").analyse()["forms"]}
+    forms = {f["form"]: f for f in load_benchmark("studies/tp_overhead_forms").analyse()["forms"]}
     assert set(forms) == {"1 - 1/t", "log2 t", "t - 1", "1 (t > 1)"}
     for name in ("1 - 1/t", "log2 t"):
         assert forms[name]["validation_max_abs_error_percent"] <= 15.0, forms[name]

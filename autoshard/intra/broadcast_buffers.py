@@ -15,7 +15,7 @@ reads lives from the forward pass to it.  A LayerNorm's backward reduces
 rather than recomputed -- three ``[B, S, h]`` float32 buffers a LayerNorm, from its
 forward to its backward (``bitcast_broadcast_fusion``, ``wrapped_broadcast``,
 ``broadcast_multiply_fusion`` at XLA's live peak of gpt-350m bf16, megatron on 8 devices,
-2 blocks: 15 x 32 MiB, fused and unfused program alike; ``benchmarks/live_peak_values.py``).
+2 blocks: 15 x 32 MiB, fused and unfused program alike; ``benchmarks/studies/live_peak_values.py``).
 
 Each buffer is laid out and sized like the result of the op it is named after
 (``sized_by``): the backward op that reads the broadcast, or the forward value kept.

@@ -111,7 +111,7 @@ def collectives_by_value(
     ip: IntraProblem, choice, relabelled: set[int] | None = None
 ) -> list[tuple[int, tuple[Collective, ...]]]:
     """:func:`predicted_collectives` per resharded value: (tensor id, its collectives), in
-    program order of first use (``benchmarks/collectives_by_op.py`` groups them by op).
+    program order of first use (``benchmarks/studies/collectives_by_op.py`` groups them by op).
     ``relabelled``: a set that receives the values whose all-reduce (as the ILP priced it)
     is predicted as the reduce-scatter XLA makes of it, being sliced after."""
     graph = ip.graph

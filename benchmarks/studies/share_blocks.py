@@ -7,7 +7,7 @@ differently and which, which layers of the unshared plan are placed alike, and w
 unshared plan would cost once projected onto each tie structure (every tie root keeps
 its unshared choice; a structure that holds the unshared plan projects to its objective).
 
-    python benchmarks/share_blocks.py --model gpt-tiny --layers 4 --mesh 2x4
+    python benchmarks/studies/share_blocks.py --model gpt-tiny --layers 4 --mesh 2x4
         [--sharing "ends + period 2"] [--time-limit 300] [--out share_blocks.json]
 """
 

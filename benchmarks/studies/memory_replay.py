@@ -7,7 +7,7 @@ a loaded machine the plans (and XLA's peaks) move from run to run; replaying cac
 separates the model's change from the planner's.  Run it once per code version against
 the same cache (``PYTHONPATH=<other checkout>`` imports another version)::
 
-    python benchmarks/memory_replay.py --suite memory [--cache DIR] [--live] [--json]
+    python benchmarks/studies/memory_replay.py --suite memory [--cache DIR] [--live] [--json]
 
 Prints one line per row (XLA's allocation, the prediction, its error, and with ``--live``
 the error against XLA's live peak), or with ``--json`` one JSON document.

@@ -8,7 +8,7 @@ activations + working bytes) and its leanest layout; and the budgeted stage DP o
 same costs (fits, or the smallest per-device budget any plan needs). Minutes per optimizer
 for moe-70b; prints text::
 
-    python benchmarks/moe70_memory.py [MODEL [GPUS [OPTIMIZER ...]]]
+    python benchmarks/studies/moe70_memory.py [MODEL [GPUS [OPTIMIZER ...]]]
 """
 
 from __future__ import annotations

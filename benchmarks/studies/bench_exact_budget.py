@@ -1,7 +1,7 @@
 """The exact per-value program's budget on one-axis meshes: status, nodes, objective and
 seconds of every plan of bench_truth's suites there, one JSON line per plan on stdout.
 
-    python benchmarks/bench_exact_budget.py MODE SUITES [MESHES] > rows.jsonl
+    python benchmarks/studies/bench_exact_budget.py MODE SUITES [MESHES] > rows.jsonl
 
 MODE: "default" (the planner as it is), "free" (no node budget: the proven optimum) or
 "nodes:N" (a budget of N branch-and-bound nodes); SUITES: bench_truth suites, comma-
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_truth
 
 from bench_truth import PLANS, SUITES, _label, plan_settings, truth_mesh  # noqa: E402
 

@@ -7,7 +7,7 @@ per seed with ``solve(..., seed=s)``, HiGHS's ``random_seed`` (the planner's def
 ``IntraOptions.seed = 0``). Prints one line per solve and writes the rows (seconds,
 objective, status, nodes) with the machine's load before and after each solve:
 
-    python benchmarks/bench_highs_seeds.py --models gpt-39b gpt-2.6b --meshes 8x8 --seeds 8 \
+    python benchmarks/studies/bench_highs_seeds.py --models gpt-39b gpt-2.6b --meshes 8x8 --seeds 8 \
         --out benchmarks/results/bench_highs_seeds.json
 
 Every seed must reach the same proven optimum (the script says so if one does not); what
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import figure  # noqa: E402  (experiments/figure.py: the commit helper the figures use)
 
 

@@ -23,7 +23,7 @@ Assumptions, fixed before any validation error was looked at: the passes run at 
 preset's nominal HBM bandwidth (900 GB/s), as every elementwise byte of the model does; the
 optimizer (32 bytes per parameter) is unchanged; only the calibration row fits anything.
 
-Usage: python benchmarks/megatron2019_elementwise.py [--json]
+Usage: python benchmarks/studies/megatron2019_elementwise.py [--json]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 sys.path.insert(0, str(HERE))  # the sibling scripts below, also when loaded by path
 
 import make_gemm_tables  # noqa: E402

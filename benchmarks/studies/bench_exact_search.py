@@ -8,7 +8,7 @@ reports on such meshes), then solves the exact program from that plan as
 took.  One JSON line per plan on stdout, progress on stderr; ``--out`` also writes them
 as one JSON document.
 
-    python benchmarks/bench_exact_search.py [--meshes 2x4 4x2] [--out FILE]
+    python benchmarks/studies/bench_exact_search.py [--meshes 2x4 4x2] [--out FILE]
 """
 
 from __future__ import annotations

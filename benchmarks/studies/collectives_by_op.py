@@ -7,7 +7,7 @@ plan's own prediction per value (:func:`autoshard.intra.predict.collectives_by_v
 which ``predicted_collectives`` is the flat list that ``plan --verify`` compares with XLA's
 compile), for the plan ``plan_from_solution`` was last asked to predict.
 
-    python benchmarks/collectives_by_op.py --model gpt-tiny --mesh 2x4 --baseline megatron
+    python benchmarks/studies/collectives_by_op.py --model gpt-tiny --mesh 2x4 --baseline megatron
 """
 
 from __future__ import annotations

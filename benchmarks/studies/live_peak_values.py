@@ -6,7 +6,7 @@ dumps (``verify_plan(..., live_peak="always")``) and prints the predicted peak, 
 allocation and live peak (bytes per device), the instruction at the live peak and the
 largest values live there with the bytes each holds::
 
-    python benchmarks/live_peak_values.py --model moe-tiny --mesh 4x2 --plan megatron [--top 25]
+    python benchmarks/studies/live_peak_values.py --model moe-tiny --mesh 4x2 --plan megatron [--top 25]
 
 ``--layers``, ``--batch``, ``--dtype`` and ``--attention`` override the preset as bench_truth's memory suite
 does (``--model gpt-350m --layers 2 --batch 8 --dtype bfloat16 --optimizer adamw``).

@@ -34,7 +34,7 @@ Two ways to combine host and GPU time:
 * ``additive``: no overlap at all, step = GPU time + kernels x host time per op (a
   pessimistic bound: the host never runs ahead).
 
-Usage: python benchmarks/host_overhead_v100.py [--json]
+Usage: python benchmarks/studies/host_overhead_v100.py [--json]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 sys.path.insert(0, str(HERE))  # the sibling scripts below, also when loaded by path
 
 import make_gemm_tables  # noqa: E402

@@ -10,7 +10,7 @@ g(t) is fitted the same way (minimise the worst |error| over the three calibrati
 priced with it. Forms: ``1 - 1/t`` (shipped), ``log2 t``, ``t - 1`` (ring steps),
 ``1`` for t > 1 (a constant).
 
-Usage: python benchmarks/tp_overhead_forms.py [--json]
+Usage: python benchmarks/studies/tp_overhead_forms.py [--json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 sys.path.insert(0, str(HERE))  # the sibling scripts below, also when loaded by path
 
 import make_gemm_tables  # noqa: E402
