@@ -1,4 +1,5 @@
-"""Check every relative markdown link and #anchor in README.md, CHANGELOG.md and docs/*.md.
+"""Check every relative markdown link and #anchor in README.md, CHANGELOG.md, docs/*.md and
+benchmarks/**/README.md.
 
 Anchors are GitHub's heading slugs (lower case; punctuation but ``-`` and ``_`` dropped;
 spaces to ``-``; a repeated slug gets ``-1``, ``-2``, ...) plus explicit
@@ -61,7 +62,12 @@ def anchors(path: Path) -> set[str]:
 
 
 def check(root: Path) -> tuple[int, list[str]]:
-    files = [root / "README.md", root / "CHANGELOG.md", *sorted((root / "docs").glob("*.md"))]
+    files = [
+        root / "README.md",
+        root / "CHANGELOG.md",
+        *sorted((root / "docs").glob("*.md")),
+        *sorted((root / "benchmarks").glob("**/README.md")),
+    ]
     cache: dict[Path, set[str]] = {}
     checked, broken = 0, []
     for source in files:
