@@ -65,8 +65,8 @@ TAIL_SMOOTHING = 0.15
 # published p3.16xlarge step. They are *effective*
 # efficiencies that also absorb what the step model leaves out (docs/validation.md);
 # cuBLAS alone reaches more on large fp16 GEMMs.
-A100_CALIBRATED_EFFICIENCY = 0.65
-V100_CALIBRATED_EFFICIENCY = 0.53
+A100_CALIBRATED_EFFICIENCY = 0.67
+V100_CALIBRATED_EFFICIENCY = 0.52
 # The same V100 running Megatron-LM's 2019 code (PyTorch 1.x, no fused softmax, bias-GeLU or
 # bias-dropout-add kernels): fitted to that paper's own single-GPU figure, 39 TFLOP/s for the
 # 1.2B model ("30% of peak"), the one calibration row of the dgx2h-v100 preset.

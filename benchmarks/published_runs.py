@@ -75,6 +75,13 @@ class PublishedRun:
     dtype: str = "fp16"
     relative_to: str | None = None  # a row of the same source: also compare the ratio
     attention: str = "softmax"  # MegatronConfig.attention: "flash" prices the fused kernel
+    # the software that ran (MegatronConfig): SC21's 2021 code adds each micro-batch's
+    # gradients to the buffer in a separate pass ("unfused"); the fused accumulation (Feb
+    # 2022) is in Korthikanti et al.'s code, whose sequence parallelism also overlaps the
+    # backward reduce-scatter with the weight-gradient GEMM (tp_comm_overlap None: as
+    # sequence parallelism does)
+    grad_accumulation: str = "fused"
+    tp_comm_overlap: bool | None = None
 
     @property
     def dp(self) -> int:
@@ -84,7 +91,7 @@ class PublishedRun:
 def _sc21(name, a, h, layers, t, p, gpus, gbs, mbs, v, tflops):
     return PublishedRun(
         "sc21-table1", "calibration", name, "dgx-a100", gpus, a, h, layers, t, p, gbs, mbs,
-        tflops, virtual_stages=v,
+        tflops, virtual_stages=v, grad_accumulation="unfused",
     )  # fmt: skip
 
 

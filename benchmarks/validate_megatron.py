@@ -70,6 +70,8 @@ def price(run: PublishedRun, table: GemmTable | None = None, elementwise: str = 
         virtual_stages=run.virtual_stages,
         dtype=run.dtype,
         elementwise=elementwise,
+        grad_accumulation=run.grad_accumulation,
+        tp_comm_overlap=run.tp_comm_overlap,
     )
     result = simulate_megatron(model, cfg, load_cluster(run.cluster, num_gpus=run.gpus), table)
     predicted = {

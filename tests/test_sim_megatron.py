@@ -134,13 +134,71 @@ def test_bubble_shrinks_with_more_microbatches_and_interleaving():
     shares = [bubble_share(g)[0] for g in (4, 8, 16, 64)]
     assert all(b < a for a, b in itertools.pairwise(shares))
     assert bubble_share(16, v=2)[0] < bubble_share(16, v=1)[0]
-    share, r = bubble_share(16, v=2)
+
+
+def _busy_and_bubble(model, **kw):
+    r = _sim(model, **kw)
     busy = sum(
         val
         for k, val in r.breakdown.items()
         if k in ("compute_gemm", "compute_elementwise", "tp_comm", "pp_p2p")
     )
-    assert math.isclose(r.breakdown["pipeline_bubble"] / busy, bubble_fraction(4, 16, 2))
+    return busy, r.breakdown["pipeline_bubble"]
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_bubble_is_the_other_stages_time(v):
+    """1F1B's bubble is the time of the p - 1 stages other than the slowest, / v: with
+    (nearly) equal stages it is (p-1)/(v m) of the busy time; a heavy last stage (the
+    logits of a large vocabulary) sets the busy time but not the bubble."""
+    kw = dict(tp=8, pp=4, dp=1, micro_batch=1, global_batch=16, virtual_stages=v)
+    tiny_vocab = GPTShape(hidden=6144, layers=40, heads=48, vocab=64)
+    busy, bubble = _busy_and_bubble(tiny_vocab, **kw)
+    assert bubble / busy == pytest.approx(bubble_fraction(4, 16, v), rel=0.01)
+    big_vocab = GPTShape(hidden=6144, layers=40, heads=48, vocab=8 * 51200)
+    busy_big, bubble_big = _busy_and_bubble(big_vocab, **kw)
+    # the logit GEMM lengthens the last stage by about 8% here: the bubble stays put
+    assert busy_big > 1.05 * busy
+    assert bubble_big == pytest.approx(bubble, rel=0.01)
+    assert bubble_big / busy_big < 0.96 * bubble_fraction(4, 16, v)
+
+
+def test_unfused_gradient_accumulation_is_one_pass_per_microbatch():
+    """2021's ``main_grad.add_(grad)``: per micro-batch, the 16-bit gradient read and the
+    16-bit buffer read and written (fp16: 6 bytes; bf16, whose buffer Megatron-LM keeps in
+    fp32: 10), over every parameter of the (one) stage."""
+    h, layers, vocab, s = GPT_18B.hidden, GPT_18B.layers, GPT_18B.vocab, GPT_18B.seq_len
+    params = (12 * h * h + 13 * h) * layers / 8 + vocab * h / 8 + s * h + 2 * h
+    hbm = load_cluster("dgx-a100").device.hbm_bandwidth
+    for dtype, bytes_per_param in (("fp16", 6), ("bf16", 10)):
+        kw = dict(tp=8, pp=1, dp=1, micro_batch=2, global_batch=8, dtype=dtype)
+        fused = _sim(GPT_18B, **kw)
+        unfused = _sim(GPT_18B, grad_accumulation="unfused", **kw)
+        want = 4 * memory_bound_time(bytes_per_param * params, hbm)  # 4 micro-batches
+        assert unfused.step_time_s - fused.step_time_s == pytest.approx(want, rel=1e-9)
+    with pytest.raises(ValueError, match="grad_accumulation must be one of"):
+        _sim(GPT_18B, grad_accumulation="lazy", **kw)
+
+
+def test_sequence_parallel_overlaps_the_backward_reduce_scatter():
+    """With sequence parallelism the column-parallel linears' backward reduce-scatter runs
+    under the weight-gradient GEMM (Megatron-LM's code always does): the exposed TP time
+    drops by two reduce-scatters per layer and micro-batch (each shorter than its GEMM
+    here), and forcing it off gives the blocking step back."""
+    from autoshard.hardware.mesh import to_device_mesh
+    from autoshard.intra.cost import CostOptions, reduce_scatter_cost
+
+    kw = dict(tp=8, pp=1, dp=1, micro_batch=1, global_batch=4, sequence_parallel=True)
+    default = _sim(GPT_18B, recompute="selective", **kw)
+    blocking = _sim(GPT_18B, recompute="selective", tp_comm_overlap=False, **kw)
+    cluster = load_cluster("dgx-a100", num_gpus=8)
+    mesh = to_device_mesh(cluster, (1, 1, 8), ("pipe", "data", "model"), "fp16")
+    sbh = GPT_18B.seq_len * GPT_18B.hidden
+    rs = reduce_scatter_cost(mesh, "model", sbh * 2, CostOptions(tie_breakers=False))
+    hidden = 4 * GPT_18B.layers * 2 * rs  # 4 micro-batches, 2 per layer
+    saved = blocking.breakdown["tp_comm"] - default.breakdown["tp_comm"]
+    assert saved == pytest.approx(hidden, rel=1e-9)
+    assert blocking.step_time_s - default.step_time_s == pytest.approx(hidden, rel=1e-9)
 
 
 def test_gpt_39b_does_not_fit_one_v100_but_350m_does():
@@ -176,17 +234,21 @@ def test_megatron_table_1_within_15_percent():
 
 def test_a100_and_h100_hold_on_rows_they_were_not_calibrated_on():
     """Validation rows (never used to fit): on A100 (Korthikanti et al. 2022: sequence
-    parallel + selective recompute) and H100 (the step measured here) the mean |error| is
-    at most 10% and no row is above 15%."""
+    parallel + selective recompute, pipelines up to 64 deep) the mean |error| is at most 8%
+    and no row is above 12% (issue #32); on H100 (the step measured here) at most 10% and
+    15%."""
     rows = load_benchmark("validate_megatron").validate()
-    for device in ("a100", "h100"):
+    for device, mean_limit, max_limit in (("a100", 8.0, 12.0), ("h100", 10.0, 15.0)):
         errors = [
             abs(r["error_percent"])
             for r in rows
             if r["device"] == device and r["role"] == "validation"
         ]
         assert len(errors) >= 3, device
-        assert max(errors) <= 15.0 and sum(errors) / len(errors) <= 10.0, (device, errors)
+        assert max(errors) <= max_limit, (device, errors)
+        assert sum(errors) / len(errors) <= mean_limit, (device, errors)
+    deep = [r for r in rows if r["source"] == "korthikanti22" and r["pp"] >= 35]
+    assert len(deep) == 2 and all(abs(r["error_percent"]) <= 12.0 for r in deep), deep
 
 
 def test_calibration_and_validation_rows_are_apart_and_the_fit_is_reproduced():

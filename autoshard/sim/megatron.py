@@ -43,12 +43,23 @@ The model, per micro-batch and per device:
   gradient (last stage). Costs come from :mod:`autoshard.intra.cost` (ring alpha-beta, no
   tie-breakers) on the mesh ``(pipe=p, data=d, model=t)`` laid out row-major on the cluster,
   so TP <= 8 stays on NVLink (Megatron's rank order: TP fastest, then DP, then PP).
+  Backward, the column-parallel linears (QKV, MLP up) reduce their input gradient while
+  their weight-gradient GEMM runs (``MegatronConfig.tp_comm_overlap``; by default as
+  Megatron-LM's sequence-parallel code does, its reduce-scatter): only what outlasts the
+  GEMM is charged.
 * Pipeline: point-to-point send of the activation, alpha + beta x bytes, forward and
   backward at every chunk boundary; with t > 1 the scatter-gather optimisation sends sbh/t
   over the pipe link and all-gathers it over the TP group (not needed with sequence
-  parallel). Step = (m + (p-1)/v) x (slowest stage's time per micro-batch): the 1F1B
-  bubble (p-1)/m, divided by v when interleaved. Communication is not overlapped with
-  compute (Megatron's 2021 schedule blocks on its sends).
+  parallel). Step = m x (slowest stage's time per micro-batch) + the bubble, which is the
+  time of the *other* p - 1 stages per micro-batch, divided by v when interleaved: 1F1B's
+  critical path is the first micro-batch's forward through them, the slowest stage's m
+  micro-batches, the last backward back through them (with equal stages: (p-1)/(v m) of
+  the busy time; the last stage's logits make it the slowest). Sends are not overlapped
+  with compute (Megatron's schedule blocks on them).
+* Gradient accumulation (``MegatronConfig.grad_accumulation``): "fused" (default; Megatron-LM
+  since Feb 2022) accumulates in the weight-gradient GEMM; "unfused" (2021 code:
+  ``main_grad.add_(grad)``) adds a memory-bound pass per micro-batch over the stage's
+  parameters, reading the gradient and reading + writing the 16-bit buffer (fp32 with bf16).
 * Data parallel: one ring all-reduce of the 16-bit gradients after the pipeline flush, not
   overlapped with backward (a pessimistic choice for torch-DDP runs, which overlap it);
   with p > 1 the tied embedding gradient is all-reduced between the first and last stage.
@@ -93,6 +104,7 @@ _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4}
 MESH_AXES = ("pipe", "data", "model")
 ATTENTION_KERNELS = ("softmax", "flash")  # MegatronConfig.attention (module docstring)
 FLASH_DTYPES = ("fp16", "bf16")  # what flash attention kernels run
+GRAD_ACCUMULATION = ("fused", "unfused")  # MegatronConfig.grad_accumulation
 
 
 def _fused_passes(e: int) -> dict[str, tuple[float, float]]:
@@ -168,6 +180,15 @@ class MegatronConfig:
     dtype: str | None = None  # None: the device's default 16-bit dtype
     elementwise: str = "fused"  # a key of ELEMENTWISE_PASSES
     attention: str = "softmax"  # one of ATTENTION_KERNELS
+    # Megatron-LM's software generation, where it changes the step (module docstring):
+    # "fused" -- the weight-gradient GEMM accumulates into the gradient buffer (Feb 2022 on);
+    # "unfused" -- a separate add per micro-batch (``main_grad.add_(grad)``, 2021 code)
+    grad_accumulation: str = "fused"
+    # the column-parallel linears' backward collective runs under their weight-gradient
+    # GEMM: None -- as Megatron-LM's sequence-parallel code always does (its reduce-scatter);
+    # True also without sequence parallel (the all-reduce, ``--async-tensor-model-parallel-
+    # allreduce``, Sept 2021 on); False -- blocking (2021 code)
+    tp_comm_overlap: bool | None = None
 
     @property
     def num_gpus(self) -> int:
@@ -221,6 +242,8 @@ def _validate(model: GPTShape, cfg: MegatronConfig, cluster: Cluster) -> None:
         problems.append(f"elementwise must be one of {sorted(ELEMENTWISE_PASSES)}")
     if cfg.recompute not in formulas.RECOMPUTE_MODES:
         problems.append(f"recompute must be one of {formulas.RECOMPUTE_MODES}")
+    if cfg.grad_accumulation not in GRAD_ACCUMULATION:
+        problems.append(f"grad_accumulation must be one of {GRAD_ACCUMULATION}")
     if cfg.attention not in ATTENTION_KERNELS:
         problems.append(f"attention must be one of {ATTENTION_KERNELS}")
     if cfg.attention == "flash" and cfg.elementwise != "fused":
@@ -351,6 +374,20 @@ def simulate_megatron(
     kernel = kernel_fwd + kernel_bwd
     elementwise = ew_fwd + ew_bwd
     tp_comm = 2 * tp_fwd
+    overlap = sp if cfg.tp_comm_overlap is None else cfg.tp_comm_overlap
+    if overlap and t > 1:
+        # backward: the column-parallel linears (QKV, MLP up) reduce their input gradient
+        # while the weight-gradient GEMM runs; only what outlasts that GEMM is exposed.
+        # With sequence parallelism that is the reduce-scatter (the all-gather of the
+        # row-parallel linears' output gradient stays blocking); without, the all-reduce.
+        hidden = (
+            reduce_scatter_cost(mesh, "model", sbh * e, NO_TIE_BREAKERS)
+            if sp
+            else all_reduce_cost(mesh, "model", sbh * e, NO_TIE_BREAKERS)
+        )
+        for _, m_, n_, k_ in (dense_gemms[0], dense_gemms[2]):  # QKV, MLP up
+            wgrad = gemm_table.gemm_time(k_, n_, m_, dtype, peak, 1)
+            tp_comm -= min(hidden, wgrad)
     recomputed = 0.0  # GEMM, kernel and elementwise seconds recompute adds per layer
     if cfg.recompute == "full":
         recomputed = att_fwd + dense_fwd + ew_fwd + kernel_fwd
@@ -363,6 +400,16 @@ def simulate_megatron(
         gemm += att_fwd
         elementwise += memory_bound_time(softmax_bytes, hbm)
     layers_per_device = n_layers // p
+    layer_params = (12 * h * h + 13 * h) * layers_per_device / t
+    embed_params = v_size * h / t
+
+    def accumulation_s(params: float) -> float:
+        """Per micro-batch: the unfused gradient accumulation reads the new gradient and
+        reads and writes the buffer (16-bit, fp32 with bf16 as Megatron-LM forces)."""
+        if cfg.grad_accumulation == "fused":
+            return 0.0
+        buffer_e = 4 if dtype == "bf16" else e
+        return memory_bound_time((e + 2 * buffer_e) * params, hbm)
 
     # --- embedding (first stage) and logits + loss (last stage) -------------------------
     logit_fwd, logit_bwd = _gemm_times(gemm_table, dtype, peak, [(1, b * s, v_size // t, h)])
@@ -399,25 +446,30 @@ def simulate_megatron(
     }
     if flash:  # softmax's breakdown keeps its keys (and its sums) as they were
         layers_part["compute_attention"] = layers_per_device * kernel
+    layers_part["compute_elementwise"] += accumulation_s(layer_params)
+    middle_time = sum(layers_part.values())
     first = dict(layers_part)
-    first["compute_elementwise"] += first_ew
+    first["compute_elementwise"] += first_ew + accumulation_s(embed_params + s * h)
     first["tp_comm"] += first_tp
     last = dict(layers_part)
     last["compute_gemm"] += last_gemm
     last["compute_elementwise"] += last_ew
     last["tp_comm"] += last_tp
+    last["compute_elementwise"] += accumulation_s((embed_params if p > 1 else 0) + 2 * h)
     if p == 1:
-        last["compute_elementwise"] += first_ew
+        last["compute_elementwise"] += first_ew + accumulation_s(embed_params + s * h)
         last["tp_comm"] += first_tp
-    slowest = max((first, last), key=lambda d: sum(d.values()))
-    stage_time = sum(slowest.values())
+    slowest, other_end = sorted((first, last), key=lambda d: sum(d.values()), reverse=True)
 
     breakdown = {k: m * val for k, val in slowest.items()}
-    breakdown["pipeline_bubble"] = (p - 1) / v * stage_time
+    # 1F1B's critical path: the first micro-batch's forward through the other p - 1 stages,
+    # the slowest stage's m micro-batches back to back, the last backward through the
+    # other stages again -- so the bubble is the other stages' time, not p - 1 times the
+    # slowest's (the last stage's logits make it the slowest); / v when interleaved
+    others = (p - 2) * middle_time + sum(other_end.values()) if p > 1 else 0.0
+    breakdown["pipeline_bubble"] = others / v
 
     # --- after the flush: gradient all-reduce and optimizer -----------------------------
-    layer_params = (12 * h * h + 13 * h) * layers_per_device / t
-    embed_params = v_size * h / t
     first_params = layer_params + embed_params + s * h
     last_params = layer_params + (embed_params if p > 1 else 0) + 2 * h
     stage_params = max(first_params, last_params) if p > 1 else first_params + 2 * h
