@@ -1,7 +1,7 @@
 """How long the planner's resharding function takes on a real planning's calls (issue 31).
 
 ``capture`` plans gpt-1.3b on 2x4 (batch 16, the planner's defaults, Alpa's test-mesh
-costs) and pickles the arguments of every :func:`autoshard.intra.cost.reshard` call;
+costs) and pickles the arguments of every :func:`autoshard.intra.cost.resharding.reshard` call;
 ``time`` replays them with cold caches, ``--repeat`` times, and prints the median CPU
 seconds (``time.process_time``: steadier than wall time on a shared machine).  Replay the
 same file under two trees to compare them::
@@ -25,11 +25,11 @@ def capture(path: str) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    import autoshard.intra.cost as cost
-    import autoshard.intra.value_edges as value_edges
+    import autoshard.intra.cost.resharding as cost
+    import autoshard.intra.problem.value_edges as value_edges
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
 
     calls, original = [], cost.reshard
 
@@ -48,10 +48,10 @@ def capture(path: str) -> None:
 
 
 def replay(path: str, repeat: int) -> dict:
-    import autoshard.intra.cost as cost
+    import autoshard.intra.cost.resharding as cost
 
     try:
-        from autoshard.intra import reshard_tiles
+        from autoshard.intra.cost import reshard_tiles
     except ImportError:  # a tree from before issue 31
         reshard_tiles = None
     with open(path, "rb") as f:
