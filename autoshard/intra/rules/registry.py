@@ -2,13 +2,13 @@
 
 A rule (:data:`SlotRule`) takes a node's :class:`NodeContext` and returns its
 :class:`Slot` list (or None: no rule applies, the node is planned replicated); rules join
-:data:`RULES` by primitive name through :func:`register`.  The rule families are modules
-of :mod:`autoshard.intra.rules` that import this one (the core primitives'
-:mod:`~autoshard.intra.rules.strategies`, then ``attention``, ``conv``, ``moe``,
-``reduce``, ``slice``); the package imports them in that order, so every rule is
-registered whatever module of the package is imported first (a later family wins a
-primitive two register: ``rev``).  :mod:`autoshard.intra.rules.strategies` turns slots
-into :class:`Strategy` candidates.
+:data:`RULES` by primitive name through :func:`register`.  The rule families are the
+modules of :mod:`autoshard.intra.rules` that import this one (the core primitives' in
+:mod:`~autoshard.intra.rules.strategies`; ``attention``, ``conv``, ``moe``, ``reduce``,
+``slice``); the package's ``__init__`` imports them all, so every rule is registered
+whatever module of the package is imported first (a later family wins a primitive two
+register: ``rev``, ``moe`` after ``conv``).  :mod:`autoshard.intra.rules.strategies`
+turns slots into :class:`Strategy` candidates.
 """
 
 from __future__ import annotations
