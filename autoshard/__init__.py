@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "inspect_model": "autoshard.api",
     "auto_shard": "autoshard.api",
-    "IntraOptions": "autoshard.intra.options",
+    "IntraOptions": "autoshard.intra.problem.options",
     "plan_workload": "autoshard.api",
     "auto_pipeline": "autoshard.api_pipeline",
     "ParallelPlan": "autoshard.ir.plan",

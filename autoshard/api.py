@@ -15,8 +15,8 @@ from autoshard.api_budget import (  # fit_compiled_budget: re-exported
     refuse_budget_below_the_state,
 )
 from autoshard.hardware.mesh import parse_mesh_shape  # re-exported (jax-free, for the CLI)
-from autoshard.intra.baselines import BaselineRefusedError
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.baselines.tables import BaselineRefusedError
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.graph import Graph, build_graph
 from autoshard.models import Workload, get_workload, make_optimizer, make_train_step
 from autoshard.trace.jaxpr import TracedProgram, trace_train_step
@@ -142,8 +142,8 @@ def device_mesh_for(mesh, axis_names=None, cluster=None):
 def _refuse_baseline(graph, dmesh, options, pinned, baseline, err) -> None:
     """Raise BaselineRefusedError naming the op where ``baseline``'s data parallelism
     breaks (found by propagating its forbidden pairs); return when none is found."""
-    from autoshard.intra.baselines import data_parallel_refusal
-    from autoshard.intra.problem import build_problem
+    from autoshard.intra.baselines.tables import data_parallel_refusal
+    from autoshard.intra.problem.build import build_problem
 
     ip = build_problem(graph, dmesh, options, pinned_inputs=pinned)
     refusal = data_parallel_refusal(ip, baseline)
@@ -199,7 +199,7 @@ def auto_shard(
     ``example_args`` are pytrees of ``jax.ShapeDtypeStruct`` (or arrays). By default the
     function is a training step ``(params, opt_state, batch) -> (params, opt_state, loss)``;
     pass ``arg_kinds``/``aliases`` for other signatures. ``options``
-    (:class:`~autoshard.intra.options.IntraOptions`) holds the planner's settings: solver,
+    (:class:`~autoshard.intra.problem.options.IntraOptions`) holds the planner's settings: solver,
     time limit, memory budget (``memory_budget_bytes``, bytes per device), merging, layer
     sharing and Alpa's knobs. With a budget and ``check_compiled_memory`` (the default) the
     plan is compiled and re-planned until XLA's peak fits it (:func:`fit_compiled_budget`).
@@ -209,11 +209,11 @@ def auto_shard(
     peak any plan reaches. ``baseline`` ("dp", "zero2", "zero3", "megatron") pins the inputs the way
     that baseline does and lets the ILP place the rest; "heuristic" also splits every
     operator's largest output dim (Alpa's shard-the-largest-dimension baseline).
-    ``offload`` (with ``cluster``; :mod:`autoshard.intra.offload`): ``None`` or ``"none"``,
+    ``offload`` (with ``cluster``; :mod:`autoshard.intra.offload.placement`): ``None`` or ``"none"``,
     a placement (``"optimizer"``, ``"optimizer,master"``, ``"optimizer,master,gradients"``
-    or an :class:`~autoshard.intra.offload.Offload`), or ``"auto"``: the cheapest placement
+    or an :class:`~autoshard.intra.offload.placement.Offload`), or ``"auto"``: the cheapest placement
     that fits the HBM and the host's memory when the plan alone does not
-    (:func:`autoshard.intra.offload_search.plan_with_offload`); the plan's ``offload``
+    (:func:`autoshard.intra.offload.search.plan_with_offload`); the plan's ``offload``
     record and notes say what lives where and what it costs. ``progress``
     (:class:`~autoshard.inter.progress.Progress`; default: lines on stderr) hears when a
     budget binds, before the slow solves under it.
@@ -222,9 +222,9 @@ def auto_shard(
     (``.plan``) with the traced program, so ``.jit()`` gives the sharded callable and
     ``.verify()`` the predicted-vs-compiled report.
     """
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
     from autoshard.intra.ilp import InfeasibleBudgetError, InfeasibleProblemError
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.trace.jaxpr import trace
 
     if progress is None:
@@ -301,11 +301,11 @@ def auto_shard(
 
 
 def _offload_request(offload, baseline, cluster, options):
-    """None (no offload) or what :func:`~autoshard.intra.offload_search.plan_with_offload`
+    """None (no offload) or what :func:`~autoshard.intra.offload.search.plan_with_offload`
     takes, checked: a cluster with a host section, a baseline that allows it, a budget."""
     from autoshard.hardware.clusters import Cluster, load_cluster
-    from autoshard.intra.offload import Offload, parse_offload
-    from autoshard.intra.offload_search import check_offload_request
+    from autoshard.intra.offload.placement import Offload, parse_offload
+    from autoshard.intra.offload.search import check_offload_request
 
     if offload is None:
         return None
@@ -325,8 +325,8 @@ def _plan_offloaded(graph, dmesh, options, pinned, baseline, cluster, offload):
     """The plan with ``offload`` (``"auto"``: plain first, when it fits the budget)."""
     from autoshard.hardware.clusters import Cluster, load_cluster
     from autoshard.intra.ilp import InfeasibleBudgetError
-    from autoshard.intra.offload_search import plan_with_offload
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.offload.search import plan_with_offload
+    from autoshard.intra.problem.build import auto_shard_graph
 
     name = baseline or "auto"
     loaded = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dmesh.num_devices)

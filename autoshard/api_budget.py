@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem.options import IntraOptions
 
 
 def plan_under_binding_budget(graph, dmesh, options, pinned, baseline, free, progress):
@@ -14,7 +14,7 @@ def plan_under_binding_budget(graph, dmesh, options, pinned, baseline, free, pro
     ``progress`` first (these solves list every resharded copy and can take minutes), and a
     refusal that says how far the budget is from the least peak found."""
     from autoshard.intra.ilp import InfeasibleBudgetError, SolverTimeLimitError
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.ir.units import format_bytes
 
     budget = options.memory_budget_bytes
@@ -115,7 +115,7 @@ def fit_compiled_budget(bound, dmesh, options: IntraOptions, *, pinned=None, max
     """
 
     from autoshard.intra.ilp import InfeasibleBudgetError
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.ir.units import format_bytes
 
     memory_budget = options.memory_budget_bytes

@@ -40,7 +40,7 @@ def _state_fractions(bound) -> dict[str, float]:
 def run(budgets, solver: str) -> list[dict]:
     from autoshard.api import plan_workload
     from autoshard.intra.ilp import InfeasibleBudgetError
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     rows = []
     cases = [("dp", None), ("auto", None)] + [("auto", b * 1e9) for b in budgets]

@@ -12,7 +12,7 @@ devices as the mesh has.  Writes benchmarks/results/bench_intra.json.
         [--no-compile] [--repeat 3] [--tie-break-columns 0]
 
 Without ``--solver``, ``--merge-elementwise``, ``--layer-period`` or ``--layer-ends`` it
-plans with the planner's defaults (:class:`~autoshard.intra.options.IntraOptions`).
+plans with the planner's defaults (:class:`~autoshard.intra.problem.options.IntraOptions`).
 
 ``--tie-break-columns N`` sets the largest program that gets the second, tie-breaking
 solve (:data:`autoshard.intra.ilp.solve.TIE_MAX_COLUMNS`; 0: none does), to measure what
@@ -38,10 +38,10 @@ TIMINGS = ("trace_s", "build_s", "solve_s", "auto_shard_s", "xla_compile_s")
 def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
     """Trace, plan and (unless ``--no-compile``) compile one model on one mesh, timed."""
     from autoshard.api import trace_workload
-    from autoshard.intra.cost import CostOptions
+    from autoshard.intra.cost.resharding import CostOptions
     from autoshard.intra.ilp import resolve_ties
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph, build_problem
+    from autoshard.intra.problem.build import auto_shard_graph, build_problem
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
 
     n = dmesh.num_devices

@@ -53,8 +53,8 @@ def run(verify: bool) -> list[dict]:
 
     from autoshard.api import auto_shard
     from autoshard.hardware.mesh import uniform_mesh
-    from autoshard.intra.cost import CostOptions
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.cost.resharding import CostOptions
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.models.moe import alpa_moe_layer_step
 
     step, args = alpa_moe_layer_step()

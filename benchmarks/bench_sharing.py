@@ -40,8 +40,8 @@ def _case(args, text: str) -> dict:
     from autoshard.api import trace_workload
     from autoshard.hardware.mesh import alpa_test_mesh
     from autoshard.intra.ilp import resolve_ties, solve
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import build_problem
+    from autoshard.intra.problem.build import build_problem
+    from autoshard.intra.problem.options import IntraOptions
 
     model, layers, mesh_text = text.split(":")
     sizes = {"batch_size": 16, "hidden": 2048} if model == "mlp" else {}

@@ -44,7 +44,7 @@ SUITES = {
         ("gpt-tiny", {}, "sgd", ("8", "2x4", "4x2", "1x8")),
         ("gpt-tiny", {"num_layers": 4}, "sgd", ("8", "2x4", "4x2", "1x8")),
     ],
-    # GPT-MoE (GShard top-2 gating, experts split by the plan): the rules of rules_moe.py
+    # GPT-MoE (GShard top-2 gating, experts split by the plan): the rules of intra/rules/moe.py
     "moe": [
         ("moe-tiny", {}, "sgd", ("8", "2x4", "4x2", "1x8")),
         ("moe-380m", {"num_layers": 2, "batch_size": 16}, "adamw", ("8",)),
@@ -67,8 +67,8 @@ def _label(model: str, overrides: dict) -> str:
 def _objective_split(graph, mesh, plan, pinned, exact_values, options) -> tuple[float, float]:
     """(seconds of the plan's predicted collectives, its compute term), as the ILP prices
     them under the plan's ``options`` (whose strategies its solver record indexes)."""
-    from autoshard.intra.cost import collective_cost
-    from autoshard.intra.problem import build_problem
+    from autoshard.intra.cost.resharding import collective_cost
+    from autoshard.intra.problem.build import build_problem
 
     ip = build_problem(graph, mesh, options, pinned_inputs=pinned, exact_values=exact_values)
     choice = plan.solver["strategy"]
@@ -87,8 +87,8 @@ def truth_mesh(text: str):
 
 def plan_settings(graph, mesh, which: str, time_limit: float):
     """(IntraOptions, pinned inputs) that plan ``which`` ("auto" or a baseline) here."""
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.problem.options import IntraOptions
 
     options = IntraOptions(solver="highs", time_limit_s=time_limit)
     if which == "auto":
@@ -107,9 +107,9 @@ def run(
     attention: str | None = None,
 ) -> list[dict]:
     from autoshard.api import trace_workload
-    from autoshard.intra.baselines import BaselineRefusedError
+    from autoshard.intra.baselines.tables import BaselineRefusedError
     from autoshard.intra.ilp import InfeasibleProblemError
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.verify.check import verify_plan
 
     rows = []
@@ -208,8 +208,8 @@ def _refused(suite, model, mesh_text, which, err) -> dict:
 
 def _why(graph, mesh, options, pinned, which, err) -> str:
     """The baseline's refusal (the op where it cannot mean its name), as the API says it."""
-    from autoshard.intra.baselines import data_parallel_refusal
-    from autoshard.intra.problem import build_problem
+    from autoshard.intra.baselines.tables import data_parallel_refusal
+    from autoshard.intra.problem.build import build_problem
 
     refusal = data_parallel_refusal(
         build_problem(graph, mesh, options, pinned_inputs=pinned), which

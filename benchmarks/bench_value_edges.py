@@ -26,8 +26,8 @@ def main() -> None:
 
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.ilp import solve
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import build_problem
+    from autoshard.intra.problem.build import build_problem
+    from autoshard.intra.problem.options import IntraOptions
 
     traced = trace_workload(args.model, optimizer="sgd", num_layers=args.layers)
     shape = tuple(int(s) for s in args.mesh.split("x"))

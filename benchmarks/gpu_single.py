@@ -353,8 +353,8 @@ def predict_one(
 ) -> dict:
     """What autoshard predicts for one configuration on one GPU of ``cluster``."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.sim.simulate import simulate
 
     out = {}
@@ -394,8 +394,8 @@ def traced_breakdown(graph, mesh, seq_len: int, batch_heads: int) -> dict:
     """The traced step's 1-device cost by kind, node by node as the search prices it:
     GEMMs (the GEMM table), and memory-bound work (bytes over HBM bandwidth) split into
     the attention's S x S elementwise ops, the optimizer update and the rest."""
-    from autoshard.intra.memory import streamed_tensors
-    from autoshard.intra.strategies import node_context, replicated_strategy
+    from autoshard.intra.memory.model import streamed_tensors
+    from autoshard.intra.rules.strategies import node_context, replicated_strategy
 
     kept = streamed_tensors(graph, mesh)  # as the search prices
     out = dict.fromkeys(BREAKDOWN_KINDS, 0.0)

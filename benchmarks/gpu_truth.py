@@ -137,7 +137,7 @@ def _log(text: str) -> None:
 def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
     """Plan every row and save its plan file; a refusal is recorded with its reason."""
     from autoshard.api import plan_workload
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     plans_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = plans_dir / "manifest.json"
@@ -472,7 +472,7 @@ def reread_memory(graph, pf, entry: dict, text: str, old: dict) -> dict:
     (:func:`~autoshard.verify.hlo_liveness.hlo_live_peak`) with the optimizer updates XLA:GPU
     holds there (:func:`~autoshard.verify.hlo_liveness.held_updates`)."""
     from autoshard.hardware.mesh import preset_mesh
-    from autoshard.intra.memory import predicted_peak_bytes
+    from autoshard.intra.memory.model import predicted_peak_bytes
     from autoshard.verify.hlo_liveness import held_updates, hlo_live_peak
 
     mesh = preset_mesh(entry.get("cluster", CLUSTER), pf.plan.mesh.shape, pf.plan.mesh.axis_names)

@@ -114,7 +114,7 @@ def weak_point(name: str, placements=PLACEMENTS) -> list[dict]:
     import weak_scaling as ws
 
     from autoshard.hardware.clusters import load_cluster
-    from autoshard.intra.offload import HOST_USABLE_FRACTION, parse_offload
+    from autoshard.intra.offload.placement import HOST_USABLE_FRACTION, parse_offload
     from autoshard.models import get_workload
     from autoshard.sim import formulas
     from autoshard.sim.auto import search_stage_cost

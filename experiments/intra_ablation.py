@@ -9,7 +9,7 @@ Each method is a :func:`autoshard.plan_workload` plan priced in seconds on the p
 meet, or no plan within the time limit, is a cross), the baselines pinned by their rule
 tables with no budget (a cross where their predicted peak exceeds the HBM); the
 heuristic baseline also splits the largest dim of every operator's output
-(``baseline="heuristic"``, :mod:`autoshard.intra.baselines`).
+(``baseline="heuristic"``, :mod:`autoshard.intra.baselines.tables`).
 Throughput: model FLOPs over the plan's predicted step time (the ILP objective: compute
 plus communication). Then every plan that fits is compiled by XLA on as many fake CPU
 devices (``bound.verify()``): compiled peak memory and collective bytes per device beside

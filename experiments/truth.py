@@ -66,10 +66,10 @@ def _cases(quick: bool):
 def measure(model: str, overrides: dict, mesh: str, plan: str, options) -> dict:
     """One row: the plan's predicted and compiled bytes per mesh axes and peak memory, or,
     where a baseline cannot mean its name for this model and mesh
-    (:class:`~autoshard.intra.baselines.BaselineRefusedError`), the row marked refused
+    (:class:`~autoshard.intra.baselines.tables.BaselineRefusedError`), the row marked refused
     with the planner's reason."""
     import autoshard
-    from autoshard.intra.baselines import BaselineRefusedError
+    from autoshard.intra.baselines.tables import BaselineRefusedError
 
     label = model + "".join(f" {k}={v}" for k, v in overrides.items())
     t0 = time.perf_counter()

@@ -84,7 +84,7 @@ def shared_plan(traced, mesh, options=None, **kw):
     several tests check one plan (its collectives against XLA, its training against one
     device, its JSON) without solving it again. Plans are frozen dataclasses. A test
     that asserts what solving warns must call ``auto_shard_graph`` itself."""
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
 
     key = (id(traced), repr(mesh), repr(options), repr(sorted(kw.items())))
     hit = _PLANS.get(key)
@@ -97,7 +97,7 @@ def save_plan(tmp, model, mesh, baseline=None, **sizes):
     """Plan preset ``model`` on ``mesh`` (HiGHS; ``baseline`` or the ILP's own) and save
     the plan file under ``tmp``; returns its path."""
     from autoshard.api import plan_workload
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     bound = plan_workload(
         model, mesh, baseline=baseline, options=IntraOptions(solver="highs"), **sizes
@@ -110,7 +110,7 @@ def save_plan(tmp, model, mesh, baseline=None, **sizes):
 # the CLI in a fresh process whose planner refuses to run (a command that must not plan)
 _NO_PLANNER = (
     "import sys\n"
-    "import autoshard.intra.problem as problem\n"
+    "import autoshard.intra.problem.build as problem\n"
     "def refuse(*a, **k):\n"
     "    raise AssertionError('the planner ran')\n"
     "problem.auto_shard_graph = refuse\n"
@@ -155,8 +155,8 @@ def cli_in_process(capsys, *args):
 def cli_without_planner_in_process(capsys, monkeypatch, *args):
     """:func:`cli_in_process` with a planner that raises if it runs (the in-process twin
     of :func:`run_cli_without_planner`, for refusals on at most 8 devices)."""
-    import autoshard.intra.offload_search as offload_search
-    import autoshard.intra.problem as problem
+    import autoshard.intra.offload.search as offload_search
+    import autoshard.intra.problem.build as problem
 
     def refuse(*a, **k):
         raise AssertionError("the planner ran")

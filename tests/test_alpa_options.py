@@ -12,16 +12,16 @@ from conftest import shared_plan
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.alpa_passes import (
+from autoshard.intra.cost.resharding import collective_cost
+from autoshard.intra.problem.alpa_passes import (
     checked_forbidden,
     communication_volume,
     data_parallel_axes,
     prefer_reduce_scatter,
     split_state_spec,
 )
-from autoshard.intra.cost import collective_cost
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph, build_problem
+from autoshard.intra.problem.build import auto_shard_graph, build_problem
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 from autoshard.models import make_optimizer
 from autoshard.runtime.reference_check import check_against_single_device

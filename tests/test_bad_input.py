@@ -55,7 +55,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     from autoshard.api import plan_workload
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     tmp = tmp_path_factory.mktemp("bad")
     plan = tmp / "p.json"

@@ -16,8 +16,8 @@ import pytest
 from conftest import cli_in_process, load_experiment
 
 from autoshard.api import plan_workload
-from autoshard.intra.baselines import BaselineRefusedError
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.baselines.tables import BaselineRefusedError
+from autoshard.intra.problem.options import IntraOptions
 
 HIGHS = IntraOptions(solver="highs", time_limit_s=60.0)
 

@@ -7,6 +7,11 @@ drives it. The planning packages (ir, hardware, intra, inter) and report must no
 flax or optax anywhere, not even inside a function: the planner stays fast to test and
 runs where JAX does not. Every module under ``autoshard/`` is read with ``ast``, so imports
 inside functions count as much as those at the top.
+
+Two rules on the shape of the house: no import circle among ``autoshard``'s modules (an
+import inside a function or under ``TYPE_CHECKING`` is an edge like any other: deferring
+an import hides a circle, it does not break it), and ``intra/`` in rooms (sub-packages),
+no loose module beside its ``__init__.py``.
 """
 
 from __future__ import annotations
@@ -146,6 +151,85 @@ def checked_files() -> list[Path]:
     return [p for p in module_files() if relative(p) not in EXEMPT]
 
 
+def module_edges() -> dict[str, dict[str, str]]:
+    """module -> {autoshard module it imports: where (``path:line``)}, every import at any
+    depth. ``from package import name`` is an edge to ``package.name`` where that is a
+    module, else to the package; importing a module is not counted as importing the
+    packages above it (their ``__init__`` files are modules of their own)."""
+    files = {module_name(p): p for p in module_files()}
+    edges: dict[str, dict[str, str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out: dict[str, str] = {}
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            where = f"{relative(path)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = alias.name
+                    while target and target not in files:
+                        target = target.rpartition(".")[0]
+                    if target:
+                        out.setdefault(target, where)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in files:
+                        out.setdefault(sub, where)
+                    elif base in files:
+                        out.setdefault(base, where)
+        out.pop(name, None)
+        edges[name] = out
+    return edges
+
+
+def import_circles(edges: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm,
+    iterative): each is a set of modules that import one another round a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, targets = work[-1]
+            for w in targets:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+    return circles
+
+
 # ----------------------------------------------------------------------------- the tests
 
 
@@ -199,3 +283,36 @@ def test_importing_the_planning_modules_leaves_jax_out():
     assert out.stdout.strip() == "[]", (
         f"importing the planning modules loaded {out.stdout.strip()}; modules: {names}"
     )
+
+
+def test_no_import_circle():
+    """No module of autoshard imports, directly or through others, a module that imports it
+    back -- counting imports inside functions and under ``TYPE_CHECKING``."""
+    edges = module_edges()
+    circles = import_circles(edges)
+    report = [
+        "circle: "
+        + ", ".join(circle)
+        + "".join(
+            f"\n    {edges[a][b]}: {a} -> {b}" for a in circle for b in edges[a] if b in circle
+        )
+        for circle in circles
+    ]
+    assert not circles, "import circles in autoshard/:\n" + "\n".join(report)
+
+
+def test_the_circle_finder_finds_a_circle():
+    """The check above can fail: a three-module circle and a self-contained tail."""
+    edges = {"a": {"b": "a:1"}, "b": {"c": "b:1"}, "c": {"a": "c:1", "d": "c:2"}, "d": {}}
+    assert import_circles(edges) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b": "a:1"}, "b": {}}) == []
+
+
+def test_intra_is_in_rooms():
+    """``autoshard/intra/`` holds sub-packages (rules, memory, cost, ilp, problem, offload,
+    baselines), no plain module beside its ``__init__.py``."""
+    intra = PACKAGE / "intra"
+    loose = sorted(p.name for p in intra.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules directly under autoshard/intra/ (move them into a room): {loose}"
+    rooms = [p for p in intra.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert rooms and all((p / "__init__.py").exists() for p in rooms), rooms

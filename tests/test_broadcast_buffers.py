@@ -1,5 +1,5 @@
 """LayerNorm broadcasts XLA:CPU keeps from the forward pass to the backward
-(``MemoryLayout.materialized_broadcasts``, autoshard/intra/broadcast_buffers.py): a stack
+(``MemoryLayout.materialized_broadcasts``, autoshard/intra/memory/broadcast_buffers.py): a stack
 of LayerNorm + Dense residual blocks, data parallel on 8 devices, whose compiled peak the
 memory model under-predicted by half without them."""
 
@@ -14,11 +14,11 @@ import optax
 import pytest
 
 from autoshard.api import device_mesh_for
-from autoshard.intra.baselines import baseline_inputs, baseline_options
-from autoshard.intra.broadcast_buffers import held_broadcasts
-from autoshard.intra.memory import mesh_intervals, predicted_peak_bytes
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
+from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+from autoshard.intra.memory.broadcast_buffers import held_broadcasts
+from autoshard.intra.memory.model import mesh_intervals, predicted_peak_bytes
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace_train_step
 from autoshard.verify.check import verify_plan
@@ -102,7 +102,7 @@ def test_the_ilp_memory_rows_count_them_as_the_prediction_does(blocks):
     """The held broadcasts are copy groups of the ILP's memory rows too: its own peak for
     the chosen plan is the plan's predicted peak, and dropping the rule lowers both."""
     from autoshard.intra.ilp import peak_memory, solve
-    from autoshard.intra.problem import build_problem, plan_from_solution
+    from autoshard.intra.problem.build import build_problem, plan_from_solution
 
     _, graph = blocks
     mesh = device_mesh_for((2, 4), ("data", "model"))

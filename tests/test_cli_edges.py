@@ -116,7 +116,7 @@ def test_a_three_axis_mesh_is_warned_about_before_planning(capsys, monkeypatch):
 
 
 def _spy_solves(monkeypatch):
-    import autoshard.intra.problem as problem
+    import autoshard.intra.problem.build as problem
 
     budgets, real = [], problem.auto_shard_graph
 
@@ -132,7 +132,7 @@ def test_a_budget_that_does_not_bind_is_not_solved_under(monkeypatch):
     """The unbudgeted optimum fits a loose budget, so it is the budgeted optimum too: no
     ILP with memory rows is built (it made planning ~10x slower)."""
     from autoshard.api import plan_workload
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     sizes = dict(batch_size=16, hidden=16)
     free = plan_workload("mlp", "2x4", options=IntraOptions(solver="highs"), **sizes)
@@ -147,7 +147,7 @@ def test_a_budget_that_does_not_bind_is_not_solved_under(monkeypatch):
 def test_a_budget_below_the_parameters_and_state_is_refused_before_any_solve(monkeypatch):
     from autoshard.api import plan_workload
     from autoshard.intra.ilp import InfeasibleBudgetError
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     budgets = _spy_solves(monkeypatch)
     tight = IntraOptions(solver="highs", memory_budget_bytes=100.0)
@@ -159,8 +159,8 @@ def test_a_budget_below_the_parameters_and_state_is_refused_before_any_solve(mon
 
 def _spy_ilp_solves(monkeypatch):
     """The budgets of every ILP solve (the per-demand and the exact program's)."""
-    import autoshard.intra.exact_values as exact_values
-    import autoshard.intra.problem as problem
+    import autoshard.intra.problem.build as problem
+    import autoshard.intra.problem.exact_values as exact_values
 
     budgets = []
     for module in (problem, exact_values):
@@ -177,7 +177,7 @@ def _spy_ilp_solves(monkeypatch):
 def _refusal(budget: float):
     from autoshard.api import plan_workload
     from autoshard.intra.ilp import InfeasibleBudgetError
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     options = IntraOptions(solver="highs", memory_budget_bytes=budget)
     with pytest.raises(InfeasibleBudgetError) as caught:
@@ -208,7 +208,7 @@ def test_a_binding_budget_says_so_before_the_slow_solves_and_names_the_least_pea
     from autoshard.api import plan_workload
     from autoshard.inter.progress import Progress
     from autoshard.intra.ilp import InfeasibleBudgetError
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     bound = _refusal(_refusal(1.0).min_feasible_bytes * 1.05).lower_bound_bytes
     stream = io.StringIO()
@@ -264,7 +264,7 @@ def test_a_time_limit_warning_names_the_objective_the_plan_prints(capsys, monkey
     import json
     import warnings
 
-    import autoshard.intra.problem as problem
+    import autoshard.intra.problem.build as problem
     from autoshard.cli.main import main
     from autoshard.intra.ilp import SolverTimeLimitWarning
 

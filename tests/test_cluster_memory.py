@@ -10,7 +10,7 @@ from conftest import cli_in_process
 from autoshard.api import plan_workload
 from autoshard.hardware.clusters import load_cluster
 from autoshard.intra.ilp import InfeasibleBudgetError
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem.options import IntraOptions
 
 HIGHS = IntraOptions(solver="highs", time_limit_s=120)
 TINY = dict(num_layers=1)

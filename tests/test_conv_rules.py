@@ -1,4 +1,4 @@
-"""Convolution, pooling and max-pool-gradient sharding rules (autoshard/intra/rules_conv.py):
+"""Convolution, pooling and max-pool-gradient sharding rules (autoshard/intra/rules/conv.py):
 the strategies offered, and for each split kind a step on 8 fake devices that trains like
 one device and whose predicted collectives are the ones XLA compiled."""
 
@@ -14,9 +14,9 @@ import optax
 import pytest
 
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
-from autoshard.intra.strategies import RULES, node_strategies
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.rules.strategies import RULES, node_strategies
 from autoshard.ir.graph import build_graph
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_train_step

@@ -1,6 +1,6 @@
 """Equations whose results nothing reads: XLA's dead-code elimination drops them before
 its partitioner runs, so the planner predicts no resharding for their operands and
-prices them at no compute (``Graph.dead_nodes``; ``autoshard.intra.problem``).
+prices them at no compute (``Graph.dead_nodes``; ``autoshard.intra.problem.build``).
 
 ``jax.nn.logsumexp`` makes ``sign(sum(exp(x - max)))``, which only ``return_sign=True``
 reads: the fused cross-entropy's log-sum-exp has it (gpt-tiny fused, auto on 4x2: the
@@ -18,9 +18,9 @@ import pytest
 
 from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.ilp.solve import Solution
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.predict import plan_from_solution, predicted_collectives
-from autoshard.intra.problem import auto_shard_graph, build_problem
+from autoshard.intra.problem.build import auto_shard_graph, build_problem
+from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.problem.predict import plan_from_solution, predicted_collectives
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace_train_step
 from autoshard.verify.check import verify_plan

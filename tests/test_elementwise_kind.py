@@ -12,8 +12,8 @@ import pytest
 from jax.extend.core import Primitive
 
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.problem import auto_shard_graph
-from autoshard.intra.strategies import RULES, node_strategies
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.rules.strategies import RULES, node_strategies
 from autoshard.ir.graph import FLOP_RULES, build_graph
 from autoshard.ir.primitives import elementwise_shapes, is_elementwise
 from autoshard.ir.records import EqnRecord, TensorRecord, TraceRecords

@@ -12,8 +12,8 @@ import pytest
 from autoshard.api import trace_workload
 from autoshard.hardware.attention import AttentionTable, AttentionTiming
 from autoshard.hardware.mesh import XLA_CPU_MEMORY, XLA_GPU_MEMORY, preset_mesh, relative_mesh
-from autoshard.intra.attention_workspace import workspace_bytes
-from autoshard.intra.strategies import node_strategies
+from autoshard.intra.memory.attention_workspace import workspace_bytes
+from autoshard.intra.rules.strategies import node_strategies
 from autoshard.ir.primitives import ATTENTION, ATTENTION_BWD, ATTENTION_FWD
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import get_workload, make_optimizer, make_train_step
@@ -117,8 +117,8 @@ def test_rules_split_batch_and_heads_only(tiny, shape):
 
 def test_auto_plan_2x4_collectives_and_memory_agree(tiny):
     from autoshard.api import device_mesh_for
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.verify.check import verify_plan
 
     mesh = device_mesh_for((2, 4), ("data", "model"))
@@ -140,9 +140,9 @@ def test_auto_plan_2x4_collectives_and_memory_agree(tiny):
 )
 def test_baseline_memory_agrees(tiny, shape, baseline):
     from autoshard.api import device_mesh_for
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.verify.check import verify_plan
 
     mesh = device_mesh_for(shape, ("data", "model")[: len(shape)])

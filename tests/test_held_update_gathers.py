@@ -1,5 +1,5 @@
 """XLA:GPU holds every gathered optimizer update until the backward pass ends
-(``MemoryLayout.held_update_gathers``, autoshard/intra/reshard_copies.py): a split
+(``MemoryLayout.held_update_gathers``, autoshard/intra/memory/reshard_copies.py): a split
 update all-gathered to its parameter's layout is made right after its gradient and added
 into the donated parameter after the backward pass. gpt-39b's auto plan on 8x8 H100s
 holds 190 of its 192 (19.19 GB per device) at XLA:GPU's peak, which the model missed (-19%)
@@ -16,10 +16,10 @@ import optax
 import pytest
 
 from autoshard.hardware.mesh import XLA_GPU_MEMORY, MemoryLayout, alpa_test_mesh, relative_mesh
-from autoshard.intra.baselines import baseline_inputs, baseline_options
-from autoshard.intra.memory import predicted_live_bytes, program_positions
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.reshard_copies import backward_end, reshard_buffers
+from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+from autoshard.intra.memory.model import predicted_live_bytes, program_positions
+from autoshard.intra.memory.reshard_copies import backward_end, reshard_buffers
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.graph import build_graph
 from autoshard.ir.spec import ShardingSpec
 from autoshard.trace.jaxpr import trace, trace_train_step
@@ -107,7 +107,7 @@ def test_zero2_holds_its_gathered_updates_in_the_ilp_rows_as_in_the_prediction(z
     prediction does (its peak for the plan is the plan's predicted peak), and the peak
     holds all three kernels' gathered updates (3 x 256 KiB) more than without the rule."""
     from autoshard.intra.ilp import peak_memory, solve
-    from autoshard.intra.problem import build_problem, plan_from_solution
+    from autoshard.intra.problem.build import build_problem, plan_from_solution
 
     graph = zero2
     gpu = relative_mesh((4,), ("data",), XLA_GPU_MEMORY)

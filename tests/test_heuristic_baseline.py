@@ -12,9 +12,9 @@ import jax
 import pytest
 
 from autoshard.api import plan_workload
-from autoshard.intra.baselines import baseline_inputs
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.ties import largest_dim_spec
+from autoshard.intra.baselines.tables import baseline_inputs
+from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.problem.ties import largest_dim_spec
 from autoshard.ir.spec import Mesh, ShardingSpec
 
 HIGHS = IntraOptions(solver="highs", time_limit_s=60.0)

@@ -8,10 +8,10 @@ from conftest import shared_plan
 
 from autoshard.api import trace_workload, xla_cpu_memory_layout
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.baselines import baseline_inputs, baseline_options
-from autoshard.intra.cost import CostOptions
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph, build_problem
+from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+from autoshard.intra.cost.resharding import CostOptions
+from autoshard.intra.problem.build import auto_shard_graph, build_problem
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.primitives import ATTENTION
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_optimizer
@@ -110,7 +110,7 @@ def test_unknown_primitive_gets_replicated_fallback_and_one_warning():
     from autoshard.ir.graph import build_graph
     from autoshard.trace.jaxpr import trace
 
-    def step(x):  # cumsum has a rule now (rules_moe.py); a Cholesky factor has none
+    def step(x):  # cumsum has a rule now (intra/rules/moe.py); a Cholesky factor has none
         return jax.lax.linalg.cholesky(x) * 2.0 + jax.lax.linalg.cholesky(x.T)
 
     program = trace(step, jax.ShapeDtypeStruct((8, 8), jnp.float32))
@@ -261,7 +261,7 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(request, shape, wh
     a budget on the prediction."""
     from autoshard.api import device_mesh_for
     from autoshard.intra.ilp import peak_memory, solve
-    from autoshard.intra.problem import plan_from_solution
+    from autoshard.intra.problem.build import plan_from_solution
 
     tiny = request.getfixturevalue("tiny_fused" if fused else "tiny")
     axes = ("data", "model")[: len(shape)]
@@ -285,7 +285,7 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(request, shape, wh
 def _predicted_peak_of(ip, s) -> float:
     """The predicted peak (bytes per device) of the assignment ``s`` of ``ip``: the
     layouts it gives each value and reads each operand in, as plan_from_solution's."""
-    from autoshard.intra.memory import predicted_peak_bytes
+    from autoshard.intra.memory.model import predicted_peak_bytes
 
     g = ip.graph
     chosen = [ip.strategies[i][s[i]] for i in range(len(ip.strategies))]

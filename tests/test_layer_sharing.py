@@ -15,10 +15,10 @@ from conftest import cli_in_process
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.baselines import baseline_inputs, baseline_options
+from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
 from autoshard.intra.ilp import resolve_ties, solve
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph, build_problem
+from autoshard.intra.problem.build import auto_shard_graph, build_problem
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.verify.check import verify_plan
 from autoshard.verify.compare import summarize
 

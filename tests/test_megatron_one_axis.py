@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autoshard.api import device_mesh_for, trace_workload
-from autoshard.intra.baselines import baseline_inputs, baseline_options
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
+from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.spec import Mesh
 from autoshard.verify.check import verify_plan
 from autoshard.verify.collectives import parse_collectives

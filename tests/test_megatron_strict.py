@@ -14,9 +14,9 @@ import pytest
 
 from autoshard.api import device_mesh_for, plan_workload, trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.baselines import BaselineRefusedError, baseline_inputs, baseline_options
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
+from autoshard.intra.baselines.tables import BaselineRefusedError, baseline_inputs, baseline_options
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.models import make_optimizer
 from autoshard.runtime.reference_check import check_against_single_device
 from autoshard.runtime.sharded import make_mesh
@@ -158,6 +158,6 @@ def test_strict_options_are_validated():
         "all-gather",
         "all-to-all",
         "reduce-scatter",
-        "collective-permute",  # XLA's tile moves (autoshard.intra.reshard_tiles)
+        "collective-permute",  # XLA's tile moves (autoshard.intra.cost.reshard_tiles)
     }
     assert not IntraOptions().forbidden_collectives()

@@ -1,6 +1,6 @@
 """XLA:CPU's buffers the memory model counts beyond the values themselves: the transposed
 copy of an unbatched dot's lhs (``dot_lhs_copies``), and the zeros of an in-place update
-no add absorbs (:mod:`autoshard.intra.update_zeros`); docs/truth.md."""
+no add absorbs (:mod:`autoshard.intra.memory.update_zeros`); docs/truth.md."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from autoshard.hardware.mesh import XLA_CPU_MEMORY, alpa_test_mesh
-from autoshard.intra.layout_copies import transposed_dot_lhs
-from autoshard.intra.memory import graph_update_zeros, predicted_live_bytes
+from autoshard.intra.memory.layout_copies import transposed_dot_lhs
+from autoshard.intra.memory.model import graph_update_zeros, predicted_live_bytes
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace
 
@@ -46,9 +46,9 @@ def wide_vocab_dp():
     gradient dot from the logits, the vocabulary-sized buffers dominate."""
     import autoshard.verify.check as check
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
 
     # optax's cross-entropy (attention="unfused"): its backward reads the exp kept from
     # the forward; the fused program's custom VJP recomputes exp(logits - lse), and XLA
@@ -128,7 +128,7 @@ def test_a_backward_conv_copies_a_forward_value_where_it_is_made():
     """``early_conv_copies``: the transposed copy a weight-gradient conv reads of a forward
     activation is made at the activation's producer (XLA:CPU schedules it in the forward
     pass); a copy of a backward value is still made at its conv."""
-    from autoshard.intra.layout_copies import transposed_conv_values
+    from autoshard.intra.memory.layout_copies import transposed_conv_values
 
     graph = trace_workload_graph("wresnet-tiny", num_layers=8)
     cpu = alpa_test_mesh((8,), ("data",), XLA_CPU_MEMORY)
@@ -160,8 +160,8 @@ def wresnet_megatron_2x4():
     (The strict megatron baseline refuses this model: no Megatron-LM rule splits a
     convolution, tests/test_megatron_strict.py.)"""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.ir.spec import ShardingSpec
     from autoshard.verify.check import verify_plan
 
@@ -216,10 +216,10 @@ def test_a_forward_value_gathered_for_weight_gradients_is_gathered_early():
     (objective 239,096 against 240,448) that gathers 8 KiB early, none at its peak: there
     the rule changes nothing at the peak (-9.5% either way) and must not make it worse."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
-    from autoshard.intra.reshard_copies import _backward_operand
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.memory.reshard_copies import _backward_operand
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.verify.check import verify_plan
 
     traced = trace_workload("gpt-tiny", optimizer="adamw")

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from autoshard.intra.memory import live_intervals
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.memory.model import live_intervals
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace
 
@@ -118,7 +118,7 @@ def test_a_bf16_dot_result_buffer_is_as_wide_as_xla_cpu_computes_it():
 
     from autoshard.api import xla_cpu_memory_layout
     from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
-    from autoshard.intra.memory import buffer_bytes, predicted_peak_bytes
+    from autoshard.intra.memory.model import buffer_bytes, predicted_peak_bytes
     from autoshard.ir.spec import ShardingSpec
 
     def fn(x, w):
@@ -161,7 +161,7 @@ def test_narrow_dot_operands_get_f32_copies_where_xla_cpu_computes_narrow_dots_i
 
     from autoshard.api import xla_cpu_memory_layout
     from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
-    from autoshard.intra.memory import predicted_peak_bytes, widened_dot_operands
+    from autoshard.intra.memory.model import predicted_peak_bytes, widened_dot_operands
     from autoshard.ir.spec import ShardingSpec
 
     def loss(w1, w2, x):
@@ -231,7 +231,7 @@ def test_late_updates_keep_every_gradient_until_the_backward_ends():
 def test_a_causal_mask_is_never_a_buffer():
     """A mask built from iotas (no program input) is regenerated inside every reader's
     fusion by XLA, even when the backward pass reads it: no buffer in the model."""
-    from autoshard.intra.memory import materialized_tensors
+    from autoshard.intra.memory.model import materialized_tensors
 
     def loss(x):
         mask = jnp.tril(jnp.ones((256, 256), bool))
@@ -260,8 +260,8 @@ def test_simulator_memory_rows_are_within_10_percent_of_xla(model, dtype):
     own plan: the predicted peak is within 10% of XLA's (benchmarks/bench_truth.py runs the
     same plans and records the figures)."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.verify.check import verify_plan
 
     traced = trace_workload(model, optimizer="adamw", num_layers=2, batch_size=8, dtype=dtype)
@@ -280,8 +280,8 @@ def test_an_input_resharded_copy_starts_with_the_step_on_cpu():
     """XLA:CPU makes what depends on program inputs only (a weight's all-gather) at the
     start of the step; elsewhere a resharded copy starts at its first reader."""
     from autoshard.hardware.mesh import MemoryLayout, alpa_test_mesh
-    from autoshard.intra.memory import program_positions
-    from autoshard.intra.reshard_copies import reshard_buffers
+    from autoshard.intra.memory.model import program_positions
+    from autoshard.intra.memory.reshard_copies import reshard_buffers
     from autoshard.ir.spec import ShardingSpec
 
     def fn(w, x):
@@ -309,8 +309,8 @@ def test_gradients_reduced_together_hold_partial_and_reduced_copies_on_cpu():
     MLP's predicted peak counts both there (on CPU meshes: ``late_updates``), and agrees
     with XLA's compiled peak within 10%; without late updates nothing is combined."""
     from autoshard.api import device_mesh_for
-    from autoshard.intra.memory import mesh_intervals, program_positions
-    from autoshard.intra.reshard_copies import combined_reduction
+    from autoshard.intra.memory.model import mesh_intervals, program_positions
+    from autoshard.intra.memory.reshard_copies import combined_reduction
 
     def loss(params, x):
         h = x
@@ -363,8 +363,8 @@ def test_a_sliced_gradient_is_reduced_whole_at_the_combined_all_reduce():
     a copy is its own size at its reader."""
     from autoshard.api import device_mesh_for
     from autoshard.hardware.mesh import alpa_test_mesh
-    from autoshard.intra.memory import mesh_intervals, program_positions
-    from autoshard.intra.reshard_copies import combined_copy_bytes, reshard_buffers
+    from autoshard.intra.memory.model import mesh_intervals, program_positions
+    from autoshard.intra.memory.reshard_copies import combined_copy_bytes, reshard_buffers
     from autoshard.ir.spec import ShardingSpec
 
     def loss(w, x):
@@ -422,8 +422,8 @@ def test_data_parallel_gpt_tiny_memory_agrees_with_xla(which):
     all-reduce; with partial and reduced gradients counted there the prediction is within
     10% of XLA's allocation."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.verify.check import verify_plan
 
     traced = trace_workload("gpt-tiny", optimizer="sgd")
@@ -469,8 +469,8 @@ def test_deeper_gpt_tiny_memory_counts_the_combined_gradient_all_reduce(
     all-reduce into which XLA:CPU combines every gradient's, where the unreduced and the
     reduced gradients are live together.  The model now counts both there: within 10%."""
     from autoshard.api import device_mesh_for
-    from autoshard.intra.baselines import baseline_inputs
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.verify.check import verify_plan
 
     traced = gpt_tiny_4_blocks
@@ -493,8 +493,8 @@ def test_gpt350m_bf16_zero2_memory_misses_the_logits_gradient_all_to_all_in_f32(
     at bf16 size and no send buffers (docs/truth.md: the rules tried, and why they are
     not in)."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs
+    from autoshard.intra.problem.build import auto_shard_graph
 
     traced = trace_workload(
         "gpt-350m", optimizer="adamw", num_layers=2, batch_size=8, dtype="bfloat16"
@@ -511,7 +511,7 @@ def test_softmax_exp_is_kept_on_cpu_and_recomputed_on_gpu():
     was 18-28% over XLA:GPU's peak with the exp kept, within 3% without it,
     docs/validation.md). Cluster presets carry the GPU layout, CPU meshes the CPU one."""
     from autoshard.api import device_mesh_for
-    from autoshard.intra.memory import materialized_tensors, mesh_intervals
+    from autoshard.intra.memory.model import materialized_tensors, mesh_intervals
 
     def loss(q, k):
         scores = jnp.einsum("bqd,bkd->bqk", q, k)
@@ -533,8 +533,8 @@ def test_a_checkpointed_recompute_is_the_forward_value_xla_keeps():
     """The traced step is one flat program (remat2 inlined, no optimization barrier): XLA's
     CSE merges a jax.checkpoint's backward recompute into the forward value and keeps that
     for the backward.  Literals are compared by value: tanh(2x) is not tanh(x / 2)."""
-    from autoshard.intra.common_values import common_values
-    from autoshard.intra.memory import materialized_tensors
+    from autoshard.intra.memory.common_values import common_values
+    from autoshard.intra.memory.model import materialized_tensors
 
     def loss(x):
         gelu = jax.checkpoint(lambda y: jnp.tanh(0.5 * y) * y)
@@ -560,7 +560,7 @@ def test_a_kernel_slice_a_dot_reads_through_a_view_is_a_buffer():
     kernel through a squeeze: each slice is a buffer (XLA:CPU's copy_bitcast_fusion
     feeding the dot)."""
     from autoshard.api import trace_workload
-    from autoshard.intra.memory import materialized_tensors
+    from autoshard.intra.memory.model import materialized_tensors
 
     g = trace_workload("gpt-tiny", optimizer="sgd", attention="fused", qkv_gemms=3).graph
     qkv = [  # the kernel's [h, heads, 1, head_dim] slices (the bias's are [heads, 1, d])

@@ -10,8 +10,8 @@ from conftest import load_benchmark
 
 from autoshard.api import auto_shard, plan_workload, trace_workload
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.cost import CostOptions
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.cost.resharding import CostOptions
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import MOE_PRESETS, get_workload, make_optimizer
 from autoshard.models.moe import alpa_moe_layer_step, top2_gating
@@ -137,7 +137,7 @@ def test_only_the_expert_weights_get_transposed_copies(tiny_plan):
     """The weights a batched dot reads in a non-canonical layout are the experts' (their
     backward dots contract the last dim); the dense GPT has none; a plain layout none."""
     from autoshard.hardware.mesh import PLAIN_MEMORY, XLA_CPU_MEMORY, relative_mesh
-    from autoshard.intra.memory import transposed_weight_copies
+    from autoshard.intra.memory.model import transposed_weight_copies
 
     cpu = relative_mesh((8,), ("data",), XLA_CPU_MEMORY)
     graph = tiny_plan.graph

@@ -1,4 +1,4 @@
-"""The sharding rules of rules_moe.py: each primitive planned on 8 fake devices runs like
+"""The sharding rules of intra/rules/moe.py: each primitive planned on 8 fake devices runs like
 one device, and the collectives the plan predicts are the ones XLA compiled."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
-from autoshard.intra.strategies import RULES
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.rules.strategies import RULES
 from autoshard.ir.graph import build_graph
 from autoshard.ir.spec import ShardingSpec
 from autoshard.runtime.sharded import build_sharded_step, make_mesh
@@ -156,7 +156,7 @@ def test_reshard_predicts_xla_cpus_detour_for_a_batched_dots_partial_sum():
     batch dims given, ``[G@data]`` partial over ``model`` into ``[G@data+model]`` is an
     all-reduce of the local buffer over ``model`` and an all-gather of G over ``data``
     (then a free slice); without them (any other producer), one reduce-scatter."""
-    from autoshard.intra.cost import reshard
+    from autoshard.intra.cost.resharding import reshard
 
     mesh = alpa_test_mesh((2, 4), ("data", "model"))
     src = ShardingSpec((("data",), (), ()), ("model",))

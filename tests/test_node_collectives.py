@@ -1,5 +1,5 @@
 """Node-aware collectives: groups that span nodes, the two-level algorithm, and the costs
-the search and the simulator both read (autoshard.intra.cost on a preset's mesh)."""
+the search and the simulator both read (autoshard.intra.cost.resharding on a preset's mesh)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from autoshard.hardware.clusters import (
     node_aware_collective_time,
 )
 from autoshard.hardware.mesh import preset_mesh, to_device_mesh, uniform_mesh
-from autoshard.intra.cost import (
+from autoshard.intra.cost.resharding import (
     CostOptions,
     all_gather_cost,
     all_reduce_cost,

@@ -12,7 +12,7 @@ from conftest import cli_in_process
 from autoshard.api import plan_workload, trace_workload
 from autoshard.hardware.clusters import available_presets, cluster_from_json, load_cluster
 from autoshard.intra.ilp import InfeasibleBudgetError
-from autoshard.intra.offload import (
+from autoshard.intra.offload.placement import (
     NO_OFFLOAD,
     Offload,
     offload_cost,
@@ -20,7 +20,7 @@ from autoshard.intra.offload import (
     parse_offload,
     tensor_classes,
 )
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.plan import ParallelPlan
 
 HIGHS = IntraOptions(solver="highs", time_limit_s=120)
@@ -322,7 +322,7 @@ def test_simulate_master_offload_keeps_the_16_bit_weights_on_the_device(sim_plai
     """optimizer,master frees the moments and the f32 masters but holds their bf16 copies
     (and the gradients, and the staging buffers) -- one GPU, one micro-batch, no recompute:
     the peak is state + activations, so the difference is exact."""
-    from autoshard.intra.offload import narrow_copy_bytes
+    from autoshard.intra.offload.placement import narrow_copy_bytes
     from autoshard.sim.simulate import simulate
 
     g = trace_workload("gpt-tiny", "adamw", dtype="bfloat16").graph

@@ -10,8 +10,8 @@ from conftest import cli_in_process, shared_plan
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
 
 HIGHS = IntraOptions(solver="highs")
 

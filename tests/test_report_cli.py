@@ -89,7 +89,7 @@ def test_plan_prints_its_parallelism_in_words_and_objective_unit(capsys):
 
 def test_tables_are_full_width_when_piped(tmp_path, capsys):
     from autoshard.api import plan_workload
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     path = tmp_path / "p.json"
     opts = IntraOptions(solver="highs")

@@ -3,8 +3,8 @@
 Each move compiles ``jax.jit`` of the identity from one spec (input sharding) to another
 (output sharding) on 8 fake CPU devices as 2x2, 2x4 and 4x2 meshes, and compares what XLA
 emits (collective-permutes included, groups over part of an axis read as sub-axes) with
-:func:`autoshard.intra.cost.reshard`: kind, axes, count and bytes.  The moves below are one
-or more of each of :mod:`autoshard.intra.reshard_tiles`' routes per mesh; the ``slow`` test
+:func:`autoshard.intra.cost.resharding.reshard`: kind, axes, count and bytes.  The moves below are one
+or more of each of :mod:`autoshard.intra.cost.reshard_tiles`' routes per mesh; the ``slow`` test
 compiles all 330 moves of a 2-D tensor (``benchmarks/studies/reshard_moves.py`` prints them).
 """
 
@@ -19,9 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.collectives_cost import collective_cost
-from autoshard.intra.cost import reshard
-from autoshard.intra.reshard_tiles import tile_route
+from autoshard.intra.cost.collectives import collective_cost
+from autoshard.intra.cost.reshard_tiles import tile_route
+from autoshard.intra.cost.resharding import reshard
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec, sub_axis
 from autoshard.verify.collectives import analyze_collectives
 
@@ -165,7 +165,7 @@ def test_the_zero3_labels_move_on_4x2_is_a_permute_then_an_all_gather_over_pairs
 def test_a_permute_costs_one_alpha_and_its_bytes_over_the_slowest_link():
     mesh = uniform_mesh((2, 4), AXES, alpha=(1e-5, 2e-5), beta=(1e-10, 3e-10))
     c = Collective(PERMUTE, ("data", "model"), 1000)
-    from autoshard.intra.collectives_cost import CostOptions
+    from autoshard.intra.cost.collectives import CostOptions
 
     assert collective_cost(mesh, c, CostOptions(tie_breakers=False)) == pytest.approx(
         2e-5 + 3e-10 * 1000

@@ -2,7 +2,7 @@
 auto on 2x4, docs/truth.md).
 
 The planner prices a reshard XLA's way, one collective at a time
-(:func:`autoshard.intra.cost.reshard`); left to itself, XLA's partitioner takes other
+(:func:`autoshard.intra.cost.resharding.reshard`); left to itself, XLA's partitioner takes other
 routes for many of them: an all-gather over part of an axis and a collective-permute for
 ``[8, 64@model, 16] -> [8, 64@data, 16]``, an all-to-all and a permute for
 ``[32@model, 64@data] -> [32@data+model, 64]``, two all-to-alls where the plan slices
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.cost import reshard
+from autoshard.intra.cost.resharding import reshard
 from autoshard.ir.records import EqnRecord
 from autoshard.ir.spec import Mesh, ShardingSpec
 from autoshard.runtime.sharded import SpecConstraints, make_mesh, named_sharding
@@ -86,7 +86,7 @@ def test_the_runtime_compiles_the_priced_route(shape, made, read):
 @pytest.mark.parametrize("shape,made,read", MULTI_STEP)
 def test_a_route_is_xlas_own_or_pinned(shape, made, read):
     """Where XLA's own route has a collective-permute the planner prices that route
-    (:mod:`autoshard.intra.reshard_tiles`) and nothing is pinned; elsewhere the priced
+    (:mod:`autoshard.intra.cost.reshard_tiles`) and nothing is pinned; elsewhere the priced
     route's specs are pinned, and left to itself XLA would take another."""
     predicted = reshard(made, read, shape, 4, PRICED)
     own = _compile(shape, made, read, pinned=False)

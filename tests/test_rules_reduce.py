@@ -1,5 +1,5 @@
 """reduce_max / reduce_min split on the dim they reduce: partial results combined by a
-max / min all-reduce (autoshard/intra/rules_reduce.py), predicted and compiled alike."""
+max / min all-reduce (autoshard/intra/rules/reduce.py), predicted and compiled alike."""
 
 import re
 
@@ -9,9 +9,9 @@ import optax
 import pytest
 
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
-from autoshard.intra.strategies import node_strategies
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.rules.strategies import node_strategies
 from autoshard.ir.graph import build_graph
 from autoshard.ir.spec import ShardingSpec
 from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh

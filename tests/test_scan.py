@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import autoshard
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.models import get_workload, make_optimizer, make_train_step
 from autoshard.runtime.reference_check import check_against_single_device
 from autoshard.trace import jaxpr as tracer

@@ -16,9 +16,9 @@ from autoshard.inter.stages import pipeline_objective
 from autoshard.inter.subgraph import range_subgraph
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.intra.ilp import solve
-from autoshard.intra.memory import materialized_tensors
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import build_problem
+from autoshard.intra.memory.model import materialized_tensors
+from autoshard.intra.problem.build import build_problem
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.sim.megatron import GPTShape, MegatronConfig, simulate_megatron
 from autoshard.sim.simulate import gpt_shape
 

@@ -181,7 +181,7 @@ def test_nvlink_axes_form_a_suffix(shape):
 
 
 def test_to_device_mesh_carries_device_figures():
-    pytest.importorskip("autoshard.intra.cost")
+    pytest.importorskip("autoshard.intra.cost.resharding")
     cluster = load_cluster("dgx-a100", num_gpus=16)
     mesh = to_device_mesh(cluster, (2, 8), ("data", "model"))
     assert mesh.mesh.axis_names == ("data", "model") and mesh.mesh.shape == (2, 8)

@@ -11,8 +11,8 @@ from autoshard.api import plan_workload, xla_cpu_memory_layout
 from autoshard.hardware.clusters import load_cluster
 from autoshard.hardware.gemm import GemmTable
 from autoshard.hardware.mesh import to_device_mesh
-from autoshard.intra.memory import predicted_peak_bytes
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.memory.model import predicted_peak_bytes
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.sim.exact import MAX_EXACT_DEVICES, check_exact_devices
 from autoshard.sim.simulate import simulate
 from autoshard.verify.check import verify_plan

@@ -12,7 +12,7 @@ from conftest import load_experiment
 
 from autoshard.api_pipeline import trace_microbatch
 from autoshard.hardware.clusters import load_cluster
-from autoshard.intra.baselines import EXPERT_RULE, BaselineRefusedError, baseline_inputs
+from autoshard.intra.baselines.tables import EXPERT_RULE, BaselineRefusedError, baseline_inputs
 from autoshard.ir.spec import Mesh, ShardingSpec
 from autoshard.sim.auto import search_stage_cost
 from autoshard.sim.simulate import simulate

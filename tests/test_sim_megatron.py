@@ -186,7 +186,7 @@ def test_sequence_parallel_overlaps_the_backward_reduce_scatter():
     drops by two reduce-scatters per layer and micro-batch (each shorter than its GEMM
     here), and forcing it off gives the blocking step back."""
     from autoshard.hardware.mesh import to_device_mesh
-    from autoshard.intra.cost import CostOptions, reduce_scatter_cost
+    from autoshard.intra.cost.resharding import CostOptions, reduce_scatter_cost
 
     kw = dict(tp=8, pp=1, dp=1, micro_batch=1, global_batch=4, sequence_parallel=True)
     default = _sim(GPT_18B, recompute="selective", **kw)

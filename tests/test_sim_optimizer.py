@@ -110,7 +110,7 @@ def test_expert_zero2_pins_adafactors_expert_state_and_not_its_placeholder():
     the same path: expert-zero2 refused the placeholder ("its 1 experts do not divide"), so
     the MoE weak-scaling baseline had no plan at 2-64 GPUs with Adafactor."""
     from autoshard.api import device_mesh_for
-    from autoshard.intra.baselines import EXPERT_RULE, baseline_inputs
+    from autoshard.intra.baselines.tables import EXPERT_RULE, baseline_inputs
 
     graph = trace_microbatch("moe-380m", 64, "adafactor", batch_size=1024).graph
     mesh = device_mesh_for((2,), ("data",))

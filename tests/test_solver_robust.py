@@ -116,9 +116,9 @@ def test_exact_program_proves_its_optimum_whatever_the_load():
     per-demand solve's time, at least 0.5 s) stopped it mid-root on a loaded machine, with
     plans 25-29% dearer (2026-11-25); the node budget lets it prove its optimum."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
 
     # 8 heads: the strict megatron baseline splits heads over the 8 devices (4 are refused)
     traced = trace_workload("gpt-tiny", optimizer="sgd", num_heads=8)

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-import autoshard.intra.problem as intra_problem
+import autoshard.intra.problem.build as intra_problem
 from autoshard.api import auto_shard
 from autoshard.hardware.mesh import alpa_test_mesh, uniform_mesh
-from autoshard.intra.cost import CostOptions
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.cost.resharding import CostOptions
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.models.gpt import CausalSelfAttention, _layer_norm
 from autoshard.models.moe import DenseFeedForward, MoEConfig, alpa_moe_layer_step
 

@@ -1,6 +1,6 @@
 """Resharding priced once per value: the ILP's objective is the cost of the collectives
 the plan predicts (plus compute), brute-forced on a hand-made value and measured on
-traced models (:mod:`autoshard.intra.value_edges`)."""
+traced models (:mod:`autoshard.intra.problem.value_edges`)."""
 
 import itertools
 import math
@@ -9,13 +9,13 @@ import pytest
 
 from autoshard.api import device_mesh_for, trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.baselines import baseline_inputs, baseline_options
-from autoshard.intra.cost import collective_cost, reshard_to_consumers
+from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+from autoshard.intra.cost.resharding import collective_cost, reshard_to_consumers
 from autoshard.intra.ilp import ShardingProblem, objective_of, solve
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph, build_problem
-from autoshard.intra.strategies import Strategy
-from autoshard.intra.value_edges import Use, Value, value_edges, xla_resolves
+from autoshard.intra.problem.build import auto_shard_graph, build_problem
+from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.problem.value_edges import Use, Value, value_edges, xla_resolves
+from autoshard.intra.rules.strategies import Strategy
 from autoshard.ir.spec import ShardingSpec
 
 R = ShardingSpec(((), ()))
@@ -92,7 +92,7 @@ def test_objective_is_the_predicted_resharding_for_every_assignment(exact):
 
 
 def _cost_options():
-    from autoshard.intra.cost import DEFAULT_COST_OPTIONS
+    from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS
 
     return DEFAULT_COST_OPTIONS
 
@@ -163,7 +163,7 @@ def test_exact_pricing_on_a_2d_mesh_is_the_predicted_cost():
 def test_both_programs_from_one_build_equal_two_builds():
     """auto_shard_graph builds the shared part once (_common) and prices the values both
     ways from it; each program must equal the one build_problem makes on its own."""
-    from autoshard.intra.problem import _common, _finish
+    from autoshard.intra.problem.build import _common, _finish
 
     graph, mesh, pinned = _gpt_case("zero3")
     common = _common(graph, mesh, IntraOptions(), pinned, True, None)
@@ -251,7 +251,7 @@ def test_exact_search_one_axis_solves_on_a_1d_mesh():
 
 def test_exact_search_refuses_an_unknown_choice():
     from autoshard.cli.args import EXACT_SEARCH as CLI_CHOICES
-    from autoshard.intra.options import EXACT_SEARCH
+    from autoshard.intra.problem.options import EXACT_SEARCH
 
     assert CLI_CHOICES == EXACT_SEARCH  # the parser's copy
     with pytest.raises(ValueError, match="exact_search='2d'.*one-axis"):
@@ -269,8 +269,8 @@ def test_price_per_value_is_the_exact_programs_objective(model, shape, which):
     (:func:`price_per_value`); it must equal ``objective_of`` on the built program at the
     completed assignment -- for the per-demand optimum and for other feasible assignments
     (a baseline's) -- and the plan must be the one the built program gives."""
-    from autoshard.intra.exact_values import price_per_value, solve_exact
-    from autoshard.intra.problem import _common, _finish
+    from autoshard.intra.problem.build import _common, _finish
+    from autoshard.intra.problem.exact_values import price_per_value, solve_exact
 
     kw = {"batch_size": 16, "hidden": 256, "num_layers": 2} if model == "mlp" else {}
     traced = trace_workload(model, optimizer="sgd", **kw)

@@ -14,9 +14,9 @@ import pytest
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import XLA_CPU_MEMORY, alpa_test_mesh
 from autoshard.intra.ilp.problem import SolverTimeLimitWarning
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import auto_shard_graph
-from autoshard.intra.strategies import node_strategies
+from autoshard.intra.problem.build import auto_shard_graph
+from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.rules.strategies import node_strategies
 from autoshard.models import WRESNET_PRESETS, get_workload, make_optimizer, model_names
 from autoshard.runtime.reference_check import check_against_single_device
 from autoshard.runtime.sharded import make_mesh

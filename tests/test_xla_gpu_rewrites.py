@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.api import plan_workload
-from autoshard.intra.options import IntraOptions
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.planfile import load_plan
 from autoshard.ir.spec import Collective
 from autoshard.verify.collectives import analyze_collectives

@@ -4,7 +4,7 @@ Issue 36: on 2x4, zero3's gpt-1.3b reads every block's qkv and fc kernel, stored
 ``[{data, model}, {}]``, as ``[{}, {data}]`` in the forward dot; XLA (GPU and CPU alike: the
 partitioner is shared) warns "Involuntary full rematerialization ... cannot go from sharding
 [{data, model}, {}] to [{}, {data}] efficiently" and replicates the tensor (an all-gather of
-all of it over both axes), then slices. The planner's :func:`autoshard.intra.cost.reshard`
+all of it over both axes), then slices. The planner's :func:`autoshard.intra.cost.resharding.reshard`
 must predict exactly that, at the price of the replicate-then-slice fallback, so that such a
 move is never chosen as cheaper than it is. Reproduced here on 8 fake CPU devices.
 """
@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.cost import collective_cost, gather_then_slice, reshard
+from autoshard.intra.cost.resharding import collective_cost, gather_then_slice, reshard
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 from autoshard.verify.collectives import analyze_collectives
 

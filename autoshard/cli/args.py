@@ -179,7 +179,7 @@ def gib(x: float) -> str:
 
 def add_intra_option_args(p: argparse.ArgumentParser) -> None:
     """Alpa's ``AutoShardingOption`` knobs, as fields of
-    :class:`~autoshard.intra.options.IntraOptions` (solver, time limit, budget and
+    :class:`~autoshard.intra.problem.options.IntraOptions` (solver, time limit, budget and
     merging have their own flags on each command)."""
     p.add_argument(
         "--force-batch-axis",
@@ -243,9 +243,9 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
 
 
 def intra_options(args):
-    """The :class:`~autoshard.intra.options.IntraOptions` the flags in ``args`` ask for
+    """The :class:`~autoshard.intra.problem.options.IntraOptions` the flags in ``args`` ask for
     (ValueError, with the flag's meaning, for a value it refuses)."""
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.problem.options import IntraOptions
 
     budget = getattr(args, "memory_budget", None)
     ends = getattr(args, "layer_ends", None)  # None: the planner's default

@@ -32,7 +32,7 @@ from autoshard.cli.pipeline import (
 from autoshard.cli.plan import cmd_plan, cmd_verify, plan_from_args
 from autoshard.cli.planfile import add_plan_file_arg, apply_plan_file
 from autoshard.cli.run import cmd_run
-from autoshard.intra.baselines import BASELINES
+from autoshard.intra.baselines.tables import BASELINES
 
 
 def _setup_devices(n: int | None) -> None:

@@ -22,7 +22,7 @@ table for the forward and one for the backward.
 
 :class:`AttentionTiming` binds a table to a device's peak: a fused attention node's
 per-device seconds, FLOPs / (device peak x efficiency), which the node cost of the intra-op
-ILP (:func:`autoshard.intra.strategies.strategy_seconds`), and through it the stage DP and
+ILP (:func:`autoshard.intra.rules.strategies.strategy_seconds`), and through it the stage DP and
 the simulator, use when the :class:`~autoshard.hardware.mesh.DeviceMesh` carries one.
 """
 

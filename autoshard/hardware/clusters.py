@@ -59,7 +59,7 @@ reduce-scatters inside the node over NVLink, all-reduces ``1/g`` of the data bet
 node's adapters, so the node's whole network bandwidth is used) and all-gathers inside the
 node again; all-gather and reduce-scatter are the two halves. A mesh made by
 :func:`~autoshard.hardware.mesh.to_device_mesh` carries a :class:`NodeLayout`, and the
-collective costs (:mod:`autoshard.intra.cost`, which the search and the simulator both use)
+collective costs (:mod:`autoshard.intra.cost.resharding`, which the search and the simulator both use)
 take the cheaper of the flat ring and the two-level algorithm, as NCCL's tuner picks its
 algorithm. The phases are added, not overlapped (NCCL pipelines them: a slight
 overestimate).
@@ -414,7 +414,7 @@ def node_aware_collective_time(
 
     ``kind``: ``all-reduce`` (``nbytes``: the reduced buffer), ``all-gather`` (the gathered
     output) or ``reduce-scatter`` (the input), with the ring conventions of
-    :mod:`autoshard.intra.cost`. ``local``: the group's devices in each node; ``nodes``:
+    :mod:`autoshard.intra.cost.resharding`. ``local``: the group's devices in each node; ``nodes``:
     the nodes it spans. Inside a node the ring moves ``(g-1)/g`` of the buffer over
     ``intra``; between nodes each device moves its ``1/g`` share over ``inter``::
 

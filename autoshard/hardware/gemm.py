@@ -22,7 +22,7 @@ efficiency of its edge, and a query that hits a row returns that row's value exa
 Batched GEMMs are timed as one GEMM with the batch folded into M (see :meth:`gemm_time`).
 
 :class:`GemmTiming` binds a table to a device's peaks: the per-device seconds of one
-``dot_general`` shard, which the intra-op cost model (:mod:`autoshard.intra.strategies`) uses
+``dot_general`` shard, which the intra-op cost model (:mod:`autoshard.intra.rules.strategies`) uses
 when its :class:`~autoshard.hardware.mesh.DeviceMesh` carries one, so that the ILPs, the stage DP
 and the Megatron grid model (:mod:`autoshard.sim.megatron`) time a GEMM the same way.
 """

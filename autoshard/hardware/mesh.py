@@ -3,7 +3,7 @@
 :class:`DeviceMesh` is a :class:`~autoshard.ir.spec.Mesh` with, per axis, the alpha-beta
 figures of a collective along it and, per device, peak FLOP/s, memory, HBM bandwidth, an
 optional GEMM timing, and the :class:`MemoryLayout` of the backend that compiles the plan
-(read by the memory model, :mod:`autoshard.intra.memory`).
+(read by the memory model, :mod:`autoshard.intra.memory.model`).
 
 Every priced mesh is made here: :func:`uniform_mesh` and :func:`alpa_test_mesh` in
 relative units (Alpa's intra-operator tests), :func:`relative_mesh` for any rank, and
@@ -37,7 +37,7 @@ from autoshard.ir.spec import Axes, Mesh, cached_hash
 class MemoryLayout:
     """How a backend's compiler lays a step's buffers out, where XLA backends differ.
 
-    The memory model (:mod:`autoshard.intra.memory`) reads these; every flag off is a
+    The memory model (:mod:`autoshard.intra.memory.model`) reads these; every flag off is a
     plain model (narrow dots in their own dtype, reductions fused with their producer,
     each parameter updated as soon as its gradient is ready, a resharded input made when
     first read, transcendentals kept when shared).
@@ -90,19 +90,19 @@ class MemoryLayout:
     # The fused attention operator is XLA's own body (XLA:CPU), which writes the float32
     # S x S scores, probabilities and their gradients as buffers while it runs; cuDNN's
     # flash attention (XLA:GPU) holds no S x S buffer. The memory model counts the
-    # workspace at the operator (autoshard/intra/attention_workspace.py).
+    # workspace at the operator (autoshard/intra/memory/attention_workspace.py).
     attention_scores_workspace: bool = False
     # XLA:CPU's reduction fusions (YNNPACK) read a broadcast operand as a buffer, which
     # its scheduler makes in the forward pass and shares with the backward: a LayerNorm
     # keeps its rsqrt and scale broadcast to [B, S, h], and rsqrt * scale, from its
-    # forward to its backward (autoshard/intra/broadcast_buffers.py).
+    # forward to its backward (autoshard/intra/memory/broadcast_buffers.py).
     materialized_broadcasts: bool = False
     # XLA:GPU's scheduler computes a parameter's optimizer update as soon as its gradient
     # is ready and all-gathers it to the parameter's layout right away, but adds it into
     # the donated parameter only after the backward pass, so every gathered update is live
     # from its gradient to the backward's end: gpt-39b (48 layers, 8x8 H100s, jax 0.11.2)
     # holds 190 of its 192, 19.19 GB per device, at XLA's peak (docs/truth.md). The memory
-    # model counts it so (autoshard/intra/reshard_copies.py, held_update_copy).
+    # model counts it so (autoshard/intra/memory/reshard_copies.py, held_update_copy).
     held_update_gathers: bool = False
 
 
@@ -156,11 +156,11 @@ class DeviceMesh:
     ``gemm`` (a :class:`~autoshard.hardware.gemm.GemmTiming`, or None) times every
     ``dot_general`` shard from a GEMM efficiency table instead of at ``peak_flops``; a
     finite ``hbm_bandwidth`` charges the other operations the bytes they stream (see
-    :func:`autoshard.intra.strategies.strategy_seconds`). ``memory_layout``: how the
+    :func:`autoshard.intra.rules.strategies.strategy_seconds`). ``memory_layout``: how the
     backend lays buffers out (:class:`MemoryLayout`; default all flags off).
     ``attention`` (an :class:`~autoshard.hardware.attention.AttentionTiming`, or None):
     the fused attention kernel's timing on this device (see
-    :func:`autoshard.intra.strategies.strategy_seconds`).
+    :func:`autoshard.intra.rules.strategies.strategy_seconds`).
     ``nodes`` (a :class:`~autoshard.hardware.clusters.NodeLayout`, or None): how the
     devices sit in nodes, so that collectives across nodes may be priced node-aware
     (:meth:`node_span`); None prices every collective as one flat ring.

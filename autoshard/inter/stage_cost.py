@@ -1,14 +1,14 @@
 """Stage costs from intra-operator plans: :class:`IntraStageCost`, the search's callback.
 
 The stage DP asks for the cost of layers ``[start, end)`` on every logical mesh.  Here a
-cost comes from the intra-op ILP (:mod:`autoshard.intra.problem`) run on the range's sub-graph
+cost comes from the intra-op ILP (:mod:`autoshard.intra.problem.build`) run on the range's sub-graph
 (:func:`autoshard.inter.subgraph.range_subgraph`): its forward, backward and update equations; tensors made
 outside the range enter as inputs (kind ``"data"`` for activations and cotangents, the
 original kind for parameters and optimizer state).  Equations with no layer (Adam's
 shared step count: scalars) belong to no range.  Per microbatch::
 
     latency_s        = compute: each equation's seconds under its chosen strategy
-                       (:func:`autoshard.intra.strategies.strategy_seconds`: on a cluster
+                       (:func:`autoshard.intra.rules.strategies.strategy_seconds`: on a cluster
                        preset, GEMMs from the device's GEMM table at their per-device
                        shard shape and other equations' bytes over HBM bandwidth, as in
                        the Megatron grid model; FLOPs / (split x peak) otherwise)
@@ -76,14 +76,14 @@ from autoshard.inter.subgraph import (
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
 from autoshard.inter.unit_pool import jobs_for, solve_in_pool
-from autoshard.intra.cost import CostOptions, reshard
+from autoshard.intra.cost.resharding import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
-from autoshard.intra.offload import (
+from autoshard.intra.offload.placement import (
     NO_OFFLOAD,
     Offload,
 )
-from autoshard.intra.options import IntraOptions
-from autoshard.intra.problem import build_problem, plan_from_solution
+from autoshard.intra.problem.build import build_problem, plan_from_solution
+from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 
@@ -118,7 +118,7 @@ class IntraStageCost:
     Memoised by structural signature (see the module docstring); ``num_ilps``,
     ``num_cache_hits`` and ``ilp_seconds`` say what the ILPs cost, ``seconds`` the time
     spent in this callback in all. ``baseline`` (a name of
-    :data:`autoshard.intra.baselines.BASELINES`) pins every range's inputs -- parameters,
+    :data:`autoshard.intra.baselines.tables.BASELINES`) pins every range's inputs -- parameters,
     optimizer state, and the activations entering it, as data -- the way that baseline
     does, so a stage costs the baseline's plan (the weak-scaling figure's ZeRO and expert
     parallel baselines); a range the baseline cannot plan costs infinity, and why (the
@@ -352,7 +352,7 @@ class IntraStageCost:
         try:
             options, pinned = _NO_TIES_OPTIONS, None
             if self.baseline is not None:
-                from autoshard.intra.baselines import baseline_inputs, baseline_options
+                from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
 
                 try:
                     pinned = baseline_inputs(graph, mesh.mesh, self.baseline)

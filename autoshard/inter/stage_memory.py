@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.intra.memory import mesh_intervals
+from autoshard.intra.memory.model import mesh_intervals
 from autoshard.ir.graph import Graph
 from autoshard.ir.spec import ShardingSpec
 
@@ -134,9 +134,9 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
     parameters and optimizer state resident in HBM, and its parameters' gradients where the
     device updates; ``borrowed``: bytes of parameters read from a layer outside the unit,
     by owner layer (``owner_of(tid)``, e.g. a tied embedding); the rest from
-    :func:`autoshard.intra.offload.offload_cost` where ``offload`` moves state to the host
+    :func:`autoshard.intra.offload.placement.offload_cost` where ``offload`` moves state to the host
     (its transfers hidden behind the backward of every one of ``num_microbatches``)."""
-    from autoshard.intra.offload import narrow_copy_bytes, offload_cost, offload_tensors
+    from autoshard.intra.offload.placement import narrow_copy_bytes, offload_cost, offload_tensors
 
     aliased = {src for src, _ in graph.aliases}
     owned = 0.0

@@ -5,7 +5,7 @@ graph's ids through the unit's range ids, and checked to fit."""
 from __future__ import annotations
 
 from autoshard.inter.plan import Shape2, StageSpecs
-from autoshard.intra.cost import _valid_spec
+from autoshard.intra.cost.resharding import _valid_spec
 from autoshard.ir.graph import Graph
 from autoshard.ir.spec import Mesh, ShardingSpec
 

@@ -34,7 +34,7 @@ class ParallelPlan:
     objective: float
     solver: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
-    # what lives in host memory and what it costs (autoshard.intra.offload.OffloadCost's
+    # what lives in host memory and what it costs (autoshard.intra.offload.placement.OffloadCost's
     # JSON, with the step time it adds up to); empty: nothing is offloaded
     offload: Mapping[str, Any] = field(default_factory=dict)
 

@@ -2,8 +2,8 @@
 
 One definition each of the primitive sets more than one module classifies by: the op
 graph's FLOP rules (:mod:`autoshard.ir.graph`), the sharding rules
-(:mod:`autoshard.intra.strategies`), the sharding problem (:mod:`autoshard.intra.problem`)
-and the memory model (:mod:`autoshard.intra.memory`).  Tables that encode one module's
+(:mod:`autoshard.intra.rules.strategies`), the sharding problem (:mod:`autoshard.intra.problem.build`)
+and the memory model (:mod:`autoshard.intra.memory.model`).  Tables that encode one module's
 own decisions (what XLA materialises, which ops follow their operand) live beside it.
 """
 
@@ -73,7 +73,7 @@ ALL_REDUCTIONS = frozenset(
 )
 
 # The reductions whose partial results XLA's partitioner all-reduces one summed dim's
-# mesh axes at a time (see :func:`autoshard.intra.cost.reshard_to_consumers`).
+# mesh axes at a time (see :func:`autoshard.intra.cost.resharding.reshard_to_consumers`).
 SUM_MAX_MIN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 # The fused attention operators (autoshard.models.attention, kept whole by the tracer):

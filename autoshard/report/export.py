@@ -11,7 +11,7 @@ parallel axes, ZeRO stage) are mapped onto what the target can express (DeepSpee
 config has no tensor parallelism; Megatron-LM has no ZeRO-3; MaxText no ZeRO-1/2); the
 specs that configuration gives every parameter, optimizer-state array and data input are
 built with the same rule tables as autoshard's baselines
-(:func:`autoshard.intra.baselines.baseline_inputs`), and compared with the plan's. A
+(:func:`autoshard.intra.baselines.tables.baseline_inputs`), and compared with the plan's. A
 baseline plan (``dp``, ``zero2``, ``zero3``, ``megatron``) whose roles the target can
 express exports with no differences; an ILP plan that is not uniform lists each tensor
 that differs, with both specs.
@@ -116,14 +116,14 @@ def _split_free_dim(spec: ShardingSpec, shape, axes: tuple[str, ...], mesh: Mesh
 
 def _has_rule(path: str) -> bool:
     """Whether the Megatron rule table places this parameter (GPT and MLP presets)."""
-    from autoshard.intra.baselines import MEGATRON_RULES
+    from autoshard.intra.baselines.tables import MEGATRON_RULES
 
     return any(re.search(p, path) for p, _ in MEGATRON_RULES)
 
 
 def layout_specs(d: PlanDigest, layout: Layout) -> list[ShardingSpec]:
     """The spec of every program input under ``layout`` (input order)."""
-    from autoshard.intra.baselines import baseline_inputs
+    from autoshard.intra.baselines.tables import baseline_inputs
 
     mesh = d.mesh
     own_model = d.plan_file.model is None  # the rule table knows only the presets

@@ -190,12 +190,12 @@ def reshard_route(
     src: aspec.ShardingSpec, dst: aspec.ShardingSpec, shape, dtype, mesh: aspec.Mesh
 ) -> tuple[aspec.ShardingSpec, ...]:
     """The specs between ``src`` and ``dst`` on the route the planner prices for this
-    reshard (:func:`autoshard.intra.cost.reshard`'s ``steps``): XLA's route, taken one
+    reshard (:func:`autoshard.intra.cost.resharding.reshard`'s ``steps``): XLA's route, taken one
     collective at a time. Priced on a uniform mesh: the route of a reshard XLA's way
     depends on the specs alone (where it falls back to gathering everything, it does so
     on any mesh)."""
     from autoshard.hardware.mesh import uniform_mesh
-    from autoshard.intra.cost import reshard
+    from autoshard.intra.cost.resharding import reshard
 
     if src == dst:
         return ()

@@ -185,7 +185,7 @@ def simulate_auto(
     and ``seq_len`` gives the tokens per sequence. ``optimizer``: the traced step's
     (:data:`autoshard.models.OPTIMIZERS`). ``progress``: where the phases report
     (:class:`autoshard.inter.progress.Progress`; default: stderr once past 2 s).
-    ``offload``: an :class:`~autoshard.intra.offload.Offload` every stage takes (its state
+    ``offload``: an :class:`~autoshard.intra.offload.placement.Offload` every stage takes (its state
     out of HBM, its transfers and host update priced per step, :class:`autoshard.inter.
     stage_cost.IntraStageCost`); ``plan["offload"]`` then says what lives where."""
     from autoshard.inter.options import StageSearchOptions
@@ -323,7 +323,7 @@ def simulate_auto(
 def _offload_summary(cost, inter, cluster, offload) -> dict:
     """What lives where in a searched plan, and what it costs per step (per device: the
     stage holding most in host memory; per node: that times the node's GPUs)."""
-    from autoshard.intra.offload import HOST_USABLE_FRACTION, OFFLOAD_CLASSES
+    from autoshard.intra.offload.placement import HOST_USABLE_FRACTION, OFFLOAD_CLASSES
 
     host_bytes, exposed = [], []
     for st in inter.stages:
@@ -385,7 +385,7 @@ def search_stage_cost(
     restricted search, e.g. ZeRO data parallelism). ``optimizer``: the traced step's.
     ``graph``: that traced step, already traced with these arguments (another baseline's
     ``IntraStageCost.graph``), so it is not traced again. ``offload``: the
-    :class:`~autoshard.intra.offload.Offload` every stage takes (None: none).
+    :class:`~autoshard.intra.offload.placement.Offload` every stage takes (None: none).
 
     Depth folding: a GPT of more than :data:`FOLD_MIN_BLOCKS` blocks (no baseline, no
     ``graph`` given) is traced with :data:`FOLD_BLOCKS` blocks only and the cost stands

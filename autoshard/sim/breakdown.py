@@ -23,7 +23,7 @@ axis that communicates):
   equations are amortised into each stage's ``compute`` by the search and are not
   separated (``optimizer`` is 0 there);
 * ``offload`` -- host <-> device transfers not hidden behind the backward pass and the
-  host's optimizer update, when state lives in host memory (:mod:`autoshard.intra.offload`).
+  host's optimizer update, when state lives in host memory (:mod:`autoshard.intra.offload.placement`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For a :class:`~autoshard.sim.report.SimulationReport` whose plan the intra-op ru
 build -- ``dp``, ``zero2``, ``zero3``, ``megatron:TPx1xDP`` and an ``auto`` plan with one
 stage -- :func:`exact_check` builds the intra-op plan for the same model on a
 ``(data, model) = (dp, tp)`` mesh of the simulated GPU count (the baseline's pinned input
-specs, :mod:`autoshard.intra.baselines`, or for ``auto`` the ILP's own choice; the rest placed by
+specs, :mod:`autoshard.intra.baselines.tables`, or for ``auto`` the ILP's own choice; the rest placed by
 the ILP with the cluster preset's costs), traces one micro-batch's training step at the
 simulated micro-batch size and dtype, compiles it with abstract shapes on that many fake
 CPU devices (:func:`autoshard.verify.check.verify_plan`) and returns an :class:`ExactReport`:
@@ -185,8 +185,8 @@ def exact_check(
     from autoshard.api import plan_workload, xla_cpu_memory_layout
     from autoshard.hardware.clusters import load_cluster
     from autoshard.hardware.mesh import preset_mesh
-    from autoshard.intra.memory import predicted_peak_bytes
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.memory.model import predicted_peak_bytes
+    from autoshard.intra.problem.options import IntraOptions
 
     devices = jax.devices("cpu")
     if len(devices) < gpus:

@@ -38,7 +38,7 @@ from types import MappingProxyType
 from autoshard.hardware.clusters import Cluster
 from autoshard.hardware.gemm import GemmTable
 from autoshard.hardware.mesh import to_device_mesh
-from autoshard.intra.cost import all_gather_cost, reduce_scatter_cost
+from autoshard.intra.cost.resharding import all_gather_cost, reduce_scatter_cost
 from autoshard.sim import formulas
 from autoshard.sim.breakdown import step_breakdown
 from autoshard.sim.megatron import (

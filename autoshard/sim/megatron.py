@@ -40,7 +40,7 @@ The model, per micro-batch and per device:
 * Tensor parallel: 2 all-reduces of the sbh activation per layer forward and 2 backward
   (with sequence parallel: an all-gather + reduce-scatter pair instead of each all-reduce),
   plus one for the vocab-parallel embedding (first stage) and one for the logit input
-  gradient (last stage). Costs come from :mod:`autoshard.intra.cost` (ring alpha-beta, no
+  gradient (last stage). Costs come from :mod:`autoshard.intra.cost.resharding` (ring alpha-beta, no
   tie-breakers) on the mesh ``(pipe=p, data=d, model=t)`` laid out row-major on the cluster,
   so TP <= 8 stays on NVLink (Megatron's rank order: TP fastest, then DP, then PP).
   Backward, the column-parallel linears (QKV, MLP up) reduce their input gradient while
@@ -87,7 +87,7 @@ from autoshard.hardware.attention import (
 from autoshard.hardware.clusters import Cluster, available_presets, load_cluster
 from autoshard.hardware.gemm import GemmTable, memory_bound_time
 from autoshard.hardware.mesh import DeviceMesh, to_device_mesh
-from autoshard.intra.cost import (
+from autoshard.intra.cost.resharding import (
     CostOptions,
     all_gather_cost,
     all_reduce_cost,

@@ -21,13 +21,13 @@ Plans (``PLAN_FORMS``):
   (:mod:`autoshard.sim.auto`, which also says how recompute is chosen).
 
 One cost model behind search and simulation: the Megatron path and the ILPs behind
-``auto`` both price collectives with the ring alpha-beta functions of :mod:`autoshard.intra.cost`
+``auto`` both price collectives with the ring alpha-beta functions of :mod:`autoshard.intra.cost.resharding`
 on meshes from :func:`autoshard.hardware.clusters.to_device_mesh` (the same link for the same
 mesh axis), and both time compute with the device's GEMM table (each ``dot_general`` at
-its per-device shard shape under the chosen strategy, :func:`autoshard.intra.strategies.
+its per-device shard shape under the chosen strategy, :func:`autoshard.intra.rules.strategies.
 strategy_seconds`) and memory-bound work as bytes over HBM bandwidth. What still differs
 is the program: the grid path models Megatron-LM's fused kernels, the auto path the traced
-JAX step under the fusion model of :func:`autoshard.intra.problem.materialized_tensors` (its
+JAX step under the fusion model of :func:`autoshard.intra.memory.materialized.materialized_tensors` (its
 attention softmax streams several fp32 buffers), so a block's elementwise time is higher
 on the auto path (tests/test_sim_auto.py states the consequences).
 
@@ -280,7 +280,7 @@ def simulate(
     Megatron-LM's program only. ``optimizer`` (``OPTIMIZERS``): the optimizer of the traced
     step, for ``plan="auto"`` only (the grids' memory model is mixed-precision Adam);
     Alpa's GPT-MoE benchmark trains with ``adafactor``. ``offload`` (``plan="auto"`` only;
-    :mod:`autoshard.intra.offload`, docs/offload.md): ``None``/``"none"``, a placement
+    :mod:`autoshard.intra.offload.placement`, docs/offload.md): ``None``/``"none"``, a placement
     (``"optimizer"``, ``"optimizer,master"``, ``"optimizer,master,gradients"``) every stage
     takes, or ``"auto"``: the search without offload, and when its plan does not fit the
     HBM, the search under each placement, the fastest that fits the HBM and the host's
@@ -331,9 +331,9 @@ def simulate(
 
 
 def _offload_request(offload, plan: str, cluster):
-    """None, ``"auto"`` or an :class:`~autoshard.intra.offload.Offload`, checked against the
+    """None, ``"auto"`` or an :class:`~autoshard.intra.offload.placement.Offload`, checked against the
     plan (``auto`` only: the grids model systems without offload) and the cluster's host."""
-    from autoshard.intra.offload import parse_offload
+    from autoshard.intra.offload.placement import parse_offload
 
     if offload is None:
         return None
@@ -527,7 +527,7 @@ def _cheapest_offload(price) -> SimulationReport:
     offload, still out of memory), with every candidate in ``plan["offload_candidates"]``."""
     from types import MappingProxyType
 
-    from autoshard.intra.offload import AUTO_CANDIDATES
+    from autoshard.intra.offload.placement import AUTO_CANDIDATES
 
     plain = price(None)
     if not plain.oom:

@@ -38,6 +38,7 @@ import numpy as np
 from autoshard.ir.spec import Axes, Collective, Mesh
 from autoshard.verify.hlo import (
     _HLO_DTYPES,
+    CompiledCollective,
     _attr,
     _called,
     _Instr,
@@ -68,18 +69,6 @@ _COLLECTIVE_OPCODES = {
     "all-to-all": "all-to-all", "all-to-all-start": "all-to-all",
     "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class CompiledCollective:
-    """One collective found in compiled HLO, in the spec's :class:`Collective` terms."""
-
-    collective: Collective
-    dtype: str
-    hlo_name: str
-    note: str = ""
-    in_loop: bool = False
-    hlo_opcode: str = ""
 
 
 @dataclass(frozen=True)

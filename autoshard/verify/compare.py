@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autoshard.ir.spec import Axes, Collective
-from autoshard.verify.collectives import CompiledCollective
+from autoshard.verify.hlo import CompiledCollective
 
 
 def _as_collective(c: Collective | CompiledCollective) -> Collective:

@@ -5,7 +5,8 @@ Takes the text of ``jax.jit(f).lower(...).compile().as_text()`` and returns a
 of its attributes), each computation's parameters and root, each value's users, and the
 module's ``replica_count`` and ``num_partitions``.  Helpers read one attribute
 (:func:`_attr`), the computations an instruction calls (:func:`_called`) and a shape's
-array leaves and bytes (:func:`_leaves`, :func:`_nbytes`).  The readers built on it --
+array leaves and bytes (:func:`_leaves`, :func:`_nbytes`); :class:`CompiledCollective` is
+the record a collective read from it becomes.  The readers built on it --
 replica groups, collectives, the XLA:CPU normalisation -- live beside it in
 :mod:`autoshard.verify`.  Jax-free.
 """
@@ -15,10 +16,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from autoshard.verify.index_eval import _IndexEvaluator
+from autoshard.ir.spec import Collective
 
 # HLO element type -> (numpy-style name, bits).
 _HLO_DTYPES = {
@@ -42,6 +41,18 @@ class _Instr:
     attrs: str
 
 
+@dataclass(frozen=True)
+class CompiledCollective:
+    """One collective found in compiled HLO, in the spec's :class:`Collective` terms."""
+
+    collective: Collective
+    dtype: str
+    hlo_name: str
+    note: str = ""
+    in_loop: bool = False
+    hlo_opcode: str = ""
+
+
 @dataclass
 class _Module:
     instrs: dict[str, _Instr] = field(default_factory=dict)
@@ -51,7 +62,9 @@ class _Module:
     num_partitions: int = 1
     replica_count: int = 1
     _callers: dict[str, list[str]] | None = None
-    _evaluator: _IndexEvaluator | None = None
+    # index_eval's _IndexEvaluator for this module, made on first use (index_eval.py reads
+    # this module, so the slot is not typed with its class)
+    _evaluator: object | None = None
 
     def params(self, computation: str) -> dict[int, str]:
         out = {}

@@ -342,7 +342,7 @@ class HeldUpdate:
 
 def held_updates(text: str) -> list[HeldUpdate]:
     """Each gathered update of the schedule (:class:`HeldUpdate`): the pattern
-    ``held_update_gathers`` models (autoshard/intra/reshard_copies.py)."""
+    ``held_update_gathers`` models (autoshard/intra/memory/reshard_copies.py)."""
     instrs = entry_instructions(text)
     by_name = {ins.name: ins for ins in instrs}
     donated = _donated_outputs(instrs, by_name, module_aliases(text))

@@ -41,15 +41,20 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from autoshard.ir.spec import Collective
-from autoshard.verify.hlo import _HLO_DTYPES, _attr, _called, _Instr, _ints, _leaves, _Module
+from autoshard.verify.hlo import (
+    _HLO_DTYPES,
+    CompiledCollective,
+    _attr,
+    _called,
+    _Instr,
+    _ints,
+    _leaves,
+    _Module,
+)
 from autoshard.verify.index_eval import _NotEvaluable, _slice_offsets
 from autoshard.verify.replica_groups import UNKNOWN_AXES
-
-if TYPE_CHECKING:
-    from autoshard.verify.collectives import CompiledCollective
 
 _NARROW_FLOATS = ("bf16", "f16")
 _PASS_THROUGH = {

@@ -7,7 +7,7 @@ not only how it is batched:
 
 * **AllReduceFolder**: ``all-reduce(all-reduce(x, A), B)`` -> ``all-reduce(x, A + B)``.
   The partitioner reduces a sum over dims split on different axes one group at a time
-  (``reduce_first`` in :func:`autoshard.intra.cost.reshard_to_consumers`: an all-reduce
+  (``reduce_first`` in :func:`autoshard.intra.cost.resharding.reshard_to_consumers`: an all-reduce
   over model, then one over data, of the same buffer); XLA:GPU folds them into one
   all-reduce over both (gpt-1.3b auto 2x4: ``ln_f``'s gradient, 8,192 B moved once, not
   twice).
@@ -22,7 +22,7 @@ The combiners (tuples, concatenation) only batch collectives; the verifier reads
 one value at a time (:mod:`autoshard.verify.collectives`), so they need no rewrite here.
 
 :func:`xla_gpu_collectives` recomputes each value's collectives the way
-:func:`autoshard.intra.predict.collectives_by_value` does (from the plan's specs and the
+:func:`autoshard.intra.problem.predict.collectives_by_value` does (from the plan's specs and the
 program's graph), finds the two patterns, and returns the plan's predicted collectives with
 each rewrite applied where the collectives it removes are in the prediction, with one note
 per rewrite. ``verify_plan`` compares against these on a GPU target.
@@ -34,8 +34,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.cost import DEFAULT_COST_OPTIONS, reshard_to_consumers
-from autoshard.intra.predict import dot_batch_dims, reduce_steps
+from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS, reshard_to_consumers
+from autoshard.intra.problem.predict import dot_batch_dims, reduce_steps
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Collective, ShardingSpec
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: ben
 
 from bench_truth import PLANS, SUITES, _label, plan_settings, truth_mesh  # noqa: E402
 
-import autoshard.intra.exact_values as P  # noqa: E402 - its node budget is patched
+import autoshard.intra.problem.exact_values as P  # noqa: E402 - its node budget is patched
 from autoshard.api import trace_workload  # noqa: E402
 
 if len(sys.argv) < 3:

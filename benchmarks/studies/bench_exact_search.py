@@ -37,10 +37,10 @@ def main() -> int:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
     from autoshard.intra.ilp import objective_of, solve
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import _common, _finish, _solve_exact
+    from autoshard.intra.problem.build import _common, _finish, _solve_exact
+    from autoshard.intra.problem.options import IntraOptions
 
     rows = []
     for model, overrides in CASES:

@@ -46,8 +46,8 @@ def main() -> None:
         "jax_num_cpu_devices", max(math.prod(parse_mesh_shape(m)) for m in args.meshes)
     )
     from autoshard.intra.ilp import solve
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import _common, _finish
+    from autoshard.intra.problem.build import _common, _finish
+    from autoshard.intra.problem.options import IntraOptions
 
     rows = []
     for mesh_text in args.meshes:

@@ -3,7 +3,7 @@
 Plans a preset (``plan_workload``, the CLI's ``plan`` path) and groups every predicted
 collective by the op that produces the resharded value (its primitive and shape, "input"
 for a parameter or data input): kind, mesh axes, count and bytes per device. It reads the
-plan's own prediction per value (:func:`autoshard.intra.predict.collectives_by_value`, of
+plan's own prediction per value (:func:`autoshard.intra.problem.predict.collectives_by_value`, of
 which ``predicted_collectives`` is the flat list that ``plan --verify`` compares with XLA's
 compile), for the plan ``plan_from_solution`` was last asked to predict.
 
@@ -31,7 +31,7 @@ def main() -> None:
     from autoshard.api import device_mesh_for, parse_mesh_shape, plan_workload
 
     jax.config.update("jax_num_cpu_devices", math.prod(parse_mesh_shape(args.mesh)))
-    import autoshard.intra.predict as predict
+    import autoshard.intra.problem.predict as predict
 
     asked = []  # (ip, choice) of every plan predicted
     original = predict.predicted_collectives

@@ -1,7 +1,7 @@
 """What XLA:GPU holds at its peak: the live peak of each GPU run's stored HLO, read from the
 scheduled text alone (autoshard/verify/hlo_liveness.py), beside XLA's own allocation and the
 plan's predicted peak, with the optimizer updates XLA:GPU gathers early and adds into their
-parameters late (``held_update_gathers``, autoshard/intra/reshard_copies.py).
+parameters late (``held_update_gathers``, autoshard/intra/memory/reshard_copies.py).
 
     python benchmarks/studies/gpu_held_updates.py \\
         benchmarks/results/gpu_truth_scale_h100_2026-11-27.json \\
@@ -165,8 +165,8 @@ def cpu_check(layers: int) -> dict:
 
     jax.config.update("jax_num_cpu_devices", 64)
     from autoshard.api import plan_workload, xla_cpu_memory_layout
-    from autoshard.intra.memory import predicted_peak_bytes
-    from autoshard.intra.options import IntraOptions
+    from autoshard.intra.memory.model import predicted_peak_bytes
+    from autoshard.intra.problem.options import IntraOptions
 
     t0 = time.perf_counter()
     bound = plan_workload(

@@ -38,9 +38,9 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import autoshard.verify.check as check
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
 
     peaks = []
     read = check.dump_live_peak

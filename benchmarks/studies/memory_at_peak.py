@@ -8,7 +8,7 @@ predicted peak::
     python benchmarks/studies/memory_at_peak.py PLAN.json.gz [--top 30] [--cluster dgx-h100]
 
 then the memory model's own side: its peak with this XLA:CPU's layout and its own buffers
-live there, by producing primitive (:func:`autoshard.intra.memory.tensor_buffers`).
+live there, by producing primitive (:func:`autoshard.intra.memory.model.tensor_buffers`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _model_side(bound, cluster: str) -> None:
 
     from autoshard.api import xla_cpu_memory_layout
     from autoshard.hardware.mesh import preset_mesh
-    from autoshard.intra.memory import predicted_live_bytes, tensor_buffers
+    from autoshard.intra.memory.model import predicted_live_bytes, tensor_buffers
 
     plan, graph = bound.plan, bound.graph
     spec_of = plan.specs_by_tensor(graph.inputs)

@@ -42,10 +42,10 @@ def main() -> None:
 
     import autoshard
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.baselines import baseline_inputs, baseline_options
-    from autoshard.intra.memory import predicted_peak_bytes
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.memory.model import predicted_peak_bytes
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.ir.plan import ParallelPlan
     from autoshard.verify.check import verify_plan
 

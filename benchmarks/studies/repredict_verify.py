@@ -30,7 +30,7 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", pf.plan.mesh.num_devices)
     from autoshard.api import bind_plan, xla_cpu_memory_layout
     from autoshard.hardware.mesh import preset_mesh
-    from autoshard.intra.memory import predicted_peak_bytes
+    from autoshard.intra.memory.model import predicted_peak_bytes
     from autoshard.verify.check import verify_plan
     from autoshard.verify.xla_gpu import _values
 

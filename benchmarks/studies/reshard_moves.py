@@ -6,8 +6,8 @@ destination as output sharding; a 2-D ``f32[16, 32]``, or ``--rank 3`` for
 ``f32[8, 16, 32]``) on 2x2, 2x4 and 4x2 fake CPU devices, reads the compiled collectives
 (collective-permutes included, replica groups over part of an axis as sub-axes,
 :mod:`autoshard.verify.collectives`) and compares kind, axes (as a set), count and bytes with
-:func:`autoshard.intra.cost.reshard`'s prediction.  ``--without-tile-moves`` predicts as
-before issue 31 (no :mod:`autoshard.intra.reshard_tiles`).  Prints a table of the moves
+:func:`autoshard.intra.cost.resharding.reshard`'s prediction.  ``--without-tile-moves`` predicts as
+before issue 31 (no :mod:`autoshard.intra.cost.reshard_tiles`).  Prints a table of the moves
 that compile to a collective-permute and a summary per mesh; writes JSON::
 
     python benchmarks/studies/reshard_moves.py [--rank 2|3] [--meshes 2x2,2x4,4x2] \\
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import autoshard.intra.cost as cost  # noqa: E402
+import autoshard.intra.cost.resharding as cost  # noqa: E402
 from autoshard.hardware.mesh import uniform_mesh  # noqa: E402
 from autoshard.ir.spec import Mesh, ShardingSpec  # noqa: E402
 from autoshard.verify.collectives import analyze_collectives  # noqa: E402

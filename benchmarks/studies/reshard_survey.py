@@ -5,7 +5,7 @@ spec, shape) of an operand the plan reads in another spec than its producer made
 (partial sums left out: a program cannot be handed one), then compiles each as an
 identity with that input sharding and a ``with_sharding_constraint`` to the read spec on
 this process's fake devices, and compares XLA's collectives with
-:func:`autoshard.intra.cost.reshard`'s prediction. Prints the ones that differ, with the
+:func:`autoshard.intra.cost.resharding.reshard`'s prediction. Prints the ones that differ, with the
 bytes per step of the plan they account for::
 
     python benchmarks/studies/reshard_survey.py \
@@ -40,7 +40,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
 
     from autoshard.api import bind_plan, device_mesh_for
-    from autoshard.intra.cost import reshard
+    from autoshard.intra.cost.resharding import reshard
     from autoshard.runtime.sharded import make_mesh, reshard_route, to_partition_spec
     from autoshard.verify.collectives import analyze_collectives
 

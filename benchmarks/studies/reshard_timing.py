@@ -25,11 +25,11 @@ def capture(path: str) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    import autoshard.intra.cost as cost
-    import autoshard.intra.value_edges as value_edges
+    import autoshard.intra.cost.resharding as cost
+    import autoshard.intra.problem.value_edges as value_edges
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import auto_shard_graph
+    from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
 
     calls, original = [], cost.reshard
 

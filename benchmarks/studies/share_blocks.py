@@ -55,8 +55,8 @@ def main() -> None:
     from autoshard.api import trace_workload
     from autoshard.hardware.mesh import alpa_test_mesh
     from autoshard.intra.ilp import objective_of, resolve_ties, solve
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.problem import build_problem
+    from autoshard.intra.problem.build import build_problem
+    from autoshard.intra.problem.options import IntraOptions
 
     traced = trace_workload(args.model, optimizer="sgd", num_layers=args.layers)
     graph = traced.graph

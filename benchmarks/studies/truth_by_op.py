@@ -3,7 +3,7 @@
 Plans a preset on fake CPU devices (``plan_workload``; ``--cluster`` as the GPU suite
 plans), compiles it (``verify_plan``) and prints the (kind, axes) table, then both sides
 grouped by op: the predicted collectives of each resharded value under its producer's
-primitive and module path (:func:`autoshard.intra.predict.collectives_by_value`), the
+primitive and module path (:func:`autoshard.intra.problem.predict.collectives_by_value`), the
 compiled ones under their HLO instruction's ``op_name`` metadata (the traced equation's
 name stack and primitive), and XLA's "involuntary full rematerialization" warnings::
 
@@ -73,10 +73,10 @@ def main() -> None:
     from autoshard.api import parse_mesh_shape
 
     jax.config.update("jax_num_cpu_devices", math.prod(parse_mesh_shape(args.mesh)))
-    import autoshard.intra.problem as problem
+    import autoshard.intra.problem.build as problem
     from autoshard.api import device_mesh_for, plan_workload
-    from autoshard.intra.options import IntraOptions
-    from autoshard.intra.predict import collectives_by_value
+    from autoshard.intra.problem.options import IntraOptions
+    from autoshard.intra.problem.predict import collectives_by_value
     from autoshard.verify.check import verify_plan
     from autoshard.verify.collectives import analyze_collectives
 

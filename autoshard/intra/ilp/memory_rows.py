@@ -8,12 +8,10 @@ window that the fixed strategies leave undecided.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from autoshard.intra.ilp.reduce import _Reduced
+from autoshard.intra.ilp.reduced import _Reduced
 
 
 def _indicator(red: _Reduced, v: int, strategies) -> bool | np.ndarray:

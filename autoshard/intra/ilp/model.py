@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoshard.intra.ilp.reduce import _Reduced
+from autoshard.intra.ilp.reduced import _Reduced
 
 # The objective is rescaled so that its largest coefficient is this. Solvers' tolerances
 # are absolute (HiGHS and CBC treat reduced costs under 1e-7 as zero, CBC's preprocessing

@@ -16,7 +16,6 @@ that could trade one against the other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,33 +26,7 @@ from autoshard.intra.ilp.problem import (
     cost_quantum,
     resolve_ties,
 )
-
-
-@dataclass
-class _Reduced:
-    """The problem after merging and folding, in block space (a block = a root)."""
-
-    problem: ShardingProblem
-    block_of: np.ndarray  # node -> block
-    maps: list[np.ndarray]  # node -> node strategy for each block strategy (-1 forbidden)
-    blocks: list[int]  # block -> its original node
-    cols: list[np.ndarray]  # block -> strategies that get a variable (empty when fixed)
-    fixed: list[int]  # block -> its only strategy, or -1 when it has variables
-    offset: np.ndarray  # block -> index of its first variable
-    costs: list[np.ndarray]  # block -> cost per column (shifted, >= 0)
-    pairs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # cols_a x cols_b
-    constant: complex = 0.0  # real: cost; imaginary: preference (lexicographic only)
-    mem_rows: list[tuple[float, np.ndarray, np.ndarray]] = field(default_factory=list)
-    # copies' windows (see _copy_windows); memory-row columns >= num_strategy_cols are
-    # window columns
-    windows: list[tuple] = field(default_factory=list)
-    num_strategy_cols: int = 0
-    ties: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # merge=False
-    # blocks eliminated before the solve, in order: (block, its cost, [(neighbour, matrix
-    # block x neighbour)]); decoded in reverse, each given its neighbours' choices
-    eliminated: list[tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]] = field(
-        default_factory=list
-    )
+from autoshard.intra.ilp.reduced import _Reduced
 
 
 def _reduce(

@@ -26,7 +26,8 @@ from autoshard.intra.ilp.problem import (
     peak_lower_bound,
     peak_memory,
 )
-from autoshard.intra.ilp.reduce import _reduce, _Reduced
+from autoshard.intra.ilp.reduce import _reduce
+from autoshard.intra.ilp.reduced import _Reduced
 from autoshard.intra.ilp.solvers import _ABS_GAP, SOLVERS, _check_solver, _Outcome, _run
 
 

@@ -1,0 +1,185 @@
+"""XLA:CPU's layout copies, as the memory model counts them (jax-free).
+
+Takes a graph and a priced mesh; returns the values a backend copies into a transposed
+layout of its own, when its :class:`~autoshard.hardware.mesh.MemoryLayout` says it does:
+the weights a batched dot reads in a non-canonical layout (``batched_dot_weight_copies``),
+the lhs an unbatched dot reads contracted on its leading dims (``dot_lhs_copies``)
+and the operands and results of convolutions (``conv_layout_copies``). Used by
+:mod:`autoshard.intra.memory.model` for the predicted peak and the ILP's memory rows.
+"""
+
+from __future__ import annotations
+
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.memory.reshard_copies import CopyGroup
+from autoshard.ir.graph import Graph, conv_dimension_numbers
+
+NARROW_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Program inputs that a batched ``dot_general`` reads in a non-canonical layout, on a
+    backend that copies them (``batched_dot_weight_copies``, XLA:CPU).
+
+    XLA canonicalises a batched dot to ``lhs [batch, free, contracting]`` and
+    ``rhs [batch, contracting, free]``; an operand laid out otherwise is transposed into a
+    buffer of its own. For a weight that copy depends on the program inputs only, so
+    XLA:CPU makes it at the start of the step: on moe-tiny's 8-device plan XLA holds the
+    transposed ``wi`` and ``wo`` of the experts (for the backward dots that contract their
+    last dim) at its peak. Activations and unbatched dots are left out (not measured),
+    and so are replicated weights: the data-parallel, ZeRO-2 and Megatron baselines of
+    moe-tiny (experts replicated) are over-predicted by 14-20% with their copies counted,
+    under-predicted without, so XLA does not keep them there (bench_truth's moe suite).
+
+    Returns weight tensor id -> the dot nodes that read the copy, in program order. The
+    copy lives from the start of the step to its last reader (a resharded copy made early,
+    :func:`_reshard_buffers`; in the ILP, a :class:`CopyBuffer` of every layout of the
+    weight)."""
+    if not mesh.memory_layout.batched_dot_weight_copies:
+        return {}
+    out: dict[int, list[int]] = {}
+    inputs = set(graph.inputs)
+    for node in graph.nodes:
+        if node.primitive != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+        if not lb:
+            continue
+        for k, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
+            tid = node.inputs[k]
+            if tid not in inputs or graph.tensors[tid].kind in ("literal", "const", "data"):
+                continue
+            rank = len(graph.tensors[tid].shape)
+            free = [d for d in range(rank) if d not in contract and d not in batch]
+            canonical = (*batch, *free, *contract) if k == 0 else (*batch, *contract, *free)
+            if tuple(canonical) != tuple(range(rank)):
+                out.setdefault(tid, []).append(node.index)
+    return {tid: tuple(dots) for tid, dots in out.items()}
+
+
+def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:
+    """(tensor, first, last node index) of each conv operand or result XLA:CPU transposes
+    for the conv (``conv_layout_copies``): its one conv layout is (batch, spatial...,
+    feature) for the input and the result and (spatial..., in, out) for the kernel; any
+    other order (a weight gradient reads the activation as (feature, spatial..., batch),
+    an input gradient reads the kernel with in and out swapped) costs a copy of the
+    value, made just before the conv and freed after it -- or, for a program input (the
+    images, a kernel) with ``early_input_reshards``, made at the start of the step (seen
+    in the compiled wresnet-tiny step: ``transpose_copy_fusion`` buffers beside each
+    gradient conv, the images' from the start to the stem's weight gradient). With
+    ``early_conv_copies`` a backward conv's copy of a value the forward pass makes is
+    made where the value is, and kept to the conv: in the compiled wresnet-tiny step on
+    8 devices every ``transpose_copy_fusion`` of a weight gradient's activation is born
+    in the forward pass (``transpose_copy_fusion.19``: positions 57-228 of XLA's 409, its
+    conv at 228), and on 2x4 (the ILP's plan) five such 8-16 KiB copies are live at XLA's
+    peak in the backward pass."""
+    layout = mesh.memory_layout
+    if not layout.conv_layout_copies:
+        return []
+    early = set(graph.inputs) if layout.early_input_reshards else set()
+    out = []
+    for node in graph.nodes:
+        if node.primitive != "conv_general_dilated":
+            continue
+        lhs, rhs, res = conv_dimension_numbers(node.params)
+        n = len(lhs)
+        spatial = tuple(range(1, n - 1))
+        canonical = (
+            (0, n - 1, *spatial),  # lhs: batch, feature, spatial (as dims of NHWC)
+            (n - 1, n - 2, *range(n - 2)),  # rhs: out, in, spatial (as dims of HWIO)
+            (0, n - 1, *spatial),
+        )
+        values = (node.inputs[0], node.inputs[1], node.outputs[0])
+        for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
+            if tuple(spec) != want:
+                out.append((tid, _conv_copy_start(graph, tid, node, early, layout), node.index))
+    return out
+
+
+def _conv_copy_start(graph: Graph, tid: int, conv, early: set[int], layout) -> int:
+    """Node index where :func:`transposed_conv_values`' copy of ``tid`` for ``conv`` is
+    made: the start of the step for a program input made early, the value's producer for
+    a forward value read by a backward conv (``early_conv_copies``), else the conv."""
+    if tid in early:
+        return 0
+    producer = graph.tensors[tid].producer
+    if (
+        layout.early_conv_copies
+        and producer is not None
+        and conv.phase != "forward"
+        and graph.nodes[producer].phase == "forward"
+    ):
+        return producer
+    return conv.index
+
+
+def transposed_dot_lhs(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
+    """(lhs tensor, dot node index) of each unbatched ``dot_general`` whose lhs XLA:CPU
+    copies into a transposed buffer (``dot_lhs_copies``).
+
+    XLA:CPU's dots (XNNPACK, ``ynn_fusion`` in the HLO) read the lhs as
+    ``[free, contracting]`` and the rhs either way: in the compiled gpt-350m bf16 step
+    every one of the 27 unbatched dots has ``lhs_contracting_dims={1}``, and each weight
+    gradient (``x^T @ g``, the lhs contracted on its leading dims) reads a
+    ``copy_bitcast_fusion`` that transposes (and, for a bf16 lhs, widens) it just before
+    the dot. The largest is the logits gradient's, ``f32[51200, 1024]`` (200 MiB), for
+    the embedding's gradient, and it is at XLA's peak on the gpt-350m plans. Dims of size
+    one are left out of the order (a transpose that moves only them is a bitcast). The
+    copy is made from the lhs as the dot reads it and freed after the dot. Not universal:
+    in small single-device programs XLA:CPU runs the weight gradient as a plain ``dot``
+    that reads ``x`` as it is and writes ``g`` transposed from its own fusion instead
+    (docs/truth.md); which it picks was not established."""
+    if not mesh.memory_layout.dot_lhs_copies:
+        return []
+    return transposed_lhs_reads(graph)
+
+
+def transposed_lhs_reads(graph: Graph) -> list[tuple[int, int]]:
+    """(lhs tensor, dot node index) of each unbatched ``dot_general`` that reads its lhs
+    contracted on other than its trailing dims (:func:`transposed_dot_lhs`, whatever the
+    backend)."""
+    out = []
+    for node in graph.nodes:
+        if node.primitive != "dot_general":
+            continue
+        (lc, _), (lb, _) = node.params["dimension_numbers"]
+        if lb:
+            continue
+        tid = node.inputs[0]
+        t = graph.tensors[tid]
+        if t.kind in ("literal", "const") or not t.shape:
+            continue
+        rank = len(t.shape)
+        free = [d for d in range(rank) if d not in lc]
+        order = [d for d in (*free, *lc) if t.shape[d] != 1]
+        if order != sorted(order):
+            out.append((tid, node.index))
+    return out
+
+
+def dot_lhs_copy_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
+    """Whole bytes of :func:`transposed_dot_lhs`'s copy of ``tid``: f32 for a narrow lhs
+    on a device that computes narrow dots in f32 (the widening is fused into the copy)."""
+    t = graph.tensors[tid]
+    narrow = mesh.memory_layout.narrow_dots_in_f32 and t.dtype in NARROW_FLOATS
+    return 2 * t.nbytes if narrow else t.nbytes
+
+
+def dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos) -> list[CopyGroup]:
+    """:func:`transposed_dot_lhs` as :class:`CopyGroup` entries (for the ILP's memory rows): per dot and size, the
+    dot's strategies that read its lhs at that size; live at the dot only."""
+    out = []
+    for tid, dot in transposed_dot_lhs(graph, mesh):
+        node, whole = n_in + dot, dot_lhs_copy_bytes(graph, tid, mesh)
+        by_size: dict[float, list[int]] = {}
+        for q, s in enumerate(strategies[node]):
+            spec = s.input_specs[0]
+            if spec is not None:
+                by_size.setdefault(whole * spec.shard_fraction(mesh.mesh), []).append(q)
+        reader = ((pos[dot], node, tuple(range(len(strategies[node])))),)
+        out += [
+            CopyGroup(node, tuple(qs), size, pos[dot], pos[dot], reader)
+            for size, qs in by_size.items()
+            if size
+        ]
+    return out

@@ -1,0 +1,545 @@
+"""The memory model: which buffers a compiled step holds, when, and how large (jax-free).
+
+One model of XLA's buffers, used alike by the sharding ILP's memory rows
+(:func:`memory_rows`, for :mod:`autoshard.intra.problem.build`) and by the plan's prediction
+(:func:`predicted_peak_bytes`), so that a plan's predicted peak is the peak its memory
+rows constrain.  It takes an op :class:`~autoshard.ir.graph.Graph` and a priced mesh
+(:class:`~autoshard.hardware.mesh.DeviceMesh`, whose
+:class:`~autoshard.hardware.mesh.MemoryLayout` says how the backend lays memory out):
+
+* fusion -- which values are materialised (:func:`materialized_tensors`);
+* schedule -- each buffer's live interval in program order (:func:`live_intervals`);
+* sizes -- a buffer's bytes, f32 copies of narrow dot operands (:func:`tensor_buffers`),
+  and one buffer per value and resharded layout
+  (:mod:`autoshard.intra.memory.reshard_copies`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.ilp import CopyBuffer
+from autoshard.intra.memory.attention_workspace import held_buffers, workspace_groups
+from autoshard.intra.memory.broadcast_buffers import held_broadcast_buffers, held_broadcast_groups
+from autoshard.intra.memory.common_values import common_values, merged_consumers
+from autoshard.intra.memory.layout_copies import (
+    NARROW_FLOATS,
+    dot_lhs_copy_bytes,
+    dot_lhs_copy_groups,
+    transposed_conv_values,
+    transposed_dot_lhs,
+    transposed_weight_copies,
+)
+from autoshard.intra.memory.materialized import (  # noqa: F401 - re-exported: the model's fusion part
+    CONV_AND_WINDOW,
+    EXPENSIVE,
+    FREE_VIEWS,
+    MATERIALIZING,
+    UNFUSED_CONSUMERS,
+    copied_lhs_sources,
+    data_free_tensors,
+    materialized_tensors,
+)
+from autoshard.intra.memory.reshard_copies import CopyGroup, copy_groups, reshard_buffers
+from autoshard.intra.memory.update_zeros import (
+    UpdateZeros,
+    foldable_zeros,
+    update_zeros,
+    zeros_bytes,
+    zeros_groups,
+)
+from autoshard.intra.rules.strategies import Strategy
+from autoshard.ir.graph import Graph
+from autoshard.ir.spec import ShardingSpec
+
+
+def graph_update_zeros(graph: Graph) -> list[UpdateZeros]:
+    """:func:`~autoshard.intra.memory.update_zeros.update_zeros` of ``graph``: its in-place
+    updates (:data:`IN_PLACE`) into zeros computed from constants alone."""
+    return update_zeros(graph, data_free_tensors(graph), IN_PLACE)
+
+
+def streamed_tensors(graph: Graph, mesh: DeviceMesh) -> set[int]:
+    """The buffers memory-bound ops are charged for streaming: :func:`materialized_tensors`
+    under XLA:CPU's fusion model on every backend (with the mesh's
+    ``reductions_read_memory``): on one H100 the attention's softmax kernels took 18.5 ms a
+    step, where the values XLA:GPU keeps (``fused_transcendentals``) would price 7.7 ms and
+    these 27.0 ms (docs/validation.md)."""
+    return materialized_tensors(graph, mesh.memory_layout.reductions_read_memory)
+
+
+def program_positions(graph: Graph, late_updates: bool = False) -> list[int]:
+    """Node index -> position in the modelled schedule: program order, except that XLA
+    schedules each parameter's update as soon as its gradient is ready (update ops move
+    to just after their last input) -- unless ``late_updates`` (XLA:CPU, which combines
+    the gradient reductions into one at the end of the backward pass, so every gradient
+    waits for it)."""
+    pos = list(range(len(graph.nodes)))
+    if late_updates:
+        return pos
+    for node in graph.nodes:
+        if node.phase == "update":
+            ready = [
+                pos[graph.tensors[t].producer]
+                for t in node.inputs
+                if graph.tensors[t].producer is not None
+            ]
+            pos[node.index] = max(ready, default=0)
+    return pos
+
+
+def live_intervals(
+    graph: Graph,
+    reductions_read_memory: bool = False,
+    late_updates: bool = False,
+    fused_transcendentals: bool = False,
+    early_inputs: bool = False,
+    dot_lhs_copies: bool = False,
+) -> dict[int, tuple[int, int]]:
+    """Tensor id -> (first, last) program position of every buffer that occupies memory.
+
+    Program inputs live throughout ((-1, n)); updated state reuses its donated input, so
+    aliased outputs take no extra room.  Positions are :func:`program_positions`.
+    The flags are :class:`~autoshard.hardware.mesh.MemoryLayout`'s (:func:`mesh_intervals`).  Only
+    materialised tensors count (:func:`materialized_tensors`); a buffer lives until the
+    last op that reads it, directly or through values fused away (:func:`_readers`: a
+    value recomputed in the backward pass keeps what it is made of alive until then).
+
+    With ``dot_lhs_copies`` (XLA:CPU) what a transposed dot lhs copy reads again is kept
+    until that dot (:func:`~autoshard.intra.memory.materialized.copied_lhs_sources`).
+
+    With ``early_inputs`` (XLA:CPU, ``early_input_reshards``) the zeros an in-place update
+    writes into and no add absorbs (:mod:`autoshard.intra.memory.update_zeros`) are a buffer made
+    at the start of the step, which the update's result then takes over.
+    """
+    n = len(graph.nodes)
+    pos = program_positions(graph, late_updates)
+    same = common_values(graph)  # once: the fusion part reads it too
+    keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals, same)
+    copied = copied_lhs_sources(graph, keep) if dot_lhs_copies else {}
+    keep |= copied.keys()
+    consumers = merged_consumers(graph, same)
+    aliased_outputs = {dst for _, dst in graph.aliases}
+    out: dict[int, tuple[int, int]] = {}
+    for t in graph.tensors:
+        if t.id not in keep or t.id in aliased_outputs or t.kind in ("literal", "const"):
+            continue
+        if t.producer is None:
+            out[t.id] = (-1, n)
+            continue
+        first = pos[t.producer]
+        if t.last_use >= n:
+            last = n
+        else:
+            last = max([pos[c] for c in _readers(graph, t.id, keep, consumers)] + [first])
+        out[t.id] = (first, last)
+    for src, dot in copied.items():  # read again by the transposed lhs copy, at its dot
+        if src in out and out[src][1] < pos[dot]:
+            out[src] = (out[src][0], pos[dot])
+    if early_inputs:  # zeros no add absorbs: made at the start (update_zeros)
+        for z in graph_update_zeros(graph):
+            if z.add is None and z.zeros not in out:
+                out[z.zeros] = (0, pos[z.update])
+    for node in graph.nodes:  # outputs written into a dying operand's buffer
+        shared = _shared_operand(graph, node, out)
+        if shared is not None:
+            first, _ = out[shared]
+            out[shared] = (first, max(first, pos[node.index] - 1))
+    return out
+
+
+def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
+    """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
+    layout = mesh.memory_layout
+    return live_intervals(
+        graph,
+        layout.reductions_read_memory,
+        layout.late_updates,
+        layout.fused_transcendentals,
+        layout.early_input_reshards,
+        layout.dot_lhs_copies,
+    )
+
+
+def _readers(graph: Graph, tid: int, keep: set[int], consumers=None) -> set[int]:
+    """Nodes that read ``tid``'s buffer: its consumers and, through every value that is
+    not materialised (fused into its readers), the readers of that value in turn
+    (``consumers``: :func:`~autoshard.intra.memory.common_values.merged_consumers`, the readers
+    of a value's merged copies counted as its own)."""
+    consumers = consumers or {}
+    seen: set[int] = set()
+    stack, readers = [tid], set()
+    while stack:
+        v = stack.pop()
+        for c in consumers.get(v, graph.tensors[v].consumers):
+            readers.add(c)
+            for o in graph.nodes[c].outputs:
+                constant = graph.tensors[o].kind in ("literal", "const")
+                if o not in keep and o not in seen and not constant:
+                    seen.add(o)
+                    stack.append(o)
+    return readers
+
+
+# Ops whose output XLA writes into an operand's buffer when that operand dies there:
+# scatters and dynamic-update-slice update in place.  Elementwise loop fusions could, but
+# XLA:CPU's buffer assignment rarely lets them: in the compiled gpt-350m dp step, 11 of 117
+# loop fusions whose same-size operand dies there share its buffer (the scatters and a few
+# optimizer updates), the other 106 get a buffer of their own -- among them
+# ``exp(logits - max) * g``, which holds a second 200 MiB logits-sized buffer at XLA's peak.
+# The model therefore shares for in-place updates only.
+IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "dynamic_update_slice"})
+
+
+def _shared_operand(graph: Graph, node, intervals) -> int | None:
+    """The operand whose buffer ``node``'s output reuses, if any (XLA's buffer sharing)."""
+    if len(node.outputs) != 1 or node.outputs[0] not in intervals:
+        return None
+    if node.primitive not in IN_PLACE:
+        return None
+    candidates = node.inputs[:1]
+    out = graph.tensors[node.outputs[0]]
+    for tid in candidates:
+        t = graph.tensors[tid]
+        if (
+            tid in intervals
+            and t.producer is not None
+            and t.nbytes == out.nbytes
+            and t.shape == out.shape
+            and t.last_use == node.index
+            and max(t.consumers) == node.index
+        ):
+            return tid
+    return None
+
+
+def buffer_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
+    """Bytes of tensor ``tid``'s whole (unsharded) buffer on ``mesh``'s devices: its own
+    size, except a bf16/f16 dot result on a device that computes narrow dots in f32
+    (XLA:CPU, ``narrow_dots_in_f32``), whose buffer is f32."""
+    t = graph.tensors[tid]
+    if (
+        mesh.memory_layout.narrow_dots_in_f32
+        and t.dtype in NARROW_FLOATS
+        and t.producer is not None
+        and graph.nodes[t.producer].primitive == "dot_general"
+    ):
+        return 2 * t.nbytes
+    return t.nbytes
+
+
+def widened_dot_operands(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
+    """bf16/f16 tensors that dots read, on a device that computes narrow dots in f32
+    (``narrow_dots_in_f32``) -> the (first, last) program position of their f32 copy.
+
+    XLA:CPU converts each narrow dot operand to an f32 buffer of its own and shares the
+    copy between every dot that reads the same value (a weight's copy serves its forward
+    and backward dots, so it lives across the step): in the compiled gpt-350m bf16 dp
+    step, 45 of the 39 dot fusions' operands are such converts, among them an f32 copy
+    of the 51200 x 1024 embedding read by the logits dot and its gradient (made straight
+    from the f32 parameter: see :func:`_replaced_by_copies`)."""
+    if not mesh.memory_layout.narrow_dots_in_f32:
+        return {}
+    out = {}
+    for t in graph.tensors:
+        if t.dtype not in NARROW_FLOATS or not t.shape or t.kind in ("literal", "const"):
+            continue
+        dots = [c for c in t.consumers if graph.nodes[c].primitive == "dot_general"]
+        if dots:
+            out[t.id] = (min(dots), max(dots))
+    return out
+
+
+def _replaced_by_copies(graph: Graph, widened) -> set[int]:
+    """Narrow tensors that only dots read, made by anything but a dot: XLA fuses their
+    producer into the convert that makes the f32 copy (an f32 weight converted to bf16
+    for its dots is one f32 buffer, not a bf16 one and an f32 one)."""
+    boundary = set(graph.inputs) | set(graph.outputs)
+    out = set()
+    for tid in widened:
+        t = graph.tensors[tid]
+        if tid in boundary or t.producer is None:
+            continue
+        if graph.nodes[t.producer].primitive == "dot_general":
+            continue
+        if all(graph.nodes[c].primitive == "dot_general" for c in t.consumers):
+            out.add(tid)
+    return out
+
+
+def tensor_buffers(
+    graph: Graph, mesh: DeviceMesh, host: frozenset[int] = frozenset()
+) -> list[tuple[int, int, int, int]]:
+    """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
+    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
+    the f32 copies of :func:`widened_dot_operands` and the transposed copies of
+    :func:`transposed_conv_values`.  The ILP's memory rows and
+    :func:`predicted_peak_bytes` both count these.  ``host``: tensors offloaded to host
+    memory (:mod:`autoshard.intra.offload.placement`), left out."""
+    widened = widened_dot_operands(graph, mesh)
+    replaced = _replaced_by_copies(graph, widened)
+    out = [
+        (tid, first, last, buffer_bytes(graph, tid, mesh))
+        for tid, (first, last) in mesh_intervals(graph, mesh).items()
+        if tid not in replaced
+    ]
+    out += [
+        (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
+    ]
+    out += [
+        (tid, first, last, graph.tensors[tid].nbytes)
+        for tid, first, last in transposed_conv_values(graph, mesh)
+    ]
+    return [b for b in out if b[0] not in host] if host else out
+
+
+def predicted_live_bytes(
+    graph: Graph,
+    spec_of: Mapping[int, ShardingSpec],
+    mesh: DeviceMesh,
+    operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+    host: frozenset[int] = frozenset(),
+) -> tuple[float, ...]:
+    """Per-device bytes of live buffers at each program position (index ``p + 1`` for
+    position ``p``, from -1, the program inputs alone, to the end): :func:`live_intervals`,
+    the f32 copies of :func:`widened_dot_operands`, and, given the plan's
+    ``operand_specs`` (node -> operand slot -> the spec it is resharded to), one buffer
+    per value and resharded layout, from its first reader in that layout to its last
+    (XLA gathers a weight once for its forward and backward dots and keeps the gathered
+    copy; a reduced partial sum is a buffer of its own). ``host``: offloaded tensors, not
+    counted (:func:`tensor_buffers`)."""
+    n = len(graph.nodes)
+    delta = [0.0] * (n + 3)
+    operand_specs = operand_specs or {}
+    # a conv's transposed copy of an operand is made from the operand as the conv reads
+    # it: in the layout it is resharded to, if it is
+    at_conv = {}
+    for tid, first, last in transposed_conv_values(graph, mesh):
+        node = graph.nodes[last]
+        if tid in node.inputs:
+            spec = operand_specs.get(last, {}).get(node.inputs.index(tid))
+            if spec is not None:
+                at_conv[(tid, first, last)] = spec
+    own = tensor_buffers(graph, mesh, host)
+    buffers = [
+        (
+            first,
+            last,
+            nbytes * at_conv.get((tid, first, last), spec_of[tid]).shard_fraction(mesh.mesh),
+        )
+        for tid, first, last, nbytes in own
+        if tid in spec_of
+    ]
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    buffers += reshard_buffers(graph, operand_specs, spec_of, mesh, pos, _union_intervals(own))
+    buffers += [  # transposed weight copies: made at the start, live to their last reader
+        (
+            0,
+            max(pos[d] for d in dots),
+            graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh),
+        )
+        for tid, dots in transposed_weight_copies(graph, mesh).items()
+        if tid in spec_of and not spec_of[tid].is_replicated
+    ]
+    buffers += [  # zeros an add would absorb, but for a collective in between
+        (0, max(0, pos[z.update] - 1), zeros_bytes(graph, z, spec_of[result], mesh))
+        for z in foldable_zeros(graph_update_zeros(graph), mesh)
+        for result in graph.nodes[z.update].outputs
+        if result in spec_of and operand_specs.get(z.add, {}).get(z.slot) is not None
+    ]
+    buffers += [  # transposed dot lhs: made from the lhs as the dot reads it, at the dot
+        (
+            pos[dot],
+            pos[dot],
+            dot_lhs_copy_bytes(graph, tid, mesh)
+            * operand_specs.get(dot, {}).get(0, spec_of.get(tid)).shard_fraction(mesh.mesh),
+        )
+        for tid, dot in transposed_dot_lhs(graph, mesh)
+        if tid in spec_of
+    ]
+    # a fused attention's S x S temporaries on XLA:CPU (attention_workspace)
+    buffers += held_buffers(graph, spec_of, mesh, pos)
+    # broadcasts XLA:CPU keeps from the forward pass to the backward (broadcast_buffers)
+    buffers += held_broadcast_buffers(graph, spec_of, mesh, pos, {b[0] for b in own})
+    for first, last, size in buffers:
+        delta[first + 1] += size
+        delta[min(last, n) + 2] -= size
+    return tuple(itertools.accumulate(delta))
+
+
+def predicted_peak_bytes(
+    graph: Graph,
+    spec_of: Mapping[int, ShardingSpec],
+    mesh: DeviceMesh,
+    operand_specs: Mapping[int, Mapping[int, ShardingSpec]] | None = None,
+    host: frozenset[int] = frozenset(),
+) -> float:
+    """Peak per-device bytes of live buffers over the program: the most of
+    :func:`predicted_live_bytes` (``host``: offloaded tensors, not counted)."""
+    return max(0.0, *predicted_live_bytes(graph, spec_of, mesh, operand_specs, host))
+
+
+# ----------------------------------------------------------------------------- ILP rows
+
+
+@dataclass(frozen=True)
+class MemoryRows:
+    """What the sharding ILP's memory rows are made of (the memory fields of
+    :class:`~autoshard.intra.ilp.ShardingProblem`)."""
+
+    node_memory: tuple[tuple[float, ...], ...]  # ILP node -> bytes per device per strategy
+    live_sets: tuple[tuple[int, ...], ...]  # ILP nodes live where a buffer may be born
+    copies: tuple[CopyBuffer, ...]  # the resharded copies
+
+
+def memory_rows(
+    graph: Graph,
+    strategies: Sequence[Sequence[Strategy]],
+    producer: Mapping[int, tuple[int, int]],
+    n_in: int,
+    mesh: DeviceMesh,
+    operands: Sequence,
+    host: frozenset[int] = frozenset(),
+) -> MemoryRows:
+    """Per-strategy bytes of each ILP node's live buffers, the live sets at every position
+    where a buffer may be born, and the resharded copies as :class:`CopyBuffer` -- the
+    same model as :func:`predicted_peak_bytes`.  ``strategies``: ILP node -> its
+    strategies (inputs first); ``producer``: tensor -> (ILP node, output index);
+    ``operands``: the problem's operand edges (:class:`autoshard.intra.problem.build.Operand`);
+    ``host``: offloaded tensors, not counted."""
+    # a tensor's buffers (itself, its f32 copy) count together, over the union of their
+    # intervals (the tensor's holds the copy's unless the tensor is fused away)
+    own = tensor_buffers(graph, mesh, host)
+    intervals = _union_intervals(own)
+    sizes: dict[int, float] = {}
+    for tid, _, _, nbytes in own:
+        sizes[tid] = sizes.get(tid, 0.0) + nbytes
+
+    node_memory = []
+    for i, strats in enumerate(strategies):
+        tids = (graph.inputs[i],) if i < n_in else graph.nodes[i - n_in].outputs
+        row = []
+        for s in strats:
+            row.append(
+                float(
+                    sum(
+                        sizes[t] * spec.shard_fraction(mesh.mesh)
+                        for t, spec in zip(tids, s.output_specs)
+                        if t in intervals
+                    )
+                )
+            )
+        node_memory.append(tuple(row))
+    owner = {}
+    for tid in intervals:
+        node, _ = producer[tid]
+        owner[tid] = node
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
+    if operands:  # copies are listed when asked for, the transposed weights' with the rest
+        groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
+        groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
+        zeros = foldable_zeros(graph_update_zeros(graph), mesh)
+        groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
+    groups += workspace_groups(graph, strategies, n_in, mesh, pos)
+    groups += held_broadcast_groups(graph, strategies, n_in, mesh, pos, set(intervals))
+    # one sweep over program order: the live set at each position where a buffer is born
+    # (a copy is born at one of its readers, or at the start)
+    born: dict[int, list[int]] = {}
+    for t, (first, _) in intervals.items():
+        born.setdefault(first, []).append(t)
+    checkpoints = set(born)
+    for g in groups:
+        checkpoints.update([r[0] for r in g.readers] if g.start is None else [g.start])
+    by_end = sorted(intervals, key=lambda t: intervals[t][1])
+    active: dict[int, int] = {}  # ILP node -> number of its live buffers
+    live_sets, at, done = [], [], 0
+    for c in sorted(checkpoints):
+        for t in born.get(c, ()):
+            active[owner[t]] = active.get(owner[t], 0) + 1
+        while done < len(by_end) and intervals[by_end[done]][1] < c:
+            t = by_end[done]
+            done += 1
+            if intervals[t][0] <= c:
+                active[owner[t]] -= 1
+                if not active[owner[t]]:
+                    del active[owner[t]]
+        if c >= 0:
+            live_sets.append(tuple(sorted(active)))
+            at.append(c)
+    copies = []
+    for g in groups:
+        where = [r[0] for r in g.readers]
+        lo = bisect.bisect_left(at, where[0] if g.start is None else g.start)
+        hi = bisect.bisect_right(at, where[-1] if g.end is None else g.end)
+        windows = []
+        for i in range(lo, hi):
+            # made at its start: no reader needed before; live to a fixed end: any reader
+            b = 0 if g.end is not None else bisect.bisect_left(where, at[i])
+            early = g.start is not None and g.early_unless is None
+            a = -1 if early else bisect.bisect_right(where, at[i]) - 1
+            windows.append((i, a, b))
+        copies.append(
+            CopyBuffer(
+                g.bytes,
+                g.source,
+                g.source_strategies,
+                tuple(r[1:] for r in g.readers),
+                windows,
+                g.early_unless,
+            )
+        )
+    return MemoryRows(tuple(node_memory), tuple(live_sets), tuple(copies))
+
+
+def _union_intervals(buffers) -> dict[int, tuple[int, int]]:
+    """Tensor -> the union of its buffers' intervals (itself, its f32 copy)."""
+    out: dict[int, tuple[int, int]] = {}
+    for tid, first, last, _ in buffers:
+        a, b = out.get(tid, (first, last))
+        out[tid] = (min(a, first), max(b, last))
+    return out
+
+
+def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> list:
+    """:func:`transposed_weight_copies` as :class:`CopyGroup` entries: per weight and
+    size, the weight's strategies that give that size; made at the start of the step; read
+    by its dots under any strategy (``pos``: :func:`program_positions`)."""
+    out = []
+    for tid, dots in transposed_weight_copies(graph, mesh).items():
+        src, k = producer[tid]
+        by_size: dict[float, list[int]] = {}
+        for p, s in enumerate(strategies[src]):
+            if s.output_specs[k].is_replicated:
+                continue
+            size = graph.tensors[tid].nbytes * s.output_specs[k].shard_fraction(mesh.mesh)
+            by_size.setdefault(size, []).append(p)
+        readers = sorted((pos[d], n_in + d, tuple(range(len(strategies[n_in + d])))) for d in dots)
+        out += [
+            CopyGroup(src, tuple(ps), size, 0, None, tuple(readers)) for size, ps in by_size.items()
+        ]
+    return out
+
+
+__all__ = [
+    "MemoryRows",
+    "buffer_bytes",
+    "live_intervals",
+    "materialized_tensors",
+    "memory_rows",
+    "mesh_intervals",
+    "graph_update_zeros",
+    "predicted_live_bytes",
+    "predicted_peak_bytes",
+    "program_positions",
+    "streamed_tensors",
+    "tensor_buffers",
+    "transposed_conv_values",
+    "transposed_dot_lhs",
+    "transposed_weight_copies",
+    "widened_dot_operands",
+]

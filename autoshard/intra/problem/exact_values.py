@@ -1,0 +1,229 @@
+"""The exact per-value program on meshes of several axes (jax-free).
+
+The default program charges a value's resharding once per demand; the exact one once per
+value (:mod:`autoshard.intra.problem.value_edges`), which is larger. :func:`solve_exact` solves
+it from the per-demand plan within a node budget and keeps the per-demand plan where the
+exact one is not cheaper (:func:`kept_per_demand`); :func:`price_per_value` prices an
+assignment the exact way without building that program.  Called by
+:func:`autoshard.intra.problem.build.auto_shard_graph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from typing import TYPE_CHECKING
+
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.ilp import SolverTimeLimitWarning, objective_of, solve
+from autoshard.intra.problem.value_edges import value_edges
+
+if TYPE_CHECKING:
+    from autoshard.intra.problem.records import IntraProblem, _Common
+
+
+# The exact program's budget, past the per-demand solve that gives its start: a number of
+# branch-and-bound nodes, so that where it stops -- and so the plan -- does not depend on
+# the machine's load. Its time is capped too (the root node of a program with memory rows
+# can take minutes): at EXACT_TIME_FACTOR times the per-demand solve's time, at least
+# EXACT_MIN_SECONDS, within what the user's time limit leaves. The old budget, time alone
+# (half the per-demand time, at least 0.5 s), stopped most one-axis solves mid-root, at a
+# point set by the load (docs/sharing.md).
+EXACT_MAX_NODES = 200
+EXACT_TIME_FACTOR = 1.0
+EXACT_MIN_SECONDS = 5.0
+
+
+def _stopped(solution) -> str:
+    """Where the exact program stopped: its node budget or its time cap (CBC does not say
+    which), and its own gap (against a bound that is weak on these programs), the
+    per-demand status and gap being the plan's."""
+    at = {
+        "nodes": f"its {EXACT_MAX_NODES}-node budget",
+        "time": f"its time cap ({solution.seconds:.3g} s)",
+    }.get(solution.limit, f"its budget ({EXACT_MAX_NODES} nodes or its time cap)")
+    gap = "" if solution.gap is None else f" (its gap {solution.gap:.3g})"
+    return f"stopped at {at}{gap}, keeping its best plan"
+
+
+def price_per_value(c: _Common, choice) -> float:
+    """The exact (per-value) program's objective of ``choice`` -- an assignment of the real
+    nodes, the values' extra nodes set as XLA's behaviour implies
+    (:meth:`ValueEdges.complete`) -- without building that program: its values are priced
+    at the chosen strategies only, by the same :func:`value_edges` on a program whose every
+    real node has its one chosen strategy. A use that wants the producer's own chosen spec
+    is free and left out (a follower; the full program drops the tied ones, and any other
+    such use costs nothing there either). ``tests/test_value_edges.py`` checks it against
+    ``objective_of`` on the built program."""
+    n = len(c.strategies)
+    chosen = [(c.strategies[i][choice[i]],) for i in range(n)]
+    values = []
+    for v in c.values:
+        have = chosen[v.src][0].output_specs[v.k]
+        uses = tuple(
+            u
+            for u in v.uses
+            if (want := chosen[u.dst][0].input_specs[u.slot]) is not None and want != have
+        )
+        if uses:
+            values.append(dataclasses.replace(v, uses=uses, steps=(v.steps[choice[v.src]],)))
+    per_value = value_edges(
+        values, chosen, (None,) * n, c.mesh, c.cost_options, True, None,
+        c.options.forbidden_collectives(),
+    )  # fmt: skip
+    full = per_value.complete(chosen, (0,) * n, c.mesh)
+    return (
+        math.fsum(c.node_costs[v][choice[v]] for v in range(n))
+        + math.fsum(e.costs[choice[e.src]][choice[e.dst]] for e in c.edges)
+        + math.fsum(e.costs[full[e.src]][full[e.dst]] for e in per_value.edges)
+    )
+
+
+def unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> str | None:
+    """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
+    ``mesh`` (under a memory budget when ``budgeted``), or None where it does."""
+    if search == "always":
+        return None
+    if search == "never":
+        return "not solved (exact_search='never')"
+    if sum(1 for n in mesh.mesh.shape if n > 1) > 1:
+        return "not solved on this mesh of several axes (exact_search='one-axis')"
+    if budgeted:  # with memory rows its root node alone ran past 45 s on gpt-350m (2 blocks)
+        return "not solved under a memory budget (exact_search='one-axis')"
+    return None
+
+
+class held_warnings:
+    """Hold the warnings of a solve until the plan's objective is known (:meth:`release`):
+    a time-limit warning names the objective the solver saw, which pricing per value, the
+    exact program or a fallback plan can change, and the plan printed beside it must not
+    show another number (a 2x2x2 mesh printed 1.45819e+07 in the warning and 1.445e+07 in
+    the plan)."""
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings(record=True)
+        self.caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        if exc[0] is not None:  # no plan: say what the solver said, as it said it
+            self.release(None)
+        return False
+
+    def release(self, objective: float | None) -> None:
+        """Issue the held warnings; a time-limit warning that names another objective than
+        ``objective`` (the plan's) names the plan's, and what the solver's program charged."""
+        caught, self.caught = self.caught, []
+        for w in caught:
+            text = str(w.message)
+            if issubclass(w.category, SolverTimeLimitWarning) and objective is not None:
+                text = _restated(text, objective)
+            warnings.warn_explicit(text, w.category, w.filename, w.lineno)
+
+
+_SAID = re.compile(r"(the plan's )?objective ([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)")
+
+
+def _restated(text: str, objective: float) -> str:
+    said = _SAID.search(text)
+    if said is None or math.isclose(float(said.group(2)), objective, rel_tol=1e-5):
+        return text
+    if said.group(1):  # restated already (a nested hold): the newer plan's objective
+        return text[: said.start(2)] + f"{objective:.6g}" + text[said.end(2) :]
+    return (
+        text[: said.start()]
+        + f"the plan's objective {objective:.6g} (priced per value, or a fallback plan's; "
+        f"the program the solver stopped on charged its own plan {said.group(2)})"
+        + text[said.end() :]
+    )
+
+
+def kept_per_demand(first, strategy, priced: float, unsolved: str | None):
+    """The per-demand solution ``first`` as the plan (assignment ``strategy``, objective
+    its per-value price ``priced``) where the exact program need not be solved; None where
+    it must. Kept where the per-demand program charged its plan exactly its per-value price
+    (the exact program could only find a plan the per-demand one over-charged: 0.2-0.7%
+    cheaper where measured, docs/truth.md; not worth its time by default), or where the
+    exact program is not solved (``unsolved``, the reason, goes into ``exact_stopped``).
+    Never where the price is infinite: priced per value the plan needs a collective the
+    options forbid (all_reduce_only: a partial sum two consumers want in two specs, reduced
+    once into one and resharded to the other), which only the exact program can avoid."""
+    if math.isinf(priced):
+        return None
+    if priced >= first.objective * (1 - 1e-9):
+        return dataclasses.replace(first, strategy=strategy, objective=priced)
+    if unsolved is not None:
+        return dataclasses.replace(
+            first,
+            strategy=strategy,
+            objective=priced,
+            exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
+        )
+    return None
+
+
+def solve_exact(
+    ip: IntraProblem, demand: IntraProblem, mesh, settings, unsolved: str | None = None,
+    first=None,
+):  # fmt: skip
+    """Solve the exact per-value program from the per-demand program's plan (a starting
+    point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
+    nodes as XLA's behaviour implies, so the objective is the predicted resharding.
+
+    The per-demand solve runs under the user's settings (its time-limit warning is the
+    user's).  Where it charged its plan exactly the plan's predicted cost, its plan is
+    kept; otherwise the exact one gets :data:`EXACT_MAX_NODES` branch-and-bound nodes
+    (and at most :data:`EXACT_TIME_FACTOR` times the per-demand time, at least
+    :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
+    best plan it found -- the start at worst.  The solution's status says which:
+    "optimal" (proven on the exact program), the per-demand status and gap otherwise,
+    with ``exact_stopped`` (and the exact gap) in the plan's solver record.  Given
+    ``unsolved`` (why not, :func:`unsolved_because`) the exact program is not solved: the
+    per-demand plan is priced per value (``exact_stopped`` says so where that price is
+    below the per-demand one)."""
+    if first is None:
+        with held_warnings() as held:
+            first = solve(demand.problem, **settings)
+            solution = _from_start(ip, mesh, settings, unsolved, first)
+        held.release(solution.objective)
+        return solution
+    return _from_start(ip, mesh, settings, unsolved, first)
+
+
+def _from_start(ip, mesh, settings, unsolved, first):
+    """:func:`solve_exact` past the per-demand solve ``first``."""
+    initial = ip.values.complete(ip.strategies, first.strategy, mesh)
+    kept = kept_per_demand(first, initial, objective_of(ip.problem, initial), unsolved)
+    if kept is not None:
+        return kept
+    cap = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
+    limit = settings["time_limit_s"]
+    if limit is not None:  # what the per-demand solve left of the user's limit
+        cap = min(cap, max(limit - first.seconds, min(limit, 0.5)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverTimeLimitWarning)  # our own budget
+        # HiGHS's presolve off pays on the per-demand program (2-4x faster, docs/sharing.md),
+        # not on this one: with it, the exact program improved its start more often
+        solution = solve(
+            ip.problem,
+            **{**settings, "time_limit_s": cap},
+            initial=initial,
+            presolve=True,
+            max_nodes=EXACT_MAX_NODES,
+        )
+    strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
+    proven = solution.status == "optimal"
+    return dataclasses.replace(
+        solution,
+        strategy=strategy,
+        objective=objective_of(ip.problem, strategy),
+        status="optimal" if proven else first.status,
+        gap=solution.gap if proven else first.gap,
+        seconds=first.seconds + solution.seconds,
+        fallback=None if proven else first.fallback,
+        exact_stopped=None if proven else _stopped(solution),
+    )

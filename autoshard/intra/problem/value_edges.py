@@ -1,0 +1,395 @@
+"""Resharding charged once per value, as XLA performs it (jax-free).
+
+Takes the strategies :func:`autoshard.intra.problem.build.build_problem` listed, the operand
+uses of every value and the mesh; returns :class:`ValueEdges`: extra ILP nodes and the
+edges that price every value's resharding the way
+:func:`autoshard.intra.cost.resharding.reshard_to_consumers` predicts it -- once per distinct spec
+its consumers want, a partial sum reduced once -- so that the objective of every
+assignment (minimised over the extra nodes) is the cost of the collectives the plan
+predicts plus its compute.
+
+Formulation. A value read by one consumer gets a plain edge (producer x consumer). A
+value read by several consumers gets, for every spec ``b`` some consumer strategy may
+want, a *copy node* ``y_b`` with two strategies (absent, present):
+
+* consumer -- ``y_b``: a consumer strategy that wants ``b`` forbids ``y_b`` absent;
+* producer -- ``y_b``: present costs ``reshard(a, b)`` from the producer's spec ``a``;
+
+so each wanted spec is paid once. When the producer may make a partial sum, a
+*resolution node* ``R`` chooses the spec XLA reduces it into (or "none" when the
+producer's spec is not partial): producer -- ``R`` costs the reduction into ``r``
+(``inf`` where XLA cannot resolve into ``r``, see :func:`xla_resolves`); ``R = r`` needs
+``y_r`` present and forbids every present ``y_b`` that XLA would prefer to ``r``
+(:func:`autoshard.intra.cost.resharding.producer_preference`), and a present ``y_b != r`` costs
+``reshard(r, b)``. The cheapest completion then reduces into the preferred wanted spec
+and reshards from there, exactly the prediction. Copy and resolution nodes of a value
+whose producer and consumers are tied to another value's are tied to that value's, so
+identical layers add no variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.cost.resharding import (
+    CostOptions,
+    producer_preference,
+    reshard,
+    reshard_to_consumers,
+)
+from autoshard.intra.ilp import EdgeCost, Tie
+from autoshard.ir.spec import ShardingSpec
+
+INF = math.inf
+
+
+def xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
+    """Can XLA turn the partial sum ``src`` into ``dst`` right at the producing op?
+
+    XLA's SPMD partitioner resolves a partial sum with one all-reduce or reduce-scatter
+    into the sharding its consumer needs; when that sharding drops or moves a split of
+    the output, it re-partitions the producing op instead (gathering its operands), a
+    different plan.  So from a partial sum we only allow targets that keep every split
+    the producer has (and may add the reduced axes to a dim: a reduce-scatter).  A partial
+    max or min is resolved by an all-reduce into the producer's own layout only (on 2x4
+    gpt-tiny, XLA did not reduce-scatter the log-softmax's partial max into the split
+    the consumer wanted, and the prediction that it would disagreed with the compiled step).
+    """
+    if src.partial and src.partial_op != "sum":
+        return dst.dims == src.dims
+    return all(d[: len(s)] == s for s, d in zip(src.dims, dst.dims))
+
+
+def _priced(r, forbidden: frozenset[str]) -> float:
+    """The cost of resharding ``r``, infinite where it uses a ``forbidden`` kind."""
+    if forbidden and any(c.kind in forbidden for c in r.collectives):
+        return INF
+    return float(r.cost)
+
+
+@lru_cache(maxsize=1_000_000)
+def _resolve_cost(
+    src, dst, shape, itemsize, mesh, options, steps, batch_dims=(), forbidden=frozenset()
+) -> float:
+    """One value into one spec, reductions at the producer included (``steps``; a
+    batched dot's ``batch_dims``); infinite where that needs a ``forbidden`` collective
+    kind (:meth:`~autoshard.intra.problem.options.IntraOptions.forbidden_collectives`).  Give
+    ``steps`` and ``batch_dims`` through :func:`_relevant`, so that equal costs share
+    one memo entry."""
+    r = reshard_to_consumers(
+        src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
+    )
+    return _priced(r, forbidden)
+
+
+def _relevant(src: ShardingSpec, steps, batch_dims) -> tuple[tuple, tuple]:
+    """``(steps, batch_dims)`` reduced to what :func:`reshard_to_consumers` reads from
+    ``src``: the steps' axes over which ``src`` is partial (empty groups dropped), the
+    batch dims only for a partial ``src`` (they only shape a reduction)."""
+    if not src.partial:
+        return (), ()
+    kept = (tuple(a for a in g if a in src.partial) for g in steps)
+    return tuple(g for g in kept if g), batch_dims
+
+
+@lru_cache(maxsize=1_000_000)
+def _reshard_cost(src, dst, shape, itemsize, mesh, options, forbidden=frozenset()) -> float:
+    return _priced(reshard(src, dst, shape, itemsize, mesh, options), forbidden)
+
+
+@dataclass(frozen=True)
+class Use:
+    """One read of a value: ILP node ``dst`` reads it as operand ``slot``."""
+
+    dst: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Value:
+    """A value as the ILP sees it: its producer (ILP node, output index), global shape,
+    bytes per element, the reduction steps of each producer strategy
+    (:func:`autoshard.intra.problem.predict.reduce_steps`), and its uses."""
+
+    src: int
+    k: int
+    shape: tuple[int, ...]
+    itemsize: int
+    steps: tuple[tuple[tuple[str, ...], ...], ...]
+    uses: tuple[Use, ...]
+    batch_dims: tuple[int, ...] = ()  # a batched dot's result: its batch dims
+
+
+@dataclass(frozen=True)
+class CopyGroup:
+    """The extra nodes of one value: a copy node per target spec, and the resolution node
+    (-1: the producer never makes a partial result)."""
+
+    value: Value
+    targets: tuple[ShardingSpec, ...]
+    copies: tuple[int, ...]
+    resolution: int
+
+
+@dataclass(frozen=True)
+class ValueEdges:
+    """What the values add to the problem: ``num_strategies`` of the new nodes (numbered
+    from ``first_node``), ``edges``, the ``ties`` of the new nodes (None: free), for
+    every edge the ILP nodes whose reads it prices (``edge_consumers``), and the values'
+    extra nodes (``groups``)."""
+
+    first_node: int
+    num_strategies: tuple[int, ...]
+    edges: tuple[EdgeCost, ...]
+    ties: tuple[Tie | None, ...]
+    edge_consumers: tuple[tuple[int, ...], ...]
+    groups: tuple[CopyGroup, ...] = ()
+
+    def complete(self, strategies, choice, mesh: DeviceMesh) -> tuple[int, ...]:
+        """``choice`` for the real nodes (the first ``first_node`` entries) extended with
+        the extra nodes' choices XLA's behaviour implies: a copy wherever some use wants
+        the spec, the partial result resolved into the spec XLA prefers among them (so
+        the objective is the predicted resharding)."""
+        out = list(choice[: self.first_node]) + [0] * len(self.num_strategies)
+        for g in self.groups:
+            v = g.value
+            wanted = {strategies[u.dst][out[u.dst]].input_specs[u.slot] for u in v.uses}
+            for b, y in zip(g.targets, g.copies, strict=True):
+                out[y] = int(b in wanted)
+            if g.resolution >= 0 and strategies[v.src][out[v.src]].output_specs[v.k].partial:
+                first = min(
+                    (b for b in g.targets if b in wanted),
+                    key=lambda b: producer_preference(b, mesh),
+                )
+                out[g.resolution] = 1 + g.targets.index(first)
+        return tuple(out)
+
+
+def _roots(ties, strategies):
+    """Root and strategy map of every node (ties among the real nodes only)."""
+    n = len(strategies)
+    roots: list[int | None] = [None] * n
+    maps: list[tuple[int, ...] | None] = [None] * n
+
+    def find(v):
+        if roots[v] is None:
+            tie = ties[v]
+            if tie is None:
+                roots[v], maps[v] = v, tuple(range(len(strategies[v])))
+            else:
+                r, m = find(tie.leader)
+                roots[v], maps[v] = r, tuple(-1 if p < 0 else tie.mapping[p] for p in m)
+        return roots[v], maps[v]
+
+    for v in range(n):
+        find(v)
+    return roots, maps
+
+
+def _demand(u: Use, strategies, roots, maps) -> tuple:
+    """What ``u`` wants for every strategy of its root: (root, wanted spec per root
+    strategy, None where the root strategy is forbidden or the operand is a literal)."""
+    specs = tuple(s.input_specs[u.slot] for s in strategies[u.dst])
+    return roots[u.dst], tuple(None if q < 0 else specs[q] for q in maps[u.dst])
+
+
+def _distinct_demands(v: Value, strategies, src_specs, roots, maps) -> Value:
+    """``v`` with the uses that add nothing left out: a use tied to the producer that
+    always wants the producer's own spec (a follower: free), and a use whose demand, per
+    strategy of the root both are tied to, repeats another's (one copy serves both)."""
+    mine = roots[v.src], tuple(
+        None if q < 0 else src_specs[q]
+        for q in maps[v.src]
+    )  # fmt: skip
+    kept: dict[tuple, Use] = {}
+    for u in v.uses:
+        d = _demand(u, strategies, roots, maps)
+        if d[0] == mine[0] and all(w is None or w == a for w, a in zip(d[1], mine[1])):
+            continue
+        kept.setdefault(d, u)
+    if len(kept) == len(v.uses):
+        return v
+    return dataclasses.replace(v, uses=tuple(kept.values()))
+
+
+def value_edges(
+    values: list[Value],
+    strategies,
+    ties,
+    mesh: DeviceMesh,
+    options: CostOptions,
+    exact: bool = False,
+    memo: dict | None = None,
+    forbidden: frozenset[str] = frozenset(),
+) -> ValueEdges:
+    """The nodes and edges that price ``values`` (see the module docstring).
+    ``strategies``: every ILP node's strategies; ``ties``: the real nodes' ties.
+
+    ``exact``: copy and resolution nodes for every value read by several distinct
+    demands, so that each resharding is paid once. Off: one edge per distinct demand
+    (no new nodes) -- uses that always want the same spec (tied to one root) pay once,
+    but a value two independent consumers want in one new spec pays twice, and a partial
+    sum resolved into two specs pays two reductions.
+
+    ``memo``: a dict kept between calls on the same ``strategies`` and ``ties`` (both
+    programs of one plan, :func:`autoshard.intra.problem.build.auto_shard_graph`), so that the
+    cost matrices and the values' distinct demands are computed once for both.
+
+    ``forbidden``: collective kinds no resharding may use; a resharding that needs one
+    costs ``inf`` (``IntraOptions.all_reduce_only``)."""
+    first = len(strategies)
+    sizes: list[int] = []
+    new_ties: list[Tie | None] = []
+    edges: list[EdgeCost] = []
+    consumers: list[tuple[int, ...]] = []
+    groups: list[CopyGroup] = []
+    roots, maps = _roots(ties, strategies)
+    seen: dict[tuple, list[int]] = {}  # signature of a value -> its aux nodes
+    memo = {} if memo is None else memo
+    # cost matrices (their keys name the strategies by id: valid while they are alive,
+    # which the memo's owner guarantees by keeping them), and each value's distinct uses
+    matrices: dict[tuple, tuple] = memo.setdefault("matrices", {})
+    distinct: dict[int, Value] = memo.setdefault("distinct", {})
+
+    def node(n_strats: int, leader: int | None) -> int:
+        sizes.append(n_strats)
+        new_ties.append(None if leader is None else Tie(leader, tuple(range(n_strats))))
+        return first + len(sizes) - 1
+
+    for i, v in enumerate(values):
+        src_specs = tuple(s.output_specs[v.k] for s in strategies[v.src])
+        if i not in distinct:
+            distinct[i] = _distinct_demands(v, strategies, src_specs, roots, maps)
+        v = distinct[i]
+        if not v.uses:
+            continue
+        wants = [tuple(s.input_specs[u.slot] for s in strategies[u.dst]) for u in v.uses]
+        readers = tuple(dict.fromkeys(u.dst for u in v.uses))
+        if len(v.uses) == 1 or not exact:
+            # with forbidden kinds, a partial sum several demands read is all-reduced into
+            # the producer's own layout only: per demand, a reduce-scatter for one use and
+            # an all-reduce for another would price fine, but XLA would reduce once and
+            # gather or exchange for the other (the kind forbidden); the per-value program
+            # is exact and may still find the reduce-scatter where it is safe
+            guarded = bool(forbidden) and len(v.uses) > 1
+            for u, w in zip(v.uses, wants):
+                key = ("edge", id(strategies[v.src]), v.k, id(strategies[u.dst]), u.slot,
+                       v.shape, v.itemsize, v.steps, v.batch_dims, guarded)  # fmt: skip
+                if key not in matrices:
+                    # a row per distinct (spec, relevant steps): producer strategies that
+                    # make the value alike share one row object
+                    rows: dict[tuple, tuple[float, ...]] = {}
+                    distinct_w = tuple(dict.fromkeys(w))
+                    matrix = []
+                    for a, st in zip(src_specs, v.steps):
+                        rel = _relevant(a, st, v.batch_dims)
+                        row = rows.get((a, rel))
+                        if row is None:
+                            price = {
+                                b: 0.0 if b is None
+                                else INF if a.partial and not xla_resolves(a, b)
+                                else INF if a.partial and guarded and b.dims != a.dims
+                                else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options,
+                                                   *rel, forbidden)
+                                for b in distinct_w
+                            }  # fmt: skip
+                            row = rows[a, rel] = tuple(price[b] for b in w)
+                        matrix.append(row)
+                    matrices[key] = tuple(matrix)
+                edges.append(EdgeCost.of_floats(v.src, u.dst, matrices[key]))
+                consumers.append((u.dst,))
+            continue
+        targets = list(dict.fromkeys(b for w in wants for b in w if b is not None))
+        if not targets:
+            continue
+        partial_src = any(a.partial for a in src_specs)
+        if any(b.partial for b in targets):
+            raise ValueError(
+                "internal error: a consumer wants a partial sum (a 'through' strategy); "
+                "per-value resharding does not model those"
+            )
+        sig = (
+            roots[v.src], maps[v.src], id(strategies[v.src]), v.k, v.shape, v.itemsize,
+            tuple((roots[u.dst], maps[u.dst], id(strategies[u.dst]), u.slot) for u in v.uses),
+        )  # fmt: skip
+        leaders = seen.get(sig)
+        aux: list[int] = []
+        # copy nodes: absent (0) / present (1)
+        copy_of: dict[ShardingSpec, int] = {}
+        for j, b in enumerate(targets):
+            y = node(2, None if leaders is None else leaders[j])
+            aux.append(y)
+            copy_of[b] = y
+            key = ("copy", id(strategies[v.src]), v.k, b, v.shape, v.itemsize)
+            if key not in matrices:
+                matrices[key] = tuple(
+                    (0.0, (0.0 if xla_resolves(a, b) else INF) if a.partial
+                     else _reshard_cost(a, b, v.shape, v.itemsize, mesh, options, forbidden))
+                    for a in src_specs
+                )  # fmt: skip
+            edges.append(EdgeCost.of_floats(v.src, y, matrices[key]))
+            consumers.append(readers)
+        for u, w in zip(v.uses, wants):
+            for b in dict.fromkeys(x for x in w if x is not None):
+                key = ("need", id(strategies[u.dst]), u.slot, b)
+                if key not in matrices:
+                    matrices[key] = tuple((INF if x == b else 0.0, 0.0) for x in w)
+                edges.append(EdgeCost.of_floats(u.dst, copy_of[b], matrices[key]))
+                consumers.append(readers)
+        if partial_src:
+            # resolution node: 0 = none (the producer's spec is not partial), 1 + j = targets[j]
+            r = node(1 + len(targets), None if leaders is None else leaders[len(targets)])
+            aux.append(r)
+            key = ("resolve", id(strategies[v.src]), v.k, tuple(targets), v.shape, v.itemsize,
+                   v.steps, v.batch_dims)  # fmt: skip
+            if key not in matrices:
+                matrices[key] = tuple(
+                    (INF,) + tuple(
+                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options,
+                                      *_relevant(a, st, v.batch_dims), forbidden)
+                        if xla_resolves(a, t) else INF
+                        for t in targets
+                    ) if a.partial else (0.0,) + (INF,) * len(targets)
+                    for a, st in zip(src_specs, v.steps)
+                )  # fmt: skip
+            edges.append(EdgeCost.of_floats(v.src, r, matrices[key]))
+            consumers.append(readers)
+            rank = {t: producer_preference(t, mesh) for t in targets}
+            for b in targets:
+                key = ("then", tuple(targets), b, v.shape, v.itemsize)
+                if key not in matrices:
+                    rows = [(0.0, 0.0)]
+                    for t in targets:
+                        if t == b:
+                            rows.append((INF, 0.0))
+                        elif rank[b] < rank[t]:  # XLA would reduce into b, not t
+                            rows.append((0.0, INF))
+                        else:
+                            rows.append(
+                                (
+                                    0.0,
+                                    _reshard_cost(
+                                        t, b, v.shape, v.itemsize, mesh, options, forbidden
+                                    ),
+                                )
+                            )
+                    matrices[key] = tuple(rows)
+                edges.append(EdgeCost.of_floats(r, copy_of[b], matrices[key]))
+                consumers.append(readers)
+        groups.append(
+            CopyGroup(
+                v, tuple(targets), tuple(copy_of[b] for b in targets), r if partial_src else -1
+            )
+        )
+        if leaders is None:
+            seen[sig] = aux
+    return ValueEdges(
+        first, tuple(sizes), tuple(edges), tuple(new_ties), tuple(consumers), tuple(groups)
+    )
+
+
+__all__ = ["CopyGroup", "Use", "Value", "ValueEdges", "value_edges", "xla_resolves"]
