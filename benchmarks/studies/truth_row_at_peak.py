@@ -8,7 +8,8 @@ the step with XLA's dumps and prints the values live at XLA's live peak with the
 shape and ``op_name``::
 
     python benchmarks/studies/truth_row_at_peak.py gpt-tiny 4x2 zero3 --attention fused
-    python benchmarks/studies/truth_row_at_peak.py moe-tiny 4x2 megatron --layers 2
+    python benchmarks/studies/truth_row_at_peak.py gpt-1.3b 8 zero3 --layers 2 --batch 8 \
+        --dtype bfloat16 --optimizer adamw --attention fused
 
 The dumps are kept in ``--dump DIR`` (default: a temporary folder, removed).
 """
@@ -30,6 +31,9 @@ def main() -> None:
     ap.add_argument("plan", help="auto, dp, zero2, zero3, megatron")
     ap.add_argument("--attention", choices=("fused", "unfused"))
     ap.add_argument("--layers", type=int)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"))
+    ap.add_argument("--optimizer", default="sgd", help="as the suite's row: sgd or adamw")
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--dump", help="keep XLA's dumps here")
     args = ap.parse_args()
@@ -57,7 +61,11 @@ def main() -> None:
     over = {"num_layers": args.layers} if args.layers else {}
     if args.attention:
         over["attention"] = args.attention
-    traced = trace_workload(args.model, optimizer="sgd", **over)
+    if args.batch:
+        over["batch_size"] = args.batch
+    if args.dtype:
+        over["dtype"] = args.dtype
+    traced = trace_workload(args.model, optimizer=args.optimizer, **over)
     graph = traced.graph
     mesh = truth_mesh(args.mesh)
     options, pinned = plan_settings(graph, mesh, args.plan, 60)
