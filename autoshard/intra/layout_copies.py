@@ -26,10 +26,10 @@ def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[
     buffer of its own. For a weight that copy depends on the program inputs only, so
     XLA:CPU makes it at the start of the step: on moe-tiny's 8-device plan XLA holds the
     transposed ``wi`` and ``wo`` of the experts (for the backward dots that contract their
-    last dim) at its peak. Activations and unbatched dots are left out (not measured).
-    Whether a layout of the weight is copied: :func:`weight_copy_made` (its batch dims
-    split down to one element a device); the data-parallel, ZeRO-2 and Megatron
-    baselines of moe-tiny (experts whole or split on their hidden dim) keep no copy.
+    last dim) at its peak. Activations and unbatched dots are left out (not measured),
+    and so are replicated weights: the data-parallel, ZeRO-2 and Megatron baselines of
+    moe-tiny (experts replicated) are over-predicted by 14-20% with their copies counted,
+    under-predicted without, so XLA does not keep them there (bench_truth's moe suite).
 
     Returns weight tensor id -> the dot nodes that read the copy, in program order. The
     copy lives from the start of the step to its last reader (a resharded copy made early,
@@ -55,25 +55,6 @@ def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[
             if tuple(canonical) != tuple(range(rank)):
                 out.setdefault(tid, []).append(node.index)
     return {tid: tuple(dots) for tid, dots in out.items()}
-
-
-def weight_copy_made(graph: Graph, tid: int, dots, spec, mesh: DeviceMesh) -> bool:
-    """Whether XLA:CPU makes :func:`transposed_weight_copies`' copy of weight ``tid`` in
-    layout ``spec``: where every batch dim the dots ``dots`` read it by is split down to one
-    element a device. XLA then drops the unit dims and runs an unbatched dot, whose operand
-    is copied into the library's layout; with a batch above one a YNNPACK fusion reads the
-    weight as it is. moe-tiny, jax 0.10.2: on 8 devices (8 experts split over 8) the
-    compiled step copies ``wo`` (``f32[1,256,64]`` -> ``copy_bitcast_fusion.21``,
-    ``f32[64,256]``) and ``wi`` (``copy.273``); megatron on 4x2 and 2x4 (experts split on
-    their hidden dim, 8 a device) and the replicated baselines read ``param.12`` and
-    ``param.13`` directly (``ynn_fusion.40``, ``ynn_fusion.39``): no copy."""
-    if not dots:
-        return False
-    node = graph.nodes[dots[0]]
-    k = node.inputs.index(tid)
-    batch = node.params["dimension_numbers"][1][k]
-    shape = graph.tensors[tid].shape
-    return all(shape[d] // mesh.mesh.size(spec.dims[d]) == 1 for d in batch)
 
 
 def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:

@@ -34,7 +34,6 @@ from autoshard.intra.layout_copies import (
     transposed_conv_values,
     transposed_dot_lhs,
     transposed_weight_copies,
-    weight_copy_made,
 )
 from autoshard.intra.materialized import (  # noqa: F401 - re-exported: the model's fusion part
     CONV_AND_WINDOW,
@@ -347,7 +346,7 @@ def predicted_live_bytes(
             graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh),
         )
         for tid, dots in transposed_weight_copies(graph, mesh).items()
-        if tid in spec_of and weight_copy_made(graph, tid, dots, spec_of[tid], mesh)
+        if tid in spec_of and not spec_of[tid].is_replicated
     ]
     buffers += [  # zeros an add would absorb, but for a collective in between
         (0, max(0, pos[z.update] - 1), zeros_bytes(graph, z, spec_of[result], mesh))
@@ -532,7 +531,7 @@ def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> lis
         src, k = producer[tid]
         by_size: dict[float, list[int]] = {}
         for p, s in enumerate(strategies[src]):
-            if not weight_copy_made(graph, tid, dots, s.output_specs[k], mesh):
+            if s.output_specs[k].is_replicated:
                 continue
             size = graph.tensors[tid].nbytes * s.output_specs[k].shard_fraction(mesh.mesh)
             by_size.setdefault(size, []).append(p)
