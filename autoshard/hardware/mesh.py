@@ -78,6 +78,10 @@ class MemoryLayout:
     # gradient's activation, all-gathered) is resharded in the forward pass, right after
     # the value, and kept to them (gpt-tiny and moe-tiny, docs/truth.md).
     early_backward_operand_reshards: bool = False
+    # ... and the value's own buffer is then freed after its last reader in its own layout
+    # (a forward dot): the backward dots read the copy (gpt-tiny's fused ZeRO-3 step on
+    # 4x2, autoshard/intra/memory/gathered_sources.py). The memory model counts it so.
+    freed_gathered_sources: bool = False
     # XLA:CPU copies a split weight that a batched dot reads in a non-canonical layout
     # (the backward dots of MoE expert weights [E, h, f], contracting f) into a transposed
     # buffer of its own, made at the start of the step (measured on moe-tiny, docs/moe.md).
@@ -120,6 +124,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     conv_layout_copies=True,
     early_conv_copies=True,
     early_backward_operand_reshards=True,
+    freed_gathered_sources=True,
     batched_dot_weight_copies=True,
     dot_lhs_copies=True,
     attention_scores_workspace=True,

@@ -27,9 +27,16 @@ MATERIALIZING = (
     | CONV_AND_WINDOW
     | ATTENTION  # one kernel (or XLA's body for it) that writes its results to memory
 )
-# Ops that read their operands from memory (no fusion into them).
+# Ops that read their operands from memory (no fusion into them).  A fused attention
+# too: cuDNN's kernel is a custom call; XLA:CPU's body reads ``q, k, v`` through
+# transposed copies (``transpose_copy_fusion``, one per operand) that its backward reads
+# again, so what is kept for the backward is ``q, k, v``, not the q/k/v GEMM's output
+# they are sliced from (gpt-tiny's fused ZeRO-3 step on 4x2: six 8 KiB copies at XLA's
+# peak, where the model kept two 48 KiB GEMM outputs).
 UNFUSED_CONSUMERS = (
-    frozenset("dot_general gather scatter-add scatter_add concatenate".split()) | CONV_AND_WINDOW
+    frozenset("dot_general gather scatter-add scatter_add concatenate".split())
+    | CONV_AND_WINDOW
+    | ATTENTION
 )
 EXPENSIVE = TRANSCENDENTAL | {"div"}  # not recomputed in the backward pass when saved
 FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradient"})

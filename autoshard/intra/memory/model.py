@@ -26,6 +26,7 @@ from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.memory.attention_workspace import held_buffers, workspace_groups
 from autoshard.intra.memory.broadcast_buffers import held_broadcast_buffers, held_broadcast_groups
 from autoshard.intra.memory.common_values import common_values, merged_consumers
+from autoshard.intra.memory.gathered_sources import gathered_tails, own_buffer_end, tail_groups
 from autoshard.intra.memory.layout_copies import (
     NARROW_FLOATS,
     dot_lhs_copy_bytes,
@@ -325,16 +326,18 @@ def predicted_live_bytes(
             if spec is not None:
                 at_conv[(tid, first, last)] = spec
     own = tensor_buffers(graph, mesh, host)
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    # a forward value gathered for its backward dots is freed after its own-layout readers
+    tails = _gathered_tails(graph, mesh, own, pos)
     buffers = [
         (
             first,
-            last,
+            own_buffer_end(tails[tid], spec_of[tid], operand_specs) if tid in tails else last,
             nbytes * at_conv.get((tid, first, last), spec_of[tid]).shard_fraction(mesh.mesh),
         )
         for tid, first, last, nbytes in own
         if tid in spec_of
     ]
-    pos = program_positions(graph, mesh.memory_layout.late_updates)
     buffers += reshard_buffers(graph, operand_specs, spec_of, mesh, pos, _union_intervals(own))
     buffers += [  # transposed weight copies: made at the start, live to their last reader
         (
@@ -369,6 +372,16 @@ def predicted_live_bytes(
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
     return tuple(itertools.accumulate(delta))
+
+
+def _gathered_tails(graph: Graph, mesh: DeviceMesh, own, pos) -> dict:
+    """:func:`~autoshard.intra.memory.gathered_sources.gathered_tails` of the buffers ``own``
+    (:func:`tensor_buffers`), the readers of each as :func:`live_intervals` finds them."""
+    if not mesh.memory_layout.freed_gathered_sources:
+        return {}
+    keep = {b[0] for b in own}
+    consumers = merged_consumers(graph, common_values(graph))
+    return gathered_tails(graph, mesh, own, pos, lambda tid: _readers(graph, tid, keep, consumers))
 
 
 def predicted_peak_bytes(
@@ -440,6 +453,9 @@ def memory_rows(
         owner[tid] = node
     pos = program_positions(graph, mesh.memory_layout.late_updates)
     groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
+    # an own buffer past its last fixed reader lives while a backward dot reads it as it is
+    tails = _gathered_tails(graph, mesh, own, pos) if operands else {}
+    groups += tail_groups(graph, tails, strategies, producer, n_in, mesh)
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
         groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
         groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
@@ -449,6 +465,7 @@ def memory_rows(
     groups += held_broadcast_groups(graph, strategies, n_in, mesh, pos, set(intervals))
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
+    intervals = {t: (a, tails[t].fixed if t in tails else b) for t, (a, b) in intervals.items()}
     born: dict[int, list[int]] = {}
     for t, (first, _) in intervals.items():
         born.setdefault(first, []).append(t)
