@@ -242,6 +242,9 @@ def _mfu_panel(ax, rows: list[dict]) -> None:
                         textcoords="offset points")  # fmt: skip
         pub = r.get("published")
         priced = (pub or {}).get("priced", {}).get("microbatch_1", {})
+        if pub is None:
+            ax.annotate("no published\nlayout", (g + 0.2, 0), fontsize=6, ha="center",
+                        va="bottom", xytext=(0, 3), textcoords="offset points")  # fmt: skip
         if "error" in priced:
             ax.annotate("x".join(map(str, pub["tp_pp_dp"])) + "\nnot priced", (g + 0.2, 0.04 * top),
                         fontsize=6, ha="center", va="bottom", xytext=(0, 6),
