@@ -180,7 +180,8 @@ def _search_panel(ax, rows: list[dict], reported: list[dict]) -> None:
             bars = ax.errorbar(
                 [x], [med], yerr=[[med - min(w)], [max(w) - med]], marker=marker, color="black",
                 mfc="white", ms=7, capsize=3, lw=1, zorder=4,
-                label=f"{gpu}: median wall of {len(w)} run(s), min-max" if x == these[0][0]
+                label=(f"{gpu}: median wall of {len(w)} runs, min-max" if len(w) > 1
+                       else f"{gpu}: wall of 1 run") if x == these[0][0]
                 else None,
             )  # fmt: skip
             bars.lines[0].set_gid(f"median|{r['row']}")  # the marker, not the caps
