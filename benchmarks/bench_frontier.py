@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 # GPT shapes (Narayanan et al., SC21, Table 1): layers, hidden, heads; seq 2048
 MODELS = {
     "175b": (96, 12288, 96),
@@ -52,11 +53,18 @@ def _simulate(model: str, cluster: str, gpus: int, batch: int, plan: str, extra:
         "--global-batch", str(batch), "--plan", plan, "--json", *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    # from the repository root: `-m autoshard` is this clone's package
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
+    # exit 1 with a report on stdout: the plan does not fit (`simulate` exits 1 on OOM)
+    report = None
+    if proc.returncode in (0, 1) and proc.stdout.strip():
+        try:
+            report = json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            report = None
+    if report is None or (proc.returncode != 0 and not report.get("oom")):
         return {"argv": argv[2:], "wall_seconds": wall, "error": proc.stderr[-2000:]}
-    report = json.loads(proc.stdout)
     return {"argv": argv[2:], "wall_seconds": wall, "report": report}
 
 
@@ -88,6 +96,77 @@ def _summary(report: dict) -> dict:
     return out
 
 
+def measure_row(
+    name: str,
+    repeats: int = 3,
+    microbatches: str | None = None,
+    published: bool = True,
+    on_run=lambda label: None,
+) -> dict:
+    """One row of ``ROWS``: ``repeats`` cold searches in fresh processes (the median wall is
+    the row's time; phases and plan from the last run that succeeded), then, where the row
+    has a published layout and ``published``, that layout priced the same way.
+    ``on_run(label)`` is called before each process starts (progress)."""
+    model, cluster, gpus, batch, layout = ROWS[name]
+    extra = [] if microbatches is None else ["--microbatches", microbatches]
+    if microbatches is None and layout is not None:
+        # the published run's count: one sequence per data-parallel replica
+        extra = ["--microbatches", str(batch // layout[2])]
+    runs = []
+    for i in range(repeats):
+        on_run(f"{name}: search {i + 1}/{repeats}")
+        runs.append(_simulate(model, cluster, gpus, batch, "auto", extra))
+    ok = [r for r in runs if "report" in r]
+    row = {
+        "row": name,
+        "model": f"gpt-{model}",
+        "cluster": cluster,
+        "gpus": gpus,
+        "global_batch": batch,
+        "wall_seconds": [r["wall_seconds"] for r in runs],
+        "median_wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
+        "argv": runs[0]["argv"],
+    }
+    if ok:
+        row["auto"] = _summary(ok[-1]["report"])
+        # the run the phases and plan are from
+        row["summary_run"] = max(i for i, r in enumerate(runs) if "report" in r)
+    else:
+        row["error"] = runs[-1]["error"]
+    if layout is not None and published and ok:
+        tp, pp, dp = layout
+        # SC21's micro-batch: one sequence per replica (the search's count by default)
+        on_run(f"{name}: the published layout {tp}x{pp}x{dp}")
+        priced = {}
+        for label, flags in (("microbatch_1", ["--microbatch-size", "1"]),):
+            r = _simulate(
+                model, cluster, gpus, batch, f"megatron:{tp}x{pp}x{dp}",
+                ["--program", "traced", "--recompute", "full", *flags],
+            )  # fmt: skip
+            priced[label] = _summary(r["report"]) if "report" in r else {"error": r["error"]}
+        row["published"] = {"tp_pp_dp": [tp, pp, dp], "priced": priced}
+    return row
+
+
+def print_row(row: dict) -> None:
+    auto = row.get("auto", {})
+    print(
+        f"{row['row']}: search {row['median_wall_seconds']:.1f} s wall (median of "
+        f"{len(row['wall_seconds'])}: {', '.join(f'{w:.1f}' for w in row['wall_seconds'])}); "
+        f"plan TPxPPxDP {auto.get('tp_pp_dp')} m={auto.get('num_microbatches')}, "
+        f"step {auto.get('step_time_s', float('nan')):.3g} s, MFU {auto.get('mfu', 0):.3f}, "
+        f"oom {auto.get('oom')}; phases {auto.get('phase_seconds')}",
+        flush=True,
+    )
+    for label, p in row.get("published", {}).get("priced", {}).items():
+        print(
+            f"  published {row['published']['tp_pp_dp']} ({label}): step "
+            f"{p.get('step_time_s', float('nan')):.3g} s, MFU {p.get('mfu', 0):.3f}, "
+            f"oom {p.get('oom')}",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=sorted(ROWS))
@@ -105,55 +184,9 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = []
     for name in args.rows:
-        model, cluster, gpus, batch, published = ROWS[name]
-        extra = [] if args.microbatches is None else ["--microbatches", args.microbatches]
-        if args.microbatches is None and published is not None:
-            # the published run's count: one sequence per data-parallel replica
-            extra = ["--microbatches", str(batch // published[2])]
-        runs = [_simulate(model, cluster, gpus, batch, "auto", extra) for _ in range(args.repeats)]
-        ok = [r for r in runs if "report" in r]
-        row = {
-            "row": name,
-            "model": f"gpt-{model}",
-            "cluster": cluster,
-            "gpus": gpus,
-            "global_batch": batch,
-            "wall_seconds": [r["wall_seconds"] for r in runs],
-            "median_wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
-            "argv": runs[0]["argv"],
-        }
-        if ok:
-            row["auto"] = _summary(ok[-1]["report"])
-        else:
-            row["error"] = runs[-1]["error"]
-        if published is not None and not args.no_published and ok:
-            tp, pp, dp = published
-            # SC21's micro-batch: one sequence per replica (the search's count by default)
-            priced = {}
-            for label, flags in (("microbatch_1", ["--microbatch-size", "1"]),):
-                r = _simulate(
-                    model, cluster, gpus, batch, f"megatron:{tp}x{pp}x{dp}",
-                    ["--program", "traced", "--recompute", "full", *flags],
-                )  # fmt: skip
-                priced[label] = _summary(r["report"]) if "report" in r else {"error": r["error"]}
-            row["published"] = {"tp_pp_dp": [tp, pp, dp], "priced": priced}
+        row = measure_row(name, args.repeats, args.microbatches, not args.no_published)
         rows.append(row)
-        auto = row.get("auto", {})
-        print(
-            f"{name}: search {row['median_wall_seconds']:.1f} s wall (median of "
-            f"{len(runs)}: {', '.join(f'{w:.1f}' for w in row['wall_seconds'])}); "
-            f"plan TPxPPxDP {auto.get('tp_pp_dp')} m={auto.get('num_microbatches')}, "
-            f"step {auto.get('step_time_s', float('nan')):.3g} s, MFU {auto.get('mfu', 0):.3f}, "
-            f"oom {auto.get('oom')}; phases {auto.get('phase_seconds')}",
-            flush=True,
-        )
-        for label, p in row.get("published", {}).get("priced", {}).items():
-            print(
-                f"  published {row['published']['tp_pp_dp']} ({label}): step "
-                f"{p.get('step_time_s', float('nan')):.3g} s, MFU {p.get('mfu', 0):.3f}, "
-                f"oom {p.get('oom')}",
-                flush=True,
-            )
+        print_row(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {

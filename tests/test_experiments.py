@@ -22,7 +22,7 @@ EXPERIMENTS = ROOT / "experiments"
 FIGURES = ROOT / "docs" / "figures"
 EXPECTED = {
     "weak-scaling", "intra-ablation", "inter-ablation", "planning-time", "truth",
-    "planner-scaling", "sim-validation",
+    "planner-scaling", "sim-validation", "frontier",
 }  # fmt: skip
 
 
@@ -202,6 +202,108 @@ def test_planning_time_stacks_are_the_json():
     for g, ref in doc["data"]["reported"].items():
         if any(str(r["gpus"]) == g for r in doc["data"]["rows"]):
             assert drawn[f"{title}::bar|reported|{g}"][1] == ref["seconds"]
+
+
+def _frontier_row(name, cluster, gpus, walls, phases, search, tp_pp_dp, mfu, **extra):
+    stages = extra.pop("stages", [])
+    return {
+        "row": name, "model": "gpt-175b", "cluster": cluster, "gpus": gpus,
+        "global_batch": 1536, "wall_seconds": walls,
+        "median_wall_seconds": sorted(walls)[len(walls) // 2], "summary_run": 1,
+        "auto": {
+            "phase_seconds": phases, "search_seconds": search, "tp_pp_dp": tp_pp_dp,
+            "mfu": mfu, "oom": False, "num_microbatches": 96, "stages": stages,
+        },
+        **extra,
+    }  # fmt: skip
+
+
+FRONTIER_FAKE = {
+    "name": "frontier", "title": "t", "source": "measured", "quick": True,
+    "data": {
+        "measured": {"loadavg_before": [3.0, 3.0, 3.0]},
+        "reported": [{"planner": "Alpa", "model": "gpt-39b", "gpus": 64, "seconds": 2400.0}],
+        "rows": [
+            _frontier_row(
+                "a", "dgx-a100", 1024, [30.0, 20.0, 40.0],
+                {"trace": 2.0, "intra_op_ilps": 10.0, "stage_dp": 1.0}, 13.5, [8, 16, 8], 0.3,
+                published={"tp_pp_dp": [8, 12, 16], "priced": {"microbatch_1": {
+                    "mfu": 0.2, "oom": True, "peak_gib_per_device": 108.0}}},
+            ),
+            _frontier_row(
+                "h", "dgx-h100", 1024, [9.0, 8.0, 7.0],
+                {"trace": 1.0, "intra_op_ilps": 4.0, "stage_dp": 0.5}, 5.5, [None, 32, None],
+                0.25, stages=[[[4, 8], [4, 8], "full"], [[4, 8], [8, 4], "none"]],
+            ),
+            {"row": "x", "model": "gpt-1t", "cluster": "dgx-a100", "gpus": 4096,
+             "global_batch": 4096, "wall_seconds": [5.0], "median_wall_seconds": 5.0,
+             "error": "boom"},
+        ],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("source", ["committed", "fake"])
+def test_frontier_phases_medians_and_mfu_are_the_json(source):
+    """Each row's bar is its phases stacked (the rest: that run's wall minus its search),
+    the marker its median wall, the stars the published times, the right panel its MFU."""
+    module = _script("frontier")
+    if source == "committed":
+        doc = json.loads((FIGURES / "frontier.json").read_text())
+    else:
+        doc = FRONTIER_FAKE
+    fig = module.plot(doc)
+    left, right = fig.axes
+    bars = {p.get_gid(): p for p in left.patches if p.get_gid()}
+    lines = {ln.get_gid(): ln for ln in left.lines if ln.get_gid()}
+    rows = doc["data"]["rows"]
+    for r in rows:
+        if "auto" not in r:
+            assert f"noplan|{r['row']}" in lines
+            assert not any(g.endswith(f"|{r['row']}") for g in bars)
+            continue
+        top, x = 0.0, None
+        run_wall = r["wall_seconds"][r.get("summary_run", len(r["wall_seconds"]) - 1)]
+        for key in ("trace", "intra_op_ilps", "stage_dp", "rest"):
+            bar = bars[f"bar|{key}|{r['row']}"]
+            want = run_wall - r["auto"]["search_seconds"] if key == "rest" else (
+                r["auto"]["phase_seconds"][key])  # fmt: skip
+            assert bar.get_height() == pytest.approx(want)
+            assert bar.get_y() == pytest.approx(top)  # stacked on the phases before
+            top += want
+            x = x or bar.get_x()
+            assert bar.get_x() == x  # one bar per row
+        assert lines[f"median|{r['row']}"].get_ydata()[0] == r["median_wall_seconds"]
+    xs = {bars[f"bar|trace|{r['row']}"].get_x() for r in rows if "auto" in r}
+    assert len(xs) == len([r for r in rows if "auto" in r])  # rows at one count side by side
+    for ref in doc["data"]["reported"]:
+        star = lines[f"reported|{ref['planner']}|{ref['gpus']}"]
+        assert (star.get_xdata()[0], star.get_ydata()[0]) == (ref["gpus"], ref["seconds"])
+    drawn = {p.get_gid(): p.get_height() for p in right.patches if p.get_gid()}
+    crosses = {ln.get_gid() for ln in right.lines if ln.get_gid()}
+    for r in rows:
+        g = module.row_label(r)
+        if "auto" in r:
+            assert drawn[f"bar|autoshard|{g}"] == pytest.approx(100 * r["auto"]["mfu"])
+        else:
+            assert f"noplan|autoshard|{g}" in crosses
+        priced = r.get("published", {}).get("priced", {}).get("microbatch_1")
+        if priced and priced["oom"]:
+            assert f"oom|megatron|{g}" in crosses and f"bar|megatron|{g}" not in drawn
+        elif priced:
+            assert drawn[f"bar|megatron|{g}"] == pytest.approx(100 * priced["mfu"])
+    texts = " ".join(t.get_text() for t in right.texts)
+    for r in rows:
+        if "auto" in r:
+            assert module.plan_label(r["auto"]).split("\n")[0] in texts
+    module.figure.plt.close(fig)
+
+
+def test_frontier_plan_label_names_each_view_of_a_mixed_plan():
+    module = _script("frontier")
+    mixed = FRONTIER_FAKE["data"]["rows"][1]["auto"]
+    assert module.plan_label(mixed) == "8x32x4\n4x32x8\n(mixed)"
+    assert module.plan_label({"tp_pp_dp": [8, 64, 6]}) == "8x64x6"
 
 
 @pytest.mark.parametrize("name", ["truth", "sim-validation"])
