@@ -174,51 +174,56 @@ def _spy_ilp_solves(monkeypatch):
     return budgets
 
 
-def _refusal(budget: float):
+def _refusal(budget: float, progress=None):
     from autoshard.api import plan_workload
     from autoshard.intra.ilp import InfeasibleBudgetError
     from autoshard.intra.problem.options import IntraOptions
 
     options = IntraOptions(solver="highs", memory_budget_bytes=budget)
     with pytest.raises(InfeasibleBudgetError) as caught:
-        plan_workload("mlp", "2x4", options=options, batch_size=16, hidden=16)
+        plan_workload("mlp", "2x4", options=options, batch_size=16, hidden=16, progress=progress)
     return caught.value
 
 
-def test_a_budget_every_plan_peaks_over_is_refused_before_any_ilp(monkeypatch):
+@pytest.fixture(scope="module")
+def mlp_budget_refusals():
+    """The MLP's refusals the two tests below read: below the parameters and state (the
+    state bound), 5% above it (the live-set bound, proven without solving), and just above
+    that bound -- the budgeted solves near the least peak (~15 s), run once, their
+    progress kept -- as ``(state, bound_refusal, least_refusal, progress_text)``."""
+    import io
+
+    from autoshard.inter.progress import Progress
+
+    state = _refusal(1.0).min_feasible_bytes  # the state bound: refused before tracing on
+    bounded = _refusal(state * 1.05)
+    stream = io.StringIO()
+    least = _refusal(bounded.lower_bound_bytes * 1.0001, Progress("plan", stream=stream))
+    return state, bounded, least, stream.getvalue()
+
+
+def test_a_budget_every_plan_peaks_over_is_refused_before_any_ilp(monkeypatch, mlp_budget_refusals):
     """Above the parameters and state, below what any plan's live set holds at the step's
     fullest point (each tensor split as far as its shardings go): refused with that bound,
     before any ILP (gpt-tiny's refusal took 6 min 19 s, then named no peak at all)."""
-    state = _refusal(1.0).min_feasible_bytes  # the state bound: refused before tracing on
+    state, _, least, _ = mlp_budget_refusals
     budgets = _spy_ilp_solves(monkeypatch)
     err = _refusal(state * 1.05)
     assert budgets == []
     assert err.proven and err.lower_bound_bytes == err.min_feasible_bytes > state * 1.05
     assert "or more" in str(err) and "proven without solving" in str(err)
-    # the bound is a true bound: no plan the solver finds peaks under it
-    least = _refusal(err.lower_bound_bytes * 1.0001).min_feasible_bytes
-    assert least >= err.lower_bound_bytes
+    # the bound is a true bound: no plan the solver finds peaks under it (the budgeted
+    # solves just above it, shared with the next test)
+    assert least.min_feasible_bytes >= err.lower_bound_bytes
 
 
-def test_a_binding_budget_says_so_before_the_slow_solves_and_names_the_least_peak():
+def test_a_binding_budget_says_so_before_the_slow_solves_and_names_the_least_peak(
+    mlp_budget_refusals,
+):
     """Between that bound and the least peak: a progress line when the budget binds (the
     solves under it can take minutes), then the least peak, in binary units with bytes."""
-    import io
-
-    from autoshard.api import plan_workload
-    from autoshard.inter.progress import Progress
-    from autoshard.intra.ilp import InfeasibleBudgetError
-    from autoshard.intra.problem.options import IntraOptions
-
-    bound = _refusal(_refusal(1.0).min_feasible_bytes * 1.05).lower_bound_bytes
-    stream = io.StringIO()
-    options = IntraOptions(solver="highs", memory_budget_bytes=bound * 1.0001)
-    with pytest.raises(InfeasibleBudgetError) as caught:
-        plan_workload(
-            "mlp", "2x4", options=options, batch_size=16, hidden=16,
-            progress=Progress("plan", stream=stream),
-        )  # fmt: skip
-    said, err = stream.getvalue(), caught.value
+    _, bounded, err, said = mlp_budget_refusals
+    bound = bounded.lower_bound_bytes
     assert "the plan without the budget peaks at" in said and "planning under the budget" in said
     assert err.proven and err.min_feasible_bytes > bound * 1.0001
     assert f"the least peak is {err.min_feasible_bytes / 2**10:.3g} KiB" in str(err)
