@@ -14,6 +14,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -72,6 +73,19 @@ def pytest_report_header(config):
             "(pip install -e '.[dev]' installs it; it runs them on every core)"
         )
     return None
+
+
+# ----------------------------------------------------------------------------- heavy
+# ``heavy`` tests are end-to-end checks taken out of the default run (the README's command
+# stays under 10 minutes on 2 cores); each is also ``slow``, so ``-m slow`` runs them, and
+# .ci/run runs ``-m heavy`` after the default suite, so CI keeps every assertion.
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("heavy") is not None:
+            item.add_marker(pytest.mark.slow)
 
 
 # ----------------------------------------------------------------------------- shared plans

@@ -140,6 +140,7 @@ def test_plan_pipeline_json_has_the_documented_keys():
     assert out["search_seconds"] > 0
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_run_pipeline_check_matches_single_device():
     proc = _run(
         *(

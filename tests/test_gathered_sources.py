@@ -28,8 +28,8 @@ def fused_zero3_4x2():
     bench_truth plans it, and its compiled report."""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
-    from autoshard.intra.problem.options import IntraOptions
     from autoshard.intra.problem.build import auto_shard_graph
+    from autoshard.intra.problem.options import IntraOptions
     from autoshard.verify.check import verify_plan
 
     traced = trace_workload("gpt-tiny", optimizer="sgd", attention="fused")
@@ -133,8 +133,8 @@ def test_the_ilp_memory_rows_count_the_freed_sources_as_the_prediction_does():
     own peak equals the prediction, the freed sources' buffers included, and some of
     those assignments free a source early (else the rows' tail groups go untested)."""
     from autoshard.api import device_mesh_for, trace_workload
-    from autoshard.intra.memory.gathered_sources import own_buffer_end
     from autoshard.intra.ilp import peak_memory, resolve_ties
+    from autoshard.intra.memory.gathered_sources import own_buffer_end
     from autoshard.intra.problem.build import build_problem
 
     g = trace_workload("gpt-tiny", optimizer="sgd", attention="fused").graph

@@ -348,6 +348,7 @@ def test_a_mesh_with_its_axis_sizes_swapped_reuses_the_twins_plan(tiny4, monkeyp
     assert two_nodes._twin((4, 2), two_nodes.mesh_for((4, 2))) is None
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_stage_ilps_solved_in_forked_processes_give_the_same_plan():
     """``AUTOSHARD_JOBS=2`` (ILPs solved by two forked processes) and ``1`` (in the search's
     own process) give the same plan, stage specs included; each run is a fresh process, so

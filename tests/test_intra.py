@@ -355,7 +355,9 @@ GPT350M_2L = dict(optimizer="adamw", batch_size=8, num_layers=2)
 
 
 # one budget a test: two shorter tests share out better over the xdist workers
-@pytest.mark.parametrize("budget", [2.0e9, 1.6e9])
+@pytest.mark.parametrize(
+    "budget", [pytest.param(2.0e9, marks=pytest.mark.heavy), 1.6e9]
+)  # the looser budget: heavy (CI's heavy step)
 def test_closed_loop_budget_holds_for_the_compiled_step(budget):
     from autoshard.api import plan_workload
 
@@ -455,6 +457,7 @@ def tiny4():
     return trace_workload("gpt-tiny", optimizer="sgd", num_layers=4)
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_deeper_gpt_auto_plan_trains_like_one_device(tiny4):
     _assert_trains_like_one_device(tiny4, _plan(tiny4, (2, 4)))
 
@@ -497,6 +500,7 @@ def test_zero2_on_4x2_disagrees_by_one_all_to_all_over_model(tiny):
     assert row.compiled_bytes - row.predicted_bytes == 24576
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_deeper_zero3_on_4x2_collectives_match_xla(tiny4):
     """Reductions and scatter-adds (the bias and embedding gradients) leave partial sums
     that XLA reduces where they are made, before slicing: all-reduce + dynamic-slice, a

@@ -97,7 +97,8 @@ def _cached_train(model: str, optimizer: str, kw: tuple):
     return trainer, got, losses, trainer.params, final, params
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
+# 4 stages: heavy (CI's heavy step); 2 stages of each schedule run by default
+@pytest.mark.parametrize("num_stages", [2, pytest.param(4, marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt_pipeline_matches_single_device_sgd(num_stages, schedule):
     trainer, got, want, params, final, initial = _train(
@@ -287,6 +288,7 @@ def _adamw_errors():
     return got, want, errors, key_moves
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_gpt_pipeline_matches_single_device_adamw_loss():
     """AdamW as ``make_optimizer("adamw")`` builds it (lr 1e-3, eps 1e-8, weight decay
     0.01): 2 stages, tensor parallel inside, 4 microbatches, 3 steps.  The losses agree

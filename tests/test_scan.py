@@ -67,6 +67,7 @@ def test_static_fori_loop_is_unrolled_and_long_scans_stay_whole(monkeypatch):
     assert prims.count("scan") == 1 and "tanh" not in prims
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 @pytest.mark.parametrize("mesh", [(2, 4)])
 def test_scanned_and_unrolled_gpt_get_plans_of_equal_cost_and_train_like_one_device(mesh):
     options = IntraOptions(solver="highs")

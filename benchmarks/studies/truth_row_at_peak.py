@@ -53,8 +53,8 @@ def main() -> None:
         program_positions,
         tensor_buffers,
     )
-    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.intra.memory.reshard_copies import first_update, resharded_copy
+    from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
     from autoshard.verify.memory import dump_live_peak
 
