@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from autoshard.ir.plan import ParallelPlan
@@ -328,7 +329,8 @@ def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[Li
     try:
         with tempfile.TemporaryDirectory(prefix="autoshard-xla-dump-") as folder:
             options = {"xla_dump_to": folder, **LIVE_RANGE_DUMP_OPTIONS}
-            compiled = step.lower(*args).compile(compiler_options=options)
+            with _past_the_persistent_cache(options, folder):
+                compiled = step.lower(*args).compile(compiler_options=options)
             live = dump_live_peak(folder)
     except Exception as exc:  # any failure leaves the live peak unknown, never the report
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
@@ -346,6 +348,31 @@ def measure_live_peak(step, args, memory: MemoryStats | None = None) -> tuple[Li
         f"XLA's dumps: most bytes live at once, at {live.instruction or '?'} "
         f"(position {live.position} of its schedule)"
     )
+
+
+@contextmanager
+def _past_the_persistent_cache(options: dict, folder: str):
+    """Compile past JAX's persistent compilation cache, when one is set
+    (``JAX_COMPILATION_CACHE_DIR``): jax leaves the ``xla_dump_*`` options out of its cache
+    key, so the dumped compile would load the first compile's entry and XLA would write no
+    dumps. A key of its own (an option that only names a folder for GPU autotuning
+    results, this call's temporary folder: inert on the CPU, a file in a folder removed
+    after on a GPU) makes it compile; the entry is not written (the minimum compile time
+    to cache raised for the call), so the cache does not fill with keys never read again.
+    """
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:
+        yield
+        return
+    options["xla_gpu_dump_autotune_results_to"] = folder
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    jax.config.update(name, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
 
 
 def _platform_target(devices) -> str:
