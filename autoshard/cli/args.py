@@ -19,7 +19,7 @@ MODEL_PRESETS = (
 OPTIMIZER_CHOICES = ("adamw", "adafactor", "sgd", "sgd-momentum")
 
 # IntraOptions.exact_search's choices, without importing the planner (tests check them equal)
-EXACT_SEARCH = ("one-axis", "always", "never")
+EXACT_SEARCH = ("auto", "one-axis", "always", "never")
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -234,11 +234,13 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--exact-search",
         choices=EXACT_SEARCH,
-        default="one-axis",
-        help="where the per-value program is solved from the per-demand plan: on meshes "
-        "with one axis > 1 and no --memory-budget (one-axis, the default; elsewhere the "
-        "per-demand plan is priced per value), on every mesh (always: slower, has not "
-        "improved a plan on a 2-D mesh yet), or never",
+        default="auto",
+        help="where the per-value program is solved from the per-demand plan: without "
+        "--memory-budget on meshes with one axis > 1 and on meshes of several axes whose "
+        "per-demand program is small (auto, the default; elsewhere the per-demand plan is "
+        "priced per value), on one-axis meshes only (one-axis, the default before "
+        "2026-11-27), on every mesh (always: slow on large programs of several axes), "
+        "or never",
     )
 
 
@@ -262,5 +264,5 @@ def intra_options(args):
         layer_period=getattr(args, "layer_period", 2),
         **({} if ends is None else {"layer_ends": ends}),
         exact_values=not getattr(args, "per_demand_pricing", False),
-        exact_search=getattr(args, "exact_search", "one-axis"),
+        exact_search=getattr(args, "exact_search", "auto"),
     )
