@@ -154,6 +154,8 @@ def hubbed_values(values, strategies, ties, hubs: int, memo: dict | None = None)
     roots, maps = _roots(ties, strategies)
     out = []
     for i, v in enumerate(values):
+        if len(v.uses) < 2:  # one demand at most: a plain edge
+            continue
         if i not in distinct:
             src_specs = tuple(s.output_specs[v.k] for s in strategies[v.src])
             distinct[i] = _distinct_demands(v, strategies, src_specs, roots, maps)
@@ -163,7 +165,7 @@ def hubbed_values(values, strategies, ties, hubs: int, memo: dict | None = None)
         wants = [tuple(s.input_specs[u.slot] for s in strategies[u.dst]) for u in v.uses]
         targets = list(dict.fromkeys(b for w in wants for b in w if b is not None))
         partial_src = any(s.output_specs[v.k].partial for s in strategies[v.src])
-        sets = _wanted_sets(v, strategies, roots, maps, targets, hubs, partial_src)
+        sets = _wanted_sets_memo(memo, v, strategies, roots, maps, targets, hubs, partial_src)
         if targets and sets is not None:
             out.append(i)
     return frozenset(out)
@@ -204,6 +206,20 @@ def _wanted_sets(
     if per_use:
         return sorted(states, key=lambda x: (len(set(x) - {None}), [index[b] for b in x]))
     return sorted(states, key=lambda x: (len(x), sorted(index[b] for b in x)))
+
+
+def _wanted_sets_memo(memo: dict, v: Value, strategies, roots, maps, targets, cap, per_use):
+    """:func:`_wanted_sets` through ``memo["wanted"]``: the values of identical layers
+    (uses on the same roots, maps, strategies and slots) share one answer."""
+    cache = memo.setdefault("wanted", {})
+    key = (
+        tuple((roots[u.dst], maps[u.dst], id(strategies[u.dst]), u.slot) for u in v.uses),
+        cap,
+        per_use,
+    )
+    if key not in cache:
+        cache[key] = _wanted_sets(v, strategies, roots, maps, targets, cap, per_use)
+    return cache[key]
 
 
 def _put(state: tuple, where: list[int], wants: tuple) -> tuple:
@@ -464,7 +480,7 @@ def value_edges(
         leaders = seen.get(sig)
         sets = None
         if hubs and (hub_only is None or i in hub_only):
-            sets = _wanted_sets(v, strategies, roots, maps, targets, hubs, partial_src)
+            sets = _wanted_sets_memo(memo, v, strategies, roots, maps, targets, hubs, partial_src)
         if sets is not None:
             # a hub: one node whose strategy is the set of specs the uses want, priced
             # from the producer's spec as predicted (reshard_to_consumers)
