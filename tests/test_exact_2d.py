@@ -152,3 +152,36 @@ def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_2x2():
     plan = auto_shard_graph(traced.graph, mesh, HIGHS)
     assert plan.solver["status"] == "optimal" and plan.solver["exact_stopped"] is None
     assert plan.objective == pytest.approx(optimum.objective, rel=1e-9)
+
+
+def test_a_solve_that_ends_with_a_worse_plan_keeps_the_per_demand_plan(monkeypatch):
+    """Where the exact solve hands back a plan dearer than its start (its cap spent in the
+    LP relaxation on a loaded machine, HiGHS then had no incumbent and a greedy plan stood
+    in: 170,012 against 7,409 on the 4-layer conv net at load 17), the per-demand plan,
+    priced per value, is kept and the record says so."""
+    import autoshard.intra.exact_values as ev
+    from autoshard.intra.ilp import solve as real_solve
+
+    graph = _conv_net()
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    common = _common(graph, mesh, HIGHS, None, True, None)
+    exact, demand = _finish(common, True), _finish(common, False)
+    first = real_solve(demand.problem, solver="highs")
+    start = exact.values.complete(exact.strategies, first.strategy, mesh)
+
+    def greedy(problem, **kw):  # the solver's answer when it found no plan in time
+        from autoshard.intra.ilp.greedy import greedy_assignment
+
+        out = real_solve(problem, solver="highs", max_nodes=1)
+        plan = greedy_assignment(problem)
+        return __import__("dataclasses").replace(
+            out, strategy=plan, objective=objective_of(problem, plan), status="time_limit",
+            fallback="greedy", limit="time",
+        )  # fmt: skip
+
+    monkeypatch.setattr(ev, "solve", greedy)
+    settings = {"solver": "highs", "time_limit_s": 60, "mip_gap": 0.0, "seed": 0}
+    kept = ev.solve_exact(exact, demand, mesh, settings, None, first)
+    assert kept.strategy == start
+    assert kept.objective == pytest.approx(objective_of(exact.problem, start), rel=1e-12)
+    assert "the per-demand plan is kept" in kept.exact_stopped

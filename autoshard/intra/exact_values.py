@@ -223,7 +223,8 @@ def solve_exact(
 def _from_start(ip, mesh, settings, unsolved, first):
     """:func:`solve_exact` past the per-demand solve ``first``."""
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
-    kept = kept_per_demand(first, initial, objective_of(ip.problem, initial), unsolved)
+    start_price = objective_of(ip.problem, initial)
+    kept = kept_per_demand(first, initial, start_price, unsolved)
     # with hubs (meshes of several axes) a plan the per-demand program charges exactly is
     # no proof either: Alpa's MLP on 2x2 (tests/test_exact_2d.py) has a per-value optimum
     # 0.3% below such a plan, which the exact program proves in under a second
@@ -248,11 +249,24 @@ def _from_start(ip, mesh, settings, unsolved, first):
             lp_first=hub_max_sets(mesh) > 0,
         )
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
+    objective = objective_of(ip.problem, strategy)
+    if solution.fallback is not None or not objective <= start_price * (1 + 1e-9):
+        # the cap ran out before the solver held even its start (the LP relaxation first,
+        # on a loaded machine: it then hands back a greedy plan): keep the start
+        return dataclasses.replace(
+            first,
+            strategy=initial,
+            objective=start_price,
+            seconds=first.seconds + solution.seconds,
+            exact_stopped=_stopped(solution).replace(
+                "keeping its best plan", "with nothing better: the per-demand plan is kept"
+            ),
+        )
     proven = solution.status == "optimal"
     return dataclasses.replace(
         solution,
         strategy=strategy,
-        objective=objective_of(ip.problem, strategy),
+        objective=objective,
         status="optimal" if proven else first.status,
         gap=solution.gap if proven else first.gap,
         seconds=first.seconds + solution.seconds,
