@@ -60,7 +60,7 @@ class IntraOptions:
     presolve off (2-4x faster to the same optimum on the GPT presets), the exact one with
     it on (it improved its start more often so); on meshes of several axes the exact
     program's LP relaxation is solved first and kept where it is integral (its hubs make
-    it so where measured).
+    it so where measured), and the user's time limit alone bounds its time.
 
     ``exact_search``: where the exact program is *solved* (with ``exact_values``), never
     under a memory budget except with "always" (with a budget's memory rows its root node
