@@ -226,7 +226,7 @@ def _from_start(ip, mesh, settings, unsolved, first):
     start_price = objective_of(ip.problem, initial)
     kept = kept_per_demand(first, initial, start_price, unsolved)
     # with hubs (meshes of several axes) a plan the per-demand program charges exactly is
-    # no proof either: Alpa's MLP on 2x2 (tests/test_exact_2d.py) has a per-value optimum
+    # no proof either: the verifier's MLP on 2x2 (tests/test_exact_2d.py) has a per-value optimum
     # 0.3% below such a plan, which the exact program proves in under a second
     if kept is not None and (unsolved is not None or not hub_max_sets(mesh)):
         return kept
@@ -246,7 +246,7 @@ def _from_start(ip, mesh, settings, unsolved, first):
         # HiGHS's presolve off pays on the per-demand program (2-4x faster, docs/sharing.md),
         # not on this one: with it, the exact program improved its start more often.  With
         # hubs (meshes of several axes) its relaxation is tight: the LP first (the conv
-        # net of tests/test_exact_2d.py: integral, 2-4x faster than the MIP's root)
+        # net of tests/test_exact_2d.py: integral, about 2x faster than the MIP's root)
         solution = solve(
             ip.problem,
             **{**settings, "time_limit_s": cap},
