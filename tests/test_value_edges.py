@@ -91,6 +91,73 @@ def test_objective_is_the_predicted_resharding_for_every_assignment(exact):
     assert gaps <= checked // 10  # the gap is the exception
 
 
+def test_a_hub_prices_every_assignment_as_predicted():
+    """The value of the test above priced by a hub (meshes of several axes): for every
+    choice of the real nodes, the least objective over the hub's sets is exactly the cost
+    of reshard_to_consumers over the distinct wanted specs -- infinite where XLA cannot
+    resolve the partial sum into one of them -- with no gap on partial sums."""
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    shape, item = (8, 8), 4
+    strategies = [
+        _producer((R, D0, M1) + PART),
+        _consumer((R, D0, DM)),
+        _consumer((R, M1, DM)),
+        _consumer((D0, DM)),
+    ]
+    value = Value(0, 0, shape, item, ((),) * 6, (Use(1, 0), Use(2, 0), Use(3, 0)))
+    ve = value_edges([value], strategies, [None] * 4, mesh, _cost_options(), True, hubs=64)
+    assert (
+        len(ve.groups) == 1
+        and ve.groups[0].hub >= 0
+        and ve.num_strategies == (len(ve.groups[0].sets),)
+    )
+    problem = ShardingProblem(
+        num_strategies=(6, 3, 3, 2) + ve.num_strategies,
+        node_costs=tuple((0.0,) * len(s) for s in strategies) + ((0.0,) * ve.num_strategies[0],),
+        edges=ve.edges,
+        ties=(None,) * 5,
+    )
+    partial_many = 0
+    for real in itertools.product(range(6), range(3), range(3), range(2)):
+        src = strategies[0][real[0]].output_specs[0]
+        wants = list(
+            dict.fromkeys(strategies[i + 1][q].input_specs[0] for i, q in enumerate(real[1:]))
+        )
+        if src.partial and not all(xla_resolves(src, b) for b in wants):
+            want = math.inf
+        else:
+            want = reshard_to_consumers(src, wants, shape, item, mesh, _cost_options()).cost
+        best = min(objective_of(problem, real + (w,)) for w in range(ve.num_strategies[0]))
+        assert best == pytest.approx(want, rel=1e-12), (src, wants)
+        completed = ve.complete(strategies, real, mesh)
+        assert objective_of(problem, completed) == pytest.approx(want, rel=1e-12)
+        partial_many += bool(src.partial) and len(wants) > 1 and math.isfinite(want)
+    assert partial_many > 10  # the case the copy nodes only bound from below
+
+
+def test_a_hub_is_not_made_past_its_cap():
+    """A value with more wanted sets than ``hubs`` keeps copy nodes (the sets grow as the
+    product of the uses' wanted specs)."""
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    strategies = [_producer((R, D0, M1)), _consumer((R, D0, DM)), _consumer((R, M1, DM))]
+    value = Value(0, 0, (8, 8), 4, ((),) * 3, (Use(1, 0), Use(2, 0)))
+    wide = value_edges([value], strategies, [None] * 3, mesh, _cost_options(), True, hubs=64)
+    (group,) = wide.groups
+    assert group.hub >= 0
+    # one spec of each use: 3 x 3 pairs, of which (R, R), (DM, DM) are singletons and
+    # (R, DM) = (DM, R)
+    assert set(group.sets) == {
+        frozenset({R}), frozenset({DM}), frozenset({R, M1}), frozenset({R, DM}),
+        frozenset({D0, R}), frozenset({D0, M1}), frozenset({D0, DM}), frozenset({DM, M1}),
+    }  # fmt: skip
+    assert [len(x) for x in group.sets] == [1, 1, 2, 2, 2, 2, 2, 2]  # ordered by size
+    narrow = value_edges(
+        [value], strategies, [None] * 3, mesh, _cost_options(), True, hubs=len(group.sets) - 1
+    )
+    (group,) = narrow.groups
+    assert group.hub < 0 and group.copies
+
+
 def _cost_options():
     from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS
 
@@ -196,10 +263,14 @@ def _mlp_zero3(shape):
 
 
 def test_exact_search_one_axis_prices_the_per_demand_plan_on_a_2d_mesh():
-    """The default solves the exact program on one-axis meshes only; on 2x2 it keeps the
+    """ "one-axis" solves the exact program on one-axis meshes only; on 2x2 it keeps the
     per-demand plan (which over-charges here) and reports its per-value price, which is the
-    cost of its predicted collectives plus its compute."""
+    cost of its predicted collectives plus its compute; "auto" solves this small program,
+    and is never dearer."""
     graph, mesh, options, pinned = _mlp_zero3((2, 2))
+    auto = auto_shard_graph(graph, mesh, options.replace(exact_search="auto"), pinned_inputs=pinned)
+    assert auto.solver["exact_stopped"] is None
+    options = options.replace(exact_search="one-axis")
     demand = build_problem(graph, mesh, options, pinned_inputs=pinned)
     per_demand = solve(demand.problem, solver="highs").objective
     plan = auto_shard_graph(graph, mesh, options, pinned_inputs=pinned)
@@ -216,6 +287,7 @@ def test_exact_search_one_axis_prices_the_per_demand_plan_on_a_2d_mesh():
     )
     assert always.solver["exact_stopped"] is None or "budget" in always.solver["exact_stopped"]
     assert always.objective <= plan.objective * (1 + 1e-9)
+    assert auto.objective == pytest.approx(always.objective, rel=1e-9)
 
 
 def test_exact_search_one_axis_does_not_solve_under_a_memory_budget():
@@ -292,7 +364,9 @@ def test_price_per_value_is_the_exact_programs_objective(model, shape, which):
         )
     # from that per-demand solution (as the planner passes its own), not solved again
     built = solve_exact(exact, demand, mesh, settings, "not solved (test)", first)
-    plan = auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned)
+    # the planner's pricing path ("auto" solves the small ones of these programs instead)
+    priced = options.replace(exact_search="one-axis")
+    plan = auto_shard_graph(traced.graph, mesh, priced, pinned_inputs=pinned)
     assert plan.objective == pytest.approx(built.objective, rel=1e-9)
     assert list(plan.solver["strategy"]) == list(built.strategy[: len(demand.strategies)])
 

@@ -19,7 +19,7 @@ MODEL_PRESETS = (
 OPTIMIZER_CHOICES = ("adamw", "adafactor", "sgd", "sgd-momentum")
 
 # IntraOptions.exact_search's choices, without importing the planner (tests check them equal)
-EXACT_SEARCH = ("one-axis", "always", "never")
+EXACT_SEARCH = ("auto", "one-axis", "always", "never")
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -235,10 +235,12 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         "--exact-search",
         choices=EXACT_SEARCH,
         default="one-axis",
-        help="where the per-value program is solved from the per-demand plan: on meshes "
-        "with one axis > 1 and no --memory-budget (one-axis, the default; elsewhere the "
-        "per-demand plan is priced per value), on every mesh (always: slower, has not "
-        "improved a plan on a 2-D mesh yet), or never",
+        help="where the per-value program is solved from the per-demand plan: without "
+        "--memory-budget on meshes with one axis > 1 and on meshes of several axes whose "
+        "per-demand program is small (auto; elsewhere the per-demand plan is priced per "
+        "value), on one-axis meshes only (one-axis, the default: auto's cheaper plan of an "
+        "MLP on 2x2 compiles one all-gather more than predicted), on every mesh (always: slow on large programs of several axes), "
+        "or never",
     )
 
 

@@ -65,7 +65,7 @@ from autoshard.intra.problem.ties import (
     preferences,
     shard_largest_dims,
 )
-from autoshard.intra.problem.value_edges import Use, Value, value_edges
+from autoshard.intra.problem.value_edges import Use, Value, hub_max_sets, value_edges
 from autoshard.intra.rules.strategies import Strategy, input_strategies, node_strategies
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
@@ -287,7 +287,7 @@ def _finish(c: _Common, exact_values: bool) -> IntraProblem:
     demand (:func:`autoshard.intra.problem.value_edges.value_edges`)."""
     per_value = value_edges(
         list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values, c.memo,
-        c.options.forbidden_collectives(),
+        c.options.forbidden_collectives(), hub_max_sets(c.mesh),
     )  # fmt: skip
     extra = per_value.num_strategies
     memory = _with_aux_nodes(c.memory, extra)
@@ -413,10 +413,14 @@ def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, 
         # gpt-39b 8x8, docs/sharing.md); with a budget its memory rows are needed
         ip = _finish(common, False)
         first = solve(ip.problem, **settings)
+        # exact_search="auto" solves a small program of several axes after all
+        unsolved = unsolved_because(mesh, options.exact_search, budgeted, first.num_variables)
         solution = kept_per_demand(
             first, first.strategy, price_per_value(common, first.strategy), unsolved
         )
-        if solution is None:  # it needs a forbidden collective: the exact program after all
+        if unsolved is None and hub_max_sets(mesh):
+            solution = None  # solved where the per-demand charge is exact too (_from_start)
+        if solution is None:  # over-charged and small, or it needs a forbidden collective
             demand, ip = ip, _finish(common, True)
             solution = solve_exact(ip, demand, mesh, settings, None, first)
     else:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import SolverTimeLimitWarning, objective_of, solve
-from autoshard.intra.problem.value_edges import value_edges
+from autoshard.intra.problem.value_edges import hub_max_sets, hubbed_values, value_edges
 
 if TYPE_CHECKING:
     from autoshard.intra.problem.records import IntraProblem, _Common
@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 EXACT_MAX_NODES = 200
 EXACT_TIME_FACTOR = 1.0
 EXACT_MIN_SECONDS = 5.0
+# exact_search="auto" solves the exact program on a mesh of several axes where the
+# per-demand program (solved first) has at most this many columns: a rule on the
+# program's size, so the plan does not depend on the load.  Alpa's 4-layer conv net on
+# 2x2 (21,596 columns) proves its per-value optimum at the root of the exact program;
+# gpt-350m on 2x4 (84,977) improved nothing in 120 s, and every GPT preset of
+# bench_intra has 82,000-85,000 (docs/sharing.md)
+EXACT_MAX_COLUMNS = 40_000
 
 
 def _stopped(solution) -> str:
@@ -59,8 +66,12 @@ def price_per_value(c: _Common, choice) -> float:
     ``objective_of`` on the built program."""
     n = len(c.strategies)
     chosen = [(c.strategies[i][choice[i]],) for i in range(n)]
-    values = []
-    for v in c.values:
+    cap = hub_max_sets(c.mesh)
+    if "hubbed" not in c.memo:  # the values the full program prices by a hub
+        c.memo["hubbed"] = hubbed_values(c.values, c.strategies, c.ties, cap, c.memo)
+    hubbed = c.memo["hubbed"]
+    values, hub_only = [], []
+    for i, v in enumerate(c.values):
         have = chosen[v.src][0].output_specs[v.k]
         uses = tuple(
             u
@@ -68,10 +79,12 @@ def price_per_value(c: _Common, choice) -> float:
             if (want := chosen[u.dst][0].input_specs[u.slot]) is not None and want != have
         )
         if uses:
+            if i in hubbed:
+                hub_only.append(len(values))
             values.append(dataclasses.replace(v, uses=uses, steps=(v.steps[choice[v.src]],)))
     per_value = value_edges(
         values, chosen, (None,) * n, c.mesh, c.cost_options, True, None,
-        c.options.forbidden_collectives(),
+        c.options.forbidden_collectives(), cap, frozenset(hub_only),
     )  # fmt: skip
     full = per_value.complete(chosen, (0,) * n, c.mesh)
     return (
@@ -81,17 +94,30 @@ def price_per_value(c: _Common, choice) -> float:
     )
 
 
-def unsolved_because(mesh: DeviceMesh, search: str, budgeted: bool = False) -> str | None:
+def unsolved_because(
+    mesh: DeviceMesh, search: str, budgeted: bool = False, columns: int | None = None
+) -> str | None:
     """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
-    ``mesh`` (under a memory budget when ``budgeted``), or None where it does."""
+    ``mesh`` (under a memory budget when ``budgeted``), or None where it does.
+    ``columns``: the per-demand program's, which "auto" reads on a mesh of several axes
+    (None: not solved yet, so not solved there either)."""
     if search == "always":
         return None
     if search == "never":
         return "not solved (exact_search='never')"
-    if sum(1 for n in mesh.mesh.shape if n > 1) > 1:
+    several = sum(1 for n in mesh.mesh.shape if n > 1) > 1
+    if several and search == "one-axis":
         return "not solved on this mesh of several axes (exact_search='one-axis')"
     if budgeted:  # with memory rows its root node alone ran past 45 s on gpt-350m (2 blocks)
-        return "not solved under a memory budget (exact_search='one-axis')"
+        return f"not solved under a memory budget (exact_search={search!r})"
+    if several:
+        if columns is None or columns > EXACT_MAX_COLUMNS:
+            size = "" if columns is None else f" ({columns:,} columns)"
+            return (
+                f"not solved on this mesh of several axes: the per-demand program{size} is "
+                f"over the {EXACT_MAX_COLUMNS:,} columns up to which exact_search='auto' "
+                "solves it"
+            )
     return None
 
 
@@ -176,7 +202,7 @@ def solve_exact(
 
     The per-demand solve runs under the user's settings (its time-limit warning is the
     user's).  Where it charged its plan exactly the plan's predicted cost, its plan is
-    kept; otherwise the exact one gets :data:`EXACT_MAX_NODES` branch-and-bound nodes
+    kept on a mesh without hubs (one axis); otherwise the exact one gets :data:`EXACT_MAX_NODES` branch-and-bound nodes
     (and at most :data:`EXACT_TIME_FACTOR` times the per-demand time, at least
     :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
     best plan it found -- the start at worst.  The solution's status says which:
@@ -197,30 +223,57 @@ def solve_exact(
 def _from_start(ip, mesh, settings, unsolved, first):
     """:func:`solve_exact` past the per-demand solve ``first``."""
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
-    kept = kept_per_demand(first, initial, objective_of(ip.problem, initial), unsolved)
-    if kept is not None:
+    start_price = objective_of(ip.problem, initial)
+    kept = kept_per_demand(first, initial, start_price, unsolved)
+    # with hubs (meshes of several axes) a plan the per-demand program charges exactly is
+    # no proof either: the verifier's MLP on 2x2 (tests/test_exact_2d.py) has a per-value optimum
+    # 0.3% below such a plan, which the exact program proves in under a second
+    if kept is not None and (unsolved is not None or not hub_max_sets(mesh)):
         return kept
-    cap = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
+    hubs = hub_max_sets(mesh) > 0
+    # with hubs the LP relaxation comes first, and a time cap there made the plan depend
+    # on the load (the 4-layer conv net on 2x2: its optimum at load 12, its start kept at
+    # load 15, the relaxation cut at 14 s): the user's limit alone bounds it, the node
+    # budget the branch and bound after it
+    cap = math.inf if hubs else max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
     limit = settings["time_limit_s"]
     if limit is not None:  # what the per-demand solve left of the user's limit
         cap = min(cap, max(limit - first.seconds, min(limit, 0.5)))
+    elif math.isinf(cap):
+        cap = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeLimitWarning)  # our own budget
         # HiGHS's presolve off pays on the per-demand program (2-4x faster, docs/sharing.md),
-        # not on this one: with it, the exact program improved its start more often
+        # not on this one: with it, the exact program improved its start more often.  With
+        # hubs (meshes of several axes) its relaxation is tight: the LP first (the conv
+        # net of tests/test_exact_2d.py: integral, about 2x faster than the MIP's root)
         solution = solve(
             ip.problem,
             **{**settings, "time_limit_s": cap},
             initial=initial,
             presolve=True,
             max_nodes=EXACT_MAX_NODES,
+            lp_first=hubs,
         )
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
+    objective = objective_of(ip.problem, strategy)
+    if solution.fallback is not None or not objective <= start_price * (1 + 1e-9):
+        # the cap ran out before the solver held even its start (the LP relaxation first,
+        # on a loaded machine: it then hands back a greedy plan): keep the start
+        return dataclasses.replace(
+            first,
+            strategy=initial,
+            objective=start_price,
+            seconds=first.seconds + solution.seconds,
+            exact_stopped=_stopped(solution).replace(
+                "keeping its best plan", "with nothing better: the per-demand plan is kept"
+            ),
+        )
     proven = solution.status == "optimal"
     return dataclasses.replace(
         solution,
         strategy=strategy,
-        objective=objective_of(ip.problem, strategy),
+        objective=objective,
         status="optimal" if proven else first.status,
         gap=solution.gap if proven else first.gap,
         seconds=first.seconds + solution.seconds,

@@ -20,7 +20,7 @@ from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import SOLVERS
 
 # where the exact per-value program is solved (IntraOptions.exact_search)
-EXACT_SEARCH = ("one-axis", "always", "never")
+EXACT_SEARCH = ("auto", "one-axis", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -58,17 +58,26 @@ class IntraOptions:
     that does not depend on the machine's load; its time capped at the per-demand solve's,
     at least 5 s) to improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
     presolve off (2-4x faster to the same optimum on the GPT presets), the exact one with
-    it on (it improved its start more often so).
+    it on (it improved its start more often so); on meshes of several axes the exact
+    program's LP relaxation is solved first and kept where it is integral (its hubs make
+    it so where measured), and the user's time limit alone bounds its time.
 
-    ``exact_search``: where the exact program is *solved* (with ``exact_values``):
-    "one-axis" (the default) on meshes with at most one axis longer than 1 and without a
-    memory budget, where it proves its optimum in seconds and finds cheaper plans than its
-    start (with a budget's memory rows its root node alone can take minutes); on meshes of
-    two or more such axes the per-demand plan is kept and priced per value (its objective
-    is still its predicted cost), because there the exact solve improved none of the 32
-    over-charged plans of the verifier's suites on 2x4 and 4x2 within its budget and took
-    1.6x the per-demand solve's time (median) on top of it (docs/sharing.md, 2026-11-25).
-    "always" solves it on every mesh; "never" only prices.
+    ``exact_search``: where the exact program is *solved* (with ``exact_values``), never
+    under a memory budget except with "always" (with a budget's memory rows its root node
+    alone can take minutes):
+
+    * "one-axis" (the default) on meshes with at most one axis longer than 1, where it
+      proves its optimum in seconds and finds cheaper plans than its start;
+    * "auto" there too, and on meshes of several axes where the per-demand
+      program has at most :data:`~autoshard.intra.problem.exact_values.EXACT_MAX_COLUMNS`
+      columns.  There its values read by several demands are priced by hubs
+      (:mod:`autoshard.intra.problem.value_edges`), whose LP relaxation is tight: on Alpa's
+      4-layer conv net on 2x2 HiGHS proved the optimum at the root, 18% below the
+      per-demand plan; with copy nodes alone it kept that plan, 23% above the optimum,
+      at its time cap.  Larger programs (the GPT presets on 2x4 and 8x8: 82,000-85,000
+      columns) keep the per-demand plan priced per value (its objective is still its
+      predicted cost; on gpt-350m 2x4 the exact solve did not improve it in 120 s);
+    * "always" on every mesh; "never" only prices.
 
     Alpa's ``AutoShardingOption`` knobs:
 
