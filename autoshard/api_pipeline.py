@@ -43,7 +43,8 @@ from autoshard.inter.stages import (
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.inter.unit_cache import UnitCache
 from autoshard.ir.graph import Graph, build_graph
-from autoshard.models import Workload, get_workload, make_train_step
+from autoshard.ir.repeat import SHALLOW_BLOCKS, repeat_blocks
+from autoshard.models import GPT_PRESETS, Workload, get_workload, make_train_step
 from autoshard.runtime.pipeline import (
     LayoutFn,
     PipelineTrainer,
@@ -109,11 +110,32 @@ def microbatch_graph(
         found = cache.get(key)
         if found is not None:
             return found
-    traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
-    found = (traced.workload.name, traced.graph)
+    found = _repeated_graph(workload, num_microbatches, optimizer, overrides)
+    if found is None:
+        traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
+        found = (traced.workload.name, traced.graph)
     if cache is not None:
         cache.put(key, found)
     return found
+
+
+def _repeated_graph(workload: str, num_microbatches: int, optimizer: str, overrides: dict):
+    """``(name, graph)`` of a deep GPT preset from the trace of its 3-block twin
+    (:func:`autoshard.ir.repeat.repeat_blocks`: the same records as the deep trace, at a
+    tenth of the JAX work on gpt-39b), or None where that does not apply (another model,
+    too few layers, a scanned trace, a trace repeat_blocks refuses)."""
+    if workload not in GPT_PRESETS or overrides.get("scan_layers"):
+        return None
+    layers = overrides.get("num_layers") or get_workload(workload).config.num_layers
+    if layers <= SHALLOW_BLOCKS + 1:
+        return None
+    shallow = {**overrides, "num_layers": SHALLOW_BLOCKS}
+    traced = trace_microbatch(workload, num_microbatches, optimizer, **shallow)
+    try:
+        records = repeat_blocks(traced.program.records, layers)
+    except ValueError:
+        return None
+    return traced.workload.name, build_graph(records)
 
 
 def auto_stage_plan(
