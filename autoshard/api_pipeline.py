@@ -125,6 +125,7 @@ def auto_stage_plan(
     cluster=None,
     optimizer: str = "adamw",
     progress: Progress | None = None,
+    offload=None,
     **overrides,
 ) -> InterPlan:
     """Alpa's inter-operator search with stage costs from intra-op ILPs.
@@ -141,7 +142,12 @@ def auto_stage_plan(
     model that fits no stage configuration (with the smallest budget that would).
     ``progress``: where the phases report (default: stderr once the search has run 2 s,
     :class:`~autoshard.inter.progress.Progress`).
+    ``offload``: None, a placement (``"optimizer"``, ... or an
+    :class:`~autoshard.intra.offload.placement.Offload`) every stage takes, or ``"auto"``
+    (:mod:`autoshard.inter.stage_offload`; needs ``cluster``); ``plan.offload`` says what
+    lives where per stage.
     """
+    offload = _offload_request(offload)
     t_start = time.perf_counter()
     progress = progress or Progress()
     num_microbatches = options.num_microbatches
@@ -164,12 +170,23 @@ def auto_stage_plan(
         cluster=cluster,
         model=name,
         progress=progress,
+        offload=offload,
     )
     return dataclasses.replace(
         plan,
         search_seconds=time.perf_counter() - t_start,
         phase_seconds={**plan.phase_seconds, "trace": t_trace},
     )
+
+
+def _offload_request(offload):
+    """None, ``"auto"`` or a non-empty :class:`~autoshard.intra.offload.placement.Offload`."""
+    from autoshard.intra.offload.placement import Offload, parse_offload
+
+    if offload is None:
+        return None
+    request = offload if isinstance(offload, Offload) else parse_offload(offload)
+    return request if request == "auto" or request else None
 
 
 # ----------------------------------------------------------------------------- the runtime
