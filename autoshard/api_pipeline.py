@@ -250,6 +250,7 @@ def auto_pipeline(
     recompute: str = "none",
     virtual_stages: int = 1,
     probe: Probe | None = None,
+    offload=None,
 ) -> PipelineTrainer:
     """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
 
@@ -279,8 +280,17 @@ def auto_pipeline(
     keeps the fastest), then the layers are cut into ``S * V`` equal-layer chunks, chunk
     ``c * S + s`` on stage ``s``'s devices, logical mesh and recompute mode.
     ``probe(stage, layer)`` is called each time a layer's forward runs (for counting).
+    ``offload`` (intra-op layout, with ``cluster``): a placement every stage takes, or
+    ``"auto"`` (:func:`auto_stage_plan`); the runtime keeps the optimizer state in
+    ``pinned_host`` memory (:mod:`autoshard.runtime.stage`).
     """
     check_virtual_stages(schedule, virtual_stages)
+    offload = _offload_request(offload)
+    if offload is not None and (layout != "intra-op" or virtual_stages > 1):
+        raise ValueError(
+            "offload in the pipeline runtime needs layout='intra-op' and one model chunk per "
+            "stage (virtual_stages=1): drop offload or use the 1f1b/gpipe schedule"
+        )
     if recompute not in (*RECOMPUTE_MODES, "auto"):
         raise ValueError(
             f"unknown recompute {recompute!r}; choose one of {(*RECOMPUTE_MODES, 'auto')}"
@@ -388,13 +398,17 @@ def auto_pipeline(
                         dataclasses.replace(options, num_stages=s),
                         cluster=cluster,
                         cost=intra_cost,
+                        offload=offload,
                     )
                     for s in counts
                 ),
                 key=lambda plan: plan.objective_s,
             )
         else:
-            inter_plan = search_stages(graph, 1, n, options, cluster=cluster, cost=intra_cost)
+            inter_plan = search_stages(
+                graph, 1, n, options, cluster=cluster, cost=intra_cost, offload=offload
+            )
+            _check_runtime_offload(inter_plan)
         stage_plan = inter_plan.stage_plan
         planned = list(inter_plan.stages)
         if virtual_stages > 1:
@@ -461,6 +475,19 @@ def auto_pipeline(
         intra_cost=intra_cost,
         probe=probe,
     )
+
+
+def _check_runtime_offload(plan: InterPlan) -> None:
+    """The runtime places the optimizer state in host memory; master weights and gradients
+    on the host are priced by the search but not placed by the pipeline runtime yet."""
+    classes = (plan.offload or {}).get("classes", ())
+    extra = [c for c in classes if c != "optimizer"]
+    if extra:
+        raise ValueError(
+            f"the stage search chose offload {plan.offload['offload']}, but the pipeline "
+            f"runtime keeps only the optimizer state in host memory ({', '.join(extra)} not "
+            "yet): run with offload='optimizer', or plan it with `plan --pipeline`"
+        )
 
 
 def _chunks(stages: Sequence[Stage], virtual_stages: int, stats: LayerStats) -> list[Stage]:

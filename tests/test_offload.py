@@ -283,13 +283,6 @@ def test_cli_bad_offload_exits_2(capsys, flags, message):
     assert message in err and "Traceback" not in err
 
 
-def test_cli_pipeline_plan_refuses_offload(capsys):
-    argv = "plan --model gpt-tiny --layers 1 --pipeline auto --devices 2 --offload optimizer"
-    rc, out, err = cli_in_process(capsys, *argv.split())
-    assert rc == 2, out + err
-    assert "does not offload yet" in err and "Traceback" not in err
-
-
 # -- the simulator: the stage search with offloaded state
 
 SIM = dict(plan="auto", num_microbatches=1, recompute="none")

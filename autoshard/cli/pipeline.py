@@ -185,8 +185,14 @@ def cmd_pipeline_run(args) -> int:
         solver=getattr(args, "solver", None) or "highs",
         recompute=getattr(args, "recompute", None) or "none",
         virtual_stages=getattr(args, "virtual_stages", None) or 1,
+        cluster=getattr(args, "cluster", None),
+        offload=getattr(args, "offload", None),
     )
     print(trainer.plan)
+    if trainer.inter_plan is not None and trainer.inter_plan.offload:
+        for line in offload_lines(trainer.inter_plan.offload):
+            print(line)
+        print(f"optimizer state at rest in memory kind: {_state_memory_kinds(trainer)}")
     from autoshard.runtime.distributed import to_host
 
     losses = [float(to_host(trainer.step(batch))) for _ in range(args.steps)]
@@ -225,12 +231,10 @@ IGNORED_BY_PIPELINE = {
         ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
     ),
     "run": (
-        ("--cluster", "cluster", "the pipeline runtime plans its stages on abstract costs"),
         ("--memory-budget", "memory_budget", "the pipeline runtime takes no budget yet"),
         ("--json", "json", "the pipeline runtime prints text only"),
         ("--time-limit", "time_limit", "the pipeline runtime's ILPs use their own limit"),
         ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
-        ("--offload", "offload", "the pipeline runtime does not offload yet"),
     ),
 }
 
@@ -247,6 +251,20 @@ def refuse_ignored_pipeline_flags(args, command: str) -> None:
             f"{command} --pipeline does not use {'; '.join(given)}: drop "
             + ("it" if len(given) == 1 else "them")
         )
+
+
+def _state_memory_kinds(trainer) -> str:
+    """The memory kinds of the stages' floating-point optimizer state, as they rest."""
+    import jax
+    import jax.numpy as jnp
+
+    kinds = {
+        leaf.sharding.memory_kind
+        for st in trainer.stage_executables
+        for leaf in jax.tree.leaves(st.opt_state)
+        if jnp.issubdtype(leaf.dtype, jnp.inexact)
+    }
+    return ", ".join(sorted(map(str, kinds)))
 
 
 def _print_stage_memory(trainer) -> None:

@@ -186,6 +186,8 @@ class PipelineTrainer:
         ``s`` and runs on ``stages[s]``'s devices.  ``probe(stage, layer)`` is called each
         time a layer's forward runs (:mod:`autoshard.runtime.stage`)."""
         records = program.records
+        # the tensor classes every stage keeps in host memory (docs/offload.md)
+        offload = tuple(((inter_plan and inter_plan.offload) or {}).get("classes", ()))
         self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
         self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
         self.num_microbatches = num_microbatches
@@ -228,8 +230,17 @@ class PipelineTrainer:
             layout = layout_fn(sp, mesh)
             self._stages.append(
                 StageExecutable(
-                    program, sp, mesh, layout, items, values, optimizer, st.recompute, probe
-                )
+                    program,
+                    sp,
+                    mesh,
+                    layout,
+                    items,
+                    values,
+                    optimizer,
+                    st.recompute,
+                    probe,
+                    offload=offload,
+                )  # fmt: skip
             )
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
         keystr = {t: jax.tree_util.keystr(path_of[t]) for t in self._param_ids}

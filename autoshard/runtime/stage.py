@@ -15,6 +15,13 @@ mesh and layout, its parameters, an optax optimizer and the stage's recompute mo
   applies the stored ``vjp``: no second forward unless the plan asked for recompute;
 * ``update`` applies the optimizer to the accumulated gradient.
 
+Offload (``offload``: the plan's host classes, docs/offload.md): with ``optimizer`` the
+floating-point optimizer state rests in ``pinned_host`` memory between steps (its
+sharding's memory kind); ``update`` copies it to the device where it starts and back
+where it ends (``jax.device_put`` inside the jitted update), as the one-mesh runtime
+(:mod:`autoshard.runtime.sharded`) does. A host-update placement (``gradients``) still
+runs its update on the device.
+
 Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
 to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
 the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` prices):
@@ -47,6 +54,7 @@ from autoshard.inter.stage_memory import is_attention_sized
 from autoshard.inter.stages import RECOMPUTE_MODES
 from autoshard.ir.records import TensorRecord
 from autoshard.runtime.distributed import to_host
+from autoshard.runtime.sharded import HOST_MEMORY
 from autoshard.runtime.stage_layout import StageLayout
 from autoshard.trace.jaxpr import TracedProgram
 
@@ -122,7 +130,9 @@ class StageExecutable:
         optimizer,
         recompute: str = "none",
         probe: Probe | None = None,
+        offload: tuple[str, ...] = (),
     ):
+        self.offload = tuple(offload)
         self.sp, self.mesh, self.layout, self.recompute = sp, mesh, layout, recompute
         policy = recompute_policy(recompute)
         spec_fn = layout.spec_fn
@@ -146,11 +156,24 @@ class StageExecutable:
             treedef,
             [jax.device_put(to_host(values[t]), sharding(t, "param")) for t in self.param_ids],
         )
-        self.opt_state_shardings = layout.opt_state_sharding(
-            mesh, jax.eval_shape(optimizer.init, self.params)
+        abstract_state = jax.eval_shape(optimizer.init, self.params)
+        device_state = layout.opt_state_sharding(mesh, abstract_state)
+        state_on_host = "optimizer" in self.offload
+        # at rest: the floating-point state in pinned_host when offloaded (a step count stays)
+        self.opt_state_shardings = (
+            jax.tree.map(
+                lambda sh, a: (
+                    sh.with_memory_kind(HOST_MEMORY) if jnp.issubdtype(a.dtype, jnp.inexact) else sh
+                ),
+                device_state,
+                abstract_state,
+            )
+            if state_on_host
+            else device_state
         )
-        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(
-            self.params
+        self.opt_state = jax.device_put(
+            jax.jit(optimizer.init, out_shardings=device_state)(self.params),
+            self.opt_state_shardings,
         )
 
         eqns = [(prog.records.eqns[i], prog._impls[i]) for i in sp.eqns]
@@ -247,7 +270,11 @@ class StageExecutable:
             return jax.tree.map(jnp.add, grad_acc, grads), in_cts
 
         def update(params, opt_state, grads):
+            if state_on_host:  # host -> device where the update starts
+                opt_state = jax.device_put(opt_state, device_state)
             updates, opt_state = optimizer.update(grads, opt_state, params)
+            if state_on_host:  # and back where it ends (out_shardings say pinned_host too)
+                opt_state = jax.device_put(opt_state, self.opt_state_shardings)
             return optax.apply_updates(params, updates), opt_state
 
         self.forward = jax.jit(forward)

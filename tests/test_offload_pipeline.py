@@ -1,0 +1,153 @@
+"""Issue #34 on the pipeline path: ``plan --pipeline ... --offload``, the plan file and
+``explain`` per stage, and the pipeline runtime keeping the optimizer state in
+``pinned_host`` memory while it trains like one device."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import cli_in_process
+
+from autoshard.inter.plan import InterPlan
+
+PLAN = (
+    "plan --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 --microbatches 2 "
+    "--cluster alpa-v100"
+)
+
+
+def test_pipeline_plan_file_with_offload_round_trips_and_explains(capsys, tmp_path):
+    out = tmp_path / "pipe.json"
+    rc, text, err = cli_in_process(capsys, *PLAN.split(), "--offload", "optimizer", "--out", out)
+    assert rc == 0, text + err
+    assert "offload optimizer: optimizer in host memory, update on device" in text
+    assert "stage 1:" in text and "per device in host memory" in text
+    saved = json.loads(out.read_text())
+    record = saved["inter_plan"]["offload"]
+    plan = InterPlan.from_json(saved["inter_plan"])
+    assert plan.offload == record and InterPlan.loads(plan.dumps()).offload == record
+    assert record["where"] == {
+        "optimizer": "host", "master": "device", "gradients": "device", "update": "device"
+    }  # fmt: skip
+    # every stage holds Adam's moments of its own parameters on the host: both stages some,
+    # and together two f32 copies of the model's parameters (gpt-tiny: all of them f32)
+    assert len(record["host_bytes_per_stage"]) == 2 and min(record["host_bytes_per_stage"]) > 0
+    assert all(s > 0 for s in record["exposed_s_per_stage"])
+    rc, explained, err = cli_in_process(capsys, "explain", out, "--json")
+    assert rc == 0, err
+    assert json.loads(explained)["offload"] == record
+    rc, explained, err = cli_in_process(capsys, "explain", out)
+    assert rc == 0, err
+    assert "in host memory on every stage" in explained and "exposed offload" in explained
+
+
+def test_pipeline_offload_takes_the_state_out_of_the_stage_peak(capsys):
+    peaks = {}
+    for placement in ("none", "optimizer"):
+        rc, text, err = cli_in_process(capsys, *PLAN.split(), "--offload", placement, "--json")
+        assert rc == 0, err
+        plan = json.loads(text)
+        peaks[placement] = [s["peak_bytes"] for s in plan["stages"]]
+        assert ("offload" in plan) == (placement != "none")
+    # Adam's two moments leave HBM; a staging buffer for the largest shard comes in
+    assert all(o < p for o, p in zip(peaks["optimizer"], peaks["none"], strict=True))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--offload optimizer", "pass --cluster"),  # no host figures without a preset
+        ("--cluster alpa-v100 --offload optimizer,master", "master"),  # f32 compute
+        ("--cluster alpa-v100 --offload gradients", "update runs on the host"),
+    ],
+)
+def test_bad_pipeline_offload_exits_2(capsys, flags, message):
+    argv = "plan --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 " + flags
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 2, out + err
+    assert message in err and "Traceback" not in err
+
+
+def test_pipeline_host_memory_too_small_is_refused(tmp_path):
+    from importlib import resources
+
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.hardware.clusters import cluster_from_json
+    from autoshard.inter.options import StageSearchOptions
+
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"] = "no-ram"
+    preset["host"]["memory_bytes"] = 1024
+    cluster = cluster_from_json(preset)
+    with pytest.raises(ValueError, match="of host memory per node"):
+        auto_stage_plan(
+            "gpt-tiny", 1, 2, StageSearchOptions(2, stages="equal-layer", num_stages=2),
+            cluster=cluster, offload="optimizer",
+        )  # fmt: skip
+
+
+def _train(offload, steps=3):
+    import jax
+
+    from autoshard.api_pipeline import auto_pipeline
+    from autoshard.models import get_workload, make_optimizer
+
+    workload = get_workload("gpt-tiny")
+    opt = make_optimizer("adamw")
+    params, _, batch = workload.init_train_args(opt, seed=0)
+    trainer = auto_pipeline(
+        workload.loss_fn, opt, params, batch, devices=jax.devices()[:2], num_microbatches=2,
+        stages="equal-layer", num_stages=2, cluster="alpa-v100", offload=offload,
+    )  # fmt: skip
+    losses = [float(trainer.step(batch)) for _ in range(steps)]
+    return trainer, losses
+
+
+def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_device():
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.models import get_workload, make_optimizer, make_train_step
+
+    off, losses_off = _train("optimizer")
+    plain, losses = _train(None)
+    assert off.inter_plan.offload["classes"] == ["optimizer"] and plain.inter_plan.offload is None
+    for st_off, st in zip(off.stage_executables, plain.stage_executables, strict=True):
+        moments = [
+            x for x in jax.tree.leaves(st_off.opt_state) if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+        assert moments and {x.sharding.memory_kind for x in moments} == {"pinned_host"}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(st.opt_state)} == {"device"}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(st_off.params)} == {"device"}
+    # one device, f32 AdamW: the same losses within 1e-5
+    workload = get_workload("gpt-tiny")
+    opt = make_optimizer("adamw")
+    p, s, batch = workload.init_train_args(opt, seed=0)
+    step = jax.jit(make_train_step(workload.loss_fn, opt))
+    want = []
+    for _ in range(3):
+        p, s, loss = step(p, s, batch)
+        want.append(float(loss))
+    assert losses_off == pytest.approx(want, rel=1e-5)
+    # and the same training as the pipeline without offload: losses and parameters
+    assert losses_off == pytest.approx(losses, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(off.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_pipeline_runtime_offload_refuses_interleaving():
+    with pytest.raises(ValueError, match="virtual_stages=1"):
+        import jax
+
+        from autoshard.api_pipeline import auto_pipeline
+        from autoshard.models import get_workload, make_optimizer
+
+        workload = get_workload("gpt-tiny")
+        opt = make_optimizer("adamw")
+        params, _, batch = workload.init_train_args(opt, seed=0)
+        auto_pipeline(
+            workload.loss_fn, opt, params, batch, devices=jax.devices()[:2],
+            num_microbatches=2, stages="equal-layer", num_stages=2, schedule="interleaved",
+            virtual_stages=2, cluster="alpa-v100", offload="optimizer",
+        )  # fmt: skip
