@@ -291,6 +291,8 @@ def auto_pipeline(
             "offload in the pipeline runtime needs layout='intra-op' and one model chunk per "
             "stage (virtual_stages=1): drop offload or use the 1f1b/gpipe schedule"
         )
+    if offload is not None and offload != "auto":
+        _check_runtime_offload(offload.label, offload.classes)
     if recompute not in (*RECOMPUTE_MODES, "auto"):
         raise ValueError(
             f"unknown recompute {recompute!r}; choose one of {(*RECOMPUTE_MODES, 'auto')}"
@@ -408,7 +410,10 @@ def auto_pipeline(
             inter_plan = search_stages(
                 graph, 1, n, options, cluster=cluster, cost=intra_cost, offload=offload
             )
-            _check_runtime_offload(inter_plan)
+            if inter_plan.offload:
+                _check_runtime_offload(
+                    inter_plan.offload["offload"], inter_plan.offload["classes"], "the search chose"
+                )
         stage_plan = inter_plan.stage_plan
         planned = list(inter_plan.stages)
         if virtual_stages > 1:
@@ -477,16 +482,15 @@ def auto_pipeline(
     )
 
 
-def _check_runtime_offload(plan: InterPlan) -> None:
+def _check_runtime_offload(label: str, classes, who: str = "asked for") -> None:
     """The runtime places the optimizer state in host memory; master weights and gradients
     on the host are priced by the search but not placed by the pipeline runtime yet."""
-    classes = (plan.offload or {}).get("classes", ())
     extra = [c for c in classes if c != "optimizer"]
     if extra:
         raise ValueError(
-            f"the stage search chose offload {plan.offload['offload']}, but the pipeline "
-            f"runtime keeps only the optimizer state in host memory ({', '.join(extra)} not "
-            "yet): run with offload='optimizer', or plan it with `plan --pipeline`"
+            f"{who} offload {label}, but the pipeline runtime keeps only the optimizer state "
+            f"in host memory ({', '.join(extra)} not yet): run with --offload optimizer, or "
+            "price it with `plan --pipeline`"
         )
 
 

@@ -136,6 +136,19 @@ def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_de
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+def test_cli_run_pipeline_refuses_what_its_runtime_does_not_place(capsys):
+    argv = (
+        "run --model gpt-tiny --dtype bfloat16 --pipeline equal-layer --devices 2 --stages 2 "
+        "--cluster alpa-v100 --offload optimizer,master"
+    )
+    rc, out, err = cli_in_process(capsys, *argv.split())  # refused before the search
+    assert rc == 2, out + err
+    assert "keeps only the optimizer state" in err and "Traceback" not in err
+    no_cluster = argv.replace("--cluster alpa-v100 ", "").replace(",master", "")
+    rc, out, err = cli_in_process(capsys, *no_cluster.split())
+    assert rc == 2 and "--cluster" in err  # no host figures without a preset
+
+
 def test_pipeline_runtime_offload_refuses_interleaving():
     with pytest.raises(ValueError, match="virtual_stages=1"):
         import jax
@@ -151,3 +164,15 @@ def test_pipeline_runtime_offload_refuses_interleaving():
             num_microbatches=2, stages="equal-layer", num_stages=2, schedule="interleaved",
             virtual_stages=2, cluster="alpa-v100", offload="optimizer",
         )  # fmt: skip
+
+
+@pytest.mark.slow  # the runtime test above covers the same path through the API
+def test_cli_run_pipeline_offload_matches_one_device(capsys):
+    argv = (
+        "run --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 --microbatches 2 "
+        "--cluster alpa-v100 --offload optimizer --optimizer sgd-momentum --steps 2 --check"
+    )
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 0, out + err
+    assert "optimizer state at rest in memory kind: pinned_host" in out
+    assert "MATCH" in out and "MISMATCH" not in out

@@ -231,6 +231,12 @@ IGNORED_BY_PIPELINE = {
         ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
     ),
     "run": (
+        (
+            "--cluster",
+            "cluster",
+            "the pipeline runtime plans its stages on abstract costs; it takes a cluster "
+            "only with --offload, whose host figures come from it",
+        ),
         ("--memory-budget", "memory_budget", "the pipeline runtime takes no budget yet"),
         ("--json", "json", "the pipeline runtime prints text only"),
         ("--time-limit", "time_limit", "the pipeline runtime's ILPs use their own limit"),
@@ -245,6 +251,7 @@ def refuse_ignored_pipeline_flags(args, command: str) -> None:
         f"{flag} ({why})"
         for flag, dest, why in IGNORED_BY_PIPELINE.get(command, ())
         if getattr(args, dest, None) not in (None, False)
+        and not (dest == "cluster" and getattr(args, "offload", None) not in (None, "none"))
     ]
     if given:
         raise ValueError(
