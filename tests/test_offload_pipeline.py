@@ -27,7 +27,8 @@ def test_pipeline_plan_file_with_offload_round_trips_and_explains(capsys, tmp_pa
     plan = InterPlan.from_json(saved["inter_plan"])
     assert plan.offload == record and InterPlan.loads(plan.dumps()).offload == record
     assert record["where"] == {
-        "optimizer": "host", "master": "device", "gradients": "device", "update": "device"
+        "optimizer": "host", "master": "device", "gradients": "device",
+        "activations": "device", "update": "device",
     }  # fmt: skip
     # every stage holds Adam's moments of its own parameters on the host: both stages some,
     # and together two f32 copies of the model's parameters (gpt-tiny: all of them f32)
@@ -176,3 +177,94 @@ def test_cli_run_pipeline_offload_matches_one_device(capsys):
     assert rc == 0, out + err
     assert "optimizer state at rest in memory kind: pinned_host" in out
     assert "MATCH" in out and "MISMATCH" not in out
+
+
+# -- saved activations as an offload class: priced by the stage search
+
+
+@pytest.fixture(scope="module")
+def act_costs():
+    """gpt-tiny at 2 micro-batches, its stage costs on one alpa-v100 GPU without offload
+    and with the activations offloaded over a fast, the real and a slow host link."""
+    from importlib import resources
+
+    from autoshard.api_pipeline import microbatch_graph
+    from autoshard.hardware.clusters import cluster_from_json
+    from autoshard.inter.stage_cost import IntraStageCost
+    from autoshard.inter.submesh import cluster_for, logical_mesh_costs
+    from autoshard.intra.offload.placement import Offload
+
+    _, graph = microbatch_graph("gpt-tiny", 2, "adamw")
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+
+    def cost(bandwidth=None):
+        preset = json.loads(text)
+        if bandwidth is None:
+            return IntraStageCost(graph, logical_mesh_costs(cluster_for("alpa-v100", 1, 1)),
+                                  num_microbatches=2)  # fmt: skip
+        preset["host"]["link"]["bandwidth"] = bandwidth
+        cl = cluster_for(cluster_from_json(preset), 1, 1)
+        return IntraStageCost(graph, logical_mesh_costs(cl), num_microbatches=2,
+                              offload=Offload(("activations",)), cluster=cl)  # fmt: skip
+
+    return cost(), {bw: cost(bw) for bw in (1e18, 12e9, 1e3)}
+
+
+def test_offloaded_activations_leave_the_in_flight_memory_and_stage_twice_a_layer(act_costs):
+    plain, by_bw = act_costs
+    n = plain.num_layers
+    base = plain(0, n, (1, 1), (1, 1))
+    off = by_bw[12e9](0, n, (1, 1), (1, 1))
+    kept = [plain.unit(i, i + 1, (1, 1)).activation_bytes for i in range(n)]
+    assert base.activation_bytes == pytest.approx(sum(kept)) and sum(kept) > 0
+    assert off.activation_bytes == 0.0 and off.param_bytes == pytest.approx(base.param_bytes)
+    # staging: twice the largest layer's kept activations, held once
+    assert off.working_bytes == pytest.approx(base.working_bytes + 2 * max(kept))
+    # with 4 micro-batches in flight the stage holds less (2 max(kept) < 4 sum(kept))
+    assert off.memory_bytes(4) < base.memory_bytes(4)
+
+
+def test_offloaded_activations_cost_only_what_compute_does_not_hide(act_costs):
+    plain, by_bw = act_costs
+    n = plain.num_layers
+    base = plain(0, n, (1, 1), (1, 1)).latency_s
+    fast, real, slow = (by_bw[bw](0, n, (1, 1), (1, 1)).latency_s for bw in (1e18, 12e9, 1e3))
+    assert fast == pytest.approx(base, rel=1e-9)  # every copy hidden behind its pass
+    assert base <= real <= slow
+    # over a 1 kB/s link nothing hides: each layer's kept bytes out and back, less the
+    # forward and backward compute they overlap
+    kept = sum(plain.unit(i, i + 1, (1, 1)).activation_bytes for i in range(n))
+    assert slow - base == pytest.approx(2 * kept / 1e3, rel=1e-3)
+
+
+def test_pipeline_plan_offloads_activations(capsys):
+    rc, text, err = cli_in_process(capsys, *PLAN.split(), "--offload", "activations", "--json")
+    assert rc == 0, err
+    assert json.loads(text)["offload"]["where"]["activations"] == "host"
+    argv = "plan --model gpt-tiny --mesh 1 --cluster alpa-v100 --offload activations"
+    rc, out, err = cli_in_process(capsys, *argv.split())  # one mesh: not modelled
+    assert rc == 2 and "plan --pipeline or simulate --plan auto" in err, out + err
+
+
+def test_simulate_prices_offloaded_activations_as_offload(tmp_path):
+    """The simulator's step breakdown books the exposed copies as ``offload``: over a
+    1 kB/s host link they dominate the step, and the parts still sum to it."""
+    from importlib import resources
+
+    from autoshard.sim.simulate import simulate
+
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"], preset["host"]["link"]["bandwidth"] = "slow-pcie", 1e3
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(preset))
+    kw = dict(plan="auto", num_microbatches=1, recompute="none")
+    plain = simulate("gpt-tiny", str(path), 1, **kw)
+    off = simulate("gpt-tiny", str(path), 1, offload="activations", **kw)
+    assert off.plan["offload"]["where"]["activations"] == "host"
+    assert off.step_breakdown["offload"] > 0.5 * off.step_time_s
+    assert off.step_time_s - plain.step_time_s == pytest.approx(off.step_breakdown["offload"])
+    assert sum(off.step_breakdown.values()) == pytest.approx(off.step_time_s, rel=1e-9)
+    # one stage, one micro-batch: the record's exposed seconds are the breakdown's
+    (exposed,) = off.plan["offload"]["exposed_s_per_stage"]
+    assert exposed == pytest.approx(off.step_breakdown["offload"])

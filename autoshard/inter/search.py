@@ -122,7 +122,8 @@ def _search_offloaded(
     if offload != "auto":
         from autoshard.intra.offload.placement import offload_tensors
 
-        offload_tensors(graph, offload)  # says what the program cannot offload
+        if offload.state:  # says what the program cannot offload
+            offload_tensors(graph, offload.state)
     if options.memory_budget_bytes is None:
         options = dataclasses.replace(options, memory_budget_bytes=the_cluster.device.hbm_bytes)
     costs: dict = {}

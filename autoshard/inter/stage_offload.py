@@ -36,8 +36,14 @@ def offload_summary(cost, stages, cluster, offload: Offload) -> dict:
             cost.unit(i, i + 1, tuple(st.logical_mesh)) for i in range(st.start_layer, st.end_layer)
         ]
         host_bytes.append(sum(u.host_bytes for u in units))
-        exposed.append(sum(u.offload_s for u in units))
+        mode = getattr(st, "recompute", "none")
+        activations = sum(
+            cost.activation_offload_s(i, tuple(st.logical_mesh), mode)
+            for i in range(st.start_layer, st.end_layer)
+        )  # per microbatch: every one copies its own
+        exposed.append(sum(u.offload_s for u in units) + activations * cost.num_microbatches)
     where = {c: ("host" if c in offload.classes else "device") for c in OFFLOAD_CLASSES}
+    where["activations"] = "host" if offload.activations else "device"
     where["update"] = "host" if offload.host_update else "device"
     per_node = max(host_bytes) * cluster.devices_per_node
     usable = cluster.host.memory_bytes * HOST_USABLE_FRACTION
@@ -50,7 +56,8 @@ def offload_summary(cost, stages, cluster, offload: Offload) -> dict:
         "host_bytes_per_node": per_node,
         "host_memory_bytes": usable,
         "fits_host": per_node <= usable,
-        "exposed_s_per_stage": exposed,  # per step, spread over the microbatches
+        # per step (state: spread over the microbatches; activations: each microbatch's)
+        "exposed_s_per_stage": exposed,
     }
 
 
