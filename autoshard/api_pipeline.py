@@ -281,8 +281,8 @@ def auto_pipeline(
     ``c * S + s`` on stage ``s``'s devices, logical mesh and recompute mode.
     ``probe(stage, layer)`` is called each time a layer's forward runs (for counting).
     ``offload`` (intra-op layout, with ``cluster``): a placement every stage takes, or
-    ``"auto"`` (:func:`auto_stage_plan`); the runtime keeps the optimizer state in
-    ``pinned_host`` memory (:mod:`autoshard.runtime.stage`).
+    ``"auto"`` (:func:`auto_stage_plan`); the runtime keeps the optimizer state and the
+    master weights in ``pinned_host`` memory (:mod:`autoshard.runtime.stage`).
     """
     check_virtual_stages(schedule, virtual_stages)
     offload = _offload_request(offload)
@@ -356,6 +356,7 @@ def auto_pipeline(
         _check_stage_count(len(stages), num_layers, n)
 
     stage_plan = inter_plan = None
+    host_params: frozenset[int] = frozenset()  # master weights resting in host memory
     layout_fn: LayoutFn = data_parallel_layout
     if layout == "intra-op":
         options = StageSearchOptions(
@@ -415,6 +416,10 @@ def auto_pipeline(
                     inter_plan.offload["offload"], inter_plan.offload["classes"], "the search chose"
                 )
         stage_plan = inter_plan.stage_plan
+        if inter_plan.offload and "master" in inter_plan.offload["classes"]:
+            from autoshard.intra.offload.placement import tensor_classes
+
+            host_params = tensor_classes(graph)["master"] & frozenset(graph.inputs)
         planned = list(inter_plan.stages)
         if virtual_stages > 1:
             planned = _chunks(planned, virtual_stages, stats)
@@ -479,18 +484,19 @@ def auto_pipeline(
         inter_plan=inter_plan,
         intra_cost=intra_cost,
         probe=probe,
+        host_params=host_params,
     )
 
 
 def _check_runtime_offload(label: str, classes, who: str = "asked for") -> None:
-    """The runtime places the optimizer state in host memory; master weights and gradients
-    on the host are priced by the search but not placed by the pipeline runtime yet."""
-    extra = [c for c in classes if c != "optimizer"]
-    if extra:
+    """The runtime places the optimizer state and the master weights in host memory (and
+    runs a host update's update on the device, as the one-mesh runtime does); saved
+    activations are priced by the search but not placed by any runtime yet."""
+    if "activations" in classes:
         raise ValueError(
-            f"{who} offload {label}, but the pipeline runtime keeps only the optimizer state "
-            f"in host memory ({', '.join(extra)} not yet): run with --offload optimizer, or "
-            "price it with `plan --pipeline`"
+            f"{who} offload {label}, but the pipeline runtime does not place saved "
+            "activations in host memory yet (the stage search prices them): offload "
+            "optimizer, master or gradients, or price it with `plan --pipeline`"
         )
 
 

@@ -88,13 +88,13 @@ def test_pipeline_host_memory_too_small_is_refused(tmp_path):
         )  # fmt: skip
 
 
-def _train(offload, steps=3):
+def _train(offload, steps=3, **overrides):
     import jax
 
     from autoshard.api_pipeline import auto_pipeline
     from autoshard.models import get_workload, make_optimizer
 
-    workload = get_workload("gpt-tiny")
+    workload = get_workload("gpt-tiny", **overrides)
     opt = make_optimizer("adamw")
     params, _, batch = workload.init_train_args(opt, seed=0)
     trainer = auto_pipeline(
@@ -139,15 +139,41 @@ def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_de
 
 def test_cli_run_pipeline_refuses_what_its_runtime_does_not_place(capsys):
     argv = (
-        "run --model gpt-tiny --dtype bfloat16 --pipeline equal-layer --devices 2 --stages 2 "
-        "--cluster alpa-v100 --offload optimizer,master"
+        "run --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 "
+        "--cluster alpa-v100 --offload optimizer,activations"
     )
     rc, out, err = cli_in_process(capsys, *argv.split())  # refused before the search
     assert rc == 2, out + err
-    assert "keeps only the optimizer state" in err and "Traceback" not in err
-    no_cluster = argv.replace("--cluster alpa-v100 ", "").replace(",master", "")
+    assert "does not place saved activations" in err and "Traceback" not in err
+    no_cluster = argv.replace("--cluster alpa-v100 ", "").replace(",activations", "")
     rc, out, err = cli_in_process(capsys, *no_cluster.split())
     assert rc == 2 and "--cluster" in err  # no host figures without a preset
+
+
+def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same():
+    """optimizer,master on a bf16 model: the f32 weights read through a convert to bf16
+    rest in pinned_host (those read in f32 -- layer-norm scales, the tied embedding --
+    stay on the device); three steps give the losses and weights of the pipeline without
+    offload, bit for bit (the same programs; only where the state rests differs)."""
+    import jax
+
+    from autoshard.api_pipeline import microbatch_graph
+    from autoshard.intra.offload.placement import tensor_classes
+
+    off, losses_off = _train("optimizer,master", dtype="bfloat16")
+    plain, losses = _train(None, dtype="bfloat16")
+    assert losses_off == losses
+    for a, b in zip(jax.tree.leaves(off.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, graph = microbatch_graph("gpt-tiny", 2, "adamw", dtype="bfloat16")
+    masters = tensor_classes(graph)["master"] & set(graph.inputs)
+    kinds = {}
+    for st in off.stage_executables:
+        assert st.masters_on_host
+        for t, leaf in zip(st.param_ids, jax.tree.leaves(st.params), strict=True):
+            kinds[t] = leaf.sharding.memory_kind
+    assert masters and {kinds[t] for t in masters} == {"pinned_host"}
+    assert {k for t, k in kinds.items() if t not in masters} == {"device"}
 
 
 def test_pipeline_runtime_offload_refuses_interleaving():

@@ -193,6 +193,13 @@ def cmd_pipeline_run(args) -> int:
         for line in offload_lines(trainer.inter_plan.offload):
             print(line)
         print(f"optimizer state at rest in memory kind: {_state_memory_kinds(trainer)}")
+        if any(st.masters_on_host for st in trainer.stage_executables):
+            count = sum(
+                leaf.sharding.memory_kind == "pinned_host"
+                for st in trainer.stage_executables
+                for leaf in jax.tree.leaves(st.params)
+            )
+            print(f"master weights at rest in pinned_host: {count} arrays")
     from autoshard.runtime.distributed import to_host
 
     losses = [float(to_host(trainer.step(batch))) for _ in range(args.steps)]

@@ -19,8 +19,10 @@ Offload (``offload``: the plan's host classes, docs/offload.md): with ``optimize
 floating-point optimizer state rests in ``pinned_host`` memory between steps (its
 sharding's memory kind); ``update`` copies it to the device where it starts and back
 where it ends (``jax.device_put`` inside the jitted update), as the one-mesh runtime
-(:mod:`autoshard.runtime.sharded`) does. A host-update placement (``gradients``) still
-runs its update on the device.
+(:mod:`autoshard.runtime.sharded`) does. With ``master`` the f32 master weights
+(``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` copies
+them in once per step and the update writes them back. A host-update placement
+(``gradients``) still runs its update on the device.
 
 Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
 to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
@@ -131,6 +133,7 @@ class StageExecutable:
         recompute: str = "none",
         probe: Probe | None = None,
         offload: tuple[str, ...] = (),
+        host_params: frozenset[int] = frozenset(),
     ):
         self.offload = tuple(offload)
         self.sp, self.mesh, self.layout, self.recompute = sp, mesh, layout, recompute
@@ -152,9 +155,22 @@ class StageExecutable:
         self.received_shardings = [sharding(t, "activation") for t in sp.received]
         self.data_shardings = [sharding(t, "data") for t in sp.data]
         self.output_shardings = [sharding(t, "activation") for t in sp.outputs]
+        # at rest: the master weights offloaded (``host_params``) in pinned_host
+        self.rest_shardings = jax.tree.map(
+            lambda t: (
+                sharding(t, "param").with_memory_kind(HOST_MEMORY)
+                if t in host_params
+                else sharding(t, "param")
+            ),
+            tid_tree,
+        )
+        self.masters_on_host = bool(set(self.param_ids) & set(host_params))
         self.params = jax.tree.unflatten(
             treedef,
-            [jax.device_put(to_host(values[t]), sharding(t, "param")) for t in self.param_ids],
+            [
+                jax.device_put(to_host(values[t]), sh)
+                for t, sh in zip(self.param_ids, jax.tree.leaves(self.rest_shardings), strict=True)
+            ],
         )
         abstract_state = jax.eval_shape(optimizer.init, self.params)
         device_state = layout.opt_state_sharding(mesh, abstract_state)
@@ -172,7 +188,7 @@ class StageExecutable:
             else device_state
         )
         self.opt_state = jax.device_put(
-            jax.jit(optimizer.init, out_shardings=device_state)(self.params),
+            jax.jit(optimizer.init, out_shardings=device_state)(self.live_params()),
             self.opt_state_shardings,
         )
 
@@ -275,19 +291,28 @@ class StageExecutable:
             updates, opt_state = optimizer.update(grads, opt_state, params)
             if state_on_host:  # and back where it ends (out_shardings say pinned_host too)
                 opt_state = jax.device_put(opt_state, self.opt_state_shardings)
-            return optax.apply_updates(params, updates), opt_state
+            params = optax.apply_updates(params, updates)
+            if self.masters_on_host:  # the updated master weights back to the host
+                params = jax.device_put(params, self.rest_shardings)
+            return params, opt_state
 
         self.forward = jax.jit(forward)
         self.backward = jax.jit(
             backward,
             out_shardings=(self.param_shardings, [self.received_shardings[i] for i in float_in]),
         )
-        self.update = jax.jit(
-            update, out_shardings=(self.param_shardings, self.opt_state_shardings)
-        )
+        self.update = jax.jit(update, out_shardings=(self.rest_shardings, self.opt_state_shardings))
         self.zero_grads = jax.jit(
             lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings
         )
+
+    def live_params(self):
+        """The stage's parameters on the device for one step: the master weights resting in
+        host memory copied in once per step (every microbatch reads the copy), the rest as
+        they are."""
+        if not self.masters_on_host:
+            return self.params
+        return jax.device_put(self.params, self.param_shardings)
 
     def abstract_args(self):
         """``(params, received, data)`` of one microbatch as abstract arrays with the
