@@ -88,13 +88,13 @@ def test_pipeline_host_memory_too_small_is_refused(tmp_path):
         )  # fmt: skip
 
 
-def _train(offload, steps=3, **overrides):
+def _train(offload, steps=2, **overrides):
     import jax
 
     from autoshard.api_pipeline import auto_pipeline
     from autoshard.models import get_workload, make_optimizer
 
-    workload = get_workload("gpt-tiny", **overrides)
+    workload = get_workload("gpt-tiny", num_layers=1, **overrides)
     opt = make_optimizer("adamw")
     params, _, batch = workload.init_train_args(opt, seed=0)
     trainer = auto_pipeline(
@@ -112,7 +112,7 @@ def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_de
     from autoshard.models import get_workload, make_optimizer, make_train_step
 
     off, losses_off = _train("optimizer")
-    plain, losses = _train(None)
+    plain, losses = _train(None)  # gpt-tiny with one block: 3 layers, 2 stages
     assert off.inter_plan.offload["classes"] == ["optimizer"] and plain.inter_plan.offload is None
     for st_off, st in zip(off.stage_executables, plain.stage_executables, strict=True):
         moments = [
@@ -122,12 +122,12 @@ def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_de
         assert {x.sharding.memory_kind for x in jax.tree.leaves(st.opt_state)} == {"device"}
         assert {x.sharding.memory_kind for x in jax.tree.leaves(st_off.params)} == {"device"}
     # one device, f32 AdamW: the same losses within 1e-5
-    workload = get_workload("gpt-tiny")
+    workload = get_workload("gpt-tiny", num_layers=1)
     opt = make_optimizer("adamw")
     p, s, batch = workload.init_train_args(opt, seed=0)
     step = jax.jit(make_train_step(workload.loss_fn, opt))
     want = []
-    for _ in range(3):
+    for _ in range(2):
         p, s, loss = step(p, s, batch)
         want.append(float(loss))
     assert losses_off == pytest.approx(want, rel=1e-5)
@@ -153,7 +153,7 @@ def test_cli_run_pipeline_refuses_what_its_runtime_does_not_place(capsys):
 def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same():
     """optimizer,master on a bf16 model: the f32 weights read through a convert to bf16
     rest in pinned_host (those read in f32 -- layer-norm scales, the tied embedding --
-    stay on the device); three steps give the losses and weights of the pipeline without
+    stay on the device); two steps give the losses and weights of the pipeline without
     offload, bit for bit (the same programs; only where the state rests differs)."""
     import jax
 
@@ -165,11 +165,11 @@ def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same(
     assert losses_off == losses
     for a, b in zip(jax.tree.leaves(off.params), jax.tree.leaves(plain.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    _, graph = microbatch_graph("gpt-tiny", 2, "adamw", dtype="bfloat16")
+    _, graph = microbatch_graph("gpt-tiny", 2, "adamw", dtype="bfloat16", num_layers=1)
     masters = tensor_classes(graph)["master"] & set(graph.inputs)
     kinds = {}
+    assert any(st.masters_on_host for st in off.stage_executables)
     for st in off.stage_executables:
-        assert st.masters_on_host
         for t, leaf in zip(st.param_ids, jax.tree.leaves(st.params), strict=True):
             kinds[t] = leaf.sharding.memory_kind
     assert masters and {kinds[t] for t in masters} == {"pinned_host"}
