@@ -147,6 +147,7 @@ def auto_stage_plan(
     cluster=None,
     optimizer: str = "adamw",
     progress: Progress | None = None,
+    offload=None,
     **overrides,
 ) -> InterPlan:
     """Alpa's inter-operator search with stage costs from intra-op ILPs.
@@ -163,7 +164,12 @@ def auto_stage_plan(
     model that fits no stage configuration (with the smallest budget that would).
     ``progress``: where the phases report (default: stderr once the search has run 2 s,
     :class:`~autoshard.inter.progress.Progress`).
+    ``offload``: None, a placement (``"optimizer"``, ... or an
+    :class:`~autoshard.intra.offload.placement.Offload`) every stage takes, or ``"auto"``
+    (:mod:`autoshard.inter.stage_offload`; needs ``cluster``); ``plan.offload`` says what
+    lives where per stage.
     """
+    offload = _offload_request(offload)
     t_start = time.perf_counter()
     progress = progress or Progress()
     num_microbatches = options.num_microbatches
@@ -186,12 +192,23 @@ def auto_stage_plan(
         cluster=cluster,
         model=name,
         progress=progress,
+        offload=offload,
     )
     return dataclasses.replace(
         plan,
         search_seconds=time.perf_counter() - t_start,
         phase_seconds={**plan.phase_seconds, "trace": t_trace},
     )
+
+
+def _offload_request(offload):
+    """None, ``"auto"`` or a non-empty :class:`~autoshard.intra.offload.placement.Offload`."""
+    from autoshard.intra.offload.placement import Offload, parse_offload
+
+    if offload is None:
+        return None
+    request = offload if isinstance(offload, Offload) else parse_offload(offload)
+    return request if request == "auto" or request else None
 
 
 # ----------------------------------------------------------------------------- the runtime
@@ -255,6 +272,7 @@ def auto_pipeline(
     recompute: str = "none",
     virtual_stages: int = 1,
     probe: Probe | None = None,
+    offload=None,
 ) -> PipelineTrainer:
     """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
 
@@ -284,8 +302,19 @@ def auto_pipeline(
     keeps the fastest), then the layers are cut into ``S * V`` equal-layer chunks, chunk
     ``c * S + s`` on stage ``s``'s devices, logical mesh and recompute mode.
     ``probe(stage, layer)`` is called each time a layer's forward runs (for counting).
+    ``offload`` (intra-op layout, with ``cluster``): a placement every stage takes, or
+    ``"auto"`` (:func:`auto_stage_plan`); the runtime keeps the optimizer state and the
+    master weights in ``pinned_host`` memory (:mod:`autoshard.runtime.stage`).
     """
     check_virtual_stages(schedule, virtual_stages)
+    offload = _offload_request(offload)
+    if offload is not None and (layout != "intra-op" or virtual_stages > 1):
+        raise ValueError(
+            "offload in the pipeline runtime needs layout='intra-op' and one model chunk per "
+            "stage (virtual_stages=1): drop offload or use the 1f1b/gpipe schedule"
+        )
+    if offload is not None and offload != "auto":
+        _check_runtime_offload(offload.label, offload.classes)
     if recompute not in (*RECOMPUTE_MODES, "auto"):
         raise ValueError(
             f"unknown recompute {recompute!r}; choose one of {(*RECOMPUTE_MODES, 'auto')}"
@@ -349,6 +378,7 @@ def auto_pipeline(
         _check_stage_count(len(stages), num_layers, n)
 
     stage_plan = inter_plan = None
+    host_params: frozenset[int] = frozenset()  # master weights resting in host memory
     layout_fn: LayoutFn = data_parallel_layout
     if layout == "intra-op":
         options = StageSearchOptions(
@@ -393,14 +423,25 @@ def auto_pipeline(
                         dataclasses.replace(options, num_stages=s),
                         cluster=cluster,
                         cost=intra_cost,
+                        offload=offload,
                     )
                     for s in counts
                 ),
                 key=lambda plan: plan.objective_s,
             )
         else:
-            inter_plan = search_stages(graph, 1, n, options, cluster=cluster, cost=intra_cost)
+            inter_plan = search_stages(
+                graph, 1, n, options, cluster=cluster, cost=intra_cost, offload=offload
+            )
+            if inter_plan.offload:
+                _check_runtime_offload(
+                    inter_plan.offload["offload"], inter_plan.offload["classes"], "the search chose"
+                )
         stage_plan = inter_plan.stage_plan
+        if inter_plan.offload and "master" in inter_plan.offload["classes"]:
+            from autoshard.intra.offload.placement import tensor_classes
+
+            host_params = tensor_classes(graph)["master"] & frozenset(graph.inputs)
         planned = list(inter_plan.stages)
         if virtual_stages > 1:
             planned = _chunks(planned, virtual_stages, stats)
@@ -465,7 +506,20 @@ def auto_pipeline(
         inter_plan=inter_plan,
         intra_cost=intra_cost,
         probe=probe,
+        host_params=host_params,
     )
+
+
+def _check_runtime_offload(label: str, classes, who: str = "asked for") -> None:
+    """The runtime places the optimizer state and the master weights in host memory (and
+    runs a host update's update on the device, as the one-mesh runtime does); saved
+    activations are priced by the search but not placed by any runtime yet."""
+    if "activations" in classes:
+        raise ValueError(
+            f"{who} offload {label}, but the pipeline runtime does not place saved "
+            "activations in host memory yet (the stage search prices them): offload "
+            "optimizer, master or gradients, or price it with `plan --pipeline`"
+        )
 
 
 def _chunks(stages: Sequence[Stage], virtual_stages: int, stats: LayerStats) -> list[Stage]:

@@ -83,7 +83,6 @@ def test_a_bad_host_field_is_named():
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("activations", "saved activations are not offloaded yet"),
         ("gradients", "update runs on the host"),
         ("optimizer,gradients", "needs the optimizer state and master weights"),
         ("weights", "unknown offload class"),
@@ -100,6 +99,14 @@ def test_placements_parse_in_canonical_order():
     both = parse_offload("master+optimizer")
     assert both.classes == ("optimizer", "master") and not both.host_update
     assert parse_offload("gradients,master,optimizer").host_update
+
+
+def test_activations_parse_but_one_mesh_does_not_offload_them(tiny_graph):
+    mixed = parse_offload("activations,optimizer")
+    assert mixed.classes == ("optimizer", "activations") and mixed.activations
+    assert mixed.state == Offload(("optimizer",))
+    with pytest.raises(ValueError, match="saved activations are not offloaded yet on one mesh"):
+        offload_tensors(tiny_graph, mixed)
 
 
 def test_tensor_classes_of_a_mixed_precision_step(tiny_graph):
@@ -281,13 +288,6 @@ def test_cli_bad_offload_exits_2(capsys, flags, message):
     rc, out, err = cli_in_process(capsys, *argv.split())  # refused before planning
     assert rc == 2, out + err
     assert message in err and "Traceback" not in err
-
-
-def test_cli_pipeline_plan_refuses_offload(capsys):
-    argv = "plan --model gpt-tiny --layers 1 --pipeline auto --devices 2 --offload optimizer"
-    rc, out, err = cli_in_process(capsys, *argv.split())
-    assert rc == 2, out + err
-    assert "does not offload yet" in err and "Traceback" not in err
 
 
 # -- the simulator: the stage search with offloaded state

@@ -56,6 +56,7 @@ def cmd_pipeline_plan(args) -> int:
         cluster=args.cluster,
         optimizer=args.optimizer,
         progress=Progress(args.model, enabled=not getattr(args, "quiet", False)),
+        offload=getattr(args, "offload", None),
         **_overrides(args),
     )
     if getattr(args, "out", None):
@@ -81,12 +82,36 @@ def cmd_pipeline_plan(args) -> int:
             f"{s.submesh[0]}x{s.submesh[1]} as (dp, tp) = {tuple(s.logical_mesh)}: "
             f"{cost(s.latency_s)} per microbatch, peak {binary_size(s.peak_bytes)} per device"
         )
+    if plan.offload:
+        for line in offload_lines(plan.offload):
+            print(line)
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in plan.phase_seconds.items())
     print(
         f"pipeline latency {cost(plan.objective_s)}; search {plan.search_seconds:.2f} s "
         f"({phases}); {plan.num_ilps} ILPs, {plan.num_cache_hits} cache hits"
     )
     return 0
+
+
+def offload_lines(record) -> list[str]:
+    """What a pipelined plan keeps in host memory, per stage (``plan.offload``)."""
+    gib = 2**30
+    where = record["where"]
+    on_host = [c for c, w in where.items() if w == "host" and c != "update"]
+    lines = [
+        f"offload {record['offload']}{' (chosen by auto)' if record.get('chosen_by') else ''}: "
+        f"{', '.join(on_host)} in host memory, update on {where['update']}; "
+        f"{record['host_bytes_per_node'] / gib:.3g} GiB per node of "
+        f"{record['host_memory_bytes'] / gib:.0f} usable"
+    ]
+    per_stage = zip(record["host_bytes_per_stage"], record["exposed_s_per_stage"], strict=True)
+    for i, (nbytes, exposed) in enumerate(per_stage):
+        lines.append(
+            f"  stage {i}: {binary_size(nbytes)} per device in host memory, "
+            f"{exposed * 1e3:.4g} ms per step exposed transfers"
+            + (" and host update" if where["update"] == "host" else "")
+        )
+    return lines
 
 
 def _save_pipeline_plan(args, plan, hosts: int, per_host: int) -> None:
@@ -106,6 +131,8 @@ def _save_pipeline_plan(args, plan, hosts: int, per_host: int) -> None:
         "devices": {"hosts": hosts, "per_host": per_host},
         "cluster": args.cluster,
     }
+    if getattr(args, "offload", None):
+        fingerprint["offload"] = args.offload
     extra = {
         "global_batch": config.batch_size,
         "dtype": getattr(config, "dtype", None) and str(config.dtype),
@@ -158,8 +185,21 @@ def cmd_pipeline_run(args) -> int:
         solver=getattr(args, "solver", None) or "highs",
         recompute=getattr(args, "recompute", None) or "none",
         virtual_stages=getattr(args, "virtual_stages", None) or 1,
+        cluster=getattr(args, "cluster", None),
+        offload=getattr(args, "offload", None),
     )
     print(trainer.plan)
+    if trainer.inter_plan is not None and trainer.inter_plan.offload:
+        for line in offload_lines(trainer.inter_plan.offload):
+            print(line)
+        print(f"optimizer state at rest in memory kind: {_state_memory_kinds(trainer)}")
+        if any(st.masters_on_host for st in trainer.stage_executables):
+            count = sum(
+                leaf.sharding.memory_kind == "pinned_host"
+                for st in trainer.stage_executables
+                for leaf in jax.tree.leaves(st.params)
+            )
+            print(f"master weights at rest in pinned_host: {count} arrays")
     from autoshard.runtime.distributed import to_host
 
     losses = [float(to_host(trainer.step(batch))) for _ in range(args.steps)]
@@ -196,15 +236,18 @@ IGNORED_BY_PIPELINE = {
     "plan": (
         ("--verify", "verify", "the verifier checks one-mesh plans; stage plans are not compiled"),
         ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
-        ("--offload", "offload", "the stage search does not offload yet (one mesh: --mesh)"),
     ),
     "run": (
-        ("--cluster", "cluster", "the pipeline runtime plans its stages on abstract costs"),
+        (
+            "--cluster",
+            "cluster",
+            "the pipeline runtime plans its stages on abstract costs; it takes a cluster "
+            "only with --offload, whose host figures come from it",
+        ),
         ("--memory-budget", "memory_budget", "the pipeline runtime takes no budget yet"),
         ("--json", "json", "the pipeline runtime prints text only"),
         ("--time-limit", "time_limit", "the pipeline runtime's ILPs use their own limit"),
         ("--merge-elementwise", "merge_elementwise", "the stage search's ILPs do not merge"),
-        ("--offload", "offload", "the pipeline runtime does not offload yet"),
     ),
 }
 
@@ -215,12 +258,27 @@ def refuse_ignored_pipeline_flags(args, command: str) -> None:
         f"{flag} ({why})"
         for flag, dest, why in IGNORED_BY_PIPELINE.get(command, ())
         if getattr(args, dest, None) not in (None, False)
+        and not (dest == "cluster" and getattr(args, "offload", None) not in (None, "none"))
     ]
     if given:
         raise ValueError(
             f"{command} --pipeline does not use {'; '.join(given)}: drop "
             + ("it" if len(given) == 1 else "them")
         )
+
+
+def _state_memory_kinds(trainer) -> str:
+    """The memory kinds of the stages' floating-point optimizer state, as they rest."""
+    import jax
+    import jax.numpy as jnp
+
+    kinds = {
+        leaf.sharding.memory_kind
+        for st in trainer.stage_executables
+        for leaf in jax.tree.leaves(st.opt_state)
+        if jnp.issubdtype(leaf.dtype, jnp.inexact)
+    }
+    return ", ".join(sorted(map(str, kinds)))
 
 
 def _print_stage_memory(trainer) -> None:

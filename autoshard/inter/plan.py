@@ -168,9 +168,11 @@ class InterPlan:
     granularity: str
     stage_plan: StagePlan
     stage_specs: tuple[StageSpecs, ...] = ()  # each stage's intra-op plan
+    # what lives in host memory (autoshard.inter.stage_offload.offload_summary); None: none
+    offload: Mapping | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "model": self.model,
             "stages": [s.to_json() for s in self.stages],
             "objective_s": self.objective_s,
@@ -185,6 +187,9 @@ class InterPlan:
             "stage_plan": self.stage_plan.to_json(),
             "stage_specs": [s.to_json() for s in self.stage_specs],
         }
+        if self.offload:
+            out["offload"] = dict(self.offload)
+        return out
 
     @staticmethod
     def from_json(obj: dict) -> InterPlan:
@@ -202,6 +207,7 @@ class InterPlan:
             granularity=obj["granularity"],
             stage_plan=StagePlan.from_json(obj["stage_plan"]),
             stage_specs=tuple(StageSpecs.from_json(s) for s in obj.get("stage_specs", ())),
+            offload=obj.get("offload"),
         )
 
     def dumps(self) -> str:

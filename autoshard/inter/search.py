@@ -106,6 +106,52 @@ def _forced_logical(cost, forced: Mapping[tuple[int, int], Shape2]):
     return restricted
 
 
+def _search_offloaded(
+    graph, num_hosts, devices_per_host, options, cluster, cost, model, progress, offload
+) -> InterPlan:
+    """:func:`search_stages` under ``offload`` (a placement or ``"auto"``)."""
+    from autoshard.inter.stage_offload import search_with_offload
+
+    the_cluster = cluster_for(cluster, num_hosts, devices_per_host)
+    if getattr(the_cluster, "host", None) is None:
+        raise ValueError(
+            "offload prices host memory and PCIe transfers from a cluster preset's 'host' "
+            f"section; {'no cluster was given' if cluster is None else f'{the_cluster.name} has none'}"
+            ": pass --cluster alpa-v100 (or dgx-a100, dgx-h100, dgx2h-v100)"
+        )
+    if offload != "auto":
+        from autoshard.intra.offload.placement import offload_tensors
+
+        if offload.state:  # says what the program cannot offload
+            offload_tensors(graph, offload.state)
+    if options.memory_budget_bytes is None:
+        options = dataclasses.replace(options, memory_budget_bytes=the_cluster.device.hbm_bytes)
+    costs: dict = {}
+
+    def cost_for(placement):
+        if not placement and cost is not None:
+            return cost
+        if placement not in costs:
+            costs[placement] = IntraStageCost(
+                graph,
+                logical_mesh_costs(the_cluster),
+                solver=options.solver,
+                time_limit_s=options.time_limit_s,
+                granularity=options.granularity,
+                num_microbatches=options.num_microbatches,
+                **({"offload": placement, "cluster": the_cluster} if placement else {}),
+            )
+        return costs[placement]
+
+    def run(placement):
+        return search_stages(
+            graph, num_hosts, devices_per_host, options, cluster=cluster,
+            cost=cost_for(placement), model=model, progress=progress,
+        )  # fmt: skip
+
+    return search_with_offload(run, offload, cost_for, the_cluster)
+
+
 def search_stages(
     graph: Graph,
     num_hosts: int,
@@ -116,6 +162,7 @@ def search_stages(
     cost: IntraStageCost | None = None,
     model: str = "model",
     progress: Progress | None = None,
+    offload=None,
 ) -> InterPlan:
     """Alpa's inter-operator search on a step already traced at the microbatch size.
 
@@ -129,7 +176,15 @@ def search_stages(
     model that fits no stage configuration (with the smallest budget that would).
     ``progress``: where a long search reports its phases (default: stderr after 2 s,
     :mod:`autoshard.inter.progress`).
+    ``offload``: None, an :class:`~autoshard.intra.offload.placement.Offload` every stage
+    takes, or ``"auto"`` (:mod:`autoshard.inter.stage_offload`; needs a ``cluster`` with a
+    ``host`` section; without a budget in ``options``, the cluster's HBM per device is the
+    budget); the plan's ``offload`` says what lives where.
     """
+    if offload is not None and (offload == "auto" or offload):
+        return _search_offloaded(
+            graph, num_hosts, devices_per_host, options, cluster, cost, model, progress, offload
+        )
     progress = progress or Progress()
     num_microbatches, stages = options.num_microbatches, options.stages
     num_stages, logical_meshes = options.num_stages, options.logical_meshes

@@ -361,8 +361,8 @@ class IntraStageCost:
                         self.refusals.append(str(err))
                     raise InfeasibleProblemError(f"baseline {self.baseline}") from None
                 options = baseline_options(options, mesh.mesh, self.baseline)
-            if self.offload:  # a host update costs the device nothing
-                options = options.replace(offload=self.offload.classes)
+            if self.offload.state:  # a host update costs the device nothing
+                options = options.replace(offload=self.offload.state.classes)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
             problem = amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
@@ -398,7 +398,7 @@ class IntraStageCost:
         }
         recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept, layer_inputs)
         owned, borrowed, offload_s, staging, host_bytes = unit_state(
-            graph, plan, mesh, self.offload, self.cluster, self.num_microbatches,
+            graph, plan, mesh, self.offload.state, self.cluster, self.num_microbatches,
             lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
         )  # fmt: skip
         return UnitCost(
@@ -532,13 +532,50 @@ class IntraStageCost:
         and its staging buffers are working bytes."""
         latency = u.compute_s + u.communication_s + u.offload_s / self.num_microbatches
         if mode == "none" or not recomputed or not math.isfinite(latency):
-            return latency, u.activation_bytes, u.staging_bytes
-        working = u.activation_bytes if mode == "full" else 0.0
-        return (
-            latency + u.recompute_s[mode],
-            u.kept_activation_bytes[mode],
-            working + u.staging_bytes,
+            terms = latency, u.activation_bytes, u.staging_bytes
+            extra_s = 0.0
+        else:
+            working = u.activation_bytes if mode == "full" else 0.0
+            extra_s = u.recompute_s[mode]
+            terms = (
+                latency + extra_s,
+                u.kept_activation_bytes[mode],
+                working + u.staging_bytes,
+            )
+        if self.offload.activations and math.isfinite(latency):
+            return self._activations_offloaded(u, *terms, extra_s)
+        return terms
+
+    def _activations_offloaded(self, u: UnitCost, latency, kept, working, recompute_s):
+        """``--offload activations``: what the unit keeps per microbatch in flight goes to
+        host memory after its forward and comes back for its backward. Each copy runs at
+        the host link's per-GPU rate (all GPUs of the node copying at once) and overlaps
+        the unit's own compute in that pass (the forward for the copy out; the backward,
+        recompute included, for the copy back): only the excess is exposed, per
+        microbatch. HBM keeps no kept activations per microbatch in flight; it stages
+        twice the unit's (the copy under way and the next), held once."""
+        exposed = self._activation_exposed_s(u, kept, recompute_s)
+        return latency + exposed, 0.0, working + 2.0 * kept
+
+    def _activation_exposed_s(self, u: UnitCost, kept: float, recompute_s: float) -> float:
+        phases = (u.plan.solver if u.plan is not None else {}).get("compute_s_by_phase", {})
+        bandwidth = self.cluster.host.link_bandwidth(self.cluster.devices_per_node)
+        copy_s = kept / bandwidth
+        return max(copy_s - phases.get("forward", 0.0), 0.0) + max(
+            copy_s - phases.get("backward", 0.0) - recompute_s, 0.0
         )
+
+    def activation_offload_s(self, layer: int, logical: Shape2, mode: str = "none") -> float:
+        """Seconds per microbatch that layer ``layer``'s offloaded activations add to its
+        latency under recompute ``mode`` (0 without ``activations`` offloaded)."""
+        if not self.offload.activations:
+            return 0.0
+        u = self.unit(layer, layer + 1, tuple(logical))
+        if not math.isfinite(u.compute_s):
+            return 0.0
+        recomputed = mode != "none" and self.recomputes(layer)
+        kept = u.kept_activation_bytes[mode] if recomputed else u.activation_bytes
+        return self._activation_exposed_s(u, kept, u.recompute_s[mode] if recomputed else 0.0)
 
     def _layer_table(self, logical: Shape2, mode: str) -> tuple:
         """Per layer: (latency, owned bytes, kept activation bytes, working bytes,

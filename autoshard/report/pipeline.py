@@ -98,6 +98,15 @@ def pipeline_sections(d: PipelineDigest) -> list[Section]:
         f"pipeline latency {_cost(d, inter.objective_s)}"
         + ("" if pf.fingerprint.get("cluster") else " (no --cluster: Alpa's relative costs)"),
     )
+    off = inter.offload
+    if off:
+        on_host = [c for c, w in off["where"].items() if w == "host" and c != "update"]
+        head += (
+            f"offload {off['offload']}{' (chosen by auto)' if off.get('chosen_by') else ''}: "
+            f"{', '.join(on_host)} in host memory on every stage, update on "
+            f"{off['where']['update']}; {human_bytes(off['host_bytes_per_node'])} per node of "
+            f"{human_bytes(off['host_memory_bytes'])} usable",
+        )
     rows = tuple(
         (
             str(i),
@@ -109,18 +118,28 @@ def pipeline_sections(d: PipelineDigest) -> list[Section]:
             _cost(d, s.latency_s),
             human_bytes(s.peak_bytes),
         )
+        + (_host_cells(off, i) if off else ())
         for i, s in enumerate(d.stages)
     )
     header = ("stage", "layers", "sub-mesh", "view", "devices", "recompute", "latency per "
               "microbatch", "peak bytes per device")  # fmt: skip
+    if off:
+        header += ("in host memory per device", "exposed offload per step")
     return [
         Section("Plan", head),
         Section("Stages, their layers and sub-meshes", header=header, rows=rows),
     ]
 
 
+def _host_cells(off, i: int) -> tuple[str, str]:
+    """A stage's host bytes per device and exposed offload seconds per step."""
+    nbytes, exposed = off["host_bytes_per_stage"][i], off["exposed_s_per_stage"][i]
+    return human_bytes(nbytes), f"{exposed * 1e3:.4g} ms"
+
+
 def pipeline_json(d: PipelineDigest) -> dict:
-    return {
+    extra = {"offload": dict(d.inter.offload)} if d.inter.offload else {}
+    return extra | {
         "model": d.plan_file.model,
         "kind": "pipeline",
         "summary": d.summary(),

@@ -178,6 +178,7 @@ class PipelineTrainer:
         inter_plan: InterPlan | None = None,
         intra_cost: IntraStageCost | None = None,
         probe: Probe | None = None,
+        host_params: frozenset[int] = frozenset(),
     ):
         """``stages[i]`` runs ``stage_programs[i]`` on ``devices[j] for j in
         stages[i].device_ids``, viewed as its logical mesh (axes ``data``, ``model``),
@@ -186,6 +187,8 @@ class PipelineTrainer:
         ``s`` and runs on ``stages[s]``'s devices.  ``probe(stage, layer)`` is called each
         time a layer's forward runs (:mod:`autoshard.runtime.stage`)."""
         records = program.records
+        # the tensor classes every stage keeps in host memory (docs/offload.md)
+        offload = tuple(((inter_plan and inter_plan.offload) or {}).get("classes", ()))
         self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
         self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
         self.num_microbatches = num_microbatches
@@ -228,8 +231,18 @@ class PipelineTrainer:
             layout = layout_fn(sp, mesh)
             self._stages.append(
                 StageExecutable(
-                    program, sp, mesh, layout, items, values, optimizer, st.recompute, probe
-                )
+                    program,
+                    sp,
+                    mesh,
+                    layout,
+                    items,
+                    values,
+                    optimizer,
+                    st.recompute,
+                    probe,
+                    offload=offload,
+                    host_params=host_params,
+                )  # fmt: skip
             )
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
         keystr = {t: jax.tree_util.keystr(path_of[t]) for t in self._param_ids}
@@ -301,7 +314,8 @@ class PipelineTrainer:
         """One training step on the global ``batch``; returns the mean loss over it."""
         microbatches = self._microbatches(batch)
         stages, m = self._stages, self.num_microbatches
-        grads = [st.zero_grads(st.params) for st in stages]
+        live = [st.live_params() for st in stages]  # master weights copied in, once
+        grads = [st.zero_grads(p) for st, p in zip(stages, live, strict=True)]
         inbox: dict[tuple[int, int], dict[int, Any]] = {}  # (stage, mb) -> received tensors
         cotangents: dict[tuple[int, int], dict[int, Any]] = {}  # (stage, mb) -> output cts
         saved: dict[tuple[int, int], tuple[list, list, list]] = {}  # the forward's residuals
@@ -318,7 +332,7 @@ class PipelineTrainer:
                         jax.device_put(microbatches[task.microbatch][t], sh)
                         for t, sh in zip(sp.data, st.data_shardings, strict=True)
                     ]
-                    outs, residuals = st.forward(st.params, received, data)
+                    outs, residuals = st.forward(live[index], received, data)
                     for t, value, consumers in zip(
                         sp.outputs, outs, sp.output_consumers, strict=True
                     ):
@@ -333,7 +347,7 @@ class PipelineTrainer:
                     box = cotangents.pop(key, {})
                     out_cts = [_output_cotangent(st, t, box, m) for t in st.float_out]
                     grads[index], in_cts = st.backward(
-                        st.params, received, data, residuals, out_cts, grads[index]
+                        live[index], received, data, residuals, out_cts, grads[index]
                     )
                     del residuals
                     for i, ct in zip(st.float_in, in_cts, strict=True):
@@ -343,8 +357,8 @@ class PipelineTrainer:
                         ct = transfer(ct, sh)
                         box_src = cotangents.setdefault((src, task.microbatch), {})
                         box_src[t] = box_src[t] + ct if t in box_src else ct
-        for st, g in zip(stages, grads, strict=True):
-            st.params, st.opt_state = st.update(st.params, st.opt_state, g)
+        for st, p, g in zip(stages, live, grads, strict=True):
+            st.params, st.opt_state = st.update(p, st.opt_state, g)
         return sum(losses[1:], losses[0]) / m
 
 

@@ -15,6 +15,15 @@ mesh and layout, its parameters, an optax optimizer and the stage's recompute mo
   applies the stored ``vjp``: no second forward unless the plan asked for recompute;
 * ``update`` applies the optimizer to the accumulated gradient.
 
+Offload (``offload``: the plan's host classes, docs/offload.md): with ``optimizer`` the
+floating-point optimizer state rests in ``pinned_host`` memory between steps (its
+sharding's memory kind); ``update`` copies it to the device where it starts and back
+where it ends (``jax.device_put`` inside the jitted update), as the one-mesh runtime
+(:mod:`autoshard.runtime.sharded`) does. With ``master`` the f32 master weights
+(``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` copies
+them in once per step and the update writes them back. A host-update placement
+(``gradients``) still runs its update on the device.
+
 Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
 to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
 the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` prices):
@@ -47,6 +56,7 @@ from autoshard.inter.stage_memory import is_attention_sized
 from autoshard.inter.stages import RECOMPUTE_MODES
 from autoshard.ir.records import TensorRecord
 from autoshard.runtime.distributed import to_host
+from autoshard.runtime.sharded import HOST_MEMORY
 from autoshard.runtime.stage_layout import StageLayout
 from autoshard.trace.jaxpr import TracedProgram
 
@@ -122,7 +132,10 @@ class StageExecutable:
         optimizer,
         recompute: str = "none",
         probe: Probe | None = None,
+        offload: tuple[str, ...] = (),
+        host_params: frozenset[int] = frozenset(),
     ):
+        self.offload = tuple(offload)
         self.sp, self.mesh, self.layout, self.recompute = sp, mesh, layout, recompute
         policy = recompute_policy(recompute)
         spec_fn = layout.spec_fn
@@ -142,15 +155,41 @@ class StageExecutable:
         self.received_shardings = [sharding(t, "activation") for t in sp.received]
         self.data_shardings = [sharding(t, "data") for t in sp.data]
         self.output_shardings = [sharding(t, "activation") for t in sp.outputs]
+        # at rest: the master weights offloaded (``host_params``) in pinned_host
+        self.rest_shardings = jax.tree.map(
+            lambda t: (
+                sharding(t, "param").with_memory_kind(HOST_MEMORY)
+                if t in host_params
+                else sharding(t, "param")
+            ),
+            tid_tree,
+        )
+        self.masters_on_host = bool(set(self.param_ids) & set(host_params))
         self.params = jax.tree.unflatten(
             treedef,
-            [jax.device_put(to_host(values[t]), sharding(t, "param")) for t in self.param_ids],
+            [
+                jax.device_put(to_host(values[t]), sh)
+                for t, sh in zip(self.param_ids, jax.tree.leaves(self.rest_shardings), strict=True)
+            ],
         )
-        self.opt_state_shardings = layout.opt_state_sharding(
-            mesh, jax.eval_shape(optimizer.init, self.params)
+        abstract_state = jax.eval_shape(optimizer.init, self.params)
+        device_state = layout.opt_state_sharding(mesh, abstract_state)
+        state_on_host = "optimizer" in self.offload
+        # at rest: the floating-point state in pinned_host when offloaded (a step count stays)
+        self.opt_state_shardings = (
+            jax.tree.map(
+                lambda sh, a: (
+                    sh.with_memory_kind(HOST_MEMORY) if jnp.issubdtype(a.dtype, jnp.inexact) else sh
+                ),
+                device_state,
+                abstract_state,
+            )
+            if state_on_host
+            else device_state
         )
-        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_state_shardings)(
-            self.params
+        self.opt_state = jax.device_put(
+            jax.jit(optimizer.init, out_shardings=device_state)(self.live_params()),
+            self.opt_state_shardings,
         )
 
         eqns = [(prog.records.eqns[i], prog._impls[i]) for i in sp.eqns]
@@ -247,20 +286,33 @@ class StageExecutable:
             return jax.tree.map(jnp.add, grad_acc, grads), in_cts
 
         def update(params, opt_state, grads):
+            if state_on_host:  # host -> device where the update starts
+                opt_state = jax.device_put(opt_state, device_state)
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            if state_on_host:  # and back where it ends (out_shardings say pinned_host too)
+                opt_state = jax.device_put(opt_state, self.opt_state_shardings)
+            params = optax.apply_updates(params, updates)
+            if self.masters_on_host:  # the updated master weights back to the host
+                params = jax.device_put(params, self.rest_shardings)
+            return params, opt_state
 
         self.forward = jax.jit(forward)
         self.backward = jax.jit(
             backward,
             out_shardings=(self.param_shardings, [self.received_shardings[i] for i in float_in]),
         )
-        self.update = jax.jit(
-            update, out_shardings=(self.param_shardings, self.opt_state_shardings)
-        )
+        self.update = jax.jit(update, out_shardings=(self.rest_shardings, self.opt_state_shardings))
         self.zero_grads = jax.jit(
             lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings
         )
+
+    def live_params(self):
+        """The stage's parameters on the device for one step: the master weights resting in
+        host memory copied in once per step (every microbatch reads the copy), the rest as
+        they are."""
+        if not self.masters_on_host:
+            return self.params
+        return jax.device_put(self.params, self.param_shardings)
 
     def abstract_args(self):
         """``(params, received, data)`` of one microbatch as abstract arrays with the

@@ -321,30 +321,11 @@ def simulate_auto(
 
 
 def _offload_summary(cost, inter, cluster, offload) -> dict:
-    """What lives where in a searched plan, and what it costs per step (per device: the
-    stage holding most in host memory; per node: that times the node's GPUs)."""
-    from autoshard.intra.offload.placement import HOST_USABLE_FRACTION, OFFLOAD_CLASSES
+    """What lives where in a searched plan, and what it costs per step
+    (:func:`autoshard.inter.stage_offload.offload_summary`)."""
+    from autoshard.inter.stage_offload import offload_summary
 
-    host_bytes, exposed = [], []
-    for st in inter.stages:
-        units = [
-            cost.unit(i, i + 1, tuple(st.logical_mesh)) for i in range(st.start_layer, st.end_layer)
-        ]
-        host_bytes.append(sum(u.host_bytes for u in units))
-        exposed.append(sum(u.offload_s for u in units))
-    where = {c: ("host" if c in offload.classes else "device") for c in OFFLOAD_CLASSES}
-    where["update"] = "host" if offload.host_update else "device"
-    per_node = max(host_bytes) * cluster.devices_per_node
-    usable = cluster.host.memory_bytes * HOST_USABLE_FRACTION
-    return {
-        "offload": offload.label,
-        "where": where,
-        "host_bytes_per_device": max(host_bytes),
-        "host_bytes_per_node": per_node,
-        "host_memory_bytes": usable,
-        "fits_host": per_node <= usable,
-        "exposed_s_per_stage": exposed,  # per step, spread over the microbatches
-    }
+    return offload_summary(cost, inter.stages, cluster, offload)
 
 
 _STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused

@@ -99,6 +99,7 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
         unit = cost.unit(layer, layer + 1, logical)
         compute += unit.compute_s
         offload += unit.offload_s / m  # per step, spread over the micro-batches
+        offload += cost.activation_offload_s(layer, logical, mode)  # per micro-batch
         if mode != "none" and cost.recomputes(layer):
             recompute += unit.recompute_s[mode]
         if unit.plan is not None:

@@ -53,6 +53,9 @@ from autoshard.ir.graph import Graph
 from autoshard.ir.spec import Mesh, ShardingSpec
 
 OFFLOAD_CLASSES = ("optimizer", "master", "gradients")
+# priced by the stage search only (autoshard.inter.stage_cost): saved activations leave
+# the device after their forward use and come back before their backward use
+STAGE_ONLY_CLASSES = ("activations",)
 OFFLOAD_CHOICES = ("auto", "none", *OFFLOAD_CLASSES)  # what --offload takes (classes joined by ,)
 HOST_USABLE_FRACTION = 0.9  # of a node's RAM; the rest for the OS, the data pipeline, pinning
 _NARROW = ("bfloat16", "float16")
@@ -60,26 +63,22 @@ _NARROW = ("bfloat16", "float16")
 
 @dataclass(frozen=True)
 class Offload:
-    """The tensor classes placed in host memory (``OFFLOAD_CLASSES``, in that order)."""
+    """The tensor classes placed in host memory (``OFFLOAD_CLASSES``, then
+    ``STAGE_ONLY_CLASSES``, in that order)."""
 
     classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         classes = tuple(self.classes)
-        unknown = [c for c in classes if c not in OFFLOAD_CLASSES]
+        every = (*OFFLOAD_CLASSES, *STAGE_ONLY_CLASSES)
+        unknown = [c for c in classes if c not in every]
         if unknown:
-            hint = (
-                "; saved activations are not offloaded yet (their live ranges split in two, "
-                "which the memory model does not express)"
-                if "activations" in unknown
-                else ""
-            )
             raise ValueError(
-                f"unknown offload class(es) {unknown}: use {', '.join(OFFLOAD_CLASSES)} "
-                f"(joined by commas), none or auto{hint}"
+                f"unknown offload class(es) {unknown}: use {', '.join(every)} "
+                "(joined by commas), none or auto"
             )
-        ordered = tuple(c for c in OFFLOAD_CLASSES if c in classes)
-        if "gradients" in ordered and len(ordered) < 3:
+        ordered = tuple(c for c in every if c in classes)
+        if "gradients" in ordered and len(set(ordered) & set(OFFLOAD_CLASSES)) < 3:
             raise ValueError(
                 "gradients on the host means the update runs on the host (ZeRO-Offload), "
                 "which needs the optimizer state and master weights there too: use "
@@ -91,6 +90,16 @@ class Offload:
     def host_update(self) -> bool:
         """Whether the optimizer update runs on the host (gradients are offloaded)."""
         return "gradients" in self.classes
+
+    @property
+    def activations(self) -> bool:
+        """Whether saved activations go to the host (priced by the stage search only)."""
+        return "activations" in self.classes
+
+    @property
+    def state(self) -> Offload:
+        """The training-state classes alone (without ``activations``)."""
+        return Offload(tuple(c for c in self.classes if c in OFFLOAD_CLASSES))
 
     @property
     def label(self) -> str:
@@ -183,6 +192,14 @@ def offload_tensors(graph: Graph, offload: Offload, strict: bool = True) -> Offl
     """The tensors ``offload`` places on the host and what moves each step; raises when the
     program has nothing of a class asked for (unless not ``strict``: a part of a program,
     such as one layer of a stage search, may have none)."""
+    if offload.activations:
+        if strict:
+            raise ValueError(
+                "saved activations are not offloaded yet on one mesh (their live ranges split "
+                "in two, which the one-mesh memory model does not express); the stage search "
+                "prices them: plan --pipeline or simulate --plan auto"
+            )
+        offload = offload.state
     classes = tensor_classes(graph)
     inputs = set(graph.inputs)
     for c in offload.classes if strict else ():

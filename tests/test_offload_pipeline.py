@@ -1,0 +1,296 @@
+"""Issue #34 on the pipeline path: ``plan --pipeline ... --offload``, the plan file and
+``explain`` per stage, and the pipeline runtime keeping the optimizer state in
+``pinned_host`` memory while it trains like one device."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import cli_in_process
+
+from autoshard.inter.plan import InterPlan
+
+PLAN = (
+    "plan --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 --microbatches 2 "
+    "--cluster alpa-v100"
+)
+
+
+def test_pipeline_plan_file_with_offload_round_trips_and_explains(capsys, tmp_path):
+    out = tmp_path / "pipe.json"
+    rc, text, err = cli_in_process(capsys, *PLAN.split(), "--offload", "optimizer", "--out", out)
+    assert rc == 0, text + err
+    assert "offload optimizer: optimizer in host memory, update on device" in text
+    assert "stage 1:" in text and "per device in host memory" in text
+    saved = json.loads(out.read_text())
+    record = saved["inter_plan"]["offload"]
+    plan = InterPlan.from_json(saved["inter_plan"])
+    assert plan.offload == record and InterPlan.loads(plan.dumps()).offload == record
+    assert record["where"] == {
+        "optimizer": "host", "master": "device", "gradients": "device",
+        "activations": "device", "update": "device",
+    }  # fmt: skip
+    # every stage holds Adam's moments of its own parameters on the host: both stages some,
+    # and together two f32 copies of the model's parameters (gpt-tiny: all of them f32)
+    assert len(record["host_bytes_per_stage"]) == 2 and min(record["host_bytes_per_stage"]) > 0
+    assert all(s > 0 for s in record["exposed_s_per_stage"])
+    rc, explained, err = cli_in_process(capsys, "explain", out, "--json")
+    assert rc == 0, err
+    assert json.loads(explained)["offload"] == record
+    rc, explained, err = cli_in_process(capsys, "explain", out)
+    assert rc == 0, err
+    assert "in host memory on every stage" in explained and "exposed offload" in explained
+
+
+def test_pipeline_offload_takes_the_state_out_of_the_stage_peak(capsys):
+    peaks = {}
+    for placement in ("none", "optimizer"):
+        rc, text, err = cli_in_process(capsys, *PLAN.split(), "--offload", placement, "--json")
+        assert rc == 0, err
+        plan = json.loads(text)
+        peaks[placement] = [s["peak_bytes"] for s in plan["stages"]]
+        assert ("offload" in plan) == (placement != "none")
+    # Adam's two moments leave HBM; a staging buffer for the largest shard comes in
+    assert all(o < p for o, p in zip(peaks["optimizer"], peaks["none"], strict=True))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--offload optimizer", "pass --cluster"),  # no host figures without a preset
+        ("--cluster alpa-v100 --offload optimizer,master", "master"),  # f32 compute
+        ("--cluster alpa-v100 --offload gradients", "update runs on the host"),
+    ],
+)
+def test_bad_pipeline_offload_exits_2(capsys, flags, message):
+    argv = "plan --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 " + flags
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 2, out + err
+    assert message in err and "Traceback" not in err
+
+
+def test_pipeline_host_memory_too_small_is_refused(tmp_path):
+    from importlib import resources
+
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.hardware.clusters import cluster_from_json
+    from autoshard.inter.options import StageSearchOptions
+
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"] = "no-ram"
+    preset["host"]["memory_bytes"] = 1024
+    cluster = cluster_from_json(preset)
+    with pytest.raises(ValueError, match="of host memory per node"):
+        auto_stage_plan(
+            "gpt-tiny", 1, 2, StageSearchOptions(2, stages="equal-layer", num_stages=2),
+            cluster=cluster, offload="optimizer",
+        )  # fmt: skip
+
+
+def _train(offload, steps=2, **overrides):
+    import jax
+
+    from autoshard.api_pipeline import auto_pipeline
+    from autoshard.models import get_workload, make_optimizer
+
+    workload = get_workload("gpt-tiny", num_layers=1, **overrides)
+    opt = make_optimizer("adamw")
+    params, _, batch = workload.init_train_args(opt, seed=0)
+    trainer = auto_pipeline(
+        workload.loss_fn, opt, params, batch, devices=jax.devices()[:2], num_microbatches=2,
+        stages="equal-layer", num_stages=2, cluster="alpa-v100", offload=offload,
+    )  # fmt: skip
+    losses = [float(trainer.step(batch)) for _ in range(steps)]
+    return trainer, losses
+
+
+def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_device():
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.models import get_workload, make_optimizer, make_train_step
+
+    off, losses_off = _train("optimizer")
+    plain, losses = _train(None)  # gpt-tiny with one block: 3 layers, 2 stages
+    assert off.inter_plan.offload["classes"] == ["optimizer"] and plain.inter_plan.offload is None
+    for st_off, st in zip(off.stage_executables, plain.stage_executables, strict=True):
+        moments = [
+            x for x in jax.tree.leaves(st_off.opt_state) if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+        assert moments and {x.sharding.memory_kind for x in moments} == {"pinned_host"}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(st.opt_state)} == {"device"}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(st_off.params)} == {"device"}
+    # one device, f32 AdamW: the same losses within 1e-5
+    workload = get_workload("gpt-tiny", num_layers=1)
+    opt = make_optimizer("adamw")
+    p, s, batch = workload.init_train_args(opt, seed=0)
+    step = jax.jit(make_train_step(workload.loss_fn, opt))
+    want = []
+    for _ in range(2):
+        p, s, loss = step(p, s, batch)
+        want.append(float(loss))
+    assert losses_off == pytest.approx(want, rel=1e-5)
+    # and the same training as the pipeline without offload: losses and parameters
+    assert losses_off == pytest.approx(losses, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(off.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_cli_run_pipeline_refuses_what_its_runtime_does_not_place(capsys):
+    argv = (
+        "run --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 "
+        "--cluster alpa-v100 --offload optimizer,activations"
+    )
+    rc, out, err = cli_in_process(capsys, *argv.split())  # refused before the search
+    assert rc == 2, out + err
+    assert "does not place saved activations" in err and "Traceback" not in err
+    no_cluster = argv.replace("--cluster alpa-v100 ", "").replace(",activations", "")
+    rc, out, err = cli_in_process(capsys, *no_cluster.split())
+    assert rc == 2 and "--cluster" in err  # no host figures without a preset
+
+
+def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same():
+    """optimizer,master on a bf16 model: the f32 weights read through a convert to bf16
+    rest in pinned_host (those read in f32 -- layer-norm scales, the tied embedding --
+    stay on the device); two steps give the losses and weights of the pipeline without
+    offload, bit for bit (the same programs; only where the state rests differs)."""
+    import jax
+
+    from autoshard.api_pipeline import microbatch_graph
+    from autoshard.intra.offload.placement import tensor_classes
+
+    off, losses_off = _train("optimizer,master", dtype="bfloat16")
+    plain, losses = _train(None, dtype="bfloat16")
+    assert losses_off == losses
+    for a, b in zip(jax.tree.leaves(off.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, graph = microbatch_graph("gpt-tiny", 2, "adamw", dtype="bfloat16", num_layers=1)
+    masters = tensor_classes(graph)["master"] & set(graph.inputs)
+    kinds = {}
+    assert any(st.masters_on_host for st in off.stage_executables)
+    for st in off.stage_executables:
+        for t, leaf in zip(st.param_ids, jax.tree.leaves(st.params), strict=True):
+            kinds[t] = leaf.sharding.memory_kind
+    assert masters and {kinds[t] for t in masters} == {"pinned_host"}
+    assert {k for t, k in kinds.items() if t not in masters} == {"device"}
+
+
+def test_pipeline_runtime_offload_refuses_interleaving():
+    with pytest.raises(ValueError, match="virtual_stages=1"):
+        import jax
+
+        from autoshard.api_pipeline import auto_pipeline
+        from autoshard.models import get_workload, make_optimizer
+
+        workload = get_workload("gpt-tiny")
+        opt = make_optimizer("adamw")
+        params, _, batch = workload.init_train_args(opt, seed=0)
+        auto_pipeline(
+            workload.loss_fn, opt, params, batch, devices=jax.devices()[:2],
+            num_microbatches=2, stages="equal-layer", num_stages=2, schedule="interleaved",
+            virtual_stages=2, cluster="alpa-v100", offload="optimizer",
+        )  # fmt: skip
+
+
+@pytest.mark.slow  # the runtime test above covers the same path through the API
+def test_cli_run_pipeline_offload_matches_one_device(capsys):
+    argv = (
+        "run --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 --microbatches 2 "
+        "--cluster alpa-v100 --offload optimizer --optimizer sgd-momentum --steps 2 --check"
+    )
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 0, out + err
+    assert "optimizer state at rest in memory kind: pinned_host" in out
+    assert "MATCH" in out and "MISMATCH" not in out
+
+
+# -- saved activations as an offload class: priced by the stage search
+
+
+@pytest.fixture(scope="module")
+def act_costs():
+    """gpt-tiny at 2 micro-batches, its stage costs on one alpa-v100 GPU without offload
+    and with the activations offloaded over a fast, the real and a slow host link."""
+    from importlib import resources
+
+    from autoshard.api_pipeline import microbatch_graph
+    from autoshard.hardware.clusters import cluster_from_json
+    from autoshard.inter.stage_cost import IntraStageCost
+    from autoshard.inter.submesh import cluster_for, logical_mesh_costs
+    from autoshard.intra.offload.placement import Offload
+
+    _, graph = microbatch_graph("gpt-tiny", 2, "adamw")
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+
+    def cost(bandwidth=None):
+        preset = json.loads(text)
+        if bandwidth is None:
+            return IntraStageCost(graph, logical_mesh_costs(cluster_for("alpa-v100", 1, 1)),
+                                  num_microbatches=2)  # fmt: skip
+        preset["host"]["link"]["bandwidth"] = bandwidth
+        cl = cluster_for(cluster_from_json(preset), 1, 1)
+        return IntraStageCost(graph, logical_mesh_costs(cl), num_microbatches=2,
+                              offload=Offload(("activations",)), cluster=cl)  # fmt: skip
+
+    return cost(), {bw: cost(bw) for bw in (1e18, 12e9, 1e3)}
+
+
+def test_offloaded_activations_leave_the_in_flight_memory_and_stage_twice_a_layer(act_costs):
+    plain, by_bw = act_costs
+    n = plain.num_layers
+    base = plain(0, n, (1, 1), (1, 1))
+    off = by_bw[12e9](0, n, (1, 1), (1, 1))
+    kept = [plain.unit(i, i + 1, (1, 1)).activation_bytes for i in range(n)]
+    assert base.activation_bytes == pytest.approx(sum(kept)) and sum(kept) > 0
+    assert off.activation_bytes == 0.0 and off.param_bytes == pytest.approx(base.param_bytes)
+    # staging: twice the largest layer's kept activations, held once
+    assert off.working_bytes == pytest.approx(base.working_bytes + 2 * max(kept))
+    # with 4 micro-batches in flight the stage holds less (2 max(kept) < 4 sum(kept))
+    assert off.memory_bytes(4) < base.memory_bytes(4)
+
+
+def test_offloaded_activations_cost_only_what_compute_does_not_hide(act_costs):
+    plain, by_bw = act_costs
+    n = plain.num_layers
+    base = plain(0, n, (1, 1), (1, 1)).latency_s
+    fast, real, slow = (by_bw[bw](0, n, (1, 1), (1, 1)).latency_s for bw in (1e18, 12e9, 1e3))
+    assert fast == pytest.approx(base, rel=1e-9)  # every copy hidden behind its pass
+    assert base <= real <= slow
+    # over a 1 kB/s link nothing hides: each layer's kept bytes out and back, less the
+    # forward and backward compute they overlap
+    kept = sum(plain.unit(i, i + 1, (1, 1)).activation_bytes for i in range(n))
+    assert slow - base == pytest.approx(2 * kept / 1e3, rel=1e-3)
+
+
+def test_pipeline_plan_offloads_activations(capsys):
+    rc, text, err = cli_in_process(capsys, *PLAN.split(), "--offload", "activations", "--json")
+    assert rc == 0, err
+    assert json.loads(text)["offload"]["where"]["activations"] == "host"
+    argv = "plan --model gpt-tiny --mesh 1 --cluster alpa-v100 --offload activations"
+    rc, out, err = cli_in_process(capsys, *argv.split())  # one mesh: not modelled
+    assert rc == 2 and "plan --pipeline or simulate --plan auto" in err, out + err
+
+
+def test_simulate_prices_offloaded_activations_as_offload(tmp_path):
+    """The simulator's step breakdown books the exposed copies as ``offload``: over a
+    1 kB/s host link they dominate the step, and the parts still sum to it."""
+    from importlib import resources
+
+    from autoshard.sim.simulate import simulate
+
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"], preset["host"]["link"]["bandwidth"] = "slow-pcie", 1e3
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(preset))
+    kw = dict(plan="auto", num_microbatches=1, recompute="none")
+    plain = simulate("gpt-tiny", str(path), 1, **kw)
+    off = simulate("gpt-tiny", str(path), 1, offload="activations", **kw)
+    assert off.plan["offload"]["where"]["activations"] == "host"
+    assert off.step_breakdown["offload"] > 0.5 * off.step_time_s
+    assert off.step_time_s - plain.step_time_s == pytest.approx(off.step_breakdown["offload"])
+    assert sum(off.step_breakdown.values()) == pytest.approx(off.step_time_s, rel=1e-9)
+    # one stage, one micro-batch: the record's exposed seconds are the breakdown's
+    (exposed,) = off.plan["offload"]["exposed_s_per_stage"]
+    assert exposed == pytest.approx(off.step_breakdown["offload"])
