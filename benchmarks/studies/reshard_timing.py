@@ -1,7 +1,7 @@
 """How long the planner's resharding function takes on a real planning's calls (issue 31).
 
 ``capture`` plans gpt-1.3b on 2x4 (batch 16, the planner's defaults, Alpa's test-mesh
-costs) and pickles the arguments of every :func:`autoshard.intra.cost.reshard` call;
+costs) and pickles the arguments of every :func:`autoshard.intra.cost.resharding.reshard` call;
 ``time`` replays them with cold caches, ``--repeat`` times, and prints the median CPU
 seconds (``time.process_time``: steadier than wall time on a shared machine).  Replay the
 same file under two trees to compare them::
@@ -48,7 +48,7 @@ def capture(path: str) -> None:
 
 
 def replay(path: str, repeat: int) -> dict:
-    import autoshard.intra.cost as cost
+    import autoshard.intra.cost.resharding as cost
 
     try:
         from autoshard.intra import reshard_tiles
