@@ -121,7 +121,6 @@ def test_exact_program_proves_its_optimum_whatever_the_load(monkeypatch):
     60 s time limit leaves, so that the node budget stops it, not the machine's load: at
     load 7-13 its root took longer than the 8.6 s cap and the test failed (2026-11-27)."""
     import autoshard.intra.problem.exact_values as exact_values
-
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
     from autoshard.intra.problem.build import auto_shard_graph
