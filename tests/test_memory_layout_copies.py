@@ -214,7 +214,9 @@ def test_a_forward_value_gathered_for_weight_gradients_is_gathered_early():
     10% under (-13.1%) where the copies are live at the peak. Since the ILP's rows keep a
     gradient for every layout (2026-11-27) the plan traced with jax 0.12 is a cheaper one
     (objective 239,096 against 240,448) that gathers 8 KiB early, none at its peak: there
-    the rule changes nothing at the peak (-9.5% either way) and must not make it worse."""
+    the rule moves the peak by little. Not "only up": since ``freed_gathered_sources``
+    (2026-11-27) an early copy also lets its source die at its forward reader, so on that
+    plan the rule lowers the peak by 8,192 B (-9.9% against -9.5% of XLA's 2,158,296 B)."""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
     from autoshard.intra.memory.reshard_copies import _backward_operand
@@ -246,7 +248,8 @@ def test_a_forward_value_gathered_for_weight_gradients_is_gathered_early():
     )
     without = max(predicted_live_bytes(g, spec_of, late, plan.operand_specs))
     with_rule = plan.predicted_peak_bytes
-    assert without <= with_rule  # the rule only adds buffers
-    assert abs(with_rule - xla) <= abs(without - xla)
     if with_rule - without > 0.05 * xla:  # the early copies are live at the peak (jax 0.10)
         assert without < 0.9 * xla, (without, xla)
+        assert abs(with_rule - xla) < abs(without - xla)
+    else:  # none at the peak (jax 0.12's cheaper plan): the rule moves it by little
+        assert abs(with_rule - without) <= 0.01 * xla, (with_rule, without, xla)
