@@ -9,11 +9,8 @@ from __future__ import annotations
 import functools
 import math
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import optax
 import pytest
+from conftest import load_benchmark
 
 from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.cost.resharding import collective_cost
@@ -22,9 +19,6 @@ from autoshard.intra.problem.build import _common, _finish, auto_shard_graph
 from autoshard.intra.problem.exact_values import EXACT_MAX_COLUMNS, unsolved_because
 from autoshard.intra.problem.options import IntraOptions
 from autoshard.intra.problem.value_edges import hub_max_sets
-from autoshard.ir.graph import build_graph
-from autoshard.models import make_train_step
-from autoshard.trace.jaxpr import trace_train_step
 
 # exact_search="auto": the exact program with hubs on meshes of several axes (not yet the
 # default: docs/sharing.md)
@@ -34,36 +28,10 @@ HIGHS = IntraOptions(solver="highs", time_limit_s=60, exact_search="auto")
 @functools.cache
 def _conv_net(num_layers=2, batch=8, image=32, channel=8):
     """Alpa's test_n_layer_conv (tests/shard_parallel/test_conv.py): ``num_layers`` times
-    3x3/2 conv, batch norm, relu and a 2x2/1 max pool; squared error; SGD with momentum."""
-
-    class Model(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(num_layers):
-                x = nn.Conv(channel, (3, 3), strides=(2, 2), use_bias=False)(x)
-                x = nn.BatchNorm(use_running_average=False)(x)
-                x = nn.relu(x)
-                x = nn.max_pool(x, (2, 2), strides=(1, 1), padding="SAME")
-            return x
-
-    model = Model()
-    x = jnp.ones((batch, image, image, channel))
-    side = image // 2**num_layers
-    y = jnp.ones((batch, side, side, channel))
-    variables = model.init(jax.random.key(0), x)
-    stats = variables["batch_stats"]
-
-    def loss(params, b):
-        out, _ = model.apply(
-            {"params": params, "batch_stats": stats}, b["x"], mutable=["batch_stats"]
-        )
-        return jnp.mean((out - b["y"]) ** 2)
-
-    opt = optax.sgd(0.1, momentum=0.9)
-    step = make_train_step(loss, opt)
-    program = trace_train_step(step, variables["params"], opt.init(variables["params"]),
-                               {"x": x, "y": y})  # fmt: skip
-    return build_graph(program.records)
+    3x3/2 conv, batch norm, relu and a 2x2/1 max pool; squared error; SGD with momentum
+    (the graph benchmarks/studies/bench_exact_search.py plans)."""
+    bench = load_benchmark("studies/bench_exact_search")
+    return bench.conv_net(num_layers, batch, image, channel)
 
 
 def test_auto_finds_the_per_value_optimum_of_the_conv_net_on_2x2():

@@ -47,8 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.inter.axis_swap import swap_axes, swappable
@@ -75,6 +74,7 @@ from autoshard.inter.subgraph import (
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
+from autoshard.inter.unit_cost import UnitCost, activation_exposed_s, with_activations_offloaded
 from autoshard.inter.unit_pool import jobs_for, solve_in_pool
 from autoshard.intra.cost.resharding import CostOptions, reshard
 from autoshard.intra.ilp import InfeasibleProblemError, solve
@@ -85,31 +85,9 @@ from autoshard.intra.offload.placement import (
 from autoshard.intra.problem.build import build_problem, plan_from_solution
 from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.graph import Graph
-from autoshard.ir.plan import ParallelPlan
 
 _NO_TIES = CostOptions(tie_breakers=False)
 _NO_TIES_OPTIONS = IntraOptions(cost=_NO_TIES)  # the stage ILPs price in seconds
-
-
-@dataclass(frozen=True)
-class UnitCost:
-    """One planned sub-graph (a layer or a range) on one logical mesh."""
-
-    plan: ParallelPlan | None  # None: the ILP found no finite plan
-    flops: float
-    compute_s: float
-    communication_s: float
-    owned_state_bytes: float  # params + gradients + optimizer state the unit updates
-    borrowed_param_bytes: Mapping[int, float]  # owner layer index -> bytes read from it
-    activation_bytes: float
-    # per recompute mode: seconds it adds per microbatch, activation bytes it keeps
-    recompute_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    kept_activation_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    # offload (IntraStageCost's ``offload``): seconds a step pays for the unit's transfers
-    # and host update, the device's staging buffers, the state held in host memory
-    offload_s: float = 0.0
-    staging_bytes: float = 0.0
-    host_bytes: float = 0.0
 
 
 class IntraStageCost:
@@ -543,27 +521,8 @@ class IntraStageCost:
                 working + u.staging_bytes,
             )
         if self.offload.activations and math.isfinite(latency):
-            return self._activations_offloaded(u, *terms, extra_s)
+            return with_activations_offloaded(u, *terms, extra_s, self.cluster)
         return terms
-
-    def _activations_offloaded(self, u: UnitCost, latency, kept, working, recompute_s):
-        """``--offload activations``: what the unit keeps per microbatch in flight goes to
-        host memory after its forward and comes back for its backward. Each copy runs at
-        the host link's per-GPU rate (all GPUs of the node copying at once) and overlaps
-        the unit's own compute in that pass (the forward for the copy out; the backward,
-        recompute included, for the copy back): only the excess is exposed, per
-        microbatch. HBM keeps no kept activations per microbatch in flight; it stages
-        twice the unit's (the copy under way and the next), held once."""
-        exposed = self._activation_exposed_s(u, kept, recompute_s)
-        return latency + exposed, 0.0, working + 2.0 * kept
-
-    def _activation_exposed_s(self, u: UnitCost, kept: float, recompute_s: float) -> float:
-        phases = (u.plan.solver if u.plan is not None else {}).get("compute_s_by_phase", {})
-        bandwidth = self.cluster.host.link_bandwidth(self.cluster.devices_per_node)
-        copy_s = kept / bandwidth
-        return max(copy_s - phases.get("forward", 0.0), 0.0) + max(
-            copy_s - phases.get("backward", 0.0) - recompute_s, 0.0
-        )
 
     def activation_offload_s(self, layer: int, logical: Shape2, mode: str = "none") -> float:
         """Seconds per microbatch that layer ``layer``'s offloaded activations add to its
@@ -575,7 +534,8 @@ class IntraStageCost:
             return 0.0
         recomputed = mode != "none" and self.recomputes(layer)
         kept = u.kept_activation_bytes[mode] if recomputed else u.activation_bytes
-        return self._activation_exposed_s(u, kept, u.recompute_s[mode] if recomputed else 0.0)
+        recompute_s = u.recompute_s[mode] if recomputed else 0.0
+        return activation_exposed_s(u, kept, recompute_s, self.cluster)
 
     def _layer_table(self, logical: Shape2, mode: str) -> tuple:
         """Per layer: (latency, owned bytes, kept activation bytes, working bytes,

@@ -38,7 +38,7 @@ CASES = {
 
 
 def conv_net(num_layers=2, batch=8, image=32, channel=8):
-    """Alpa's test_n_layer_conv model and step (tests/test_exact_2d.py has the same)."""
+    """Alpa's test_n_layer_conv model and step, traced (tests/test_exact_2d.py plans it too)."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
