@@ -38,12 +38,20 @@ def cmd_run(args, bound=None) -> int:
     if bound is None:
         with progress(args, f"planning {args.model} on mesh {args.mesh} ..."):
             bound = plan_from_args(args)
-    concrete = workload.init_train_args(opt, seed=0)
     step = bound.jit()
+    # the state is made where the plan keeps it (sharded, host memory), never whole on one
+    # device first; --check and --resume still start from the single-device state
+    placed = not args.check and not getattr(args, "resume", None)
+    if placed:
+        from autoshard.runtime.init_state import init_placed
+
+        concrete = init_placed(step, workload, opt, seed=0)
+    else:
+        concrete = workload.init_train_args(opt, seed=0)
     concrete, first = _resume(args, bound, step, concrete)
     seconds: list[float] = []
     with progress(args, f"compiling and running {args.steps} step(s) ..."):
-        final, losses = run_steps(step, concrete, args.steps, seconds=seconds)
+        final, losses = run_steps(step, concrete, args.steps, seconds=seconds, copy=not placed)
     out = {
         "model": args.model,
         "plan": bound.plan.name,

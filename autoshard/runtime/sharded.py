@@ -443,12 +443,14 @@ def _loss_of(program: TracedProgram, outputs) -> float:
 
 
 def run_steps(
-    step, args, num_steps: int, seconds: list[float] | None = None
+    step, args, num_steps: int, seconds: list[float] | None = None, copy: bool = True
 ) -> tuple[Any, list[float]]:
     """Run a train step ``num_steps`` times, feeding the updated state back in.
 
     ``step`` is a :class:`ShardedStep` (or any callable on the same program's arguments
-    with a ``program`` attribute).  The caller's ``args`` are copied, not donated.
+    with a ``program`` attribute).  The caller's ``args`` are copied, not donated
+    (``copy=False``: consumed; for state already placed by
+    :func:`autoshard.runtime.init_state.init_placed` that would not fit twice).
     Returns the final arguments (updated params and optimizer state, the same batch)
     and the loss of every step; ``seconds``, when given, gets each step's wall time
     (up to its loss on the host; the first step's includes compilation).
@@ -461,8 +463,8 @@ def run_steps(
             "run_steps needs a step that returns updated state (the traced "
             "program has no aliases); trace it with trace_train_step"
         )
-    if isinstance(step, ShardedStep):  # never consume the caller's arrays
-        args = step.place(*args, copy=True)
+    if isinstance(step, ShardedStep):  # never consume the caller's arrays (unless told)
+        args = step.place(*args, copy=copy)
     losses = []
     for _ in range(num_steps):
         start = time.perf_counter()
