@@ -1,0 +1,337 @@
+"""Issue 34's GPU check: a plan that keeps training state in host memory, run on one GPU.
+
+``plans`` (here, with the solver): writes the plan files the GPU runs, each with what
+autoshard predicts for it (the planner's step time = objective + the offload's exposed
+transfer; the simulator's step time and peak for the same configuration):
+
+* gpt-6.7b, 32 layers, batch 8, bf16, AdamW on one dgx-h100 GPU with ``--offload auto``:
+  107 GB of f32 weights and optimizer state do not fit in 80 GB; the planner's choice runs;
+* gpt-1.3b, 24 layers, batch 8, the same plan with and without ``offload=optimizer``: the
+  losses must be equal (the transfers change no arithmetic).
+
+``measure`` (on the GPU; no solver needed): each plan in its own process (an out-of-memory
+error ends that row only): the state made where the plan keeps it
+(``init_placed``), the step compiled (``memory_analysis``, device and host bytes), run
+``--steps`` times (median after the first), the allocator's peak, the memory kinds of
+the state that comes back, and the host link's measured bandwidth (a 2 GiB pinned_host
+array to the device and back). Then predicted vs measured, written as JSON.
+
+    python benchmarks/gpu_offload.py plans --dir benchmarks/results/gpu_offload_plans
+    run(command="bash benchmarks/gpu_offload.sh", timeout_s=...)   # measure, on the GPU
+    python benchmarks/gpu_offload.py measure --dir DIR --out out.json [--steps 4] [--quick]
+    python benchmarks/gpu_offload.py plans --quick --dir /tmp/offq   # gpt-tiny, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# (file stem, model, overrides, offload)
+# a stem ending in "-fallback" runs only when the row before it failed (out of memory, say)
+ROWS = (
+    ("gpt-6.7b-auto", "gpt-6.7b", dict(batch_size=8), "auto"),
+    ("gpt-6.7b-auto-b4-fallback", "gpt-6.7b", dict(batch_size=4), "auto"),
+    ("gpt-1.3b-optimizer", "gpt-1.3b", dict(batch_size=8), "optimizer"),
+    ("gpt-1.3b-none", "gpt-1.3b", dict(batch_size=8), "none"),
+)
+QUICK_ROWS = (
+    ("gpt-tiny-optimizer", "gpt-tiny", dict(batch_size=8, num_layers=2), "optimizer"),
+    ("gpt-tiny-none", "gpt-tiny", dict(batch_size=8, num_layers=2), "none"),
+)
+COMMON = dict(dtype="bfloat16", attention="fused")
+CLUSTER = "dgx-h100"
+
+
+def make_plans(directory: Path, quick: bool) -> None:
+    from autoshard.api import plan_workload
+    from autoshard.intra.problem.options import IntraOptions
+    from autoshard.sim.simulate import simulate
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for stem, model, over, offload in QUICK_ROWS if quick else ROWS:
+        t0 = time.perf_counter()
+        print(f"[plans] {stem}: planning ...", file=sys.stderr, flush=True)
+        bound = plan_workload(
+            model,
+            "1",
+            options=IntraOptions(solver="highs", time_limit_s=120.0),
+            cluster=CLUSTER,
+            optimizer="adamw",
+            offload=offload,
+            **COMMON,
+            **over,
+        )
+        bound.save(directory / f"{stem}.json")
+        record = bound.plan.offload or {}
+        chosen = record.get("offload", "none")
+        sims = {}
+        for name, which in (("chosen", chosen), ("auto", "auto" if offload == "auto" else chosen)):
+            if name == "auto" and which == chosen:
+                sims[name] = sims["chosen"]
+                continue
+            sims[name] = simulate(
+                model,
+                CLUSTER,
+                1,
+                plan="auto",
+                offload=which,
+                global_batch=over["batch_size"],
+                num_microbatches=1,
+                recompute="none",
+                attention="fused",
+                **({"num_layers": over["num_layers"]} if "num_layers" in over else {}),
+            )
+        sim = sims["chosen"]
+        predicted = {
+            "stem": stem,
+            "model": model,
+            "overrides": over,
+            "offload_asked": offload,
+            "offload_chosen": record.get("offload", "none"),
+            "where": dict(record.get("where") or {}),
+            "host_inputs": len(record.get("host_inputs", ())),
+            "planner_step_s": float(bound.plan.objective) + float(record.get("exposed_s", 0.0)),
+            "planner_peak_bytes": bound.plan.predicted_peak_bytes,
+            "transfer_s": record.get("transfer_s"),
+            "exposed_s": record.get("exposed_s"),
+            "link_bytes_per_s": record.get("link_bandwidth"),
+            "sim_step_s": sim.step_time_s,
+            "sim_peak_bytes": sim.peak_bytes_per_device,
+            "sim_breakdown_s": dict(sim.step_breakdown),
+            "sim_offload": (sim.plan or {}).get("offload", {}).get("offload"),
+            "sim_auto_offload": (sims["auto"].plan or {}).get("offload", {}).get("offload"),
+            "sim_auto_step_s": sims["auto"].step_time_s,
+            "sim_auto_peak_bytes": sims["auto"].peak_bytes_per_device,
+            "plan_s": round(time.perf_counter() - t0, 1),
+        }
+        (directory / f"{stem}.predicted.json").write_text(
+            json.dumps(predicted, indent=1, default=dict)
+        )
+        print(
+            f"[plans] {stem}: offload {predicted['offload_chosen']}, planner "
+            f"{predicted['planner_step_s'] * 1e3:.1f} ms, simulator {sim.step_time_s * 1e3:.1f} ms, "
+            f"peak {predicted['planner_peak_bytes'] / 2**30:.2f} GiB ({predicted['plan_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _link_bandwidth(nbytes: int = 2 << 30) -> dict:
+    """Seconds for ``nbytes`` pinned_host -> device and back (median of 3 each)."""
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    on_dev = jax.sharding.SingleDeviceSharding(dev)
+    x = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), host)
+    x.block_until_ready()
+    h2d, d2h = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        y = jax.device_put(x, on_dev)
+        y.block_until_ready()
+        h2d.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        z = jax.device_put(y, host)
+        z.block_until_ready()
+        d2h.append(time.perf_counter() - t)
+        del y, z
+    return {
+        "bytes": nbytes,
+        "h2d_bytes_per_s": nbytes / statistics.median(h2d),
+        "d2h_bytes_per_s": nbytes / statistics.median(d2h),
+    }
+
+
+def measure_one(plan_file: Path, steps: int) -> dict:
+    import jax
+
+    from autoshard.api import bind_plan
+    from autoshard.ir.planfile import load_plan
+    from autoshard.models import get_workload, make_optimizer
+    from autoshard.runtime.init_state import init_placed
+    from autoshard.runtime.sharded import _loss_of, _next_args
+    from autoshard.verify.memory import memory_stats
+
+    out: dict = {"plan_file": plan_file.name}
+    t = time.perf_counter()
+    pf = load_plan(str(plan_file))
+    bound = bind_plan(pf)
+    out["bind_s"] = time.perf_counter() - t
+    step = bound.jit(jax.devices()[:1])
+    workload = get_workload(pf.model, **pf.overrides)
+    opt = make_optimizer(pf.optimizer or "adamw")
+    t = time.perf_counter()
+    args = init_placed(step, workload, opt)
+    jax.block_until_ready(args)
+    out["init_s"] = time.perf_counter() - t
+    flat = jax.tree_util.tree_leaves(args)
+    out["state_bytes_host"] = sum(a.nbytes for a in flat if a.sharding.memory_kind == "pinned_host")
+    out["state_bytes_device"] = sum(
+        a.nbytes for a in flat if a.sharding.memory_kind != "pinned_host"
+    )
+    t = time.perf_counter()
+    compiled = step.compile()
+    out["compile_s"] = time.perf_counter() - t
+    mem = memory_stats(compiled)
+    out["memory_analysis"] = {
+        "argument_bytes": mem.argument_bytes,
+        "output_bytes": mem.output_bytes,
+        "alias_bytes": mem.alias_bytes,
+        "temp_bytes": mem.temp_bytes,
+        "peak_bytes": mem.peak_bytes,
+    }
+    try:
+        ma = compiled.memory_analysis()
+        out["memory_analysis"]["host"] = {
+            k: int(getattr(ma, k))
+            for k in dir(ma)
+            if k.startswith("host_") and isinstance(getattr(ma, k), int)
+        }
+    except Exception as e:  # noqa: BLE001 -- recorded, not fatal
+        out["memory_analysis"]["host"] = repr(e)
+    program = step.program
+    seconds, losses = [], []
+    placed = step.place(*args)
+    for _ in range(steps):
+        t = time.perf_counter()
+        outputs = compiled(*placed)
+        losses.append(_loss_of(program, outputs))
+        seconds.append(time.perf_counter() - t)
+        placed = _next_args(program, placed, outputs)
+    flat_out = jax.tree_util.tree_leaves(placed)
+    host_in = set((bound.plan.offload or {}).get("host_inputs", ()))
+    out["host_inputs_kinds"] = sorted({flat_out[i].sharding.memory_kind for i in host_in})
+    out["losses"] = losses
+    out["step_s"] = seconds
+    out["step_median_s"] = statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
+    stats = jax.devices()[0].memory_stats() or {}
+    out["allocator"] = {
+        k: int(stats[k]) for k in ("peak_bytes_in_use", "bytes_limit") if k in stats
+    }
+    return out
+
+
+def _child(argv: list[str], timeout_s: float) -> dict:
+    """Run this script's ``argv`` in a process of its own (its GPU memory, its failure);
+    the last JSON line it prints, or the error."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, *argv], capture_output=True, text=True, timeout=timeout_s
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        return json.loads(lines[-1]) if lines else {"error": proc.stderr[-3000:]}
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s} s"}
+
+
+def _device_info() -> dict:
+    import jax
+
+    return {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
+
+
+def measure(directory: Path, out_path: Path, steps: int, timeout_s: float) -> None:
+    # the parent never starts a backend: each child has the whole GPU
+    result: dict = {
+        "what": "issue 34: plans with training state in host memory (pinned_host) on one GPU",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **_child(["info"], 120),
+        "link": _child(["link"], 120),
+        "rows": [],
+    }
+    print(f"[measure] {result.get('device')}, link {result['link']}", file=sys.stderr, flush=True)
+    order = {f"{stem}.predicted.json": i for i, (stem, *_) in enumerate(ROWS + QUICK_ROWS)}
+    files = sorted(
+        directory.glob("*.predicted.json"), key=lambda p: (order.get(p.name, 99), p.name)
+    )
+    for predicted_file in files:
+        plan_file = predicted_file.with_name(predicted_file.name.replace(".predicted", ""))
+        predicted = json.loads(predicted_file.read_text()) if predicted_file.exists() else {}
+        if (
+            plan_file.stem.endswith("-fallback")
+            and result["rows"]
+            and "losses" in result["rows"][-1]
+        ):
+            continue
+        print(f"[measure] {plan_file.name} ...", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        row = _child(["one", str(plan_file), "--steps", str(steps)], timeout_s)
+        row["wall_s"] = time.perf_counter() - t
+        row["predicted"] = predicted
+        if "step_median_s" in row and predicted:
+            row["vs_planner"] = row["step_median_s"] / predicted["planner_step_s"] - 1
+            row["vs_simulator"] = row["step_median_s"] / predicted["sim_step_s"] - 1
+        result["rows"].append(row)
+        print(
+            f"[measure] {plan_file.name}: "
+            + (
+                f"step {row['step_median_s'] * 1e3:.1f} ms (planner "
+                f"{predicted.get('planner_step_s', float('nan')) * 1e3:.1f}, simulator "
+                f"{predicted.get('sim_step_s', float('nan')) * 1e3:.1f}), peak "
+                f"{row['allocator'].get('peak_bytes_in_use', 0) / 2**30:.2f} GiB, losses "
+                f"{row['losses']}"
+                if "step_median_s" in row
+                else f"FAILED: {row.get('error', '')[-600:]}"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
+        out_path.write_text(json.dumps(result, indent=1))
+    pairs = {r["plan_file"]: r for r in result["rows"] if "losses" in r}
+    a, b = pairs.get("gpt-1.3b-optimizer.json"), pairs.get("gpt-1.3b-none.json")
+    if a is None:
+        a, b = pairs.get("gpt-tiny-optimizer.json"), pairs.get("gpt-tiny-none.json")
+    if a and b:
+        result["losses_equal"] = a["losses"] == b["losses"]
+        result["losses_max_rel_diff"] = max(
+            abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)
+        )
+    out_path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plans", help="plan the rows here (needs the solver)")
+    p.add_argument("--dir", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="gpt-tiny rows (CPU)")
+    m = sub.add_parser("measure", help="run each plan file of --dir on this machine's device 0")
+    m.add_argument("--dir", type=Path, required=True)
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--steps", type=int, default=4)
+    m.add_argument("--timeout-s", type=float, default=240.0, help="per plan (s)")
+    o = sub.add_parser("one", help="(internal) one plan file, JSON on stdout")
+    o.add_argument("plan_file", type=Path)
+    o.add_argument("--steps", type=int, default=4)
+    sub.add_parser("link", help="(internal) the host link's bandwidth, JSON on stdout")
+    sub.add_parser("info", help="(internal) jax version and device, JSON on stdout")
+    args = ap.parse_args(argv)
+    if args.cmd == "plans":
+        make_plans(args.dir, args.quick)
+    elif args.cmd == "measure":
+        measure(args.dir, args.out, args.steps, args.timeout_s)
+    elif args.cmd == "link":
+        print(json.dumps(_link_bandwidth()))
+    elif args.cmd == "info":
+        print(json.dumps(_device_info()))
+    else:
+        print(json.dumps(measure_one(args.plan_file, args.steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.97")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())
