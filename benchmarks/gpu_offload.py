@@ -110,6 +110,8 @@ def make_plans(directory: Path, quick: bool) -> None:
             "sim_auto_step_s": sims["auto"].step_time_s,
             "sim_auto_peak_bytes": sims["auto"].peak_bytes_per_device,
             "plan_s": round(time.perf_counter() - t0, 1),
+            # a plan binds only to the program traced by the same jax (the GPU's: 0.11.2)
+            "planned_with_jax": __import__("jax").__version__,
         }
         (directory / f"{stem}.predicted.json").write_text(
             json.dumps(predicted, indent=1, default=dict)
@@ -151,6 +153,11 @@ def _link_bandwidth(nbytes: int = 2 << 30) -> dict:
     }
 
 
+def _phase(out: dict, what: str, seconds: float) -> None:
+    """A line per phase on stderr, so that a row cut short by its cap says how far it got."""
+    print(f"[one] {out['plan_file']}: {what} in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
 def measure_one(plan_file: Path, steps: int) -> dict:
     import jax
 
@@ -166,6 +173,7 @@ def measure_one(plan_file: Path, steps: int) -> dict:
     pf = load_plan(str(plan_file))
     bound = bind_plan(pf)
     out["bind_s"] = time.perf_counter() - t
+    _phase(out, "bound (re-traced)", out["bind_s"])
     step = bound.jit(jax.devices()[:1])
     workload = get_workload(pf.model, **pf.overrides)
     opt = make_optimizer(pf.optimizer or "adamw")
@@ -173,6 +181,7 @@ def measure_one(plan_file: Path, steps: int) -> dict:
     args = init_placed(step, workload, opt)
     jax.block_until_ready(args)
     out["init_s"] = time.perf_counter() - t
+    _phase(out, "state made where the plan keeps it", out["init_s"])
     flat = jax.tree_util.tree_leaves(args)
     out["state_bytes_host"] = sum(a.nbytes for a in flat if a.sharding.memory_kind == "pinned_host")
     out["state_bytes_device"] = sum(
@@ -181,6 +190,7 @@ def measure_one(plan_file: Path, steps: int) -> dict:
     t = time.perf_counter()
     compiled = step.compile()
     out["compile_s"] = time.perf_counter() - t
+    _phase(out, "compiled", out["compile_s"])
     mem = memory_stats(compiled)
     out["memory_analysis"] = {
         "argument_bytes": mem.argument_bytes,
@@ -206,6 +216,7 @@ def measure_one(plan_file: Path, steps: int) -> dict:
         outputs = compiled(*placed)
         losses.append(_loss_of(program, outputs))
         seconds.append(time.perf_counter() - t)
+        _phase(out, f"step {len(seconds)} (loss {losses[-1]:.4f})", seconds[-1])
         placed = _next_args(program, placed, outputs)
     flat_out = jax.tree_util.tree_leaves(placed)
     host_in = set((bound.plan.offload or {}).get("host_inputs", ()))
@@ -222,15 +233,31 @@ def measure_one(plan_file: Path, steps: int) -> dict:
 
 def _child(argv: list[str], timeout_s: float) -> dict:
     """Run this script's ``argv`` in a process of its own (its GPU memory, its failure);
-    the last JSON line it prints, or the error."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, *argv], capture_output=True, text=True, timeout=timeout_s
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        return json.loads(lines[-1]) if lines else {"error": proc.stderr[-3000:]}
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s} s"}
+    the last JSON line it prints, or the error with the end of its stderr. Its stderr
+    lines that start with ``[`` (phases) are echoed here once it ends."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as err:
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, *argv],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                timeout=timeout_s,
+            )
+            failure = None
+        except subprocess.TimeoutExpired:
+            proc, failure = None, f"timed out after {timeout_s} s"
+        err.seek(0)
+        text = err.read()
+    for line in text.splitlines():
+        if line.startswith("[one]"):
+            print(line, file=sys.stderr, flush=True)
+    lines = [ln for ln in (proc.stdout if proc else "").splitlines() if ln.startswith("{")]
+    if lines:
+        return json.loads(lines[-1])
+    return {"error": f"{failure or f'exit {proc.returncode}'}; its last lines: {text[-2500:]}"}
 
 
 def _device_info() -> dict:
@@ -239,7 +266,9 @@ def _device_info() -> dict:
     return {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
 
 
-def measure(directory: Path, out_path: Path, steps: int, timeout_s: float) -> None:
+def measure(
+    directory: Path, out_path: Path, steps: int, timeout_s: float, rows: list[str] | None = None
+) -> None:
     # the parent never starts a backend: each child has the whole GPU
     result: dict = {
         "what": "issue 34: plans with training state in host memory (pinned_host) on one GPU",
@@ -262,9 +291,19 @@ def measure(directory: Path, out_path: Path, steps: int, timeout_s: float) -> No
             and "losses" in result["rows"][-1]
         ):
             continue
+        if rows and plan_file.stem not in rows:
+            continue
         print(f"[measure] {plan_file.name} ...", file=sys.stderr, flush=True)
         t = time.perf_counter()
-        row = _child(["one", str(plan_file), "--steps", str(steps)], timeout_s)
+        made_with = predicted.get("planned_with_jax")
+        if made_with and result.get("jax") and made_with != result["jax"]:
+            row = {
+                "error": f"planned with jax {made_with}, this machine has jax {result['jax']}: "
+                "a plan binds only to the program the same jax traces; re-make the plans with "
+                f"jax {result['jax']} (python benchmarks/gpu_offload.py plans --dir ...)"
+            }
+        else:
+            row = _child(["one", str(plan_file), "--steps", str(steps)], timeout_s)
         row["wall_s"] = time.perf_counter() - t
         row["predicted"] = predicted
         if "step_median_s" in row and predicted:
@@ -311,7 +350,8 @@ def main(argv=None) -> int:
     m.add_argument("--dir", type=Path, required=True)
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--steps", type=int, default=4)
-    m.add_argument("--timeout-s", type=float, default=240.0, help="per plan (s)")
+    m.add_argument("--timeout-s", type=float, default=300.0, help="per plan (s)")
+    m.add_argument("--rows", nargs="+", help="plan file stems to run (default: all)")
     o = sub.add_parser("one", help="(internal) one plan file, JSON on stdout")
     o.add_argument("plan_file", type=Path)
     o.add_argument("--steps", type=int, default=4)
@@ -321,7 +361,7 @@ def main(argv=None) -> int:
     if args.cmd == "plans":
         make_plans(args.dir, args.quick)
     elif args.cmd == "measure":
-        measure(args.dir, args.out, args.steps, args.timeout_s)
+        measure(args.dir, args.out, args.steps, args.timeout_s, args.rows)
     elif args.cmd == "link":
         print(json.dumps(_link_bandwidth()))
     elif args.cmd == "info":
