@@ -178,3 +178,14 @@ def cli_without_planner_in_process(capsys, monkeypatch, *args):
     monkeypatch.setattr(problem, "auto_shard_graph", refuse)
     monkeypatch.setattr(offload_search, "auto_shard_graph", refuse)
     return cli_in_process(capsys, *args)
+
+
+@pytest.fixture(autouse=True)
+def _restore_unraisablehook():
+    """``autoshard.cli.main.main()`` wraps ``sys.unraisablehook`` so that a dropped Ctrl-C
+    ends the command (autoshard/cli/interrupt.py); a test that calls main() in this process
+    must not leave that on the test process (it printed "autoshard: interrupted" and exited
+    130 when the pytest worker later dropped a KeyboardInterrupt)."""
+    hook = sys.unraisablehook
+    yield
+    sys.unraisablehook = hook
