@@ -21,8 +21,12 @@ sharding's memory kind); ``update`` copies it to the device where it starts and 
 where it ends (``jax.device_put`` inside the jitted update), as the one-mesh runtime
 (:mod:`autoshard.runtime.sharded`) does. With ``master`` the f32 master weights
 (``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` copies
-them in once per step and the update writes them back. A host-update placement
-(``gradients``) still runs its update on the device.
+them in once per step and the update writes them back. With ``activations`` the
+forward's residuals (what each layer keeps for its backward, after recompute) leave the
+device where the forward ends (``jax.device_put(..., jax.memory.Space.Host)``: the
+forward's results are in ``pinned_host``) and come back where the backward starts; the
+received activations and batch slices the backward takes again stay on the device. A
+host-update placement (``gradients``) still runs its update on the device.
 
 Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
 to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
@@ -136,6 +140,8 @@ class StageExecutable:
         host_params: frozenset[int] = frozenset(),
     ):
         self.offload = tuple(offload)
+        # the forward's residuals rest in pinned_host between its forward and backward
+        self.activations_on_host = "activations" in self.offload
         self.sp, self.mesh, self.layout, self.recompute = sp, mesh, layout, recompute
         policy = recompute_policy(recompute)
         spec_fn = layout.spec_fn
@@ -274,10 +280,15 @@ class StageExecutable:
             leaves, vjp_tree = jax.tree.flatten(vjp)
             slots = tuple(args.get(id(leaf)) for leaf in leaves)
             self._residual_layout = (vjp_tree, slots)
-            return outs, [leaf for leaf, s in zip(leaves, slots, strict=True) if s is None]
+            kept = [leaf for leaf, s in zip(leaves, slots, strict=True) if s is None]
+            if self.activations_on_host:  # out to the host where the forward ends
+                kept = [jax.device_put(r, jax.memory.Space.Host) for r in kept]
+            return outs, kept
 
         def backward(params, received, data, residuals, out_cts, grad_acc):
             vjp_tree, slots = self._residual_layout
+            if self.activations_on_host:  # back to the device where the backward starts
+                residuals = [jax.device_put(r, jax.memory.Space.Device) for r in residuals]
             args = jax.tree.leaves((params, received, data))
             kept = iter(residuals)
             leaves = [next(kept) if s is None else args[s] for s in slots]
