@@ -196,8 +196,9 @@ def test_pipeline_runtime_keeps_saved_activations_in_pinned_host_and_trains_the_
 def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same():
     """optimizer,master on a bf16 model: the f32 weights read through a convert to bf16
     rest in pinned_host (those read in f32 -- layer-norm scales, the tied embedding --
-    stay on the device); two steps give the losses and weights of the pipeline without
-    offload, bit for bit (the same programs; only where the state rests differs)."""
+    stay on the device); during a step the device holds their bf16 copies (what the stage
+    search prices), the gradients accumulate in f32; two steps give the losses and
+    weights of the pipeline without offload, bit for bit."""
     import jax
 
     from autoshard.api_pipeline import microbatch_graph
@@ -217,6 +218,24 @@ def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same(
             kinds[t] = leaf.sharding.memory_kind
     assert masters and {kinds[t] for t in masters} == {"pinned_host"}
     assert {k for t, k in kinds.items() if t not in masters} == {"device"}
+    live, grads = {}, {}
+    for st in off.stage_executables:
+        leaves = zip(st.param_ids, jax.tree.leaves(st.live_params()),
+                     jax.tree.leaves(st.zero_grads()), strict=True)  # fmt: skip
+        for t, leaf, grad in leaves:
+            live[t] = (str(leaf.dtype), leaf.sharding.memory_kind)
+            grads[t] = str(grad.dtype)
+    assert {live[t] for t in masters} == {("bfloat16", "device")}  # the 16-bit copies
+    assert {live[t] for t in live if t not in masters} == {("float32", "device")}
+    assert set(grads.values()) == {"float32"}
+    # the compiled forward reads the masters in bf16: no f32 copy of them on the device
+    for i, st in enumerate(off.stage_executables):
+        entry = off.compiled_forward(i).as_text().split("entry_computation_layout={(")[1]
+        params = entry.split(")->")[0]
+        n_masters = sum(t in masters for t in st.param_ids)
+        assert params.count("bf16[") >= n_masters
+        plain_params = plain.compiled_forward(i).as_text().split("entry_computation_layout={(")
+        assert plain_params[1].split(")->")[0].count("bf16[") == params.count("bf16[") - n_masters
 
 
 def test_pipeline_runtime_offload_refuses_interleaving():

@@ -110,12 +110,19 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
             )
             for t in st.float_out
         ]
+        grad_acc = jax.tree.map(  # the parameters' own dtypes (f32 for a master)
+            lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
+            st.params,
+            st.param_shardings,
+        )
         backward = st.backward.lower(
-            params, received, data, residual_args, out_cts, params
+            params, received, data, residual_args, out_cts, grad_acc
         ).compile()
-        state = (
-            sum(_shard_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)) * 2
-        )  # parameters and the gradient accumulator
+        state = sum(  # the parameters as a step reads them (a master: its 16-bit copy)
+            _shard_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)
+        ) + sum(  # and the gradient accumulator
+            _shard_bytes(g.shape, g.dtype, g.sharding) for g in jax.tree.leaves(grad_acc)
+        )
         state += sum(
             _shard_bytes(leaf.shape, leaf.dtype, leaf.sharding)
             for leaf in jax.tree.leaves(st.opt_state)
