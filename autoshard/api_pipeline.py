@@ -303,8 +303,9 @@ def auto_pipeline(
     ``c * S + s`` on stage ``s``'s devices, logical mesh and recompute mode.
     ``probe(stage, layer)`` is called each time a layer's forward runs (for counting).
     ``offload`` (intra-op layout, with ``cluster``): a placement every stage takes, or
-    ``"auto"`` (:func:`auto_stage_plan`); the runtime keeps the optimizer state and the
-    master weights in ``pinned_host`` memory (:mod:`autoshard.runtime.stage`).
+    ``"auto"`` (:func:`auto_stage_plan`); the runtime keeps the optimizer state, the
+    master weights and the forward's saved activations in ``pinned_host`` memory
+    (:mod:`autoshard.runtime.stage`).
     """
     check_virtual_stages(schedule, virtual_stages)
     offload = _offload_request(offload)
@@ -313,8 +314,6 @@ def auto_pipeline(
             "offload in the pipeline runtime needs layout='intra-op' and one model chunk per "
             "stage (virtual_stages=1): drop offload or use the 1f1b/gpipe schedule"
         )
-    if offload is not None and offload != "auto":
-        _check_runtime_offload(offload.label, offload.classes)
     if recompute not in (*RECOMPUTE_MODES, "auto"):
         raise ValueError(
             f"unknown recompute {recompute!r}; choose one of {(*RECOMPUTE_MODES, 'auto')}"
@@ -433,10 +432,6 @@ def auto_pipeline(
             inter_plan = search_stages(
                 graph, 1, n, options, cluster=cluster, cost=intra_cost, offload=offload
             )
-            if inter_plan.offload:
-                _check_runtime_offload(
-                    inter_plan.offload["offload"], inter_plan.offload["classes"], "the search chose"
-                )
         stage_plan = inter_plan.stage_plan
         if inter_plan.offload and "master" in inter_plan.offload["classes"]:
             from autoshard.intra.offload.placement import tensor_classes
@@ -508,18 +503,6 @@ def auto_pipeline(
         probe=probe,
         host_params=host_params,
     )
-
-
-def _check_runtime_offload(label: str, classes, who: str = "asked for") -> None:
-    """The runtime places the optimizer state and the master weights in host memory (and
-    runs a host update's update on the device, as the one-mesh runtime does); saved
-    activations are priced by the search but not placed by any runtime yet."""
-    if "activations" in classes:
-        raise ValueError(
-            f"{who} offload {label}, but the pipeline runtime does not place saved "
-            "activations in host memory yet (the stage search prices them): offload "
-            "optimizer, master or gradients, or price it with `plan --pipeline`"
-        )
 
 
 def _chunks(stages: Sequence[Stage], virtual_stages: int, stats: LayerStats) -> list[Stage]:

@@ -22,7 +22,7 @@ EXPERIMENTS = ROOT / "experiments"
 FIGURES = ROOT / "docs" / "figures"
 EXPECTED = {
     "weak-scaling", "intra-ablation", "inter-ablation", "planning-time", "truth",
-    "planner-scaling", "sim-validation", "frontier",
+    "planner-scaling", "sim-validation", "frontier", "offload",
 }  # fmt: skip
 
 
@@ -304,6 +304,55 @@ def test_frontier_plan_label_names_each_view_of_a_mixed_plan():
     mixed = FRONTIER_FAKE["data"]["rows"][1]["auto"]
     assert module.plan_label(mixed) == "8x32x4\n4x32x8\n(mixed)"
     assert module.plan_label({"tp_pp_dp": [8, 64, 6]}) == "8x64x6"
+
+
+def test_offload_figure_is_built_from_the_committed_benchmark_json():
+    """docs/figures/offload.json is what the builder makes of benchmarks/results/
+    offload_v100.json; each panel draws a bar of the row's PFLOPS where it fits, a cross
+    where not, a star on the fastest that fits and a line at the source figure's OOM row."""
+    module = _script("offload")
+    bench = json.loads((ROOT / "benchmarks/results/offload_v100.json").read_text())
+    data = module.from_bench(bench, "benchmarks/results/offload_v100.json")
+    committed = json.loads((FIGURES / "offload.json").read_text())
+    assert committed["data"] == json.loads(json.dumps(data))
+    fig, drawn = _drawn(module, committed)
+    by_row = {(r["point"], r["offload"]): r for r in bench["rows"]}
+    for ax, p in zip(fig.axes, data["points"], strict=True):
+        title = ax.get_title()
+        fitting = []
+        for c in p["cells"]:
+            row, group = by_row[(p["point"], c["offload"])], module.TICKS[c["offload"]]
+            if row["fits"]:
+                assert drawn[f"{title}::bar|offload|{group}"][1] == row["pflops"]
+                fitting.append(row)
+            else:
+                assert f"{title}::oom|offload|{group}" in drawn
+                assert f"{title}::bar|offload|{group}" not in drawn
+        stars = [k for k in drawn if k.startswith(f"{title}::fastest|")]
+        if fitting:
+            best = max(fitting, key=lambda r: r["pflops"])["offload"]
+            assert stars == [f"{title}::fastest|{p['point']}|{best}"]
+        else:
+            assert stars == []
+        line = next(ln for ln in ax.lines if ln.get_gid() == f"reference|{p['point']}")
+        assert line.get_ydata()[0] == p["reference"]["pflops"] > 0
+    # the claims docs/offload.md makes from it: both MoE points and the ablation point fit,
+    # gpt-39b's intra-only point fits under no placement
+    best = {p["point"]: p["fastest_fit"] for p in data["points"]}
+    assert best == {
+        "ablation": "optimizer,master",
+        "weak:moe-27b:expert-zero2": "optimizer,master,gradients",
+        "weak:moe-70b:expert-zero2": "optimizer,master,gradients",
+        "weak:gpt-39b:intra-only": None,
+    }
+
+
+def test_offload_figure_says_which_benchmark_row_is_missing():
+    module = _script("offload")
+    bench = json.loads((ROOT / "benchmarks/results/offload_v100.json").read_text())
+    rows = [r for r in bench["rows"] if (r["point"], r["offload"]) != ("ablation", "optimizer")]
+    with pytest.raises(ValueError, match=r"no ablation row for \['optimizer'\].*offload_v100.py"):
+        module.build(rows)
 
 
 @pytest.mark.parametrize("name", ["truth", "sim-validation"])

@@ -105,14 +105,20 @@ def _train(offload, steps=2, **overrides):
     return trainer, losses
 
 
-def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_device():
+@pytest.fixture(scope="module")
+def plain_f32():
+    """The f32 AdamW pipeline without offload, two steps: (trainer, losses)."""
+    return _train(None)  # gpt-tiny with one block: 3 layers, 2 stages
+
+
+def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_device(plain_f32):
     import jax
     import jax.numpy as jnp
 
     from autoshard.models import get_workload, make_optimizer, make_train_step
 
     off, losses_off = _train("optimizer")
-    plain, losses = _train(None)  # gpt-tiny with one block: 3 layers, 2 stages
+    plain, losses = plain_f32
     assert off.inter_plan.offload["classes"] == ["optimizer"] and plain.inter_plan.offload is None
     for st_off, st in zip(off.stage_executables, plain.stage_executables, strict=True):
         moments = [
@@ -137,24 +143,62 @@ def test_pipeline_runtime_keeps_adam_state_in_pinned_host_and_trains_like_one_de
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
-def test_cli_run_pipeline_refuses_what_its_runtime_does_not_place(capsys):
-    argv = (
-        "run --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 "
-        "--cluster alpa-v100 --offload optimizer,activations"
-    )
-    rc, out, err = cli_in_process(capsys, *argv.split())  # refused before the search
-    assert rc == 2, out + err
-    assert "does not place saved activations" in err and "Traceback" not in err
-    no_cluster = argv.replace("--cluster alpa-v100 ", "").replace(",activations", "")
-    rc, out, err = cli_in_process(capsys, *no_cluster.split())
-    assert rc == 2 and "--cluster" in err  # no host figures without a preset
+def test_cli_run_pipeline_offload_needs_a_cluster(capsys):
+    argv = "run --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 --offload optimizer"
+    rc, out, err = cli_in_process(capsys, *argv.split())
+    assert rc == 2 and "--cluster" in err and "Traceback" not in err  # no host figures
+
+
+def _residual_layouts(compiled) -> list[str]:
+    """The layouts of a compiled forward's results: ``S(5)`` marks host memory."""
+    import re
+
+    entry = re.search(r"entry_computation_layout=\{\((.*)\)->\((.*)\)\}", compiled.as_text())
+    return re.findall(r"\w+\[[^\]]*\](?:\{[^{}]*\})?", entry.group(2))  # f32[4,8]{1,0:S(5)}
+
+
+def test_pipeline_runtime_keeps_saved_activations_in_pinned_host_and_trains_the_same(plain_f32):
+    """offload activations: every stage's forward returns its residuals in pinned_host
+    (the compiled forward's results carry host memory space S(5)), the backward takes them
+    back, and two f32 AdamW steps give the losses and weights of the pipeline without
+    offload within 1e-5."""
+    import jax
+    import jax.numpy as jnp
+
+    off, losses_off = _train("activations")
+    plain, losses = plain_f32
+    assert off.inter_plan.offload["classes"] == ["activations"]
+    assert losses_off == pytest.approx(losses, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(off.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    for i, (st_off, st) in enumerate(zip(off.stage_executables, plain.stage_executables,
+                                         strict=True)):  # fmt: skip
+        assert st_off.activations_on_host and not st.activations_on_host
+        compiled_off, compiled = off.compiled_forward(i), plain.compiled_forward(i)
+        kinds = [s.memory_kind for s in jax.tree.leaves(compiled_off.output_shardings[1])]
+        assert kinds and set(kinds) == {"pinned_host"}, kinds
+        assert {s.memory_kind for s in jax.tree.leaves(compiled.output_shardings[1])} == {"device"}
+        sent = len(st.output_shardings)  # the results before the residuals
+        layouts = _residual_layouts(compiled_off)
+        assert len(layouts) == sent + len(kinds)
+        assert all("S(5)" not in x for x in layouts[:sent])  # what is sent stays on device
+        assert all("S(5)" in x for x in layouts[sent:])  # every residual in host memory
+        assert not any("S(5)" in x for x in _residual_layouts(compiled))
+        # a real forward: its residuals arrive in pinned_host, the state stays put
+        params, received, data = st_off.abstract_args()
+        zeros = [jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding) for a in received + data]
+        _, residuals = st_off.forward(st_off.live_params(), zeros[: len(received)],
+                                      zeros[len(received):])  # fmt: skip
+        assert {r.sharding.memory_kind for r in residuals} == {"pinned_host"}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(st_off.opt_state)} == {"device"}
 
 
 def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same():
     """optimizer,master on a bf16 model: the f32 weights read through a convert to bf16
     rest in pinned_host (those read in f32 -- layer-norm scales, the tied embedding --
-    stay on the device); two steps give the losses and weights of the pipeline without
-    offload, bit for bit (the same programs; only where the state rests differs)."""
+    stay on the device); during a step the device holds their bf16 copies (what the stage
+    search prices), the gradients accumulate in f32; two steps give the losses and
+    weights of the pipeline without offload, bit for bit."""
     import jax
 
     from autoshard.api_pipeline import microbatch_graph
@@ -174,6 +218,24 @@ def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same(
             kinds[t] = leaf.sharding.memory_kind
     assert masters and {kinds[t] for t in masters} == {"pinned_host"}
     assert {k for t, k in kinds.items() if t not in masters} == {"device"}
+    live, grads = {}, {}
+    for st in off.stage_executables:
+        leaves = zip(st.param_ids, jax.tree.leaves(st.live_params()),
+                     jax.tree.leaves(st.zero_grads()), strict=True)  # fmt: skip
+        for t, leaf, grad in leaves:
+            live[t] = (str(leaf.dtype), leaf.sharding.memory_kind)
+            grads[t] = str(grad.dtype)
+    assert {live[t] for t in masters} == {("bfloat16", "device")}  # the 16-bit copies
+    assert {live[t] for t in live if t not in masters} == {("float32", "device")}
+    assert set(grads.values()) == {"float32"}
+    # the compiled forward reads the masters in bf16: no f32 copy of them on the device
+    for i, st in enumerate(off.stage_executables):
+        entry = off.compiled_forward(i).as_text().split("entry_computation_layout={(")[1]
+        params = entry.split(")->")[0]
+        n_masters = sum(t in masters for t in st.param_ids)
+        assert params.count("bf16[") >= n_masters
+        plain_params = plain.compiled_forward(i).as_text().split("entry_computation_layout={(")
+        assert plain_params[1].split(")->")[0].count("bf16[") == params.count("bf16[") - n_masters
 
 
 def test_pipeline_runtime_offload_refuses_interleaving():
@@ -193,15 +255,18 @@ def test_pipeline_runtime_offload_refuses_interleaving():
         )  # fmt: skip
 
 
-@pytest.mark.slow  # the runtime test above covers the same path through the API
-def test_cli_run_pipeline_offload_matches_one_device(capsys):
+@pytest.mark.slow  # the runtime tests above cover the same path through the API
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer,activations"])
+def test_cli_run_pipeline_offload_matches_one_device(capsys, offload):
     argv = (
         "run --model gpt-tiny --pipeline equal-layer --devices 2 --stages 2 --microbatches 2 "
-        "--cluster alpa-v100 --offload optimizer --optimizer sgd-momentum --steps 2 --check"
+        f"--cluster alpa-v100 --offload {offload} --optimizer sgd-momentum --steps 2 --check"
     )
     rc, out, err = cli_in_process(capsys, *argv.split())
     assert rc == 0, out + err
     assert "optimizer state at rest in memory kind: pinned_host" in out
+    if "activations" in offload:
+        assert "saved activations between forward and backward in memory kind: pinned_host" in out
     assert "MATCH" in out and "MISMATCH" not in out
 
 
@@ -269,7 +334,7 @@ def test_pipeline_plan_offloads_activations(capsys):
     assert json.loads(text)["offload"]["where"]["activations"] == "host"
     argv = "plan --model gpt-tiny --mesh 1 --cluster alpa-v100 --offload activations"
     rc, out, err = cli_in_process(capsys, *argv.split())  # one mesh: not modelled
-    assert rc == 2 and "plan --pipeline or simulate --plan auto" in err, out + err
+    assert rc == 2 and "plan --pipeline, simulate --plan auto or run --pipeline" in err, out + err
 
 
 def test_simulate_prices_offloaded_activations_as_offload(tmp_path):

@@ -193,6 +193,11 @@ def cmd_pipeline_run(args) -> int:
         for line in offload_lines(trainer.inter_plan.offload):
             print(line)
         print(f"optimizer state at rest in memory kind: {_state_memory_kinds(trainer)}")
+        if "activations" in trainer.inter_plan.offload["classes"]:
+            print(
+                "saved activations between forward and backward in memory kind: "
+                + _residual_memory_kinds(trainer)
+            )
         if any(st.masters_on_host for st in trainer.stage_executables):
             count = sum(
                 leaf.sharding.memory_kind == "pinned_host"
@@ -277,6 +282,19 @@ def _state_memory_kinds(trainer) -> str:
         for st in trainer.stage_executables
         for leaf in jax.tree.leaves(st.opt_state)
         if jnp.issubdtype(leaf.dtype, jnp.inexact)
+    }
+    return ", ".join(sorted(map(str, kinds)))
+
+
+def _residual_memory_kinds(trainer) -> str:
+    """The memory kinds of the stages' forward residuals (the compiled forwards' results
+    the backward takes), as they wait for the backward."""
+    import jax
+
+    kinds = {
+        sharding.memory_kind
+        for i in range(len(trainer.stage_executables))
+        for sharding in jax.tree.leaves(trainer.compiled_forward(i).output_shardings[1])
     }
     return ", ".join(sorted(map(str, kinds)))
 

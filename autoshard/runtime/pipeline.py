@@ -314,8 +314,8 @@ class PipelineTrainer:
         """One training step on the global ``batch``; returns the mean loss over it."""
         microbatches = self._microbatches(batch)
         stages, m = self._stages, self.num_microbatches
-        live = [st.live_params() for st in stages]  # master weights copied in, once
-        grads = [st.zero_grads(p) for st, p in zip(stages, live, strict=True)]
+        live = [st.live_params() for st in stages]  # masters' 16-bit copies made, once
+        grads = [st.zero_grads() for st in stages]
         inbox: dict[tuple[int, int], dict[int, Any]] = {}  # (stage, mb) -> received tensors
         cotangents: dict[tuple[int, int], dict[int, Any]] = {}  # (stage, mb) -> output cts
         saved: dict[tuple[int, int], tuple[list, list, list]] = {}  # the forward's residuals
@@ -357,8 +357,9 @@ class PipelineTrainer:
                         ct = transfer(ct, sh)
                         box_src = cotangents.setdefault((src, task.microbatch), {})
                         box_src[t] = box_src[t] + ct if t in box_src else ct
-        for st, p, g in zip(stages, live, grads, strict=True):
-            st.params, st.opt_state = st.update(p, st.opt_state, g)
+        del live  # the 16-bit copies; the update reads the weights at rest
+        for st, g in zip(stages, grads, strict=True):
+            st.params, st.opt_state = st.update(st.params, st.opt_state, g)
         return sum(losses[1:], losses[0]) / m
 
 

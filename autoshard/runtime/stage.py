@@ -20,9 +20,17 @@ floating-point optimizer state rests in ``pinned_host`` memory between steps (it
 sharding's memory kind); ``update`` copies it to the device where it starts and back
 where it ends (``jax.device_put`` inside the jitted update), as the one-mesh runtime
 (:mod:`autoshard.runtime.sharded`) does. With ``master`` the f32 master weights
-(``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` copies
-them in once per step and the update writes them back. A host-update placement
-(``gradients``) still runs its update on the device.
+(``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` makes
+their 16-bit copies on the device once per step (one weight at a time: copied in,
+converted to the dtype the stage's equations convert it to), which every microbatch
+reads, so the device holds the 16-bit copies during the step, as the stage search
+prices; the gradients still accumulate in f32 (the transpose of that convert), and the
+update copies the f32 masters in and writes them back. With ``activations`` the
+forward's residuals (what each layer keeps for its backward, after recompute) leave the
+device where the forward ends (``jax.device_put(..., jax.memory.Space.Host)``: the
+forward's results are in ``pinned_host``) and come back where the backward starts; the
+received activations and batch slices the backward takes again stay on the device. A
+host-update placement (``gradients``) still runs its update on the device.
 
 Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
 to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
@@ -43,6 +51,7 @@ twice): it counts forward executions without changing what runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +115,31 @@ def _save_all_but_attention(prim, *avals, **params) -> bool:
     return not any(is_attention_sized(o.shape) for o in jax.tree.leaves(out))
 
 
+def _narrow_dtype(prog: TracedProgram, sp: StageProgram, tid: int):
+    """The dtype the stage's equations convert master weight ``tid`` to (every reader of
+    a master is a convert to one narrow dtype, :func:`~autoshard.intra.offload.placement.
+    tensor_classes`)."""
+    dtypes = set()
+    for i in sp.eqns:
+        eqn, (prim, params) = prog.records.eqns[i], prog._impls[i]
+        if tid in eqn.inputs:
+            if prim.name != "convert_element_type":
+                raise ValueError(
+                    f"master weight {tid} is read by {prim.name}, not only through a convert "
+                    "to 16 bits: it cannot rest in host memory as a master"
+                )
+            dtypes.add(jnp.dtype(params["new_dtype"]))
+    if len(dtypes) != 1:
+        raise ValueError(f"master weight {tid} is converted to {sorted(map(str, dtypes))} here")
+    return dtypes.pop()
+
+
+@functools.cache
+def _narrow_copy(sharding: NamedSharding, dtype):
+    """A jitted copy of one host-resting weight to the device, converted to ``dtype``."""
+    return jax.jit(lambda x: jax.device_put(x, sharding).astype(dtype), out_shardings=sharding)
+
+
 def _layer_groups(eqns, recomputed: Callable[[str | None], bool]):
     """Consecutive runs of equations of one layer: ``[(layer, recomputed, eqns)]``."""
     groups: list[tuple[str | None, bool, list]] = []
@@ -136,6 +170,8 @@ class StageExecutable:
         host_params: frozenset[int] = frozenset(),
     ):
         self.offload = tuple(offload)
+        # the forward's residuals rest in pinned_host between its forward and backward
+        self.activations_on_host = "activations" in self.offload
         self.sp, self.mesh, self.layout, self.recompute = sp, mesh, layout, recompute
         policy = recompute_policy(recompute)
         spec_fn = layout.spec_fn
@@ -165,6 +201,12 @@ class StageExecutable:
             tid_tree,
         )
         self.masters_on_host = bool(set(self.param_ids) & set(host_params))
+        # per parameter: the dtype it lives in on the device during a step (a master
+        # resting in host memory: the narrow dtype every reader converts it to)
+        self.live_dtypes = [
+            _narrow_dtype(prog, sp, t) if t in host_params else jnp.dtype(tensors[t].dtype)
+            for t in self.param_ids
+        ]
         self.params = jax.tree.unflatten(
             treedef,
             [
@@ -188,7 +230,9 @@ class StageExecutable:
             else device_state
         )
         self.opt_state = jax.device_put(
-            jax.jit(optimizer.init, out_shardings=device_state)(self.live_params()),
+            jax.jit(optimizer.init, out_shardings=device_state)(
+                jax.device_put(self.params, self.param_shardings)  # the f32 weights
+            ),
             self.opt_state_shardings,
         )
 
@@ -274,10 +318,15 @@ class StageExecutable:
             leaves, vjp_tree = jax.tree.flatten(vjp)
             slots = tuple(args.get(id(leaf)) for leaf in leaves)
             self._residual_layout = (vjp_tree, slots)
-            return outs, [leaf for leaf, s in zip(leaves, slots, strict=True) if s is None]
+            kept = [leaf for leaf, s in zip(leaves, slots, strict=True) if s is None]
+            if self.activations_on_host:  # out to the host where the forward ends
+                kept = [jax.device_put(r, jax.memory.Space.Host) for r in kept]
+            return outs, kept
 
         def backward(params, received, data, residuals, out_cts, grad_acc):
             vjp_tree, slots = self._residual_layout
+            if self.activations_on_host:  # back to the device where the backward starts
+                residuals = [jax.device_put(r, jax.memory.Space.Device) for r in residuals]
             args = jax.tree.leaves((params, received, data))
             kept = iter(residuals)
             leaves = [next(kept) if s is None else args[s] for s in slots]
@@ -286,6 +335,8 @@ class StageExecutable:
             return jax.tree.map(jnp.add, grad_acc, grads), in_cts
 
         def update(params, opt_state, grads):
+            if self.masters_on_host:  # the f32 masters in from the host (params: at rest)
+                params = jax.device_put(params, self.param_shardings)
             if state_on_host:  # host -> device where the update starts
                 opt_state = jax.device_put(opt_state, device_state)
             updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -302,17 +353,26 @@ class StageExecutable:
             out_shardings=(self.param_shardings, [self.received_shardings[i] for i in float_in]),
         )
         self.update = jax.jit(update, out_shardings=(self.rest_shardings, self.opt_state_shardings))
+        # the gradient accumulator: the parameters' own dtypes (f32 for a master)
+        shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.params)
         self.zero_grads = jax.jit(
-            lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.param_shardings
+            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+            out_shardings=self.param_shardings,
         )
 
     def live_params(self):
-        """The stage's parameters on the device for one step: the master weights resting in
-        host memory copied in once per step (every microbatch reads the copy), the rest as
-        they are."""
+        """The stage's parameters on the device for one step: each master weight resting in
+        host memory as its 16-bit copy, made once per step (every microbatch reads it),
+        one weight at a time (copied in, converted); the rest as they are."""
         if not self.masters_on_host:
             return self.params
-        return jax.device_put(self.params, self.param_shardings)
+        leaves, treedef = jax.tree.flatten(self.params)
+        shardings = jax.tree.leaves(self.param_shardings)
+        live = [
+            x if x.dtype == dt else _narrow_copy(sh, dt)(x)
+            for x, sh, dt in zip(leaves, shardings, self.live_dtypes, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, live)
 
     def abstract_args(self):
         """``(params, received, data)`` of one microbatch as abstract arrays with the
@@ -326,10 +386,15 @@ class StageExecutable:
                 for t, sh in zip(ids, shardings, strict=True)
             ]
 
-        params = jax.tree.map(
-            lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
-            self.params,
-            self.param_shardings,
+        leaves, treedef = jax.tree.flatten(self.params)
+        params = jax.tree.unflatten(
+            treedef,
+            [
+                jax.ShapeDtypeStruct(p.shape, dt, sharding=sh)
+                for p, dt, sh in zip(
+                    leaves, self.live_dtypes, jax.tree.leaves(self.param_shardings), strict=True
+                )
+            ],
         )
         return (
             params,

@@ -15,6 +15,9 @@ Takes a :class:`~autoshard.runtime.pipeline.PipelineTrainer`; returns one
   schedule's peak microbatches in flight on the stage
   (:func:`~autoshard.inter.schedules.in_flight_peak`).
 
+Device memory only: optimizer state and residuals resting in ``pinned_host`` (offload,
+docs/offload.md) are left out, as the planner leaves them out of its peak.
+
 ``predicted_bytes`` is the planner's ``Stage.peak_bytes`` (the stage search's memory
 model, :mod:`autoshard.inter.stage_cost`).  Guarantees: nothing runs; each stage's
 forward and backward are compiled once for abstract arguments.  Interleaved schedules
@@ -30,6 +33,7 @@ import jax
 import numpy as np
 
 from autoshard.inter.schedules import in_flight_peak
+from autoshard.runtime.sharded import HOST_MEMORY
 
 AGREEMENT = 0.10  # |compiled / predicted - 1| within which a stage agrees
 
@@ -91,6 +95,7 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
         kept = sum(
             _shard_bytes(r.shape, r.dtype, sh)
             for r, sh in zip(residuals, residual_shardings, strict=True)
+            if sh.memory_kind != HOST_MEMORY  # offloaded activations wait on the host
         )
         kept += sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in (*received, *data))
         residual_args = [
@@ -105,15 +110,23 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
             )
             for t in st.float_out
         ]
+        grad_acc = jax.tree.map(  # the parameters' own dtypes (f32 for a master)
+            lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
+            st.params,
+            st.param_shardings,
+        )
         backward = st.backward.lower(
-            params, received, data, residual_args, out_cts, params
+            params, received, data, residual_args, out_cts, grad_acc
         ).compile()
-        state = (
-            sum(_shard_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)) * 2
-        )  # parameters and the gradient accumulator
+        state = sum(  # the parameters as a step reads them (a master: its 16-bit copy)
+            _shard_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)
+        ) + sum(  # and the gradient accumulator
+            _shard_bytes(g.shape, g.dtype, g.sharding) for g in jax.tree.leaves(grad_acc)
+        )
         state += sum(
             _shard_bytes(leaf.shape, leaf.dtype, leaf.sharding)
             for leaf in jax.tree.leaves(st.opt_state)
+            if leaf.sharding.memory_kind != HOST_MEMORY  # offloaded state rests on the host
         )
         working = max(
             forward.memory_analysis().temp_size_in_bytes,

@@ -195,9 +195,11 @@ def offload_tensors(graph: Graph, offload: Offload, strict: bool = True) -> Offl
     if offload.activations:
         if strict:
             raise ValueError(
-                "saved activations are not offloaded yet on one mesh (their live ranges split "
-                "in two, which the one-mesh memory model does not express); the stage search "
-                "prices them: plan --pipeline or simulate --plan auto"
+                "saved activations are not offloaded on one mesh (their live ranges split in "
+                "two, which the one-mesh memory model does not express, and the one-mesh step "
+                "is one program after autodiff, with no forward/backward boundary to copy "
+                "them across); the stage search prices them and the pipeline runtime places "
+                "them: plan --pipeline, simulate --plan auto or run --pipeline"
             )
         offload = offload.state
     classes = tensor_classes(graph)

@@ -1,0 +1,228 @@
+"""Offload on 16 GB V100s: the out-of-memory points of figures 1 and 2 with state in host memory.
+
+The points are ``benchmarks/offload_v100.py``'s: the intra-op ablation's 1-GPU point (the
+one where the ILP finds no plan: GPT, hidden 2048, batch 8, bf16 + f32 masters, AdamW;
+``plan_workload(..., offload=...)``) and the V100 weak-scaling rows drawn as crosses
+(gpt-39b intra-only on 64 GPUs; moe-27b / moe-70b expert-zero2 on 32 / 64; the same
+restricted stage search with every stage under the placement). One panel per point, one
+bar per placement (none, optimizer, + master weights, + gradients = the host update): the
+throughput in model PFLOPS where the plan fits the 16 GiB HBM and the node's host RAM, a
+cross where it does not (annotated with the least HBM any layout needs, or the host bytes
+over the RAM); a star on the fastest that fits (what ``--offload auto`` takes); a dashed
+line at the out-of-memory figure's own throughput for the point (its plan priced as if
+the HBM were unlimited).
+
+    python experiments/offload.py [--quick] [--out docs/figures]   # quick: the ablation point
+    python experiments/offload.py --from-bench benchmarks/results/offload_v100.json \\
+        [--out docs/figures]   # the figure from a benchmark run, not rerun
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import figure
+
+NAME = "offload"
+TITLE = "Offload on 16 GB V100s: out-of-memory points with state in host memory"
+SOURCE = "simulated"
+FIGURE = 9
+
+BENCH = figure.ROOT / "benchmarks" / "offload_v100.py"
+GIB = 2**30
+HBM_GIB = 16.0
+PLACEMENTS = ("none", "optimizer", "optimizer,master", "optimizer,master,gradients")
+TICKS = {
+    "none": "none",
+    "optimizer": "optimizer",
+    "optimizer,master": "+ master\nweights",
+    "optimizer,master,gradients": "+ gradients\n(host update)",
+}
+# point -> (panel title, the figure it comes from, how to find its out-of-memory row there)
+POINTS = {
+    "ablation": ("Intra-op ablation, 1 GPU\n(GPT h2048, ILP, AdamW)", "intra-ablation",
+                 {"gpus": 1, "hidden": 2048}),
+    "weak:moe-27b:expert-zero2": ("Weak scaling, moe-27b, 32 GPUs\n(expert-zero2, Adafactor)",
+                                  "weak-scaling", {"cluster": "alpa-v100", "model": "moe-27b",
+                                                   "method": "expert-zero2"}),
+    "weak:moe-70b:expert-zero2": ("Weak scaling, moe-70b, 64 GPUs\n(expert-zero2, Adafactor)",
+                                  "weak-scaling", {"cluster": "alpa-v100", "model": "moe-70b",
+                                                   "method": "expert-zero2"}),
+    "weak:gpt-39b:intra-only": ("Weak scaling, gpt-39b, 64 GPUs\n(intra-only, AdamW)",
+                                "weak-scaling", {"cluster": "alpa-v100", "model": "gpt-39b",
+                                                 "method": "intra-only"}),
+}  # fmt: skip
+
+
+def bench():
+    """``benchmarks/offload_v100.py`` as a module (its points and measuring functions)."""
+    spec = importlib.util.spec_from_file_location("offload_v100", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference(point: str) -> dict:
+    """The out-of-memory figure's own throughput for ``point``: its fastest out-of-memory
+    row there (``docs/figures/<figure>.json``), priced as if the HBM were unlimited."""
+    _, name, match = POINTS[point]
+    doc = json.loads((figure.ROOT / "docs" / "figures" / f"{name}.json").read_text())
+    rows = [r for r in doc["data"]["rows"] if all(r.get(k) == v for k, v in match.items())]
+    rows = [r for r in rows if r.get("oom") and r.get("pflops")]
+    if not rows:
+        raise ValueError(f"docs/figures/{name}.json has no out-of-memory row with {match}")
+    best = max(rows, key=lambda r: r["pflops"])
+    return {"figure": name, "method": best["method"], "pflops": best["pflops"],
+            "step_time_s": best["step_time_s"]}  # fmt: skip
+
+
+def cell(row: dict) -> dict:
+    """One bar or cross of the figure from a benchmark row."""
+    fits = bool(row["fits"])
+    peak = row.get("peak_bytes", row.get("least_peak_bytes"))
+    leanest = row.get("leanest_bytes", row.get("least_peak_bytes", peak))
+    return {
+        "offload": row["offload"],
+        "fits": fits,
+        "pflops": row.get("pflops") if fits else None,
+        "step_time_s": row.get("step_time_s") if fits else None,
+        "hbm_peak_gib": peak / GIB,
+        "least_hbm_gib": leanest / GIB,  # the least any layout / recompute mode needs
+        "host_gib_per_node": row.get("host_bytes_per_node", 0.0) / GIB,
+        "fits_host": row.get("fits_host", True),
+        "commit": row.get("commit"),
+        "load": row.get("load"),
+    }
+
+
+def build(bench_rows: list[dict]) -> dict:
+    """The figure's data: per point, a cell per placement (rows of other placements and
+    ``auto`` left out: ``auto`` is the fastest cell that fits, marked with a star)."""
+    points = []
+    for point, (title, _, _) in POINTS.items():
+        rows = {r["offload"]: r for r in bench_rows if r["point"] == point}
+        missing = [p for p in PLACEMENTS if p not in rows]
+        if missing:
+            raise ValueError(f"the benchmark JSON has no {point} row for {missing}: run "
+                             f"python benchmarks/offload_v100.py {point}")  # fmt: skip
+        cells = [cell(rows[p]) for p in PLACEMENTS]
+        fitting = [c for c in cells if c["fits"]]
+        best = max(fitting, key=lambda c: c["pflops"])["offload"] if fitting else None
+        points.append({"point": point, "title": title, "cells": cells, "fastest_fit": best,
+                       "reference": reference(point)})  # fmt: skip
+    return {
+        "config": {
+            "cluster": "alpa-v100 (16 GiB HBM per GPU, 488 GiB RAM per node, 90% usable)",
+            "points": "benchmarks/offload_v100.py (ablation: plan_workload one mesh; weak: "
+            "experiments/weak_scaling.py's restricted stage search, every stage offloaded)",
+        },
+        "hbm_gib": HBM_GIB,
+        "points": points,
+    }
+
+
+def run(quick: bool, progress) -> dict:
+    """Rerun the benchmark's points (quick: the ablation point only) and build the data."""
+    b = bench()
+    names = ["ablation"] if quick else list(POINTS)
+    rows = []
+    for i, name in enumerate(names):
+        progress(i, len(names), name)
+        rows += b.ablation_point() if name == "ablation" else b.weak_point(name)
+    progress(len(names), len(names), "done")
+    if quick:  # the weak points from the committed benchmark JSON, said in the data
+        done = {r["point"] for r in rows}
+        committed = json.loads((figure.ROOT / "benchmarks/results/offload_v100.json").read_text())
+        rows += [r for r in committed["rows"] if r["point"] not in done]
+    data = build(rows)
+    data["measured"] = {"by": "benchmarks/offload_v100.py's functions, rerun" + (
+        " (quick: the ablation point; the weak points read from the committed "
+        "benchmarks/results/offload_v100.json)" if quick else "")}  # fmt: skip
+    return data
+
+
+def from_bench(doc: dict, path: str) -> dict:
+    """The figure's data from an ``offload_v100.py`` JSON (the same rows, not rerun)."""
+    data = build(doc["rows"])
+    data["measured"] = {"by": f"benchmarks/offload_v100.py, read from {path} (not rerun); "
+                        "each cell carries its row's commit and load"}  # fmt: skip
+    return data
+
+
+# ------------------------------------------------------------------------------ the plot
+
+
+def _panel(ax, p: dict, hbm_gib: float) -> None:
+    groups = [TICKS[c["offload"]] for c in p["cells"]]
+    cells = {("offload", TICKS[c["offload"]]): (c["pflops"], not c["fits"]) for c in p["cells"]}
+    # "_": no legend entry for the bars (the y axis says what they are)
+    figure.grouped_bars(ax, groups, ["offload"], cells, labels={"offload": "_fits"},
+                        xlabel="In host memory")  # fmt: skip
+    ref = p["reference"]
+    top = max([ref["pflops"], *[c["pflops"] or 0.0 for c in p["cells"]]])
+    ax.axhline(ref["pflops"], color="black", ls="--", lw=1, gid=f"reference|{p['point']}",
+               label=f"{ref['figure']}'s OOM plan ({ref['method']}), HBM unlimited")  # fmt: skip
+    crosses = {ln.get_gid(): ln.get_ydata()[0] for ln in ax.lines if ln.get_gid()}
+    for g, c in enumerate(p["cells"]):
+        if c["fits"]:  # inside the bar, at its top
+            ax.annotate(f"{c['step_time_s']:.3g} s\n{c['hbm_peak_gib']:.1f} GiB HBM\n"
+                        f"{c['host_gib_per_node']:.0f} GiB host\nper node", (g, c["pflops"]),
+                        fontsize=6, ha="center", va="top", xytext=(0, -3), color="white",
+                        textcoords="offset points")  # fmt: skip
+        else:  # above the cross
+            text = (f"host {c['host_gib_per_node']:.0f} GiB\nper node > RAM" if not c["fits_host"]
+                    else f"needs {c['least_hbm_gib']:.1f}\nGiB HBM")  # fmt: skip
+            ax.annotate(text, (g, crosses[f"oom|offload|{TICKS[c['offload']]}"]), fontsize=6,
+                        ha="center", va="bottom", xytext=(0, 7), textcoords="offset points")  # fmt: skip
+        if c["offload"] == p["fastest_fit"]:  # a white star near the bar's foot
+            ax.plot([g], [c["pflops"] * 0.12], marker="*", ms=13, mfc="white", mec="black",
+                    linestyle="none", gid=f"fastest|{p['point']}|{c['offload']}",
+                    label="fastest that fits (--offload auto)")  # fmt: skip
+    ax.set_xlim(-0.6, len(groups) - 0.4)
+    ax.set_ylim(0, 1.9 * top)
+    handles, texts = ax.get_legend_handles_labels()
+    ax.legend(handles, texts, fontsize=6, loc="upper left")
+    ax.set_title(p["title"], fontsize=9)
+    if p["fastest_fit"] is None:
+        ax.text(0.5, 0.62, "no placement fits", transform=ax.transAxes, ha="center", fontsize=8)
+
+
+def plot(doc: dict):
+    data = doc["data"]
+    points = data["points"]
+    fig, axes = figure.plt.subplots(1, len(points), figsize=(4.2 * len(points), 4.6),
+                                    squeeze=False, layout="constrained")  # fmt: skip
+    for ax, p in zip(axes[0], points, strict=True):
+        _panel(ax, p, data["hbm_gib"])
+    fig.suptitle(figure.title(doc, f"{TITLE} (throughput in model PFLOPS)"))
+    return fig
+
+
+def _from_bench_main(argv: list[str]) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=f"{TITLE}: the figure from an offload_v100 run")
+    ap.add_argument("--from-bench", required=True, help="an offload_v100.py JSON")
+    ap.add_argument("--out", default=str(figure.ROOT / "docs" / "figures"), help="output folder")
+    args = ap.parse_args(argv)
+    path = Path(args.from_bench).resolve()
+    if path.is_relative_to(figure.ROOT):
+        path = path.relative_to(figure.ROOT)
+    data = from_bench(json.loads((figure.ROOT / path).read_text()), str(path))
+    doc = figure.record(sys.modules[__name__], data, False, 0.0)
+    doc["command"] = f"python experiments/offload.py --from-bench {path}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{NAME}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    figure.save(plot(doc), out / f"{NAME}.png")
+    print(f"wrote {out / f'{NAME}.json'} and {out / f'{NAME}.png'}", flush=True)
+
+
+if __name__ == "__main__":
+    if any(a.startswith("--from-bench") for a in sys.argv[1:]):
+        _from_bench_main(sys.argv[1:])
+    else:
+        figure.main(sys.modules[__name__])
