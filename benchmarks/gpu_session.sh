@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One lent GPU, one call (2026-11-27's fifth lease), each part capped:
+# One lent GPU, one call, each part capped; PARTS picks them (default "offload truth": the
+# 2026-11-27 lease ran all three, the A/B answered and the offloaded gpt-6.7b ran out of
+# its 150 s cap, so it now gets OFFLOAD_ROW_S, default 330 s, and runs first):
 #   1. issue 30: benchmarks/gpu_ab.py -- autoshard's fused gpt-1.3b step (24 layers, batch 8),
 #      the shipped compile against cuBLASLt (bias/GELU epilogues), interleaved in one process;
 #   2. issue 34: benchmarks/gpu_offload.py measure -- the plans of
@@ -30,14 +32,19 @@ else
         wresnet-1b-L50-zero3-2x4-B128 moe-1.3b-L16-zero3-2x4 gpt-6.7b-L32-zero2-2x8-B16)
   TRUTH_ENV=()
 fi
-log "1. gpu_ab (issue 30)"
-timeout "${AB_S:-150}" "$PY" benchmarks/gpu_ab.py "${AB[@]}" --out "$OUT/ab.json" 2>&1 | tee -a "$OUT/log.txt" | tail -4
-log "2. gpu_offload measure (issue 34)"
-timeout "${OFFLOAD_S:-330}" "$PY" benchmarks/gpu_offload.py measure --dir "$PLANS" \
-  --out "$OUT/offload.json" --steps 4 --timeout-s 200 2>&1 | tee -a "$OUT/log.txt" | grep "\[measure\]"
+PARTS=${PARTS:-offload truth}
+if [[ " $PARTS " == *" ab "* ]]; then
+  log "1. gpu_ab (issue 30)"
+  timeout "${AB_S:-150}" "$PY" benchmarks/gpu_ab.py "${AB[@]}" --out "$OUT/ab.json" 2>&1 | tee -a "$OUT/log.txt" | tail -4
+fi
+if [[ " $PARTS " == *" offload "* ]]; then
+  log "2. gpu_offload measure (issue 34)"
+  timeout "${OFFLOAD_S:-480}" "$PY" benchmarks/gpu_offload.py measure --dir "$PLANS" \
+    --out "$OUT/offload.json" --steps 4 --timeout-s "${OFFLOAD_ROW_S:-330}" 2>&1 | tee -a "$OUT/log.txt" | grep "\[measure\]\|\[one\]"
+fi
 left=$((TOTAL_S - SECONDS))
 log "3. gpu_truth (issue 36): ${left} s left"
-if [ "$left" -gt 60 ]; then
+if [[ " $PARTS " == *" truth "* ]] && [ "$left" -gt 60 ]; then
   env "${TRUTH_ENV[@]}" BUDGET=$((left - 40)) TIMEOUT=$((left - 5)) bash benchmarks/gpu_truth.sh "${ROWS[@]}" >/dev/null 2>&1
   tail -5 "$OUT/log.txt"
 fi
