@@ -1,16 +1,18 @@
 """Offload on 16 GB V100s: the out-of-memory points of figures 1 and 2 with state in host memory.
 
-The points are ``benchmarks/offload_v100.py``'s: the intra-op ablation's 1-GPU point (the
-one where the ILP finds no plan: GPT, hidden 2048, batch 8, bf16 + f32 masters, AdamW;
-``plan_workload(..., offload=...)``) and the V100 weak-scaling rows drawn as crosses
-(gpt-39b intra-only on 64 GPUs; moe-27b / moe-70b expert-zero2 on 32 / 64; the same
-restricted stage search with every stage under the placement). One panel per point, one
-bar per placement (none, optimizer, + master weights, + gradients = the host update): the
+The points are ``benchmarks/offload_v100.py``'s: the intra-op ablation's out-of-memory
+points whose method takes offload (the ILP's 1-GPU point, where it finds no plan: GPT,
+hidden 2048, batch 8, bf16 + f32 masters, AdamW; and the ZeRO-2 / ZeRO-3 baselines'
+points; ``plan_workload(..., offload=...)``) and the V100 weak-scaling rows drawn as
+crosses (gpt-39b intra-only on 64 GPUs; moe-27b / moe-70b expert-zero2 on 32 / 64; the
+same restricted stage search with every stage under the placement). A bar per placement
+(none, optimizer, + master weights, + gradients = the host update; one colour each): the
 throughput in model PFLOPS where the plan fits the 16 GiB HBM and the node's host RAM, a
-cross where it does not (annotated with the least HBM any layout needs, or the host bytes
-over the RAM); a star on the fastest that fits (what ``--offload auto`` takes); a dashed
-line at the out-of-memory figure's own throughput for the point (its plan priced as if
-the HBM were unlimited).
+cross where it does not (single-point panels: annotated with the least HBM any layout
+needs, or the host bytes over the RAM); a star on the fastest that fits (what
+``--offload auto`` takes); a dashed line at the out-of-memory figure's own throughput for
+the point (its plan priced as if the HBM were unlimited). A panel per point, the ZeRO
+baselines' points grouped in a panel per baseline.
 
     python experiments/offload.py [--quick] [--out docs/figures]   # quick: the ablation point
     python experiments/offload.py --from-bench benchmarks/results/offload_v100.json \\
@@ -158,7 +160,7 @@ def run(quick: bool, progress) -> dict:
         rows += [r for r in committed["rows"] if r["point"] not in done]
     data = build(rows)
     data["measured"] = {"by": "benchmarks/offload_v100.py's functions, rerun" + (
-        " (quick: the ablation point; the weak points read from the committed "
+        " (quick: the ILP's ablation point; the other points read from the committed "
         "benchmarks/results/offload_v100.json)" if quick else "")}  # fmt: skip
     return data
 
