@@ -6,7 +6,10 @@ Points (``alpa-v100``):
 * ``ablation``: the intra-op ablation's 1-GPU point (GPT, hidden 2048, 8 layers, vocab
   25600, batch 8, seq 1024, bf16 with f32 master weights and AdamW: no plan fits, least
   peak 20.0 GiB): ``plan_workload(..., offload=...)`` as ``experiments/intra_ablation.py``
-  plans it, under each placement and ``auto``;
+  plans it, under each placement and ``auto``; ``ablation:zero2:<gpus>`` and
+  ``ablation:zero3:<gpus>``: that figure's ZeRO-2 / ZeRO-3 points drawn as crosses (hidden
+  2048 / 3072 / 4096 / 5760 on 1 / 2 / 4 / 8 GPUs), the baseline's rule table under each
+  placement;
 * ``weak:<model>:<method>``: the V100 weak-scaling rows marked out of memory in
   ``docs/figures/weak-scaling.json`` (gpt-39b intra-only on 64 GPUs, moe-27b / moe-70b
   expert-zero2 on 32 / 64): the same restricted stage search (``experiments/
@@ -34,6 +37,14 @@ GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
 PLACEMENTS = ("none", "optimizer", "optimizer,master", "optimizer,master,gradients")
 ABLATION = dict(num_layers=8, vocab_size=25600, batch_size=8, seq_len=1024, dtype="bfloat16")
+# (baseline, GPUs, hidden): the intra-op ablation's out-of-memory points
+# (docs/figures/intra-ablation.json) whose method takes offload: the ILP's (it finds no plan)
+# and ZeRO-2's / ZeRO-3's (data parallel and the heuristic model systems without offload)
+ABLATION_POINTS = {
+    "ablation": (None, 1, 2048),
+    **{f"ablation:zero2:{g}": ("zero2", g, h) for h, g in ((2048, 1), (3072, 2), (4096, 4), (5760, 8))},
+    **{f"ablation:zero3:{g}": ("zero3", g, h) for h, g in ((2048, 1), (3072, 2))},
+}  # fmt: skip
 # (model, method, GPUs, micro-batches, optimizer): the rows of docs/figures/weak-scaling.json
 WEAK = {
     "weak:gpt-39b:intra-only": ("gpt-39b", "intra-only", 64, 256, "adamw"),
@@ -42,33 +53,59 @@ WEAK = {
 }
 
 
-def ablation_point() -> list[dict]:
+def ablation_point(name: str = "ablation", placements=None) -> list[dict]:
+    """``ablation``: the ILP's 1-GPU point; ``ablation:<baseline>:<gpus>``: a ZeRO
+    baseline's out-of-memory point of the intra-op ablation (its rule table, its size)."""
     import autoshard
-    from autoshard.intra.ilp import InfeasibleBudgetError
+    from autoshard.intra.ilp import InfeasibleBudgetError, SolverTimeLimitError
     from autoshard.sim import formulas
 
+    baseline, gpus, hidden = ABLATION_POINTS[name]
+    if placements is None:  # auto: the ILP's point (a baseline's is the fastest that fits)
+        placements = (*PLACEMENTS, "auto") if baseline is None else PLACEMENTS
     opts = autoshard.IntraOptions(solver="highs", time_limit_s=120.0, merge_elementwise=True)
-    flops = formulas.model_flops_per_step(8, 1024, 8, 2048, 25600)
+    flops = formulas.model_flops_per_step(8, 1024, 8, hidden, 25600)
+    hbm = 16 * GIB  # alpa-v100
     rows = []
-    for placement in (*PLACEMENTS, "auto"):
+    for placement in placements:
         t0 = time.perf_counter()
-        print(f"ablation: offload {placement} ...", file=sys.stderr, flush=True)
+        print(f"{name}: offload {placement} ...", file=sys.stderr, flush=True)
         try:
             bound = autoshard.plan_workload(
-                "gpt-1.3b", "1", options=opts, cluster="alpa-v100", hidden=2048,
-                offload=placement, **ABLATION,
+                "gpt-1.3b", str(gpus), options=opts, cluster="alpa-v100", hidden=hidden,
+                baseline=baseline, offload=placement, **ABLATION,
             )  # fmt: skip
         except InfeasibleBudgetError as err:
             rows.append(
-                {"point": "ablation", "offload": placement, "fits": False,
+                {"point": name, "offload": placement, "fits": False,
                  "least_peak_bytes": err.min_feasible_bytes, "why": str(err).split(" -- ")[-1]}
+            )  # fmt: skip
+            continue
+        except SolverTimeLimitError:  # no plan under the HBM in time: the peak without it
+            free = autoshard.plan_workload(
+                "gpt-1.3b", str(gpus), options=opts.replace(memory_budget_bytes=1e15),
+                cluster="alpa-v100", hidden=hidden, baseline=baseline, offload=placement,
+                **ABLATION,
+            ).plan  # fmt: skip
+            rows.append(
+                {"point": name, "offload": placement, "fits": False,
+                 "least_peak_bytes": free.predicted_peak_bytes,
+                 "why": "no plan under the HBM within the ILP's 120 s; the least peak is the "
+                 "plan's without a budget"}
             )  # fmt: skip
             continue
         plan, rec = bound.plan, bound.plan.offload
         step = rec.get("step_time_s", plan.objective)
+        if plan.predicted_peak_bytes > hbm:  # a pinned baseline is priced, not refused
+            rows.append(
+                {"point": name, "offload": placement, "fits": False,
+                 "least_peak_bytes": plan.predicted_peak_bytes, "step_time_s": step,
+                 "why": "predicted peak over the HBM"}
+            )  # fmt: skip
+            continue
         rows.append(
             {
-                "point": "ablation",
+                "point": name,
                 "offload": placement,
                 "chosen": rec.get("offload", "none"),
                 "fits": True,
@@ -183,22 +220,29 @@ def main(argv: list[str]) -> int:
         "points",
         nargs="*",
         metavar="POINT",
-        help=f"ablation or one of {', '.join(WEAK)} (default: all)",
+        help="ablation, ablation:zero2:<1|2|4|8>, ablation:zero3:<1|2> or one of "
+        f"{', '.join(WEAK)} (default: all)",
     )
     parser.add_argument(
         "--placements",
         help=f"the placements to run, separated by ';' (default: {';'.join(PLACEMENTS)})",
     )
     args = parser.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)  # the ablation's meshes (before any use)
     placements = tuple(args.placements.split(";")) if args.placements else PLACEMENTS
-    points = args.points or ["ablation", *WEAK]
-    unknown = [p for p in points if p != "ablation" and p not in WEAK]
+    points = args.points or [*ABLATION_POINTS, *WEAK]
+    unknown = [p for p in points if p not in ABLATION_POINTS and p not in WEAK]
     if unknown:
-        print(f"unknown point(s) {unknown}; choose from ablation, {', '.join(WEAK)}")
+        print(f"unknown point(s) {unknown}; choose from {', '.join([*ABLATION_POINTS, *WEAK])}")
         return 2
     out = Path(os.environ.get("OFFLOAD_V100_OUT", ROOT / "benchmarks/results/offload_v100.json"))
     for point in points:
-        rows = ablation_point() if point == "ablation" else weak_point(point, placements)
+        if point in ABLATION_POINTS:
+            rows = ablation_point(point, *(() if args.placements is None else (placements,)))
+        else:
+            rows = weak_point(point, placements)
         # read just before writing: another run may have added rows meanwhile
         doc = json.loads(out.read_text()) if out.exists() else {"rows": []}
         redone = {(r["point"], r["offload"]) for r in rows}

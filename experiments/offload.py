@@ -1,16 +1,18 @@
 """Offload on 16 GB V100s: the out-of-memory points of figures 1 and 2 with state in host memory.
 
-The points are ``benchmarks/offload_v100.py``'s: the intra-op ablation's 1-GPU point (the
-one where the ILP finds no plan: GPT, hidden 2048, batch 8, bf16 + f32 masters, AdamW;
-``plan_workload(..., offload=...)``) and the V100 weak-scaling rows drawn as crosses
-(gpt-39b intra-only on 64 GPUs; moe-27b / moe-70b expert-zero2 on 32 / 64; the same
-restricted stage search with every stage under the placement). One panel per point, one
-bar per placement (none, optimizer, + master weights, + gradients = the host update): the
+The points are ``benchmarks/offload_v100.py``'s: the intra-op ablation's out-of-memory
+points whose method takes offload (the ILP's 1-GPU point, where it finds no plan: GPT,
+hidden 2048, batch 8, bf16 + f32 masters, AdamW; and the ZeRO-2 / ZeRO-3 baselines'
+points; ``plan_workload(..., offload=...)``) and the V100 weak-scaling rows drawn as
+crosses (gpt-39b intra-only on 64 GPUs; moe-27b / moe-70b expert-zero2 on 32 / 64; the
+same restricted stage search with every stage under the placement). A bar per placement
+(none, optimizer, + master weights, + gradients = the host update; one colour each): the
 throughput in model PFLOPS where the plan fits the 16 GiB HBM and the node's host RAM, a
-cross where it does not (annotated with the least HBM any layout needs, or the host bytes
-over the RAM); a star on the fastest that fits (what ``--offload auto`` takes); a dashed
-line at the out-of-memory figure's own throughput for the point (its plan priced as if
-the HBM were unlimited).
+cross where it does not (single-point panels: annotated with the least HBM any layout
+needs, or the host bytes over the RAM); a star on the fastest that fits (what
+``--offload auto`` takes); a dashed line at the out-of-memory figure's own throughput for
+the point (its plan priced as if the HBM were unlimited). A panel per point, the ZeRO
+baselines' points grouped in a panel per baseline.
 
     python experiments/offload.py [--quick] [--out docs/figures]   # quick: the ablation point
     python experiments/offload.py --from-bench benchmarks/results/offload_v100.json \\
@@ -41,10 +43,17 @@ TICKS = {
     "optimizer,master": "+ master\nweights",
     "optimizer,master,gradients": "+ gradients\n(host update)",
 }
-# point -> (panel title, the figure it comes from, how to find its out-of-memory row there)
+COLOURS = {p: figure.colour(p, i) for i, p in enumerate(PLACEMENTS)}  # one per placement
+UNTICK = {v: k for k, v in TICKS.items()}
+# point -> (its title, the figure it comes from, how to find its out-of-memory row there)
 POINTS = {
     "ablation": ("Intra-op ablation, 1 GPU\n(GPT h2048, ILP, AdamW)", "intra-ablation",
                  {"gpus": 1, "hidden": 2048}),
+    **{f"ablation:{m}:{g}": (f"{g} GPU{'s' if g > 1 else ''}\nh{h}", "intra-ablation",
+                             {"gpus": g, "hidden": h, "method": m})
+       for m, sizes in (("zero2", ((2048, 1), (3072, 2), (4096, 4), (5760, 8))),
+                        ("zero3", ((2048, 1), (3072, 2))))
+       for h, g in sizes},
     "weak:moe-27b:expert-zero2": ("Weak scaling, moe-27b, 32 GPUs\n(expert-zero2, Adafactor)",
                                   "weak-scaling", {"cluster": "alpa-v100", "model": "moe-27b",
                                                    "method": "expert-zero2"}),
@@ -55,6 +64,16 @@ POINTS = {
                                 "weak-scaling", {"cluster": "alpa-v100", "model": "gpt-39b",
                                                  "method": "intra-only"}),
 }  # fmt: skip
+# the panels, in order: (title, points); one point: a bar per placement; several: a group
+# per point, a bar per placement (the ZeRO baselines' out-of-memory points)
+PANELS = (
+    (None, ("ablation",)),
+    ("Intra-op ablation: ZeRO-2 (AdamW)", tuple(p for p in POINTS if ":zero2:" in p)),
+    ("Intra-op ablation: ZeRO-3 (AdamW)", tuple(p for p in POINTS if ":zero3:" in p)),
+    (None, ("weak:moe-27b:expert-zero2",)),
+    (None, ("weak:moe-70b:expert-zero2",)),
+    (None, ("weak:gpt-39b:intra-only",)),
+)
 
 
 def bench():
@@ -116,11 +135,13 @@ def build(bench_rows: list[dict]) -> dict:
     return {
         "config": {
             "cluster": "alpa-v100 (16 GiB HBM per GPU, 488 GiB RAM per node, 90% usable)",
-            "points": "benchmarks/offload_v100.py (ablation: plan_workload one mesh; weak: "
-            "experiments/weak_scaling.py's restricted stage search, every stage offloaded)",
+            "points": "benchmarks/offload_v100.py (ablation: plan_workload one mesh, the ILP "
+            "or the ZeRO baseline's rule table; weak: experiments/weak_scaling.py's "
+            "restricted stage search, every stage offloaded)",
         },
         "hbm_gib": HBM_GIB,
         "points": points,
+        "panels": [{"title": t, "points": list(names)} for t, names in PANELS],
     }
 
 
@@ -131,7 +152,7 @@ def run(quick: bool, progress) -> dict:
     rows = []
     for i, name in enumerate(names):
         progress(i, len(names), name)
-        rows += b.ablation_point() if name == "ablation" else b.weak_point(name)
+        rows += b.ablation_point(name) if name in b.ABLATION_POINTS else b.weak_point(name)
     progress(len(names), len(names), "done")
     if quick:  # the weak points from the committed benchmark JSON, said in the data
         done = {r["point"] for r in rows}
@@ -139,7 +160,7 @@ def run(quick: bool, progress) -> dict:
         rows += [r for r in committed["rows"] if r["point"] not in done]
     data = build(rows)
     data["measured"] = {"by": "benchmarks/offload_v100.py's functions, rerun" + (
-        " (quick: the ablation point; the weak points read from the committed "
+        " (quick: the ILP's ablation point; the other points read from the committed "
         "benchmarks/results/offload_v100.json)" if quick else "")}  # fmt: skip
     return data
 
@@ -161,6 +182,10 @@ def _panel(ax, p: dict, hbm_gib: float) -> None:
     # "_": no legend entry for the bars (the y axis says what they are)
     figure.grouped_bars(ax, groups, ["offload"], cells, labels={"offload": "_fits"},
                         xlabel="In host memory")  # fmt: skip
+    for artist in [*ax.patches, *ax.lines]:  # each placement in its colour, as in every panel
+        gid = artist.get_gid() or ""
+        if gid.startswith(("bar|offload|", "oom|offload|")):
+            artist.set_color(COLOURS[UNTICK[gid.split("|", 2)[2]]])
     ref = p["reference"]
     top = max([ref["pflops"], *[c["pflops"] or 0.0 for c in p["cells"]]])
     ax.axhline(ref["pflops"], color="black", ls="--", lw=1, gid=f"reference|{p['point']}",
@@ -190,13 +215,70 @@ def _panel(ax, p: dict, hbm_gib: float) -> None:
         ax.text(0.5, 0.62, "no placement fits", transform=ax.transAxes, ha="center", fontsize=8)
 
 
+def _up(ax, points: float):
+    """A transform offset ``points`` upwards (a mark just above a bar's top)."""
+    from matplotlib.transforms import ScaledTranslation
+
+    return ScaledTranslation(0, points / 72, ax.figure.dpi_scale_trans)
+
+
+def _group_panel(ax, title: str, points: list[dict]) -> None:
+    """Several points of one method: a group per point, a bar per placement."""
+    groups = [p["title"] for p in points]
+    cells = {(c["offload"], p["title"]): (c["pflops"], not c["fits"])
+             for p in points for c in p["cells"]}  # fmt: skip
+    labels = {k: v.replace("\n", " ") for k, v in TICKS.items()}
+    figure.grouped_bars(ax, groups, PLACEMENTS, cells, labels=labels, xlabel="")
+    width = 0.8 / len(PLACEMENTS)
+    starred = False  # one legend entry for the stars
+    for g, p in enumerate(points):
+        ref = p["reference"]["pflops"]
+        ax.hlines(ref, g - 0.42, g + 0.42, color="black", ls="--", lw=1,
+                  gid=f"reference|{p['point']}",
+                  label="the figure's OOM plan, HBM unlimited" if g == 0 else None)  # fmt: skip
+        for i, c in enumerate(p["cells"]):
+            if c["offload"] == p["fastest_fit"]:  # above its bar
+                ax.plot([g - 0.4 + width * (i + 0.5)], [c["pflops"]], marker="*", ms=11,
+                        mfc="white", mec="black", linestyle="none",
+                        gid=f"fastest|{p['point']}|{c['offload']}",
+                        label=None if starred else "fastest that fits",
+                        transform=ax.transData + _up(ax, 8))  # fmt: skip
+                starred = True
+    top = max(c["pflops"] or p["reference"]["pflops"] for p in points for c in p["cells"])
+    ax.set_ylim(0, 1.6 * top)
+    # the legend: a patch per placement (grouped_bars labels each series' first mark,
+    # a cross where its first point is out of memory), then the marks
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLOURS[k], label=v) for k, v in labels.items()]
+    handles += [Line2D([], [], marker="x", mew=2, color="black", ls="none",
+                       label=figure.OUT_OF_MEMORY),
+                Line2D([], [], color="black", ls="--", lw=1,
+                       label="the figure's OOM plan, HBM unlimited"),
+                Line2D([], [], marker="*", ms=11, mfc="white", mec="black", ls="none",
+                       label="fastest that fits")]  # fmt: skip
+    ax.legend(handles=handles, fontsize=6, loc="upper left", ncol=2)
+    ax.set_title(title, fontsize=9)
+
+
 def plot(doc: dict):
     data = doc["data"]
-    points = data["points"]
-    fig, axes = figure.plt.subplots(1, len(points), figsize=(4.2 * len(points), 4.6),
+    by_name = {p["point"]: p for p in data["points"]}
+    panels = data["panels"]
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = figure.plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows),
                                     squeeze=False, layout="constrained")  # fmt: skip
-    for ax, p in zip(axes[0], points, strict=True):
-        _panel(ax, p, data["hbm_gib"])
+    for k, panel in enumerate(panels):
+        ax = axes[k // cols][k % cols]
+        points = [by_name[n] for n in panel["points"]]
+        if len(points) == 1:
+            _panel(ax, points[0], data["hbm_gib"])
+        else:
+            _group_panel(ax, panel["title"], points)
+    for k in range(len(panels), rows * cols):
+        axes[k // cols][k % cols].set_axis_off()
     fig.suptitle(figure.title(doc, f"{TITLE} (throughput in model PFLOPS)"))
     return fig
 

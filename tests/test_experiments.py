@@ -317,34 +317,45 @@ def test_offload_figure_is_built_from_the_committed_benchmark_json():
     assert committed["data"] == json.loads(json.dumps(data))
     fig, drawn = _drawn(module, committed)
     by_row = {(r["point"], r["offload"]): r for r in bench["rows"]}
-    for ax, p in zip(fig.axes, data["points"], strict=True):
+    by_name = {p["point"]: p for p in data["points"]}
+    assert [n for panel in data["panels"] for n in panel["points"]] == list(by_name)
+    for ax, panel in zip(fig.axes, data["panels"], strict=True):
         title = ax.get_title()
-        fitting = []
-        for c in p["cells"]:
-            row, group = by_row[(p["point"], c["offload"])], module.TICKS[c["offload"]]
-            if row["fits"]:
-                assert drawn[f"{title}::bar|offload|{group}"][1] == row["pflops"]
-                fitting.append(row)
+        for p in (by_name[n] for n in panel["points"]):
+            fitting = []
+            for c in p["cells"]:
+                row = by_row[(p["point"], c["offload"])]
+                if len(panel["points"]) == 1:  # a bar per placement
+                    key = f"offload|{module.TICKS[c['offload']]}"
+                else:  # a group per point, a bar per placement
+                    key = f"{c['offload']}|{p['title']}"
+                if row["fits"]:
+                    assert drawn[f"{title}::bar|{key}"][1] == row["pflops"]
+                    fitting.append(row)
+                else:
+                    assert f"{title}::oom|{key}" in drawn
+                    assert f"{title}::bar|{key}" not in drawn
+            stars = [k for k in drawn if k.startswith(f"{title}::fastest|{p['point']}|")]
+            if fitting:
+                best = max(fitting, key=lambda r: r["pflops"])["offload"]
+                assert stars == [f"{title}::fastest|{p['point']}|{best}"]
             else:
-                assert f"{title}::oom|offload|{group}" in drawn
-                assert f"{title}::bar|offload|{group}" not in drawn
-        stars = [k for k in drawn if k.startswith(f"{title}::fastest|")]
-        if fitting:
-            best = max(fitting, key=lambda r: r["pflops"])["offload"]
-            assert stars == [f"{title}::fastest|{p['point']}|{best}"]
-        else:
-            assert stars == []
-        line = next(ln for ln in ax.lines if ln.get_gid() == f"reference|{p['point']}")
-        assert line.get_ydata()[0] == p["reference"]["pflops"] > 0
-    # the claims docs/offload.md makes from it: both MoE points and the ablation point fit,
-    # gpt-39b's intra-only point fits under no placement
+                assert stars == []
+            line = next(ln for ln in ax.collections + ax.lines
+                        if ln.get_gid() == f"reference|{p['point']}")  # fmt: skip
+            y = line.get_segments()[0][0][1] if hasattr(line, "get_segments") else (
+                line.get_ydata()[0])  # fmt: skip
+            assert y == p["reference"]["pflops"] > 0
+    # the claims docs/offload.md and docs/experiments.md make from it: every point but
+    # gpt-39b's intra-only one fits under some placement, the fastest being these
     best = {p["point"]: p["fastest_fit"] for p in data["points"]}
+    om, omg = "optimizer,master", "optimizer,master,gradients"
     assert best == {
-        "ablation": "optimizer,master",
-        "weak:moe-27b:expert-zero2": "optimizer,master,gradients",
-        "weak:moe-70b:expert-zero2": "optimizer,master,gradients",
-        "weak:gpt-39b:intra-only": None,
-    }
+        "ablation": om, "ablation:zero2:1": om, "ablation:zero2:2": "optimizer",
+        "ablation:zero2:4": "optimizer", "ablation:zero2:8": om, "ablation:zero3:1": om,
+        "ablation:zero3:2": "optimizer", "weak:moe-27b:expert-zero2": omg,
+        "weak:moe-70b:expert-zero2": omg, "weak:gpt-39b:intra-only": None,
+    }  # fmt: skip
 
 
 def test_offload_figure_says_which_benchmark_row_is_missing():
