@@ -160,6 +160,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
+    for text in args.cases:
+        parts = text.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].replace("x", "").isdigit():
+            ap.error(
+                f"case {text!r}: write model:layers:mesh, e.g. gpt-tiny:6:8 or moe-tiny:10:2x4"
+            )
     import jax
 
     from autoshard.intra.problem import exact_values
