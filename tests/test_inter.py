@@ -348,11 +348,57 @@ def test_a_mesh_with_its_axis_sizes_swapped_reuses_the_twins_plan(tiny4, monkeyp
     assert two_nodes._twin((4, 2), two_nodes.mesh_for((4, 2))) is None
 
 
+def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypatch):
+    """With ``AUTOSHARD_JOBS=2`` the units are planned by two spawned workers
+    (:mod:`autoshard.inter.unit_pool`) from a slim copy of the cost: every range costs
+    exactly what the units planned in this process give, stage specs included, with the
+    same ILP count; on a folded deep GPT (its owners mapped through the fold) too."""
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.inter import stage_cost
+    from autoshard.sim import auto
+
+    pooled_calls = []
+
+    def spy(cost, jobs_list, jobs):
+        pooled_calls.append((len(jobs_list), jobs))
+        yield from solve_in_pool(cost, jobs_list, jobs)
+
+    solve_in_pool = stage_cost.solve_in_pool
+    monkeypatch.setattr(stage_cost, "solve_in_pool", spy)
+    logicals = [(1, 1), (1, 2), (2, 1), (2, 2)]
+    cluster = load_cluster("alpa-v100", 4)
+    depth = {"num_layers": auto.FOLD_MIN_BLOCKS + 1}
+    costs = {}
+    for jobs in ("1", "2"):
+        monkeypatch.setenv("AUTOSHARD_JOBS", jobs)
+        flat = IntraStageCost(
+            tiny4.graph, logical_mesh_costs(cluster_for("alpa-v100", 1, 4)), solver=SOLVER
+        )
+        folded = auto.search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, depth)
+        for cost in (flat, folded):
+            cost.prepare(logicals)
+        costs[jobs] = flat, folded
+    assert [jobs for _, jobs in pooled_calls] == [2, 2]  # the pool ran, for both costs
+    for alone, pooled in zip(costs["1"], costs["2"], strict=True):
+        assert pooled.num_ilps == alone.num_ilps > 3
+        n = alone.num_layers
+        for logical in logicals:
+            for mode in ("none", "full"):
+                for k in range(n):
+                    for i in range(k + 1, n + 1):
+                        assert pooled.range_cost(k, i, logical, mode) == alone.range_cost(
+                            k, i, logical, mode
+                        ), (k, i, logical, mode)
+    flat_alone, flat_pooled = costs["1"][0], costs["2"][0]
+    for logical in ((1, 2), (2, 2)):
+        assert flat_pooled.stage_specs(0, 3, logical) == flat_alone.stage_specs(0, 3, logical)
+
+
 @pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
-def test_stage_ilps_solved_in_forked_processes_give_the_same_plan():
-    """``AUTOSHARD_JOBS=2`` (ILPs solved by two forked processes) and ``1`` (in the search's
-    own process) give the same plan, stage specs included; each run is a fresh process, so
-    the pool is forked before this process has run HiGHS (see ``solvers.highs_ran``)."""
+def test_stage_ilps_solved_in_worker_processes_give_the_same_plan():
+    """``AUTOSHARD_JOBS=2`` (ILPs solved by two spawned worker processes, started before
+    the trace) and ``1`` (in the search's own process) give the same plan, stage specs
+    included, and count the same ILPs."""
     import os
     import subprocess
     import sys
