@@ -219,6 +219,19 @@ def test_cli_pipeline_plan_prints_json(capsys):
     assert obj["objective_s"] > 0
 
 
+def test_cli_warns_when_a_presets_devices_are_searched_as_one_host(capsys):
+    """``--devices 64`` on an 8-GPU-node preset without ``--hosts`` searches one host of 64:
+    a stderr line says so and names the --hosts that splits them; 8 x 8 gets none."""
+    from autoshard.cli.pipeline import _warn_one_host
+
+    _warn_one_host("alpa-v100", 1, 64)
+    err = capsys.readouterr().err
+    assert "1 host x 64 devices" in err and "--hosts 8" in err and "8 x 8" in err
+    for quiet_case in (("alpa-v100", 8, 8), ("alpa-v100", 1, 8), (None, 1, 64)):
+        _warn_one_host(*quiet_case)
+        assert capsys.readouterr().err == "", quiet_case
+
+
 def test_cli_pipeline_run_matches_single_device(capsys):
     args = _parse(
         "pipeline-run --model gpt-tiny --devices 8 --pipeline equal-layer --stages 2 "
