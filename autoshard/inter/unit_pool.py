@@ -3,13 +3,16 @@
 
 :meth:`autoshard.inter.stage_cost.IntraStageCost.prepare` hands the units it must solve
 to :func:`solve_in_pool` when :func:`jobs_for` says more than one process should.  The
-workers are *spawned* (fresh interpreters that import the jax-free planner only), never
-forked: forking a process that has started jax, or has run HiGHS's MIP solver, can leave
-the child waiting for threads it does not have.  They get a slim copy of the cost object
+workers are fresh interpreters (``python -c``, this process's ``sys.path``) that import
+the jax-free planner only: never forked (a fork of a process that has started jax, or
+has run HiGHS's MIP solver, can wait forever for threads it does not have), and not
+multiprocessing's spawn either (that re-runs the caller's main script in every worker,
+which a script without an ``if __name__ == "__main__"`` guard does not survive).  Each
+gets, once per search, a slim copy of the cost object
 (:meth:`~autoshard.inter.stage_cost.IntraStageCost.worker_copy`: the settings and the
-sub-graphs to plan, not the traced step), pickled once per search and unpickled once per
-worker, and return each unit with what solving it counted.  The caller applies the
-results in job order, so the plan does not depend on which worker finished first.
+sub-graphs to plan, not the traced step), then one unit at a time over a pipe, and
+returns each unit with what solving it counted.  The caller applies the results in job
+order, so the plan does not depend on which worker finished first.
 
 :func:`prestart` starts the workers early (the API calls it before it traces the step, so
 that their imports run beside the trace); :func:`release` stops them.  Jax-free.
@@ -18,9 +21,11 @@ that their imports run beside the trace); :func:`release` stops them.  Jax-free.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 import pickle
+import selectors
+import subprocess
+import sys
 
 JOBS_ENV = "AUTOSHARD_JOBS"  # processes that solve a search's stage ILPs (1: in this one)
 POOL_MIN_UNITS = 4  # fewer units than this are solved in this process
@@ -56,36 +61,82 @@ def jobs_for(num_units: int) -> int:
     return max(1, min(requested_jobs(), num_units))
 
 
-_WARM: dict = {}  # "pool", "jobs": the workers prestart started (until release)
+_WARM: dict = {}  # "workers": the processes prestart started (until release)
 _TOKENS = itertools.count()
 
 
 def prestart() -> None:
     """Start the worker processes now (one per :func:`requested_jobs`; none where that is
     1), so that their start-up overlaps what the caller does next (tracing the step);
-    the next :func:`solve_in_pool` uses them, and :func:`release` stops them."""
+    the next :func:`solve_in_pool` with as many jobs uses them, :func:`release` stops them."""
     jobs = requested_jobs()
-    if jobs > 1 and "pool" not in _WARM:
-        _WARM["pool"], _WARM["jobs"] = _new_pool(jobs), jobs
+    if jobs > 1 and "workers" not in _WARM:
+        _WARM["workers"] = [_Worker() for _ in range(jobs)]
 
 
 def release() -> None:
     """Stop the workers :func:`prestart` started (a no-op where there are none)."""
-    pool = _WARM.pop("pool", None)
-    _WARM.pop("jobs", None)
-    if pool is not None:
-        pool.terminate()
-        pool.join()
+    for worker in _WARM.pop("workers", ()):
+        worker.stop()
 
 
-def _new_pool(jobs: int):
-    return multiprocessing.get_context("spawn").Pool(jobs, initializer=_pool_init)
+_BOOT = (
+    "import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
+    "from autoshard.inter.unit_pool import _worker_main; _worker_main()"
+)
 
 
-def _pool_init() -> None:
-    """In a fresh worker: import what solving a unit needs (while the parent traces), and
-    ml_dtypes, which gives numpy the names of jax's dtypes (``np.dtype("bfloat16")``)."""
-    import ml_dtypes  # noqa: F401
+class _Worker:
+    """One worker process: pickles in on its stdin, pickles out on its stdout."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.tokens: set = set()  # the searches whose cost copy it has
+        self.job = None
+        self.send(list(sys.path))
+
+    def send(self, obj) -> None:
+        pickle.dump(obj, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.flush()
+
+    def receive(self):
+        try:
+            return pickle.load(self.proc.stdout)
+        except EOFError:
+            code = self.proc.wait()
+            raise RuntimeError(
+                f"a stage-ILP worker process ended (exit status {code}) before returning "
+                f"its unit; its error is above on stderr. {JOBS_ENV}=1 solves the ILPs in "
+                "this process instead"
+            ) from None
+
+    def stop(self, kill: bool = False) -> None:
+        """End the process: at the end of its input, or at once (``kill``: mid-unit)."""
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # end of input: the worker exits
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+def _worker_main() -> None:
+    """A worker's loop: jobs in on stdin until it closes, results out on the original
+    stdout (what the worker itself prints goes to stderr)."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import ml_dtypes  # noqa: F401  (numpy's names of jax's dtypes: np.dtype("bfloat16"))
 
     import autoshard.inter.stage_cost  # noqa: F401
     import autoshard.intra.ilp.solvers  # noqa: F401
@@ -94,23 +145,32 @@ def _pool_init() -> None:
         import highspy  # noqa: F401
     except ImportError:  # the solver's own error comes with the first ILP
         pass
+    states: dict = {}  # token -> (cost copy, sub-graph per layer, mesh per logical mesh)
+    while True:
+        try:
+            token, blob, i, logical = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            return
+        try:
+            if blob is not None:
+                states.clear()  # one search at a time
+                states[token] = pickle.loads(blob)
+            result = ("ok", _pool_unit(states[token], i, logical))
+        except Exception as err:  # noqa: BLE001 -- sent back and raised by the caller
+            import traceback
+
+            result = ("error", f"{type(err).__name__}: {err}", traceback.format_exc())
+        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
 
 
-_STATES: dict = {}  # in a worker: token -> (cost copy, sub-graph per layer)
-
-
-def _pool_unit(job):
-    """In a worker: the unit of layer ``i`` on ``mesh`` and what solving it counted (ILPs,
-    ILP seconds, cache hits, refusals, disk-cache hits)."""
-    token, blob, i, logical = job
-    if token not in _STATES:
-        _STATES.clear()  # one search at a time
-        _STATES[token] = pickle.loads(blob)
-    cost, subgraphs, meshes = _STATES[token]
-    mesh = meshes[logical]
+def _pool_unit(state, i: int, logical):
+    """In a worker: the unit of layer ``i`` on ``logical`` and what solving it counted
+    (ILPs, ILP seconds, cache hits, refusals, disk-cache hits)."""
+    cost, subgraphs, meshes = state
     before = (cost.num_ilps, cost.ilp_seconds, cost.num_cache_hits, len(cost.refusals))
     disk_hits = cost.num_disk_hits
-    unit = cost._plan_unit(subgraphs[i], mesh)
+    unit = cost._plan_unit(subgraphs[i], meshes[logical])
     counts = (
         cost.num_ilps - before[0],
         cost.ilp_seconds - before[1],
@@ -124,23 +184,50 @@ def _pool_unit(job):
 def solve_in_pool(cost, jobs_list, jobs: int):
     """Yield ``(i, logical, unit, counts)`` for each ``(i, logical)`` of ``jobs_list`` as
     ``jobs`` worker processes solve them, in the order they finish (the prestarted
-    workers where there are as many, else a pool made and stopped here)."""
+    workers where there are as many, else workers started and stopped here)."""
     layers = sorted({i for i, _ in jobs_list})
     # the meshes in one pickle with the cost: the parts they share (a GEMM table) once
     meshes = {tuple(g): cost.mesh_for(tuple(g)) for _, g in jobs_list}
-    state = (*cost.worker_copy(layers), meshes)
-    blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    blob = pickle.dumps((*cost.worker_copy(layers), meshes), protocol=pickle.HIGHEST_PROTOCOL)
     token = (os.getpid(), next(_TOKENS))
-    work = [(token, blob, i, tuple(g)) for i, g in jobs_list]
-    warm = _WARM.get("pool") if _WARM.get("jobs") == jobs else None
-    pool = warm if warm is not None else _new_pool(jobs)
+    warm = _WARM.get("workers")
+    workers = warm if warm is not None and len(warm) == jobs else None
+    own = workers is None
+    if own:
+        workers = [_Worker() for _ in range(jobs)]
+    pending = [(i, tuple(g)) for i, g in jobs_list]
+    pending.reverse()  # pop() takes them in order
+    done = False
     try:
-        yield from pool.imap_unordered(_pool_unit, work, chunksize=1)
-    except BaseException:
-        if warm is not None:  # a worker may be mid-unit: do not hand it to the next search
-            release()
-        raise
+        with selectors.DefaultSelector() as ready:
+
+            def feed(worker: _Worker) -> None:
+                i, logical = worker.job = pending.pop()
+                first = token not in worker.tokens
+                worker.tokens.add(token)
+                worker.send((token, blob if first else None, i, logical))
+
+            for worker in workers:
+                ready.register(worker.proc.stdout, selectors.EVENT_READ, worker)
+                if pending:
+                    feed(worker)
+            busy = sum(w.job is not None for w in workers)
+            while busy:
+                for key, _ in ready.select():
+                    worker = key.data
+                    result = worker.receive()
+                    worker.job = None
+                    busy -= 1
+                    if result[0] == "error":
+                        raise RuntimeError(f"a stage-ILP worker failed: {result[1]}\n{result[2]}")
+                    if pending:
+                        feed(worker)
+                        busy += 1
+                    yield result[1]
+        done = True
     finally:
-        if warm is None:
-            pool.terminate()
-            pool.join()
+        if own or not done:  # a worker may be mid-unit: do not hand it to the next search
+            for worker in workers:
+                worker.stop(kill=not done)
+            if not own:
+                _WARM.pop("workers", None)
