@@ -407,6 +407,24 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
         assert flat_pooled.stage_specs(0, 3, logical) == flat_alone.stage_specs(0, 3, logical)
 
 
+def test_a_worker_processes_error_comes_back_to_the_search(tiny4):
+    """A unit that fails in a worker process raises in the search (with the worker's
+    error), and the workers are stopped, not left waiting."""
+    from autoshard.inter.unit_pool import solve_in_pool
+
+    cost = _cost_model(tiny4.graph, devices_per_host=4)
+
+    def broken(layers):
+        twin, subgraphs = IntraStageCost.worker_copy(cost, layers)
+        del twin.worker_copy
+        return twin, {i: "not a sub-graph" for i in subgraphs}
+
+    cost.worker_copy = broken
+    results = solve_in_pool(cost, [(1, (1, 2)), (1, (2, 2)), (0, (1, 2))], 2)
+    with pytest.raises(RuntimeError, match="worker failed: AttributeError"):
+        list(results)
+
+
 @pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_stage_ilps_solved_in_worker_processes_give_the_same_plan():
     """``AUTOSHARD_JOBS=2`` (ILPs solved by two spawned worker processes, started before

@@ -133,6 +133,9 @@ class _Worker:
 def _worker_main() -> None:
     """A worker's loop: jobs in on stdin until it closes, results out on the original
     stdout (what the worker itself prints goes to stderr)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's: it stops us
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
