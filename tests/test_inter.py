@@ -407,6 +407,27 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
         assert flat_pooled.stage_specs(0, 3, logical) == flat_alone.stage_specs(0, 3, logical)
 
 
+def test_worker_count_follows_the_free_cpus_unless_set(monkeypatch):
+    """Unset, ``AUTOSHARD_JOBS`` means one worker per free CPU (the CPUs less the load,
+    this process counted free; 1: in this process); set, it is obeyed; a bad value is
+    refused with what would work; too few units stay in this process."""
+    from autoshard.inter import unit_pool
+
+    monkeypatch.delenv("AUTOSHARD_JOBS", raising=False)
+    monkeypatch.setattr(unit_pool, "_cpus", lambda: 4)
+    for load, jobs in ((0.0, 4), (1.2, 3), (3.5, 1), (30.0, 1)):
+        monkeypatch.setattr(unit_pool, "_load", lambda load=load: load)
+        assert unit_pool.jobs_for(48) == jobs, load
+    assert unit_pool.jobs_for(unit_pool.POOL_MIN_UNITS - 1) == 1
+    monkeypatch.setenv("AUTOSHARD_JOBS", "3")
+    assert unit_pool.jobs_for(48) == 3 and unit_pool.jobs_for(5) == 3
+    monkeypatch.setenv("AUTOSHARD_JOBS", "0")
+    assert unit_pool.jobs_for(48) == 4
+    monkeypatch.setenv("AUTOSHARD_JOBS", "two")
+    with pytest.raises(ValueError, match="whole number"):
+        unit_pool.jobs_for(48)
+
+
 def test_a_worker_processes_error_comes_back_to_the_search(tiny4):
     """A unit that fails in a worker process raises in the search (with the worker's
     error), and the workers are stopped, not left waiting."""
