@@ -67,10 +67,12 @@ def requested_jobs() -> int:
 
 def jobs_for(num_units: int) -> int:
     """How many processes solve ``num_units`` stage ILPs: :func:`requested_jobs`, at most
-    one per unit; 1 (this process) for fewer than :data:`POOL_MIN_UNITS` units."""
-    if num_units < POOL_MIN_UNITS:
+    one per unit; 1 (this process) for fewer than :data:`POOL_MIN_UNITS` units, and off
+    POSIX (the workers' pipes are polled with ``selectors``, which Windows cannot)."""
+    if num_units < POOL_MIN_UNITS or os.name != "posix":
         return 1
-    return max(1, min(requested_jobs(), num_units))
+    warm = _WARM.get("workers")  # started for this search (prestart): the count it chose
+    return max(1, min(len(warm) if warm else requested_jobs(), num_units))
 
 
 _WARM: dict = {}  # "workers": the processes prestart started (until release)
@@ -81,7 +83,7 @@ def prestart() -> None:
     """Start the worker processes now (one per :func:`requested_jobs`; none where that is
     1), so that their start-up overlaps what the caller does next (tracing the step);
     the next :func:`solve_in_pool` with as many jobs uses them, :func:`release` stops them."""
-    jobs = requested_jobs()
+    jobs = requested_jobs() if os.name == "posix" else 1
     if jobs > 1 and "workers" not in _WARM:
         _WARM["workers"] = [_Worker() for _ in range(jobs)]
 
@@ -206,7 +208,7 @@ def solve_in_pool(cost, jobs_list, jobs: int):
     blob = pickle.dumps((*cost.worker_copy(layers), meshes), protocol=pickle.HIGHEST_PROTOCOL)
     token = (os.getpid(), next(_TOKENS))
     warm = _WARM.get("workers")
-    workers = warm if warm is not None and len(warm) == jobs else None
+    workers = warm[:jobs] if warm is not None and len(warm) >= jobs else None
     own = workers is None
     if own:
         workers = [_Worker() for _ in range(jobs)]
@@ -245,4 +247,4 @@ def solve_in_pool(cost, jobs_list, jobs: int):
             for worker in workers:
                 worker.stop(kill=not done)
             if not own:
-                _WARM.pop("workers", None)
+                release()  # and any prestarted worker this search did not use
