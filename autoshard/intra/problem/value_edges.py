@@ -386,6 +386,9 @@ def value_edges(
                             known = prices.setdefault((a, v.shape, v.itemsize, rel), {})
                             price = {}
                             for b in distinct_w:
+                                if a.partial and guarded and b is not None and b.dims != a.dims:
+                                    price[b] = INF
+                                    continue
                                 c = known.get(b)
                                 if c is None:
                                     c = known[b] = (
@@ -394,8 +397,6 @@ def value_edges(
                                         else _resolve_cost(a, b, v.shape, v.itemsize, mesh,
                                                            options, *rel, forbidden)
                                     )  # fmt: skip
-                                if a.partial and guarded and b is not None and b.dims != a.dims:
-                                    c = INF
                                 price[b] = c
                             row = rows[a, rel] = tuple(price[b] for b in w)
                         matrix.append(row)
