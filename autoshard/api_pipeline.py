@@ -24,6 +24,7 @@ import jax
 import optax
 
 from autoshard.api import TracedWorkload, trace_workload
+from autoshard.inter import unit_pool
 from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Stage
@@ -174,26 +175,33 @@ def auto_stage_plan(
     progress = progress or Progress()
     num_microbatches = options.num_microbatches
     check_positive_int("num_microbatches", num_microbatches)
-    if isinstance(workload, TracedWorkload):
-        name, graph = workload.workload.name, workload.graph
-    elif isinstance(workload, str):
-        with progress.phase("trace"):
-            name, graph = microbatch_graph(workload, num_microbatches, optimizer, **overrides)
-    else:
-        with progress.phase("trace"):
-            traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
-        name, graph = traced.workload.name, traced.graph
-    t_trace = time.perf_counter() - t_start
-    plan = search_stages(
-        graph,
-        num_hosts,
-        devices_per_host,
-        options,
-        cluster=cluster,
-        model=name,
-        progress=progress,
-        offload=offload,
-    )
+    if (
+        options.stages == "auto"
+    ):  # the stage ILPs' workers start now, their imports beside the trace
+        unit_pool.prestart()
+    try:
+        if isinstance(workload, TracedWorkload):
+            name, graph = workload.workload.name, workload.graph
+        elif isinstance(workload, str):
+            with progress.phase("trace"):
+                name, graph = microbatch_graph(workload, num_microbatches, optimizer, **overrides)
+        else:
+            with progress.phase("trace"):
+                traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
+            name, graph = traced.workload.name, traced.graph
+        t_trace = time.perf_counter() - t_start
+        plan = search_stages(
+            graph,
+            num_hosts,
+            devices_per_host,
+            options,
+            cluster=cluster,
+            model=name,
+            progress=progress,
+            offload=offload,
+        )
+    finally:
+        unit_pool.release()
     return dataclasses.replace(
         plan,
         search_seconds=time.perf_counter() - t_start,

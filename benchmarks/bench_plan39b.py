@@ -8,10 +8,14 @@ after.  ``--baseline DIR`` alternates each run with the same command run from an
 checkout (``PYTHONPATH=DIR``), so that both are measured in the same minutes.  Prints each
 run and the medians, and writes ``benchmarks/results/bench_plan39b.json``.
 
-    python benchmarks/bench_plan39b.py [--repeats 3] [--baseline /work/main] [--out FILE]
+    python benchmarks/bench_plan39b.py [--repeats 3] [--baseline /work/main] [--jobs N]
+        [--out FILE]
 
-The child inherits the environment: ``AUTOSHARD_JOBS=0`` (the stage ILPs in one forked
-process per CPU) is how the runs of 2026-11-27 were made, when the pool was the default.
+Each run prints its phases: imports and the JSON (the wall time outside the search), the
+trace, the stage ILPs (their count and the wall seconds per ILP) and the stage DP (the
+spans, the DP runs and the chosen stages' specs).  The child inherits the environment;
+``--jobs N`` sets ``AUTOSHARD_JOBS=N`` for it (the stage ILPs' worker processes: unset,
+one per CPU; ``1``, in the search's own process).
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ ARGV = (
 ).split()
 
 
-def run_once(tree: Path) -> dict:
+def run_once(tree: Path, jobs: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "AUTOSHARD_CACHE_DIR"}
     env["PYTHONPATH"] = str(tree)
+    if jobs is not None:
+        env["AUTOSHARD_JOBS"] = jobs
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -52,15 +58,19 @@ def run_once(tree: Path) -> dict:
         "cpu_s": cpu,
         "load_1min_before": load,
         "load_1min_after": os.getloadavg()[0],
+        "autoshard_jobs": env.get("AUTOSHARD_JOBS"),
     }
     if proc.returncode != 0:
         row["error"] = proc.stderr[-2000:]
         return row
     plan = json.loads(proc.stdout)
+    phases = dict(plan["phase_seconds"])
+    phases["imports_and_json"] = max(wall - plan["search_seconds"], 0.0)
     row.update(
         objective_s=plan["objective_s"],
-        phase_seconds=plan["phase_seconds"],
+        phase_seconds=phases,
         num_ilps=plan["num_ilps"],
+        seconds_per_ilp=phases.get("intra_op_ilps", 0.0) / max(plan["num_ilps"], 1),
         stages=[
             [s["start_layer"], s["end_layer"], s["submesh"], s["logical_mesh"], s["latency_s"]]
             for s in plan["stages"]
@@ -73,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline", default=None, help="another checkout to alternate with")
+    ap.add_argument("--jobs", default=None, help="AUTOSHARD_JOBS for the runs (default: inherit)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_plan39b.json"))
     args = ap.parse_args()
     trees = {"this": ROOT}
@@ -81,13 +92,14 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for k in range(args.repeats):
         for name, tree in trees.items():
-            row = run_once(tree)
+            row = run_once(tree, args.jobs)
             runs[name].append(row)
             print(
                 f"{name} run {k + 1}: wall {row['wall_s']:.1f} s, CPU {row['cpu_s']:.1f} s, "
                 f"load {row['load_1min_before']:.1f}->{row['load_1min_after']:.1f}, "
-                f"objective {row.get('objective_s', 'ERROR')} s, phases "
-                f"{ {p: round(v, 1) for p, v in row.get('phase_seconds', {}).items()} }",
+                f"objective {row.get('objective_s', 'ERROR')} s, phases (wall s) "
+                f"{ {p: round(v, 1) for p, v in row.get('phase_seconds', {}).items()} }, "
+                f"{row.get('num_ilps')} ILPs at {row.get('seconds_per_ilp', 0.0):.2f} s each",
                 flush=True,
             )
     summary = {}
@@ -97,6 +109,7 @@ def main() -> None:
             "median_wall_s": statistics.median(r["wall_s"] for r in ok) if ok else None,
             "median_cpu_s": statistics.median(r["cpu_s"] for r in ok) if ok else None,
             "objectives_s": sorted({r["objective_s"] for r in ok}),
+            "load_1min": [r["load_1min_before"] for r in rows],
         }
         print(f"{name}: median wall {summary[name]['median_wall_s']} s, "
               f"median CPU {summary[name]['median_cpu_s']} s")  # fmt: skip

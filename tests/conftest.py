@@ -4,6 +4,9 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# stage ILPs in this process: the suite's workers already use every core, and a search
+# that spawned its own ILP workers would fight them (tests that want the pool set it)
+os.environ.setdefault("AUTOSHARD_JOBS", "1")
 # LLVM's code for the tiny test steps at -O0: XLA:CPU compiles them about 35% faster and
 # most of a test's time is compiling. The HLO XLA compiles (its collectives, fusions and
 # buffer assignment, which the tests compare with the plan) is the same at every level;

@@ -219,6 +219,19 @@ def test_cli_pipeline_plan_prints_json(capsys):
     assert obj["objective_s"] > 0
 
 
+def test_cli_warns_when_a_presets_devices_are_searched_as_one_host(capsys):
+    """``--devices 64`` on an 8-GPU-node preset without ``--hosts`` searches one host of 64:
+    a stderr line says so and names the --hosts that splits them; 8 x 8 gets none."""
+    from autoshard.cli.pipeline import _warn_one_host
+
+    _warn_one_host("alpa-v100", 1, 64)
+    err = capsys.readouterr().err
+    assert "1 host x 64 devices" in err and "--hosts 8" in err and "8 x 8" in err
+    for quiet_case in (("alpa-v100", 8, 8), ("alpa-v100", 1, 8), (None, 1, 64)):
+        _warn_one_host(*quiet_case)
+        assert capsys.readouterr().err == "", quiet_case
+
+
 def test_cli_pipeline_run_matches_single_device(capsys):
     args = _parse(
         "pipeline-run --model gpt-tiny --devices 8 --pipeline equal-layer --stages 2 "
@@ -348,11 +361,96 @@ def test_a_mesh_with_its_axis_sizes_swapped_reuses_the_twins_plan(tiny4, monkeyp
     assert two_nodes._twin((4, 2), two_nodes.mesh_for((4, 2))) is None
 
 
+def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypatch):
+    """With ``AUTOSHARD_JOBS=2`` the units are planned by two spawned workers
+    (:mod:`autoshard.inter.unit_pool`) from a slim copy of the cost: every range costs
+    exactly what the units planned in this process give, stage specs included, with the
+    same ILP count; on a folded deep GPT (its owners mapped through the fold) too."""
+    from autoshard.hardware.clusters import load_cluster
+    from autoshard.inter import stage_cost
+    from autoshard.sim import auto
+
+    pooled_calls = []
+
+    def spy(cost, jobs_list, jobs):
+        pooled_calls.append((len(jobs_list), jobs))
+        yield from solve_in_pool(cost, jobs_list, jobs)
+
+    solve_in_pool = stage_cost.solve_in_pool
+    monkeypatch.setattr(stage_cost, "solve_in_pool", spy)
+    logicals = [(1, 1), (1, 2), (2, 1), (2, 2)]
+    cluster = load_cluster("alpa-v100", 4)
+    depth = {"num_layers": auto.FOLD_MIN_BLOCKS + 1}
+    costs = {}
+    for jobs in ("1", "2"):
+        monkeypatch.setenv("AUTOSHARD_JOBS", jobs)
+        flat = IntraStageCost(
+            tiny4.graph, logical_mesh_costs(cluster_for("alpa-v100", 1, 4)), solver=SOLVER
+        )
+        folded = auto.search_stage_cost("gpt-tiny", cluster, 8, 2, "fp16", 20.0, depth)
+        for cost in (flat, folded):
+            cost.prepare(logicals)
+        costs[jobs] = flat, folded
+    assert [jobs for _, jobs in pooled_calls] == [2, 2]  # the pool ran, for both costs
+    for alone, pooled in zip(costs["1"], costs["2"], strict=True):
+        assert pooled.num_ilps == alone.num_ilps > 3
+        n = alone.num_layers
+        for logical in logicals:
+            for mode in ("none", "full"):
+                for k in range(n):
+                    for i in range(k + 1, n + 1):
+                        assert pooled.range_cost(k, i, logical, mode) == alone.range_cost(
+                            k, i, logical, mode
+                        ), (k, i, logical, mode)
+    flat_alone, flat_pooled = costs["1"][0], costs["2"][0]
+    for logical in ((1, 2), (2, 2)):
+        assert flat_pooled.stage_specs(0, 3, logical) == flat_alone.stage_specs(0, 3, logical)
+
+
+def test_worker_count_follows_the_free_cpus_unless_set(monkeypatch):
+    """Unset, ``AUTOSHARD_JOBS`` means one worker per free CPU (the CPUs less the load,
+    this process counted free; 1: in this process); set, it is obeyed; a bad value is
+    refused with what would work; too few units stay in this process."""
+    from autoshard.inter import unit_pool
+
+    monkeypatch.delenv("AUTOSHARD_JOBS", raising=False)
+    monkeypatch.setattr(unit_pool, "_cpus", lambda: 4)
+    for load, jobs in ((0.0, 4), (1.2, 3), (3.5, 1), (30.0, 1)):
+        monkeypatch.setattr(unit_pool, "_load", lambda load=load: load)
+        assert unit_pool.jobs_for(48) == jobs, load
+    assert unit_pool.jobs_for(unit_pool.POOL_MIN_UNITS - 1) == 1
+    monkeypatch.setenv("AUTOSHARD_JOBS", "3")
+    assert unit_pool.jobs_for(48) == 3 and unit_pool.jobs_for(5) == 3
+    monkeypatch.setenv("AUTOSHARD_JOBS", "0")
+    assert unit_pool.jobs_for(48) == 4
+    monkeypatch.setenv("AUTOSHARD_JOBS", "two")
+    with pytest.raises(ValueError, match="whole number"):
+        unit_pool.jobs_for(48)
+
+
+def test_a_worker_processes_error_comes_back_to_the_search(tiny4):
+    """A unit that fails in a worker process raises in the search (with the worker's
+    error), and the workers are stopped, not left waiting."""
+    from autoshard.inter.unit_pool import solve_in_pool
+
+    cost = _cost_model(tiny4.graph, devices_per_host=4)
+
+    def broken(layers):
+        twin, subgraphs = IntraStageCost.worker_copy(cost, layers)
+        del twin.worker_copy
+        return twin, {i: "not a sub-graph" for i in subgraphs}
+
+    cost.worker_copy = broken
+    results = solve_in_pool(cost, [(1, (1, 2)), (1, (2, 2)), (0, (1, 2))], 2)
+    with pytest.raises(RuntimeError, match="worker failed: AttributeError"):
+        list(results)
+
+
 @pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
-def test_stage_ilps_solved_in_forked_processes_give_the_same_plan():
-    """``AUTOSHARD_JOBS=2`` (ILPs solved by two forked processes) and ``1`` (in the search's
-    own process) give the same plan, stage specs included; each run is a fresh process, so
-    the pool is forked before this process has run HiGHS (see ``solvers.highs_ran``)."""
+def test_stage_ilps_solved_in_worker_processes_give_the_same_plan():
+    """``AUTOSHARD_JOBS=2`` (ILPs solved by two spawned worker processes, started before
+    the trace) and ``1`` (in the search's own process) give the same plan, stage specs
+    included, and count the same ILPs."""
     import os
     import subprocess
     import sys

@@ -40,6 +40,7 @@ def cmd_pipeline_plan(args) -> int:
         if args.devices % hosts:
             raise ValueError(f"--devices {args.devices} does not split into --hosts {hosts}")
         per_host = args.devices // hosts
+    _warn_one_host(args.cluster, hosts, per_host)
     plan = auto_stage_plan(
         args.model,
         hosts,
@@ -91,6 +92,26 @@ def cmd_pipeline_plan(args) -> int:
         f"({phases}); {plan.num_ilps} ILPs, {plan.num_cache_hits} cache hits"
     )
     return 0
+
+
+def _warn_one_host(cluster, hosts: int, per_host: int) -> None:
+    """A line on stderr where the devices of a cluster preset are searched as more per
+    host than its nodes have (``--devices 64`` without ``--hosts``: one host of 64, with
+    the nodes' own links between all of them, not Alpa's 8 x 8)."""
+    import sys
+
+    from autoshard.hardware.clusters import load_cluster
+
+    if not cluster:
+        return
+    node = load_cluster(cluster).devices_per_node
+    if per_host > node and per_host % node == 0:
+        print(
+            f"autoshard: warning: searching {hosts} host{'s' if hosts > 1 else ''} x "
+            f"{per_host} devices, but a {cluster} node has {node} GPUs: add --hosts "
+            f"{hosts * per_host // node} to search {hosts * per_host // node} x {node}",
+            file=sys.stderr,
+        )
 
 
 def offload_lines(record) -> list[str]:

@@ -107,8 +107,17 @@ class StagePlan:
         return StagePlan(stages, *(obj[k] for k in keys), obj.get("num_dp_runs", 0))
 
 
-def _specs_to_json(specs: Mapping[int, ShardingSpec]) -> dict:
-    return {str(k): v.to_json() for k, v in specs.items()}
+def _specs_to_json(specs: Mapping[int, ShardingSpec], memo: dict | None = None) -> dict:
+    """``specs`` as JSON; ``memo`` (spec -> its JSON) writes each distinct spec once
+    (a stage's plan holds thousands of tensors in a few dozen specs)."""
+    memo = {} if memo is None else memo
+    out = {}
+    for k, v in specs.items():
+        found = memo.get(v)
+        if found is None:
+            found = memo[v] = v.to_json()
+        out[str(k)] = found
+    return out
 
 
 def _specs_from_json(obj: dict) -> dict[int, ShardingSpec]:
@@ -134,11 +143,14 @@ class StageSpecs:
     operand_specs: Mapping[int, Mapping[int, ShardingSpec]]
 
     def to_json(self) -> dict:
+        memo: dict = {}  # one JSON object per distinct spec, shared by its tensors
         return {
             "logical_mesh": list(self.logical_mesh),
-            "tensor_specs": _specs_to_json(self.tensor_specs),
-            "input_specs": _specs_to_json(self.input_specs),
-            "operand_specs": {str(n): _specs_to_json(o) for n, o in self.operand_specs.items()},
+            "tensor_specs": _specs_to_json(self.tensor_specs, memo),
+            "input_specs": _specs_to_json(self.input_specs, memo),
+            "operand_specs": {
+                str(n): _specs_to_json(o, memo) for n, o in self.operand_specs.items()
+            },
         }
 
     @staticmethod

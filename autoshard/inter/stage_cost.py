@@ -44,6 +44,7 @@ Everything uses abstract shapes: no parameter is allocated.  Jax-free.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -132,6 +133,7 @@ class IntraStageCost:
         self.owners = param_owner_layers(graph)
         shallow_signatures = layer_signatures(graph)
         self.layer_names: tuple[str, ...] = graph.layers
+        self._shallow_names = graph.layers  # the traced layers (folded: fewer)
         self._shallow_of: tuple[int, ...] = tuple(range(len(graph.layers)))
         crossings = crossing_pairs(self.graph)
         self._pair_rep = {pair: pair for pair in crossings}
@@ -183,10 +185,10 @@ class IntraStageCost:
         """A shallow owner layer index as a deep one (-1: no layer)."""
         if not self.folded or owner <= 0:
             return owner
-        if owner == len(self.graph.layers) - 1:
+        if owner == len(self._shallow_names) - 1:
             return self.num_layers - 1
         raise ValueError(
-            f"layer {self.graph.layers[owner]} lends parameters to another: a folded trace "
+            f"layer {self._shallow_names[owner]} lends parameters to another: a folded trace "
             "cannot say which deep block would"
         )
 
@@ -244,14 +246,18 @@ class IntraStageCost:
         try:
             with progress.phase("stage ILPs", len(todo)) as phase:
                 if jobs > 1:
+                    solved = {}
                     for i, logical, unit, counts in solve_in_pool(self, solve, jobs):
+                        solved[i, logical] = unit, counts
+                        phase.advance()
+                    for i, logical in solve:  # in job order, whichever worker finished first
+                        unit, counts = solved[i, logical]
                         self._units[((self.signatures[i],), self.mesh_for(logical))] = unit
                         self.num_ilps += counts[0]
                         self.ilp_seconds += counts[1]
                         self.num_cache_hits += counts[2]
                         self.refusals.extend(r for r in counts[3] if r not in self.refusals)
                         self.num_disk_hits += counts[4]
-                        phase.advance()
                 for i, logical in todo:
                     if ((self.signatures[i],), self.mesh_for(logical)) in self._units:
                         continue  # solved by the pool
@@ -259,6 +265,32 @@ class IntraStageCost:
                     phase.advance()
         finally:
             self.seconds += time.perf_counter() - t0
+
+    def worker_copy(self, layers) -> tuple[IntraStageCost, dict[int, RangeGraph]]:
+        """What a worker process needs to plan the units of ``layers`` (one layer each):
+        a copy of this cost with its settings and counters, without the traced step, the
+        mesh factory or any memo, and each layer's sub-graph
+        (:mod:`autoshard.inter.unit_pool`)."""
+        subgraphs = {i: self.subgraph(i, i + 1) for i in layers}
+        twin = copy.copy(self)
+        twin.graph = twin.mesh_for = None
+        twin.signatures, twin._rep, twin._crossings, twin._pair_rep = (), {}, (), {}
+        for memo in (
+            "_units",
+            "_subgraphs",
+            "_junctions",
+            "_tables",
+            "_solutions",
+            "_borrowers",
+            "_range_keys",
+            "_key_ids",
+            "_owners_of",
+            "_graph_keys",
+        ):
+            setattr(twin, memo, {})
+        twin._nodes_by_layer = twin._crossings_by_high = None
+        twin.refusals = []
+        return twin, subgraphs
 
     def unit(self, start: int, end: int, logical: Shape2) -> UnitCost:
         """The plan of ``[start, end)`` on ``logical``, or of an identical range's (one

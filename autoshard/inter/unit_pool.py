@@ -1,62 +1,193 @@
-"""Stage ILPs solved in forked processes (opt-in: ``AUTOSHARD_JOBS``).
+"""Stage ILPs solved in worker processes (``AUTOSHARD_JOBS``; default: one per free CPU,
+up to :data:`MAX_DEFAULT_JOBS`).
 
 :meth:`autoshard.inter.stage_cost.IntraStageCost.prepare` hands the units it must solve
-to :func:`solve_in_pool` when :func:`jobs_for` says more than one process should: the
-workers are forked, inherit the cost object (its graph and sub-graphs are not pickled),
-run no jax, and return each unit with what solving it counted.  Jax-free.
+to :func:`solve_in_pool` when :func:`jobs_for` says more than one process should.  The
+workers are fresh interpreters (``python -c``, this process's ``sys.path``) that import
+the jax-free planner only: never forked (a fork of a process that has started jax, or
+has run HiGHS's MIP solver, can wait forever for threads it does not have), and not
+multiprocessing's spawn either (that re-runs the caller's main script in every worker,
+which a script without an ``if __name__ == "__main__"`` guard does not survive).  Each
+gets, once per search, a slim copy of the cost object
+(:meth:`~autoshard.inter.stage_cost.IntraStageCost.worker_copy`: the settings and the
+sub-graphs to plan, not the traced step), then one unit at a time over a pipe, and
+returns each unit with what solving it counted.  The caller applies the results in job
+order, so the plan does not depend on which worker finished first.
+
+:func:`prestart` starts the workers early (the API calls it before it traces the step, so
+that their imports run beside the trace); :func:`release` stops them.  Jax-free.
 """
 
 from __future__ import annotations
 
-import gc
-import multiprocessing
+import itertools
 import os
-import warnings
-
-from autoshard.inter.plan import Shape2
+import pickle
+import selectors
+import subprocess
+import sys
 
 JOBS_ENV = "AUTOSHARD_JOBS"  # processes that solve a search's stage ILPs (1: in this one)
 POOL_MIN_UNITS = 4  # fewer units than this are solved in this process
+MAX_DEFAULT_JOBS = 8  # the default's cap: one process per CPU up to this many
+
+
+def _cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average here: count every CPU as free
+        return 0.0
+
+
+def requested_jobs() -> int:
+    """The processes ``AUTOSHARD_JOBS`` asks for (``0``: one per CPU this process may run
+    on), or by default one per CPU that is free -- the CPUs less the 1-minute load
+    average, this process's own CPU counted free -- up to :data:`MAX_DEFAULT_JOBS`: on a
+    machine other work keeps busy, workers add their start-up and gain no CPU (measured
+    on the 2-core development machine at load 14-20: 17.3 against 16.8 CPU-s, the same
+    wall time; docs/results.md)."""
+    given = os.environ.get(JOBS_ENV)
+    if given is None:
+        cpus = _cpus()
+        return max(1, min(cpus, MAX_DEFAULT_JOBS, int(cpus + 1 - _load())))
+    try:
+        jobs = int(given)
+    except ValueError:
+        raise ValueError(f"{JOBS_ENV}={given!r}: give a whole number of processes") from None
+    if jobs < 0:
+        raise ValueError(f"{JOBS_ENV}={given!r}: give 0 (one per CPU) or more processes")
+    return _cpus() if jobs == 0 else jobs
 
 
 def jobs_for(num_units: int) -> int:
-    """How many processes solve ``num_units`` stage ILPs: ``AUTOSHARD_JOBS`` if set, else
-    1 (this process: forking a process that runs jax is not safe in general, so the pool is
-    opt-in); ``AUTOSHARD_JOBS=0`` one per CPU this process may run on; 1 for fewer than
-    :data:`POOL_MIN_UNITS` units, where processes cannot be forked, or once this process
-    has run HiGHS (a forked child would wait for HiGHS's threads forever)."""
-    from autoshard.intra.ilp import solvers
+    """How many processes solve ``num_units`` stage ILPs: :func:`requested_jobs`, at most
+    one per unit; 1 (this process) for fewer than :data:`POOL_MIN_UNITS` units, and off
+    POSIX (the workers' pipes are polled with ``selectors``, which Windows cannot)."""
+    if num_units < POOL_MIN_UNITS or os.name != "posix":
+        return 1
+    warm = _WARM.get("workers")  # started for this search (prestart): the count it chose
+    return max(1, min(len(warm) if warm else requested_jobs(), num_units))
 
-    if num_units < POOL_MIN_UNITS or "fork" not in multiprocessing.get_all_start_methods():
-        return 1
-    if solvers.highs_ran:  # HiGHS's threads would be missing in a forked child
-        return 1
-    given = os.environ.get(JOBS_ENV)
-    if given is not None:
+
+_WARM: dict = {}  # "workers": the processes prestart started (until release)
+_TOKENS = itertools.count()
+
+
+def prestart() -> None:
+    """Start the worker processes now (one per :func:`requested_jobs`; none where that is
+    1), so that their start-up overlaps what the caller does next (tracing the step);
+    the next :func:`solve_in_pool` with as many jobs uses them, :func:`release` stops them."""
+    jobs = requested_jobs() if os.name == "posix" else 1
+    if jobs > 1 and "workers" not in _WARM:
+        _WARM["workers"] = [_Worker() for _ in range(jobs)]
+
+
+def release() -> None:
+    """Stop the workers :func:`prestart` started (a no-op where there are none)."""
+    for worker in _WARM.pop("workers", ()):
+        worker.stop()
+
+
+_BOOT = (
+    "import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
+    "from autoshard.inter.unit_pool import _worker_main; _worker_main()"
+)
+
+
+class _Worker:
+    """One worker process: pickles in on its stdin, pickles out on its stdout."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.tokens: set = set()  # the searches whose cost copy it has
+        self.job = None
+        self.send(list(sys.path))
+
+    def send(self, obj) -> None:
+        pickle.dump(obj, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.flush()
+
+    def receive(self):
         try:
-            jobs = int(given)
-        except ValueError:
-            raise ValueError(f"{JOBS_ENV}={given!r}: give a whole number of processes") from None
-        if jobs < 0:
-            raise ValueError(f"{JOBS_ENV}={given!r}: give 0 (one per CPU) or more processes")
-    else:
-        jobs = 1
-    if jobs == 0:
-        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(jobs or 1, num_units))
+            return pickle.load(self.proc.stdout)
+        except EOFError:
+            code = self.proc.wait()
+            raise RuntimeError(
+                f"a stage-ILP worker process ended (exit status {code}) before returning "
+                f"its unit; its error is above on stderr. {JOBS_ENV}=1 solves the ILPs in "
+                "this process instead"
+            ) from None
+
+    def stop(self, kill: bool = False) -> None:
+        """End the process: at the end of its input, or at once (``kill``: mid-unit)."""
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # end of input: the worker exits
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
-_POOL_COST = None  # the cost object the forked workers solve for
+def _worker_main() -> None:
+    """A worker's loop: jobs in on stdin until it closes, results out on the original
+    stdout (what the worker itself prints goes to stderr)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's: it stops us
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import ml_dtypes  # noqa: F401  (numpy's names of jax's dtypes: np.dtype("bfloat16"))
+
+    import autoshard.inter.stage_cost  # noqa: F401
+    import autoshard.intra.ilp.solvers  # noqa: F401
+
+    try:
+        import highspy  # noqa: F401
+    except ImportError:  # the solver's own error comes with the first ILP
+        pass
+    states: dict = {}  # token -> (cost copy, sub-graph per layer, mesh per logical mesh)
+    while True:
+        try:
+            token, blob, i, logical = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            return
+        try:
+            if blob is not None:
+                states.clear()  # one search at a time
+                states[token] = pickle.loads(blob)
+            result = ("ok", _pool_unit(states[token], i, logical))
+        except Exception as err:  # noqa: BLE001 -- sent back and raised by the caller
+            import traceback
+
+            result = ("error", f"{type(err).__name__}: {err}", traceback.format_exc())
+        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
 
 
-def _pool_unit(job: tuple[int, Shape2]):
-    """In a forked worker: the unit of layer ``i`` on ``logical`` and what solving it
-    counted (ILPs, ILP seconds, cache hits, refusals, disk-cache hits)."""
-    i, logical = job
-    cost = _POOL_COST
+def _pool_unit(state, i: int, logical):
+    """In a worker: the unit of layer ``i`` on ``logical`` and what solving it counted
+    (ILPs, ILP seconds, cache hits, refusals, disk-cache hits)."""
+    cost, subgraphs, meshes = state
     before = (cost.num_ilps, cost.ilp_seconds, cost.num_cache_hits, len(cost.refusals))
     disk_hits = cost.num_disk_hits
-    unit = cost._plan_unit(cost.subgraph(i, i + 1), cost.mesh_for(logical))
+    unit = cost._plan_unit(subgraphs[i], meshes[logical])
     counts = (
         cost.num_ilps - before[0],
         cost.ilp_seconds - before[1],
@@ -67,27 +198,53 @@ def _pool_unit(job: tuple[int, Shape2]):
     return i, logical, unit, counts
 
 
-def _pool_init() -> None:
-    """In a forked worker: drop the garbage-collector callbacks jax registered in the
-    parent (they call into XLA's runtime, whose threads a forked child does not have)."""
-    gc.callbacks[:] = [
-        cb for cb in gc.callbacks if not getattr(cb, "__module__", "").startswith("jax")
-    ]
-
-
 def solve_in_pool(cost, jobs_list, jobs: int):
-    """Yield ``_pool_unit``'s results for ``jobs_list`` as ``jobs`` forked processes solve
-    them (the workers inherit ``cost``: its graph and sub-graphs are not pickled)."""
-    global _POOL_COST
-    _POOL_COST = cost
+    """Yield ``(i, logical, unit, counts)`` for each ``(i, logical)`` of ``jobs_list`` as
+    ``jobs`` worker processes solve them, in the order they finish (the prestarted
+    workers where there are as many, else workers started and stopped here)."""
+    layers = sorted({i for i, _ in jobs_list})
+    # the meshes in one pickle with the cost: the parts they share (a GEMM table) once
+    meshes = {tuple(g): cost.mesh_for(tuple(g)) for _, g in jobs_list}
+    blob = pickle.dumps((*cost.worker_copy(layers), meshes), protocol=pickle.HIGHEST_PROTOCOL)
+    token = (os.getpid(), next(_TOKENS))
+    warm = _WARM.get("workers")
+    workers = warm[:jobs] if warm is not None and len(warm) >= jobs else None
+    own = workers is None
+    if own:
+        workers = [_Worker() for _ in range(jobs)]
+    pending = [(i, tuple(g)) for i, g in jobs_list]
+    pending.reverse()  # pop() takes them in order
+    done = False
     try:
-        with warnings.catch_warnings():
-            # jax warns at every fork of a process that has started its runtime; the workers
-            # run jax-free code only (and _pool_init drops jax's gc callback), so the
-            # runtime's threads they lack are never waited for
-            warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-            pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_pool_init)
-        with pool:
-            yield from pool.imap_unordered(_pool_unit, jobs_list, chunksize=1)
+        with selectors.DefaultSelector() as ready:
+
+            def feed(worker: _Worker) -> None:
+                i, logical = worker.job = pending.pop()
+                first = token not in worker.tokens
+                worker.tokens.add(token)
+                worker.send((token, blob if first else None, i, logical))
+
+            for worker in workers:
+                ready.register(worker.proc.stdout, selectors.EVENT_READ, worker)
+                if pending:
+                    feed(worker)
+            busy = sum(w.job is not None for w in workers)
+            while busy:
+                for key, _ in ready.select():
+                    worker = key.data
+                    result = worker.receive()
+                    worker.job = None
+                    busy -= 1
+                    if result[0] == "error":
+                        raise RuntimeError(f"a stage-ILP worker failed: {result[1]}\n{result[2]}")
+                    if pending:
+                        feed(worker)
+                        busy += 1
+                    yield result[1]
+        done = True
     finally:
-        _POOL_COST = None
+        if own or not done:  # a worker may be mid-unit: do not hand it to the next search
+            for worker in workers:
+                worker.stop(kill=not done)
+            if not own:
+                release()  # and any prestarted worker this search did not use

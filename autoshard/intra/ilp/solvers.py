@@ -204,18 +204,9 @@ def _run(
         return _run_cbc(model, time_limit_s, mip_gap, seed)
 
 
-# whether this process has run HiGHS: its MIP solver then keeps a pool of threads that a
-# forked child does not have, and the child's first MIP waits for them forever (so
-# IntraStageCost forks its ILP workers only from a process where this is still False)
-highs_ran = False
-
-
 def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:
     """HiGHS through its own Python API, the matrix passed as is (no PuLP objects)."""
     import highspy
-
-    global highs_ran
-    highs_ran = True
 
     with _banner_to_devnull():  # the licence banner, printed before any option is read
         highs = highspy.Highs()

@@ -345,6 +345,7 @@ def value_edges(
     # which the memo's owner guarantees by keeping them), and each value's distinct uses
     matrices: dict[tuple, tuple] = memo.setdefault("matrices", {})
     distinct: dict[int, Value] = memo.setdefault("distinct", {})
+    prices: dict[tuple, dict] = memo.setdefault(("prices", mesh, options, forbidden), {})
 
     def node(n_strats: int, leader: int | None) -> int:
         sizes.append(n_strats)
@@ -380,14 +381,23 @@ def value_edges(
                         rel = _relevant(a, st, v.batch_dims)
                         row = rows.get((a, rel))
                         if row is None:
-                            price = {
-                                b: 0.0 if b is None
-                                else INF if a.partial and not xla_resolves(a, b)
-                                else INF if a.partial and guarded and b.dims != a.dims
-                                else _resolve_cost(a, b, v.shape, v.itemsize, mesh, options,
-                                                   *rel, forbidden)
-                                for b in distinct_w
-                            }  # fmt: skip
+                            # this build's prices of a into each b (_resolve_cost's, looked
+                            # up by b alone: the lru's nine-part key cost more than a price)
+                            known = prices.setdefault((a, v.shape, v.itemsize, rel), {})
+                            price = {}
+                            for b in distinct_w:
+                                if a.partial and guarded and b is not None and b.dims != a.dims:
+                                    price[b] = INF
+                                    continue
+                                c = known.get(b)
+                                if c is None:
+                                    c = known[b] = (
+                                        0.0 if b is None
+                                        else INF if a.partial and not xla_resolves(a, b)
+                                        else _resolve_cost(a, b, v.shape, v.itemsize, mesh,
+                                                           options, *rel, forbidden)
+                                    )  # fmt: skip
+                                price[b] = c
                             row = rows[a, rel] = tuple(price[b] for b in w)
                         matrix.append(row)
                     matrices[key] = tuple(matrix)
