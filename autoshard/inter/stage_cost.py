@@ -74,9 +74,16 @@ from autoshard.inter.subgraph import (
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
-from autoshard.inter.unit_cost import UnitCost, activation_exposed_s, with_activations_offloaded
+from autoshard.inter.unit_cost import (
+    UnitCost,
+    activation_exposed_s,
+    crossing_seconds,
+    read_specs,
+    with_activations_offloaded,
+)
 from autoshard.inter.unit_pool import jobs_for, solve_in_pool
-from autoshard.intra.cost.resharding import CostOptions, reshard
+from autoshard.inter.unit_ties import self_ties, tie_seconds, with_ties
+from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload.placement import (
     NO_OFFLOAD,
@@ -131,6 +138,8 @@ class IntraStageCost:
         self.offload, self.cluster = offload, cluster
         self.owners = param_owner_layers(graph)
         shallow_signatures = layer_signatures(graph)
+        self._shallow_signatures = shallow_signatures
+        self._ties: dict | None = None  # shallow signature -> self_ties' pairs
         self.layer_names: tuple[str, ...] = graph.layers
         self._shallow_of: tuple[int, ...] = tuple(range(len(graph.layers)))
         crossings = crossing_pairs(self.graph)
@@ -307,6 +316,7 @@ class IntraStageCost:
             self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
         )
         settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
+        settings += (self._tie_pairs(rg),)
         settings += (repr(self.offload), repr(getattr(self.cluster, "host", None)))
         if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
             self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
@@ -319,6 +329,20 @@ class IntraStageCost:
         else:
             self.num_disk_hits += 1
         return unit
+
+    def _tie_pairs(self, rg: RangeGraph) -> tuple:
+        """(input, output) positions of ``rg``'s unit that a layer of its own signature
+        passes it (:mod:`autoshard.inter.unit_ties`); none for a range of several layers
+        or a baseline's units (their inputs are pinned)."""
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        if self._ties is None:
+            crossings = crossing_pairs(self.graph)
+            self._ties = self_ties(
+                self.graph, self._shallow_subgraph, crossings, self._shallow_signatures,
+                {pair: pair for pair in crossings},
+            )  # fmt: skip
+        return self._ties.get(self._shallow_signatures[rg.start], ())
 
     def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
         graph = rg.graph
@@ -342,6 +366,7 @@ class IntraStageCost:
             if self.offload.state:  # a host update costs the device nothing
                 options = options.replace(offload=self.offload.state.classes)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
+            ip, tied = with_ties(ip, self._tie_pairs(rg), _NO_TIES)
             problem = amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:
@@ -383,7 +408,8 @@ class IntraStageCost:
             plan,
             graph.flops,
             compute,
-            max(solution.objective - compute, 0.0),
+            # the junctions priced in the ILP (tied) are the stage's, not the unit's
+            max(solution.objective - compute - tie_seconds(problem, tied, solution.strategy), 0.0),
             owned,
             borrowed,
             sum(kept.values()),
@@ -395,7 +421,10 @@ class IntraStageCost:
         )
 
     def junction(self, a: int, b: int, logical: Shape2) -> float:
-        """Seconds to reshard what layer ``a``'s plan sends layer ``b``'s plan."""
+        """Seconds to reshard what layer ``a``'s plan sends layer ``b``'s plan: from the
+        spec ``a`` makes each crossing tensor in straight to the specs ``b``'s equations
+        read it in, less the reads ``b``'s plan charged already
+        (:func:`~autoshard.inter.unit_cost.crossing_seconds`)."""
         mesh = self.mesh_for(logical)
         key = (self.signatures[a], self.signatures[b], b - a, mesh)
         if key not in self._junctions:
@@ -412,9 +441,10 @@ class IntraStageCost:
                     if orig in out_pos:
                         t = gb.graph.tensors[tid]
                         src = ua.plan.output_specs[out_pos[orig]]
-                        dst = ub.plan.input_specs[k]
+                        held = ub.plan.input_specs[k]
+                        reads = read_specs(gb.graph, ub.plan, k)
                         item = max(t.nbytes // max(t.size, 1), 1)
-                        cost += reshard(src, dst, t.shape, item, mesh, _NO_TIES).cost
+                        cost += crossing_seconds(src, held, reads, t.shape, item, mesh, _NO_TIES)
             self._junctions[key] = cost
         return self._junctions[key]
 

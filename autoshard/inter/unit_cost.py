@@ -54,3 +54,34 @@ def activation_exposed_s(u: UnitCost, kept: float, recompute_s: float, cluster) 
     return max(copy_s - phases.get("forward", 0.0), 0.0) + max(
         copy_s - phases.get("backward", 0.0) - recompute_s, 0.0
     )
+
+
+def read_specs(graph, plan: ParallelPlan, k: int) -> list:
+    """The specs ``plan``'s equations read input ``k`` of ``graph`` in: an operand's own
+    spec where the plan reshards it (``operand_specs``), else the input's spec."""
+    tid, held = graph.inputs[k], plan.input_specs[k]
+    reads = []
+    for n in graph.tensors[tid].consumers:
+        for slot, t in enumerate(graph.nodes[n].inputs):
+            if t == tid:
+                reads.append(plan.operand_specs.get(n, {}).get(slot, held))
+    return list(dict.fromkeys(reads)) or [held]
+
+
+def crossing_seconds(src, held, reads, shape, itemsize, mesh, options) -> float:
+    """Seconds a tensor made in ``src`` by one unit and read by the next adds to a stage,
+    beyond what the reading unit's plan already charged.
+
+    The reading unit's plan holds the tensor in ``held`` (its input spec, which the ILP
+    chose freely: an input costs nothing, so a replicated one -- from which every read is
+    a free slice -- ties with the spec the reads want) and charges the reshards from
+    ``held`` to the specs its equations read it in (``reads``). Inside a stage the tensor
+    is never held in ``held``: the stage's program keeps the producer's spec and reshards
+    from it straight to each read (:func:`autoshard.runtime.sharded.SpecConstraints.build`,
+    from the producer's spec). So the junction adds ``src -> reads`` and takes back the
+    ``held -> reads`` the unit charged (negative where the unit charged more)."""
+    from autoshard.intra.cost.resharding import reshard_to_consumers
+
+    direct = reshard_to_consumers(src, reads, shape, itemsize, mesh, options).cost
+    charged = reshard_to_consumers(held, reads, shape, itemsize, mesh, options).cost
+    return direct - charged
