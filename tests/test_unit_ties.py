@@ -99,3 +99,29 @@ def test_identical_blocks_plan_what_they_pass_each_other(tiny4):
         for k, j in pairs
     )  # fmt: skip
     assert u.plan.objective == pytest.approx(u.compute_s + u.communication_s + tied)
+
+
+def test_breakdown_names_the_junctions_and_splits_each_units_communication(tiny4):
+    """The traced program's step breakdown: ``comm_reshard`` is the stage's junctions,
+    ``comm_<axis>`` its units' communication by axis (the update's collectives counted
+    once per step), once per micro-batch each."""
+    from autoshard.inter.stages import pipeline_objective
+    from autoshard.sim.breakdown import pipeline_step_breakdown
+
+    mesh_for = logical_mesh_costs(cluster_for(None, 2, 4))
+    m, logical = 4, (2, 4)
+    cost = IntraStageCost(tiny4.graph, mesh_for, solver="highs", num_microbatches=m)
+    n = cost.num_layers
+    latency = cost.range_cost(0, n, logical).latency_s
+    parts = pipeline_step_breakdown(
+        cost, [(0, n, logical, "none", latency)], m, pipeline_objective([latency], m)
+    )
+    units = [cost.unit(i, i + 1, logical) for i in range(n)]
+    for u in units:
+        assert sum(u.communication_by_axis.values()) == pytest.approx(u.communication_s)
+    junctions = cost.junctions_s(0, n, logical)
+    assert junctions > 0  # the embedding and head read their inputs in other specs
+    assert parts["comm_reshard"] == pytest.approx(m * junctions)
+    for axis in ("data", "model"):
+        want = m * sum(u.communication_by_axis.get(axis, 0.0) for u in units)
+        assert want > 0 and parts[f"comm_{axis}"] == pytest.approx(want)

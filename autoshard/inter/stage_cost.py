@@ -77,6 +77,7 @@ from autoshard.inter.unit_cache import UnitCache
 from autoshard.inter.unit_cost import (
     UnitCost,
     activation_exposed_s,
+    communication_by_axis,
     crossing_seconds,
     read_specs,
     with_activations_offloaded,
@@ -404,12 +405,17 @@ class IntraStageCost:
             graph, plan, mesh, self.offload.state, self.cluster, self.num_microbatches,
             lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
         )  # fmt: skip
+        # the junctions priced in the ILP (tied) are the stage's, not the unit's
+        tie_s = tie_seconds(problem, tied, solution.strategy)
+        communication = max(solution.objective - compute - tie_s, 0.0)
+        by_axis = communication_by_axis(
+            ip, solution.strategy, mesh, amortise, communication, _NO_TIES
+        )
         return UnitCost(
             plan,
             graph.flops,
             compute,
-            # the junctions priced in the ILP (tied) are the stage's, not the unit's
-            max(solution.objective - compute - tie_seconds(problem, tied, solution.strategy), 0.0),
+            communication,
             owned,
             borrowed,
             sum(kept.values()),
@@ -418,6 +424,7 @@ class IntraStageCost:
             offload_s,
             staging,
             host_bytes,
+            by_axis,
         )
 
     def junction(self, a: int, b: int, logical: Shape2) -> float:
@@ -447,6 +454,18 @@ class IntraStageCost:
                         cost += crossing_seconds(src, held, reads, t.shape, item, mesh, _NO_TIES)
             self._junctions[key] = cost
         return self._junctions[key]
+
+    def junctions_s(self, start: int, end: int, logical: Shape2) -> float:
+        """Seconds per microbatch of the junctions inside layers ``[start, end)`` (0 with
+        ``granularity="range"``: a range's ILP holds its own)."""
+        if self.granularity != "layer":
+            return 0.0
+        logical = tuple(logical)
+        return sum(
+            self.junction(a, b, logical)
+            for a, b in self._crossings
+            if start <= a < end and start <= b < end
+        )
 
     def stage_specs(self, start: int, end: int, logical: Shape2) -> StageSpecs:
         """The plan of layers ``[start, end)`` on ``logical``, mapped to the graph's ids.

@@ -30,6 +30,10 @@ class UnitCost:
     offload_s: float = 0.0
     staging_bytes: float = 0.0
     host_bytes: float = 0.0
+    # communication_s over the mesh axes: each resharded value's collectives priced per
+    # microbatch (the update's divided by the microbatches, as the ILP does) and scaled
+    # to communication_s; a collective over several axes is split evenly over them
+    communication_by_axis: Mapping[str, float] | None = None
 
 
 def with_activations_offloaded(u: UnitCost, latency, kept, working, recompute_s, cluster):
@@ -85,3 +89,28 @@ def crossing_seconds(src, held, reads, shape, itemsize, mesh, options) -> float:
     direct = reshard_to_consumers(src, reads, shape, itemsize, mesh, options).cost
     charged = reshard_to_consumers(held, reads, shape, itemsize, mesh, options).cost
     return direct - charged
+
+
+def communication_by_axis(ip, strategy, mesh, amortise: float, total: float, options) -> dict:
+    """:attr:`UnitCost.communication_by_axis` of the solved ``ip``: ``total`` seconds
+    split over the axes in proportion to the plan's predicted collectives' seconds, a
+    value read only by update equations counted ``amortise`` times (once per step)."""
+    from autoshard.intra.cost.collectives import collective_cost
+    from autoshard.intra.problem.predict import collectives_by_value
+
+    graph = ip.graph
+    phases: dict[int, set] = {}
+    for op in ip.operands:
+        if op.slot >= 0 and op.dst >= ip.num_inputs:
+            phases.setdefault(op.tensor, set()).add(graph.nodes[op.dst - ip.num_inputs].phase)
+    seconds: dict[str, float] = {}
+    for tid, cols in collectives_by_value(ip, strategy):
+        scale = amortise if phases.get(tid) == {"update"} else 1.0
+        for c in cols:
+            for axis in c.axes:
+                share = collective_cost(mesh, c, options) * scale / len(c.axes)
+                seconds[axis] = seconds.get(axis, 0.0) + share
+    whole = sum(seconds.values())
+    if total <= 0 or whole <= 0:
+        return {}
+    return {axis: total * sec / whole for axis, sec in seconds.items()}
