@@ -125,3 +125,32 @@ def test_breakdown_names_the_junctions_and_splits_each_units_communication(tiny4
     for axis in ("data", "model"):
         want = m * sum(u.communication_by_axis.get(axis, 0.0) for u in units)
         assert want > 0 and parts[f"comm_{axis}"] == pytest.approx(want)
+
+
+def test_a_unit_prices_its_junctions_with_other_layers_planned_before_it(tiny4):
+    """The head's unit is planned after the block that feeds it its activation, and its
+    ILP prices receiving it in the spec the block makes it in; the embedding's after the
+    block and head that send it cotangents, and it prices sending the block its
+    activation in the spec the block reads it in. What the ILPs paid there is left out of
+    each unit's communication (the junction holds it)."""
+    cost = _cost(tiny4.graph, 2, 4)
+    logical = (2, 4)
+    mesh = cost.mesh_for(logical)
+    block, head = cost.signatures[1], cost.signatures[5]
+    cost.unit(0, 1, logical)  # the embedding: its feeders are planned first
+    assert {((block,), mesh), ((head,), mesh)} <= set(cost._units)
+    for layer in (0, 5):
+        rg = cost.subgraph(layer, layer + 1)
+        fed, drained = cost._fed_specs(rg, mesh), cost._drain_reads(rg, mesh)
+        assert fed  # both receive a tensor from a block
+        u, g = cost.unit(layer, layer + 1, logical), rg.graph
+        paid = 0.0
+        for k, src in fed:
+            t = g.tensors[g.inputs[k]]
+            paid += reshard(src, u.plan.input_specs[k], t.shape, 4, mesh, _NO_TIES).cost
+        for j, reads in drained:
+            t = g.tensors[g.outputs[j]]
+            made = u.plan.output_specs[j]
+            paid += reshard_to_consumers(made, reads, t.shape, 4, mesh, _NO_TIES).cost
+        assert u.plan.objective == pytest.approx(u.compute_s + u.communication_s + paid)
+    assert cost._drain_reads(cost.subgraph(0, 1), mesh)  # the embedding's activation

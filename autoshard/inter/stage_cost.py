@@ -83,7 +83,16 @@ from autoshard.inter.unit_cost import (
     with_activations_offloaded,
 )
 from autoshard.inter.unit_pool import jobs_for, solve_in_pool
-from autoshard.inter.unit_ties import self_ties, tie_seconds, with_ties
+from autoshard.inter.unit_ties import (
+    drains,
+    fed_seconds,
+    feeds,
+    self_ties,
+    tie_seconds,
+    with_drains,
+    with_feeds,
+    with_ties,
+)
 from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload.placement import (
@@ -141,6 +150,9 @@ class IntraStageCost:
         shallow_signatures = layer_signatures(graph)
         self._shallow_signatures = shallow_signatures
         self._ties: dict | None = None  # shallow signature -> self_ties' pairs
+        self._feeds: dict = {}  # shallow signature -> unit_ties.feeds' rows
+        self._drains: dict = {}  # shallow signature -> unit_ties.drains' rows
+        self._planning: set = set()  # unit keys being planned (unit: feeds first)
         self.layer_names: tuple[str, ...] = graph.layers
         self._shallow_of: tuple[int, ...] = tuple(range(len(graph.layers)))
         crossings = crossing_pairs(self.graph)
@@ -248,7 +260,12 @@ class IntraStageCost:
         ]
         t0 = time.perf_counter()
         # the units to solve (not a twin's, see _twin), biggest first: the pool's share
-        solve = [(i, g) for i, g in todo if self._twin(g, self.mesh_for(g)) is None]
+        # (and none fed by another signature's plan: the loop below plans those after it)
+        solve = [
+            (i, g)
+            for i, g in todo
+            if self._twin(g, self.mesh_for(g)) is None and not self._linked(i)
+        ]
         solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
         jobs = jobs_for(len(solve))
         try:
@@ -285,7 +302,14 @@ class IntraStageCost:
         if end == start + 1:
             start = self._rep[self.signatures[start]]
             end = start + 1
-        self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
+        self._planning.add(key)
+        try:
+            for producer in self._feeders(self.subgraph(start, end)):
+                if ((producer,), mesh) not in self._planning:  # its feeds priced first
+                    self.unit(self._rep[producer], self._rep[producer] + 1, logical)
+            self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
+        finally:
+            self._planning.discard(key)
         return cost
 
     def _twin(self, logical: Shape2, mesh: DeviceMesh) -> Shape2 | None:
@@ -317,7 +341,8 @@ class IntraStageCost:
             self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
         )
         settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
-        settings += (self._tie_pairs(rg),)
+        settings += (self._tie_pairs(rg), repr(self._fed_specs(rg, mesh)))
+        settings += (repr(self._drain_reads(rg, mesh)),)
         settings += (repr(self.offload), repr(getattr(self.cluster, "host", None)))
         if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
             self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
@@ -343,10 +368,64 @@ class IntraStageCost:
                 self.graph, self._shallow_subgraph, crossings, self._shallow_signatures,
                 {pair: pair for pair in crossings},
             )  # fmt: skip
+            self._feeds = feeds(
+                self._shallow_subgraph, crossings, self._shallow_signatures, self._ties
+            )
+            self._drains = drains(
+                self._shallow_subgraph, crossings, self._shallow_signatures, self._ties
+            )
         return self._ties.get(self._shallow_signatures[rg.start], ())
+
+    def _linked(self, layer: int) -> bool:
+        """Does layer ``layer``'s unit price a junction with a layer of another signature
+        (so its plan depends on which units are planned before it)?"""
+        rg = self.subgraph(layer, layer + 1)
+        self._tie_pairs(rg)
+        sig = self._shallow_signatures[rg.start]
+        return self.baseline is None and (sig in self._feeds or sig in self._drains)
+
+    def _feeders(self, rg: RangeGraph) -> tuple:
+        """The signatures of the layers that make ``rg``'s unit's fed inputs."""
+        self._tie_pairs(rg)
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        rows = self._feeds.get(self._shallow_signatures[rg.start], ())
+        return tuple(dict.fromkeys(self._shallow_signatures[a] for _, a, _ in rows))
+
+    def _fed_specs(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
+        """((input position, spec), ...): the inputs of ``rg``'s unit that a layer of
+        another signature makes, each in the spec that layer's plan on ``mesh`` makes it
+        (:func:`~autoshard.inter.unit_ties.with_feeds`); a producer not planned yet (a
+        cycle) leaves its input free."""
+        self._tie_pairs(rg)
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        made = []
+        for k, a, j in self._feeds.get(self._shallow_signatures[rg.start], ()):
+            producer = self._units.get(((self._shallow_signatures[a],), mesh))
+            if producer is not None and producer.plan is not None:
+                made.append((k, producer.plan.output_specs[j]))
+        return tuple(made)
+
+    def _drain_reads(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
+        """((output position, specs), ...): the outputs of ``rg``'s unit that a planned
+        layer of another signature reads, and the specs its plan reads each in
+        (:func:`~autoshard.inter.unit_ties.with_drains`)."""
+        self._tie_pairs(rg)
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        reads = []
+        for j, b, k in self._drains.get(self._shallow_signatures[rg.start], ()):
+            consumer = self._units.get(((self._shallow_signatures[b],), mesh))
+            if consumer is not None and consumer.plan is not None:
+                gb = self._shallow_subgraph(b).graph
+                reads.append((j, tuple(read_specs(gb, consumer.plan, k))))
+        return tuple(reads)
 
     def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
         graph = rg.graph
+        # the planned units are keyed by the mesh as given (before a peak is filled in)
+        fed_specs, drain_reads = self._fed_specs(rg, mesh), self._drain_reads(rg, mesh)
         if not math.isfinite(mesh.peak_flops):
             mesh = dataclasses.replace(mesh, peak_flops=DEFAULT_PEAK_FLOPS)
         amortise = 1.0 / self.num_microbatches
@@ -368,6 +447,8 @@ class IntraStageCost:
                 options = options.replace(offload=self.offload.state.classes)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
             ip, tied = with_ties(ip, self._tie_pairs(rg), _NO_TIES)
+            ip, fed = with_feeds(ip, fed_specs, _NO_TIES)
+            ip, drained = with_drains(ip, drain_reads, _NO_TIES)
             problem = amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:
@@ -407,6 +488,7 @@ class IntraStageCost:
         )  # fmt: skip
         # the junctions priced in the ILP (tied) are the stage's, not the unit's
         tie_s = tie_seconds(problem, tied, solution.strategy)
+        tie_s += fed_seconds(fed, solution.strategy) + fed_seconds(drained, solution.strategy)
         communication = max(solution.objective - compute - tie_s, 0.0)
         by_axis = communication_by_axis(
             ip, solution.strategy, mesh, amortise, communication, _NO_TIES

@@ -16,6 +16,14 @@ junction in the ILP (seconds to reshard the output's spec into the input's), so 
 chooses its layouts knowing what crossing between blocks costs.  The junction itself is
 priced outside the unit (:meth:`~autoshard.inter.stage_cost.IntraStageCost.junction`):
 the unit's communication leaves these edges out (:func:`tie_seconds`).
+
+Where a layer of another signature makes the input (the head's activation from the last
+block), that layer's unit is planned first and the input's node costs, per spec, the
+reshard from the spec that plan makes it in (:func:`with_feeds`); and where a layer of
+another signature planned first reads an output (the first block reads the embedding's),
+the node making it costs, per strategy, the reshard into that plan's reads
+(:func:`with_drains`). Both are the junction's, left out of the unit's communication
+(:func:`fed_seconds`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,99 @@ def self_ties(graph, rg_of, crossings, signatures, pair_rep) -> dict:
             if gb.tensor_ids[tid] in out_pos:
                 found.add((k, out_pos[gb.tensor_ids[tid]]))
     return {sig: tuple(sorted(pairs)) for sig, pairs in ties.items() if pairs}
+
+
+def feeds(rg_of, crossings, signatures, ties) -> dict:
+    """Signature -> ((input position, producer layer, output position), ...): the inputs
+    of that signature's unit that a layer of another signature makes (the head's
+    activation from the last block, the embedding's cotangent from the first), but not
+    the inputs :func:`self_ties` ties (a block's input from the embedding is where the
+    other blocks' inputs come from the block before)."""
+    found: dict = {}
+    for a, b in crossings:
+        if signatures[a] == signatures[b]:
+            continue
+        ga, gb = rg_of(a), rg_of(b)
+        out_pos = {ga.tensor_ids[t]: j for j, t in enumerate(ga.graph.outputs)}
+        tied = {k for k, _ in ties.get(signatures[b], ())}
+        rows = found.setdefault(signatures[b], {})
+        for k, tid in enumerate(gb.graph.inputs):
+            if gb.tensor_ids[tid] in out_pos and k not in tied:
+                rows.setdefault(k, (k, a, out_pos[gb.tensor_ids[tid]]))
+    return {sig: tuple(rows[k] for k in sorted(rows)) for sig, rows in found.items() if rows}
+
+
+def drains(rg_of, crossings, signatures, ties) -> dict:
+    """Signature -> ((output position, consumer layer, input position), ...): the outputs
+    of that signature's unit that a layer of another signature reads (the embedding's
+    activation, read by the first block), but not the outputs :func:`self_ties` ties."""
+    found: dict = {}
+    for a, b in crossings:
+        if signatures[a] == signatures[b]:
+            continue
+        ga, gb = rg_of(a), rg_of(b)
+        read_at = {gb.tensor_ids[t]: k for k, t in enumerate(gb.graph.inputs)}
+        tied = {j for _, j in ties.get(signatures[a], ())}
+        rows = found.setdefault(signatures[a], {})
+        for j, tid in enumerate(ga.graph.outputs):
+            if ga.tensor_ids[tid] in read_at and j not in tied:
+                rows.setdefault(j, (j, b, read_at[ga.tensor_ids[tid]]))
+    return {sig: tuple(rows[j] for j in sorted(rows)) for sig, rows in found.items() if rows}
+
+
+def with_drains(ip, reads, options):
+    """``ip`` with the node making output ``j`` costing, per strategy, the reshard from
+    the spec it makes the output in to the specs the consuming plan reads it in
+    (``reads``: ((j, specs), ...)). Returns (the new IntraProblem, ((node, its added
+    costs), ...))."""
+    from autoshard.intra.cost.resharding import reshard_to_consumers
+
+    graph = ip.graph
+    costs = list(ip.problem.node_costs)
+    added = []
+    for j, specs in reads:
+        out = graph.tensors[graph.outputs[j]]
+        if out.producer is None:
+            continue
+        node = ip.node_of(out.producer)
+        pos = graph.nodes[out.producer].outputs.index(graph.outputs[j])
+        item = max(out.nbytes // max(out.size, 1), 1)
+        row = tuple(
+            reshard_to_consumers(s.output_specs[pos], specs, out.shape, item, ip.mesh, options).cost
+            for s in ip.strategies[node]
+        )
+        costs[node] = tuple(c + r for c, r in zip(costs[node], row, strict=True))
+        added.append((node, row))
+    if not added:
+        return ip, ()
+    problem = dataclasses.replace(ip.problem, node_costs=tuple(costs))
+    return dataclasses.replace(ip, problem=problem), tuple(added)
+
+
+def with_feeds(ip, made, options):
+    """``ip`` with input ``k``'s node costing, per spec, the reshard from the spec its
+    producer's plan makes it in (``made``: ((k, spec), ...)). Returns (the new
+    IntraProblem, ((k, that input's costs), ...))."""
+    costs = list(ip.problem.node_costs)
+    added = []
+    for k, src in made:
+        t = ip.graph.tensors[ip.graph.inputs[k]]
+        item = max(t.nbytes // max(t.size, 1), 1)
+        row = tuple(
+            reshard(src, h.output_specs[0], t.shape, item, ip.mesh, options).cost
+            for h in ip.strategies[k]
+        )
+        costs[k] = tuple(c + r for c, r in zip(costs[k], row, strict=True))
+        added.append((k, row))
+    if not added:
+        return ip, ()
+    problem = dataclasses.replace(ip.problem, node_costs=tuple(costs))
+    return dataclasses.replace(ip, problem=problem), tuple(added)
+
+
+def fed_seconds(added, strategy) -> float:
+    """Seconds the solution ``strategy`` pays on the inputs :func:`with_feeds` priced."""
+    return sum(row[strategy[k]] for k, row in added)
 
 
 def with_ties(ip, pairs, options):
