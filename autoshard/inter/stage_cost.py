@@ -28,8 +28,12 @@ Alpa's tie-breaking constants are left out (they are not seconds).
 Identical layers are planned once (``granularity``):
 
 * ``"layer"`` (default): every layer is planned alone and a range costs the sum of its
-  layers' plans plus the resharding at each junction between them (the spec one layer's
-  plan produces a crossing tensor in versus the spec the next one reads it in).  Layers
+  layers' plans plus the resharding at each junction between them (from the spec one
+  layer's plan produces a crossing tensor in straight to the specs the next one's
+  equations read it in, :meth:`IntraStageCost.junction`).  Each layer's ILP prices the
+  junctions it can see (:mod:`autoshard.inter.unit_ties`): with an identical neighbour
+  (the tensors a block passes the next block are its own outputs) and with the layers
+  of other signatures planned before it; an input is otherwise free in any spec.  Layers
   with the same structural signature (primitives, phases, shapes) share one ILP per
   logical mesh, so a GPT needs 3 ILPs (embedding, block, head) per logical mesh whatever
   its depth.  Exact for the junction costs it adds; it cannot choose layouts jointly
