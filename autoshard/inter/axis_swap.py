@@ -64,4 +64,7 @@ def swap_axes(unit, mesh: DeviceMesh):
             for c in plan.predicted_collectives
         ),
     )
-    return dataclasses.replace(unit, plan=swapped)
+    by_axis = unit.communication_by_axis
+    if by_axis is not None:
+        by_axis = {names.get(x, x): sec for x, sec in by_axis.items()}
+    return dataclasses.replace(unit, plan=swapped, communication_by_axis=by_axis)

@@ -28,8 +28,12 @@ Alpa's tie-breaking constants are left out (they are not seconds).
 Identical layers are planned once (``granularity``):
 
 * ``"layer"`` (default): every layer is planned alone and a range costs the sum of its
-  layers' plans plus the resharding at each junction between them (the spec one layer's
-  plan produces a crossing tensor in versus the spec the next one reads it in).  Layers
+  layers' plans plus the resharding at each junction between them (from the spec one
+  layer's plan produces a crossing tensor in straight to the specs the next one's
+  equations read it in, :meth:`IntraStageCost.junction`).  Each layer's ILP prices the
+  junctions it can see (:mod:`autoshard.inter.unit_ties`): with an identical neighbour
+  (the tensors a block passes the next block are its own outputs) and with the layers
+  of other signatures planned before it; an input is otherwise free in any spec.  Layers
   with the same structural signature (primitives, phases, shapes) share one ILP per
   logical mesh, so a GPT needs 3 ILPs (embedding, block, head) per logical mesh whatever
   its depth.  Exact for the junction costs it adds; it cannot choose layouts jointly
@@ -75,9 +79,26 @@ from autoshard.inter.subgraph import (
 )
 from autoshard.inter.submesh import DEFAULT_PEAK_FLOPS
 from autoshard.inter.unit_cache import UnitCache
-from autoshard.inter.unit_cost import UnitCost, activation_exposed_s, with_activations_offloaded
+from autoshard.inter.unit_cost import (
+    UnitCost,
+    activation_exposed_s,
+    communication_by_axis,
+    crossing_seconds,
+    read_specs,
+    with_activations_offloaded,
+)
 from autoshard.inter.unit_pool import jobs_for, solve_in_pool
-from autoshard.intra.cost.resharding import CostOptions, reshard
+from autoshard.inter.unit_ties import (
+    drains,
+    fed_seconds,
+    feeds,
+    self_ties,
+    tie_seconds,
+    with_drains,
+    with_feeds,
+    with_ties,
+)
+from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload.placement import (
     NO_OFFLOAD,
@@ -132,6 +153,11 @@ class IntraStageCost:
         self.offload, self.cluster = offload, cluster
         self.owners = param_owner_layers(graph)
         shallow_signatures = layer_signatures(graph)
+        self._shallow_signatures = shallow_signatures
+        self._ties: dict | None = None  # shallow signature -> self_ties' pairs
+        self._feeds: dict = {}  # shallow signature -> unit_ties.feeds' rows
+        self._drains: dict = {}  # shallow signature -> unit_ties.drains' rows
+        self._planning: set = set()  # unit keys being planned (unit: feeds first)
         self.layer_names: tuple[str, ...] = graph.layers
         self._shallow_names = graph.layers  # the traced layers (folded: fewer)
         self._shallow_of: tuple[int, ...] = tuple(range(len(graph.layers)))
@@ -240,7 +266,12 @@ class IntraStageCost:
         ]
         t0 = time.perf_counter()
         # the units to solve (not a twin's, see _twin), biggest first: the pool's share
-        solve = [(i, g) for i, g in todo if self._twin(g, self.mesh_for(g)) is None]
+        # (and none fed by another signature's plan: the loop below plans those after it)
+        solve = [
+            (i, g)
+            for i, g in todo
+            if self._twin(g, self.mesh_for(g)) is None and not self._linked(i)
+        ]
         solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
         jobs = jobs_for(len(solve))
         try:
@@ -307,7 +338,14 @@ class IntraStageCost:
         if end == start + 1:
             start = self._rep[self.signatures[start]]
             end = start + 1
-        self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
+        self._planning.add(key)
+        try:
+            for producer in self._feeders(self.subgraph(start, end)):
+                if ((producer,), mesh) not in self._planning:  # its feeds priced first
+                    self.unit(self._rep[producer], self._rep[producer] + 1, logical)
+            self._units[key] = cost = self._plan_unit(self.subgraph(start, end), mesh)
+        finally:
+            self._planning.discard(key)
         return cost
 
     def _twin(self, logical: Shape2, mesh: DeviceMesh) -> Shape2 | None:
@@ -339,6 +377,8 @@ class IntraStageCost:
             self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
         )
         settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
+        settings += (self._tie_pairs(rg), repr(self._fed_specs(rg, mesh)))
+        settings += (repr(self._drain_reads(rg, mesh)),)
         settings += (repr(self.offload), repr(getattr(self.cluster, "host", None)))
         if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
             self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
@@ -352,8 +392,76 @@ class IntraStageCost:
             self.num_disk_hits += 1
         return unit
 
+    def _tie_pairs(self, rg: RangeGraph) -> tuple:
+        """(input, output) positions of ``rg``'s unit that a layer of its own signature
+        passes it (:mod:`autoshard.inter.unit_ties`); none for a range of several layers
+        or a baseline's units (their inputs are pinned)."""
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        if self._ties is None:
+            crossings = crossing_pairs(self.graph)
+            self._ties = self_ties(
+                self.graph, self._shallow_subgraph, crossings, self._shallow_signatures,
+                {pair: pair for pair in crossings},
+            )  # fmt: skip
+            self._feeds = feeds(
+                self._shallow_subgraph, crossings, self._shallow_signatures, self._ties
+            )
+            self._drains = drains(
+                self._shallow_subgraph, crossings, self._shallow_signatures, self._ties
+            )
+        return self._ties.get(self._shallow_signatures[rg.start], ())
+
+    def _linked(self, layer: int) -> bool:
+        """Does layer ``layer``'s unit price a junction with a layer of another signature
+        (so its plan depends on which units are planned before it)?"""
+        rg = self.subgraph(layer, layer + 1)
+        self._tie_pairs(rg)
+        sig = self._shallow_signatures[rg.start]
+        return self.baseline is None and (sig in self._feeds or sig in self._drains)
+
+    def _feeders(self, rg: RangeGraph) -> tuple:
+        """The signatures of the layers that make ``rg``'s unit's fed inputs."""
+        self._tie_pairs(rg)
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        rows = self._feeds.get(self._shallow_signatures[rg.start], ())
+        return tuple(dict.fromkeys(self._shallow_signatures[a] for _, a, _ in rows))
+
+    def _fed_specs(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
+        """((input position, spec), ...): the inputs of ``rg``'s unit that a layer of
+        another signature makes, each in the spec that layer's plan on ``mesh`` makes it
+        (:func:`~autoshard.inter.unit_ties.with_feeds`); a producer not planned yet (a
+        cycle) leaves its input free."""
+        self._tie_pairs(rg)
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        made = []
+        for k, a, j in self._feeds.get(self._shallow_signatures[rg.start], ()):
+            producer = self._units.get(((self._shallow_signatures[a],), mesh))
+            if producer is not None and producer.plan is not None:
+                made.append((k, producer.plan.output_specs[j]))
+        return tuple(made)
+
+    def _drain_reads(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
+        """((output position, specs), ...): the outputs of ``rg``'s unit that a planned
+        layer of another signature reads, and the specs its plan reads each in
+        (:func:`~autoshard.inter.unit_ties.with_drains`)."""
+        self._tie_pairs(rg)
+        if rg.end != rg.start + 1 or self.baseline is not None:
+            return ()
+        reads = []
+        for j, b, k in self._drains.get(self._shallow_signatures[rg.start], ()):
+            consumer = self._units.get(((self._shallow_signatures[b],), mesh))
+            if consumer is not None and consumer.plan is not None:
+                gb = self._shallow_subgraph(b).graph
+                reads.append((j, tuple(read_specs(gb, consumer.plan, k))))
+        return tuple(reads)
+
     def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
         graph = rg.graph
+        # the planned units are keyed by the mesh as given (before a peak is filled in)
+        fed_specs, drain_reads = self._fed_specs(rg, mesh), self._drain_reads(rg, mesh)
         if not math.isfinite(mesh.peak_flops):
             mesh = dataclasses.replace(mesh, peak_flops=DEFAULT_PEAK_FLOPS)
         amortise = 1.0 / self.num_microbatches
@@ -374,6 +482,9 @@ class IntraStageCost:
             if self.offload.state:  # a host update costs the device nothing
                 options = options.replace(offload=self.offload.state.classes)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
+            ip, tied = with_ties(ip, self._tie_pairs(rg), _NO_TIES)
+            ip, fed = with_feeds(ip, fed_specs, _NO_TIES)
+            ip, drained = with_drains(ip, drain_reads, _NO_TIES)
             problem = amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:
@@ -411,11 +522,18 @@ class IntraStageCost:
             graph, plan, mesh, self.offload.state, self.cluster, self.num_microbatches,
             lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
         )  # fmt: skip
+        # the junctions priced in the ILP (tied) are the stage's, not the unit's
+        tie_s = tie_seconds(problem, tied, solution.strategy)
+        tie_s += fed_seconds(fed, solution.strategy) + fed_seconds(drained, solution.strategy)
+        communication = max(solution.objective - compute - tie_s, 0.0)
+        by_axis = communication_by_axis(
+            ip, solution.strategy, mesh, amortise, communication, _NO_TIES
+        )
         return UnitCost(
             plan,
             graph.flops,
             compute,
-            max(solution.objective - compute, 0.0),
+            communication,
             owned,
             borrowed,
             sum(kept.values()),
@@ -424,10 +542,14 @@ class IntraStageCost:
             offload_s,
             staging,
             host_bytes,
+            by_axis,
         )
 
     def junction(self, a: int, b: int, logical: Shape2) -> float:
-        """Seconds to reshard what layer ``a``'s plan sends layer ``b``'s plan."""
+        """Seconds to reshard what layer ``a``'s plan sends layer ``b``'s plan: from the
+        spec ``a`` makes each crossing tensor in straight to the specs ``b``'s equations
+        read it in, less the reads ``b``'s plan charged already
+        (:func:`~autoshard.inter.unit_cost.crossing_seconds`)."""
         mesh = self.mesh_for(logical)
         key = (self.signatures[a], self.signatures[b], b - a, mesh)
         if key not in self._junctions:
@@ -444,11 +566,24 @@ class IntraStageCost:
                     if orig in out_pos:
                         t = gb.graph.tensors[tid]
                         src = ua.plan.output_specs[out_pos[orig]]
-                        dst = ub.plan.input_specs[k]
+                        held = ub.plan.input_specs[k]
+                        reads = read_specs(gb.graph, ub.plan, k)
                         item = max(t.nbytes // max(t.size, 1), 1)
-                        cost += reshard(src, dst, t.shape, item, mesh, _NO_TIES).cost
+                        cost += crossing_seconds(src, held, reads, t.shape, item, mesh, _NO_TIES)
             self._junctions[key] = cost
         return self._junctions[key]
+
+    def junctions_s(self, start: int, end: int, logical: Shape2) -> float:
+        """Seconds per microbatch of the junctions inside layers ``[start, end)`` (0 with
+        ``granularity="range"``: a range's ILP holds its own)."""
+        if self.granularity != "layer":
+            return 0.0
+        logical = tuple(logical)
+        return sum(
+            self.junction(a, b, logical)
+            for a, b in self._crossings
+            if start <= a < end and start <= b < end
+        )
 
     def stage_specs(self, start: int, end: int, logical: Shape2) -> StageSpecs:
         """The plan of layers ``[start, end)`` on ``logical``, mapped to the graph's ids.

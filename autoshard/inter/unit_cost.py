@@ -30,6 +30,10 @@ class UnitCost:
     offload_s: float = 0.0
     staging_bytes: float = 0.0
     host_bytes: float = 0.0
+    # communication_s over the mesh axes: each resharded value's collectives priced per
+    # microbatch (the update's divided by the microbatches, as the ILP does) and scaled
+    # to communication_s; a collective over several axes is split evenly over them
+    communication_by_axis: Mapping[str, float] | None = None
 
 
 def with_activations_offloaded(u: UnitCost, latency, kept, working, recompute_s, cluster):
@@ -54,3 +58,59 @@ def activation_exposed_s(u: UnitCost, kept: float, recompute_s: float, cluster) 
     return max(copy_s - phases.get("forward", 0.0), 0.0) + max(
         copy_s - phases.get("backward", 0.0) - recompute_s, 0.0
     )
+
+
+def read_specs(graph, plan: ParallelPlan, k: int) -> list:
+    """The specs ``plan``'s equations read input ``k`` of ``graph`` in: an operand's own
+    spec where the plan reshards it (``operand_specs``), else the input's spec."""
+    tid, held = graph.inputs[k], plan.input_specs[k]
+    reads = []
+    for n in graph.tensors[tid].consumers:
+        for slot, t in enumerate(graph.nodes[n].inputs):
+            if t == tid:
+                reads.append(plan.operand_specs.get(n, {}).get(slot, held))
+    return list(dict.fromkeys(reads)) or [held]
+
+
+def crossing_seconds(src, held, reads, shape, itemsize, mesh, options) -> float:
+    """Seconds a tensor made in ``src`` by one unit and read by the next adds to a stage,
+    beyond what the reading unit's plan already charged.
+
+    The reading unit's plan holds the tensor in ``held`` (its input spec, which the ILP
+    chose freely: an input costs nothing, so a replicated one -- from which every read is
+    a free slice -- ties with the spec the reads want) and charges the reshards from
+    ``held`` to the specs its equations read it in (``reads``). Inside a stage the tensor
+    is never held in ``held``: the stage's program keeps the producer's spec and reshards
+    from it straight to each read (:func:`autoshard.runtime.sharded.SpecConstraints.build`,
+    from the producer's spec). So the junction adds ``src -> reads`` and takes back the
+    ``held -> reads`` the unit charged (negative where the unit charged more)."""
+    from autoshard.intra.cost.resharding import reshard_to_consumers
+
+    direct = reshard_to_consumers(src, reads, shape, itemsize, mesh, options).cost
+    charged = reshard_to_consumers(held, reads, shape, itemsize, mesh, options).cost
+    return direct - charged
+
+
+def communication_by_axis(ip, strategy, mesh, amortise: float, total: float, options) -> dict:
+    """:attr:`UnitCost.communication_by_axis` of the solved ``ip``: ``total`` seconds
+    split over the axes in proportion to the plan's predicted collectives' seconds, a
+    value read only by update equations counted ``amortise`` times (once per step)."""
+    from autoshard.intra.cost.collectives import collective_cost
+    from autoshard.intra.problem.predict import collectives_by_value
+
+    graph = ip.graph
+    phases: dict[int, set] = {}
+    for op in ip.operands:
+        if op.slot >= 0 and op.dst >= ip.num_inputs:
+            phases.setdefault(op.tensor, set()).add(graph.nodes[op.dst - ip.num_inputs].phase)
+    seconds: dict[str, float] = {}
+    for tid, cols in collectives_by_value(ip, strategy):
+        scale = amortise if phases.get(tid) == {"update"} else 1.0
+        for c in cols:
+            for axis in c.axes:
+                share = collective_cost(mesh, c, options) * scale / len(c.axes)
+                seconds[axis] = seconds.get(axis, 0.0) + share
+    whole = sum(seconds.values())
+    if total <= 0 or whole <= 0:
+        return {}
+    return {axis: total * sec / whole for axis, sec in seconds.items()}

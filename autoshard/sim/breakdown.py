@@ -13,9 +13,11 @@ axis that communicates):
   exposed. On Megatron-LM's program: ``model`` is the tensor-parallel collectives,
   ``data`` the gradient all-reduce (and ZeRO's reduce-scatters and all-gathers), ``pipe``
   the point-to-point sends and the tied-embedding all-reduce. On the traced program each
-  stage's intra-op communication is split over the logical mesh's axes by the bytes times
-  the per-byte time of that axis; ``comm_reshard`` is resharding between the layers of a
-  stage;
+  stage's intra-op communication is split over the logical mesh's axes by each collective's
+  seconds (``comm_data`` holds the gradients' data-parallel reductions, which the pipeline
+  runtime runs once per micro-batch: it accumulates reduced gradients, where Megatron-LM
+  reduces once per step); ``comm_reshard`` is resharding between the layers of a stage
+  (:meth:`~autoshard.inter.stage_cost.IntraStageCost.junction`);
 * ``pipeline_bubble`` -- the pipeline's fill and drain: (p - 1) / v slowest-stage times on
   Megatron's schedule, the other stages' latencies under Alpa's objective
   ``sum(t) + (m - 1) max(t)``;
@@ -85,8 +87,11 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
     priced with; ``stages``: ``(start, end, logical_mesh, recompute_mode, latency_s)`` per
     stage; the step is Alpa's ``sum(t) + (m - 1) max(t)``. The slowest stage's time, once
     per micro-batch, is split into compute, recompute and communication per axis from its
-    layers' intra-op plans (what remains of its latency is resharding between layers,
-    ``comm_reshard``); the other stages' latencies are the bubble.
+    layers' intra-op plans (each unit's ``communication_by_axis``: the update's
+    collectives once per step, its gradients' data-parallel reductions once per
+    micro-batch, as the pipeline runtime runs them), and the resharding between its
+    layers (``cost.junctions_s``, ``comm_reshard``); the other stages' latencies are the
+    bubble.
     """
     m = num_microbatches
     slowest = max(range(len(stages)), key=lambda i: stages[i][4])
@@ -103,11 +108,14 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
         if mode != "none" and cost.recomputes(layer):
             recompute += unit.recompute_s[mode]
         if unit.plan is not None:
-            for key, sec in split_by_axis(
-                unit.communication_s, _axis_weights(unit.plan, mesh)
-            ).items():
+            weights = unit.communication_by_axis
+            if weights is None:  # a unit made without it: bytes times per-byte time
+                weights = _axis_weights(unit.plan, mesh)
+            for key, sec in split_by_axis(unit.communication_s, weights).items():
                 comm[key] = comm.get(key, 0.0) + sec
-    reshard = latency - compute - recompute - offload - sum(comm.values())
+    # the junctions between the stage's layers, and anything else its latency holds
+    reshard = cost.junctions_s(start, end, logical)
+    reshard = max(reshard, latency - compute - recompute - offload - sum(comm.values()))
     if reshard > 0:
         comm[f"{COMM_PREFIX}reshard"] = comm.get(f"{COMM_PREFIX}reshard", 0.0) + reshard
     parts = {"compute": m * compute, "recompute": m * recompute, "offload": m * offload}
