@@ -376,8 +376,13 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
         pooled_calls.append((len(jobs_list), jobs))
         yield from solve_in_pool(cost, jobs_list, jobs)
 
+    from autoshard.inter import unit_pool
+
     solve_in_pool = stage_cost.solve_in_pool
     monkeypatch.setattr(stage_cost, "solve_in_pool", spy)
+    # the blocks alone go to the pool (the embedding and head are planned after them, fed
+    # their layouts): too few here for the default's threshold
+    monkeypatch.setattr(unit_pool, "POOL_MIN_UNITS", 2)
     logicals = [(1, 1), (1, 2), (2, 1), (2, 2)]
     cluster = load_cluster("alpa-v100", 4)
     depth = {"num_layers": auto.FOLD_MIN_BLOCKS + 1}
