@@ -289,10 +289,12 @@ class IntraStageCost:
                         self.num_cache_hits += counts[2]
                         self.refusals.extend(r for r in counts[3] if r not in self.refusals)
                         self.num_disk_hits += counts[4]
+                pooled = set(solved) if jobs > 1 else set()
                 for i, logical in todo:
-                    if ((self.signatures[i],), self.mesh_for(logical)) in self._units:
-                        continue  # solved by the pool
-                    self.unit(i, i + 1, logical)
+                    if (i, logical) in pooled:
+                        continue  # solved (and counted) by the pool
+                    if ((self.signatures[i],), self.mesh_for(logical)) not in self._units:
+                        self.unit(i, i + 1, logical)  # (or planned already, fed to another's)
                     phase.advance()
         finally:
             self.seconds += time.perf_counter() - t0
