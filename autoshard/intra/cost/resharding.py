@@ -521,10 +521,10 @@ def _replicated_once(src, parts, shape, itemsize, mesh, options) -> list[Reshard
     rematerialization"), and it keeps what it made from a value per target layout, so
     the targets whose route is the whole replication (:func:`replication`: the
     replicated spec, and each such move) share its first all-gather; the later ones are
-    shared only at times (wresnet-1b zero3 on 2x4, XLA:CPU and XLA:GPU, jax 0.11: the
-    first gather made once and the later ones per target on nine values, all shared on
-    two), so they are counted per target: never fewer collectives than XLA makes
-    (``tests/test_xla_remat.py``, docs/truth_gpu.md)."""
+    shared only at times (wresnet-1b zero3 on 2x4, XLA:CPU and XLA:GPU, jax 0.11: of ten
+    values replicated in two steps, the first gather made once and the second per
+    target on eight, both once on two), so they are counted per target: never fewer
+    collectives than XLA makes (``tests/test_xla_remat.py``, docs/truth_gpu.md)."""
     if len(parts) < 2:
         return parts
     rep = replication(src, shape, itemsize, mesh, options)
