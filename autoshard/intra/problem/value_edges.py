@@ -53,7 +53,9 @@ from functools import lru_cache
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.cost.resharding import (
     CostOptions,
+    collective_cost,
     producer_preference,
+    replication,
     reshard,
     reshard_to_consumers,
 )
@@ -127,9 +129,18 @@ def _consumers_cost(
     if src.partial and not all(xla_resolves(src, b) for b in dsts):
         return INF
     if not src.partial:
-        return math.fsum(
-            _reshard_cost(src, b, shape, itemsize, mesh, options, forbidden) for b in dsts
-        )
+        costs = [_reshard_cost(src, b, shape, itemsize, mesh, options, forbidden) for b in dsts]
+        if len(dsts) < 2 or not all(map(math.isfinite, costs)):
+            return math.fsum(costs)
+        # the targets reached by the value's replication share its first all-gather,
+        # as predicted (reshard_to_consumers)
+        rep = replication(src, shape, itemsize, mesh, options)
+        if rep is None:
+            return math.fsum(costs)
+        shared = sum(reshard(src, b, shape, itemsize, mesh, options).collectives
+                     == rep.collectives for b in dsts)  # fmt: skip
+        first = collective_cost(mesh, rep.collectives[0], options)
+        return math.fsum(costs) - max(shared - 1, 0) * first
     r = reshard_to_consumers(
         src, list(dsts), shape, itemsize, mesh, options, steps, batch_dims=batch_dims
     )
