@@ -101,6 +101,7 @@ def live_intervals(
     fused_transcendentals: bool = False,
     early_inputs: bool = False,
     dot_lhs_copies: bool = False,
+    narrow_dots_in_f32: bool = False,
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -122,7 +123,7 @@ def live_intervals(
     pos = program_positions(graph, late_updates)
     same = common_values(graph)  # once: the fusion part reads it too
     keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals, same)
-    copied = copied_lhs_sources(graph, keep) if dot_lhs_copies else {}
+    copied = copied_lhs_sources(graph, keep, narrow_dots_in_f32) if dot_lhs_copies else {}
     keep |= copied.keys()
     consumers = merged_consumers(graph, same)
     aliased_outputs = {dst for _, dst in graph.aliases}
@@ -164,6 +165,7 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
         layout.fused_transcendentals,
         layout.early_input_reshards,
         layout.dot_lhs_copies,
+        layout.narrow_dots_in_f32,
     )
 
 
