@@ -327,10 +327,26 @@ def test_the_traced_step_is_read_back_from_the_disk_cache(tmp_path, monkeypatch)
         api.microbatch_graph("gpt-tiny", 4, batch_size=8, num_layers=2)
 
 
-def test_a_mesh_with_its_axis_sizes_swapped_reuses_the_twins_plan(tiny4, monkeypatch):
+@pytest.mark.parametrize(
+    "attention",
+    [
+        "unfused",
+        pytest.param(
+            "fused",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="on the fused program the (2, 4) plan, renamed, costs 0.28% more on "
+                "(4, 2) than (4, 2)'s own (batch 4 ways and heads 2 against 2 and 4): the "
+                "costs are not symmetric under swapping the axis names there",
+            ),
+        ),
+    ],
+)
+def test_a_mesh_with_its_axis_sizes_swapped_reuses_the_twins_plan(attention, monkeypatch):
     """On uniform links a (4, 2) mesh is the (2, 4) mesh with its axes renamed: its units
     are the (2, 4) plans with 'data' and 'model' swapped (no ILP), as fast as solving it
     afresh, and valid on the (4, 2) mesh; across nodes the twin is not used."""
+    tiny4 = trace_workload("gpt-tiny", num_layers=4, batch_size=4, attention=attention)
     mesh_for = logical_mesh_costs(cluster_for("alpa-v100", 1, 8))
     cost = IntraStageCost(tiny4.graph, mesh_for, solver=SOLVER)
     n = len(tiny4.graph.layers)

@@ -244,6 +244,11 @@ def tiny_fused():
     return trace_workload("gpt-tiny", optimizer="sgd", attention="fused")
 
 
+@pytest.fixture(scope="module")
+def tiny_unfused():
+    return trace_workload("gpt-tiny", optimizer="sgd", attention="unfused")
+
+
 @pytest.mark.parametrize(
     "shape, which, cpu, fused",
     [
@@ -263,7 +268,7 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(request, shape, wh
     from autoshard.intra.ilp import peak_memory, solve
     from autoshard.intra.problem.build import plan_from_solution
 
-    tiny = request.getfixturevalue("tiny_fused" if fused else "tiny")
+    tiny = request.getfixturevalue("tiny_fused" if fused else "tiny_unfused")
     axes = ("data", "model")[: len(shape)]
     mesh = device_mesh_for(shape, axes) if cpu else alpa_test_mesh(shape, axes)
     pinned = None if which == "auto" else baseline_inputs(tiny.graph, mesh.mesh, which)

@@ -127,9 +127,9 @@ def add_model_args(
     p.add_argument(
         "--attention",
         choices=("fused", "unfused"),
-        help="GPT / GPT-MoE program: fused (one attention operator, cuDNN flash attention on "
-        "GPUs; GELU and cross-entropy saving their inputs: docs/fused.md) or unfused (the "
-        "default: einsums and a softmax that keep the S x S probabilities)",
+        help="GPT / GPT-MoE program: fused (the default: one attention operator, cuDNN flash "
+        "attention on GPUs; GELU and cross-entropy saving their inputs: docs/fused.md) or "
+        "unfused (einsums and a softmax that keep the S x S probabilities)",
     )
     p.add_argument(
         "--scan-layers",

@@ -299,7 +299,7 @@ def register(subparsers) -> None:
     dims.add_argument(
         "--attention",
         choices=("fused", "unfused"),
-        help="the traced step's attention (--program traced or --plan auto; default unfused)",
+        help="the traced step's attention (--program traced or --plan auto; default fused)",
     )
     p.add_argument(
         "--cluster", required=True, help=f"cluster preset ({cluster_presets()}) or a preset .json"

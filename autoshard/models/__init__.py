@@ -105,8 +105,8 @@ def get_workload(
     qkv_gemms: int | None = None,
 ) -> Workload:
     """Build a workload by preset name with optional overrides (``num_heads``: GPT and
-    GPT-MoE presets; ``num_experts``: GPT-MoE presets; ``attention``: ``"unfused"`` (the
-    default) or ``"fused"``, GPT and GPT-MoE presets; ``qkv_gemms``: 1 or 3, the GPT's
+    GPT-MoE presets; ``num_experts``: GPT-MoE presets; ``attention``: ``"fused"`` (the
+    default) or ``"unfused"``, GPT and GPT-MoE presets; ``qkv_gemms``: 1 or 3, the GPT's
     fused q/k/v projection, ``GPTConfig.qkv_gemms``).
 
     Raises ValueError listing the presets for an unknown name, and naming the field for a

@@ -60,10 +60,9 @@ class GPTConfig(ModelConfig):
     scan_layers: bool = False  # the blocks as one nn.scan over stacked parameters
     # "fused": the fused-kernel program (one attention operator: cuDNN flash attention on
     # GPUs, the same algorithm in XLA elsewhere, autoshard.models.attention; the GELU and
-    # the cross-entropy saving their inputs); "unfused": einsums and a softmax. Unfused
-    # by default until the planner's checks hold on the fused program everywhere
-    # (docs/fused.md, "What is left")
-    attention: str = "unfused"
+    # the cross-entropy saving their inputs; the default: docs/fused.md); "unfused":
+    # einsums and a float32 softmax that keep the S x S probabilities
+    attention: str = "fused"
     # with attention="fused": q, k, v from one GEMM, split (1), or from three GEMMs on
     # slices of the same kernel (3: no split copy, but three input-gradient partial sums
     # that a tensor-parallel plan all-reduces one by one; docs/fused.md)

@@ -68,7 +68,7 @@ class MoEConfig(ModelConfig):
     batch_size: int = 8
     ffn_ratio: int = 8
     dtype: str = "float32"
-    attention: str = "unfused"  # as GPTConfig.attention
+    attention: str = "fused"  # as GPTConfig.attention
 
     def __post_init__(self) -> None:
         self.check_positive_ints(

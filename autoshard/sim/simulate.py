@@ -249,7 +249,7 @@ def simulate(
 
     ``global_batch`` defaults to the preset's batch size; ``dtype`` (``bf16``, ``fp16``,
     ``fp32``) to the device's 16-bit dtype (fp16 on V100); ``overrides``: any of
-    ``MODEL_OVERRIDES`` (``attention``, ``"unfused"`` by default or ``"fused"``: the traced
+    ``MODEL_OVERRIDES`` (``attention``, ``"fused"`` by default or ``"unfused"``: the traced
     step's, with ``program="traced"`` or ``plan="auto"``). ``ilp_time_limit_s`` bounds each ILP of ``plan="auto"``;
     ``progress`` (:class:`autoshard.inter.progress.Progress`) is where its phases report.
     ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the stage DP chooses per

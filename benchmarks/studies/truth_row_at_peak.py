@@ -11,6 +11,9 @@ shape and ``op_name``::
     python benchmarks/studies/truth_row_at_peak.py gpt-1.3b 8 zero3 --layers 2 --batch 8 \
         --dtype bfloat16 --optimizer adamw --attention fused
 
+``--plan-file`` reads the plan a ``memory_replay.py`` cache holds for the row instead of
+planning it again (the same plan the replay predicted).
+
 The dumps are kept in ``--dump DIR`` (default: a temporary folder, removed).
 """
 
@@ -32,10 +35,15 @@ def main() -> None:
     ap.add_argument("--attention", choices=("fused", "unfused"))
     ap.add_argument("--layers", type=int)
     ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq", type=int, help="seq_len override")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"))
     ap.add_argument("--optimizer", default="sgd", help="as the suite's row: sgd or adamw")
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--dump", help="keep XLA's dumps here")
+    ap.add_argument(
+        "--plan-file",
+        help="read the plan from this memory_replay.py cache file instead of planning",
+    )
     args = ap.parse_args()
     import jax
 
@@ -63,15 +71,25 @@ def main() -> None:
         over["attention"] = args.attention
     if args.batch:
         over["batch_size"] = args.batch
+    if args.seq:
+        over["seq_len"] = args.seq
     if args.dtype:
         over["dtype"] = args.dtype
     traced = trace_workload(args.model, optimizer=args.optimizer, **over)
     graph = traced.graph
     mesh = truth_mesh(args.mesh)
-    options, pinned = plan_settings(graph, mesh, args.plan, 60)
-    plan = auto_shard_graph(
-        graph, mesh, options, pinned_inputs=pinned, name=args.plan, exact_values=True
-    )
+    if args.plan_file:
+        import json
+
+        from autoshard.ir.plan import ParallelPlan
+
+        with open(args.plan_file) as f:
+            plan = ParallelPlan.loads(json.load(f)["plan"])
+    else:
+        options, pinned = plan_settings(graph, mesh, args.plan, 60)
+        plan = auto_shard_graph(
+            graph, mesh, options, pinned_inputs=pinned, name=args.plan, exact_values=True
+        )
     spec_of = plan.specs_by_tensor(graph.inputs)
     live = predicted_live_bytes(graph, spec_of, mesh, plan.operand_specs)
     at = max(range(len(live)), key=lambda i: live[i]) - 1

@@ -13,48 +13,56 @@ workspace depends on the backend's body for the operator
 * cuDNN's flash attention (XLA:GPU) streams the scores through on-chip memory in tiles:
   no ``S x S`` buffer at all, no workspace.
 * XLA's body (XLA:CPU, :func:`autoshard.models.attention._xla_fwd` / ``_xla_bwd``) writes
-  the ``[B, H, Sq, Sk]`` float32 blocks as buffers of their own.  Measured with
-  jax 0.10.2 from the compiled operator's live ranges and buffer assignment, per device
-  (``unit`` = ``B H Sq Sk`` x 4 bytes of the shard it runs):
+  the ``[B, H, Sq, Sk]`` float32 blocks as buffers of their own.  Both bodies are inlined
+  into the step and scheduled with it, and XLA computes the backward's ``P = exp(s - lse)``
+  once, in the forward (the same expression of the same ``q``, ``k``, ``lse``).  Counted,
+  in ``unit`` = ``B H Sq Sk`` x 4 bytes of the shard the operator runs (measured on the
+  compiled step's live ranges and buffer assignment, jax 0.10.2 and 0.12: gpt-tiny at
+  seq 256 with one and two sequences a device, float32 and bfloat16; gpt-1.3b bfloat16
+  ZeRO-3 on 8):
 
-  - forward: 2 units at its peak -- the masked scores and ``exp(s - lse)``, the ``PV``
-    dot's operand -- whatever the shapes and dtype (2.00-2.07 on 10 shapes, f32 and bf16);
-  - backward: the recomputed probabilities ``P``, ``dP`` and ``dS`` in turn.  Where the
-    dots' batch ``B x H`` has a dim of size one (one sequence or one head per device),
-    XLA runs them as 3-D dots and writes ``dS`` twice (as is, for ``dK = dS^T Q``, and
-    transposed, for ``dQ = dS K``): 4 units live at once (3.0-4.0 on 5 shapes); with
-    both above one it keeps the 4-D layout and reuses dying buffers: 2 units
-    (2.25-2.5 on 2 shapes).
+  - **held** from the forward operator to its backward (:func:`early_probabilities`,
+    :func:`held_units`): ``P`` (1 unit), and where ``v`` is narrower than float32 the
+    ``dV = P^T dO`` dot's copy of ``P`` rounded to ``v``'s dtype -- widened back to
+    float32 where XLA:CPU runs narrow dots in float32 (``narrow_dots_in_f32``: 1 unit),
+    else in ``v``'s dtype (2 bytes an element: 1/2 unit);
+  - **forward**, at the operator: the scores and their masked copy (2 units), or ``P``,
+    what is held and, with ``narrow_dots_in_f32``, the rounding of ``P`` and its float32
+    copy that the ``PV`` dot reads (where a dot batch dim is one, as XLA runs 3-D dots;
+    with 4-D dots the ``dV`` dot's copy serves both; bfloat16 3-D: 1 + 1 + 1/2 + 1 = 3.5
+    units), whichever is more; the workspace is that less what is held from it on;
+  - **backward**, at the operator: 2 units with what is held (``P`` and ``dP - delta``;
+    then ``dS`` and, where a dot batch dim is one, its transposed copy for ``dQ``;
+    bfloat16 under ``narrow_dots_in_f32``: ``P`` and its copy until the ``dV`` dot), so
+    the workspace is 2 units less what is held (none in that bfloat16 case).
 
-  The rest of the body's temporaries (transposed copies of ``q, k, v, d_out``, ``S x D``
-  each) are left out: ``D / S`` of a unit each, small at real sequence lengths.
+  (Compiled alone, the backward operator recomputes ``P`` and held up to 4 units; in the
+  step that ``P`` is the forward's.)  The rest of the bodies' temporaries (transposed
+  copies of ``q, k, v, d_out``, ``S x D`` each) are left out: ``D / S`` of a unit each,
+  small at real sequence lengths.
 
-Two more buffers on XLA:CPU, where both bodies are inlined into the step and scheduled
-with it (seen in the compiled gpt-tiny 2x4 and gpt-350m 8-device steps, at XLA's peak in
-the head's backward, before any attention backward has run):
+One more buffer on XLA:CPU: one float32 ``[B, H, Sq, Sk]`` broadcast of a constant (the
+forward's ``mul`` by the scale, shared by every layer's backward dot fusion) lives from the
+first attention operator to the last: :func:`shared_broadcast`.
 
-* each backward's ``P = exp(s - lse)`` (1 unit) is computed as soon as ``q``, ``k`` and
-  ``lse`` exist, in the forward pass, and kept to the backward (an optimization barrier
-  tying it to ``d_out`` does not stop it): :func:`early_probabilities`, a buffer from
-  the forward operator that made ``lse`` to the backward -- so the backward's own
-  workspace is the rest of its peak (3 or 1 units);
-* one float32 ``[B, H, Sq, Sk]`` broadcast of a constant (the forward's ``mul`` by the
-  scale, shared by every layer's backward dot fusion) lives from the first attention
-  operator to the last: :func:`shared_broadcast`.
+Before the held copy of ``P`` was counted (2026-11-27) gpt-1.3b bfloat16 ZeRO-3 on 8 with
+the fused program was predicted 14.5% under XLA:CPU's peak: at that peak (the head's
+backward) XLA holds ``P`` and its widened copy for both layers, 4 units of 128 MiB, where
+the model counted 2.
 """
 
 from __future__ import annotations
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.memory.layout_copies import NARROW_FLOATS
 from autoshard.intra.memory.reshard_copies import CopyGroup
 from autoshard.ir.graph import Graph, Node
 from autoshard.ir.primitives import ATTENTION, ATTENTION_FWD
 from autoshard.ir.spec import ShardingSpec
 
-FORWARD_UNITS = 2.0
-# the backward's peak less its early P (counted from the forward on: early_probabilities)
-BACKWARD_UNITS_3D = 3.0  # a dot batch dim of size one: dS written twice
-BACKWARD_UNITS_4D = 1.0
+# units live at once at either operator, what is held to the backward included: the
+# scores and their masked copy (forward); P and dP - delta, or dS and its copy (backward)
+SCORES_UNITS = 2.0
 
 
 def attention_nodes(graph: Graph, mesh: DeviceMesh) -> list[int]:
@@ -83,20 +91,59 @@ def unit_bytes(graph: Graph, node: Node, spec: ShardingSpec | None, mesh: Device
     return 4.0 * b * h * sq * sk
 
 
-def workspace_bytes(graph: Graph, node: Node, spec: ShardingSpec | None, mesh: DeviceMesh) -> float:
+def _narrow_copy_units(
+    graph: Graph, node: Node, mesh: DeviceMesh, three_d: bool = False
+) -> tuple[float, float]:
+    """(units of the ``dV`` dot's copy of ``P``, units of the ``PV`` dot's own transient
+    copies) for ``node``'s ``v`` dtype on ``mesh``'s backend: (0, 0) in float32.
+    ``three_d``: a dot batch dim of the shard is one (XLA runs 3-D dots, and reads ``P``
+    in another layout for ``PV`` than for ``dV``)."""
+    v = graph.tensors[node.inputs[2]]
+    if v.dtype not in NARROW_FLOATS:
+        return 0.0, 0.0
+    narrow = v.nbytes / max(1, v.size) / 4.0  # a narrow element in float32 units
+    if not mesh.memory_layout.narrow_dots_in_f32:
+        return narrow, 0.0
+    # widened to float32; with 3-D dots the PV dot reads the rounding through a copy of
+    # its own, with 4-D dots the dV dot's copy
+    return 1.0, (narrow + 1.0) if three_d else 0.0
+
+
+def held_units(graph: Graph, node: Node, mesh: DeviceMesh) -> float:
+    """Units a forward operator makes and keeps to ``node``, its backward (or the forward
+    itself: the same ``v``): ``P``, and in a narrow dtype the ``dV`` dot's copy of it."""
+    return 1.0 + _narrow_copy_units(graph, node, mesh)[0]
+
+
+def workspace_units(
+    graph: Graph, node: Node, mesh: DeviceMesh, held: bool = True, three_d: bool = False
+) -> float:
+    """Units ``node`` holds only while it runs, beyond what is held from the forward to the
+    backward (``held``: whether this forward's ``P`` is kept for a backward; ``three_d``:
+    a dot batch dim of the shard is one)."""
+    keep = held_units(graph, node, mesh) if held else 0.0
+    if node.primitive in ATTENTION_FWD:
+        copy, pv = _narrow_copy_units(graph, node, mesh, three_d)
+        at_node = max(SCORES_UNITS, 1.0 + (copy if held else 0.0) + pv)
+        return at_node - keep
+    return max(0.0, SCORES_UNITS - keep)
+
+
+def workspace_bytes(
+    graph: Graph, node: Node, spec: ShardingSpec | None, mesh: DeviceMesh, held: bool = True
+) -> float:
     """Per-device bytes of ``node``'s workspace when it runs with its ``[B, S, H, D]``
     result (``out`` forward, ``dq`` backward) in layout ``spec`` (None: whole)."""
     b, h, _, _ = _local_dims(graph, node, spec, mesh)
-    unit = unit_bytes(graph, node, spec, mesh)
-    if node.primitive in ATTENTION_FWD:
-        return FORWARD_UNITS * unit
-    return (BACKWARD_UNITS_3D if min(b, h) == 1 else BACKWARD_UNITS_4D) * unit
+    units = workspace_units(graph, node, mesh, held, min(b, h) == 1)
+    return units * unit_bytes(graph, node, spec, mesh)
 
 
 def early_probabilities(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
-    """(forward node, backward node) of each backward whose ``P`` XLA makes in the forward
-    pass: the forward that made one of the backward's operands (its ``lse``) and the
-    backward, on a backend with ``attention_scores_workspace``."""
+    """(forward node, backward node) of each backward whose ``P`` (and, narrow, the ``dV``
+    dot's copy of it: :func:`held_units`) XLA makes in the forward pass: the forward that
+    made one of the backward's operands (its ``lse``) and the backward, on a backend with
+    ``attention_scores_workspace``."""
     out = []
     for index in attention_nodes(graph, mesh):
         node = graph.nodes[index]
@@ -122,11 +169,13 @@ def workspace_groups(graph: Graph, strategies, n_in: int, mesh: DeviceMesh, pos)
     memory rows): per node and size, the node's strategies that need that size; live at
     the node only (``pos``: program positions)."""
     out = []
+    pairs = early_probabilities(graph, mesh)
+    kept = {f for f, _ in pairs} | {b for _, b in pairs}
     for index in attention_nodes(graph, mesh):
         node, ilp = graph.nodes[index], n_in + index
         by_size: dict[float, list[int]] = {}
         for q, s in enumerate(strategies[ilp]):
-            size = workspace_bytes(graph, node, s.output_specs[0], mesh)
+            size = workspace_bytes(graph, node, s.output_specs[0], mesh, index in kept)
             by_size.setdefault(size, []).append(q)
         reader = ((pos[index], ilp, tuple(range(len(strategies[ilp])))),)
         out += [
@@ -134,15 +183,17 @@ def workspace_groups(graph: Graph, strategies, n_in: int, mesh: DeviceMesh, pos)
             for size, qs in by_size.items()
             if size
         ]
-    held = [(b, f, b) for f, b in early_probabilities(graph, mesh)]  # (sized by, from, to)
+    # (sized by, from, to, units)
+    held = [(b, f, b, held_units(graph, graph.nodes[b], mesh)) for f, b in pairs]
     shared = shared_broadcast(graph, mesh)
     if shared is not None:
-        held.append((shared[0], *shared))
-    for sized_by, first, last in held:
+        held.append((shared[0], *shared, 1.0))
+    for sized_by, first, last, units in held:
         node, ilp = graph.nodes[sized_by], n_in + sized_by
         by_size = {}
         for q, s in enumerate(strategies[ilp]):
-            by_size.setdefault(unit_bytes(graph, node, s.output_specs[0], mesh), []).append(q)
+            size = units * unit_bytes(graph, node, s.output_specs[0], mesh)
+            by_size.setdefault(size, []).append(q)
         reader = ((pos[last], n_in + last, tuple(range(len(strategies[n_in + last])))),)
         out += [
             CopyGroup(ilp, tuple(qs), size, pos[first], pos[last], reader)
@@ -154,22 +205,26 @@ def workspace_groups(graph: Graph, strategies, n_in: int, mesh: DeviceMesh, pos)
 
 def held_buffers(graph: Graph, spec_of, mesh: DeviceMesh, pos) -> list[tuple[int, int, float]]:
     """(first, last program position, per-device bytes) of every buffer of this module
-    under the plan's tensor layouts ``spec_of``: the workspaces, the early ``P``s and the
-    shared broadcast (for :func:`autoshard.intra.memory.model.predicted_live_bytes`)."""
+    under the plan's tensor layouts ``spec_of``: the workspaces, the early ``P``s (with
+    their narrow copies) and the shared broadcast (for :func:`autoshard.intra.memory.model.predicted_live_bytes`)."""
 
     def unit(i: int) -> float:
         node = graph.nodes[i]
         return unit_bytes(graph, node, spec_of.get(node.outputs[0]), mesh)
 
+    pairs = early_probabilities(graph, mesh)
+    kept = {f for f, _ in pairs} | {b for _, b in pairs}
     out = [
         (
             pos[i],
             pos[i],
-            workspace_bytes(graph, graph.nodes[i], spec_of.get(graph.nodes[i].outputs[0]), mesh),
+            workspace_bytes(
+                graph, graph.nodes[i], spec_of.get(graph.nodes[i].outputs[0]), mesh, i in kept
+            ),
         )
         for i in attention_nodes(graph, mesh)
     ]
-    out += [(pos[f], pos[b], unit(b)) for f, b in early_probabilities(graph, mesh)]
+    out += [(pos[f], pos[b], held_units(graph, graph.nodes[b], mesh) * unit(b)) for f, b in pairs]
     shared = shared_broadcast(graph, mesh)
     if shared is not None:
         out.append((pos[shared[0]], pos[shared[1]], unit(shared[0])))

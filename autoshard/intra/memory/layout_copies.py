@@ -26,12 +26,14 @@ def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[
     buffer of its own. For a weight that copy depends on the program inputs only, so
     XLA:CPU makes it at the start of the step: on moe-tiny's 8-device plan XLA holds the
     transposed ``wi`` and ``wo`` of the experts (for the backward dots that contract their
-    last dim) at its peak. Activations and unbatched dots are left out (not measured),
-    and so are replicated weights: the data-parallel, ZeRO-2 and Megatron baselines of
-    moe-tiny (experts replicated) are over-predicted by 14-20% with their copies counted,
-    under-predicted without, so XLA does not keep them there (bench_truth's moe suite).
+    last dim) at its peak. Activations and unbatched dots are left out (not measured).
+    XLA makes the copy only for a dot that reads one expert a device
+    (:func:`reads_one_batch_row`, in the layout the dot reads the weight): moe-tiny's
+    replicated experts (data-parallel, ZeRO-2) were over-predicted by 14-20% with their
+    copies counted, and its ``megatron`` plan on 4x2 (the experts' hidden dim split, 8
+    experts a device) by 10.8%; the callers keep those dots out.
 
-    Returns weight tensor id -> the dot nodes that read the copy, in program order. The
+    Returns weight tensor id -> the dot nodes that may read a copy, in program order. The
     copy lives from the start of the step to its last reader (a resharded copy made early,
     :func:`_reshard_buffers`; in the ILP, a :class:`CopyBuffer` of every layout of the
     weight)."""
@@ -55,6 +57,19 @@ def transposed_weight_copies(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[
             if tuple(canonical) != tuple(range(rank)):
                 out.setdefault(tid, []).append(node.index)
     return {tid: tuple(dots) for tid, dots in out.items()}
+
+
+def reads_one_batch_row(graph: Graph, dot: int, tid: int, spec, mesh: DeviceMesh) -> bool:
+    """Whether ``dot`` reads ``tid`` in layout ``spec`` with one row of each batch dim a
+    device (one expert of an MoE weight): where it does, XLA:CPU runs the dot on a 2-D
+    slice and makes the weight's transposed copy (:func:`transposed_weight_copies`);
+    where a device holds several experts it makes none (moe-tiny ``megatron`` on 4x2, 8
+    experts a device: no copy at XLA's peak, 512 KiB predicted)."""
+    node = graph.nodes[dot]
+    (_, _), (lb, rb) = node.params["dimension_numbers"]
+    batch = lb if node.inputs[0] == tid else rb
+    shape = graph.tensors[tid].shape
+    return all(shape[d] // mesh.mesh.size(spec.dims[d]) == 1 for d in batch)
 
 
 def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int]]:

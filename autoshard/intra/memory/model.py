@@ -31,6 +31,7 @@ from autoshard.intra.memory.layout_copies import (
     NARROW_FLOATS,
     dot_lhs_copy_bytes,
     dot_lhs_copy_groups,
+    reads_one_batch_row,
     transposed_conv_values,
     transposed_dot_lhs,
     transposed_weight_copies,
@@ -100,6 +101,7 @@ def live_intervals(
     fused_transcendentals: bool = False,
     early_inputs: bool = False,
     dot_lhs_copies: bool = False,
+    narrow_dots_in_f32: bool = False,
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -121,7 +123,7 @@ def live_intervals(
     pos = program_positions(graph, late_updates)
     same = common_values(graph)  # once: the fusion part reads it too
     keep = materialized_tensors(graph, reductions_read_memory, fused_transcendentals, same)
-    copied = copied_lhs_sources(graph, keep) if dot_lhs_copies else {}
+    copied = copied_lhs_sources(graph, keep, narrow_dots_in_f32) if dot_lhs_copies else {}
     keep |= copied.keys()
     consumers = merged_consumers(graph, same)
     aliased_outputs = {dst for _, dst in graph.aliases}
@@ -163,6 +165,7 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
         layout.fused_transcendentals,
         layout.early_input_reshards,
         layout.dot_lhs_copies,
+        layout.narrow_dots_in_f32,
     )
 
 
@@ -339,15 +342,20 @@ def predicted_live_bytes(
         if tid in spec_of
     ]
     buffers += reshard_buffers(graph, operand_specs, spec_of, mesh, pos, _union_intervals(own))
-    buffers += [  # transposed weight copies: made at the start, live to their last reader
-        (
-            0,
-            max(pos[d] for d in dots),
-            graph.tensors[tid].nbytes * spec_of[tid].shard_fraction(mesh.mesh),
-        )
-        for tid, dots in transposed_weight_copies(graph, mesh).items()
-        if tid in spec_of and not spec_of[tid].is_replicated
-    ]
+    # transposed weight copies: made at the start, live to their last reader; one per
+    # layout that a dot reading one expert a device reads the weight in
+    for tid, dots in transposed_weight_copies(graph, mesh).items():
+        if tid not in spec_of:
+            continue
+        last: dict = {}
+        for d in dots:
+            spec = operand_specs.get(d, {}).get(graph.nodes[d].inputs.index(tid), spec_of[tid])
+            if reads_one_batch_row(graph, d, tid, spec, mesh):
+                last[spec] = max(last.get(spec, -1), pos[d])
+        buffers += [
+            (0, end, graph.tensors[tid].nbytes * spec.shard_fraction(mesh.mesh))
+            for spec, end in last.items()
+        ]
     buffers += [  # zeros an add would absorb, but for a collective in between
         (0, max(0, pos[z.update] - 1), zeros_bytes(graph, z, spec_of[result], mesh))
         for z in foldable_zeros(graph_update_zeros(graph), mesh)
@@ -524,21 +532,25 @@ def _union_intervals(buffers) -> dict[int, tuple[int, int]]:
 
 def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> list:
     """:func:`transposed_weight_copies` as :class:`CopyGroup` entries: per weight and
-    size, the weight's strategies that give that size; made at the start of the step; read
-    by its dots under any strategy (``pos``: :func:`program_positions`)."""
+    layout a dot reads it in with one expert a device (:func:`reads_one_batch_row`), the
+    dots' strategies that read it so; made at the start of the step, whatever the weight's
+    own strategy (``pos``: :func:`program_positions`)."""
     out = []
     for tid, dots in transposed_weight_copies(graph, mesh).items():
-        src, k = producer[tid]
-        by_size: dict[float, list[int]] = {}
-        for p, s in enumerate(strategies[src]):
-            if s.output_specs[k].is_replicated:
-                continue
-            size = graph.tensors[tid].nbytes * s.output_specs[k].shard_fraction(mesh.mesh)
-            by_size.setdefault(size, []).append(p)
-        readers = sorted((pos[d], n_in + d, tuple(range(len(strategies[n_in + d])))) for d in dots)
-        out += [
-            CopyGroup(src, tuple(ps), size, 0, None, tuple(readers)) for size, ps in by_size.items()
-        ]
+        src, _ = producer[tid]
+        every = tuple(range(len(strategies[src])))
+        # per layout a dot may read one expert a device in: the dots' strategies that do
+        by_spec: dict = {}
+        for d in dots:
+            slot = graph.nodes[d].inputs.index(tid)
+            for q, s in enumerate(strategies[n_in + d]):
+                spec = s.input_specs[slot]
+                if spec is not None and reads_one_batch_row(graph, d, tid, spec, mesh):
+                    by_spec.setdefault(spec, {}).setdefault(d, []).append(q)
+        for spec, readers in by_spec.items():
+            size = graph.tensors[tid].nbytes * spec.shard_fraction(mesh.mesh)
+            rows = sorted((pos[d], n_in + d, tuple(qs)) for d, qs in readers.items())
+            out.append(CopyGroup(src, every, size, 0, None, tuple(rows)))
     return out
 
 
