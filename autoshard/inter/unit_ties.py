@@ -59,36 +59,50 @@ def feeds(rg_of, crossings, signatures, ties) -> dict:
     activation from the last block, the embedding's cotangent from the first), but not
     the inputs :func:`self_ties` ties (a block's input from the embedding is where the
     other blocks' inputs come from the block before)."""
-    found: dict = {}
-    for a, b in crossings:
-        if signatures[a] == signatures[b]:
-            continue
-        ga, gb = rg_of(a), rg_of(b)
-        out_pos = {ga.tensor_ids[t]: j for j, t in enumerate(ga.graph.outputs)}
-        tied = {k for k, _ in ties.get(signatures[b], ())}
-        rows = found.setdefault(signatures[b], {})
-        for k, tid in enumerate(gb.graph.inputs):
-            if gb.tensor_ids[tid] in out_pos and k not in tied:
-                rows.setdefault(k, (k, a, out_pos[gb.tensor_ids[tid]]))
-    return {sig: tuple(rows[k] for k in sorted(rows)) for sig, rows in found.items() if rows}
+    return _across(rg_of, crossings, signatures, ties, inputs=True)
 
 
 def drains(rg_of, crossings, signatures, ties) -> dict:
     """Signature -> ((output position, consumer layer, input position), ...): the outputs
     of that signature's unit that a layer of another signature reads (the embedding's
     activation, read by the first block), but not the outputs :func:`self_ties` ties."""
+    return _across(rg_of, crossings, signatures, ties, inputs=False)
+
+
+def _across(rg_of, crossings, signatures, ties, inputs: bool) -> dict:
+    """:func:`feeds` (``inputs``: the consumer's inputs made by the producer) or
+    :func:`drains` (the producer's outputs read by the consumer), per crossing of two
+    signatures."""
     found: dict = {}
     for a, b in crossings:
         if signatures[a] == signatures[b]:
             continue
         ga, gb = rg_of(a), rg_of(b)
-        read_at = {gb.tensor_ids[t]: k for k, t in enumerate(gb.graph.inputs)}
-        tied = {j for _, j in ties.get(signatures[a], ())}
-        rows = found.setdefault(signatures[a], {})
-        for j, tid in enumerate(ga.graph.outputs):
-            if ga.tensor_ids[tid] in read_at and j not in tied:
-                rows.setdefault(j, (j, b, read_at[ga.tensor_ids[tid]]))
-    return {sig: tuple(rows[j] for j in sorted(rows)) for sig, rows in found.items() if rows}
+        if inputs:  # b's inputs that a makes
+            sig, own, mine, other, theirs, layer = (
+                signatures[b],
+                gb,
+                gb.graph.inputs,
+                ga,
+                ga.graph.outputs,
+                a,
+            )
+        else:  # a's outputs that b reads
+            sig, own, mine, other, theirs, layer = (
+                signatures[a],
+                ga,
+                ga.graph.outputs,
+                gb,
+                gb.graph.inputs,
+                b,
+            )
+        at = {other.tensor_ids[t]: p for p, t in enumerate(theirs)}
+        tied = {pair[0 if inputs else 1] for pair in ties.get(sig, ())}
+        rows = found.setdefault(sig, {})
+        for p, tid in enumerate(mine):
+            if own.tensor_ids[tid] in at and p not in tied:
+                rows.setdefault(p, (p, layer, at[own.tensor_ids[tid]]))
+    return {sig: tuple(rows[p] for p in sorted(rows)) for sig, rows in found.items() if rows}
 
 
 def with_drains(ip, reads, options):
