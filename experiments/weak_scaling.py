@@ -128,7 +128,8 @@ def _stage_search(cost, stage_cost, cluster, m: int, stages: int | None) -> dict
 
     hbm = cluster.device.hbm_bytes
     kw = dict(num_stages=stages, recompute_modes=RECOMPUTE_MODES)
-    args = (len(cost.graph.layers), cluster.num_nodes, cluster.devices_per_node, stage_cost, m)
+    # the chain the cost stands for (a folded cost traces a few blocks for many: num_layers)
+    args = (cost.num_layers, cluster.num_nodes, cluster.devices_per_node, stage_cost, m)
     try:
         sp = optimal_stage_plan(*args, memory_budget_bytes=hbm, **kw)
         oom = False
