@@ -35,6 +35,7 @@ import dataclasses
 import enum
 import functools
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,11 +63,30 @@ _INLINE_BODY = {
 
 # Named jits kept as one equation (their bodies differ by backend: cuDNN's kernels on a
 # GPU, XLA's ops elsewhere), recorded under the op graph's name for them.
+# A named jit read as the fused operator only with the operator's operands (forward q, k,
+# v; backward q, k, v, out, lse, d_out: models/attention.py): under a scan's partial
+# evaluation JAX can split one into a part with other operands (the causal mask, made from
+# nothing), which is then inlined as its operations, with a warning.
+_FUSED_OPERANDS = {"attention_fwd": 3, "attention_bwd": 6}
+
+
 def _fused_call(eqn) -> str | None:
     if eqn.primitive.name not in ("jit", "pjit"):
         return None
     called = FUSED_ATTENTION_CALLS.get(str(eqn.params.get("name", "")))
-    return None if called is None else called[0] + ("_causal" if called[1] else "")
+    if called is None:
+        return None
+    kind = called[0]
+    q_shape = tuple(getattr(eqn.invars[0].aval, "shape", ())) if eqn.invars else ()
+    if len(eqn.invars) != _FUSED_OPERANDS[kind] or len(q_shape) != 4:
+        warnings.warn(
+            f"the fused attention {eqn.params.get('name')!r} reached the tracer split by JAX "
+            f"({len(eqn.invars)} operands, not {_FUSED_OPERANDS[kind]}: a scan's partial "
+            "evaluation does this); planned as its operations, not as one fused operator",
+            stacklevel=2,
+        )
+        return None
+    return kind + ("_causal" if called[1] else "")
 
 
 # A scan whose unrolled body would exceed this many equations is left as one equation.
