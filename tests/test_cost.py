@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoshard.hardware.mesh import DeviceMesh, alpa_test_mesh, uniform_mesh
+from autoshard.intra.cost.consumers import reshard_to_consumers
 from autoshard.intra.cost.reshard_tiles import tile_route
 from autoshard.intra.cost.resharding import (
     ALPA_TIE_BREAKERS,
@@ -23,7 +24,6 @@ from autoshard.intra.cost.resharding import (
     memory_bound_cost,
     reduce_scatter_cost,
     reshard,
-    reshard_to_consumers,
 )
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.cost.resharding import reshard_to_consumers
+from autoshard.intra.cost.consumers import reshard_to_consumers
 from autoshard.intra.problem.predict import reduce_steps
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 from autoshard.runtime.sharded import make_mesh

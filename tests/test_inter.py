@@ -383,7 +383,6 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
     exactly what the units planned in this process give, stage specs included, with the
     same ILP count; on a folded deep GPT (its owners mapped through the fold) too."""
     from autoshard.hardware.clusters import load_cluster
-    from autoshard.inter import stage_cost
     from autoshard.sim import auto
 
     pooled_calls = []
@@ -394,8 +393,8 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
 
     from autoshard.inter import unit_pool
 
-    solve_in_pool = stage_cost.solve_in_pool
-    monkeypatch.setattr(stage_cost, "solve_in_pool", spy)
+    solve_in_pool = unit_pool.solve_in_pool
+    monkeypatch.setattr(unit_pool, "solve_in_pool", spy)
     # the blocks alone go to the pool (the embedding and head are planned after them, fed
     # their layouts): too few here for the default's threshold
     monkeypatch.setattr(unit_pool, "POOL_MIN_UNITS", 2)

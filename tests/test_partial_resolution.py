@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.cost.resharding import reshard_to_consumers
+from autoshard.intra.cost.consumers import reshard_to_consumers
 from autoshard.ir.spec import Mesh, ShardingSpec
 from autoshard.runtime.sharded import make_mesh
 from autoshard.verify.collectives import analyze_collectives

@@ -8,7 +8,8 @@ from autoshard.api import trace_workload
 from autoshard.inter.stage_cost import _NO_TIES, IntraStageCost
 from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.inter.unit_cost import crossing_seconds, read_specs
-from autoshard.intra.cost.resharding import reshard, reshard_to_consumers
+from autoshard.intra.cost.consumers import reshard_to_consumers
+from autoshard.intra.cost.resharding import reshard
 from autoshard.ir.spec import ShardingSpec
 
 SHAPE, ITEM = (8, 16, 32), 4

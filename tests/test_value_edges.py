@@ -10,7 +10,8 @@ import pytest
 from autoshard.api import device_mesh_for, trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
-from autoshard.intra.cost.resharding import collective_cost, reshard_to_consumers
+from autoshard.intra.cost.consumers import reshard_to_consumers
+from autoshard.intra.cost.resharding import collective_cost
 from autoshard.intra.ilp import ShardingProblem, objective_of, solve
 from autoshard.intra.problem.build import auto_shard_graph, build_problem
 from autoshard.intra.problem.options import IntraOptions

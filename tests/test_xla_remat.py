@@ -17,13 +17,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autoshard.hardware.mesh import uniform_mesh
+from autoshard.intra.cost.consumers import replication, reshard_to_consumers
 from autoshard.intra.cost.resharding import (
     DEFAULT_COST_OPTIONS,
     collective_cost,
     gather_then_slice,
-    replication,
     reshard,
-    reshard_to_consumers,
 )
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec
 from autoshard.verify.collectives import analyze_collectives

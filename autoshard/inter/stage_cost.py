@@ -48,7 +48,6 @@ Everything uses abstract shapes: no parameter is allocated.  Jax-free.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -59,7 +58,7 @@ from autoshard.inter.axis_swap import swap_axes, swappable
 from autoshard.inter.folding import crossing_pairs, fold_chain
 from autoshard.inter.options import GRANULARITIES
 from autoshard.inter.plan import Shape2, StageSpecs
-from autoshard.inter.progress import Progress, quiet
+from autoshard.inter.stage_handoffs import LayerHandoffs
 from autoshard.inter.stage_memory import (
     amortise_update,
     kept_activations,
@@ -83,16 +82,11 @@ from autoshard.inter.unit_cost import (
     UnitCost,
     activation_exposed_s,
     communication_by_axis,
-    crossing_seconds,
-    read_specs,
     with_activations_offloaded,
 )
-from autoshard.inter.unit_pool import jobs_for, solve_in_pool
+from autoshard.inter.unit_pool import PooledUnits
 from autoshard.inter.unit_ties import (
-    drains,
     fed_seconds,
-    feeds,
-    self_ties,
     tie_seconds,
     with_drains,
     with_feeds,
@@ -112,7 +106,7 @@ _NO_TIES = CostOptions(tie_breakers=False)
 _NO_TIES_OPTIONS = IntraOptions(cost=_NO_TIES)  # the stage ILPs price in seconds
 
 
-class IntraStageCost:
+class IntraStageCost(PooledUnits, LayerHandoffs):
     """``stage_cost(start, end, submesh, logical) -> StageCost`` backed by intra-op ILPs.
 
     Memoised by structural signature (see the module docstring); ``num_ilps``,
@@ -250,81 +244,6 @@ class IntraStageCost:
             self._subgraphs[layer, layer + 1] = range_subgraph(self.graph, layer, layer + 1)
         return self._subgraphs[layer, layer + 1]
 
-    def prepare(self, logicals, progress: Progress | None = None) -> None:
-        """Plan every layer on each of ``logicals`` now (the stage DP calls this before it
-        reads costs), counting the distinct ILPs on ``progress`` ("stage ILPs k/N")."""
-        progress = progress or quiet()
-        if self.granularity != "layer":
-            return
-        first = {}  # (signature, mesh) -> a layer with it, in layer order
-        for logical in dict.fromkeys(tuple(g) for g in logicals):
-            mesh = self.mesh_for(logical)
-            for i, sig in enumerate(self.signatures):
-                first.setdefault((sig, mesh), (i, logical))
-        todo = [
-            (i, g) for (sig, mesh), (i, g) in first.items() if ((sig,), mesh) not in self._units
-        ]
-        t0 = time.perf_counter()
-        # the units to solve (not a twin's, see _twin), biggest first: the pool's share
-        # (and none fed by another signature's plan: the loop below plans those after it)
-        solve = [
-            (i, g)
-            for i, g in todo
-            if self._twin(g, self.mesh_for(g)) is None and not self._linked(i)
-        ]
-        solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
-        jobs = jobs_for(len(solve))
-        try:
-            with progress.phase("stage ILPs", len(todo)) as phase:
-                if jobs > 1:
-                    solved = {}
-                    for i, logical, unit, counts in solve_in_pool(self, solve, jobs):
-                        solved[i, logical] = unit, counts
-                        phase.advance()
-                    for i, logical in solve:  # in job order, whichever worker finished first
-                        unit, counts = solved[i, logical]
-                        self._units[((self.signatures[i],), self.mesh_for(logical))] = unit
-                        self.num_ilps += counts[0]
-                        self.ilp_seconds += counts[1]
-                        self.num_cache_hits += counts[2]
-                        self.refusals.extend(r for r in counts[3] if r not in self.refusals)
-                        self.num_disk_hits += counts[4]
-                pooled = set(solved) if jobs > 1 else set()
-                for i, logical in todo:
-                    if (i, logical) in pooled:
-                        continue  # solved (and counted) by the pool
-                    if ((self.signatures[i],), self.mesh_for(logical)) not in self._units:
-                        self.unit(i, i + 1, logical)  # (or planned already, fed to another's)
-                    phase.advance()
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def worker_copy(self, layers) -> tuple[IntraStageCost, dict[int, RangeGraph]]:
-        """What a worker process needs to plan the units of ``layers`` (one layer each):
-        a copy of this cost with its settings and counters, without the traced step, the
-        mesh factory or any memo, and each layer's sub-graph
-        (:mod:`autoshard.inter.unit_pool`)."""
-        subgraphs = {i: self.subgraph(i, i + 1) for i in layers}
-        twin = copy.copy(self)
-        twin.graph = twin.mesh_for = None
-        twin.signatures, twin._rep, twin._crossings, twin._pair_rep = (), {}, (), {}
-        for memo in (
-            "_units",
-            "_subgraphs",
-            "_junctions",
-            "_tables",
-            "_solutions",
-            "_borrowers",
-            "_range_keys",
-            "_key_ids",
-            "_owners_of",
-            "_graph_keys",
-        ):
-            setattr(twin, memo, {})
-        twin._nodes_by_layer = twin._crossings_by_high = None
-        twin.refusals = []
-        return twin, subgraphs
-
     def unit(self, start: int, end: int, logical: Shape2) -> UnitCost:
         """The plan of ``[start, end)`` on ``logical``, or of an identical range's (one
         layer: always its signature's first layer's, the representative)."""
@@ -393,72 +312,6 @@ class IntraStageCost:
         else:
             self.num_disk_hits += 1
         return unit
-
-    def _tie_pairs(self, rg: RangeGraph) -> tuple:
-        """(input, output) positions of ``rg``'s unit that a layer of its own signature
-        passes it (:mod:`autoshard.inter.unit_ties`); none for a range of several layers
-        or a baseline's units (their inputs are pinned)."""
-        if rg.end != rg.start + 1 or self.baseline is not None:
-            return ()
-        if self._ties is None:
-            crossings = crossing_pairs(self.graph)
-            self._ties = self_ties(
-                self.graph, self._shallow_subgraph, crossings, self._shallow_signatures,
-                {pair: pair for pair in crossings},
-            )  # fmt: skip
-            self._feeds = feeds(
-                self._shallow_subgraph, crossings, self._shallow_signatures, self._ties
-            )
-            self._drains = drains(
-                self._shallow_subgraph, crossings, self._shallow_signatures, self._ties
-            )
-        return self._ties.get(self._shallow_signatures[rg.start], ())
-
-    def _linked(self, layer: int) -> bool:
-        """Does layer ``layer``'s unit price a junction with a layer of another signature
-        (so its plan depends on which units are planned before it)?"""
-        rg = self.subgraph(layer, layer + 1)
-        self._tie_pairs(rg)
-        sig = self._shallow_signatures[rg.start]
-        return self.baseline is None and (sig in self._feeds or sig in self._drains)
-
-    def _feeders(self, rg: RangeGraph) -> tuple:
-        """The signatures of the layers that make ``rg``'s unit's fed inputs."""
-        self._tie_pairs(rg)
-        if rg.end != rg.start + 1 or self.baseline is not None:
-            return ()
-        rows = self._feeds.get(self._shallow_signatures[rg.start], ())
-        return tuple(dict.fromkeys(self._shallow_signatures[a] for _, a, _ in rows))
-
-    def _fed_specs(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
-        """((input position, spec), ...): the inputs of ``rg``'s unit that a layer of
-        another signature makes, each in the spec that layer's plan on ``mesh`` makes it
-        (:func:`~autoshard.inter.unit_ties.with_feeds`); a producer not planned yet (a
-        cycle) leaves its input free."""
-        self._tie_pairs(rg)
-        if rg.end != rg.start + 1 or self.baseline is not None:
-            return ()
-        made = []
-        for k, a, j in self._feeds.get(self._shallow_signatures[rg.start], ()):
-            producer = self._units.get(((self._shallow_signatures[a],), mesh))
-            if producer is not None and producer.plan is not None:
-                made.append((k, producer.plan.output_specs[j]))
-        return tuple(made)
-
-    def _drain_reads(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
-        """((output position, specs), ...): the outputs of ``rg``'s unit that a planned
-        layer of another signature reads, and the specs its plan reads each in
-        (:func:`~autoshard.inter.unit_ties.with_drains`)."""
-        self._tie_pairs(rg)
-        if rg.end != rg.start + 1 or self.baseline is not None:
-            return ()
-        reads = []
-        for j, b, k in self._drains.get(self._shallow_signatures[rg.start], ()):
-            consumer = self._units.get(((self._shallow_signatures[b],), mesh))
-            if consumer is not None and consumer.plan is not None:
-                gb = self._shallow_subgraph(b).graph
-                reads.append((j, tuple(read_specs(gb, consumer.plan, k))))
-        return tuple(reads)
 
     def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
         graph = rg.graph
@@ -545,46 +398,6 @@ class IntraStageCost:
             staging,
             host_bytes,
             by_axis,
-        )
-
-    def junction(self, a: int, b: int, logical: Shape2) -> float:
-        """Seconds to reshard what layer ``a``'s plan sends layer ``b``'s plan: from the
-        spec ``a`` makes each crossing tensor in straight to the specs ``b``'s equations
-        read it in, less the reads ``b``'s plan charged already
-        (:func:`~autoshard.inter.unit_cost.crossing_seconds`)."""
-        mesh = self.mesh_for(logical)
-        key = (self.signatures[a], self.signatures[b], b - a, mesh)
-        if key not in self._junctions:
-            ua, ub = self.unit(a, a + 1, logical), self.unit(b, b + 1, logical)
-            sa, sb = self._pair_rep[(a, b)]  # the shallow pair that passes these tensors
-            ga, gb = self._shallow_subgraph(sa), self._shallow_subgraph(sb)
-            cost = 0.0
-            if ua.plan is None or ub.plan is None:
-                cost = math.inf
-            else:
-                out_pos = {ga.tensor_ids[t]: k for k, t in enumerate(ga.graph.outputs)}
-                for k, tid in enumerate(gb.graph.inputs):
-                    orig = gb.tensor_ids[tid]
-                    if orig in out_pos:
-                        t = gb.graph.tensors[tid]
-                        src = ua.plan.output_specs[out_pos[orig]]
-                        held = ub.plan.input_specs[k]
-                        reads = read_specs(gb.graph, ub.plan, k)
-                        item = max(t.nbytes // max(t.size, 1), 1)
-                        cost += crossing_seconds(src, held, reads, t.shape, item, mesh, _NO_TIES)
-            self._junctions[key] = cost
-        return self._junctions[key]
-
-    def junctions_s(self, start: int, end: int, logical: Shape2) -> float:
-        """Seconds per microbatch of the junctions inside layers ``[start, end)`` (0 with
-        ``granularity="range"``: a range's ILP holds its own)."""
-        if self.granularity != "layer":
-            return 0.0
-        logical = tuple(logical)
-        return sum(
-            self.junction(a, b, logical)
-            for a, b in self._crossings
-            if start <= a < end and start <= b < end
         )
 
     def stage_specs(self, start: int, end: int, logical: Shape2) -> StageSpecs:

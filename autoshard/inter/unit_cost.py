@@ -84,7 +84,7 @@ def crossing_seconds(src, held, reads, shape, itemsize, mesh, options) -> float:
     from it straight to each read (:func:`autoshard.runtime.sharded.SpecConstraints.build`,
     from the producer's spec). So the junction adds ``src -> reads`` and takes back the
     ``held -> reads`` the unit charged (negative where the unit charged more)."""
-    from autoshard.intra.cost.resharding import reshard_to_consumers
+    from autoshard.intra.cost.consumers import reshard_to_consumers
 
     direct = reshard_to_consumers(src, reads, shape, itemsize, mesh, options).cost
     charged = reshard_to_consumers(held, reads, shape, itemsize, mesh, options).cost

@@ -20,12 +20,16 @@ that their imports run beside the trace); :func:`release` stops them.  Jax-free.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import pickle
 import selectors
 import subprocess
 import sys
+import time
+
+from autoshard.inter.progress import Progress, quiet
 
 JOBS_ENV = "AUTOSHARD_JOBS"  # processes that solve a search's stage ILPs (1: in this one)
 POOL_MIN_UNITS = 4  # fewer units than this are solved in this process
@@ -194,3 +198,84 @@ def solve_in_pool(cost, jobs_list, jobs: int):
                 worker.stop(kill=not done)
             if not own:
                 release()  # and any prestarted worker this search did not use
+
+
+class PooledUnits:
+    """Planning a stage cost's units ahead, in worker processes where CPUs are free: the
+    :class:`~autoshard.inter.stage_cost.IntraStageCost` methods that feed this pool (a
+    mixin of it, which owns every attribute they read)."""
+
+    def prepare(self, logicals, progress: Progress | None = None) -> None:
+        """Plan every layer on each of ``logicals`` now (the stage DP calls this before it
+        reads costs), counting the distinct ILPs on ``progress`` ("stage ILPs k/N")."""
+        progress = progress or quiet()
+        if self.granularity != "layer":
+            return
+        first = {}  # (signature, mesh) -> a layer with it, in layer order
+        for logical in dict.fromkeys(tuple(g) for g in logicals):
+            mesh = self.mesh_for(logical)
+            for i, sig in enumerate(self.signatures):
+                first.setdefault((sig, mesh), (i, logical))
+        todo = [
+            (i, g) for (sig, mesh), (i, g) in first.items() if ((sig,), mesh) not in self._units
+        ]
+        t0 = time.perf_counter()
+        # the units to solve (not a twin's, see _twin), biggest first: the pool's share
+        # (and none fed by another signature's plan: the loop below plans those after it)
+        solve = [
+            (i, g)
+            for i, g in todo
+            if self._twin(g, self.mesh_for(g)) is None and not self._linked(i)
+        ]
+        solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
+        jobs = jobs_for(len(solve))
+        try:
+            with progress.phase("stage ILPs", len(todo)) as phase:
+                if jobs > 1:
+                    solved = {}
+                    for i, logical, unit, counts in solve_in_pool(self, solve, jobs):
+                        solved[i, logical] = unit, counts
+                        phase.advance()
+                    for i, logical in solve:  # in job order, whichever worker finished first
+                        unit, counts = solved[i, logical]
+                        self._units[((self.signatures[i],), self.mesh_for(logical))] = unit
+                        self.num_ilps += counts[0]
+                        self.ilp_seconds += counts[1]
+                        self.num_cache_hits += counts[2]
+                        self.refusals.extend(r for r in counts[3] if r not in self.refusals)
+                        self.num_disk_hits += counts[4]
+                pooled = set(solved) if jobs > 1 else set()
+                for i, logical in todo:
+                    if (i, logical) in pooled:
+                        continue  # solved (and counted) by the pool
+                    if ((self.signatures[i],), self.mesh_for(logical)) not in self._units:
+                        self.unit(i, i + 1, logical)  # (or planned already, fed to another's)
+                    phase.advance()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def worker_copy(self, layers) -> tuple:
+        """What a worker process needs to plan the units of ``layers`` (one layer each):
+        a copy of this cost with its settings and counters, without the traced step, the
+        mesh factory or any memo, and each layer's sub-graph
+        (:mod:`autoshard.inter.unit_pool`)."""
+        subgraphs = {i: self.subgraph(i, i + 1) for i in layers}
+        twin = copy.copy(self)
+        twin.graph = twin.mesh_for = None
+        twin.signatures, twin._rep, twin._crossings, twin._pair_rep = (), {}, (), {}
+        for memo in (
+            "_units",
+            "_subgraphs",
+            "_junctions",
+            "_tables",
+            "_solutions",
+            "_borrowers",
+            "_range_keys",
+            "_key_ids",
+            "_owners_of",
+            "_graph_keys",
+        ):
+            setattr(twin, memo, {})
+        twin._nodes_by_layer = twin._crossings_by_high = None
+        twin.refusals = []
+        return twin, subgraphs

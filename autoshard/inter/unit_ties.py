@@ -110,7 +110,7 @@ def with_drains(ip, reads, options):
     the spec it makes the output in to the specs the consuming plan reads it in
     (``reads``: ((j, specs), ...)). Returns (the new IntraProblem, ((node, its added
     costs), ...))."""
-    from autoshard.intra.cost.resharding import reshard_to_consumers
+    from autoshard.intra.cost.consumers import reshard_to_consumers
 
     graph = ip.graph
     costs = list(ip.problem.node_costs)

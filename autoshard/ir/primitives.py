@@ -73,7 +73,7 @@ ALL_REDUCTIONS = frozenset(
 )
 
 # The reductions whose partial results XLA's partitioner all-reduces one summed dim's
-# mesh axes at a time (see :func:`autoshard.intra.cost.resharding.reshard_to_consumers`).
+# mesh axes at a time (see :func:`autoshard.intra.cost.consumers.reshard_to_consumers`).
 SUM_MAX_MIN_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 # The fused attention operators (autoshard.models.attention, kept whole by the tracer):

@@ -7,7 +7,7 @@ not only how it is batched:
 
 * **AllReduceFolder**: ``all-reduce(all-reduce(x, A), B)`` -> ``all-reduce(x, A + B)``.
   The partitioner reduces a sum over dims split on different axes one group at a time
-  (``reduce_first`` in :func:`autoshard.intra.cost.resharding.reshard_to_consumers`: an all-reduce
+  (``reduce_first`` in :func:`autoshard.intra.cost.consumers.reshard_to_consumers`: an all-reduce
   over model, then one over data, of the same buffer); XLA:GPU folds them into one
   all-reduce over both (gpt-1.3b auto 2x4: ``ln_f``'s gradient, 8,192 B moved once, not
   twice).
@@ -34,7 +34,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from autoshard.hardware.mesh import uniform_mesh
-from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS, reshard_to_consumers
+from autoshard.intra.cost.consumers import reshard_to_consumers
+from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS
 from autoshard.intra.problem.predict import dot_batch_dims, reduce_steps
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Collective, ShardingSpec

@@ -11,7 +11,7 @@ model). Prints the compiled collectives and slices per case and writes JSON::
 Found (jax 0.10.2, XLA:CPU, 2026-11-27): a *reduce* all-reduces into its own layout and
 every ``S`` reader slices from there (``SR``: one all-reduce, read whole by ``R``); a *dot*
 reduces into the split (all-reduce + slice, read as a reduce-scatter) and all-gathers for
-``R`` -- what :func:`autoshard.intra.cost.resharding.reshard_to_consumers` predicts for both
+``R`` -- what :func:`autoshard.intra.cost.consumers.reshard_to_consumers` predicts for both
 (the most split target first). The planner's rule is right for dots, not for reduces.
 """
 

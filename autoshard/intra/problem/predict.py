@@ -12,8 +12,9 @@ import json
 import math
 from typing import TYPE_CHECKING
 
+from autoshard.intra.cost.consumers import reshard_to_consumers
 from autoshard.intra.cost.reshard_tiles import sliced_dims, slices_then_permutes
-from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS, reshard_to_consumers
+from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS
 from autoshard.intra.ilp import Solution
 from autoshard.intra.memory.model import predicted_peak_bytes
 from autoshard.intra.rules.strategies import Strategy
@@ -102,7 +103,7 @@ def plan_from_solution(
 
 def predicted_collectives(ip: IntraProblem, choice) -> tuple[Collective, ...]:
     """The collectives XLA will emit for the plan ``choice``: every value is resharded
-    once per distinct spec its consumers want (:func:`autoshard.intra.cost.resharding.reshard_to_consumers`),
+    once per distinct spec its consumers want (:func:`autoshard.intra.cost.consumers.reshard_to_consumers`),
     in program order of first use."""
     return tuple(c for _, cols in collectives_by_value(ip, choice) for c in cols)
 
@@ -308,7 +309,7 @@ def reduce_steps(node, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
     """For a reduce or scatter-add whose output is partial: its partial axes, reduced
     where the op makes them; for a reduce grouped by the summed dim of the operand they
     split, last dim first (the order XLA all-reduces them in, see
-    :func:`autoshard.intra.cost.resharding.reshard_to_consumers`); otherwise ()."""
+    :func:`autoshard.intra.cost.consumers.reshard_to_consumers`); otherwise ()."""
     out = strategy.output_specs[0] if strategy.output_specs else None
     operand = strategy.input_specs[0] if strategy.input_specs else None
     if node.primitive == "dot_general" and out is not None and out.partial and operand:

@@ -3,7 +3,7 @@
 Takes the strategies :func:`autoshard.intra.problem.build.build_problem` listed, the operand
 uses of every value and the mesh; returns :class:`ValueEdges`: extra ILP nodes and the
 edges that price every value's resharding the way
-:func:`autoshard.intra.cost.resharding.reshard_to_consumers` predicts it -- once per distinct spec
+:func:`autoshard.intra.cost.consumers.reshard_to_consumers` predicts it -- once per distinct spec
 its consumers want, a partial sum reduced once -- so that the objective of every
 assignment (minimised over the extra nodes) is the cost of the collectives the plan
 predicts plus its compute.
@@ -20,7 +20,7 @@ so each wanted spec is paid once. When the producer may make a partial sum, a
 producer's spec is not partial): producer -- ``R`` costs the reduction into ``r``
 (``inf`` where XLA cannot resolve into ``r``, see :func:`xla_resolves`); ``R = r`` needs
 ``y_r`` present and forbids every present ``y_b`` that XLA would prefer to ``r``
-(:func:`autoshard.intra.cost.resharding.producer_preference`), and a present ``y_b != r`` costs
+(:func:`autoshard.intra.cost.consumers.producer_preference`), and a present ``y_b != r`` costs
 ``reshard(r, b)``. The cheapest completion then reduces into the preferred wanted spec
 and reshards from there, exactly the prediction. Copy and resolution nodes of a value
 whose producer and consumers are tied to another value's are tied to that value's, so
@@ -51,14 +51,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.intra.cost.resharding import (
-    CostOptions,
-    collective_cost,
-    producer_preference,
-    replication,
-    reshard,
-    reshard_to_consumers,
-)
+from autoshard.intra.cost.consumers import producer_preference, replication, reshard_to_consumers
+from autoshard.intra.cost.resharding import CostOptions, collective_cost, reshard
 from autoshard.intra.ilp import EdgeCost, Tie
 from autoshard.intra.problem.hub_sets import hub_max_sets, specs_of, wanted_sets_memo
 from autoshard.ir.spec import ShardingSpec
