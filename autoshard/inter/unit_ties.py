@@ -113,7 +113,6 @@ def with_drains(ip, reads, options):
     from autoshard.intra.cost.consumers import reshard_to_consumers
 
     graph = ip.graph
-    costs = list(ip.problem.node_costs)
     added = []
     for j, specs in reads:
         out = graph.tensors[graph.outputs[j]]
@@ -126,19 +125,14 @@ def with_drains(ip, reads, options):
             reshard_to_consumers(s.output_specs[pos], specs, out.shape, item, ip.mesh, options).cost
             for s in ip.strategies[node]
         )
-        costs[node] = tuple(c + r for c, r in zip(costs[node], row, strict=True))
         added.append((node, row))
-    if not added:
-        return ip, ()
-    problem = dataclasses.replace(ip.problem, node_costs=tuple(costs))
-    return dataclasses.replace(ip, problem=problem), tuple(added)
+    return _with_node_costs(ip, added)
 
 
 def with_feeds(ip, made, options):
     """``ip`` with input ``k``'s node costing, per spec, the reshard from the spec its
     producer's plan makes it in (``made``: ((k, spec), ...)). Returns (the new
     IntraProblem, ((k, that input's costs), ...))."""
-    costs = list(ip.problem.node_costs)
     added = []
     for k, src in made:
         t = ip.graph.tensors[ip.graph.inputs[k]]
@@ -147,10 +141,18 @@ def with_feeds(ip, made, options):
             reshard(src, h.output_specs[0], t.shape, item, ip.mesh, options).cost
             for h in ip.strategies[k]
         )
-        costs[k] = tuple(c + r for c, r in zip(costs[k], row, strict=True))
         added.append((k, row))
+    return _with_node_costs(ip, added)
+
+
+def _with_node_costs(ip, added):
+    """``ip`` with each ``(node, row)`` of ``added`` added to that node's costs per
+    strategy; returns (the new IntraProblem, ``added``)."""
     if not added:
         return ip, ()
+    costs = list(ip.problem.node_costs)
+    for node, row in added:
+        costs[node] = tuple(c + r for c, r in zip(costs[node], row, strict=True))
     problem = dataclasses.replace(ip.problem, node_costs=tuple(costs))
     return dataclasses.replace(ip, problem=problem), tuple(added)
 
