@@ -165,7 +165,7 @@ def measure_one(plan_file: Path, steps: int) -> dict:
     from autoshard.ir.planfile import load_plan
     from autoshard.models import get_workload, make_optimizer
     from autoshard.runtime.init_state import init_placed
-    from autoshard.runtime.sharded import _loss_of, _next_args
+    from autoshard.runtime.sharded import run_steps
     from autoshard.verify.memory import memory_stats
 
     out: dict = {"plan_file": plan_file.name}
@@ -208,16 +208,11 @@ def measure_one(plan_file: Path, steps: int) -> dict:
         }
     except Exception as e:  # noqa: BLE001 -- recorded, not fatal
         out["memory_analysis"]["host"] = repr(e)
-    program = step.program
-    seconds, losses = [], []
-    placed = step.place(*args)
-    for _ in range(steps):
-        t = time.perf_counter()
-        outputs = compiled(*placed)
-        losses.append(_loss_of(program, outputs))
-        seconds.append(time.perf_counter() - t)
-        _phase(out, f"step {len(seconds)} (loss {losses[-1]:.4f})", seconds[-1])
-        placed = _next_args(program, placed, outputs)
+    print(f"[one] {out['plan_file']}: running {steps} step(s) ...", file=sys.stderr, flush=True)
+    seconds: list[float] = []
+    placed, losses = run_steps(step, args, steps, seconds=seconds, copy=False)  # compiled above
+    for i, (sec, loss) in enumerate(zip(seconds, losses, strict=True)):
+        _phase(out, f"step {i + 1} (loss {loss:.4f})", sec)
     flat_out = jax.tree_util.tree_leaves(placed)
     host_in = set((bound.plan.offload or {}).get("host_inputs", ()))
     out["host_inputs_kinds"] = sorted({flat_out[i].sharding.memory_kind for i in host_in})
