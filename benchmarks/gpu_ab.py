@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    from gpu_single import parse_xla_options
+    from gpu_single import make_state, parse_xla_options
 
     from autoshard.models import get_workload, make_optimizer, make_train_step
     from autoshard.verify.memory import memory_stats
@@ -109,11 +109,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     t0 = time.perf_counter()
-    k_params, k_batch = jax.random.split(jax.random.key(0))
-    params = jax.jit(work.init_fn)(k_params)
-    opt_state = jax.jit(opt.init)(params)
-    data = jax.jit(work.random_batch)(k_batch)
-    jax.block_until_ready((params, opt_state, data))
+    params, opt_state, data = make_state(work, opt)
     result["init_s"] = time.perf_counter() - t0
     for name in compiled:  # warm-up: 3 steps each
         for _ in range(3):

@@ -195,11 +195,7 @@ def measure_one(
         return out
 
     t0 = time.perf_counter()
-    k_params, k_batch = jax.random.split(jax.random.key(0))
-    params = jax.jit(work.init_fn)(k_params)
-    opt_state = jax.jit(opt.init)(params)
-    data = jax.jit(work.random_batch)(k_batch)
-    jax.block_until_ready((params, opt_state, data))
+    params, opt_state, data = make_state(work, opt)
     out["init_s"] = time.perf_counter() - t0
 
     losses, times = [], []
@@ -234,6 +230,19 @@ def measure_one(
         except Exception as err:  # noqa: BLE001 - optional; record why
             out["profile"] = {"error": repr(err)}
     return out
+
+
+def make_state(work, opt):
+    """(params, opt_state, batch) of ``work``'s training step, each made by one jitted
+    program on the default device (seed 0), ready."""
+    import jax
+
+    k_params, k_batch = jax.random.split(jax.random.key(0))
+    params = jax.jit(work.init_fn)(k_params)
+    opt_state = jax.jit(opt.init)(params)
+    data = jax.jit(work.random_batch)(k_batch)
+    jax.block_until_ready((params, opt_state, data))
+    return params, opt_state, data
 
 
 def parse_xla_options(items: list[str] | None) -> dict:
