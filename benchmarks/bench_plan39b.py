@@ -1,5 +1,10 @@
 """The issue-#32 search-time target: ``autoshard plan --model gpt-39b --batch 1024
---devices 64 --cluster alpa-v100 --pipeline auto --microbatches 64 --json``, cold.
+--devices 64 --cluster alpa-v100 --pipeline auto --microbatches 64 --json``, cold, with
+``--memory-budget 1024`` (GiB): the issue's search exactly. Since 2026-11-27 a pipeline plan
+with ``--cluster`` takes the preset's HBM as its budget by default, and the plan this
+command finds peaks at 126 GiB per device, so without the flag it ends after the same
+search with exit status 2 (no plan of 64 micro-batches fits a 16 GB V100); the flag keeps
+the search and the objective comparable with the runs before.
 
 Each run is a fresh process with no ``AUTOSHARD_CACHE_DIR`` (no unit read from disk),
 timed wall-clock and in CPU seconds (user + system of the child, which an idle machine's
@@ -33,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ARGV = (
     "plan --model gpt-39b --batch 1024 --devices 64 --cluster alpa-v100 --pipeline auto "
-    "--microbatches 64 --json"
+    "--microbatches 64 --json --memory-budget 1024"
 ).split()
 
 

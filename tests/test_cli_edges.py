@@ -520,3 +520,30 @@ def test_a_ctrl_c_python_drops_in_a_gc_callback_still_ends_the_command():
     assert runs[True].stderr.count("autoshard: interrupted (Ctrl-C)") == 1
     assert "ran on" not in runs[True].stdout
     assert runs[False].returncode == 0 and "ran on" in runs[False].stdout
+
+
+def test_a_pipeline_plan_on_a_cluster_fits_its_hbm_or_says_what_would(capsys):
+    """``plan --pipeline --cluster`` takes the preset's HBM per device as its budget, as a
+    one-mesh plan does (it had planned gpt-39b at 126 GiB per device on 16 GB V100s without
+    a word): the JSON names the budget and every stage fits it; a model no plan fits exits
+    2 with the least budget in GiB and what could make it fit."""
+    import json
+
+    from autoshard.cli.main import main
+    from autoshard.hardware.clusters import load_cluster
+
+    hbm = load_cluster("alpa-v100").device.hbm_bytes
+    tiny = ["plan", "--model", "gpt-tiny", "--devices", "2", "--pipeline", "auto"]
+    tiny += ["--microbatches", "2", "--batch", "8"]
+    assert main([*tiny, "--cluster", "alpa-v100", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["memory_budget_bytes"] == hbm
+    assert all(0 < s["peak_bytes"] <= hbm for s in plan["stages"])
+    assert main([*tiny, "--json"]) == 0  # no cluster: abstract devices, no budget
+    assert json.loads(capsys.readouterr().out)["memory_budget_bytes"] is None
+    huge = [*tiny[:-4], "--microbatches", "1", "--batch", "4194304", "--cluster", "alpa-v100"]
+    assert main(huge) == 2
+    err = capsys.readouterr().err
+    assert "fits 1.718e+10 bytes (16 GiB) per device" in err
+    assert "the alpa-v100 preset's HBM, the default budget with --cluster" in err
+    assert "--microbatches" in err and "--offload auto" in err

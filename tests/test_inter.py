@@ -387,16 +387,16 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
 
     pooled_calls = []
 
-    def spy(cost, jobs_list, jobs):
+    def spy(cost, jobs_list, jobs, ready=None):
         pooled_calls.append((len(jobs_list), jobs))
-        yield from solve_in_pool(cost, jobs_list, jobs)
+        yield from solve_in_pool(cost, jobs_list, jobs, ready)
 
     from autoshard.inter import unit_pool
 
     solve_in_pool = unit_pool.solve_in_pool
     monkeypatch.setattr(unit_pool, "solve_in_pool", spy)
-    # the blocks alone go to the pool (the embedding and head are planned after them, fed
-    # their layouts): too few here for the default's threshold
+    # the embedding and head go to the pool too, each waiting there for the block plan on
+    # its mesh that feeds it its layouts; the threshold lowered for this tiny case
     monkeypatch.setattr(unit_pool, "POOL_MIN_UNITS", 2)
     logicals = [(1, 1), (1, 2), (2, 1), (2, 2)]
     cluster = load_cluster("alpa-v100", 4)
@@ -412,6 +412,9 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
             cost.prepare(logicals)
         costs[jobs] = flat, folded
     assert [jobs for _, jobs in pooled_calls] == [2, 2]  # the pool ran, for both costs
+    # every distinct unit not swapped from a twin mesh, the linked ones included: 3
+    # signatures (embedding, block, head) on (1, 1), (1, 2) and (2, 2)
+    assert [n for n, _ in pooled_calls] == [9, 9]
     for alone, pooled in zip(costs["1"], costs["2"], strict=True):
         assert pooled.num_ilps == alone.num_ilps > 3
         n = alone.num_layers

@@ -28,12 +28,12 @@ RUN_RECOMPUTE = ("none", "selective", "full", "auto")
 
 
 def cmd_pipeline_plan(args) -> int:
-    """Search stages and print them (``--json``: the InterPlan's JSON)."""
-    from autoshard.api_pipeline import auto_stage_plan
-    from autoshard.inter.options import StageSearchOptions
-    from autoshard.inter.progress import Progress
-
+    """Search stages and print them (``--json``: the InterPlan's JSON and the memory
+    budget). With ``--cluster`` and no ``--memory-budget`` the budget is the preset's HBM
+    per device, as on one mesh; a model no plan fits is refused with what could help."""
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
+    if budget is None and args.cluster:  # as on one mesh: the preset's HBM by default
+        budget = _preset_hbm(args.cluster)
     hosts = args.hosts
     per_host = getattr(args, "devices_per_host", None)
     if per_host is None:
@@ -41,7 +41,63 @@ def cmd_pipeline_plan(args) -> int:
             raise ValueError(f"--devices {args.devices} does not split into --hosts {hosts}")
         per_host = args.devices // hosts
     _warn_one_host(args.cluster, hosts, per_host)
-    plan = auto_stage_plan(
+    try:
+        plan = _search(args, hosts, per_host, budget)
+    except ValueError as err:
+        raise ValueError(_fit_hint(str(err), args)) from None
+    if getattr(args, "out", None):
+        _save_pipeline_plan(args, plan, hosts, per_host)
+    if args.json:
+        record = plan.to_json()
+        record["memory_budget_bytes"] = budget
+        print(json.dumps(record, indent=2))
+        return 0
+    print(
+        f"{plan.model}: {len(plan.stages)} stages on {hosts}x{per_host} "
+        f"devices, {plan.num_microbatches} microbatches, {plan.schedule} ({plan.method})"
+    )
+    if budget is not None:
+        where = (
+            "--memory-budget"
+            if args.memory_budget is not None
+            else f"the {args.cluster} preset's HBM"
+        )
+        print(f"memory budget: {binary_size(budget)} per device ({where})")
+    return _print_stages(args, plan)
+
+
+def _preset_hbm(cluster: str) -> float | None:
+    """The HBM per device of a cluster preset (None: the preset gives none)."""
+    import math
+
+    from autoshard.hardware.clusters import load_cluster
+
+    hbm = load_cluster(cluster).device.hbm_bytes
+    return float(hbm) if hbm and math.isfinite(hbm) else None
+
+
+def _fit_hint(message: str, args) -> str:
+    """The search's refusal of a budget no plan fits, with what the user can change."""
+    if "fits" not in message or "smallest budget" not in message:
+        return message
+    where = (
+        f"--memory-budget {args.memory_budget:g} GiB"
+        if args.memory_budget is not None
+        else f"the {args.cluster} preset's HBM, the default budget with --cluster"
+    )
+    return (
+        f"{message} ({where}). What can make it fit: more micro-batches (--microbatches; "
+        f"{args.microbatches} now), more devices, --offload auto (state in host memory), or "
+        "a larger --memory-budget GiB to see the plan that needs it"
+    )
+
+
+def _search(args, hosts: int, per_host: int, budget):
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
+    from autoshard.inter.progress import Progress
+
+    return auto_stage_plan(
         args.model,
         hosts,
         per_host,
@@ -60,16 +116,9 @@ def cmd_pipeline_plan(args) -> int:
         offload=getattr(args, "offload", None),
         **_overrides(args),
     )
-    if getattr(args, "out", None):
-        _save_pipeline_plan(args, plan, hosts, per_host)
-    if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
-        return 0
-    print(
-        f"{plan.model}: {len(plan.stages)} stages on {hosts}x{per_host} "
-        f"devices, {plan.num_microbatches} microbatches, {plan.schedule} ({plan.method})"
-    )
 
+
+def _print_stages(args, plan) -> int:
     def cost(seconds: float) -> str:  # seconds on a named cluster, else abstract units
         if args.cluster:
             return f"{seconds * 1e3:.4g} ms"

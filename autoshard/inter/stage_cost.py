@@ -289,17 +289,23 @@ class IntraStageCost(PooledUnits, LayerHandoffs):
             return None
         return (tp, dp)
 
-    def _plan_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
+    def _plan_unit(
+        self, rg: RangeGraph, mesh: DeviceMesh, handoffs: tuple | None = None
+    ) -> UnitCost:
         """A unit from the on-disk cache (:mod:`autoshard.inter.unit_cache`, when on), else
-        :meth:`_solve_unit`'s, then kept there."""
+        :meth:`_solve_unit`'s, then kept there. ``handoffs``: ``(fed specs, drain reads)``
+        as :meth:`_fed_specs` and :meth:`_drain_reads` give them, read by the caller from
+        the units planned before (a worker process has none of them); None: read here."""
+        if handoffs is None:
+            handoffs = (self._fed_specs(rg, mesh), self._drain_reads(rg, mesh))
         if self.cache is None or self.baseline is not None:  # a baseline's refusals: solve
-            return self._solve_unit(rg, mesh)
+            return self._solve_unit(rg, mesh, handoffs)
         owners = tuple(
             self._deep_owner(self.owners.get(rg.tensor_ids[t], -1)) for t in rg.graph.inputs
         )
         settings = (self.solver, self.time_limit_s, self.num_microbatches, self.baseline)
-        settings += (self._tie_pairs(rg), repr(self._fed_specs(rg, mesh)))
-        settings += (repr(self._drain_reads(rg, mesh)),)
+        settings += (self._tie_pairs(rg), repr(handoffs[0]))
+        settings += (repr(handoffs[1]),)
         settings += (repr(self.offload), repr(getattr(self.cluster, "host", None)))
         if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
             self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
@@ -307,16 +313,15 @@ class IntraStageCost(PooledUnits, LayerHandoffs):
         key = self.cache.key(self._graph_keys[rg.start, rg.end], repr(mesh), owners, settings)
         unit = self.cache.get(key)
         if unit is None:
-            unit = self._solve_unit(rg, mesh)
+            unit = self._solve_unit(rg, mesh, handoffs)
             self.cache.put(key, unit)
         else:
             self.num_disk_hits += 1
         return unit
 
-    def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh) -> UnitCost:
+    def _solve_unit(self, rg: RangeGraph, mesh: DeviceMesh, handoffs: tuple) -> UnitCost:
         graph = rg.graph
-        # the planned units are keyed by the mesh as given (before a peak is filled in)
-        fed_specs, drain_reads = self._fed_specs(rg, mesh), self._drain_reads(rg, mesh)
+        fed_specs, drain_reads = handoffs  # (:meth:`_plan_unit`)
         if not math.isfinite(mesh.peak_flops):
             mesh = dataclasses.replace(mesh, peak_flops=DEFAULT_PEAK_FLOPS)
         amortise = 1.0 / self.num_microbatches

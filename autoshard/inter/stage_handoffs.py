@@ -53,6 +53,14 @@ class LayerHandoffs:
         sig = self._shallow_signatures[rg.start]
         return self.baseline is None and (sig in self._feeds or sig in self._drains)
 
+    def _handoff_units(self, layer: int, mesh: DeviceMesh) -> tuple:
+        """The unit keys whose plans layer ``layer``'s unit on ``mesh`` reads (its
+        producers' and its planned readers': :meth:`_fed_specs`, :meth:`_drain_reads`)."""
+        rg = self.subgraph(layer, layer + 1)
+        layers = [a for _, a, _ in self._rows(rg, "_feeds")]
+        layers += [b for _, b, _ in self._rows(rg, "_drains")]
+        return tuple(dict.fromkeys(((self._shallow_signatures[a],), mesh) for a in layers))
+
     def _rows(self, rg: RangeGraph, table: str) -> tuple:
         """``rg``'s unit's rows of ``table`` ("_feeds" or "_drains"); none for a range of
         several layers or a baseline's units (as :meth:`_tie_pairs`)."""
@@ -66,25 +74,28 @@ class LayerHandoffs:
         rows = self._rows(rg, "_feeds")
         return tuple(dict.fromkeys(self._shallow_signatures[a] for _, a, _ in rows))
 
-    def _fed_specs(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
+    def _fed_specs(self, rg: RangeGraph, mesh: DeviceMesh, seen=None) -> tuple:
         """((input position, spec), ...): the inputs of ``rg``'s unit that a layer of
         another signature makes, each in the spec that layer's plan on ``mesh`` makes it
         (:func:`~autoshard.inter.unit_ties.with_feeds`); a producer not planned yet (a
-        cycle) leaves its input free."""
+        cycle) leaves its input free. ``seen``: the unit keys planned before this one
+        (None: every unit planned so far)."""
         made = []
         for k, a, j in self._rows(rg, "_feeds"):
-            producer = self._units.get(((self._shallow_signatures[a],), mesh))
+            key = ((self._shallow_signatures[a],), mesh)
+            producer = self._units.get(key) if seen is None or key in seen else None
             if producer is not None and producer.plan is not None:
                 made.append((k, producer.plan.output_specs[j]))
         return tuple(made)
 
-    def _drain_reads(self, rg: RangeGraph, mesh: DeviceMesh) -> tuple:
+    def _drain_reads(self, rg: RangeGraph, mesh: DeviceMesh, seen=None) -> tuple:
         """((output position, specs), ...): the outputs of ``rg``'s unit that a planned
         layer of another signature reads, and the specs its plan reads each in
-        (:func:`~autoshard.inter.unit_ties.with_drains`)."""
+        (:func:`~autoshard.inter.unit_ties.with_drains`; ``seen`` as :meth:`_fed_specs`)."""
         reads = []
         for j, b, k in self._rows(rg, "_drains"):
-            consumer = self._units.get(((self._shallow_signatures[b],), mesh))
+            key = ((self._shallow_signatures[b],), mesh)
+            consumer = self._units.get(key) if seen is None or key in seen else None
             if consumer is not None and consumer.plan is not None:
                 gb = self._shallow_subgraph(b).graph
                 reads.append((j, tuple(read_specs(gb, consumer.plan, k))))

@@ -148,10 +148,16 @@ class _Worker:
                 pass
 
 
-def solve_in_pool(cost, jobs_list, jobs: int):
+def solve_in_pool(cost, jobs_list, jobs: int, ready=None):
     """Yield ``(i, logical, unit, counts)`` for each ``(i, logical)`` of ``jobs_list`` as
     ``jobs`` worker processes solve them, in the order they finish (the prestarted
-    workers where there are as many, else workers started and stopped here)."""
+    workers where there are as many, else workers started and stopped here).
+
+    ``ready(i, logical)``: what a job reads from units planned before it (its handoffs,
+    sent with it), or ``False`` while one of those is not planned yet: the job waits for
+    a later result (the caller records each unit before it asks for the next). Jobs are
+    handed out in ``jobs_list``'s order, the first ready one first. None: every job is
+    ready and reads nothing."""
     layers = sorted({i for i, _ in jobs_list})
     # the meshes in one pickle with the cost: the parts they share (a GEMM table) once
     meshes = {tuple(g): cost.mesh_for(tuple(g)) for _, g in jobs_list}
@@ -163,34 +169,53 @@ def solve_in_pool(cost, jobs_list, jobs: int):
     if own:
         workers = [_Worker() for _ in range(jobs)]
     pending = [(i, tuple(g)) for i, g in jobs_list]
-    pending.reverse()  # pop() takes them in order
     done = False
-    try:
-        with selectors.DefaultSelector() as ready:
 
-            def feed(worker: _Worker) -> None:
-                i, logical = worker.job = pending.pop()
+    def take():
+        for k, (i, logical) in enumerate(pending):
+            handoffs = None if ready is None else ready(i, logical)
+            if handoffs is not False:
+                del pending[k]
+                return i, logical, handoffs
+        return None
+
+    try:
+        with selectors.DefaultSelector() as selector:
+
+            def feed(worker: _Worker) -> bool:
+                job = take()
+                if job is None:
+                    return False
+                i, logical, handoffs = job
+                worker.job = (i, logical)
                 first = token not in worker.tokens
                 worker.tokens.add(token)
-                worker.send((token, blob if first else None, i, logical))
+                worker.send((token, blob if first else None, i, logical, handoffs))
+                return True
 
+            idle = []
             for worker in workers:
-                ready.register(worker.proc.stdout, selectors.EVENT_READ, worker)
-                if pending:
-                    feed(worker)
-            busy = sum(w.job is not None for w in workers)
+                selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
+                if not feed(worker):
+                    idle.append(worker)
+            busy = len(workers) - len(idle)
             while busy:
-                for key, _ in ready.select():
+                for key, _ in selector.select():
                     worker = key.data
                     result = worker.receive()
                     worker.job = None
                     busy -= 1
+                    idle.append(worker)
                     if result[0] == "error":
                         raise RuntimeError(f"a stage-ILP worker failed: {result[1]}\n{result[2]}")
-                    if pending:
-                        feed(worker)
+                    yield result[1]  # the caller records the unit: jobs reading it are ready
+                    while idle and feed(idle[-1]):
+                        idle.pop()
                         busy += 1
-                    yield result[1]
+            if pending:  # a job waits for a unit no job makes: the caller's mistake
+                raise RuntimeError(
+                    f"{len(pending)} stage-ILP jobs wait for units no job plans: {pending[:3]}"
+                )
         done = True
     finally:
         if own or not done:  # a worker may be mid-unit: do not hand it to the next search
@@ -220,25 +245,36 @@ class PooledUnits:
             (i, g) for (sig, mesh), (i, g) in first.items() if ((sig,), mesh) not in self._units
         ]
         t0 = time.perf_counter()
-        # the units to solve (not a twin's, see _twin), biggest first: the pool's share
-        # (and none fed by another signature's plan: the loop below plans those after it)
-        solve = [
-            (i, g)
-            for i, g in todo
-            if self._twin(g, self.mesh_for(g)) is None and not self._linked(i)
-        ]
+        # the units to solve (not a twin's, see _twin), biggest first: the pool's share.
+        # A unit that reads other signatures' plans (fed by them, or read by them) waits
+        # in the pool for those planned before it in :meth:`unit`'s order and is sent
+        # what it reads from them -- exactly what it reads when planned in this process
+        solve = [(i, g) for i, g in todo if self._twin(g, self.mesh_for(g)) is None]
+        position = self._planning_order(solve)  # in todo's order, as the loop below
         solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
+
+        def ready(i, logical):
+            if not self._linked(i):
+                return None
+            mesh = self.mesh_for(logical)
+            own = position[(self.signatures[i],), mesh]
+            seen = [k for k in self._handoff_units(i, mesh) if position.get(k, -1) < own]
+            if any(k not in self._units for k in seen):
+                return False
+            rg = self.subgraph(i, i + 1)
+            return self._fed_specs(rg, mesh, seen), self._drain_reads(rg, mesh, seen)
+
         jobs = jobs_for(len(solve))
         try:
             with progress.phase("stage ILPs", len(todo)) as phase:
                 if jobs > 1:
                     solved = {}
-                    for i, logical, unit, counts in solve_in_pool(self, solve, jobs):
+                    for i, logical, unit, counts in solve_in_pool(self, solve, jobs, ready):
                         solved[i, logical] = unit, counts
-                        phase.advance()
-                    for i, logical in solve:  # in job order, whichever worker finished first
-                        unit, counts = solved[i, logical]
                         self._units[((self.signatures[i],), self.mesh_for(logical))] = unit
+                        phase.advance()
+                    for i, logical in solve:  # counted in job order, whatever finished first
+                        unit, counts = solved[i, logical]
                         self.num_ilps += counts[0]
                         self.ilp_seconds += counts[1]
                         self.num_cache_hits += counts[2]
@@ -253,6 +289,29 @@ class PooledUnits:
                     phase.advance()
         finally:
             self.seconds += time.perf_counter() - t0
+
+    def _planning_order(self, jobs) -> dict:
+        """Unit key -> its place in the order :meth:`unit` plans ``jobs`` (``(layer,
+        logical)`` pairs on meshes that are not twins) one after another in this process:
+        each job after the units that feed it, unless that closes a cycle. Units planned
+        already are not listed (they come before all)."""
+        order, planning = {}, set()
+
+        def visit(i: int, logical) -> None:
+            mesh = self.mesh_for(logical)
+            key = ((self.signatures[i],), mesh)
+            if key in order or key in self._units:
+                return
+            planning.add(key)
+            for producer in self._feeders(self.subgraph(i, i + 1)):
+                if ((producer,), mesh) not in planning:
+                    visit(self._rep[producer], logical)
+            planning.discard(key)
+            order[key] = len(order)
+
+        for i, logical in jobs:
+            visit(self._rep[self.signatures[i]], logical)
+        return order
 
     def worker_copy(self, layers) -> tuple:
         """What a worker process needs to plan the units of ``layers`` (one layer each):

@@ -32,14 +32,14 @@ def worker_main() -> None:
     states: dict = {}  # token -> (cost copy, sub-graph per layer, mesh per logical mesh)
     while True:
         try:
-            token, blob, i, logical = pickle.load(sys.stdin.buffer)
+            token, blob, i, logical, handoffs = pickle.load(sys.stdin.buffer)
         except EOFError:
             return
         try:
             if blob is not None:
                 states.clear()  # one search at a time
                 states[token] = pickle.loads(blob)
-            result = ("ok", pool_unit(states[token], i, logical))
+            result = ("ok", pool_unit(states[token], i, logical, handoffs))
         except Exception as err:  # noqa: BLE001 -- sent back and raised by the caller
             import traceback
 
@@ -48,13 +48,14 @@ def worker_main() -> None:
         out.flush()
 
 
-def pool_unit(state, i: int, logical):
+def pool_unit(state, i: int, logical, handoffs=None):
     """In a worker: the unit of layer ``i`` on ``logical`` and what solving it counted
-    (ILPs, ILP seconds, cache hits, refusals, disk-cache hits)."""
+    (ILPs, ILP seconds, cache hits, refusals, disk-cache hits). ``handoffs``: what it
+    reads from units planned before it, as the caller read them (None: nothing)."""
     cost, subgraphs, meshes = state
     before = (cost.num_ilps, cost.ilp_seconds, cost.num_cache_hits, len(cost.refusals))
     disk_hits = cost.num_disk_hits
-    unit = cost._plan_unit(subgraphs[i], meshes[logical])
+    unit = cost._plan_unit(subgraphs[i], meshes[logical], handoffs or ((), ()))
     counts = (
         cost.num_ilps - before[0],
         cost.ilp_seconds - before[1],
