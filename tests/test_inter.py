@@ -494,3 +494,20 @@ def test_stage_ilps_solved_in_worker_processes_give_the_same_plan():
     assert forked["num_ilps"] == alone["num_ilps"] > 0
     for key in ("objective_s", "stages", "stage_specs"):
         assert forked[key] == alone[key], key
+
+
+def test_handoff_tables_from_one_crossing_per_kind_equal_those_from_every_crossing(tiny4):
+    """The tie, feed and drain tables are built from one crossing per (producer signature,
+    consumer signature, distance) -- each crossing costs two sub-graphs -- and equal the
+    tables built from every crossing."""
+    from autoshard.inter.folding import crossing_pairs
+    from autoshard.inter.unit_ties import drains, feeds, self_ties
+
+    cost = _cost_model(tiny4.graph)
+    cost._tie_pairs(cost.subgraph(1, 2))
+    every, sig = crossing_pairs(cost.graph), cost._shallow_signatures
+    assert len(every) > len({(sig[a], sig[b], b - a) for a, b in every})  # some repeat
+    ties = self_ties(cost.graph, cost._shallow_subgraph, every, sig, {p: p for p in every})
+    assert ties and cost._ties == ties
+    assert cost._feeds == feeds(cost._shallow_subgraph, every, sig, ties) != {}
+    assert cost._drains == drains(cost._shallow_subgraph, every, sig, ties) != {}

@@ -50,7 +50,7 @@ def cmd_pipeline_plan(args) -> int:
     if args.json:
         record = plan.to_json()
         record["memory_budget_bytes"] = budget
-        print(json.dumps(record, indent=2))
+        print(_dumps(record))
         return 0
     print(
         f"{plan.model}: {len(plan.stages)} stages on {hosts}x{per_host} "
@@ -64,6 +64,19 @@ def cmd_pipeline_plan(args) -> int:
         )
         print(f"memory budget: {binary_size(budget)} per device ({where})")
     return _print_stages(args, plan)
+
+
+def _dumps(record: dict) -> str:
+    """``record`` as indented JSON, its per-tensor ``stage_specs`` (megabytes on a large
+    model: gpt-39b 1.3 MB) each stage's on one line: Python's indenting encoder takes
+    0.4 s over 4 MB where the compact one takes 0.07 s."""
+    specs = record.get("stage_specs")
+    if not isinstance(specs, list):
+        return json.dumps(record, indent=2)
+    mark = "\u0000stage-specs\u0000"
+    text = json.dumps({**record, "stage_specs": mark}, indent=2)
+    inner = ",\n    ".join(json.dumps(s, separators=(",", ":")) for s in specs)
+    return text.replace(json.dumps(mark), f"[\n    {inner}\n  ]" if specs else "[]", 1)
 
 
 def _preset_hbm(cluster: str) -> float | None:

@@ -32,7 +32,14 @@ class LayerHandoffs:
         if rg.end != rg.start + 1 or self.baseline is not None:
             return ()
         if self._ties is None:
-            crossings = crossing_pairs(self.graph)
+            # one crossing per (producer signature, consumer signature, distance): the
+            # others pass the same positions (as junction prices them), and each costs
+            # two layers' sub-graphs (gpt-39b: 47 block pairs, ~1 s)
+            distinct = {}
+            for a, b in crossing_pairs(self.graph):
+                sig = self._shallow_signatures
+                distinct.setdefault((sig[a], sig[b], b - a), (a, b))
+            crossings = tuple(distinct.values())
             self._ties = self_ties(
                 self.graph, self._shallow_subgraph, crossings, self._shallow_signatures,
                 {pair: pair for pair in crossings},
