@@ -282,13 +282,20 @@ def test_a_narrow_logits_gradient_is_written_once_for_its_f32_copies():
     )
     g = traced.graph
     mesh = device_mesh_for((8,), ("data",))
-    if not mesh.memory_layout.narrow_dots_in_f32:
-        pytest.skip("this jaxlib's XLA:CPU runs bf16 dots in bf16: no f32 copies")
     kept = copied_lhs_sources(g, set(), narrow_dots_in_f32=False)
     assert any(g.nodes[g.tensors[t].producer].primitive == "exp" for t in kept)
     assert not copied_lhs_sources(g, set(), narrow_dots_in_f32=True)
+    # on a jaxlib whose XLA:CPU runs bf16 dots in bf16 (jax 0.12) the mesh says so, the
+    # rule is off and the model keeps the exp buffer: the compiled peak agrees either way
     options = baseline_options(IntraOptions(solver="highs", time_limit_s=30), mesh.mesh, "dp")
     pinned = baseline_inputs(g, mesh.mesh, "dp")
     plan = auto_shard_graph(g, mesh, options, pinned_inputs=pinned, name="dp")
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
-    assert report.memory_agree, (report.predicted_peak_bytes, report.compiled_peak_bytes)
+    figures = (report.predicted_peak_bytes, report.compiled_peak_bytes)
+    if mesh.memory_layout.narrow_dots_in_f32:
+        assert report.memory_agree, figures
+        return
+    # jaxlib 0.11+ (bf16 dots in bf16): a known gap, docs/truth_memory.md ("Known gaps":
+    # +23.7% on jax 0.12, 18,188,800 vs 14,700,508 B, not itemised). Fails when it closes
+    assert not report.memory_agree, f"now agrees {figures}: assert agreement on both branches"
+    pytest.xfail(f"jax {jax.__version__}'s bf16 peak over-predicted {figures}")
