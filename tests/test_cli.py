@@ -194,3 +194,27 @@ def test_json_output_is_one_document_whichever_solver_runs(argv):
     proc = _run(*argv.split())
     assert proc.returncode == 0, proc.stderr
     json.loads(proc.stdout)  # the whole of stdout, nothing before or after
+
+
+def test_the_demo_compiles_its_step_once_through_a_temporary_cache(tmp_path, monkeypatch):
+    """The demo checks the planned step's compile against the plan, then runs it: inside
+    ``_compilation_cache_for_this_run`` jax writes what it compiles to a temporary
+    persistent cache (so the run's compile is a hit), which is gone afterwards with the
+    settings restored; a user's own ``JAX_COMPILATION_CACHE_DIR`` is left alone."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.cli.main import _compilation_cache_for_this_run
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    with _compilation_cache_for_this_run():
+        folder = jax.config.jax_compilation_cache_dir
+        assert folder and os.path.isdir(folder)
+        jax.jit(lambda x: x * 3.0 + 1.0)(jnp.arange(5.0)).block_until_ready()
+        assert os.listdir(folder)  # the compile went to the cache
+    assert not os.path.exists(folder) and not jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    with _compilation_cache_for_this_run():
+        assert not jax.config.jax_compilation_cache_dir  # the user's setting, not ours

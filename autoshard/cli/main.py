@@ -8,6 +8,7 @@ run and verified on a laptop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -70,6 +71,55 @@ def cmd_demo(args) -> int:
     demo worked); whether the predictions agree with XLA is printed, not folded into the
     status (``autoshard verify`` exits 1 on a disagreement)."""
 
+    with _compilation_cache_for_this_run():
+        return _demo(args)
+
+
+@contextlib.contextmanager
+def _compilation_cache_for_this_run():
+    """A persistent compilation cache in a temporary folder for one command, unless the
+    user keeps one (``JAX_COMPILATION_CACHE_DIR``): the demo compiles the planned step to
+    check it, then again to run it, and the second compile is then a cache hit (step 1:
+    7.5 s -> 0.4 s on 2 cores)."""
+    import tempfile
+
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        yield
+        return
+    names = (
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    before = [getattr(jax.config, n) for n in names]
+    with tempfile.TemporaryDirectory(prefix="autoshard-xla-cache-") as folder:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        for n in names:
+            jax.config.update(n, 0)
+        _reset_compilation_cache()  # jax decides once per process whether a cache is used
+        try:
+            yield
+        finally:
+            jax.config.update("jax_compilation_cache_dir", None)
+            for n, v in zip(names, before):
+                jax.config.update(n, v)
+            _reset_compilation_cache()
+
+
+def _reset_compilation_cache() -> None:
+    """Have jax look at its cache settings again (a private function, jax 0.10-0.12; where
+    it is missing the settings hold from the process's first compile on)."""
+    try:
+        from jax._src import compilation_cache
+    except ImportError:
+        return
+    reset = getattr(compilation_cache, "reset_cache", None)
+    if reset is not None:
+        reset()
+
+
+def _demo(args) -> int:
     from autoshard.api import inspect_model
     from autoshard.cli.report import human
 
