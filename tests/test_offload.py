@@ -349,8 +349,15 @@ def test_simulate_auto_offloads_only_when_the_plan_does_not_fit(tmp_path, sim_pl
     assert simulate("gpt-tiny", small, 1, **SIM).oom
     chosen = simulate("gpt-tiny", small, 1, offload="auto", **SIM)
     assert not chosen.oom and chosen.plan["offload"]["fits_host"]
-    tried = chosen.plan["offload_candidates"]
-    assert chosen.step_time_s == min(c["step_time_s"] for c in tried if c["fits"])
+    assert chosen.plan["offload"]["chosen_by"] == "auto"
+    # the stage DP chose among every placement: no one placement given outright that fits
+    # is faster (gpt-tiny: gradients needs f32 masters it has not, so two placements)
+    fixed = [simulate("gpt-tiny", small, 1, offload="optimizer", **SIM)]
+    assert not fixed[0].oom
+    assert chosen.step_time_s <= min(r.step_time_s for r in fixed if not r.oom) * (1 + 1e-9)
+    assert [s["offload"] for s in chosen.plan["stages"]] == chosen.plan["offload"][
+        "offload_per_stage"
+    ]
 
 
 def test_simulate_offload_needs_the_search():

@@ -187,8 +187,6 @@ class PipelineTrainer:
         ``s`` and runs on ``stages[s]``'s devices.  ``probe(stage, layer)`` is called each
         time a layer's forward runs (:mod:`autoshard.runtime.stage`)."""
         records = program.records
-        # the tensor classes every stage keeps in host memory (docs/offload.md)
-        offload = tuple(((inter_plan and inter_plan.offload) or {}).get("classes", ()))
         self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
         self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
         self.num_microbatches = num_microbatches
@@ -240,8 +238,8 @@ class PipelineTrainer:
                     optimizer,
                     st.recompute,
                     probe,
-                    offload=offload,
-                    host_params=host_params,
+                    offload=_classes(st),
+                    host_params=host_params if "master" in _classes(st) else frozenset(),
                 )  # fmt: skip
             )
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
@@ -361,6 +359,13 @@ class PipelineTrainer:
         for st, g in zip(stages, grads, strict=True):
             st.params, st.opt_state = st.update(st.params, st.opt_state, g)
         return sum(losses[1:], losses[0]) / m
+
+
+def _classes(stage) -> tuple[str, ...]:
+    """The tensor classes a planned stage keeps in host memory (its ``offload``
+    placement, docs/offload.md; each stage its own)."""
+    label = getattr(stage, "offload", "none")
+    return () if label == "none" else tuple(label.split(","))
 
 
 def _output_cotangent(stage: StageExecutable, t: int, box: dict[int, Any], num_microbatches: int):
