@@ -475,3 +475,24 @@ def test_pipeline_runtime_runs_a_placement_per_stage_and_trains_the_same(plain_f
     assert got == pytest.approx(losses, rel=1e-5)
     for a, b in zip(jax.tree.leaves(mixed.params), jax.tree.leaves(plain.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_auto_drops_a_placement_the_hosts_memory_cannot_hold():
+    from importlib import resources
+
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.hardware.clusters import cluster_from_json
+    from autoshard.inter.options import StageSearchOptions
+
+    budget, _, _ = _stage_budget()
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"], preset["host"]["memory_bytes"] = "no-ram", 1024
+    options = StageSearchOptions(2, stages="equal-layer", num_stages=2, memory_budget_bytes=budget)
+    # the first stage fits only with its optimizer state on the host, which has no room:
+    # the placement is dropped and nothing else fits
+    with pytest.raises(ValueError, match="dropped for host memory: optimizer"):
+        auto_stage_plan(
+            "gpt-tiny", 1, 2, options, cluster=cluster_from_json(preset), offload="auto",
+            num_layers=1,
+        )  # fmt: skip

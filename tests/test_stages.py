@@ -23,6 +23,7 @@ from autoshard.inter.stages import (
     place_submeshes,
     submesh_shapes,
 )
+from autoshard.inter.uniform_stages import uniform_stage_plan
 
 CLUSTERS = [(1, 2), (1, 4), (2, 2), (2, 4)]
 
@@ -412,3 +413,9 @@ def test_dp_offloads_only_the_stages_whose_memory_binds(dp):
         plan(("none",))  # the first stage fits no placement but offload
     restored = StagePlan.from_json(json.loads(json.dumps(mixed.to_json())))
     assert [s.offload for s in restored.stages] == ["opt", "none", "none", "none"]
+    if dp == "alpa":  # the frontier-scale DP (one sub-mesh shape) chooses the same way
+        uniform_dp = uniform_stage_plan(
+            4, 1, 4, _placement_cost, 4, memory_budget_bytes=20, num_stages=4,
+            placements=("none", "opt"),
+        )  # fmt: skip
+        assert [s.offload for s in uniform_dp.stages] == ["opt", "none", "none", "none"]
