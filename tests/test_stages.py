@@ -419,3 +419,22 @@ def test_dp_offloads_only_the_stages_whose_memory_binds(dp):
             placements=("none", "opt"),
         )  # fmt: skip
         assert [s.offload for s in uniform_dp.stages] == ["opt", "none", "none", "none"]
+
+
+@pytest.mark.parametrize("offload_s, want", [(1.2, ("none", "opt")), (1.4, ("selective", "none"))])
+def test_dp_chooses_recompute_or_offload_whichever_is_faster(offload_s, want):
+    # the first stage fits with selective recompute (+0.3, half its activations) or with
+    # its state offloaded (+0.2 or +0.4): the DP takes the faster, the others neither
+    def cost(start, end, submesh, logical, recompute="none", placement="none"):
+        layers = end - start
+        slow = (offload_s if placement == "opt" else 1.0) + (0.3 if recompute != "none" else 0)
+        state = 4.0 if placement == "opt" else 10.0
+        act = 1.5 if recompute != "none" else 3.0
+        return StageCost(slow * layers, state * layers, act * layers)
+
+    plan = optimal_stage_plan(
+        4, 1, 4, cost, 4, memory_budget_bytes=20, num_stages=4,
+        recompute_modes=("none", "selective"), placements=("none", "opt"),
+    )  # fmt: skip
+    assert (plan.stages[0].recompute, plan.stages[0].offload) == want
+    assert all((s.recompute, s.offload) == ("none", "none") for s in plan.stages[1:])
