@@ -384,9 +384,10 @@ def register(subparsers) -> None:
     p.add_argument(
         "--offload",
         metavar="PLACEMENT",
-        help="--plan auto: keep training state in host memory: auto (the cheapest placement "
-        "that fits, only when the plan alone does not), none, or classes joined by commas: "
-        "optimizer, master, gradients (docs/offload.md)",
+        help="--plan auto: keep training state in host memory: auto (each stage chooses "
+        "none or a placement with its logical mesh and recompute, the fastest that fits), "
+        "none, or classes joined by commas, every stage the same: optimizer, master, "
+        "gradients (docs/offload.md)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)
