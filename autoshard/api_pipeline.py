@@ -441,7 +441,7 @@ def auto_pipeline(
                 graph, 1, n, options, cluster=cluster, cost=intra_cost, offload=offload
             )
         stage_plan = inter_plan.stage_plan
-        if inter_plan.offload and "master" in inter_plan.offload["classes"]:
+        if inter_plan.offload and "master" in inter_plan.offload["classes"]:  # some stages
             from autoshard.intra.offload.placement import tensor_classes
 
             host_params = tensor_classes(graph)["master"] & frozenset(graph.inputs)

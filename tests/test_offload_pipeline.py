@@ -359,3 +359,140 @@ def test_simulate_prices_offloaded_activations_as_offload(tmp_path):
     # one stage, one micro-batch: the record's exposed seconds are the breakdown's
     (exposed,) = off.plan["offload"]["exposed_s_per_stage"]
     assert exposed == pytest.approx(off.step_breakdown["offload"])
+
+
+# -- per-stage placements: the stage DP chooses each stage's with its recompute mode
+
+
+def _stage_budget():
+    """A per-device budget that the first of two gpt-tiny stages (two microbatches in
+    flight) fits only with its optimizer state offloaded and the second fits as it is;
+    with the plans without offload and with optimizer on every stage."""
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
+
+    options = StageSearchOptions(2, stages="equal-layer", num_stages=2)
+    kw = dict(cluster="alpa-v100", num_layers=1)
+    plain = auto_stage_plan("gpt-tiny", 1, 2, options, **kw)
+    off = auto_stage_plan("gpt-tiny", 1, 2, options, offload="optimizer", **kw)
+    lean, plain_peak = off.stages[0].peak_bytes, plain.stages[0].peak_bytes
+    budget = (lean + plain_peak) / 2
+    assert plain.stages[1].peak_bytes < budget < plain_peak  # the case this is about
+    return budget, plain, off
+
+
+def test_auto_offloads_only_the_stage_whose_memory_binds(tmp_path):
+    import dataclasses
+
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
+
+    budget, plain, off = _stage_budget()
+    options = StageSearchOptions(2, stages="equal-layer", num_stages=2, memory_budget_bytes=budget)
+    kw = dict(cluster="alpa-v100", num_layers=1)
+    mixed = auto_stage_plan("gpt-tiny", 1, 2, options, offload="auto", **kw)
+    assert [s.offload for s in mixed.stages] == ["optimizer", "none"]
+    assert all(s.peak_bytes <= budget for s in mixed.stages)
+    record = mixed.offload
+    assert record["offload"] == "per stage" and record["chosen_by"] == "auto"
+    assert record["offload_per_stage"] == ["optimizer", "none"]
+    assert record["where"]["optimizer"] == "some stages"
+    assert record["host_bytes_per_stage"][0] > 0 == record["host_bytes_per_stage"][1]
+    assert record["exposed_s_per_stage"][1] == 0
+    # the second stage pays nothing for the first's offload: faster than optimizer on both
+    assert mixed.objective_s < off.objective_s
+    assert mixed.stages[1].latency_s == pytest.approx(plain.stages[1].latency_s)
+    # a placement given outright still applies to every stage, whatever the budget
+    fixed = auto_stage_plan("gpt-tiny", 1, 2, options, offload="optimizer", **kw)
+    assert [s.offload for s in fixed.stages] == ["optimizer", "optimizer"]
+    assert fixed.offload["offload_per_stage"] == ["optimizer", "optimizer"]
+    # the plan file keeps each stage's placement
+    again = InterPlan.loads(mixed.dumps())
+    assert [s.offload for s in again.stages] == ["optimizer", "none"]
+    assert [s.offload for s in again.stage_plan.stages] == ["optimizer", "none"]
+    assert again.offload == record
+    # a file written before stages had their own placement: every stage took the plan's
+    old = fixed.to_json()
+    for s in (*old["stages"], *old["stage_plan"]["stages"]):
+        del s["offload"]
+    assert [s.offload for s in InterPlan.from_json(old).stages] == ["optimizer"] * 2
+    # without a budget that binds, auto offloads nothing (and keeps no record)
+    roomy = auto_stage_plan(
+        "gpt-tiny", 1, 2, dataclasses.replace(options, memory_budget_bytes=None),
+        offload="auto", **kw,
+    )  # fmt: skip
+    assert [s.offload for s in roomy.stages] == ["none", "none"] and roomy.offload is None
+
+
+def test_cli_plan_and_explain_say_what_each_stage_placed(capsys, tmp_path):
+    budget, _, _ = _stage_budget()
+    out = tmp_path / "mixed.json"
+    argv = PLAN.split() + [
+        "--layers",
+        "1",
+        "--offload",
+        "auto",
+        "--memory-budget",
+        f"{budget / 2**30:.9f}",
+    ]
+    rc, text, err = cli_in_process(capsys, *argv, "--out", out)
+    assert rc == 0, text + err
+    assert "offload per stage (chosen by auto): optimizer | none" in text
+    assert "stage 0: optimizer," in text and "stage 1: none," in text
+    rc, explained, err = cli_in_process(capsys, "explain", out)
+    assert rc == 0, err
+    assert "offload chosen per stage" in explained
+    rc, explained, err = cli_in_process(capsys, "explain", out, "--json")
+    assert rc == 0, err
+    assert [s["offload"] for s in json.loads(explained)["stages"]] == ["optimizer", "none"]
+
+
+def test_pipeline_runtime_runs_a_placement_per_stage_and_trains_the_same(plain_f32):
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.api_pipeline import auto_pipeline
+    from autoshard.models import get_workload, make_optimizer
+
+    plain, losses = plain_f32
+    budget, _, _ = _stage_budget()
+    workload = get_workload("gpt-tiny", num_layers=1)
+    opt = make_optimizer("adamw")
+    params, _, batch = workload.init_train_args(opt, seed=0)
+    mixed = auto_pipeline(
+        workload.loss_fn, opt, params, batch, devices=jax.devices()[:2], num_microbatches=2,
+        stages="equal-layer", num_stages=2, cluster="alpa-v100", offload="auto",
+        memory_budget_bytes=budget, intra_cost=plain.intra_cost,
+    )  # fmt: skip
+    assert [s.offload for s in mixed.inter_plan.stages] == ["optimizer", "none"]
+    kinds = [
+        {x.sharding.memory_kind for x in jax.tree.leaves(st.opt_state)
+         if jnp.issubdtype(x.dtype, jnp.inexact)}
+        for st in mixed.stage_executables
+    ]  # fmt: skip
+    assert kinds == [{"pinned_host"}, {"device"}]  # the moments where each stage put them
+    got = [float(mixed.step(batch)) for _ in range(2)]
+    assert got == pytest.approx(losses, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(mixed.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_auto_drops_a_placement_the_hosts_memory_cannot_hold():
+    from importlib import resources
+
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.hardware.clusters import cluster_from_json
+    from autoshard.inter.options import StageSearchOptions
+
+    budget, _, _ = _stage_budget()
+    text = (resources.files("autoshard.hardware") / "presets" / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"], preset["host"]["memory_bytes"] = "no-ram", 1024
+    options = StageSearchOptions(2, stages="equal-layer", num_stages=2, memory_budget_bytes=budget)
+    # the first stage fits only with its optimizer state on the host, which has no room:
+    # the placement is dropped and nothing else fits
+    with pytest.raises(ValueError, match="dropped for host memory: optimizer"):
+        auto_stage_plan(
+            "gpt-tiny", 1, 2, options, cluster=cluster_from_json(preset), offload="auto",
+            num_layers=1,
+        )  # fmt: skip

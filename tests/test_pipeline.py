@@ -203,7 +203,7 @@ def test_adamw_per_stage_updates_equal_the_whole_model_update():
         params,
         batch,
         devices=jax.devices()[:2],
-        num_microbatches=1,
+        num_microbatches=2,  # (one microbatch runs the update inside the backward)
         stages="equal-layer",
         num_stages=2,
     )
@@ -226,6 +226,28 @@ def test_adamw_per_stage_updates_equal_the_whole_model_update():
         updates, ref_state = opt.update(grads, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, updates)
     _assert_params_close(trainer.params, jax.device_get(ref_params), params, rtol=1e-5)
+
+
+def test_one_microbatch_updates_inside_the_backward_like_one_device():
+    # one microbatch a step: each stage's backward and update are one program, the state
+    # donated, no gradient accumulator (as the stage search prices it: no f32 gradient
+    # buffer held all step); the training is one device's
+    workload, opt, params, batch, losses, final = _setup("gpt", "sgd")
+    trainer = auto_pipeline(
+        workload.loss_fn, opt, params, batch, devices=jax.devices()[:2], num_microbatches=1,
+        stages="equal-layer", num_stages=2,
+    )  # fmt: skip
+
+    def unused(*args):
+        raise AssertionError("one microbatch needs no accumulator nor separate update")
+
+    for st in trainer.stage_executables:
+        st.zero_grads = st.backward = st.update = unused
+    before = [jax.tree.leaves(st.params)[0] for st in trainer.stage_executables]
+    got = [float(trainer.step(batch)) for _ in range(NUM_STEPS)]
+    assert all(x.is_deleted() for x in before)  # donated: updated in place
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    _assert_params_close(trainer.params, final, params, rtol=1e-5)
 
 
 def _key_bias_mask(workload) -> np.ndarray:

@@ -33,12 +33,14 @@ def test_adafactor_state_is_factored_at_moe_380m_dimensions():
 
 
 def test_stage_costs_count_the_optimizer_state_of_the_traced_step():
-    """One MoE block on one device (nothing split): AdamW owns params + grads + two moments
-    (16 B per parameter); Adafactor at moe-tiny's small dims (< 128, not factored) one
-    second moment (12 B per parameter)."""
+    """One MoE block on one device (nothing split), two microbatches a step: AdamW owns
+    params + grads (accumulated all step) + two moments (16 B per parameter); Adafactor at
+    moe-tiny's small dims (< 128, not factored) one second moment (12 B per parameter).
+    One microbatch a step: the gradients go into the update as they are made, working
+    bytes of the block while it runs, not owned."""
     cluster = load_cluster("alpa-v100", 1)
     costs = {
-        opt: search_stage_cost("moe-tiny", cluster, 16, 1, "fp16", 20.0, {}, optimizer=opt)
+        opt: search_stage_cost("moe-tiny", cluster, 16, 2, "fp16", 20.0, {}, optimizer=opt)
         for opt in ("adamw", "adafactor")
     }
     graph = costs["adamw"].graph
@@ -47,6 +49,9 @@ def test_stage_costs_count_the_optimizer_state_of_the_traced_step():
     owned = {opt: c.range_cost(block, block + 1, (1, 1)).param_bytes for opt, c in costs.items()}
     assert owned["adamw"] == 16 * n
     assert 12 * n <= owned["adafactor"] < 12.1 * n
+    one = search_stage_cost("moe-tiny", cluster, 16, 1, "fp16", 20.0, {}, optimizer="adamw")
+    streamed = one.range_cost(block, block + 1, (1, 1))
+    assert streamed.param_bytes == 12 * n and streamed.working_bytes >= 4 * n
 
 
 def test_simulate_takes_the_optimizer_for_auto_only():

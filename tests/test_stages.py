@@ -1,6 +1,7 @@
 """Stage DP against brute force, sub-mesh shapes and placement, manual stage baselines."""
 
 import itertools
+import json
 import math
 import random
 
@@ -22,6 +23,7 @@ from autoshard.inter.stages import (
     place_submeshes,
     submesh_shapes,
 )
+from autoshard.inter.uniform_stages import uniform_stage_plan
 
 CLUSTERS = [(1, 2), (1, 4), (2, 2), (2, 4)]
 
@@ -375,3 +377,64 @@ def test_uniform_search_is_the_best_plan_of_equal_submeshes(seed):
     assert plan.objective_s == pytest.approx(expected, rel=1e-12)
     alpa = optimal_stage_plan(layers, hosts, per_host, cost, micro, budget)
     assert alpa.objective_s <= plan.objective_s * (1 + 1e-12)
+
+
+def _placement_cost(start, end, submesh, logical, recompute="none", placement="none"):
+    """Per layer: offloading the state (``opt``) costs 20% latency and frees 6 of its 10
+    bytes of state; every layer keeps 3 bytes per microbatch in flight."""
+    layers = end - start
+    slow, state = (1.2, 4.0) if placement == "opt" else (1.0, 10.0)
+    return StageCost(slow * layers, state * layers, 3.0 * layers)
+
+
+@pytest.mark.parametrize("dp", ["alpa", "manual"])
+def test_dp_offloads_only_the_stages_whose_memory_binds(dp):
+    # 4 one-layer stages, 4 microbatches, 1F1B: stage i holds 4 - i microbatches
+    # (22, 19, 16, 13 bytes without offload); a budget of 20 fits all but the first
+    def plan(placements):
+        if dp == "alpa":
+            return optimal_stage_plan(
+                4, 1, 4, _placement_cost, 4, memory_budget_bytes=20, num_stages=4,
+                placements=placements,
+            )  # fmt: skip
+        return cost_stage_choices(
+            [((i, i + 1), (1, 1)) for i in range(4)], 4, 1, 4, _placement_cost, 4,
+            memory_budget_bytes=20, placements=placements,
+        )  # fmt: skip
+
+    mixed = plan(("none", "opt"))
+    assert [s.offload for s in mixed.stages] == ["opt", "none", "none", "none"]
+    uniform = plan(("opt",))  # every stage takes the one placement given
+    assert [s.offload for s in uniform.stages] == ["opt"] * 4
+    # 1.2 + 3 x 1.0 + 3 x 1.2 against 4 x 1.2 + 3 x 1.2
+    assert mixed.objective_s == pytest.approx(7.8) and uniform.objective_s == pytest.approx(8.4)
+    assert mixed.stages[0].peak_bytes == 4 + 12 and mixed.stages[1].peak_bytes == 19
+    with pytest.raises(ValueError, match="bytes per device"):
+        plan(("none",))  # the first stage fits no placement but offload
+    restored = StagePlan.from_json(json.loads(json.dumps(mixed.to_json())))
+    assert [s.offload for s in restored.stages] == ["opt", "none", "none", "none"]
+    if dp == "alpa":  # the frontier-scale DP (one sub-mesh shape) chooses the same way
+        uniform_dp = uniform_stage_plan(
+            4, 1, 4, _placement_cost, 4, memory_budget_bytes=20, num_stages=4,
+            placements=("none", "opt"),
+        )  # fmt: skip
+        assert [s.offload for s in uniform_dp.stages] == ["opt", "none", "none", "none"]
+
+
+@pytest.mark.parametrize("offload_s, want", [(1.2, ("none", "opt")), (1.4, ("selective", "none"))])
+def test_dp_chooses_recompute_or_offload_whichever_is_faster(offload_s, want):
+    # the first stage fits with selective recompute (+0.3, half its activations) or with
+    # its state offloaded (+0.2 or +0.4): the DP takes the faster, the others neither
+    def cost(start, end, submesh, logical, recompute="none", placement="none"):
+        layers = end - start
+        slow = (offload_s if placement == "opt" else 1.0) + (0.3 if recompute != "none" else 0)
+        state = 4.0 if placement == "opt" else 10.0
+        act = 1.5 if recompute != "none" else 3.0
+        return StageCost(slow * layers, state * layers, act * layers)
+
+    plan = optimal_stage_plan(
+        4, 1, 4, cost, 4, memory_budget_bytes=20, num_stages=4,
+        recompute_modes=("none", "selective"), placements=("none", "opt"),
+    )  # fmt: skip
+    assert (plan.stages[0].recompute, plan.stages[0].offload) == want
+    assert all((s.recompute, s.offload) == ("none", "none") for s in plan.stages[1:])

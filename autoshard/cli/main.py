@@ -225,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--offload",
             metavar="PLACEMENT",
-            help="keep training state in host memory (needs --cluster): auto (the cheapest "
-            "placement that fits, only when the plan alone does not), none, or classes "
-            "joined by commas: optimizer, master, gradients (docs/offload.md)",
+            help="keep training state in host memory (needs --cluster): auto (one mesh: the "
+            "cheapest placement that fits, only when the plan alone does not; --pipeline: "
+            "each stage its own, chosen with its recompute), none, or classes joined by "
+            "commas, every stage the same: optimizer, master, gradients (docs/offload.md)",
         )
         p.add_argument(
             "--solver",

@@ -180,19 +180,32 @@ def offload_lines(record) -> list[str]:
     """What a pipelined plan keeps in host memory, per stage (``plan.offload``)."""
     gib = 2**30
     where = record["where"]
-    on_host = [c for c, w in where.items() if w == "host" and c != "update"]
-    lines = [
-        f"offload {record['offload']}{' (chosen by auto)' if record.get('chosen_by') else ''}: "
-        f"{', '.join(on_host)} in host memory, update on {where['update']}; "
+    labels = record.get("offload_per_stage") or [record["offload"]] * len(
+        record["host_bytes_per_stage"]
+    )
+    wheres = record.get("where_per_stage") or [where] * len(labels)
+    auto = " (chosen by auto)" if record.get("chosen_by") else ""
+    tail = (
         f"{record['host_bytes_per_node'] / gib:.3g} GiB per node of "
         f"{record['host_memory_bytes'] / gib:.0f} usable"
-    ]
-    per_stage = zip(record["host_bytes_per_stage"], record["exposed_s_per_stage"], strict=True)
-    for i, (nbytes, exposed) in enumerate(per_stage):
+    )
+    if len(set(labels)) == 1:
+        on_host = [c for c, w in where.items() if w == "host" and c != "update"]
+        head = (
+            f"offload {record['offload']}{auto}: {', '.join(on_host)} in host memory, update "
+            f"on {where['update']}; {tail}"
+        )
+    else:
+        head = f"offload per stage{auto}: {' | '.join(labels)}; {tail}"
+    lines = [head]
+    per_stage = zip(
+        labels, wheres, record["host_bytes_per_stage"], record["exposed_s_per_stage"], strict=True
+    )
+    for i, (label, w, nbytes, exposed) in enumerate(per_stage):
         lines.append(
-            f"  stage {i}: {binary_size(nbytes)} per device in host memory, "
+            f"  stage {i}: {label}, {binary_size(nbytes)} per device in host memory, "
             f"{exposed * 1e3:.4g} ms per step exposed transfers"
-            + (" and host update" if where["update"] == "host" else "")
+            + (" and host update" if w["update"] == "host" else "")
         )
     return lines
 

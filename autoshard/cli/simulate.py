@@ -83,6 +83,14 @@ def _plan_text(plan: dict) -> str:
 
 def _offload_text(record: dict) -> str:
     where = record["where"]
+    labels = record.get("offload_per_stage", [])
+    if len(set(labels)) > 1:  # each stage chose its own
+        return (
+            f"per stage: {' | '.join(labels)} ({_gib(record['host_bytes_per_device'])} per GPU "
+            f"at most, {_gib(record['host_bytes_per_node'])} per node of "
+            f"{_gib(record['host_memory_bytes'])} usable); exposed transfer + host update "
+            "per step: " + ", ".join(f"{s:.3g} s" for s in record["exposed_s_per_stage"])
+        )
     host = [c for c, w in where.items() if w == "host" and c != "update"]
     return (
         f"{', '.join(host)} in host memory ({_gib(record['host_bytes_per_device'])} per GPU, "
@@ -147,17 +155,6 @@ def print_report(report) -> None:
         rows.append(("micro-batches searched", _searched_text(plan)))
     if plan.get("offload"):
         rows.append(("offload", _offload_text(plan["offload"])))
-    if plan.get("offload_candidates"):
-        rows.append(
-            (
-                "offload tried",
-                "; ".join(
-                    f"{c['offload']}: {c['step_time_s']:.4g} s, peak "
-                    f"{_gib(c['peak_bytes_per_device'])}" + ("" if c["fits"] else " (no fit)")
-                    for c in plan["offload_candidates"]
-                ),
-            )
-        )
     rows.append(("step breakdown", "compute, recompute, exposed comm per mesh axis, ..."))
     rows += [
         (f"  {name}", f"{seconds:.4g} s ({seconds / report.step_time_s:.1%})")
@@ -387,9 +384,10 @@ def register(subparsers) -> None:
     p.add_argument(
         "--offload",
         metavar="PLACEMENT",
-        help="--plan auto: keep training state in host memory: auto (the cheapest placement "
-        "that fits, only when the plan alone does not), none, or classes joined by commas: "
-        "optimizer, master, gradients (docs/offload.md)",
+        help="--plan auto: keep training state in host memory: auto (each stage chooses "
+        "none or a placement with its logical mesh and recompute, the fastest that fits), "
+        "none, or classes joined by commas, every stage the same: optimizer, master, "
+        "gradients (docs/offload.md)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)

@@ -29,7 +29,9 @@ class Stage:
     ``latency_s``: one microbatch, forward + backward (+ the update, amortised over the
     microbatches); ``peak_bytes``: per device, with ``microbatches_in_flight``
     microbatches' activations held.  ``layers`` (names) and ``device_ids`` are empty where
-    the stage DP, which knows neither, made the stage.
+    the stage DP, which knows neither, made the stage.  ``offload``: the placement label of
+    the training state it keeps in host memory (``"none"``, ``"optimizer"``,
+    ``"optimizer,master"``, ...; :mod:`autoshard.inter.stage_offload`).
     """
 
     start_layer: int
@@ -42,6 +44,7 @@ class Stage:
     recompute: str = "none"  # activation recompute of its inner layers
     layers: tuple[str, ...] = ()
     device_ids: tuple[int, ...] = ()
+    offload: str = "none"  # offload placement (what it keeps in host memory)
 
     @property
     def num_devices(self) -> int:
@@ -59,10 +62,13 @@ class Stage:
             "recompute": self.recompute,
             "layers": list(self.layers),
             "device_ids": list(self.device_ids),
+            "offload": self.offload,
         }
 
     @staticmethod
-    def from_json(obj: dict) -> Stage:
+    def from_json(obj: dict, offload: str = "none") -> Stage:
+        """``offload``: the placement of a file written before stages had their own (the
+        plan's, which every stage then took)."""
         return Stage(
             start_layer=obj["start_layer"],
             end_layer=obj["end_layer"],
@@ -74,6 +80,7 @@ class Stage:
             recompute=obj.get("recompute", "none"),
             layers=tuple(obj.get("layers", ())),
             device_ids=tuple(obj.get("device_ids", ())),
+            offload=obj.get("offload", offload),
         )
 
 
@@ -101,8 +108,8 @@ class StagePlan:
         }
 
     @staticmethod
-    def from_json(obj: dict) -> StagePlan:
-        stages = tuple(Stage.from_json(s) for s in obj["stages"])
+    def from_json(obj: dict, offload: str = "none") -> StagePlan:
+        stages = tuple(Stage.from_json(s, offload) for s in obj["stages"])
         keys = ("objective_s", "search_seconds", "num_cost_calls", "num_microbatches", "schedule")
         return StagePlan(stages, *(obj[k] for k in keys), obj.get("num_dp_runs", 0))
 
@@ -205,9 +212,11 @@ class InterPlan:
 
     @staticmethod
     def from_json(obj: dict) -> InterPlan:
+        # a file from before per-stage placements: every stage took the plan's
+        offload = (obj.get("offload") or {}).get("offload", "none")
         return InterPlan(
             model=obj["model"],
-            stages=tuple(Stage.from_json(s) for s in obj["stages"]),
+            stages=tuple(Stage.from_json(s, offload) for s in obj["stages"]),
             objective_s=obj["objective_s"],
             search_seconds=obj["search_seconds"],
             phase_seconds=dict(obj["phase_seconds"]),
@@ -217,7 +226,7 @@ class InterPlan:
             schedule=obj["schedule"],
             method=obj["method"],
             granularity=obj["granularity"],
-            stage_plan=StagePlan.from_json(obj["stage_plan"]),
+            stage_plan=StagePlan.from_json(obj["stage_plan"], offload),
             stage_specs=tuple(StageSpecs.from_json(s) for s in obj.get("stage_specs", ())),
             offload=obj.get("offload"),
         )

@@ -23,6 +23,7 @@ from autoshard.inter.plan import InterPlan, Shape2
 from autoshard.inter.progress import Progress
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
+    NO_PLACEMENT,
     StageCost,
     cost_stage_choices,
     equal_flops_stages,
@@ -109,7 +110,8 @@ def _forced_logical(cost, forced: Mapping[tuple[int, int], Shape2]):
 def _search_offloaded(
     graph, num_hosts, devices_per_host, options, cluster, cost, model, progress, offload
 ) -> InterPlan:
-    """:func:`search_stages` under ``offload`` (a placement or ``"auto"``)."""
+    """:func:`search_stages` under ``offload`` (a placement or ``"auto"``;
+    :mod:`autoshard.inter.stage_offload`)."""
     from autoshard.inter.stage_offload import search_with_offload
 
     the_cluster = cluster_for(cluster, num_hosts, devices_per_host)
@@ -126,30 +128,23 @@ def _search_offloaded(
             offload_tensors(graph, offload.state)
     if options.memory_budget_bytes is None:
         options = dataclasses.replace(options, memory_budget_bytes=the_cluster.device.hbm_bytes)
-    costs: dict = {}
+    if cost is None:
+        cost = IntraStageCost(
+            graph,
+            logical_mesh_costs(the_cluster),
+            solver=options.solver,
+            time_limit_s=options.time_limit_s,
+            granularity=options.granularity,
+            num_microbatches=options.num_microbatches,
+        )
 
-    def cost_for(placement):
-        if not placement and cost is not None:
-            return cost
-        if placement not in costs:
-            costs[placement] = IntraStageCost(
-                graph,
-                logical_mesh_costs(the_cluster),
-                solver=options.solver,
-                time_limit_s=options.time_limit_s,
-                granularity=options.granularity,
-                num_microbatches=options.num_microbatches,
-                **({"offload": placement, "cluster": the_cluster} if placement else {}),
-            )
-        return costs[placement]
-
-    def run(placement):
+    def run(stage_cost):
         return search_stages(
             graph, num_hosts, devices_per_host, options, cluster=cluster,
-            cost=cost_for(placement), model=model, progress=progress,
+            cost=stage_cost, model=model, progress=progress,
         )  # fmt: skip
 
-    return search_with_offload(run, offload, cost_for, the_cluster)
+    return search_with_offload(run, offload, cost, the_cluster)
 
 
 def search_stages(
@@ -177,9 +172,13 @@ def search_stages(
     ``progress``: where a long search reports its phases (default: stderr after 2 s,
     :mod:`autoshard.inter.progress`).
     ``offload``: None, an :class:`~autoshard.intra.offload.placement.Offload` every stage
-    takes, or ``"auto"`` (:mod:`autoshard.inter.stage_offload`; needs a ``cluster`` with a
+    takes, or ``"auto"``: each stage chooses its placement with its logical mesh and
+    recompute mode (:mod:`autoshard.inter.stage_offload`; needs a ``cluster`` with a
     ``host`` section; without a budget in ``options``, the cluster's HBM per device is the
-    budget); the plan's ``offload`` says what lives where.
+    budget; ``cost``, if given, must be built without offload); the plan's ``offload``
+    says what lives where. A ``cost`` with several ``placements``
+    (:class:`~autoshard.inter.stage_offload.PlacementChoice`) lets the stage DP choose
+    among them; each stage's ``offload`` says which it took.
     """
     if offload is not None and (offload == "auto" or offload):
         return _search_offloaded(
@@ -237,6 +236,7 @@ def search_stages(
         raise ValueError(
             "the IntraStageCost given was built for another traced step or microbatch count"
         )
+    placements = tuple(getattr(cost, "placements", NO_PLACEMENT))
     t0 = time.perf_counter()
     seconds_before = cost.seconds
     method = stages if not explicit else "manual"
@@ -250,7 +250,7 @@ def search_stages(
             plan = uniform_stage_plan(
                 num_layers, num_hosts, devices_per_host, cost, num_microbatches,
                 memory_budget_bytes, schedule, num_stages, recompute_modes, progress,
-                megatron_logical_meshes(devices_per_host, _microbatch(graph)),
+                megatron_logical_meshes(devices_per_host, _microbatch(graph)), placements,
             )  # fmt: skip
         else:
             plan = optimal_stage_plan(
@@ -264,6 +264,7 @@ def search_stages(
                 num_stages=num_stages,
                 recompute_modes=recompute_modes,
                 progress=progress,
+                placements=placements,
             )
     else:
         submesh = _equal_submesh(num_stages, num_hosts, devices_per_host)
@@ -299,6 +300,7 @@ def search_stages(
             memory_budget_bytes=memory_budget_bytes,
             schedule=schedule,
             recompute_modes=recompute_modes,
+            placements=placements,
         )
     t_search = time.perf_counter() - t0
     ilp_seconds = cost.seconds - seconds_before
@@ -330,6 +332,7 @@ def search_stages(
         stage_specs=()
         if cost.folded
         else tuple(
-            cost.stage_specs(s.start_layer, s.end_layer, s.logical_mesh) for s in plan.stages
+            cost.cost_of(s.offload).stage_specs(s.start_layer, s.end_layer, s.logical_mesh)
+            for s in plan.stages
         ),
     )

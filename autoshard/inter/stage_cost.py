@@ -189,6 +189,7 @@ class IntraStageCost(PooledUnits, LayerHandoffs):
         for i, sig in enumerate(self.signatures):
             self._rep.setdefault(sig, i)
         self._owners_of: dict = {}
+        self._offloaded: dict = {}  # Offload -> this cost under it (with_offload)
 
     # -- folding a deep chain onto a shallow trace
     def _fold(self, deep_layers: int, crossings, signatures) -> tuple[tuple[int, int], ...]:
@@ -570,9 +571,62 @@ class IntraStageCost(PooledUnits, LayerHandoffs):
                     borrowed[owner] = max(borrowed.get(owner, 0.0), size)
         return StageCost(latency, owned + sum(borrowed.values()), act, working)
 
+    @property
+    def placements(self) -> tuple[str, ...]:
+        """The one offload placement every stage of this cost takes (the stage DP's
+        ``placements``; :mod:`autoshard.inter.stage_offload` offers several)."""
+        return (self.offload.label,)
+
+    def with_offload(self, offload: Offload, cluster=None) -> IntraStageCost:
+        """This cost's step, meshes and ILP settings under another placement (one per
+        placement, kept: the search asks again for each stage DP it runs)."""
+        if not offload:
+            if not self.offload:
+                return self
+            raise ValueError("with_offload(none) of an offloaded cost: use the cost without")
+        if self.offload:
+            raise ValueError("with_offload is a plain cost's (built without offload)")
+        memo = self._offloaded
+        if offload not in memo:
+            memo[offload] = IntraStageCost(
+                self.graph,
+                self.mesh_for,
+                solver=self.solver,
+                time_limit_s=self.time_limit_s,
+                granularity=self.granularity,
+                num_microbatches=self.num_microbatches,
+                baseline=self.baseline,
+                deep_layers=self.num_layers if self.folded else None,
+                offload=offload,
+                cluster=cluster,
+            )
+            # equal ILPs (a device update changes none) are solved once for every placement
+            memo[offload]._solutions = self._solutions
+        return memo[offload]
+
+    def cost_of(self, placement: str) -> IntraStageCost:
+        """The cost of a stage that took ``placement``: this one's own, or one
+        :meth:`with_offload` made of this plain cost."""
+        if placement == self.offload.label:
+            return self
+        for offload, cost in self._offloaded.items():
+            if offload.label == placement:
+                return cost
+        raise ValueError(f"this stage cost prices offload {self.offload.label}, not {placement}")
+
     def __call__(
-        self, start: int, end: int, submesh: Shape2, logical: Shape2, recompute: str = "none"
+        self,
+        start: int,
+        end: int,
+        submesh: Shape2,
+        logical: Shape2,
+        recompute: str = "none",
+        placement: str | None = None,
     ) -> StageCost:
+        if placement is not None and placement != self.offload.label:
+            raise ValueError(
+                f"this stage cost prices offload {self.offload.label}, not {placement}"
+            )
         t0 = time.perf_counter()
         try:
             return self.range_cost(start, end, tuple(logical), recompute)

@@ -135,7 +135,16 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
     device updates; ``borrowed``: bytes of parameters read from a layer outside the unit,
     by owner layer (``owner_of(tid)``, e.g. a tied embedding); the rest from
     :func:`autoshard.intra.offload.placement.offload_cost` where ``offload`` moves state to the host
-    (its transfers hidden behind the backward of every one of ``num_microbatches``)."""
+    (its transfers hidden behind the backward of every one of ``num_microbatches``).
+
+    The gradients: accumulated over ``num_microbatches > 1`` into a buffer held all step
+    (Megatron-LM's and the pipeline runtime's), owned bytes; with one microbatch a step the
+    pipeline runtime runs a stage's backward and update as one program
+    (:meth:`autoshard.runtime.stage.StageExecutable.backward_update`) and the device
+    updates each weight as soon as its gradient is made (as the one-mesh memory model has
+    it, :func:`autoshard.intra.memory.model.program_positions`), so a unit holds its own
+    gradients only while they are made: staging (working) bytes, held once. On a backend
+    that updates late (XLA:CPU, ``late_updates``) they are owned bytes either way."""
     from autoshard.intra.offload.placement import narrow_copy_bytes, offload_cost, offload_tensors
 
     aliased = {src for src, _ in graph.aliases}
@@ -144,6 +153,8 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
     moved = offload_tensors(graph, offload, strict=False) if offload else None
     host = moved.host if moved is not None else frozenset()
     grads_here = not offload.host_update
+    streamed = num_microbatches == 1 and not mesh.memory_layout.late_updates
+    made = 0.0  # gradients streamed into the update as they are made (one microbatch)
     for tid, spec in zip(graph.inputs, plan.input_specs):
         t = graph.tensors[tid]
         if t.kind not in ("param", "opt_state"):
@@ -158,7 +169,9 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
                 resident = (
                     size * narrow_copy_bytes(graph, tid) / t.nbytes if t.kind == "param" else 0.0
                 )
-            owned += resident + (size if t.kind == "param" and grads_here else 0.0)
+            grad = size if t.kind == "param" and grads_here else 0.0
+            owned += resident + (0.0 if streamed else grad)
+            made += grad if streamed else 0.0
         else:
             owner = owner_of(tid)
             borrowed[owner] = borrowed.get(owner, 0.0) + size
@@ -173,4 +186,4 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
         offload_s, staging, host_bytes = (
             paid.exposed_s, paid.staging_bytes, paid.host_bytes_per_device,
         )  # fmt: skip
-    return owned, borrowed, offload_s, staging, host_bytes
+    return owned, borrowed, offload_s, staging + made, host_bytes

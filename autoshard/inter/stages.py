@@ -16,6 +16,11 @@ Recompute (optional): with ``recompute_modes`` (a subset of ``none``, ``selectiv
 ``full``) the callback takes a fifth argument, the mode, and each stage chooses its
 ``(logical mesh, recompute mode)`` pair: the fastest that fits the budget.  Recompute costs
 latency and saves activation bytes, so the DP recomputes only where memory is tight.
+Offload placements (optional, ``placements``: labels such as ``"none"``,
+``"optimizer"``; :mod:`autoshard.inter.stage_offload`) are a third choice the same way:
+the callback then takes the placement as a sixth argument and each stage takes the
+fastest fitting ``(logical mesh, recompute mode, placement)``, so a stage holding many
+microbatches in flight may offload while the others do not.
 
 Memory is schedule-aware.  The callback reports ``param_bytes`` (weights, gradients and
 optimizer state per device) and ``activation_bytes`` (per microbatch in flight, per
@@ -83,8 +88,9 @@ class StageCost:
         )
 
 
-StageCostFn = Callable[..., StageCost]  # (start, end, submesh, logical[, recompute])
+StageCostFn = Callable[..., StageCost]  # (start, end, submesh, logical[, recompute[, placement]])
 NO_RECOMPUTE = ("none",)
+NO_PLACEMENT = ("none",)  # no offload choice: the callback takes no placement argument
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -148,27 +154,54 @@ def _check_modes(recompute_modes) -> tuple[str, ...]:
     return modes
 
 
+def _check_placements(placements) -> tuple[str, ...]:
+    labels = tuple(placements)
+    if not labels or len(set(labels)) != len(labels) or not all(isinstance(p, str) for p in labels):
+        raise ValueError(f"placements must be distinct labels (str), got {placements!r}")
+    return labels
+
+
 class _CostTable:
-    """Memoised callback: each (range, sub-mesh, logical mesh, recompute) is costed once."""
+    """Memoised callback: each (range, sub-mesh, logical mesh, recompute, placement) is
+    costed once."""
 
     def __init__(
-        self, stage_cost: StageCostFn, recompute_modes=NO_RECOMPUTE, logical_meshes=None
+        self,
+        stage_cost: StageCostFn,
+        recompute_modes=NO_RECOMPUTE,
+        logical_meshes=None,
+        placements=NO_PLACEMENT,
     ) -> None:
         self.stage_cost = stage_cost
         self.modes = _check_modes(recompute_modes)
+        self.placements = _check_placements(placements)
         self.logical_meshes = logical_meshes or logical_mesh_shapes
         self.table: dict[tuple, StageCost] = {}
 
-    def variants(self, submesh: Shape2) -> list[tuple[Shape2, str]]:
-        """(logical mesh, recompute mode) pairs a stage on ``submesh`` may take, in order."""
-        return [(g, m) for g in self.logical_meshes(submesh) for m in self.modes]
+    def variants(self, submesh: Shape2) -> list[tuple[Shape2, str, str]]:
+        """(logical mesh, recompute mode, placement) a stage on ``submesh`` may take, in
+        order (on equal latencies the first wins: no recompute, then no offload)."""
+        return [
+            (g, m, p)
+            for g in self.logical_meshes(submesh)
+            for m in self.modes
+            for p in self.placements
+        ]
 
     def __call__(
-        self, start: int, end: int, submesh: Shape2, logical: Shape2, mode: str = "none"
+        self,
+        start: int,
+        end: int,
+        submesh: Shape2,
+        logical: Shape2,
+        mode: str = "none",
+        placement: str = "none",
     ) -> StageCost:
-        key = (start, end, submesh, logical, mode)
+        key = (start, end, submesh, logical, mode, placement)
         if key not in self.table:
-            if self.modes == NO_RECOMPUTE:
+            if self.placements != NO_PLACEMENT:
+                cost = self.stage_cost(start, end, submesh, logical, mode, placement)
+            elif self.modes == NO_RECOMPUTE:
                 cost = self.stage_cost(start, end, submesh, logical)
             else:
                 cost = self.stage_cost(start, end, submesh, logical, mode)
@@ -180,8 +213,9 @@ class _CostTable:
 
     def best_logical(
         self, start: int, end: int, submesh: Shape2, in_flight: int, budget: float
-    ) -> tuple[tuple[Shape2, str], StageCost] | None:
-        """The fastest (logical mesh, recompute) whose memory fits ``budget`` (first on ties)."""
+    ) -> tuple[tuple[Shape2, str, str], StageCost] | None:
+        """The fastest (logical mesh, recompute, placement) whose memory fits ``budget``
+        (first on ties)."""
         best = None
         for variant in self.variants(submesh):
             cost = self(start, end, submesh, *variant)
@@ -210,11 +244,13 @@ def cost_stage_choices(
     memory_budget_bytes: float | None = None,
     schedule: str = "1f1b",
     recompute_modes: Sequence[str] = NO_RECOMPUTE,
+    placements: Sequence[str] = NO_PLACEMENT,
 ) -> StagePlan:
     """Cost hand-chosen ``((start, end), submesh_shape)`` stages with the DP's objective.
 
     Each stage gets its fastest logical mesh (and recompute mode, among
-    ``recompute_modes``) that fits the budget; raises if the ranges do
+    ``recompute_modes``, and offload placement, among ``placements``) that fits the
+    budget; raises if the ranges do
     not cover ``0..num_layers`` contiguously, the sub-meshes do not tile the cluster, or a
     stage fits no logical mesh (saying how much memory its leanest one needs).
     """
@@ -238,7 +274,7 @@ def cost_stage_choices(
         raise ValueError(f"stage ranges end at layer {expected_start}, not {num_layers}")
     place_submeshes([c[1] for c in choices], num_hosts, devices_per_host)
     budget = math.inf if memory_budget_bytes is None else memory_budget_bytes
-    costs = _CostTable(stage_cost, recompute_modes)
+    costs = _CostTable(stage_cost, recompute_modes, placements=placements)
     stages = []
     for index, ((start, end), submesh) in enumerate(choices):
         in_flight = microbatches_in_flight(index, len(choices), num_microbatches, schedule)
@@ -252,7 +288,7 @@ def cost_stage_choices(
                 f"stage {index} (layers {start}..{end} on {submesh}) fits no logical mesh in "
                 f"{budget:.4g} bytes per device; its leanest needs {need:.4g}"
             )
-        (logical, mode), cost = found
+        (logical, mode, placement), cost = found
         stages.append(
             Stage(
                 start,
@@ -263,6 +299,7 @@ def cost_stage_choices(
                 cost.memory_bytes(in_flight),
                 in_flight,
                 mode,
+                offload=placement,
             )
         )
     objective = pipeline_objective([s.latency_s for s in stages], num_microbatches)
@@ -360,7 +397,7 @@ def _range_classes(stage_cost, num_layers: int, max_len: int) -> dict:
 @dataclass(frozen=True)
 class _Tables:
     """Per ``[s, j, k, i]`` (stage ``[k, i)`` on sub-mesh ``j``, first of ``s`` remaining):
-    the fastest fitting (logical mesh, recompute)'s latency, the leanest one's memory
+    the fastest fitting (logical mesh, recompute, placement)'s latency, the leanest one's memory
     (fitting or not) and the chosen variant's index in ``costs.variants(submesh)``
     (-1: none fits)."""
 
@@ -369,7 +406,7 @@ class _Tables:
     variant: np.ndarray
 
     def choice(self, costs: _CostTable, submeshes, s: int, j: int, k: int, i: int):
-        """``((logical_shape, recompute), StageCost)`` chosen for ``[s, j, k, i]``."""
+        """``((logical_shape, recompute, placement), StageCost)`` chosen for ``[s, j, k, i]``."""
         v = costs.variants(submeshes[j])[int(self.variant[s, j, k, i])]
         return v, costs(k, i, submeshes[j], *v)
 
@@ -441,11 +478,13 @@ def optimal_stage_plan(
     progress: Progress | None = None,
     submeshes: Sequence[Shape2] | None = None,
     logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
+    placements: Sequence[str] = NO_PLACEMENT,
 ) -> StagePlan:
     """Alpa's stage DP: the stage plan minimising ``sum(t) + (B - 1) max(t)``.
 
     ``num_stages`` fixes the stage count (default: any).  ``recompute_modes``: the modes
-    each stage may choose from (the callback then takes the mode as a fifth argument).  Raises if the problem has no
+    each stage may choose from (the callback then takes the mode as a fifth argument);
+    ``placements``: the offload placements likewise (a sixth argument).  Raises if the problem has no
     plan; if only memory is the obstacle, the error gives the smallest per-device budget
     that would admit one; where every plan needs an infinite-latency stage, it quotes the
     callback's ``refusals`` (if it has that attribute: why it refused a stage).
@@ -481,7 +520,7 @@ def optimal_stage_plan(
     sizes = [r * c // unit for r, c in submeshes]
     num_devices //= unit  # in units of `unit` devices from here on
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
-    costs = _CostTable(stage_cost, recompute_modes, logical_meshes)
+    costs = _CostTable(stage_cost, recompute_modes, logical_meshes, placements)
     usable = [m for m, n in zip(submeshes, sizes, strict=True) if n <= num_devices]
     prepare = getattr(stage_cost, "prepare", None)
     if prepare is not None:
@@ -565,7 +604,7 @@ def optimal_stage_plan(
     _, s = _best_total(table, num_stages, num_devices)
     stages = []
     for index, (s_left, j, k, i) in enumerate(_trace_back(table, capped, sizes, s, num_devices)):
-        (logical, mode), cost = tables.choice(costs, submeshes, s_left, j, k, i)
+        (logical, mode, placement), cost = tables.choice(costs, submeshes, s_left, j, k, i)
         in_flight = microbatches_in_flight(index, s, num_microbatches, schedule)
         stages.append(
             Stage(
@@ -577,6 +616,7 @@ def optimal_stage_plan(
                 cost.memory_bytes(in_flight),
                 in_flight,
                 mode,
+                offload=placement,
             )
         )
     return StagePlan(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from autoshard.inter.plan import Shape2, StagePlan
 from autoshard.inter.progress import Progress, quiet
-from autoshard.inter.stages import NO_RECOMPUTE, StageCostFn, optimal_stage_plan
+from autoshard.inter.stages import NO_PLACEMENT, NO_RECOMPUTE, StageCostFn, optimal_stage_plan
 from autoshard.inter.submesh import check_cluster, logical_mesh_shapes, submesh_shapes
 
 ALPA_DP_WORK_LIMIT = 2e9  # element operations of one Alpa DP run beyond which "auto" goes uniform
@@ -55,13 +55,15 @@ def uniform_stage_plan(
     recompute_modes: Sequence[str] = NO_RECOMPUTE,
     progress: Progress | None = None,
     logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
+    placements: Sequence[str] = NO_PLACEMENT,
 ) -> StagePlan:
     """The stage DP restricted to pipelines whose stages all take one sub-mesh shape.
 
     For every shape of :func:`submesh_shapes` whose size ``n`` divides the ``D`` devices
     with ``D / n`` stages no more than the layers (or exactly ``num_stages``), the DP of
     :func:`optimal_stage_plan` splits the layers into ``D / n`` stages on that shape alone
-    (each stage still takes its fastest fitting logical mesh and recompute mode); the best
+    (each stage still takes its fastest fitting logical mesh, recompute mode and offload
+    placement among ``placements``); the best
     of these plans wins.  One DP run costs ``L^2 * S`` instead of ``L^2 * S * J * D``: the
     search for thousands of devices, where Megatron-LM's grids (equal stages) live.
     Raises ``ValueError`` when no shape gives a plan (quoting why, e.g. the memory budget).
@@ -94,7 +96,7 @@ def uniform_stage_plan(
                 plan = optimal_stage_plan(
                     num_layers, num_hosts, devices_per_host, stage_cost, num_microbatches,
                     memory_budget_bytes, schedule, count, recompute_modes=recompute_modes,
-                    submeshes=(shape,), logical_meshes=logical_meshes,
+                    submeshes=(shape,), logical_meshes=logical_meshes, placements=placements,
                 )  # fmt: skip
             except ValueError as err:
                 errors.append(f"{count} stages on {shape}: {err}")

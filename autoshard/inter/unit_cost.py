@@ -19,14 +19,17 @@ class UnitCost:
     flops: float
     compute_s: float
     communication_s: float
-    owned_state_bytes: float  # params + gradients + optimizer state the unit updates
+    # params + gradients (held all step: more than one microbatch, or XLA:CPU) + optimizer
+    # state the unit updates
+    owned_state_bytes: float
     borrowed_param_bytes: Mapping[int, float]  # owner layer index -> bytes read from it
     activation_bytes: float
     # per recompute mode: seconds it adds per microbatch, activation bytes it keeps
     recompute_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     kept_activation_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # offload (IntraStageCost's ``offload``): seconds a step pays for the unit's transfers
-    # and host update, the device's staging buffers, the state held in host memory
+    # and host update, the device's staging buffers (and, one microbatch a step, its
+    # gradients while they are made: stage_memory.unit_state), the state in host memory
     offload_s: float = 0.0
     staging_bytes: float = 0.0
     host_bytes: float = 0.0

@@ -333,6 +333,7 @@ class PooledUnits:
             "_key_ids",
             "_owners_of",
             "_graph_keys",
+            "_offloaded",
         ):
             setattr(twin, memo, {})
         twin._nodes_by_layer = twin._crossings_by_high = None

@@ -100,13 +100,20 @@ def pipeline_sections(d: PipelineDigest) -> list[Section]:
     )
     off = inter.offload
     if off:
-        on_host = [c for c, w in off["where"].items() if w == "host" and c != "update"]
-        head += (
-            f"offload {off['offload']}{' (chosen by auto)' if off.get('chosen_by') else ''}: "
-            f"{', '.join(on_host)} in host memory on every stage, update on "
-            f"{off['where']['update']}; {human_bytes(off['host_bytes_per_node'])} per node of "
-            f"{human_bytes(off['host_memory_bytes'])} usable",
+        auto = " (chosen by auto)" if off.get("chosen_by") else ""
+        usable = (
+            f"{human_bytes(off['host_bytes_per_node'])} per node of "
+            f"{human_bytes(off['host_memory_bytes'])} usable"
         )
+        if len({s.offload for s in d.stages}) == 1:
+            on_host = [c for c, w in off["where"].items() if w == "host" and c != "update"]
+            head += (
+                f"offload {off['offload']}{auto}: {', '.join(on_host)} in host memory on every "
+                f"stage, update on {off['where']['update']}; {usable}",
+            )
+        else:
+            by = " by auto" if off.get("chosen_by") else ""
+            head += (f"offload chosen per stage{by} (the table's offload column); {usable}",)
     rows = tuple(
         (
             str(i),
@@ -118,13 +125,13 @@ def pipeline_sections(d: PipelineDigest) -> list[Section]:
             _cost(d, s.latency_s),
             human_bytes(s.peak_bytes),
         )
-        + (_host_cells(off, i) if off else ())
+        + ((s.offload, *_host_cells(off, i)) if off else ())
         for i, s in enumerate(d.stages)
     )
     header = ("stage", "layers", "sub-mesh", "view", "devices", "recompute", "latency per "
               "microbatch", "peak bytes per device")  # fmt: skip
     if off:
-        header += ("in host memory per device", "exposed offload per step")
+        header += ("offload", "in host memory per device", "exposed offload per step")
     return [
         Section("Plan", head),
         Section("Stages, their layers and sub-meshes", header=header, rows=rows),

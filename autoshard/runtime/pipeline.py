@@ -187,8 +187,6 @@ class PipelineTrainer:
         ``s`` and runs on ``stages[s]``'s devices.  ``probe(stage, layer)`` is called each
         time a layer's forward runs (:mod:`autoshard.runtime.stage`)."""
         records = program.records
-        # the tensor classes every stage keeps in host memory (docs/offload.md)
-        offload = tuple(((inter_plan and inter_plan.offload) or {}).get("classes", ()))
         self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
         self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
         self.num_microbatches = num_microbatches
@@ -240,8 +238,8 @@ class PipelineTrainer:
                     optimizer,
                     st.recompute,
                     probe,
-                    offload=offload,
-                    host_params=host_params,
+                    offload=_classes(st),
+                    host_params=host_params if "master" in _classes(st) else frozenset(),
                 )  # fmt: skip
             )
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
@@ -315,7 +313,10 @@ class PipelineTrainer:
         microbatches = self._microbatches(batch)
         stages, m = self._stages, self.num_microbatches
         live = [st.live_params() for st in stages]  # masters' 16-bit copies made, once
-        grads = [st.zero_grads() for st in stages]
+        # one microbatch: each stage's backward and update run as one program (no
+        # accumulator; StageExecutable.backward_update)
+        fused = m == 1
+        grads = [None if fused else st.zero_grads() for st in stages]
         inbox: dict[tuple[int, int], dict[int, Any]] = {}  # (stage, mb) -> received tensors
         cotangents: dict[tuple[int, int], dict[int, Any]] = {}  # (stage, mb) -> output cts
         saved: dict[tuple[int, int], tuple[list, list, list]] = {}  # the forward's residuals
@@ -346,9 +347,16 @@ class PipelineTrainer:
                     received, data, residuals = saved.pop(key)
                     box = cotangents.pop(key, {})
                     out_cts = [_output_cotangent(st, t, box, m) for t in st.float_out]
-                    grads[index], in_cts = st.backward(
-                        live[index], received, data, residuals, out_cts, grads[index]
-                    )
+                    if fused:
+                        own = live[index] if st.masters_on_host else None
+                        live[index] = None  # (the weights themselves, donated below)
+                        st.params, st.opt_state, in_cts = st.backward_update(
+                            st.params, st.opt_state, received, data, residuals, out_cts, own
+                        )
+                    else:
+                        grads[index], in_cts = st.backward(
+                            live[index], received, data, residuals, out_cts, grads[index]
+                        )
                     del residuals
                     for i, ct in zip(st.float_in, in_cts, strict=True):
                         t, src = sp.received[i], sp.received_from[i]
@@ -359,8 +367,16 @@ class PipelineTrainer:
                         box_src[t] = box_src[t] + ct if t in box_src else ct
         del live  # the 16-bit copies; the update reads the weights at rest
         for st, g in zip(stages, grads, strict=True):
-            st.params, st.opt_state = st.update(st.params, st.opt_state, g)
+            if not fused:
+                st.params, st.opt_state = st.update(st.params, st.opt_state, g)
         return sum(losses[1:], losses[0]) / m
+
+
+def _classes(stage) -> tuple[str, ...]:
+    """The tensor classes a planned stage keeps in host memory (its ``offload``
+    placement, docs/offload.md; each stage its own)."""
+    label = getattr(stage, "offload", "none")
+    return () if label == "none" else tuple(label.split(","))
 
 
 def _output_cotangent(stage: StageExecutable, t: int, box: dict[int, Any], num_microbatches: int):

@@ -13,7 +13,11 @@ mesh and layout, its parameters, an optax optimizer and the stage's recompute mo
   backward takes the arguments again and puts them back in place;
 * ``backward(params, received, data, residuals, output cotangents, grad accumulator)``
   applies the stored ``vjp``: no second forward unless the plan asked for recompute;
-* ``update`` applies the optimizer to the accumulated gradient.
+* ``update`` applies the optimizer to the accumulated gradient;
+* ``backward_update`` (one microbatch a step): the backward and the update as one
+  program, with no accumulator, the state donated: XLA may update each weight as soon as
+  its gradient is made, as in the one-mesh step (the stage search prices a step of one
+  microbatch so: :func:`autoshard.inter.stage_memory.unit_state`).
 
 Offload (``offload``: the plan's host classes, docs/offload.md): with ``optimizer`` the
 floating-point optimizer state rests in ``pinned_host`` memory between steps (its
@@ -323,7 +327,7 @@ class StageExecutable:
                 kept = [jax.device_put(r, jax.memory.Space.Host) for r in kept]
             return outs, kept
 
-        def backward(params, received, data, residuals, out_cts, grad_acc):
+        def gradients(params, received, data, residuals, out_cts):
             vjp_tree, slots = self._residual_layout
             if self.activations_on_host:  # back to the device where the backward starts
                 residuals = [jax.device_put(r, jax.memory.Space.Device) for r in residuals]
@@ -331,7 +335,10 @@ class StageExecutable:
             kept = iter(residuals)
             leaves = [next(kept) if s is None else args[s] for s in slots]
             vjp = jax.tree.unflatten(vjp_tree, leaves)
-            grads, in_cts = vjp(list(out_cts))
+            return vjp(list(out_cts))
+
+        def backward(params, received, data, residuals, out_cts, grad_acc):
+            grads, in_cts = gradients(params, received, data, residuals, out_cts)
             return jax.tree.map(jnp.add, grad_acc, grads), in_cts
 
         def update(params, opt_state, grads):
@@ -347,12 +354,32 @@ class StageExecutable:
                 params = jax.device_put(params, self.rest_shardings)
             return params, opt_state
 
+        def backward_update(params, opt_state, received, data, residuals, out_cts, live):
+            # one microbatch a step: its gradients go straight into the update, in one
+            # program, so each weight can be updated as soon as its gradient is made (as the
+            # one-mesh step is) and no accumulator is held; ``live``: the 16-bit copies of
+            # masters resting in host memory (None: the weights as they rest)
+            grads, in_cts = gradients(
+                params if live is None else live, received, data, residuals, out_cts
+            )
+            params, opt_state = update(params, opt_state, grads)
+            return params, opt_state, in_cts
+
         self.forward = jax.jit(forward)
         self.backward = jax.jit(
             backward,
             out_shardings=(self.param_shardings, [self.received_shardings[i] for i in float_in]),
         )
         self.update = jax.jit(update, out_shardings=(self.rest_shardings, self.opt_state_shardings))
+        self.backward_update = jax.jit(
+            backward_update,
+            out_shardings=(
+                self.rest_shardings,
+                self.opt_state_shardings,
+                [self.received_shardings[i] for i in float_in],
+            ),
+            donate_argnums=(0, 1),  # the state is updated in place
+        )
         # the gradient accumulator: the parameters' own dtypes (f32 for a master)
         shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.params)
         self.zero_grads = jax.jit(

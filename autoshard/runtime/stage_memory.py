@@ -4,12 +4,14 @@ beside the planner's prediction for the stage.
 Takes a :class:`~autoshard.runtime.pipeline.PipelineTrainer`; returns one
 :class:`StageMemory` per stage (per device of the stage, bytes):
 
-* ``state_bytes``: parameters, the gradient accumulator and the optimizer state, each
-  at its sharding's per-device shard size;
+* ``state_bytes``: parameters, the gradient accumulator (none with one microbatch a
+  step: the backward and the update are one program, whose temporaries the gradients
+  are) and the optimizer state, each at its sharding's per-device shard size;
 * ``residual_bytes``: what one microbatch in flight holds from its forward until its
   backward: the residuals the compiled forward returns (at the shardings XLA chose for
   them) plus the received activations and batch slices kept for the backward;
-* ``working_bytes``: the larger of the compiled forward's and backward's temporaries
+* ``working_bytes``: the larger of the compiled forward's and backward's (or backward and
+  update's) temporaries
   (``memory_analysis().temp_size_in_bytes``);
 * ``compiled_bytes = state + in_flight * residual + working``, ``in_flight`` the
   schedule's peak microbatches in flight on the stage
@@ -115,9 +117,25 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
             st.params,
             st.param_shardings,
         )
-        backward = st.backward.lower(
-            params, received, data, residual_args, out_cts, grad_acc
-        ).compile()
+        if trainer.num_microbatches == 1:  # the backward and the update, one program
+            rest = jax.tree.map(
+                lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
+                st.params,
+                st.rest_shardings,
+            )
+            opt_state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                st.opt_state,
+            )
+            live = params if st.masters_on_host else None
+            backward = st.backward_update.lower(
+                rest, opt_state, received, data, residual_args, out_cts, live
+            ).compile()
+            grad_acc = {}  # none: its gradients are temporaries of that program
+        else:
+            backward = st.backward.lower(
+                params, received, data, residual_args, out_cts, grad_acc
+            ).compile()
         state = sum(  # the parameters as a step reads them (a master: its 16-bit copy)
             _shard_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)
         ) + sum(  # and the gradient accumulator

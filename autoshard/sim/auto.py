@@ -187,10 +187,15 @@ def simulate_auto(
     (:class:`autoshard.inter.progress.Progress`; default: stderr once past 2 s).
     ``offload``: an :class:`~autoshard.intra.offload.placement.Offload` every stage takes (its state
     out of HBM, its transfers and host update priced per step, :class:`autoshard.inter.
-    stage_cost.IntraStageCost`); ``plan["offload"]`` then says what lives where."""
+    stage_cost.IntraStageCost`), or ``"auto"``: each stage chooses its placement (none or
+    one of :data:`~autoshard.intra.offload.placement.AUTO_CANDIDATES`) with its logical
+    mesh and recompute mode, the fastest that fits its HBM
+    (:mod:`autoshard.inter.stage_offload`); ``plan["offload"]`` then says what lives where
+    (absent when no stage offloads)."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
+    from autoshard.inter.stage_offload import offload_summary
 
     progress = progress or Progress(f"{model} auto")
 
@@ -207,10 +212,11 @@ def simulate_auto(
     t0 = time.perf_counter()
     # one set of intra-op ILPs, shared by the search under the HBM budget and, when
     # nothing fits, by the unconstrained search that reports the fastest plan as OOM
+    choose = offload == "auto"  # each stage chooses: the plain cost, offloaded in the search
     with progress.phase(f"trace (m={m})"):
         cost = shared_stage_cost(
             model, cluster, batch, m, dtype, time_limit, overrides, optimizer=optimizer,
-            offload=offload,
+            offload=None if choose else offload,
         )  # fmt: skip
     ilp_seconds_before = cost.seconds  # the cost may come from an earlier call
     traced_graph = cost.graph
@@ -224,11 +230,13 @@ def simulate_auto(
             hosts,
             per_host,
             dataclasses.replace(options, memory_budget_bytes=hbm),
+            cluster=cluster if choose else None,
             cost=cost,
             model=model,
             progress=progress,
+            offload="auto" if choose else None,
         )
-    except ValueError as err:
+    except ValueError as err:  # nothing fits (with offload too, when each stage chooses)
         if "budget" not in str(err):
             raise
         inter = search_stages(
@@ -253,6 +261,7 @@ def simulate_auto(
             "submesh": list(st.submesh),
             "logical_mesh_dp_tp": list(st.logical_mesh),
             "recompute": st.recompute,
+            "offload": st.offload,
             "latency_s": st.latency_s,
             "peak_bytes": st.peak_bytes,
             "microbatches_in_flight": assigned.microbatches_in_flight,
@@ -284,8 +293,10 @@ def simulate_auto(
         "phase_seconds": dict(inter.phase_seconds),
     }
     peak_bytes = max(st.peak_bytes for st in inter.stages)
-    if offload:
-        plan_dict["offload"] = _offload_summary(cost, inter, cluster, offload)
+    if inter.offload:  # each stage chose (auto)
+        plan_dict["offload"] = dict(inter.offload)
+    elif offload and not choose:
+        plan_dict["offload"] = offload_summary(cost, inter.stages, cluster)
     gpus = cluster.num_gpus
     if shape is None:
         s = seq_len
@@ -312,20 +323,13 @@ def simulate_auto(
             cost,
             [
                 (st.start_layer, st.end_layer, st.logical_mesh, st.recompute, st.latency_s)
+                + (st.offload,)
                 for st in inter.stages
             ],
             m,
             step,
         ),
     )
-
-
-def _offload_summary(cost, inter, cluster, offload) -> dict:
-    """What lives where in a searched plan, and what it costs per step
-    (:func:`autoshard.inter.stage_offload.offload_summary`)."""
-    from autoshard.inter.stage_offload import offload_summary
-
-    return offload_summary(cost, inter.stages, cluster, offload)
 
 
 _STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused

@@ -85,7 +85,8 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
 
     ``cost``: the :class:`~autoshard.inter.stage_cost.IntraStageCost` the stages were
     priced with; ``stages``: ``(start, end, logical_mesh, recompute_mode, latency_s)`` per
-    stage; the step is Alpa's ``sum(t) + (m - 1) max(t)``. The slowest stage's time, once
+    stage, optionally with the stage's offload placement last (then priced by
+    ``cost.cost_of(placement)``, as the stage DP priced it); the step is Alpa's ``sum(t) + (m - 1) max(t)``. The slowest stage's time, once
     per micro-batch, is split into compute, recompute and communication per axis from its
     layers' intra-op plans (each unit's ``communication_by_axis``: the update's
     collectives once per step, its gradients' data-parallel reductions once per
@@ -95,7 +96,9 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
     """
     m = num_microbatches
     slowest = max(range(len(stages)), key=lambda i: stages[i][4])
-    start, end, logical, mode, latency = stages[slowest]
+    start, end, logical, mode, latency, *placement = stages[slowest]
+    if placement:
+        cost = cost.cost_of(placement[0])
     logical = tuple(logical)
     mesh = cost.mesh_for(logical)
     compute = recompute = offload = 0.0

@@ -282,10 +282,10 @@ def simulate(
     Alpa's GPT-MoE benchmark trains with ``adafactor``. ``offload`` (``plan="auto"`` only;
     :mod:`autoshard.intra.offload.placement`, docs/offload.md): ``None``/``"none"``, a placement
     (``"optimizer"``, ``"optimizer,master"``, ``"optimizer,master,gradients"``) every stage
-    takes, or ``"auto"``: the search without offload, and when its plan does not fit the
-    HBM, the search under each placement, the fastest that fits the HBM and the host's
-    memory winning (``plan["offload_candidates"]`` lists them); ``plan["offload"]`` says
-    what lives where.
+    takes, or ``"auto"``: each stage chooses its placement (none or one of those) with its
+    logical mesh and recompute mode, the fastest that fits its HBM, within the host's
+    memory (:mod:`autoshard.inter.stage_offload`); ``plan["offload"]`` says what lives
+    where, per stage (absent when no stage offloads).
     """
     from autoshard.models import OPTIMIZERS  # lazy: the models import jax
 
@@ -490,9 +490,7 @@ def _simulate(
             )  # fmt: skip
 
         def price(m):
-            if offload != "auto":
-                return price_with(m, offload)
-            return _cheapest_offload(lambda placement: price_with(m, placement))
+            return price_with(m, offload)
 
         if search is None:
             return price(schedule.num_microbatches)
@@ -519,38 +517,6 @@ def _simulate(
         model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak,
         program,
     )  # fmt: skip
-
-
-def _cheapest_offload(price) -> SimulationReport:
-    """``offload="auto"``: ``price(None)`` when it fits; else the fastest of ``price(p)``
-    over the placements that fit the HBM and the host (none fits: the plan without
-    offload, still out of memory), with every candidate in ``plan["offload_candidates"]``."""
-    from types import MappingProxyType
-
-    from autoshard.intra.offload.placement import AUTO_CANDIDATES
-
-    plain = price(None)
-    if not plain.oom:
-        return plain
-    tried, best = [], None
-    for placement in AUTO_CANDIDATES:
-        report = price(placement)
-        record = report.plan["offload"]
-        fits = not report.oom and record["fits_host"]
-        tried.append(
-            {
-                "offload": placement.label,
-                "fits": fits,
-                "step_time_s": report.step_time_s,
-                "peak_bytes_per_device": report.peak_bytes_per_device,
-                "host_bytes_per_node": record["host_bytes_per_node"],
-            }
-        )
-        if fits and (best is None or report.step_time_s < best.step_time_s):
-            best = report
-    chosen = best if best is not None else plain
-    plan = dict(chosen.plan) | {"offload_candidates": tried}
-    return dataclasses.replace(chosen, plan=MappingProxyType(plan))
 
 
 __all__ = [
