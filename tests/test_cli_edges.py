@@ -529,21 +529,21 @@ def test_a_pipeline_plan_on_a_cluster_fits_its_hbm_or_says_what_would(capsys):
     2 with the least budget in GiB and what could make it fit."""
     import json
 
-    from autoshard.cli.main import main
+    from conftest import cli_in_process
+
     from autoshard.hardware.clusters import load_cluster
 
     hbm = load_cluster("alpa-v100").device.hbm_bytes
-    tiny = ["plan", "--model", "gpt-tiny", "--devices", "2", "--pipeline", "auto"]
-    tiny += ["--microbatches", "2", "--batch", "8"]
-    assert main([*tiny, "--cluster", "alpa-v100", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["memory_budget_bytes"] == hbm
+    tiny = "plan --model gpt-tiny --devices 2 --pipeline auto --microbatches 2 --batch 8"
+    rc, out, _ = cli_in_process(capsys, *tiny.split(), "--cluster", "alpa-v100", "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["memory_budget_bytes"] == hbm
     assert all(0 < s["peak_bytes"] <= hbm for s in plan["stages"])
-    assert main([*tiny, "--json"]) == 0  # no cluster: abstract devices, no budget
-    assert json.loads(capsys.readouterr().out)["memory_budget_bytes"] is None
-    huge = [*tiny[:-4], "--microbatches", "1", "--batch", "4194304", "--cluster", "alpa-v100"]
-    assert main(huge) == 2
-    err = capsys.readouterr().err
-    assert "fits 1.718e+10 bytes (16 GiB) per device" in err
+    rc, out, _ = cli_in_process(capsys, *tiny.split(), "--json")  # no cluster: no budget
+    assert rc == 0 and json.loads(out)["memory_budget_bytes"] is None
+    huge = tiny.replace("--microbatches 2 --batch 8", "--microbatches 1 --batch 4194304")
+    rc, _, err = cli_in_process(capsys, *huge.split(), "--cluster", "alpa-v100")
+    assert rc == 2
+    assert "fits 1.718e+10 bytes per device (16 GiB)" in err
     assert "the alpa-v100 preset's HBM, the default budget with --cluster" in err
     assert "--microbatches" in err and "--offload auto" in err

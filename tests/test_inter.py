@@ -245,16 +245,18 @@ def test_full_recompute_keeps_each_block_input():
     """Full recompute runs a block's forward again from the block's input, so that input is
     kept for every micro-batch in flight, although the backward never reads it (it reads
     the forward's own residuals): b x s x h at the traced dtype (bfloat16 for fp16), for a
-    GPT and a GPT-MoE block. It was counted as 0 bytes before 2026-11-25 (night)."""
+    GPT and a GPT-MoE block. It was counted as 0 bytes before 2026-11-25 (night). Two
+    micro-batches of 8: with one, a stage's gradients are working bytes too (its backward
+    and update run as one program)."""
     from autoshard.hardware.clusters import load_cluster
     from autoshard.models import get_workload
     from autoshard.sim.auto import search_stage_cost
 
     cluster = load_cluster("alpa-v100", 1)
     for model in ("gpt-tiny", "moe-tiny"):
-        cost = search_stage_cost(model, cluster, 16, 1, "fp16", 20.0, {})
+        cost = search_stage_cost(model, cluster, 16, 2, "fp16", 20.0, {})
         cfg = get_workload(model).config
-        block_input = 16 * cfg.seq_len * cfg.hidden * 2
+        block_input = 8 * cfg.seq_len * cfg.hidden * 2
         for i in (1, 2):
             full = cost.range_cost(i, i + 1, (1, 1), "full")
             none = cost.range_cost(i, i + 1, (1, 1), "none")

@@ -544,9 +544,9 @@ def optimal_stage_plan(
         count = "any number of" if num_stages is None else str(num_stages)
         if math.isfinite(need):
             raise ValueError(
-                f"no plan of {count} stages fits {budget:.4g} bytes ({budget / 2**30:.3g} GiB) "
-                f"per device; the smallest budget that admits one is {need:.4g} bytes "
-                f"({need / 2**30:.3g} GiB)"
+                f"no plan of {count} stages fits {budget:.4g} bytes per device "
+                f"({budget / 2**30:.3g} GiB); the smallest budget that admits one is "
+                f"{need:.4g} bytes ({need / 2**30:.3g} GiB)"
             )
         refusals = list(getattr(stage_cost, "refusals", ()))
         why = "; the stage costs were refused because: " + " | ".join(refusals) if refusals else ""
