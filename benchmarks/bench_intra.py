@@ -60,6 +60,8 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
     options = options.replace(time_limit_s=args.time_limit)
     if args.per_demand_pricing:
         options = options.replace(exact_values=False)
+    if args.exact_search is not None:
+        options = options.replace(exact_search=args.exact_search)
     plan = auto_shard_graph(traced.graph, dmesh, options)  # the planner's whole path
     t4 = time.perf_counter()
     sol = plan.solver
@@ -82,6 +84,7 @@ def _one_run(args, jax, model: str, mesh_text: str, dmesh) -> dict:
         "layer_period": options.layer_period,
         "layer_ends": options.layer_ends,
         "exact_values": options.exact_values,
+        "exact_search": options.exact_search,
         "solver_status": sol["status"],
         "exact_stopped": sol.get("exact_stopped"),
         "objective": plan.objective,
@@ -117,6 +120,12 @@ def main() -> None:
         "--per-demand-pricing",
         action="store_true",
         help="the ILP without the exact per-value program (the planner's default has it)",
+    )
+    ap.add_argument(
+        "--exact-search",
+        choices=("auto", "one-axis", "always", "never"),
+        default=None,
+        help="where the exact per-value program is solved (default: the planner's)",
     )
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; timings are medians")
     ap.add_argument("--cluster", default=None, help="cluster preset for costs in seconds")

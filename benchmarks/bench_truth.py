@@ -85,12 +85,15 @@ def truth_mesh(text: str):
     return device_mesh_for(shape, ("data", "model")[: len(shape)])
 
 
-def plan_settings(graph, mesh, which: str, time_limit: float):
-    """(IntraOptions, pinned inputs) that plan ``which`` ("auto" or a baseline) here."""
+def plan_settings(graph, mesh, which: str, time_limit: float, exact_search: str | None = None):
+    """(IntraOptions, pinned inputs) that plan ``which`` ("auto" or a baseline) here;
+    ``exact_search`` None: the planner's default."""
     from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
     from autoshard.intra.problem.options import IntraOptions
 
     options = IntraOptions(solver="highs", time_limit_s=time_limit)
+    if exact_search is not None:
+        options = options.replace(exact_search=exact_search)
     if which == "auto":
         return options, None
     return baseline_options(options, mesh.mesh, which), baseline_inputs(graph, mesh.mesh, which)
@@ -105,6 +108,7 @@ def run(
     only_meshes: tuple[str, ...] = (),
     only_plans: tuple[str, ...] = (),
     attention: str | None = None,
+    exact_search: str | None = None,
 ) -> list[dict]:
     from autoshard.api import trace_workload
     from autoshard.intra.baselines.tables import BaselineRefusedError
@@ -127,7 +131,9 @@ def run(
                     continue
                 t0 = time.perf_counter()
                 try:
-                    options, pinned = plan_settings(traced.graph, mesh, which, time_limit)
+                    options, pinned = plan_settings(
+                        traced.graph, mesh, which, time_limit, exact_search
+                    )
                 except BaselineRefusedError as err:  # no Megatron-LM split in this model
                     rows.append(_refused(suite, _label(model, overrides), mesh_text, which, err))
                     print(f"| {rows[-1]['model']} | {mesh_text} | {which} | refused: "
@@ -186,6 +192,8 @@ def run(
                     "memory_explained_by_heap_gap": report.memory_explained_by_heap_gap,
                     "memory_explanation": report.memory_explanation,
                     "solver_status": plan.solver.get("status"),
+                    "exact_search": options.exact_search,
+                    "exact_stopped": plan.solver.get("exact_stopped"),
                     "objective": plan.objective,
                     "predicted_collectives_cost": comm_s,
                     "compute_cost": compute_s,
@@ -271,6 +279,13 @@ def main() -> None:
         default=None,
         help="the GPT and GPT-MoE rows' attention program (default: the model's default)",
     )
+    ap.add_argument(
+        "--exact-search",
+        choices=("auto", "one-axis", "always", "never"),
+        default=None,
+        help="where the exact per-value program is solved (IntraOptions.exact_search; "
+        "default: the planner's)",
+    )
     args = ap.parse_args()
 
     import jax
@@ -291,6 +306,7 @@ def main() -> None:
             tuple(m for m in args.meshes.split(",") if m),
             tuple(p for p in args.plans.split(",") if p),
             args.attention,
+            args.exact_search,
         )
     ]
     wall = time.perf_counter() - t_start

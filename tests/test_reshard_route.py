@@ -107,3 +107,42 @@ def test_replicating_two_split_dims_is_one_all_gather_per_dim():
         ("all-gather", ("model",)),
     ]
     assert _compile(shape, made, read, pinned=False) == _records(predicted)
+
+
+def _compile_two_readers(memo: dict | None):
+    """w (a program input held as ``[d0@model, d1@data]`` on 2x2) read replicated by two
+    equations, each through the priced route's step ``[d0@model]``: the collectives XLA
+    emits, as sorted (kind, axes, bytes)."""
+    mesh22 = Mesh(("data", "model"), (2, 2))
+    mesh = make_mesh(mesh22, jax.devices()[:4])
+    shape, made, read = (128, 128), spec("model", "data"), spec("", "")
+    records = [
+        EqnRecord(0, "neg", (0,), (1,), {}, None, "forward", ""),
+        EqnRecord(1, "exp", (0,), (2,), {}, None, "backward", ""),
+    ]
+    tensors = [_Tensor(shape, "float32")] * 3
+    cons = SpecConstraints.build(
+        records, {1: read, 2: read}, {0: {0: read}, 1: {0: read}}, mesh, tensors, {0: made}
+    )
+    assert len(cons.operands[0]) == 2  # the route's step, then the spec read
+
+    def f(w):
+        (a,) = cons.operands_hook(0, [w], memo)
+        (b,) = cons.operands_hook(1, [w], memo)
+        return cons.outputs_hook(0, [-a])[0] + cons.outputs_hook(1, [jnp.exp(b)])[0]
+
+    step = jax.jit(f, in_shardings=named_sharding(mesh, made))
+    text = step.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text()
+    return _records(analyze_collectives(text, mesh22, range(4)).compared())
+
+
+def test_a_value_read_twice_through_a_route_is_resharded_once():
+    """Two readers of one value in one spec share its reshard, as the planner prices it
+    (once per value and spec) and the memory model holds it (one copy). Constrained per
+    reader, XLA's partitioner shares the route's first step (it reshards one instruction
+    to one sharding once) but not the next, whose source is each reader's own constraint:
+    test_intra's MLP on 2x2 compiled five all-gathers over ``model`` where four were
+    predicted. The runtime's memo (one per trace) makes it one."""
+    once = [("all-gather", ("data",), 32768), ("all-gather", ("model",), 65536)]
+    assert _compile_two_readers({}) == once
+    assert _compile_two_readers(None) == sorted([*once, ("all-gather", ("model",), 65536)])

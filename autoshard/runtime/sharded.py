@@ -101,8 +101,8 @@ class SpecConstraints:
     an operand where the plan reads it in another spec than its producer made it.
     Partial-sum specs are left out (JAX cannot say "unreduced"; XLA places the reduction
     where the next constraint needs it).  :meth:`outputs_hook` and :meth:`operands_hook`
-    are the ``hook`` / ``in_hook`` of :meth:`TracedProgram.evaluate`; the pipeline runtime
-    uses them on each stage's equations too.
+    are the ``hook`` / ``in_hook`` of :meth:`TracedProgram.evaluate` (the latter with a
+    memo per trace); the pipeline runtime uses them on each stage's equations too.
     """
 
     outputs: Mapping[int, tuple[tuple[int, NamedSharding], ...]]
@@ -180,9 +180,26 @@ class SpecConstraints:
             outs[pos] = jax.lax.with_sharding_constraint(outs[pos], sharding)
         return outs
 
-    def operands_hook(self, eqn_index: int, invals: list) -> list:
+    def operands_hook(self, eqn_index: int, invals: list, memo: dict | None = None) -> list:
+        """Constrain the operands ``eqn_index`` reads in another spec than their producer's.
+
+        ``memo`` (a fresh dict per trace) shares each constraint among the readers of one
+        value: a value read in one spec by several equations is resharded once, as the
+        planner prices it and the memory model holds it. Without it (None) each reader
+        gets its own chain, and XLA's partitioner shares only a route's first step (it
+        reshards one instruction to one sharding once): the next step's source is each
+        reader's own constraint, so it is emitted once per reader (test_intra's MLP on
+        2x2: five all-gathers over ``model`` where four were predicted)."""
         for pos, sharding in self.operands.get(eqn_index, ()):
-            invals[pos] = jax.lax.with_sharding_constraint(invals[pos], sharding)
+            value = invals[pos]
+            if memo is None:
+                invals[pos] = jax.lax.with_sharding_constraint(value, sharding)
+                continue
+            key = (id(value), sharding)
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = (value, jax.lax.with_sharding_constraint(value, sharding))
+            invals[pos] = hit[1]
         return invals
 
 
@@ -349,7 +366,10 @@ class ShardedStep:
             for i, sharding in self._device_in.items():
                 flat[i] = jax.device_put(flat[i], sharding)
             args = jax.tree_util.tree_unflatten(self.program.in_tree, flat)
-        out = self.program.evaluate(*args, hook=c.outputs_hook, in_hook=c.operands_hook)
+        memo: dict = {}
+        out = self.program.evaluate(
+            *args, hook=c.outputs_hook, in_hook=lambda i, v: c.operands_hook(i, v, memo)
+        )
         if self.host_outputs:  # device -> host (out_shardings say pinned_host too)
             flat = jax.tree_util.tree_leaves(out)
             for j, sharding in self._device_out.items():

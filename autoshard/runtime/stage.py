@@ -256,10 +256,11 @@ class StageExecutable:
         later_reads.reverse()
 
         def run_eqns(group, env) -> None:
+            memo: dict = {}  # one reshard per value and spec within the group (one trace)
             for eqn, (prim, bind_params) in group:
                 invals = [env[t] for t in eqn.inputs]
                 if constraints is not None:  # the plan's reshards and node output specs
-                    invals = constraints.operands_hook(eqn.index, invals)
+                    invals = constraints.operands_hook(eqn.index, invals, memo)
                 outs = prim.bind(*invals, **bind_params)
                 outs = list(outs) if prim.multiple_results else [outs]
                 if constraints is not None:

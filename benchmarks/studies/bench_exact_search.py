@@ -39,12 +39,18 @@ CASES = {
 
 def conv_net(num_layers=2, batch=8, image=32, channel=8):
     """Alpa's test_n_layer_conv model and step, traced (tests/test_exact_2d.py plans it too)."""
+    from autoshard.ir.graph import build_graph
+
+    return build_graph(conv_program(num_layers, batch, image, channel).records)
+
+
+def conv_program(num_layers=2, batch=8, image=32, channel=8):
+    """:func:`conv_net`'s traced program (what the verifier compiles)."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import optax
 
-    from autoshard.ir.graph import build_graph
     from autoshard.models import make_train_step
     from autoshard.trace.jaxpr import trace_train_step
 
@@ -73,9 +79,8 @@ def conv_net(num_layers=2, batch=8, image=32, channel=8):
 
     opt = optax.sgd(0.1, momentum=0.9)
     step = make_train_step(loss, opt)
-    program = trace_train_step(step, variables["params"], opt.init(variables["params"]),
-                               {"x": x, "y": y})  # fmt: skip
-    return build_graph(program.records)
+    return trace_train_step(step, variables["params"], opt.init(variables["params"]),
+                            {"x": x, "y": y})  # fmt: skip
 
 
 def main() -> int:
