@@ -1,5 +1,5 @@
-"""The exact per-value program on meshes of several axes (exact_search="auto", the
-default; test_intra's 2-D test compiles its plan of an MLP on 2x2): Alpa's n-layer conv
+"""The exact per-value program on meshes of several axes (exact_search="auto", not
+the default; test_intra's 2-D test compiles its plan of an MLP on 2x2): Alpa's n-layer conv
 net on 2x2, where the per-demand plan priced per value ("one-axis") is 30% dearer than
 the per-value optimum; the hubs that make the program's relaxation tight
 (:mod:`autoshard.intra.problem.value_edges`); 1-D meshes unchanged."""
@@ -20,7 +20,7 @@ from autoshard.intra.problem.exact_values import EXACT_MAX_COLUMNS, unsolved_bec
 from autoshard.intra.problem.options import IntraOptions
 from autoshard.intra.problem.value_edges import hub_max_sets
 
-# exact_search="auto" (the default, named here so the tests say what they test): the exact
+# exact_search="auto" (an option: the default is "one-axis", docs/sharing.md): the exact
 # program with hubs on meshes of several axes (docs/sharing.md)
 HIGHS = IntraOptions(solver="highs", time_limit_s=60, exact_search="auto")
 

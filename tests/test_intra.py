@@ -72,13 +72,13 @@ def test_small_batch_large_hidden_is_megatron():
 
 def test_2d_mesh_combines_data_and_tensor_parallel():
     """Under per-demand pricing the 2x2 optimum of this MLP is data parallel over one
-    axis and tensor parallel over the other; the default solves the exact per-value
-    program from it (exact_search="auto": 10% cheaper, its second kernel read replicated
-    by two dots through one route) and XLA compiles the collectives it predicts."""
+    axis and tensor parallel over the other; exact_search="auto" solves the exact
+    per-value program from it (10% cheaper, its second kernel read replicated by two dots
+    through one route) and XLA compiles the collectives it predicts."""
     traced = _mlp(4096, 128)
     mesh = alpa_test_mesh((2, 2), ("data", "model"))
     plan = auto_shard_graph(traced.graph, mesh, IntraOptions(exact_values=False))
-    exact = auto_shard_graph(traced.graph, mesh)
+    exact = auto_shard_graph(traced.graph, mesh, IntraOptions(exact_search="auto"))
     assert exact.solver["exact_stopped"] is None  # solved, not only priced
     assert exact.objective <= plan.objective * (1 + 1e-9)
     assert _compiled(traced, exact)[0].collectives_agree

@@ -168,7 +168,7 @@ def wresnet_megatron_2x4():
     traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
     mesh = device_mesh_for((2, 4), ("data", "model"))
     # the per-demand plan priced per value, which these tests were written on: the exact
-    # search (exact_search="auto", the default) finds one 3.9% cheaper (30,097 against
+    # search with exact_search="auto" (not the default) finds one 3.9% cheaper (30,097 against
     # 31,331) whose predicted peak is 29% over XLA's (484,788 B against 374,460 B;
     # docs/sharing.md, "Compiled as predicted")
     options = IntraOptions(solver="highs", time_limit_s=60, exact_search="one-axis")

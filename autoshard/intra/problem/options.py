@@ -66,9 +66,9 @@ class IntraOptions:
     under a memory budget except with "always" (with a budget's memory rows its root node
     alone can take minutes):
 
-    * "one-axis" on meshes with at most one axis longer than 1, where it proves its
-      optimum in seconds and finds cheaper plans than its start;
-    * "auto" (the default) there too, and on meshes of several axes where the per-demand
+    * "one-axis" (the default) on meshes with at most one axis longer than 1, where it
+      proves its optimum in seconds and finds cheaper plans than its start;
+    * "auto" there too, and on meshes of several axes where the per-demand
       program has at most :data:`~autoshard.intra.problem.exact_values.EXACT_MAX_COLUMNS`
       columns.  There its values read by several demands are priced by hubs
       (:mod:`autoshard.intra.problem.value_edges`), whose LP relaxation is tight: on Alpa's
@@ -154,7 +154,7 @@ class IntraOptions:
     allow_mixed_mesh_shape: bool = True
     data_parallel_axes: tuple[str, ...] = ()
     exact_values: bool = True
-    exact_search: str = "auto"
+    exact_search: str = "one-axis"
     shard_largest_dim: bool = False
     keep_weight_layout: bool = False
     all_reduce_only: bool = False
