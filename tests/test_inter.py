@@ -433,13 +433,21 @@ def test_units_planned_by_worker_processes_equal_this_processes(tiny4, monkeypat
 
 
 def test_worker_count_follows_the_free_cpus_unless_set(monkeypatch):
-    """Unset, ``AUTOSHARD_JOBS`` means one worker per free CPU (the CPUs less the load,
-    this process counted free; 1: in this process); set, it is obeyed; a bad value is
-    refused with what would work; too few units stay in this process."""
+    """Unset, ``AUTOSHARD_JOBS`` means one worker per free CPU (the CPUs idle now, or
+    without /proc/stat the CPUs less the load, this process counted free; 1: in this
+    process); set, it is obeyed; a bad value is refused with what would work; too few
+    units stay in this process."""
     from autoshard.inter import unit_pool
 
     monkeypatch.delenv("AUTOSHARD_JOBS", raising=False)
     monkeypatch.setattr(unit_pool, "_cpus", lambda: 4)
+    # the CPUs idle now, where /proc/stat says (a 1-minute load still counting ended work
+    # is not asked): rounded, at least 1
+    monkeypatch.setattr(unit_pool, "_load", lambda: 30.0)
+    for idle, jobs in ((4.0, 4), (2.6, 3), (1.4, 1), (0.2, 1)):
+        monkeypatch.setattr(unit_pool, "_idle_cpus", lambda idle=idle: idle)
+        assert unit_pool.jobs_for(48) == jobs, idle
+    monkeypatch.setattr(unit_pool, "_idle_cpus", lambda: None)  # no /proc/stat: the load
     for load, jobs in ((0.0, 4), (1.2, 3), (3.5, 1), (30.0, 1)):
         monkeypatch.setattr(unit_pool, "_load", lambda load=load: load)
         assert unit_pool.jobs_for(48) == jobs, load

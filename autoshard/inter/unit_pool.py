@@ -49,17 +49,41 @@ def _load() -> float:
         return 0.0
 
 
+def _idle_cpus(window_s: float = 0.1) -> float | None:
+    """The CPUs idle over the next ``window_s`` seconds (Linux ``/proc/stat``; None
+    elsewhere): what other work leaves free now, where the 1-minute load average still
+    counts work that has ended (this command's previous run, for one)."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(window_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (idle1 - idle0) / (total1 - total0) * _cpus()
+
+
 def requested_jobs() -> int:
     """The processes ``AUTOSHARD_JOBS`` asks for (``0``: one per CPU this process may run
-    on), or by default one per CPU that is free -- the CPUs less the 1-minute load
-    average, this process's own CPU counted free -- up to :data:`MAX_DEFAULT_JOBS`: on a
-    machine other work keeps busy, workers add their start-up and gain no CPU (measured
-    on the 2-core development machine at load 14-20: 17.3 against 16.8 CPU-s, the same
-    wall time; docs/results.md)."""
+    on), or by default one per CPU that is free -- the CPUs idle over a tenth of a second
+    (:func:`_idle_cpus`, rounded; where that cannot be read, the CPUs less the 1-minute
+    load average, this process's own CPU counted free) -- up to :data:`MAX_DEFAULT_JOBS`:
+    on a machine other work keeps busy, workers add their start-up and gain no CPU
+    (measured on the 2-core development machine at load 14-20: 17.3 against 16.8 CPU-s,
+    the same wall time; docs/results.md)."""
     given = os.environ.get(JOBS_ENV)
     if given is None:
         cpus = _cpus()
-        return max(1, min(cpus, MAX_DEFAULT_JOBS, int(cpus + 1 - _load())))
+        idle = _idle_cpus()
+        free = int(cpus + 1 - _load()) if idle is None else round(idle)
+        return max(1, min(cpus, MAX_DEFAULT_JOBS, free))
     try:
         jobs = int(given)
     except ValueError:
