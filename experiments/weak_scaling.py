@@ -21,8 +21,8 @@ Adam), Adafactor for GPT-MoE, SGD with Nesterov momentum 0.9 for Wide-ResNet; th
 step's optimizer state is what each search's memory and update time count.
 For GPT the full search also chooses its micro-batch count (``SEARCH_MICROBATCHES``;
 ``simulate(num_microbatches=("search", m))``): the whole search at the default count, half,
-twice and four times it, and at the count ``m`` of Megatron-LM's best grid point, the
-fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as Megatron's
+twice and four times it, and at the count ``m`` of each Megatron-LM method's best grid
+point (``megatron``, and ``megatron-flash`` where it runs), the fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as Megatron's
 grid searches its own; intra-op only and inter-op only take the count it chose. GPT-MoE and
 Wide-ResNet keep the one default count (their chunks take 12-20 min each at one count), and
 so does ``--quick`` (the search would take it past 5 minutes); ``config.auto_microbatches``
@@ -286,11 +286,12 @@ def _model_pflops(report) -> float:
     return report.mfu * peak * report.gpus / 1e15
 
 
-def auto_microbatches(mega) -> tuple:
+def auto_microbatches(*megas) -> tuple:
     """The micro-batch counts the full search tries (``simulate``'s ``num_microbatches``):
-    its default candidates and, for GPT, the count of Megatron-LM's best grid point
-    ``mega`` (micro-batches per step, as ``auto`` counts them)."""
-    return ("search",) if mega is None else ("search", mega.plan["num_microbatches"])
+    its default candidates and, for GPT, the count of each Megatron-LM method's best grid
+    point in ``megas`` (micro-batches per step, as ``auto`` counts them; the flash
+    program's best often takes fewer, larger micro-batches than the 2021 program's)."""
+    return ("search", *sorted({m.plan["num_microbatches"] for m in megas if m is not None}))
 
 
 def run(quick: bool, progress) -> dict:
@@ -311,16 +312,15 @@ def run(quick: bool, progress) -> dict:
     for i, (cluster, family, model, gpus) in enumerate(todo):
         progress(i, len(todo), f"{cluster} {model} on {gpus}")
         batch, optimizer = GLOBAL_BATCH[family], OPTIMIZER[family]
-        mega, counts = None, None
+        megas, counts = [], None
         if family == "gpt":  # the grid's memory and update model Adam (formulas.py)
             assert optimizer == "adamw", "Megatron-LM's grid models mixed-precision Adam"
             for method in megatron_methods(cluster):
                 row, report = megatron_row(cluster, family, model, gpus, batch, method)
                 rows.append(row)
-                if method == "megatron":
-                    mega = report
+                megas.append(report)
         if family in SEARCH_MICROBATCHES and not quick:
-            counts = auto_microbatches(mega)
+            counts = auto_microbatches(*megas)
         auto = simulate(
             model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, global_batch=batch,
             optimizer=optimizer, num_microbatches=counts,
@@ -361,8 +361,9 @@ def run(quick: bool, progress) -> dict:
             "dtype": "the device's 16-bit type (fp16 on V100, bf16 on A100/H100)",
             "ilp_time_limit_s": ILP_TIME_LIMIT_S,
             "auto_microbatches": {
-                f: "searched: the default count, half, 2x and 4x it and Megatron-LM's best "
-                "point's (the fastest that fits wins; plan.microbatch_search lists them)"
+                f: "searched: the default count, half, 2x and 4x it and each Megatron-LM "
+                "method's best point's (the fastest that fits wins; plan.microbatch_search "
+                "lists them)"
                 if f in SEARCH_MICROBATCHES and not quick
                 else "one count: simulate's default for plan='auto'"
                 + (
@@ -387,7 +388,7 @@ def run(quick: bool, progress) -> dict:
 MEGATRON_FLASH_NOTE = (
     "GPT, on clusters whose device has an attention table (dgx-a100, dgx-h100): Megatron-LM's "
     "best grid point on its flash-attention program (simulate program='megatron-lm-flash'), "
-    "searched as megatron is; auto's micro-batch candidates take megatron's count"
+    "searched as megatron is; auto's micro-batch candidates take both methods' counts"
 )
 
 

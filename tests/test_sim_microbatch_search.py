@@ -178,6 +178,20 @@ def test_cli_bad_microbatches_exit_2(capsys, flags, match):
     assert match in err and "Traceback" not in err
 
 
+def test_weak_scaling_candidates_take_every_megatron_methods_count():
+    """The full search's extra micro-batch counts: one per Megatron-LM method's best point
+    (the 2021 program's and the flash program's), each once, ascending; none without."""
+    from types import SimpleNamespace
+
+    from conftest import load_experiment
+
+    module = load_experiment("weak_scaling")
+    mega, flash = (SimpleNamespace(plan={"num_microbatches": m}) for m in (64, 16))
+    assert module.auto_microbatches(mega, flash) == ("search", 16, 64)
+    assert module.auto_microbatches(mega, mega) == ("search", 64)
+    assert module.auto_microbatches() == ("search",)
+
+
 def test_weak_scaling_gpt_search_tries_megatrons_count(monkeypatch):
     """The weak-scaling GPT point: the full search tries the default candidates and the
     count of Megatron-LM's best grid point, intra-op only and inter-op only take the count
@@ -194,7 +208,8 @@ def test_weak_scaling_gpt_search_tries_megatrons_count(monkeypatch):
     # dgx-h100 has an attention table: Megatron-LM's flash program is a method of its own
     assert rows["megatron-flash"]["plan"]["program"] == "megatron-lm-flash"
     tried = {c["num_microbatches"]: c for c in rows["auto"]["plan"]["microbatch_search"]}
-    assert mega_m in tried and {32, 64} <= set(tried)  # default 64, half, Megatron's
+    flash_m = rows["megatron-flash"]["plan"]["num_microbatches"]
+    assert {mega_m, flash_m, 32, 64} <= set(tried)  # default 64, half, both Megatron's
     chosen = rows["auto"]["plan"]["num_microbatches"]
     assert [m for m, c in tried.items() if c["chosen"]] == [chosen]
     fits = [m for m, c in tried.items() if c["fits"]]
