@@ -237,7 +237,7 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         default="one-axis",
         help="where the per-value program is solved from the per-demand plan: without "
         "--memory-budget on meshes with one axis > 1 and on meshes of several axes whose "
-        "per-demand program has at most 40,000 columns (auto: up to 26% cheaper plans on "
+        "per-demand program has at most 40,000 columns (auto: up to 26%% cheaper plans on "
         "small 2-D programs, but a 4-layer conv net on 4x2 then spends the whole time "
         "limit; elsewhere the per-demand plan is priced per value), on one-axis meshes only "
         "(one-axis, the default), on every mesh (always: slow on large programs of several "
