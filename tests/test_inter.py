@@ -189,12 +189,16 @@ def test_bad_inputs_raise_clear_errors(tiny4):
 
 
 def test_a_model_that_fits_nowhere_reports_the_budget_that_would(tiny4):
+    from autoshard.inter.stages import StageBudgetError
+
     with pytest.raises(ValueError, match="smallest budget that admits one is") as err:
         auto_stage_plan(
             tiny4, 1, 2, StageSearchOptions(2, memory_budget_bytes=1024.0, solver=SOLVER)
         )
     need = float(str(err.value).rsplit("is ", 1)[1].split()[0])
     assert need > 1024.0
+    assert isinstance(err.value, StageBudgetError)  # typed: callers fall back on it
+    assert err.value.budget_bytes == 1024.0 and f"{err.value.least_bytes:.4g}" == f"{need:.4g}"
     plan = auto_stage_plan(
         tiny4, 1, 2, StageSearchOptions(2, memory_budget_bytes=need * 1.001, solver=SOLVER)
     )

@@ -41,9 +41,11 @@ def cmd_pipeline_plan(args) -> int:
             raise ValueError(f"--devices {args.devices} does not split into --hosts {hosts}")
         per_host = args.devices // hosts
     _warn_one_host(args.cluster, hosts, per_host)
+    from autoshard.inter.stages import StageBudgetError
+
     try:
         plan = _search(args, hosts, per_host, budget)
-    except ValueError as err:
+    except StageBudgetError as err:
         raise ValueError(_fit_hint(str(err), args)) from None
     if getattr(args, "out", None):
         _save_pipeline_plan(args, plan, hosts, per_host)
@@ -91,8 +93,6 @@ def _preset_hbm(cluster: str) -> float | None:
 
 def _fit_hint(message: str, args) -> str:
     """The search's refusal of a budget no plan fits, with what the user can change."""
-    if "fits" not in message or "smallest budget" not in message:
-        return message
     where = (
         f"--memory-budget {args.memory_budget:g} GiB"
         if args.memory_budget is not None

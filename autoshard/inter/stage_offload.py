@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from autoshard.inter.stages import StageBudgetError
 from autoshard.intra.offload.placement import (
     AUTO_CANDIDATES,
     HOST_USABLE_FRACTION,
@@ -209,11 +210,14 @@ def search_with_offload(search, request, base, cluster):
             plan = search(choice)
         except ValueError as err:
             tried = ", ".join(choice.placements)
-            raise ValueError(
+            message = (
                 f"{err} (each stage could offload: {tried}"
                 + (f"; dropped for host memory: {', '.join(dropped)}" if dropped else "")
                 + ")"
-            ) from err
+            )
+            if isinstance(err, StageBudgetError):  # still the budget's: callers fall back on it
+                raise StageBudgetError(message, err.budget_bytes, err.least_bytes) from err
+            raise ValueError(message) from err
         if all(st.offload == "none" for st in plan.stages):
             return plan
         record = offload_summary(choice, plan.stages, cluster)

@@ -39,7 +39,7 @@ same optimum with far fewer DP runs.  One DP run costs about ``L^2 * S * J * D``
 element operations (``J`` sub-mesh shapes, ``D`` devices): fine for Alpa-sized problems
 (tens of layers, tens of devices), not for a thousand devices.  There
 :func:`~autoshard.inter.uniform_stages.uniform_stage_plan` runs the same DP once per sub-mesh shape with every stage on
-that shape (``L^2 * S`` each, :func:`_one_size_dp`).  Ranges whose costs the callback says
+that shape (``L^2 * S`` each, :func:`autoshard.inter.stage_dp.one_size_dp`).  Ranges whose costs the callback says
 are equal (``range_key``: identical layers) are costed once, whatever their position.
 
 Sub-meshes are ``(1, 1), (1, 2), (1, 4), ..., (1, M)`` and ``(k, M)``; as in Alpa, any
@@ -58,6 +58,7 @@ import numpy as np
 
 from autoshard.inter.plan import Shape2, Stage, StagePlan
 from autoshard.inter.progress import Progress, quiet
+from autoshard.inter.stage_dp import best_total, suffix_dp, trace_back
 from autoshard.inter.submesh import (  # noqa: F401 - re-exported: the stage DP's sub-meshes
     check_cluster,
     logical_mesh_shapes,
@@ -66,6 +67,15 @@ from autoshard.inter.submesh import (  # noqa: F401 - re-exported: the stage DP'
 )
 
 SCHEDULES = ("1f1b", "gpipe")
+
+
+class StageBudgetError(ValueError):
+    """No stage plan fits the memory budget: ``budget_bytes`` per device, and
+    ``least_bytes``, the smallest budget that admits one."""
+
+    def __init__(self, message: str, budget_bytes: float, least_bytes: float) -> None:
+        super().__init__(message)
+        self.budget_bytes, self.least_bytes = budget_bytes, least_bytes
 
 
 @dataclass(frozen=True)
@@ -313,73 +323,6 @@ def cost_stage_choices(
     )
 
 
-def _suffix_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, combine) -> np.ndarray:
-    """``F[s, k, d]``: best ``combine``-fold of stage costs for layers ``k..L-1`` in ``s``
-    stages on exactly ``d`` devices; ``cost[s, j, k, i]`` is stage ``[k, i)`` on sub-mesh
-    ``j`` when it is the first of ``s`` remaining stages (``inf`` = not allowed)."""
-    max_stages, num_layers = cost.shape[0] - 1, cost.shape[2] - 1
-    table = np.full((max_stages + 1, num_layers + 1, num_devices + 1), np.inf)
-    table[0, num_layers, 0] = 0.0
-    if list(sizes) == [1]:  # one sub-mesh of one unit: s stages use exactly s units
-        return _one_size_dp(cost, table, combine)
-    for k in range(num_layers - 1, -1, -1):
-        best = np.full((max_stages, num_devices + 1), np.inf)
-        rest = table[:-1, k + 1 :, :]  # rest[s-1, i-k-1, d]: the stages after [k, i)
-        for j, size in enumerate(sizes):
-            if size > num_devices:
-                continue
-            stage = cost[1:, j, k, k + 1 :, None]
-            merged = combine(stage, rest[:, :, : num_devices + 1 - size]).min(axis=1)
-            np.minimum(best[:, size:], merged, out=best[:, size:])
-        table[1:, k, :] = best
-    return table
-
-
-def _one_size_dp(cost: np.ndarray, table: np.ndarray, combine) -> np.ndarray:
-    """:func:`_suffix_dp` when every stage takes one device unit: ``F[s, k, d]`` is finite
-    only at ``d = s``, so the DP runs over ``(s, k)`` (the same values, ``D`` times less work)."""
-    max_stages, num_layers = cost.shape[0] - 1, cost.shape[2] - 1
-    best = np.full((max_stages + 1, num_layers + 1), np.inf)
-    best[0, num_layers] = 0.0
-    for k in range(num_layers - 1, -1, -1):
-        stage = cost[1:, 0, k, k + 1 :]  # [s - 1, i - k - 1]
-        best[1:, k] = combine(stage, best[:-1, k + 1 :]).min(axis=1)
-    s = np.arange(min(max_stages, table.shape[2] - 1) + 1)
-    table[s, :, s] = best[s, :]
-    return table
-
-
-def _stage_counts(table: np.ndarray, num_stages: int | None) -> range:
-    return range(1, table.shape[0]) if num_stages is None else range(num_stages, num_stages + 1)
-
-
-def _best_total(table: np.ndarray, num_stages: int | None, num_devices: int) -> tuple[float, int]:
-    best = (math.inf, 0)
-    for s in _stage_counts(table, num_stages):
-        best = min(best, (float(table[s, 0, num_devices]), s))
-    return best
-
-
-def _trace_back(
-    table: np.ndarray, cost: np.ndarray, sizes: Sequence[int], num_stages: int, num_devices: int
-) -> list[tuple[int, int, int, int]]:
-    """Recover ``(s, j, k, i)`` per stage of a DP optimum (first match in a fixed order)."""
-    num_layers = cost.shape[2] - 1
-    out, k, d = [], 0, num_devices
-    for s in range(num_stages, 0, -1):
-        target = table[s, k, d]
-        match = next(
-            (j, i)
-            for j, size in enumerate(sizes)
-            if size <= d
-            for i in range(k + 1, num_layers + 1)
-            if cost[s, j, k, i] + table[s - 1, i, d - size] == target
-        )
-        out.append((s, match[0], k, match[1]))
-        k, d = match[1], d - sizes[match[0]]
-    return out
-
-
 def _range_classes(stage_cost, num_layers: int, max_len: int) -> dict:
     """Layer ranges ``[k, i)`` grouped by what their cost depends on: the callback's
     ``range_key(k, i)`` where it has one (ranges of identical layers cost the same and
@@ -534,19 +477,21 @@ def optimal_stage_plan(
     )  # fmt: skip
     latency, min_memory = tables.latency, tables.min_memory
     dp_runs = progress.phase("stage DP runs")
-    unconstrained = _suffix_dp(latency, sizes, num_devices, np.add)
+    unconstrained = suffix_dp(latency, sizes, num_devices, np.add)
     dp_runs.advance()
-    total, _ = _best_total(unconstrained, num_stages, num_devices)
+    total, _ = best_total(unconstrained, num_stages, num_devices)
     if not math.isfinite(total):
-        need, _ = _best_total(
-            _suffix_dp(min_memory, sizes, num_devices, np.maximum), num_stages, num_devices
+        need, _ = best_total(
+            suffix_dp(min_memory, sizes, num_devices, np.maximum), num_stages, num_devices
         )
         count = "any number of" if num_stages is None else str(num_stages)
         if math.isfinite(need):
-            raise ValueError(
+            raise StageBudgetError(
                 f"no plan of {count} stages fits {budget:.4g} bytes per device "
                 f"({budget / 2**30:.3g} GiB); the smallest budget that admits one is "
-                f"{need:.4g} bytes ({need / 2**30:.3g} GiB)"
+                f"{need:.4g} bytes ({need / 2**30:.3g} GiB)",
+                budget,
+                need,
             )
         refusals = list(getattr(stage_cost, "refusals", ()))
         why = "; the stage costs were refused because: " + " | ".join(refusals) if refusals else ""
@@ -559,7 +504,7 @@ def optimal_stage_plan(
 
     def capped_dp(t_max: float) -> tuple[np.ndarray, np.ndarray]:
         capped = np.where(latency <= t_max, latency, np.inf)
-        table = _suffix_dp(capped, sizes, num_devices, np.add)
+        table = suffix_dp(capped, sizes, num_devices, np.add)
         dp_runs.advance()
         return capped, table
 
@@ -573,22 +518,22 @@ def optimal_stage_plan(
                 break
             num_dp_runs += 1
             capped, table = capped_dp(t_max)
-            total, _ = _best_total(table, num_stages, num_devices)
+            total, _ = best_total(table, num_stages, num_devices)
             if total + slack * t_max < best[0]:
                 best = (total + slack * t_max, t_max, capped, table)
     else:
         # no plan's slowest stage beats the bottleneck optimum: a bound for pruning
         num_dp_runs += 1
-        fastest_max, _ = _best_total(
-            _suffix_dp(latency, sizes, num_devices, np.maximum), num_stages, num_devices
+        fastest_max, _ = best_total(
+            suffix_dp(latency, sizes, num_devices, np.maximum), num_stages, num_devices
         )
         capped, table = latency, unconstrained
         while True:
-            total, s = _best_total(table, num_stages, num_devices)
+            total, s = best_total(table, num_stages, num_devices)
             if not math.isfinite(total):
                 break
             slowest = float(
-                max(capped[p] for p in _trace_back(table, capped, sizes, s, num_devices))
+                max(capped[p] for p in trace_back(table, capped, sizes, s, num_devices))
             )
             if total + slack * slowest < best[0]:
                 best = (total + slack * slowest, slowest, capped, table)
@@ -601,9 +546,9 @@ def optimal_stage_plan(
     dp_runs.__exit__(None, None, None)
 
     _, _, capped, table = best
-    _, s = _best_total(table, num_stages, num_devices)
+    _, s = best_total(table, num_stages, num_devices)
     stages = []
-    for index, (s_left, j, k, i) in enumerate(_trace_back(table, capped, sizes, s, num_devices)):
+    for index, (s_left, j, k, i) in enumerate(trace_back(table, capped, sizes, s, num_devices)):
         (logical, mode, placement), cost = tables.choice(costs, submeshes, s_left, j, k, i)
         in_flight = microbatches_in_flight(index, s, num_microbatches, schedule)
         stages.append(

@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 
 from autoshard.inter.plan import Shape2, StagePlan
 from autoshard.inter.progress import Progress, quiet
-from autoshard.inter.stages import NO_PLACEMENT, NO_RECOMPUTE, StageCostFn, optimal_stage_plan
+from autoshard.inter.stages import (
+    NO_PLACEMENT,
+    NO_RECOMPUTE,
+    StageBudgetError,
+    StageCostFn,
+    optimal_stage_plan,
+)
 from autoshard.inter.submesh import check_cluster, logical_mesh_shapes, submesh_shapes
 
 ALPA_DP_WORK_LIMIT = 2e9  # element operations of one Alpa DP run beyond which "auto" goes uniform
@@ -90,6 +96,7 @@ def uniform_stage_plan(
         meshes = logical_meshes or logical_mesh_shapes
         prepare([g for shape, _ in candidates for g in meshes(shape)], progress)
     best, errors, runs, calls = None, [], 0, 0
+    budgets: list[float] = []  # the least budget of each shape the budget alone refused
     with progress.phase("equal-stage pipelines", len(candidates)) as phase:
         for shape, count in candidates:
             try:
@@ -100,6 +107,8 @@ def uniform_stage_plan(
                 )  # fmt: skip
             except ValueError as err:
                 errors.append(f"{count} stages on {shape}: {err}")
+                if isinstance(err, StageBudgetError):
+                    budgets.append(err.least_bytes)
                 continue
             finally:
                 phase.advance()
@@ -108,7 +117,10 @@ def uniform_stage_plan(
             if best is None or plan.objective_s < best.objective_s:
                 best = plan
     if best is None:
-        raise ValueError("no plan of equal sub-meshes: " + " | ".join(errors))
+        message = "no plan of equal sub-meshes: " + " | ".join(errors)
+        if budgets:  # some shape failed on the budget alone: the least budget of those
+            raise StageBudgetError(message, memory_budget_bytes, min(budgets))
+        raise ValueError(message)
     return dataclasses.replace(
         best, search_seconds=time.perf_counter() - t0, num_cost_calls=calls, num_dp_runs=runs
     )

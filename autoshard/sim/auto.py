@@ -196,6 +196,7 @@ def simulate_auto(
     from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
     from autoshard.inter.stage_offload import offload_summary
+    from autoshard.inter.stages import StageBudgetError
 
     progress = progress or Progress(f"{model} auto")
 
@@ -236,9 +237,7 @@ def simulate_auto(
             progress=progress,
             offload="auto" if choose else None,
         )
-    except ValueError as err:  # nothing fits (with offload too, when each stage chooses)
-        if "budget" not in str(err):
-            raise
+    except StageBudgetError:  # nothing fits (with offload too, when each stage chooses)
         inter = search_stages(
             traced_graph, hosts, per_host, options, cost=cost, model=model, progress=progress
         )
