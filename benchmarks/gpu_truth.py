@@ -260,7 +260,7 @@ def verify_row(entry: dict, plans_dir: Path, target: str, live_peak: str) -> dic
     log = io.StringIO()
     with captured_stderr(log):
         report = bound.verify(devices, target=target, live_peak=live_peak, keep_hlo=True)
-    rows = [_row(r) for r in report.comparison.rows]
+    rows = [r.to_json() for r in report.comparison.rows]
     return {
         **out,
         "status": "compiled",
@@ -436,7 +436,7 @@ def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
         old = rows_before.get(name, {})
         row = {
             "name": name,
-            "collectives": [_row(r) for r in cmp.rows],
+            "collectives": [r.to_json() for r in cmp.rows],
             "collectives_agree": cmp.agree,
             "collectives_agree_without_gpu_rewrites": plain.agree,
             "prediction_notes": list(gpu.notes),
@@ -501,18 +501,6 @@ def reread_memory(graph, pf, entry: dict, text: str, old: dict) -> dict:
         "held_update_bytes": sum(h.bytes for h in held),
     }
     return out
-
-
-def _row(r) -> dict:
-    return {
-        "kind": r.kind,
-        "axes": list(r.axes),
-        "predicted_count": r.predicted_count,
-        "predicted_bytes": r.predicted_bytes,
-        "compiled_count": r.compiled_count,
-        "compiled_bytes": r.compiled_bytes,
-        "agree": r.agree,
-    }
 
 
 def main(argv=None) -> int:

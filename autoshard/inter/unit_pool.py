@@ -274,7 +274,9 @@ class PooledUnits:
         # in the pool for those planned before it in :meth:`unit`'s order and is sent
         # what it reads from them -- exactly what it reads when planned in this process
         solve = [(i, g) for i, g in todo if self._twin(g, self.mesh_for(g)) is None]
-        position = self._planning_order(solve)  # in todo's order, as the loop below
+        jobs = jobs_for(len(solve))
+        # in todo's order, as the loop below plans them (only the pool needs it)
+        position = self._planning_order(solve) if jobs > 1 else {}
         solve.sort(key=lambda ig: -len(self.subgraph(ig[0], ig[0] + 1).graph.nodes) * min(ig[1]))
 
         def ready(i, logical):
@@ -288,7 +290,6 @@ class PooledUnits:
             rg = self.subgraph(i, i + 1)
             return self._fed_specs(rg, mesh, seen), self._drain_reads(rg, mesh, seen)
 
-        jobs = jobs_for(len(solve))
         try:
             with progress.phase("stage ILPs", len(todo)) as phase:
                 if jobs > 1:

@@ -15,6 +15,7 @@ what a plan is priced on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,10 @@ class ComparisonRow:
     compiled_count: int
     compiled_bytes: int
     agree: bool
+
+    def to_json(self) -> dict:
+        """The row as JSON (axes a list), as the verifier's benchmarks write it."""
+        return {**dataclasses.asdict(self), "axes": list(self.axes)}
 
 
 @dataclass(frozen=True)

@@ -70,18 +70,7 @@ def main() -> None:
         "plan": args.plan_file,
         "hlo": args.hlo,
         "collectives_agree": cmp.agree,
-        "rows": [
-            {
-                "kind": r.kind,
-                "axes": list(r.axes),
-                "predicted_count": r.predicted_count,
-                "predicted_bytes": r.predicted_bytes,
-                "compiled_count": r.compiled_count,
-                "compiled_bytes": r.compiled_bytes,
-                "agree": r.agree,
-            }
-            for r in cmp.rows
-        ],
+        "rows": [r.to_json() for r in cmp.rows],
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if args.out:
