@@ -549,3 +549,34 @@ def test_a_pipeline_plan_on_a_cluster_fits_its_hbm_or_says_what_would(capsys):
     assert "fits 1.718e+10 bytes per device (16 GiB)" in err
     assert "the alpa-v100 preset's HBM, the default budget with --cluster" in err
     assert "--microbatches" in err and "--offload auto" in err
+
+
+def test_a_pipeline_plan_recomputes_where_its_budget_needs_it(capsys):
+    """``plan --pipeline`` lets the stage DP give each stage a recompute mode (default
+    ``--recompute auto``, as ``simulate --plan auto``): where no plan without recompute
+    fits the budget, the plan recomputes in some stage and fits; with ``--recompute none``
+    the same budget exits 2 and the message names ``--recompute``. With no budget no
+    stage recomputes (recompute only adds time)."""
+    import json
+    import re
+
+    from conftest import cli_in_process
+
+    tiny = "plan --model gpt-tiny --devices 8 --pipeline auto --microbatches 2 --json --quiet"
+    rc, out, _ = cli_in_process(capsys, *tiny.split())
+    assert rc == 0 and {s["recompute"] for s in json.loads(out)["stages"]} == {"none"}
+    rc, _, err = cli_in_process(
+        capsys, *tiny.split(), "--recompute", "none", "--memory-budget", "1e-6"
+    )
+    assert rc == 2 and "--recompute auto or full (none now)" in err
+    least = float(re.search(r"admits one is ([0-9.e+]+) bytes", err).group(1))
+    budget = least * 0.98 / 2**30  # just under what the plan without recompute needs
+    rc, out, err = cli_in_process(capsys, *tiny.split(), "--memory-budget", f"{budget:.9f}")
+    assert rc == 0, err
+    stages = json.loads(out)["stages"]
+    assert any(s["recompute"] != "none" for s in stages)
+    assert all(s["peak_bytes"] <= budget * 2**30 for s in stages)
+    rc, _, err = cli_in_process(
+        capsys, *tiny.split(), "--recompute", "none", "--memory-budget", f"{budget:.9f}"
+    )
+    assert rc == 2 and "--recompute auto or full" in err

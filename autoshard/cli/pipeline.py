@@ -98,11 +98,37 @@ def _fit_hint(message: str, args) -> str:
         if args.memory_budget is not None
         else f"the {args.cluster} preset's HBM, the default budget with --cluster"
     )
-    return (
-        f"{message} ({where}). What can make it fit: more micro-batches (--microbatches; "
-        f"{args.microbatches} now), more devices, --offload auto (state in host memory), or "
-        "a larger --memory-budget GiB to see the plan that needs it"
-    )
+    helps = [f"more micro-batches (--microbatches; {args.microbatches} now)"]
+    if (getattr(args, "recompute", None) or "auto") not in ("auto", "full"):
+        helps.append(f"--recompute auto or full ({args.recompute} now)")
+    if getattr(args, "dtype", None) in (None, "float32") and _float32(args):
+        helps.append("--dtype bfloat16 (activations in float32 now)")
+    helps += [
+        "more devices",
+        "--offload auto (state in host memory)",
+        "a larger --memory-budget GiB to see the plan that needs it",
+    ]
+    return f"{message} ({where}). What can make it fit: {', '.join(helps[:-1])}, or {helps[-1]}"
+
+
+def _float32(args) -> bool:
+    """Whether the model's compute dtype (the preset's unless --dtype) is float32."""
+    from autoshard.models import get_workload
+
+    overrides = {k: v for k, v in _overrides(args).items() if v is not None}
+    try:
+        config = get_workload(args.model, **overrides).config
+    except (ValueError, KeyError, TypeError):  # a hint, never a second failure
+        return False
+    return str(getattr(config, "dtype", "")) == "float32"
+
+
+def _recompute_modes(args) -> tuple[str, ...]:
+    """The recompute modes the stage DP may give each stage (``--recompute``)."""
+    from autoshard.inter.stages import RECOMPUTE_MODES
+
+    mode = getattr(args, "recompute", None) or "auto"
+    return tuple(RECOMPUTE_MODES) if mode == "auto" else (mode,)
 
 
 def _search(args, hosts: int, per_host: int, budget):
@@ -119,6 +145,7 @@ def _search(args, hosts: int, per_host: int, budget):
             stages=args.pipeline,
             num_stages=args.stages,
             schedule=args.schedule,
+            recompute_modes=_recompute_modes(args),
             memory_budget_bytes=budget,
             solver=args.solver or "highs",
             time_limit_s=60.0 if args.time_limit is None else args.time_limit,
@@ -144,6 +171,7 @@ def _print_stages(args, plan) -> int:
             f"{'' if len(s.layers) == 1 else 's'}) on sub-mesh "
             f"{s.submesh[0]}x{s.submesh[1]} as (dp, tp) = {tuple(s.logical_mesh)}: "
             f"{cost(s.latency_s)} per microbatch, peak {binary_size(s.peak_bytes)} per device"
+            + ("" if s.recompute == "none" else f", {s.recompute} recompute")
         )
     if plan.offload:
         for line in offload_lines(plan.offload):
@@ -457,12 +485,18 @@ def add_pipeline_args(p, run: bool) -> None:
             help="model chunks per stage (--schedule interleaved: Megatron's interleaved 1F1B; "
             "default: 1)",
         )
-        g.add_argument(
-            "--recompute",
-            choices=RUN_RECOMPUTE,
-            help="activation recompute of every stage's inner layers, or auto (the stage "
-            "search chooses per stage; default: none)",
-        )
+    g.add_argument(
+        "--recompute",
+        choices=RUN_RECOMPUTE,
+        help="activation recompute of every stage's inner layers, or auto (the stage "
+        "search chooses per stage; default: "
+        + (
+            "none)"
+            if run
+            else "auto: a stage recomputes only where the memory budget needs it, since "
+            "recompute only adds time)"
+        ),
+    )
     if not run:
         g.add_argument("--hosts", type=_positive_int, help="hosts the devices span (default: 1)")
 
@@ -475,6 +509,11 @@ PIPELINE_ONLY = (
     ("--virtual-stages", "virtual_stages", 1),
     ("--recompute", "recompute", "none"),
 )
+
+# where ``plan --pipeline`` defaults differ from ``run --pipeline``'s: the plan's stage DP
+# takes recompute per stage as ``simulate --plan auto`` does (the runtime's default stays
+# none: ``run --pipeline --recompute auto`` searches the same way)
+PLAN_DEFAULTS = {"recompute": "auto"}
 
 
 def pipeline_defaults(args, command: str, pipeline: bool) -> None:
@@ -490,7 +529,7 @@ def pipeline_defaults(args, command: str, pipeline: bool) -> None:
         return
     for _flag, dest, default in PIPELINE_ONLY:
         if hasattr(args, dest) and getattr(args, dest) is None:
-            setattr(args, dest, default)
+            setattr(args, dest, PLAN_DEFAULTS.get(dest, default) if command == "plan" else default)
 
 
 def register(subparsers) -> None:
