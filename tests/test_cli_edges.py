@@ -551,6 +551,37 @@ def test_a_pipeline_plan_on_a_cluster_fits_its_hbm_or_says_what_would(capsys):
     assert "--microbatches" in err and "--offload auto" in err
 
 
+def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys):
+    """``plan --pipeline --microbatches 2,4`` runs the whole stage search at each count and
+    keeps the fastest plan that fits (the JSON lists every count tried); none fitting exits
+    2 with the least budget over the counts; a count that does not divide the batch, and a
+    search on ``run``, are refused."""
+    import json
+
+    from conftest import cli_in_process
+
+    tiny = "plan --model gpt-tiny --devices 4 --pipeline auto --batch 8 --json --quiet"
+    rc, out, err = cli_in_process(capsys, *tiny.split(), "--microbatches", "2,4")
+    assert rc == 0, err
+    plan = json.loads(out)
+    tried = plan["microbatch_search"]
+    assert [r["num_microbatches"] for r in tried] == [2, 4] and all(r["fits"] for r in tried)
+    best = min(tried, key=lambda r: r["objective_s"])
+    assert [r["chosen"] for r in tried] == [r is best for r in tried]
+    assert plan["num_microbatches"] == best["num_microbatches"]
+    assert plan["objective_s"] == best["objective_s"]
+    rc, _, err = cli_in_process(
+        capsys, *tiny.split(), "--microbatches", "2,4", "--memory-budget", "1e-6"
+    )
+    assert rc == 2 and "the least over micro-batch counts 2, 4" in err
+    rc, _, err = cli_in_process(capsys, *tiny.split(), "--microbatches", "3,search")
+    assert rc == 2 and "does not divide the global batch 8" in err
+    rc, _, err = cli_in_process(
+        capsys, *"run --model gpt-tiny --devices 4 --pipeline auto --microbatches search".split()
+    )
+    assert rc == 2 and "--microbatches" in err
+
+
 def test_a_pipeline_plan_recomputes_where_its_budget_needs_it(capsys):
     """``plan --pipeline`` lets the stage DP give each stage a recompute mode (default
     ``--recompute auto``, as ``simulate --plan auto``): where no plan without recompute

@@ -43,8 +43,12 @@ def cmd_pipeline_plan(args) -> int:
     _warn_one_host(args.cluster, hosts, per_host)
     from autoshard.inter.stages import StageBudgetError
 
+    tried = None
     try:
-        plan = _search(args, hosts, per_host, budget)
+        if isinstance(args.microbatches, tuple):  # --microbatches search[,N...] / N,M
+            plan, tried = _search_microbatches(args, hosts, per_host, budget)
+        else:
+            plan = _search(args, hosts, per_host, budget, args.microbatches)
     except StageBudgetError as err:
         raise ValueError(_fit_hint(str(err), args)) from None
     if getattr(args, "out", None):
@@ -52,12 +56,16 @@ def cmd_pipeline_plan(args) -> int:
     if args.json:
         record = plan.to_json()
         record["memory_budget_bytes"] = budget
+        if tried is not None:
+            record["microbatch_search"] = tried
         print(_dumps(record))
         return 0
     print(
         f"{plan.model}: {len(plan.stages)} stages on {hosts}x{per_host} "
         f"devices, {plan.num_microbatches} microbatches, {plan.schedule} ({plan.method})"
     )
+    if tried is not None:
+        print("micro-batch counts searched: " + _tried_text(tried, bool(args.cluster)))
     if budget is not None:
         where = (
             "--memory-budget"
@@ -98,7 +106,9 @@ def _fit_hint(message: str, args) -> str:
         if args.memory_budget is not None
         else f"the {args.cluster} preset's HBM, the default budget with --cluster"
     )
-    helps = [f"more micro-batches (--microbatches; {args.microbatches} now)"]
+    counts = args.microbatches
+    now = ",".join(map(str, counts)) if isinstance(counts, tuple) else counts
+    helps = [f"more micro-batches (--microbatches N or search; {now} now)"]
     if (getattr(args, "recompute", None) or "auto") not in ("auto", "full"):
         helps.append(f"--recompute auto or full ({args.recompute} now)")
     if getattr(args, "dtype", None) in (None, "float32") and _float32(args):
@@ -131,7 +141,97 @@ def _recompute_modes(args) -> tuple[str, ...]:
     return tuple(RECOMPUTE_MODES) if mode == "auto" else (mode,)
 
 
-def _search(args, hosts: int, per_host: int, budget):
+def _microbatch_counts(args) -> tuple[int, ...]:
+    """The counts ``--microbatches search[,N...]`` or ``N,M,...`` asks for, ascending:
+    ``search`` is simulate's default count for a GPT preset on ``--cluster`` (the largest
+    divisor of the batch up to 64, or as many as the fastest Megatron-LM layout that fits
+    uses), otherwise 4 (or the largest divisor of the batch below it), with half, twice and
+    four times it where they divide the batch (:func:`autoshard.sim.auto.microbatch_candidates`)."""
+    from autoshard.models import get_workload
+    from autoshard.sim.auto import _default_microbatches, microbatch_candidates
+
+    overrides = {k: v for k, v in _overrides(args).items() if v is not None}
+    config = get_workload(args.model, **overrides).config
+    batch = config.batch_size
+    extra = tuple(c for c in args.microbatches if c != "search")
+    default = None
+    if "search" in args.microbatches:
+        default = max(d for d in range(1, min(batch, 4) + 1) if batch % d == 0)
+        shape = _gpt_shape(args.model, config)
+        if shape is not None and args.cluster:
+            from autoshard.hardware.clusters import load_cluster
+
+            dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(str(config.dtype), "fp32")
+            default = _default_microbatches(batch, shape, load_cluster(args.cluster), dtype)
+    try:
+        return microbatch_candidates(batch, default, extra)
+    except ValueError as err:
+        raise ValueError(f"--microbatches {','.join(map(str, args.microbatches))}: {err}") from None
+
+
+def _gpt_shape(model: str, config):
+    """A dense GPT preset's :class:`~autoshard.sim.megatron.GPTShape` (None: not a GPT)."""
+    from autoshard.models.gpt import GPT_PRESETS
+    from autoshard.sim.megatron import GPTShape
+
+    if model not in GPT_PRESETS:
+        return None
+    return GPTShape(
+        config.hidden, config.num_layers, config.num_heads, config.vocab_size, config.seq_len
+    )
+
+
+def _search_microbatches(args, hosts: int, per_host: int, budget):
+    """The whole stage search at each micro-batch count asked for; the fastest plan that
+    fits the budget wins (none fits: StageBudgetError with the least budget of any count).
+    Returns the plan and one record per count tried."""
+    import sys
+
+    from autoshard.inter.stages import StageBudgetError
+
+    counts = _microbatch_counts(args)
+    found, tried, least = [], [], None
+    for i, m in enumerate(counts):
+        print(f"{args.model}: micro-batch search {i + 1}/{len(counts)}: m={m} ...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        row = {"num_microbatches": m}
+        try:
+            plan = _search(args, hosts, per_host, budget, m)
+        except StageBudgetError as err:
+            row.update(objective_s=None, fits=False, least_budget_bytes=err.least_bytes)
+            if least is None or err.least_bytes < least[1].least_bytes:
+                least = (m, err)
+        else:
+            found.append(plan)
+            row.update(objective_s=plan.objective_s, fits=True, search_seconds=plan.search_seconds)
+        tried.append(row)
+        print(f"{args.model}:   m={m}: "
+              + (f"{row['objective_s']:.4g} s per step" if row["fits"] else "does not fit"),
+              file=sys.stderr, flush=True)  # fmt: skip
+    if not found:
+        m, err = least
+        raise StageBudgetError(
+            f"{err} (the least over micro-batch counts {', '.join(map(str, counts))}: at {m})",
+            err.budget_bytes,
+            err.least_bytes,
+        )
+    best = min(found, key=lambda p: p.objective_s)  # the first (fewest micro-batches) on ties
+    for row in tried:
+        row["chosen"] = row["num_microbatches"] == best.num_microbatches
+    return best, tried
+
+
+def _tried_text(tried, on_cluster: bool) -> str:
+    unit = " s" if on_cluster else ""
+    return "; ".join(
+        f"{r['num_microbatches']}: "
+        + (f"{r['objective_s']:.4g}{unit}" if r["fits"] else "does not fit")
+        + (" (chosen)" if r.get("chosen") else "")
+        for r in tried
+    )
+
+
+def _search(args, hosts: int, per_host: int, budget, num_microbatches: int):
     from autoshard.api_pipeline import auto_stage_plan
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.progress import Progress
@@ -141,7 +241,7 @@ def _search(args, hosts: int, per_host: int, budget):
         hosts,
         per_host,
         StageSearchOptions(
-            args.microbatches,
+            num_microbatches,
             stages=args.pipeline,
             num_stages=args.stages,
             schedule=args.schedule,
@@ -471,7 +571,21 @@ def add_pipeline_args(p, run: bool) -> None:
         help="devices to pipeline over (fake CPU devices when no accelerator)",
     )
     # defaults filled in by pipeline_defaults(): None here tells a typed flag from a default
-    g.add_argument("--microbatches", type=_positive_int, help="microbatches per step (default: 4)")
+    if run:
+        g.add_argument(
+            "--microbatches", type=_positive_int, help="microbatches per step (default: 4)"
+        )
+    else:
+        from autoshard.cli.simulate import microbatches_arg
+
+        g.add_argument(
+            "--microbatches",
+            type=microbatches_arg,
+            help="microbatches per step (default: 4); or 'search' (the whole search at a "
+            "default count -- simulate's for a GPT preset on --cluster, else 4 -- half, 2x "
+            "and 4x it: the fastest plan that fits wins), or counts and 'search' separated "
+            "by commas (64,128,256)",
+        )
     g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
     g.add_argument(
         "--schedule",
