@@ -430,6 +430,8 @@ def test_cli_plan_and_explain_say_what_each_stage_placed(capsys, tmp_path):
     argv = PLAN.split() + [
         "--layers",
         "1",
+        "--recompute",  # the budget is the no-recompute stages' (recompute would fit it too)
+        "none",
         "--offload",
         "auto",
         "--memory-budget",
