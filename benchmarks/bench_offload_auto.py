@@ -117,7 +117,7 @@ def _one(tree: Path, name: str) -> dict:
     env.pop("AUTOSHARD_CACHE_DIR", None)
     load = float(Path("/proc/loadavg").read_text().split()[0])
     out = subprocess.run(
-        [sys.executable, __file__, "--one", name],
+        [sys.executable, str(Path(__file__).resolve()), "--one", name],
         env=env, capture_output=True, text=True, check=False, timeout=1800,
     )  # fmt: skip
     if out.returncode:
@@ -137,6 +137,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a worker: one run, JSON on stdout
     ap.add_argument("--old", type=Path, help="a tree with the autoshard to compare against")
+    ap.add_argument(
+        "--new", type=Path, default=ROOT, help="the tree measured as new (default: this one)"
+    )
+    ap.add_argument("--old-commit", help="the old tree's commit, where it is no git tree")
+    ap.add_argument("--new-commit", help="the new tree's commit, where it is no git tree")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/bench_offload_auto.json")
@@ -144,7 +149,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_case(args.one)))
         return
-    trees = ([("old", args.old)] if args.old else []) + [("new", ROOT)]
+    trees = ([("old", args.old)] if args.old else []) + [("new", args.new)]
+    commits = {"old": args.old_commit, "new": args.new_commit}
     runs = []
     for case in args.cases:
         for rep in range(args.repeat):
@@ -152,20 +158,29 @@ def main() -> None:
                 print(f"[bench] {case} {label} run {rep + 1}/{args.repeat} ...", file=sys.stderr,
                       flush=True)  # fmt: skip
                 runs.append(_one(tree, case) | {"which": label, "repeat": rep})
+                _write(args, trees, commits, runs)  # what has run so far
+    _write(args, trees, commits, runs, report=True)
+
+
+def _write(args, trees, commits, runs, report: bool = False) -> None:
+    """The JSON of ``runs`` (medians of the runs made so far); with ``report``, the table."""
     medians = []
     for case in args.cases:
         for label, tree in trees:
             mine = [r for r in runs if r["case"] == case and r["which"] == label]
+            if not mine:
+                continue
             medians.append(
                 {
                     "case": case,
                     "which": label,
-                    "commit": _commit(tree),
+                    "commit": commits[label] or _commit(tree),
                     "median_seconds": statistics.median(r["seconds"] for r in mine),
                     "ilps": sorted({r["ilps"] for r in mine}),
                     "step_s": sorted({r["step_s"] for r in mine}),
                     "placements": mine[0]["placements"],
                     "recompute": mine[0]["recompute"],
+                    "runs": len(mine),
                     "load_1min": [r["load_1min"] for r in mine],
                 }
             )
@@ -173,12 +188,15 @@ def main() -> None:
         "benchmark": "bench_offload_auto",
         "cases": {k: v[1] for k, v in CASES.items() if k in args.cases},
         "repeat": args.repeat,
+        "env": "AUTOSHARD_JOBS=1, no unit cache, one process per run",
         "cpus": os.cpu_count(),
         "medians": medians,
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if not report:
+        return
     print(f"{'case':32} {'tree':4} {'commit':8} {'median s':>9} {'ILPs':>6}  step s / placements")
     for m in medians:
         print(

@@ -240,7 +240,7 @@ def search_with_offload(search, request, base, cluster):
                 f"{record['host_memory_bytes'] / gib:.0f} GiB usable: offload less, or use "
                 "more GPUs so each holds less"
             )
-        return dataclasses.replace(plan, offload=record)
+        return dataclasses.replace(plan, offload=record, num_ilps=_all_ilps(base))
     t0 = time.perf_counter()
     runs: list = []  # every search made, for the plan's phase seconds
 
