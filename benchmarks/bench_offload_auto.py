@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ABLATION = dict(
-    num_layers=8, hidden=2048, vocab=25600, seq_len=1024, global_batch=8, attention="unfused"
+    num_layers=8, hidden=2048, vocab_size=25600, seq_len=1024, global_batch=8, attention="unfused"
 )
 # name -> (what it runs, docs/offload.md's command)
 CASES = {
