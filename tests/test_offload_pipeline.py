@@ -438,10 +438,12 @@ def test_cli_plan_and_explain_say_what_each_stage_placed(capsys, tmp_path):
     rc, text, err = cli_in_process(capsys, *argv, "--out", out)
     assert rc == 0, text + err
     assert "offload per stage (chosen by auto): optimizer | none" in text
+    assert "auto offloads: no plan fits the HBM without offload" in text
     assert "stage 0: optimizer," in text and "stage 1: none," in text
     rc, explained, err = cli_in_process(capsys, "explain", out)
     assert rc == 0, err
     assert "offload chosen per stage" in explained
+    assert "auto offloads: no plan fits the HBM without offload" in explained
     rc, explained, err = cli_in_process(capsys, "explain", out, "--json")
     assert rc == 0, err
     assert [s["offload"] for s in json.loads(explained)["stages"]] == ["optimizer", "none"]
