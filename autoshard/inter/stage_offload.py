@@ -257,9 +257,11 @@ def search_with_offload(search, request, base, cluster):
             phase_seconds=phases,
         )
 
-    # 1. without offload, under the budget and without one (the same ILPs): offload
-    # cannot beat the plan without a budget by more than its host update could, so
-    # where memory costs less than AUTO_MIN_GAIN nothing else is searched
+    # 1. without offload, under the budget and without one (the same ILPs). A device
+    # update's placement and offloaded activations price every stage variant on the same
+    # plan plus their transfers, so none beats the plan without a budget (the host update
+    # is assumed not to: docs/offload.md): where that plan gains less than AUTO_MIN_GAIN,
+    # nothing else is searched
     try:
         plain = search(base)
         runs.append(plain)
