@@ -416,6 +416,16 @@ def test_auto_offloads_only_the_stage_whose_memory_binds(tmp_path):
     for s in (*old["stages"], *old["stage_plan"]["stages"]):
         del s["offload"]
     assert [s.offload for s in InterPlan.from_json(old).stages] == ["optimizer"] * 2
+    # a record from before auto said why: loads, and the plan's lines leave the reason out
+    from autoshard.cli.pipeline import offload_lines
+
+    older = mixed.to_json()
+    for key in ("why", "without_offload_s", "min_gain"):
+        del older["offload"][key]
+    lines = offload_lines(InterPlan.from_json(older).offload)
+    assert lines[0].startswith("offload per stage (chosen by auto)")
+    assert not any("auto offloads" in x for x in lines)
+    assert any("auto offloads" in x for x in offload_lines(again.offload))
     # without a budget that binds, auto offloads nothing (and keeps no record)
     roomy = auto_stage_plan(
         "gpt-tiny", 1, 2, dataclasses.replace(options, memory_budget_bytes=None),
