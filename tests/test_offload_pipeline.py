@@ -416,6 +416,16 @@ def test_auto_offloads_only_the_stage_whose_memory_binds(tmp_path):
     for s in (*old["stages"], *old["stage_plan"]["stages"]):
         del s["offload"]
     assert [s.offload for s in InterPlan.from_json(old).stages] == ["optimizer"] * 2
+    # a record from before auto said why: loads, and the plan's lines leave the reason out
+    from autoshard.cli.pipeline import offload_lines
+
+    older = mixed.to_json()
+    for key in ("why", "without_offload_s", "min_gain"):
+        del older["offload"][key]
+    lines = offload_lines(InterPlan.from_json(older).offload)
+    assert lines[0].startswith("offload per stage (chosen by auto)")
+    assert not any("auto offloads" in x for x in lines)
+    assert any("auto offloads" in x for x in offload_lines(again.offload))
     # without a budget that binds, auto offloads nothing (and keeps no record)
     roomy = auto_stage_plan(
         "gpt-tiny", 1, 2, dataclasses.replace(options, memory_budget_bytes=None),
@@ -440,10 +450,12 @@ def test_cli_plan_and_explain_say_what_each_stage_placed(capsys, tmp_path):
     rc, text, err = cli_in_process(capsys, *argv, "--out", out)
     assert rc == 0, text + err
     assert "offload per stage (chosen by auto): optimizer | none" in text
+    assert "auto offloads: no plan fits the HBM without offload" in text
     assert "stage 0: optimizer," in text and "stage 1: none," in text
     rc, explained, err = cli_in_process(capsys, "explain", out)
     assert rc == 0, err
     assert "offload chosen per stage" in explained
+    assert "auto offloads: no plan fits the HBM without offload" in explained
     rc, explained, err = cli_in_process(capsys, "explain", out, "--json")
     assert rc == 0, err
     assert [s["offload"] for s in json.loads(explained)["stages"]] == ["optimizer", "none"]
@@ -498,3 +510,165 @@ def test_auto_drops_a_placement_the_hosts_memory_cannot_hold():
             "gpt-tiny", 1, 2, options, cluster=cluster_from_json(preset), offload="auto",
             num_layers=1,
         )  # fmt: skip
+
+
+# -- auto's cost: the placements searched only where memory binds; activations per stage
+
+
+def test_auto_searches_no_placement_where_memory_does_not_bind():
+    """A budget nothing needs: auto solves the ILPs of the search without offload and no
+    more, and a device update's placement solves none of its own (it prices its state on
+    the plain plans) whatever it is asked."""
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
+
+    options = StageSearchOptions(2, stages="equal-layer", num_stages=2)
+    kw = dict(cluster="alpa-v100", num_layers=1)
+    plain = auto_stage_plan("gpt-tiny", 1, 2, options, **kw)
+    auto = auto_stage_plan("gpt-tiny", 1, 2, options, offload="auto", **kw)
+    assert auto.offload is None and [s.offload for s in auto.stages] == ["none", "none"]
+    assert auto.num_ilps == plain.num_ilps > 0
+    assert auto.objective_s == plain.objective_s
+    fixed = auto_stage_plan("gpt-tiny", 1, 2, options, offload="optimizer", **kw)
+    assert fixed.num_ilps == plain.num_ilps  # the plain plans', counted once
+    # the same plans, the state priced apart: latency no lower on any stage
+    for a, b in zip(fixed.stages, plain.stages, strict=True):
+        assert a.latency_s >= b.latency_s and a.peak_bytes < b.peak_bytes
+
+
+def _decide(monkeypatch, plain_s, free_s, joint_s, plain_fits=True):
+    """search_with_offload's choice with a stand-in search: plain_s (the plan without
+    offload under the budget; None: none fits), free_s (without a budget), joint_s (the
+    placements' plan, its first stage offloading). Returns (plan, the costs searched)."""
+    import dataclasses
+
+    import autoshard.inter.stage_offload as so
+    from autoshard.inter.stages import StageBudgetError
+
+    @dataclasses.dataclass(frozen=True)
+    class Plan:
+        objective_s: float
+        stages: tuple
+        offload: dict | None = None
+        num_ilps: int = 0
+        search_seconds: float = 0.0
+        phase_seconds: dict = dataclasses.field(default_factory=dict)
+
+    @dataclasses.dataclass(frozen=True)
+    class St:
+        offload: str
+
+    class Base:
+        graph, num_ilps, _offloaded = None, 0, {}
+        num_microbatches, layer_names, folded, granularity, num_layers = 1, (), False, "layer", 0
+        mesh_for = None
+
+        def with_offload(self, p, cluster):
+            return self
+
+    searched = []
+
+    def search(cost, bounded=True):
+        searched.append(("choice" if isinstance(cost, so.PlacementChoice) else "plain", bounded))
+        if isinstance(cost, so.PlacementChoice):
+            return Plan(joint_s, (St("optimizer"), St("none")))
+        if bounded and not plain_fits:
+            raise StageBudgetError("no plan fits", 1.0, 2.0)
+        return Plan(plain_s if bounded else free_s, (St("none"), St("none")))
+
+    monkeypatch.setattr(so, "auto_placements", lambda graph: (so.Offload(("optimizer",)),))
+    monkeypatch.setattr(so, "offload_summary", lambda *a: {"fits_host": True})
+    return so.search_with_offload(search, "auto", Base(), None), searched
+
+
+def test_auto_offloads_only_to_fit_or_for_a_gain_over_its_threshold(monkeypatch):
+    from autoshard.inter.stage_offload import AUTO_MIN_GAIN
+
+    assert 0 < AUTO_MIN_GAIN < 1
+    # memory costs the plan less than the threshold: nothing else is searched
+    plan, searched = _decide(monkeypatch, 1.0, 1.0 - AUTO_MIN_GAIN / 2, 0.5)
+    assert plan.offload is None and searched == [("plain", True), ("plain", False)]
+    # it binds, but the placements gain less than the threshold: the plan without offload
+    plan, searched = _decide(monkeypatch, 1.0, 0.5, 1.0 - AUTO_MIN_GAIN / 2)
+    assert plan.offload is None and plan.objective_s == 1.0 and ("choice", True) in searched
+    # they gain more: kept, and the record says why
+    plan, _ = _decide(monkeypatch, 1.0, 0.5, 1.0 - 2 * AUTO_MIN_GAIN)
+    assert plan.objective_s == 1.0 - 2 * AUTO_MIN_GAIN
+    assert plan.offload["why"].startswith(f"{2 * AUTO_MIN_GAIN:.1%} faster")
+    assert plan.offload["without_offload_s"] == 1.0
+    # nothing fits without offload: any gain (even a loss) is taken
+    plan, searched = _decide(monkeypatch, None, None, 5.0, plain_fits=False)
+    assert plan.objective_s == 5.0 and plan.offload["why"].startswith("no plan fits")
+    assert plan.offload["without_offload_s"] is None
+    assert searched == [("plain", True), ("choice", True)]
+
+
+def _activation_budget():
+    """A per-device budget the first of two gpt-tiny stages fits only with both its
+    optimizer state and its saved activations on the host (f32: no master weights, so no
+    host update either), the second as it is."""
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
+
+    options = StageSearchOptions(2, stages="equal-layer", num_stages=2)
+    kw = dict(cluster="alpa-v100", num_layers=1)
+    peaks = {
+        off: [s.peak_bytes for s in auto_stage_plan("gpt-tiny", 1, 2, options, offload=off, **kw).stages]
+        for off in ("optimizer", "activations", "optimizer,activations")
+    }  # fmt: skip
+    both = peaks["optimizer,activations"][0]
+    one = min(peaks["optimizer"][0], peaks["activations"][0])
+    assert both < one
+    return (both + one) / 2
+
+
+def test_auto_offloads_saved_activations_where_only_they_make_a_stage_fit():
+    import dataclasses
+
+    from autoshard.api_pipeline import auto_stage_plan
+    from autoshard.inter.options import StageSearchOptions
+
+    budget = _activation_budget()
+    options = StageSearchOptions(2, stages="equal-layer", num_stages=2, memory_budget_bytes=budget)
+    kw = dict(cluster="alpa-v100", num_layers=1)
+    mixed = auto_stage_plan("gpt-tiny", 1, 2, options, offload="auto", **kw)
+    assert [s.offload for s in mixed.stages] == ["optimizer,activations", "none"]
+    assert all(s.peak_bytes <= budget for s in mixed.stages)
+    record = mixed.offload
+    assert "activations" in record["candidates"] and record["why"].startswith("no plan fits")
+    assert record["where"]["activations"] == "some stages"
+    # the host holds the activations too: more than the optimizer state alone
+    roomy = dataclasses.replace(options, memory_budget_bytes=None)
+    state = auto_stage_plan("gpt-tiny", 1, 2, roomy, offload="optimizer", **kw)
+    assert record["host_bytes_per_stage"][0] > state.offload["host_bytes_per_stage"][0]
+
+
+def test_pipeline_runtime_offloads_activations_on_the_stage_auto_chose(plain_f32):
+    """auto's per-stage activations run: the first stage's forward leaves its residuals in
+    pinned_host, the second's on the device; two f32 AdamW steps give the losses and
+    weights of the pipeline without offload within 1e-5."""
+    import jax
+
+    from autoshard.api_pipeline import auto_pipeline
+    from autoshard.models import get_workload, make_optimizer
+
+    plain, losses = plain_f32
+    workload = get_workload("gpt-tiny", num_layers=1)
+    opt = make_optimizer("adamw")
+    params, _, batch = workload.init_train_args(opt, seed=0)
+    mixed = auto_pipeline(
+        workload.loss_fn, opt, params, batch, devices=jax.devices()[:2], num_microbatches=2,
+        stages="equal-layer", num_stages=2, cluster="alpa-v100", offload="auto",
+        memory_budget_bytes=_activation_budget(), intra_cost=plain.intra_cost,
+    )  # fmt: skip
+    assert [s.offload for s in mixed.inter_plan.stages] == ["optimizer,activations", "none"]
+    assert [st.activations_on_host for st in mixed.stage_executables] == [True, False]
+    kinds = [
+        {s.memory_kind for s in jax.tree.leaves(mixed.compiled_forward(i).output_shardings[1])}
+        for i in range(2)
+    ]
+    assert kinds == [{"pinned_host"}, {"device"}]
+    got = [float(mixed.step(batch)) for _ in range(2)]
+    assert got == pytest.approx(losses, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(mixed.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -227,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="PLACEMENT",
             help="keep training state in host memory (needs --cluster): auto (one mesh: the "
             "cheapest placement that fits, only when the plan alone does not; --pipeline: "
-            "each stage its own, chosen with its recompute), none, or classes joined by "
-            "commas, every stage the same: optimizer, master, gradients (docs/offload.md)",
+            "each stage its own, activations included, only where memory binds and offload "
+            "fits or gains 10%%), none, or classes joined by commas, every stage the same: "
+            "optimizer, master, gradients, activations (--pipeline) (docs/offload.md)",
         )
         p.add_argument(
             "--solver",

@@ -326,6 +326,8 @@ def offload_lines(record) -> list[str]:
     else:
         head = f"offload per stage{auto}: {' | '.join(labels)}; {tail}"
     lines = [head]
+    if record.get("why"):  # auto: why it offloads
+        lines.append(f"  auto offloads: {record['why']}")
     per_stage = zip(
         labels, wheres, record["host_bytes_per_stage"], record["exposed_s_per_stage"], strict=True
     )

@@ -138,9 +138,10 @@ def _search_offloaded(
             num_microbatches=options.num_microbatches,
         )
 
-    def run(stage_cost):
+    def run(stage_cost, bounded: bool = True):
+        how = options if bounded else dataclasses.replace(options, memory_budget_bytes=None)
         return search_stages(
-            graph, num_hosts, devices_per_host, options, cluster=cluster,
+            graph, num_hosts, devices_per_host, how, cluster=cluster,
             cost=stage_cost, model=model, progress=progress,
         )  # fmt: skip
 

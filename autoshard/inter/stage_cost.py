@@ -189,6 +189,10 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
             self._rep.setdefault(sig, i)
         self._owners_of: dict = {}
         self._offloaded: dict = {}  # Offload -> this cost under it (with_offload)
+        # with_offload: the cost whose units this one takes (None: it solves its own) and
+        # whether it prices its own training state on their plans (_restated)
+        self._source: IntraStageCost | None = None
+        self._restate = False
 
     # -- folding a deep chain onto a shallow trace
     def _fold(self, deep_layers: int, crossings, signatures) -> tuple[tuple[int, int], ...]:
@@ -252,6 +256,12 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
         if key in self._units:
             self.num_cache_hits += 1
             return self._units[key]
+        if self._source is not None:  # a derived cost (with_offload): the source's plan
+            unit = self._source.unit(start, end, logical)
+            if self._restate and unit.plan is not None:
+                unit = self._restated(unit, start, end, mesh)
+            self._units[key] = unit
+            return unit
         twin = self._twin(logical, mesh)
         if twin is not None:  # (dp, tp) with dp > tp: the (tp, dp) plan, axes swapped
             self._units[key] = cost = swap_axes(self.unit(start, end, twin), mesh)
@@ -268,6 +278,28 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
         finally:
             self._planning.discard(key)
         return cost
+
+    def _restated(self, unit: UnitCost, start: int, end: int, mesh: DeviceMesh) -> UnitCost:
+        """``unit`` (the plain cost's plan of ``[start, end)``) with this cost's training
+        state priced on it: resident bytes, transfers, staging and host bytes of a device
+        update's placement (its ILP is the plain one: the stage ILPs have no memory
+        budget, so leaving the offloaded state out of HBM changes no strategy's price)."""
+        if end == start + 1:  # as unit() planned it: the signature's first layer
+            start = self._rep[self.signatures[start]]
+            end = start + 1
+        rg = self.subgraph(start, end)
+        owned, borrowed, offload_s, staging, host_bytes = unit_state(
+            rg.graph, unit.plan, mesh, self.offload.state, self.cluster, self.num_microbatches,
+            lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
+        )  # fmt: skip
+        return dataclasses.replace(
+            unit,
+            owned_state_bytes=owned,
+            borrowed_param_bytes=borrowed,
+            offload_s=offload_s,
+            staging_bytes=staging,
+            host_bytes=host_bytes,
+        )
 
     def _twin(self, logical: Shape2, mesh: DeviceMesh) -> Shape2 | None:
         """``(tp, dp)`` when ``logical = (dp, tp)`` has ``dp > tp`` and the two meshes
@@ -436,7 +468,11 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
 
     def with_offload(self, offload: Offload, cluster=None) -> IntraStageCost:
         """This cost's step, meshes and ILP settings under another placement (one per
-        placement, kept: the search asks again for each stage DP it runs)."""
+        placement, kept: the search asks again for each stage DP it runs). Only a host
+        update (``gradients``) solves ILPs of its own (its update equations cost the
+        device nothing); a device update takes this cost's plans and prices its state on
+        them (:meth:`_restated`), and ``activations`` take the plans of the same placement
+        without it (they change the stage's terms, not the plan): no ILP."""
         if not offload:
             if not self.offload:
                 return self
@@ -457,8 +493,12 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
                 offload=offload,
                 cluster=cluster,
             )
-            # equal ILPs (a device update changes none) are solved once for every placement
-            memo[offload]._solutions = self._solutions
+            derived = memo[offload]
+            derived._solutions = self._solutions  # equal ILPs: solved once
+            if offload.activations:
+                derived._source = self.with_offload(offload.state, cluster)
+            elif not offload.host_update:
+                derived._source, derived._restate = self, True
         return memo[offload]
 
     def cost_of(self, placement: str) -> IntraStageCost:

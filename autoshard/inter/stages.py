@@ -290,14 +290,24 @@ def cost_stage_choices(
         in_flight = microbatches_in_flight(index, len(choices), num_microbatches, schedule)
         found = costs.best_logical(start, end, submesh, in_flight, budget)
         if found is None:
-            need = min(
-                costs(start, end, submesh, *v).memory_bytes(in_flight)
-                for v in costs.variants(submesh)
-            )
-            raise ValueError(
+            need = _leanest(costs, start, end, submesh, in_flight)
+            message = (
                 f"stage {index} (layers {start}..{end} on {submesh}) fits no logical mesh in "
                 f"{budget:.4g} bytes per device; its leanest needs {need:.4g}"
             )
+            if not math.isfinite(need):  # no variant runs at all: not the budget's
+                raise ValueError(message)
+            least = max(
+                _leanest(
+                    costs,
+                    a,
+                    b,
+                    m,
+                    microbatches_in_flight(i, len(choices), num_microbatches, schedule),
+                )
+                for i, ((a, b), m) in enumerate(choices)
+            )
+            raise StageBudgetError(message, budget, least)
         (logical, mode, placement), cost = found
         stages.append(
             Stage(
@@ -320,6 +330,19 @@ def cost_stage_choices(
         len(costs.table),
         num_microbatches,
         schedule,
+    )
+
+
+def _leanest(costs: _CostTable, start: int, end: int, submesh: Shape2, in_flight: int) -> float:
+    """The least memory any runnable variant of stage ``[start, end)`` needs (inf: none
+    runs)."""
+    return min(
+        (
+            c.memory_bytes(in_flight)
+            for c in (costs(start, end, submesh, *v) for v in costs.variants(submesh))
+            if math.isfinite(c.latency_s)
+        ),
+        default=math.inf,
     )
 
 

@@ -258,6 +258,9 @@ class PooledUnits:
         """Plan every layer on each of ``logicals`` now (the stage DP calls this before it
         reads costs), counting the distinct ILPs on ``progress`` ("stage ILPs k/N")."""
         progress = progress or quiet()
+        if self._source is not None:  # a derived cost (with_offload): its source's plans
+            self._source.prepare(logicals, progress)
+            return
         if self.granularity != "layer":
             return
         first = {}  # (signature, mesh) -> a layer with it, in layer order

@@ -114,6 +114,8 @@ def pipeline_sections(d: PipelineDigest) -> list[Section]:
         else:
             by = " by auto" if off.get("chosen_by") else ""
             head += (f"offload chosen per stage{by} (the table's offload column); {usable}",)
+        if off.get("why"):
+            head += (f"auto offloads: {off['why']}",)
     rows = tuple(
         (
             str(i),

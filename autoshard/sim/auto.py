@@ -187,11 +187,11 @@ def simulate_auto(
     (:class:`autoshard.inter.progress.Progress`; default: stderr once past 2 s).
     ``offload``: an :class:`~autoshard.intra.offload.placement.Offload` every stage takes (its state
     out of HBM, its transfers and host update priced per step, :class:`autoshard.inter.
-    stage_cost.IntraStageCost`), or ``"auto"``: each stage chooses its placement (none or
-    one of :data:`~autoshard.intra.offload.placement.AUTO_CANDIDATES`) with its logical
-    mesh and recompute mode, the fastest that fits its HBM
-    (:mod:`autoshard.inter.stage_offload`); ``plan["offload"]`` then says what lives where
-    (absent when no stage offloads)."""
+    stage_cost.IntraStageCost`), or ``"auto"``: where memory binds, each stage chooses its
+    placement (none or one of :func:`~autoshard.inter.stage_offload.auto_placements`) with
+    its logical mesh and recompute mode, the fastest that fits its HBM, kept where nothing
+    fits without offload or it gains ``AUTO_MIN_GAIN`` (:mod:`autoshard.inter.stage_offload`);
+    ``plan["offload"]`` then says what lives where (absent when no stage offloads)."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
