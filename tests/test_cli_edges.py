@@ -551,6 +551,46 @@ def test_a_pipeline_plan_on_a_cluster_fits_its_hbm_or_says_what_would(capsys):
     assert "--microbatches" in err and "--offload auto" in err
 
 
+def test_a_pipeline_plan_is_the_plan_simulate_prices(capsys, tmp_path):
+    """``plan --pipeline`` and ``simulate --plan auto`` run the same stage search: on a
+    cluster whose HBM makes one stage recompute, both give the same stages, recompute
+    modes, peaks and step time (they had disagreed on what fits: ``plan`` searched no
+    recompute). bf16 on both sides (simulate's fp16 on V100)."""
+    import json
+    from importlib import resources
+
+    from conftest import cli_in_process
+
+    from autoshard.hardware.clusters import PRESET_DIR, PRESET_PACKAGE
+
+    text = (resources.files(PRESET_PACKAGE) / PRESET_DIR / "alpa-v100.json").read_text()
+    preset = json.loads(text)
+    preset["name"], preset["device"]["hbm_bytes"] = "small-v100", 1_050_000
+    cluster = tmp_path / "small-v100.json"
+    cluster.write_text(json.dumps(preset))
+    rc, out, err = cli_in_process(
+        capsys, *"simulate --model gpt-tiny --gpus 4 --global-batch 8 --plan auto".split(),
+        "--microbatches", "2", "--dtype", "fp16", "--cluster", str(cluster), "--json", "--quiet",
+    )  # fmt: skip
+    assert rc == 0, err
+    sim = json.loads(out)
+    assert not sim["oom"]
+    rc, out, err = cli_in_process(
+        capsys, *"plan --model gpt-tiny --devices 4 --batch 8 --pipeline auto".split(),
+        "--microbatches", "2", "--dtype", "bfloat16", "--cluster", str(cluster), "--json",
+        "--quiet",
+    )  # fmt: skip
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert any(s["recompute"] != "none" for s in plan["stages"])  # the budget binds
+    assert plan["objective_s"] == pytest.approx(sim["step_time_s"], rel=1e-9)
+    got = [(s["layers"][0], s["layers"][-1], s["submesh"], s["logical_mesh"], s["recompute"],
+            s["peak_bytes"]) for s in plan["stages"]]  # fmt: skip
+    want = [(s["layers"][0], s["layers"][-1], s["submesh"], s["logical_mesh_dp_tp"],
+             s["recompute"], s["peak_bytes"]) for s in sim["plan"]["stages"]]  # fmt: skip
+    assert got == want
+
+
 def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys):
     """``plan --pipeline --microbatches 2,4`` runs the whole stage search at each count and
     keeps the fastest plan that fits (the JSON lists every count tried); none fitting exits
