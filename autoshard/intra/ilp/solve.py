@@ -233,6 +233,7 @@ def solve(
     presolve: bool = False,
     max_nodes: int | None = None,
     lp_first: bool = False,
+    mip_max_columns: int | None = None,
 ) -> Solution:
     """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
 
@@ -252,6 +253,11 @@ def solve(
     integral (an optimum of the program: its objective is the bound), running the integer
     program only when it is not (CBC ignores it).  The optimum is the same; where several
     plans reach it, which one comes back may differ from the integer program's.
+    ``mip_max_columns`` (with ``lp_first`` and ``initial``): where the relaxation is
+    fractional and the program has more columns than this, no integer program runs: the
+    solution is ``initial`` with status "fractional" and its gap to the LP's bound (no
+    warning: the caller asked for the LP alone).  A rule on the program's size, so which
+    programs get the integer program does not depend on the load.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
@@ -262,6 +268,8 @@ def solve(
         isinstance(max_nodes, bool) or int(max_nodes) != max_nodes or max_nodes < 1
     ):
         raise ValueError(f"max_nodes={max_nodes!r}: give a positive whole number of nodes, or None")
+    if mip_max_columns is not None and (not lp_first or initial is None):
+        raise ValueError("mip_max_columns needs lp_first=True and an initial assignment")
     start = time.perf_counter()
     red = _reduce(problem, merge)
     model = _build(red, minimise_peak=False)
@@ -270,6 +278,7 @@ def solve(
     model.presolve = presolve
     model.max_nodes = None if max_nodes is None else int(max_nodes)
     model.lp_first = lp_first
+    model.mip_max_columns = mip_max_columns
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
     if out.status == "infeasible":
@@ -285,6 +294,9 @@ def solve(
         err.lower_bound_bytes = peak_lower_bound(problem.node_memory, problem.live_sets)
         raise err
     fallback = None
+    if out.status == "fractional":  # the LP alone (mip_max_columns): the start stands
+        model.values = None
+        strategy = tuple(initial)
     if out.status == "no_incumbent":
         greedy = greedy_assignment(problem)
         if greedy is None:
@@ -316,7 +328,7 @@ def solve(
             tie_break = "skipped"
     elif np.asarray(model.preference).any():
         tie_break = "skipped"
-    if fallback is None:
+    if fallback is None and out.status != "fractional":
         strategy = _decode(red, model)
     objective = objective_of(problem, strategy)
     if not math.isfinite(objective):
