@@ -244,9 +244,35 @@ def test_lp_rules():
     cbc = unsolved_because(mesh, "lp", columns=10, solver="cbc")
     assert "with cbc" in cbc and "HiGHS" in cbc
     assert unsolved_because(alpa_test_mesh((4,), ("x",)), "lp", solver="cbc") is None
+    gather = unsolved_because(mesh, "lp", columns=10, forbidden=frozenset({"all-gather"}))
+    assert "forbidden collectives (all-gather" in gather
+    assert unsolved_because(mesh, "auto", columns=10, forbidden=frozenset({"all-gather"})) is None
     graph = _conv_net()
     exact, start = _exact_and_start(graph, mesh)
     with pytest.raises(ValueError, match="mip_max_columns needs lp_first"):
         solve(exact.problem, solver="highs", initial=start, mip_max_columns=0)
     with pytest.raises(ValueError, match="mip_max_columns needs"):
         solve(exact.problem, solver="highs", lp_first=True, mip_max_columns=0)
+    with pytest.raises(ValueError, match="lp_max_iterations needs mip_max_columns"):
+        solve(exact.problem, solver="highs", lp_first=True, lp_max_iterations=10)
+
+
+def test_an_lp_stopped_at_its_iteration_limit_keeps_the_per_demand_plan(monkeypatch):
+    """The LP's budget is simplex iterations (EXACT_LP_MAX_ITERATIONS), a count: an LP that
+    stops there (here: a limit of 10 on the 2-layer conv net on 2x2, whose LP is integral
+    in 4,904) returns its start, and the plan is the per-demand one, saying why."""
+    import autoshard.intra.problem.exact_values as ev
+
+    graph = _conv_net()
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    exact, start = _exact_and_start(graph, mesh)
+    stopped = solve(exact.problem, solver="highs", initial=start, lp_first=True,
+                    mip_max_columns=0, lp_max_iterations=10)  # fmt: skip
+    assert stopped.status == "lp_stopped" and stopped.limit == "iterations"
+    assert stopped.strategy == start
+    monkeypatch.setattr(ev, "EXACT_LP_MAX_ITERATIONS", 10)
+    plan = auto_shard_graph(graph, mesh, DEFAULT)
+    before = auto_shard_graph(graph, mesh, DEFAULT.replace(exact_search="one-axis"))
+    assert plan.input_specs == before.input_specs and plan.tensor_specs == before.tensor_specs
+    assert plan.objective == pytest.approx(before.objective, rel=1e-12)
+    assert "stopped at its 10 simplex iterations" in plan.solver["exact_stopped"]
