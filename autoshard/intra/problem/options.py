@@ -74,17 +74,19 @@ class IntraOptions:
       integral (then it is the exact optimum, proven); where it is fractional the integer
       program runs (200 nodes) only on an exact program of at most
       :data:`~autoshard.intra.problem.exact_values.EXACT_MIP_MAX_COLUMNS` columns, else the
-      per-demand plan is kept, priced per value.  Rules on the program's size, so the plan
-      does not depend on the load (docs/sharing.md);
+      per-demand plan is kept, priced per value; the LP gets at most
+      :data:`~autoshard.intra.problem.exact_values.EXACT_LP_MAX_ITERATIONS` simplex
+      iterations.  Not with forbidden collectives (their LPs were the slowest measured),
+      unless the per-demand plan needs one, nor with CBC.  Rules on the program's size
+      and counts, so the plan does not depend on the load (docs/sharing.md);
     * "one-axis" on meshes with at most one axis longer than 1, where it proves its
       optimum in seconds and finds cheaper plans than its start;
     * "auto" there too, and the integer program on meshes of several axes where the
       per-demand program has at most ``EXACT_MAX_COLUMNS`` columns: on Alpa's 4-layer
       conv net on 2x2 HiGHS proved the optimum at the root, 18% below the per-demand
       plan, but on 4x2 its root node alone ran past the default time limit.  Larger
-      programs (the GPT presets on 2x4 and 8x8: 82,000-85,000 columns) keep the
-      per-demand plan priced per value (its objective is still its predicted cost; on
-      gpt-350m 2x4 the exact solve did not improve it in 120 s);
+      programs (gpt-350m on 2x4: 54,940 columns) keep the per-demand plan priced per
+      value (its objective is still its predicted cost);
     * "always" on every mesh; "never" only prices.
 
     Alpa's ``AutoShardingOption`` knobs:
