@@ -85,8 +85,8 @@ class IntraOptions:
       per-demand program has at most ``EXACT_MAX_COLUMNS`` columns: on Alpa's 4-layer
       conv net on 2x2 HiGHS proved the optimum at the root, 18% below the per-demand
       plan, but on 4x2 its root node alone ran past the default time limit.  Larger
-      programs (gpt-350m on 2x4: 54,940 columns) keep the per-demand plan priced per
-      value (its objective is still its predicted cost);
+      programs (bench_intra's GPT rows on 2x4 and 8x8: 54,018-54,940 columns) keep
+      the per-demand plan priced per value (its objective is still its predicted cost);
     * "always" on every mesh; "never" only prices.
 
     Alpa's ``AutoShardingOption`` knobs:
