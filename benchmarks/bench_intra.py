@@ -123,7 +123,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--exact-search",
-        choices=("auto", "one-axis", "always", "never"),
+        choices=("lp", "auto", "one-axis", "always", "never"),
         default=None,
         help="where the exact per-value program is solved (default: the planner's)",
     )

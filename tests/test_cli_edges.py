@@ -651,3 +651,21 @@ def test_a_pipeline_plan_recomputes_where_its_budget_needs_it(capsys):
         capsys, *tiny.split(), "--recompute", "none", "--memory-budget", f"{budget:.9f}"
     )
     assert rc == 2 and "--recompute auto or full" in err
+
+
+def test_exact_search_defaults_to_lp_and_refuses_other_values(capsys):
+    """``--exact-search``: "lp" by default (its help says so, a "%" escaped), a value it
+    does not know refused with the choices."""
+    from autoshard.cli.main import build_parser
+
+    args = build_parser().parse_args(["plan", *MLP, "--mesh", "2x4"])
+    assert args.exact_search == "lp"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lp, the default: up to 26% cheaper plans" in out
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["plan", *MLP, "--mesh", "2x4", "--exact-search", "exact"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'exact'" in err and "'lp', 'auto', 'one-axis'" in err

@@ -1,7 +1,9 @@
-"""The exact per-value program on meshes of several axes (exact_search="auto", not
-the default; test_intra's 2-D test compiles its plan of an MLP on 2x2): Alpa's n-layer conv
-net on 2x2, where the per-demand plan priced per value ("one-axis") is 30% dearer than
-the per-value optimum; the hubs that make the program's relaxation tight
+"""The exact per-value program on meshes of several axes: the default, exact_search="lp"
+(its LP relaxation, kept where integral; the per-demand plan where it is fractional on a
+program over EXACT_MIP_MAX_COLUMNS), and "auto" (the integer program; test_intra's 2-D
+test compiles its plan of an MLP on 2x2): Alpa's n-layer conv net on 2x2, where the
+per-demand plan priced per value ("one-axis") is 30% dearer than the per-value optimum;
+the hubs that make the program's relaxation tight
 (:mod:`autoshard.intra.problem.value_edges`); 1-D meshes unchanged."""
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.cost.resharding import collective_cost
 from autoshard.intra.ilp import objective_of, solve
 from autoshard.intra.problem.build import _common, _finish, auto_shard_graph
-from autoshard.intra.problem.exact_values import EXACT_MAX_COLUMNS, unsolved_because
+from autoshard.intra.problem.exact_values import (
+    EXACT_MAX_COLUMNS,
+    EXACT_MIP_MAX_COLUMNS,
+    unsolved_because,
+)
 from autoshard.intra.problem.options import IntraOptions
 from autoshard.intra.problem.value_edges import hub_max_sets
 
-# exact_search="auto" (an option: the default is "one-axis", docs/sharing.md): the exact
+# exact_search="auto" (an option: the default is "lp", docs/sharing.md): the exact
 # program with hubs on meshes of several axes (docs/sharing.md)
 HIGHS = IntraOptions(solver="highs", time_limit_s=60, exact_search="auto")
+DEFAULT = IntraOptions(solver="highs", time_limit_s=60)
 
 
 @functools.cache
@@ -103,10 +110,13 @@ def test_auto_solves_small_programs_of_several_axes_only():
     assert unsolved_because(alpa_test_mesh((4,), ("x",)), "auto") is None
 
 
-def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_2x2():
+@pytest.mark.parametrize("search", ["lp", "auto"])
+def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_2x2(search):
     """The MLP of the verifier's suite on 2x2: the per-demand plan costs what the
     per-demand program charged (no over-charge) and yet is not the per-value optimum;
-    auto solves the exact program all the same and returns that optimum."""
+    auto solves the exact program all the same and returns that optimum, and so does the
+    default ("lp"): the relaxation is fractional, but the program is small enough
+    (EXACT_MIP_MAX_COLUMNS) for the integer program."""
     from autoshard.api import trace_workload
 
     traced = trace_workload("mlp", optimizer="sgd", batch_size=16, hidden=256, num_layers=2)
@@ -120,9 +130,14 @@ def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_2x2():
     assert priced == pytest.approx(first.objective, rel=1e-9)  # charged exactly
     optimum = solve(exact.problem, solver="highs", time_limit_s=60)
     assert optimum.status == "optimal" and optimum.objective < priced * (1 - 1e-3)
-    plan = auto_shard_graph(traced.graph, mesh, HIGHS)
+    plan = auto_shard_graph(traced.graph, mesh, HIGHS.replace(exact_search=search))
     assert plan.solver["status"] == "optimal" and plan.solver["exact_stopped"] is None
     assert plan.objective == pytest.approx(optimum.objective, rel=1e-9)
+    if search == "lp":  # fractional, and small: the integer program ran
+        start = exact.values.complete(exact.strategies, first.strategy, mesh)
+        alone = solve(exact.problem, solver="highs", initial=start, lp_first=True,
+                      mip_max_columns=0)  # fmt: skip
+        assert alone.status == "fractional" and alone.num_variables <= EXACT_MIP_MAX_COLUMNS
 
 
 def test_a_solve_that_ends_with_a_worse_plan_keeps_the_per_demand_plan(monkeypatch):
@@ -156,3 +171,108 @@ def test_a_solve_that_ends_with_a_worse_plan_keeps_the_per_demand_plan(monkeypat
     assert kept.strategy == start
     assert kept.objective == pytest.approx(objective_of(exact.problem, start), rel=1e-12)
     assert "the per-demand plan is kept" in kept.exact_stopped
+
+
+def _exact_and_start(graph, mesh):
+    """The exact program of ``graph`` on ``mesh`` and the per-demand plan as its start."""
+    common = _common(graph, mesh, DEFAULT, None, True, None)
+    exact = _finish(common, True)
+    first = solve(_finish(common, False).problem, solver="highs")
+    return exact, exact.values.complete(exact.strategies, first.strategy, mesh)
+
+
+def test_the_default_keeps_an_integral_lp_the_proven_optimum():
+    """The 2-layer conv net on 2x2 (19,530 columns, over EXACT_MIP_MAX_COLUMNS): the exact
+    program's LP relaxation is integral, so the default ("lp") returns it, and it is the
+    integer program's optimum (solved here alone, without a start or node budget); the
+    same plan twice (no time in the rule)."""
+    graph = _conv_net()
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    exact, start = _exact_and_start(graph, mesh)
+    relaxed = solve(exact.problem, solver="highs", initial=start, lp_first=True,
+                    mip_max_columns=0)  # fmt: skip
+    assert relaxed.status == "optimal" and relaxed.num_variables > EXACT_MIP_MAX_COLUMNS
+    optimum = solve(exact.problem, solver="highs", time_limit_s=120)
+    assert optimum.status == "optimal"
+
+    assert DEFAULT.exact_search == "lp"
+    plan = auto_shard_graph(graph, mesh, DEFAULT)
+    assert plan.solver["status"] == "optimal" and plan.solver["exact_stopped"] is None
+    assert plan.objective == pytest.approx(optimum.objective, rel=1e-6)
+    assert plan.objective == pytest.approx(relaxed.objective, rel=1e-6)
+    again = auto_shard_graph(graph, mesh, DEFAULT)
+    assert again.solver["strategy"] == plan.solver["strategy"]
+    assert again.objective == plan.objective
+
+
+def test_the_default_keeps_the_per_demand_plan_where_the_lp_is_fractional():
+    """The 2-layer conv net on 2x4: the relaxation is fractional on a program over
+    EXACT_MIP_MAX_COLUMNS (its integer program took 22 s where measured), so the default
+    returns the per-demand plan priced per value -- "one-axis"'s plan -- and says so, with
+    the LP's bound; "auto"'s integer program finds one 26% cheaper.  The same plan twice."""
+    graph = _conv_net()
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    exact, start = _exact_and_start(graph, mesh)
+    relaxed = solve(exact.problem, solver="highs", initial=start, lp_first=True,
+                    mip_max_columns=0)  # fmt: skip
+    assert relaxed.status == "fractional" and relaxed.strategy == start
+    assert relaxed.num_variables > EXACT_MIP_MAX_COLUMNS and relaxed.gap > 0.01
+
+    plan = auto_shard_graph(graph, mesh, DEFAULT)
+    before = auto_shard_graph(graph, mesh, DEFAULT.replace(exact_search="one-axis"))
+    # the same layouts (the records index two programs: the exact one, the per-demand one)
+    assert plan.input_specs == before.input_specs and plan.tensor_specs == before.tensor_specs
+    assert plan.objective == pytest.approx(before.objective, rel=1e-12)
+    assert plan.objective == pytest.approx(objective_of(exact.problem, start), rel=1e-9)
+    stopped = plan.solver["exact_stopped"]
+    assert "LP relaxation is fractional" in stopped and "per-demand plan is kept" in stopped
+    assert f"{relaxed.num_variables:,} columns" in stopped
+    assert f"at most {relaxed.gap:.1%} above" in stopped
+    again = auto_shard_graph(graph, mesh, DEFAULT)
+    assert again.solver["strategy"] == plan.solver["strategy"]
+
+
+def test_lp_rules():
+    """Where "lp" solves: like "auto" by the per-demand program's columns; with CBC (no LP
+    relaxation through PuLP here) not on meshes of several axes, saying why; one-axis
+    meshes as "one-axis".  ``mip_max_columns`` needs the LP and a start."""
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    assert unsolved_because(mesh, "lp", columns=EXACT_MAX_COLUMNS) is None
+    big = unsolved_because(mesh, "lp", columns=EXACT_MAX_COLUMNS + 1)
+    assert "over the" in big and "exact_search='lp'" in big
+    assert "memory budget" in unsolved_because(mesh, "lp", True, columns=10)
+    cbc = unsolved_because(mesh, "lp", columns=10, solver="cbc")
+    assert "with cbc" in cbc and "HiGHS" in cbc
+    assert unsolved_because(alpa_test_mesh((4,), ("x",)), "lp", solver="cbc") is None
+    gather = unsolved_because(mesh, "lp", columns=10, forbidden=frozenset({"all-gather"}))
+    assert "forbidden collectives (all-gather" in gather
+    assert unsolved_because(mesh, "auto", columns=10, forbidden=frozenset({"all-gather"})) is None
+    graph = _conv_net()
+    exact, start = _exact_and_start(graph, mesh)
+    with pytest.raises(ValueError, match="mip_max_columns needs lp_first"):
+        solve(exact.problem, solver="highs", initial=start, mip_max_columns=0)
+    with pytest.raises(ValueError, match="mip_max_columns needs"):
+        solve(exact.problem, solver="highs", lp_first=True, mip_max_columns=0)
+    with pytest.raises(ValueError, match="lp_max_iterations needs mip_max_columns"):
+        solve(exact.problem, solver="highs", lp_first=True, lp_max_iterations=10)
+
+
+def test_an_lp_stopped_at_its_iteration_limit_keeps_the_per_demand_plan(monkeypatch):
+    """The LP's budget is simplex iterations (EXACT_LP_MAX_ITERATIONS), a count: an LP that
+    stops there (here: a limit of 10 on the 2-layer conv net on 2x2, whose LP is integral
+    in 4,904) returns its start, and the plan is the per-demand one, saying why."""
+    import autoshard.intra.problem.exact_values as ev
+
+    graph = _conv_net()
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    exact, start = _exact_and_start(graph, mesh)
+    stopped = solve(exact.problem, solver="highs", initial=start, lp_first=True,
+                    mip_max_columns=0, lp_max_iterations=10)  # fmt: skip
+    assert stopped.status == "lp_stopped" and stopped.limit == "iterations"
+    assert stopped.strategy == start
+    monkeypatch.setattr(ev, "EXACT_LP_MAX_ITERATIONS", 10)
+    plan = auto_shard_graph(graph, mesh, DEFAULT)
+    before = auto_shard_graph(graph, mesh, DEFAULT.replace(exact_search="one-axis"))
+    assert plan.input_specs == before.input_specs and plan.tensor_specs == before.tensor_specs
+    assert plan.objective == pytest.approx(before.objective, rel=1e-12)
+    assert "stopped at its 10 simplex iterations" in plan.solver["exact_stopped"]

@@ -327,8 +327,9 @@ def test_exact_search_refuses_an_unknown_choice():
     from autoshard.intra.problem.options import EXACT_SEARCH
 
     assert CLI_CHOICES == EXACT_SEARCH  # the parser's copy
-    with pytest.raises(ValueError, match="exact_search='2d'.*one-axis"):
+    with pytest.raises(ValueError, match="exact_search='2d'.*lp, auto, one-axis"):
         IntraOptions(exact_search="2d")
+    assert IntraOptions().exact_search == "lp"
 
 
 @pytest.mark.parametrize(

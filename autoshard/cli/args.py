@@ -19,7 +19,7 @@ MODEL_PRESETS = (
 OPTIMIZER_CHOICES = ("adamw", "adafactor", "sgd", "sgd-momentum")
 
 # IntraOptions.exact_search's choices, without importing the planner (tests check them equal)
-EXACT_SEARCH = ("auto", "one-axis", "always", "never")
+EXACT_SEARCH = ("lp", "auto", "one-axis", "always", "never")
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -234,14 +234,18 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--exact-search",
         choices=EXACT_SEARCH,
-        default="one-axis",
-        help="where the per-value program is solved from the per-demand plan: without "
-        "--memory-budget on meshes with one axis > 1 and on meshes of several axes whose "
-        "per-demand program has at most 40,000 columns (auto: up to 26%% cheaper plans on "
-        "small 2-D programs, but a 4-layer conv net on 4x2 then spends the whole time "
-        "limit; elsewhere the per-demand plan is priced per value), on one-axis meshes only "
-        "(one-axis, the default), on every mesh (always: slow on large programs of several "
-        "axes), or never",
+        default="lp",
+        help="where the per-value program is solved from the per-demand plan, never with "
+        "--memory-budget: on meshes with one axis > 1 (200 branch-and-bound nodes) and, on "
+        "meshes of several axes whose per-demand program has at most 40,000 columns, its LP "
+        "relaxation (at most 20,000 simplex iterations; not with --no-all-gather or "
+        "--no-all-to-all), kept where integral (the proven optimum; a fractional one keeps the "
+        "per-demand plan unless the program has at most 2,500 columns: then 200 nodes; lp, "
+        "the default: up to 26%% cheaper plans on small 2-D programs, in seconds); the same "
+        "with the integer program on every such 2-D program (auto: a 4-layer conv net on 4x2 "
+        "spends the whole time limit); on one-axis meshes only (one-axis); on every mesh "
+        "(always: slow on large programs of several axes); or never (the per-demand plan, "
+        "priced per value)",
     )
 
 
@@ -265,5 +269,5 @@ def intra_options(args):
         layer_period=getattr(args, "layer_period", 2),
         **({} if ends is None else {"layer_ends": ends}),
         exact_values=not getattr(args, "per_demand_pricing", False),
-        exact_search=getattr(args, "exact_search", "one-axis"),
+        exact_search=getattr(args, "exact_search", "lp"),
     )

@@ -42,6 +42,12 @@ class _Model:
     presolve: bool = False  # HiGHS's presolve (see autoshard.intra.ilp.solve)
     max_nodes: int | None = None  # a branch-and-bound node limit (deterministic, unlike time)
     lp_first: bool = False  # HiGHS: solve the LP relaxation first, keep it when integral
+    # with lp_first: where the relaxation is fractional and the program has more columns
+    # than this, no integer program is run (outcome "fractional", the LP's bound)
+    mip_max_columns: int | None = None
+    # with mip_max_columns: the LP's simplex iteration limit (deterministic, unlike time);
+    # an LP stopped there (or by the time limit) has outcome "lp_stopped"
+    lp_max_iterations: int | None = None
 
     def column(self, cost: float = 0.0, preference: float = 0.0) -> int:
         self.cost.append(cost)

@@ -36,7 +36,10 @@ class Solution:
     """The chosen strategy of every original node and how the solve went.
 
     ``status`` is "optimal" (within ``mip_gap``) or "time_limit" (best incumbent; when the
-    solver found none, ``fallback`` says which feasible assignment was returned instead).
+    solver found none, ``fallback`` says which feasible assignment was returned instead), or
+    "fractional" (``mip_max_columns``: the LP relaxation alone, fractional; the strategy is
+    the start given, ``gap`` its distance to the LP's bound) or "lp_stopped" (that LP
+    stopped unfinished; the start given).
     ``gap`` is (objective - best bound) / |objective|, None where the solver gave no bound.
     ``seconds`` covers build + solve; ``build_seconds`` the model building alone.
     ``exact_stopped``: where the exact per-value program, started from the per-demand
@@ -233,6 +236,8 @@ def solve(
     presolve: bool = False,
     max_nodes: int | None = None,
     lp_first: bool = False,
+    mip_max_columns: int | None = None,
+    lp_max_iterations: int | None = None,
 ) -> Solution:
     """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
 
@@ -252,6 +257,14 @@ def solve(
     integral (an optimum of the program: its objective is the bound), running the integer
     program only when it is not (CBC ignores it).  The optimum is the same; where several
     plans reach it, which one comes back may differ from the integer program's.
+    ``mip_max_columns`` (with ``lp_first`` and ``initial``): where the relaxation is
+    fractional and the program has more columns than this, no integer program runs: the
+    solution is ``initial`` with status "fractional" and its gap to the LP's bound (no
+    warning: the caller asked for the LP alone).  A rule on the program's size, so which
+    programs get the integer program does not depend on the load.  ``lp_max_iterations``
+    (with ``mip_max_columns``): the LP's simplex iteration limit; an LP stopped there or by
+    the time limit also returns ``initial``, with status "lp_stopped" (``limit``
+    "iterations" or "time").
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
@@ -262,6 +275,10 @@ def solve(
         isinstance(max_nodes, bool) or int(max_nodes) != max_nodes or max_nodes < 1
     ):
         raise ValueError(f"max_nodes={max_nodes!r}: give a positive whole number of nodes, or None")
+    if mip_max_columns is not None and (not lp_first or initial is None):
+        raise ValueError("mip_max_columns needs lp_first=True and an initial assignment")
+    if lp_max_iterations is not None and mip_max_columns is None:
+        raise ValueError("lp_max_iterations needs mip_max_columns")
     start = time.perf_counter()
     red = _reduce(problem, merge)
     model = _build(red, minimise_peak=False)
@@ -270,6 +287,8 @@ def solve(
     model.presolve = presolve
     model.max_nodes = None if max_nodes is None else int(max_nodes)
     model.lp_first = lp_first
+    model.mip_max_columns = mip_max_columns
+    model.lp_max_iterations = lp_max_iterations
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
     if out.status == "infeasible":
@@ -285,6 +304,9 @@ def solve(
         err.lower_bound_bytes = peak_lower_bound(problem.node_memory, problem.live_sets)
         raise err
     fallback = None
+    if out.status in ("fractional", "lp_stopped"):  # the LP alone: the start stands
+        model.values = None
+        strategy = tuple(initial)
     if out.status == "no_incumbent":
         greedy = greedy_assignment(problem)
         if greedy is None:
@@ -316,7 +338,7 @@ def solve(
             tie_break = "skipped"
     elif np.asarray(model.preference).any():
         tie_break = "skipped"
-    if fallback is None:
+    if fallback is None and out.status not in ("fractional", "lp_stopped"):
         strategy = _decode(red, model)
     objective = objective_of(problem, strategy)
     if not math.isfinite(objective):

@@ -48,10 +48,10 @@ def _expr(terms, constant: float = 0.0) -> pulp.LpAffineExpression:
 
 @dataclass(frozen=True)
 class _Outcome:
-    status: str  # optimal | time_limit | no_incumbent | infeasible
+    status: str  # optimal | time_limit | no_incumbent | infeasible | fractional | lp_stopped
     bound: float | None  # best bound on the model objective
     nodes: int | None = None  # branch-and-bound nodes explored (HiGHS)
-    limit: str | None = None  # which limit stopped a "time_limit" solve: "time" or "nodes"
+    limit: str | None = None  # what stopped a solve: "time", "nodes" or (LP) "iterations"
     wall_s: float | None = None  # the solver's own run, wall clock (HiGHS)
 
 
@@ -233,7 +233,10 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
     if model.lp_first:
         relaxed = _relaxation(highs, lp, model)
-        if relaxed is not None:
+        if relaxed.status in ("optimal", "infeasible"):
+            return relaxed
+        big = model.mip_max_columns is not None and model.num_cols > model.mip_max_columns
+        if big or relaxed.status == "lp_stopped":  # no integer program: the LP's bound
             return relaxed
     kinds = highspy.HighsVarType
     lp.integrality_ = [kinds.kInteger] * model.num_binary + [kinds.kContinuous] * (
@@ -273,31 +276,43 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
 _INTEGRAL_TOL = 1e-6
 
 
-def _relaxation(highs, lp, model: _Model) -> _Outcome | None:
-    """The LP relaxation of ``model`` solved (dual simplex, no presolve): its solution
-    when every binary column is integral -- then it is an optimal solution of the
-    integer program too, its objective the bound -- else None (and ``highs`` is left for
-    the integer program).  The tie-breaking solve goes the same way (its start is then
-    unused).  On the stage search's programs every relaxation was integral (gpt-39b on 64
-    GPUs: 52 of 52, first and tie-breaking solves) and HiGHS solved them 3-5x faster than
-    its MIP solver reached the same point at its root node (gpt-39b's block on 2 x 32:
-    0.3 s against 1.3 s), with the same plan."""
+def _relaxation(highs, lp, model: _Model) -> _Outcome:
+    """The LP relaxation of ``model`` solved (dual simplex, no presolve): "optimal" with
+    its solution when every binary column is integral -- then it is an optimal solution of
+    the integer program too, its objective the bound; "fractional" with its objective as
+    the bound when it is not; "no_incumbent" (limit "time") when it did not finish.  Where
+    it is not "optimal", ``highs`` is left for the integer program.  The tie-breaking solve
+    goes the same way (its start is then unused).  On the stage search's programs every
+    relaxation was integral (gpt-39b on 64 GPUs: 52 of 52, first and tie-breaking solves)
+    and HiGHS solved them 3-5x faster than its MIP solver reached the same point at its
+    root node (gpt-39b's block on 2 x 32: 0.3 s against 1.3 s), with the same plan."""
     import highspy
 
     highs.setOptionValue("presolve", "off")
+    if model.lp_max_iterations is not None:
+        highs.setOptionValue("simplex_iteration_limit", int(model.lp_max_iterations))
     highs.passModel(lp)
+    started = time.monotonic()
     highs.run()
+    wall_s = time.monotonic() - started
     info = highs.getInfo()
-    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        highs.setOptionValue("presolve", "on" if model.presolve else "off")
-        return None
+    presolve = "on" if model.presolve else "off"
+    highs.setOptionValue("presolve", presolve)
+    highs.setOptionValue("simplex_iteration_limit", highspy.kHighsIInf)
+    ms, status = highs.getModelStatus(), highspy.HighsModelStatus
+    if ms != status.kOptimal:
+        if ms == status.kInfeasible:  # so is the integer program
+            return _Outcome("infeasible", None)
+        if model.mip_max_columns is None:  # the integer program follows
+            return _Outcome("no_incumbent", None)
+        limit = "iterations" if ms == status.kIterationLimit else "time"
+        return _Outcome("lp_stopped", None, 0, limit, wall_s)
     values = np.asarray(highs.getSolution().col_value)
     binary = values[: model.num_binary]
     if np.any(np.minimum(np.abs(binary), np.abs(1.0 - binary)) > _INTEGRAL_TOL):
-        highs.setOptionValue("presolve", "on" if model.presolve else "off")
-        return None
+        return _Outcome("fractional", info.objective_function_value, 0, wall_s=wall_s)
     model.values = values
-    return _Outcome("optimal", info.objective_function_value, 0)
+    return _Outcome("optimal", info.objective_function_value, 0, wall_s=wall_s)
 
 
 def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: int) -> _Outcome:

@@ -388,7 +388,17 @@ def _plan_once(
         seed=options.seed,
     )
     budgeted = memory_budget_bytes is not None
-    unsolved = unsolved_because(mesh, options.exact_search, budgeted) if exact_values else None
+    unsolved = (
+        unsolved_because(
+            mesh,
+            options.exact_search,
+            budgeted,
+            solver=options.solver,
+            forbidden=options.forbidden_collectives(),
+        )  # fmt: skip
+        if exact_values
+        else None
+    )
     with held_warnings() as held:  # until the plan's objective is known
         ip, solution, plan = _solved(common, mesh, options, pinned_inputs, name, exact_values,
                                      settings, budgeted, unsolved)  # fmt: skip
@@ -407,14 +417,18 @@ def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, 
             unsolved):  # fmt: skip
     """:func:`_plan_once`'s solve: (the problem solved, its solution or None where a
     fallback plan stands in, the plan)."""
+    lp_only = options.exact_search == "lp"
     if unsolved is not None and not budgeted and common.values:
         # the exact program would only price the per-demand plan: price it without
         # building that program (a third of the planning time outside the solver on
         # gpt-39b 8x8, docs/sharing.md); with a budget its memory rows are needed
         ip = _finish(common, False)
         first = solve(ip.problem, **settings)
-        # exact_search="auto" solves a small program of several axes after all
-        unsolved = unsolved_because(mesh, options.exact_search, budgeted, first.num_variables)
+        # exact_search="lp" / "auto" solves a small program of several axes after all
+        unsolved = unsolved_because(
+            mesh, options.exact_search, budgeted, first.num_variables, options.solver,
+            options.forbidden_collectives(),
+        )  # fmt: skip
         solution = kept_per_demand(
             first, first.strategy, price_per_value(common, first.strategy), unsolved
         )
@@ -422,13 +436,15 @@ def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, 
             solution = None  # solved where the per-demand charge is exact too (_from_start)
         if solution is None:  # over-charged and small, or it needs a forbidden collective
             demand, ip = ip, _finish(common, True)
-            solution = solve_exact(ip, demand, mesh, settings, None, first)
+            solution = solve_exact(ip, demand, mesh, settings, None, first, lp_only)
     else:
         ip = _finish(common, exact_values)
         # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes
         # does, resharded copies included (CopyBuffer), so the plan's prediction is its peak
         if ip.values is not None and ip.values.groups:
-            solution = solve_exact(ip, _finish(common, False), mesh, settings, unsolved)
+            solution = solve_exact(
+                ip, _finish(common, False), mesh, settings, unsolved, lp_only=lp_only
+            )
         else:
             solution = solve(ip.problem, **settings)
     plan = plan_from_solution(ip, solution, name, forbidden=options.forbidden_collectives())

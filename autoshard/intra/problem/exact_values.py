@@ -41,6 +41,19 @@ EXACT_MIN_SECONDS = 5.0
 # gpt-350m on 2x4 (84,977) improved nothing in 120 s, and every GPT preset of
 # bench_intra has 82,000-85,000 (docs/sharing.md)
 EXACT_MAX_COLUMNS = 40_000
+# exact_search="lp" (the default) on a mesh of several axes, within EXACT_MAX_COLUMNS:
+# the exact program's LP relaxation, kept where it is integral (then it is the proven
+# optimum); where it is fractional the integer program runs (EXACT_MAX_NODES nodes) only
+# on an exact program of at most this many columns, else the per-demand plan is kept.
+# Measured (benchmarks/studies/exact_lp_integral.py): the MLPs' fractional programs
+# (1,250-1,316 columns) prove their optimum in under 0.5 s; the conv nets' (19,430-39,407)
+# took 12-36 s, one over a minute at load 7 (its root node alone 135 s)
+EXACT_MIP_MAX_COLUMNS = 2_500
+# and its LP gets at most this many simplex iterations (a count, not seconds, so the plan
+# does not depend on the load): the LPs kept where measured took at most 11,250 (the
+# 4-layer conv net on 2x2, 43,324 columns); gpt-tiny's with allow_all_gather=False on 2x4
+# and 4x2 (42,184 and 42,792 columns, fractional) 27,651 and 29,120, 33-46 s at load 9
+EXACT_LP_MAX_ITERATIONS = 20_000
 
 
 def _stopped(solution) -> str:
@@ -95,12 +108,19 @@ def price_per_value(c: _Common, choice) -> float:
 
 
 def unsolved_because(
-    mesh: DeviceMesh, search: str, budgeted: bool = False, columns: int | None = None
+    mesh: DeviceMesh,
+    search: str,
+    budgeted: bool = False,
+    columns: int | None = None,
+    solver: str = "highs",
+    forbidden: frozenset[str] = frozenset(),
 ) -> str | None:
     """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
     ``mesh`` (under a memory budget when ``budgeted``), or None where it does.
-    ``columns``: the per-demand program's, which "auto" reads on a mesh of several axes
-    (None: not solved yet, so not solved there either)."""
+    ``columns``: the per-demand program's, which "lp" and "auto" read on a mesh of several
+    axes (None: not solved yet, so not solved there either).  ``forbidden``: the collective
+    kinds the options forbid, with which "lp" does not solve it on a mesh of several axes
+    (their LPs were the slowest measured, and proved nothing cheaper: docs/sharing.md)."""
     if search == "always":
         return None
     if search == "never":
@@ -108,6 +128,16 @@ def unsolved_because(
     several = sum(1 for n in mesh.mesh.shape if n > 1) > 1
     if several and search == "one-axis":
         return "not solved on this mesh of several axes (exact_search='one-axis')"
+    if several and search == "lp" and forbidden:
+        return (
+            "not solved on this mesh of several axes with forbidden collectives "
+            f"({', '.join(sorted(forbidden))}; exact_search='lp')"
+        )
+    if several and search == "lp" and solver != "highs":
+        return (
+            f"not solved on this mesh of several axes with {solver} (exact_search='lp' "
+            "solves the exact program's LP relaxation with HiGHS)"
+        )
     if budgeted:  # with memory rows its root node alone ran past 45 s on gpt-350m (2 blocks)
         return f"not solved under a memory budget (exact_search={search!r})"
     if several:
@@ -115,7 +145,7 @@ def unsolved_because(
             size = "" if columns is None else f" ({columns:,} columns)"
             return (
                 f"not solved on this mesh of several axes: the per-demand program{size} is "
-                f"over the {EXACT_MAX_COLUMNS:,} columns up to which exact_search='auto' "
+                f"over the {EXACT_MAX_COLUMNS:,} columns up to which exact_search={search!r} "
                 "solves it"
             )
     return None
@@ -194,7 +224,7 @@ def kept_per_demand(first, strategy, priced: float, unsolved: str | None):
 
 def solve_exact(
     ip: IntraProblem, demand: IntraProblem, mesh, settings, unsolved: str | None = None,
-    first=None,
+    first=None, lp_only: bool = False,
 ):  # fmt: skip
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
@@ -210,17 +240,46 @@ def solve_exact(
     with ``exact_stopped`` (and the exact gap) in the plan's solver record.  Given
     ``unsolved`` (why not, :func:`unsolved_because`) the exact program is not solved: the
     per-demand plan is priced per value (``exact_stopped`` says so where that price is
-    below the per-demand one)."""
+    below the per-demand one).  ``lp_only`` (exact_search="lp"): on a mesh with hubs, a
+    fractional relaxation of a program over :data:`EXACT_MIP_MAX_COLUMNS` keeps the
+    per-demand plan (``exact_stopped`` says so, with the LP's bound)."""
     if first is None:
         with held_warnings() as held:
             first = solve(demand.problem, **settings)
-            solution = _from_start(ip, mesh, settings, unsolved, first)
+            solution = _from_start(ip, mesh, settings, unsolved, first, lp_only)
         held.release(solution.objective)
         return solution
-    return _from_start(ip, mesh, settings, unsolved, first)
+    return _from_start(ip, mesh, settings, unsolved, first, lp_only)
 
 
-def _from_start(ip, mesh, settings, unsolved, first):
+def _fractional(first, initial, start_price, solution):
+    """The per-demand plan where exact_search="lp" found the exact program's relaxation
+    fractional on a program too large for its integer program, or the LP stopped."""
+    if solution.status == "lp_stopped":
+        at = {"iterations": f"its {EXACT_LP_MAX_ITERATIONS:,} simplex iterations"}.get(
+            solution.limit, "the time limit"
+        )
+        why = (
+            f"the exact program's LP relaxation ({solution.num_variables:,} columns) stopped "
+            f"at {at} (exact_search='lp'): the per-demand plan is kept, priced per value"
+        )
+    else:
+        gap = "" if solution.gap is None else f", at most {solution.gap:.1%} above its optimum"
+        why = (
+            f"the exact program's LP relaxation is fractional ({solution.num_variables:,} "
+            f"columns, over the {EXACT_MIP_MAX_COLUMNS:,} up to which exact_search='lp' runs "
+            f"its integer program): the per-demand plan is kept, priced per value{gap}"
+        )
+    return dataclasses.replace(
+        first,
+        strategy=initial,
+        objective=start_price,
+        seconds=first.seconds + solution.seconds,
+        exact_stopped=why,
+    )
+
+
+def _from_start(ip, mesh, settings, unsolved, first, lp_only=False):
     """:func:`solve_exact` past the per-demand solve ``first``."""
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     start_price = objective_of(ip.problem, initial)
@@ -231,6 +290,9 @@ def _from_start(ip, mesh, settings, unsolved, first):
     if kept is not None and (unsolved is not None or not hub_max_sets(mesh)):
         return kept
     hubs = hub_max_sets(mesh) > 0
+    # the LP alone only where the per-demand plan is a plan: priced per value it may need a
+    # collective the options forbid (infinite), which only the integer program can avoid
+    lp_only = lp_only and hubs and math.isfinite(start_price)
     # with hubs the LP relaxation comes first, and a time cap there made the plan depend
     # on the load (the 4-layer conv net on 2x2: its optimum at load 12, its start kept at
     # load 15, the relaxation cut at 14 s): the user's limit alone bounds it, the node
@@ -254,7 +316,11 @@ def _from_start(ip, mesh, settings, unsolved, first):
             presolve=True,
             max_nodes=EXACT_MAX_NODES,
             lp_first=hubs,
+            mip_max_columns=EXACT_MIP_MAX_COLUMNS if lp_only else None,
+            lp_max_iterations=EXACT_LP_MAX_ITERATIONS if lp_only else None,
         )
+    if solution.status in ("fractional", "lp_stopped"):
+        return _fractional(first, initial, start_price, solution)
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
     objective = objective_of(ip.problem, strategy)
     if solution.fallback is not None or not objective <= start_price * (1 + 1e-9):

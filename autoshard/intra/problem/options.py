@@ -20,7 +20,7 @@ from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import SOLVERS
 
 # where the exact per-value program is solved (IntraOptions.exact_search)
-EXACT_SEARCH = ("auto", "one-axis", "always", "never")
+EXACT_SEARCH = ("lp", "auto", "one-axis", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,27 @@ class IntraOptions:
     under a memory budget except with "always" (with a budget's memory rows its root node
     alone can take minutes):
 
-    * "one-axis" (the default) on meshes with at most one axis longer than 1, where it
-      proves its optimum in seconds and finds cheaper plans than its start;
-    * "auto" there too, and on meshes of several axes where the per-demand
-      program has at most :data:`~autoshard.intra.problem.exact_values.EXACT_MAX_COLUMNS`
-      columns.  There its values read by several demands are priced by hubs
-      (:mod:`autoshard.intra.problem.value_edges`), whose LP relaxation is tight: on Alpa's
-      4-layer conv net on 2x2 HiGHS proved the optimum at the root, 18% below the
-      per-demand plan; with copy nodes alone it kept that plan, 23% above the optimum,
-      at its time cap.  Larger programs (the GPT presets on 2x4 and 8x8: 82,000-85,000
-      columns) keep the per-demand plan priced per value (its objective is still its
-      predicted cost; on gpt-350m 2x4 the exact solve did not improve it in 120 s);
+    * "lp" (the default) on meshes with at most one axis longer than 1, as "one-axis";
+      on meshes of several axes where the per-demand program has at most
+      :data:`~autoshard.intra.problem.exact_values.EXACT_MAX_COLUMNS` columns, the exact
+      program's LP relaxation (its values read by several demands priced by hubs,
+      :mod:`autoshard.intra.problem.value_edges`, which make it tight): kept where it is
+      integral (then it is the exact optimum, proven); where it is fractional the integer
+      program runs (200 nodes) only on an exact program of at most
+      :data:`~autoshard.intra.problem.exact_values.EXACT_MIP_MAX_COLUMNS` columns, else the
+      per-demand plan is kept, priced per value; the LP gets at most
+      :data:`~autoshard.intra.problem.exact_values.EXACT_LP_MAX_ITERATIONS` simplex
+      iterations.  Not with forbidden collectives (their LPs were the slowest measured),
+      unless the per-demand plan needs one, nor with CBC.  Rules on the program's size
+      and counts, so the plan does not depend on the load (docs/sharing.md);
+    * "one-axis" on meshes with at most one axis longer than 1, where it proves its
+      optimum in seconds and finds cheaper plans than its start;
+    * "auto" there too, and the integer program on meshes of several axes where the
+      per-demand program has at most ``EXACT_MAX_COLUMNS`` columns: on Alpa's 4-layer
+      conv net on 2x2 HiGHS proved the optimum at the root, 18% below the per-demand
+      plan, but on 4x2 its root node alone ran past the default time limit.  Larger
+      programs (bench_intra's GPT rows on 2x4 and 8x8: 54,018-54,940 columns) keep
+      the per-demand plan priced per value (its objective is still its predicted cost);
     * "always" on every mesh; "never" only prices.
 
     Alpa's ``AutoShardingOption`` knobs:
@@ -154,7 +164,7 @@ class IntraOptions:
     allow_mixed_mesh_shape: bool = True
     data_parallel_axes: tuple[str, ...] = ()
     exact_values: bool = True
-    exact_search: str = "one-axis"
+    exact_search: str = "lp"
     shard_largest_dim: bool = False
     keep_weight_layout: bool = False
     all_reduce_only: bool = False
