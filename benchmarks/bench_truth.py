@@ -109,6 +109,7 @@ def run(
     only_plans: tuple[str, ...] = (),
     attention: str | None = None,
     exact_search: str | None = None,
+    replay_cache: str | None = None,
 ) -> list[dict]:
     from autoshard.api import trace_workload
     from autoshard.intra.baselines.tables import BaselineRefusedError
@@ -207,6 +208,18 @@ def run(
                 }
                 rows.append(row)
                 print(_format_row(row), flush=True)
+                if replay_cache:  # memory_replay.py's record of this plan and its compile
+                    tag = f"__{attention}" if extra else ""
+                    name = f"{suite}__{row['model']}__{mesh_text}__{which}{tag}.json"
+                    Path(replay_cache).mkdir(parents=True, exist_ok=True)
+                    record = {
+                        "plan": plan.dumps(),
+                        "compiled": report.compiled_peak_bytes,
+                        "live": report.compiled_live_peak_bytes,
+                        "live_at": report.compiled_live_peak_instruction,
+                        "collectives_agree": report.collectives_agree,
+                    }
+                    (Path(replay_cache) / name).write_text(json.dumps(record))
     return rows
 
 
@@ -286,6 +299,13 @@ def main() -> None:
         help="where the exact per-value program is solved (IntraOptions.exact_search; "
         "default: the planner's)",
     )
+    ap.add_argument(
+        "--replay-cache",
+        default=None,
+        help="also write each plan and its compiled peaks here, as "
+        "benchmarks/studies/memory_replay.py caches them (replay a memory-model change "
+        "on this run's plans)",
+    )
     args = ap.parse_args()
 
     import jax
@@ -307,6 +327,7 @@ def main() -> None:
             tuple(p for p in args.plans.split(",") if p),
             args.attention,
             args.exact_search,
+            args.replay_cache,
         )
     ]
     wall = time.perf_counter() - t_start
