@@ -251,6 +251,7 @@ def test_a100_and_h100_hold_on_rows_they_were_not_calibrated_on():
     assert len(deep) == 2 and all(abs(r["error_percent"]) <= 12.0 for r in deep), deep
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_calibration_and_validation_rows_are_apart_and_the_fit_is_reproduced():
     """Each modelled table's 16-bit efficiency, and the 2019 software's per-step
     tensor-parallel cost, are what calibration on the calibration rows finds (and nothing
