@@ -414,6 +414,7 @@ def test_elementwise_structures_fused_default_and_2019_unfused():
         _sim(model, "dgx2h-v100", elementwise="xla", **kw)
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_megatron_2019_strong_scaling_is_not_a_replicated_elementwise_part():
     """benchmarks/studies/megatron2019_elementwise.py (docs/validation.md): the time missing on the
     1.2B strong-scaling rows fits c (1 - 1/t) with c about 0.36 s, but the part of the 1-GPU
