@@ -38,6 +38,7 @@ def test_cluster_hbm_is_the_default_budget_and_the_plan_says_so():
     assert bound.report is None  # no CPU compile stands in for the GPU's
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_cluster_budget_binds_the_plan(tmp_path):
     # on a 1-D mesh of 4: the budgeted solve under the V100's prices takes ~15 s there,
     # past the 120 s limit on 2x4 (the binding works the same on any mesh)

@@ -404,6 +404,7 @@ def test_reproduce_runs_scripts_and_writes_under_the_given_out(tmp_path, monkeyp
     assert "##progress 1 1 done" in (tmp_path / "rel" / "tiny.log").read_text()
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_weak_scaling_prices_every_method_with_the_familys_optimizer(monkeypatch):
     """Every method of a family (the search, intra-only, inter-only and the family's
     baseline) traces the step with the family's optimizer (Alpa's: SGD + Nesterov momentum

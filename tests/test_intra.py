@@ -349,6 +349,7 @@ def test_the_ilp_memory_rows_keep_a_gradient_for_any_layout_it_is_reduced_to():
     assert rows == pytest.approx(predicted, rel=1e-12)
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_open_loop_memory_model_keeps_compiled_within_budget(gpt350m_2l):
     """Without the compile loop: the plan auto_shard_graph makes for a 1.6 GB budget, its
     memory predicted as XLA:CPU lays it out, compiles within it (predicted 1,597.6 MB,

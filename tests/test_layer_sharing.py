@@ -139,6 +139,7 @@ def test_shared_problem_size_does_not_grow_with_depth():
     assert len(set(sizes.values())) == 1, sizes
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_ends_untied_problem_size_does_not_grow_with_depth():
     """With the first and last block of the run untied, gpt-tiny is planned as
     ``period + 2`` blocks whatever its depth: from 4 blocks on, the roots stay put."""

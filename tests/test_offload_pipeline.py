@@ -193,6 +193,7 @@ def test_pipeline_runtime_keeps_saved_activations_in_pinned_host_and_trains_the_
         assert {x.sharding.memory_kind for x in jax.tree.leaves(st_off.opt_state)} == {"device"}
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_pipeline_runtime_keeps_bf16_masters_in_pinned_host_and_trains_the_same():
     """optimizer,master on a bf16 model: the f32 weights read through a convert to bf16
     rest in pinned_host (those read in f32 -- layer-norm scales, the tied embedding --

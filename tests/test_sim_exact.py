@@ -32,6 +32,7 @@ EXACT_KEYS = (
 )
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_dp_exact_numbers_are_the_compiled_executables():
     report = simulate("gpt-125m", "dgx-a100", 8, "dp", microbatch_size=2, exact=True, **SMALL)
     exact = report.exact

@@ -137,6 +137,7 @@ def test_baseline_microbatches():
     assert ws.baseline_microbatches(6, 4) is None
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_wresnet_zero_baseline_is_one_data_parallel_stage():
     ws = load_experiment("weak_scaling")
     found = ws.baseline_search("wresnet-tiny", "alpa-v100", 8, 8, "fp16", ("zero2", "zero3"))

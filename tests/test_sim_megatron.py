@@ -251,6 +251,7 @@ def test_a100_and_h100_hold_on_rows_they_were_not_calibrated_on():
     assert len(deep) == 2 and all(abs(r["error_percent"]) <= 12.0 for r in deep), deep
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_calibration_and_validation_rows_are_apart_and_the_fit_is_reproduced():
     """Each modelled table's 16-bit efficiency, and the 2019 software's per-step
     tensor-parallel cost, are what calibration on the calibration rows finds (and nothing
@@ -413,6 +414,7 @@ def test_elementwise_structures_fused_default_and_2019_unfused():
         _sim(model, "dgx2h-v100", elementwise="xla", **kw)
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_megatron_2019_strong_scaling_is_not_a_replicated_elementwise_part():
     """benchmarks/studies/megatron2019_elementwise.py (docs/validation.md): the time missing on the
     1.2B strong-scaling rows fits c (1 - 1/t) with c about 0.36 s, but the part of the 1-GPU

@@ -194,6 +194,7 @@ def test_auto_gpt_350m_on_8_gpus():
     assert sum(s["submesh"][0] * s["submesh"][1] for s in r.plan["stages"]) == 8
 
 
+@pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
 def test_traced_grid_is_timed_with_the_search_stage_costs():
     """``program="traced"``: a Megatron grid timed on the traced step; its stages are
     Megatron's (embedding first, head last), its step the pipeline formula over the stage
