@@ -616,6 +616,14 @@ def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys):
     assert rc == 2 and "the least over micro-batch counts 2, 4" in err
     rc, _, err = cli_in_process(capsys, *tiny.split(), "--microbatches", "3,search")
     assert rc == 2 and "does not divide the global batch 8" in err
+    # search's default count on a cluster preset: simulate's, at the device's 16-bit dtype
+    # (a V100 has no bf16: fp16)
+    rc, out, err = cli_in_process(
+        capsys, *tiny.split(), "--microbatches", "search", "--dtype", "bfloat16",
+        "--cluster", "alpa-v100",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert len(json.loads(out)["microbatch_search"]) >= 2
     rc, _, err = cli_in_process(
         capsys, *"run --model gpt-tiny --devices 4 --pipeline auto --microbatches search".split()
     )

@@ -161,8 +161,12 @@ def _microbatch_counts(args) -> tuple[int, ...]:
         if shape is not None and args.cluster:
             from autoshard.hardware.clusters import load_cluster
 
-            dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(str(config.dtype), "fp32")
-            default = _default_microbatches(batch, shape, load_cluster(args.cluster), dtype)
+            cluster = load_cluster(args.cluster)
+            dtype = "fp32"
+            if str(config.dtype) != "float32":  # 16-bit: bf16, or the device's own (V100: fp16)
+                peaks = cluster.device.peak_flops
+                dtype = "bf16" if "bf16" in peaks else cluster.device.default_dtype
+            default = _default_microbatches(batch, shape, cluster, dtype)
     try:
         return microbatch_candidates(batch, default, extra)
     except ValueError as err:
