@@ -8,7 +8,10 @@ attention), bf16 autocast over float32 master weights, ``torch.optim.AdamW(fused
 ``torch.compile`` of the model.  Same batch, sequence and vocabulary as
 ``benchmarks/gpu_single.py measure``; step = forward, cross-entropy, backward, AdamW
 step, zero grad.  Records the step time (median of ``--steps`` after warm-up, each
-synchronised), MFU (Megatron's formula over ``--peak-tflops``), and the allocator's peak.
+synchronised), MFU (Megatron's formula over ``--peak-tflops``), and the allocator's peak;
+then ``--rounds`` rounds of ``--steps`` steps dispatched back to back with one
+synchronisation at the end (what a training loop does), the median over rounds of the
+time over the count (``back_to_back_s``), as ``benchmarks/gpu_ab.py`` times autoshard's.
 
 torch is not a dependency of autoshard; this script is run where torch is installed.
 
@@ -86,7 +89,9 @@ def build(hidden: int, heads: int, layers: int, vocab: int, seq: int):
     return GPT()
 
 
-def measure_one(model: str, layers: int, batch: int, steps: int, compile_: bool) -> dict:
+def measure_one(
+    model: str, layers: int, batch: int, steps: int, compile_: bool, rounds: int = 0
+) -> dict:
     import numpy as np
     import torch
 
@@ -127,6 +132,15 @@ def measure_one(model: str, layers: int, batch: int, steps: int, compile_: bool)
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    back_to_back = []
+    for _ in range(rounds):  # back to back: the host runs ahead, one synchronisation a round
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        sync()
+        back_to_back.append((time.perf_counter() - t0) / steps)
+    losses.append(float(loss.detach()))
     med = float(np.median(times))
     flops = megatron_flops(batch, seq, layers, hidden, vocab)
     return {
@@ -144,6 +158,8 @@ def measure_one(model: str, layers: int, batch: int, steps: int, compile_: bool)
         "step_times_s": times,
         "step_time_s": med,
         "step_time_spread": (max(times) - min(times)) / med,
+        "back_to_back_round_s": back_to_back,
+        "back_to_back_s": float(np.median(back_to_back)) if back_to_back else None,
         "model_flops_per_step": flops,
         "losses": losses,
         "peak_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
@@ -155,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", nargs="+", help="model:layers:batch, e.g. gpt-1.3b:24:8")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--rounds", type=int, default=0, help="rounds of --steps steps back to back (0: none)"
+    )
     ap.add_argument("--no-compile", action="store_true", help="eager (no torch.compile)")
     ap.add_argument("--quick", action="store_true", help="gpt-tiny, 2 layers (a CPU check)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense, for MFU")
@@ -176,16 +195,28 @@ def main(argv=None) -> int:
         ap.error("torch is not installed here (it is not a dependency of autoshard)")
     for model, layers, batch in configs:
         try:
-            run = measure_one(model, layers, batch, args.steps, not args.no_compile)
+            run = measure_one(
+                model, layers, batch, args.steps, not args.no_compile, rounds=args.rounds
+            )
             run["mfu"] = (
                 run["model_flops_per_step"] / run["step_time_s"] / (args.peak_tflops * 1e12)
             )
+            if run["back_to_back_s"]:
+                run["back_to_back_mfu"] = (
+                    run["model_flops_per_step"] / run["back_to_back_s"] / (args.peak_tflops * 1e12)
+                )
             peak = run["peak_bytes"]
             print(
                 f"torch {model} L{layers} B{batch}: step {run['step_time_s'] * 1e3:.1f} ms "
                 f"(spread {run['step_time_spread']:.1%}), MFU {run['mfu']:.1%}, peak "
                 + (f"{peak / 2**30:.2f} GiB" if peak else "n/a")
-                + f", loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f}",
+                + f", loss {run['losses'][0]:.3f} -> {run['losses'][-1]:.3f}"
+                + (
+                    f"; back to back: step {run['back_to_back_s'] * 1e3:.1f} ms, MFU "
+                    f"{run['back_to_back_mfu']:.1%}"
+                    if run["back_to_back_s"]
+                    else ""
+                ),
                 flush=True,
             )
         except Exception as err:  # noqa: BLE001 - recorded; the next configuration still runs
