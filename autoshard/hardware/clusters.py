@@ -29,7 +29,9 @@ Preset file format (one JSON object; write your own and pass its path)::
         "memory_bytes": 2e12,            # host RAM per node, bytes
         "link": {"name": "PCIe 4.0 x16", "bandwidth": 25e9, "latency": 10e-6},
         "gpus_per_link": 2,              # GPUs sharing one host link's uplink
-        "adam_params_per_s": 2.7e9       # the node's CPU Adam, parameters per second
+        "adam_params_per_s": 2.7e9,      # the node's CPU Adam, parameters per second
+        "copy_overlap": 0.13             # optional: share of a step's host copies hidden
+                                         # behind compute (default COPY_OVERLAP)
       },
       "notes": "where the figures come from"
     }
@@ -42,6 +44,9 @@ axis at the same time (true of row-major meshes, where all inner-axis groups are
 parallel), so the GPUs share the NICs evenly. The host ``link`` (PCIe) bandwidth is per GPU in
 one direction when it copies alone; ``gpus_per_link`` GPUs share one uplink to the CPU, so
 with that many in use on a node each gets its share (:meth:`HostSpec.link_bandwidth`).
+``copy_overlap`` is what the runtime makes of the copies inside a step, not the link's: the
+share of their serial time (in, then out) that runs under compute (:data:`COPY_OVERLAP`,
+measured on one H100 with XLA:GPU, is the default).
 Latencies are assumptions (about 5 us for
 NVLink, 10-20 us for the network), not measurements.
 
@@ -125,16 +130,29 @@ class LinkSpec:
         return 1.0 / self.bandwidth
 
 
+# The share of a step's host <-> device copies (their serial time, one direction after the
+# other) that XLA:GPU hides behind the step's compute, as measured on one H100 with jax
+# 0.11.2 (2026-11-27 22:18 UTC, benchmarks/results/gpu_offload_h100_2026-11-27.json, third
+# call): gpt-1.3b, batch 8, bf16, AdamW with its moments in pinned_host took 516.6 ms a step
+# against 165.9 ms without offload; the 350.7 ms more are 86.7% of the moments' 10.52 GB in
+# and out one after the other at the link's measured 53.1 / 51.1 GB/s (404.5 ms), so 13%
+# was hidden (and the two directions did not run at once: both together would take at
+# most 206 ms). tests/test_offload.py derives it from that file.
+COPY_OVERLAP = 0.13
+
+
 @dataclass(frozen=True)
 class HostSpec:
     """A node's host side, what offloading state to host memory pays for: RAM per node,
-    the host link (PCIe) per GPU, how many GPUs share one uplink, and the node's CPU
-    Adam throughput (parameters per second, all its cores)."""
+    the host link (PCIe) per GPU, how many GPUs share one uplink, the node's CPU Adam
+    throughput (parameters per second, all its cores), and the share of a step's copies
+    that run hidden under its compute (``copy_overlap``, :data:`COPY_OVERLAP`)."""
 
     memory_bytes: float
     link: LinkSpec
     gpus_per_link: int
     adam_params_per_s: float
+    copy_overlap: float = COPY_OVERLAP
 
     def link_bandwidth(self, gpus_in_use: int) -> float:
         """Bytes/s per GPU in one direction when ``gpus_in_use`` GPUs of the node copy at
@@ -247,7 +265,18 @@ def _host(obj: dict, origin: str) -> HostSpec | None:
         link=_link(host, "link", origin, "host."),
         gpus_per_link=_number(host, "gpus_per_link", origin, "host.", integer=True),
         adam_params_per_s=_number(host, "adam_params_per_s", origin, "host."),
+        copy_overlap=_fraction(host, "copy_overlap", origin, "host.", COPY_OVERLAP),
     )
+
+
+def _fraction(obj: dict, key: str, origin: str, prefix: str, default: float) -> float:
+    """An optional number in [0, 1] (``default`` where the field is absent)."""
+    if key not in obj:
+        return default
+    value = _number(obj, key, origin, prefix, positive=False)
+    if value > 1:
+        raise ValueError(f"{origin}: field {prefix + key!r} must be in [0, 1], got {value!r}")
+    return value
 
 
 def cluster_from_json(obj: dict, origin: str = "preset") -> Cluster:

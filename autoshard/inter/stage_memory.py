@@ -135,7 +135,8 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
     device updates; ``borrowed``: bytes of parameters read from a layer outside the unit,
     by owner layer (``owner_of(tid)``, e.g. a tied embedding); the rest from
     :func:`autoshard.intra.offload.placement.offload_cost` where ``offload`` moves state to the host
-    (its transfers hidden behind the backward of every one of ``num_microbatches``).
+    (its transfers partly hidden behind the backward of every one of ``num_microbatches``:
+    the preset's ``copy_overlap`` share of them, at most that backward).
 
     The gradients: accumulated over ``num_microbatches > 1`` into a buffer held all step
     (Megatron-LM's and the pipeline runtime's), owned bytes; with one microbatch a step the
@@ -177,7 +178,7 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
             borrowed[owner] = borrowed.get(owner, 0.0) + size
     offload_s = staging = host_bytes = 0.0
     if moved is not None and moved.state_in:
-        # transfers hide behind the backward of every microbatch of the step
+        # transfers partly hide behind the backward of every microbatch of the step
         backward = plan.solver.get("compute_s_by_phase", {}).get("backward", 0.0)
         paid = offload_cost(
             graph, moved, plan.specs_by_tensor(graph.inputs), mesh.mesh, cluster,

@@ -42,10 +42,10 @@ class UnitCost:
 def with_activations_offloaded(u: UnitCost, latency, kept, working, recompute_s, cluster):
     """``--offload activations``: what the unit keeps per microbatch in flight goes to
     host memory after its forward and comes back for its backward. Each copy runs at
-    the host link's per-GPU rate (all GPUs of the node copying at once) and overlaps
-    the unit's own compute in that pass (the forward for the copy out; the backward,
-    recompute included, for the copy back): only the excess is exposed, per
-    microbatch. HBM keeps no kept activations per microbatch in flight; it stages
+    the host link's per-GPU rate (all GPUs of the node copying at once) and the preset's
+    ``copy_overlap`` share of it hides behind the unit's own compute in that pass (the
+    forward for the copy out; the backward, recompute included, for the copy back; at
+    most that compute): the rest is exposed, per microbatch. HBM keeps no kept activations per microbatch in flight; it stages
     twice the unit's (the copy under way and the next), held once. Returns (latency,
     kept bytes, working bytes) as ``IntraStageCost._mode_terms`` does."""
     exposed = activation_exposed_s(u, kept, recompute_s, cluster)
@@ -54,13 +54,15 @@ def with_activations_offloaded(u: UnitCost, latency, kept, working, recompute_s,
 
 def activation_exposed_s(u: UnitCost, kept: float, recompute_s: float, cluster) -> float:
     """Seconds per microbatch the copies of ``kept`` bytes out and back are not hidden
-    behind the unit's forward and backward (plus ``recompute_s``)."""
+    behind the unit's forward and backward (plus ``recompute_s``):
+    :func:`autoshard.intra.offload.placement.hidden_s` of each."""
+    from autoshard.intra.offload.placement import hidden_s
+
     phases = (u.plan.solver if u.plan is not None else {}).get("compute_s_by_phase", {})
-    bandwidth = cluster.host.link_bandwidth(cluster.devices_per_node)
-    copy_s = kept / bandwidth
-    return max(copy_s - phases.get("forward", 0.0), 0.0) + max(
-        copy_s - phases.get("backward", 0.0) - recompute_s, 0.0
-    )
+    host = cluster.host
+    copy_s = kept / host.link_bandwidth(cluster.devices_per_node)
+    forward, backward = phases.get("forward", 0.0), phases.get("backward", 0.0) + recompute_s
+    return 2 * copy_s - hidden_s(copy_s, forward, host) - hidden_s(copy_s, backward, host)
 
 
 def read_specs(graph, plan: ParallelPlan, k: int) -> list:

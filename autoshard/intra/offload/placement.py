@@ -24,14 +24,17 @@ at the preset's ``adam_params_per_s``, the node's rate shared by its GPUs in use
 device equations cost nothing and hold no HBM; otherwise on the device, which streams the
 offloaded state in (host -> device) and the updated state out (device -> host) each step.
 
-What is assumed about overlap (say it where a figure is quoted): the host link carries
-both directions at once, each at :meth:`HostSpec.link_bandwidth` (the GPUs sharing an
-uplink share it). XLA runs each parameter's update as soon as its gradient is ready, so
-transfers of the state for a device update, and the gradients' copies out for a host
-update, overlap the backward pass: only what exceeds the backward's compute time is
-exposed. A host update is not overlapped: the CPU's Adam and the copy of the updated
-16-bit weights back to the device follow the backward (ZeRO-Offload without its delayed
-parameter update). A host update partitions the host state over the plan's devices, as
+What is assumed about overlap (say it where a figure is quoted): each copy runs at
+:meth:`HostSpec.link_bandwidth` (the GPUs sharing an uplink share it), the copies in and
+the copies out one after the other (not both directions at once), and of that serial time
+only the preset's ``copy_overlap`` share hides behind compute, at most the backward pass's
+time (the transfers of the state for a device update, and the gradients' copies out for a
+host update); the rest is exposed. The share is what XLA:GPU did on one H100 with jax
+0.11.2 (:data:`~autoshard.hardware.clusters.COPY_OVERLAP`: 13%; the step's
+``device_put`` copies are not prefetched under the forward and backward), not the
+whole backward that an update made as each gradient is ready would allow. A host update's
+CPU Adam and the copy of the updated 16-bit weights back to the device are not overlapped:
+they follow the backward (ZeRO-Offload without its delayed parameter update). A host update partitions the host state over the plan's devices, as
 ZeRO-Offload does over its data-parallel ranks: each device sends its 1/N of the reduced
 gradients, its CPU share updates 1/N of the parameters and sends them back, and the
 devices all-gather the updated 16-bit weights; that all-gather and the gradients'
@@ -257,6 +260,13 @@ def narrow_copy_bytes(graph: Graph, tid: int) -> float:
     return float(outs[0].nbytes) if outs else float(t.nbytes)
 
 
+def hidden_s(copy_s: float, compute_s: float, host) -> float:
+    """Seconds of ``copy_s`` (copies made one after the other) hidden behind ``compute_s``
+    of the step's compute: the preset's ``copy_overlap`` share of them, at most
+    ``compute_s``."""
+    return min(host.copy_overlap * copy_s, max(compute_s, 0.0))
+
+
 @dataclass(frozen=True)
 class OffloadCost:
     """What an offload placement costs one step of a plan, per device (bytes, seconds)."""
@@ -269,8 +279,8 @@ class OffloadCost:
     to_device_bytes: float  # per step
     to_host_bytes: float  # per step
     link_bandwidth: float  # bytes/s per GPU per direction
-    transfer_s: float  # the slower direction's copies
-    overlapped_s: float  # of which hidden behind the backward pass
+    transfer_s: float  # the copies in and out, one after the other
+    overlapped_s: float  # of which hidden behind the backward pass (copy_overlap of it)
     host_update_s: float  # CPU Adam (host update only)
     exposed_s: float  # what the step pays: added to the device's step time
     staging_bytes: float  # device staging buffers: twice the largest streamed shard
@@ -327,17 +337,16 @@ def offload_cost(
     h2d = sum(per_device(t, b) for t, b in tensors.to_device)
     d2h = sum(per_device(t, b) for t, b in tensors.to_host)
     streamed = [per_device(t, b) for t, b in (*tensors.to_device, *tensors.to_host)]
-    latency = host.link.latency * max(len(tensors.to_device), len(tensors.to_host))
+    in_s = h2d / bandwidth + host.link.latency * len(tensors.to_device)
+    out_s = d2h / bandwidth + host.link.latency * len(tensors.to_host)
     if tensors.offload.host_update:
-        out_s = d2h / bandwidth + latency
-        hidden = min(out_s, backward_s)
+        hidden = hidden_s(out_s, backward_s, host)
         params = sum(graph.tensors[t].size for t in tensors.host_update_params) / devices
         adam_s = params / (host.adam_params_per_s / gpus_per_node)
-        in_s = h2d / bandwidth + latency
         transfer_s, exposed = out_s + in_s, (out_s - hidden) + adam_s + in_s
     else:
-        transfer_s = max(h2d, d2h) / bandwidth + latency if tensors.state_in else 0.0
-        hidden, adam_s = min(transfer_s, backward_s), 0.0
+        transfer_s = in_s + out_s if tensors.state_in else 0.0
+        hidden, adam_s = hidden_s(transfer_s, backward_s, host), 0.0
         exposed = transfer_s - hidden
     where = {c: ("host" if c in tensors.offload.classes else "device") for c in OFFLOAD_CLASSES}
     where["update"] = "host" if tensors.offload.host_update else "device"
