@@ -19,6 +19,13 @@ array to the device and back). Then predicted vs measured, written as JSON.
     python benchmarks/gpu_offload.py plans --dir benchmarks/results/gpu_offload_plans
     run(command="bash benchmarks/gpu_offload.sh", timeout_s=...)   # measure, on the GPU
     python benchmarks/gpu_offload.py measure --dir DIR --out out.json [--steps 4] [--quick]
+        [--xla-option xla_name=value ...] [--hlo-dir DIR]
+
+``--xla-option``: compile each step with these XLA options (e.g. the latency-hiding
+scheduler's flags: whether XLA:GPU then overlaps the copies of the state in
+``pinned_host``); ``--hlo-dir``: the compiled step's HLO, gzipped (where XLA put those
+copies: the step's ``jax.device_put`` calls lower to nothing, the arguments' and results'
+memory kinds are all the program says), with counts of copy-start/-done in the row.
     python benchmarks/gpu_offload.py plans --quick --dir /tmp/offq   # gpt-tiny, CPU
 """
 
@@ -158,8 +165,14 @@ def _phase(out: dict, what: str, seconds: float) -> None:
     print(f"[one] {out['plan_file']}: {what} in {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
-def measure_one(plan_file: Path, steps: int) -> dict:
+def measure_one(
+    plan_file: Path,
+    steps: int,
+    xla_options: list[str] | None = None,
+    hlo_dir: Path | None = None,
+) -> dict:
     import jax
+    from gpu_single import parse_xla_options
 
     from autoshard.api import bind_plan
     from autoshard.ir.planfile import load_plan
@@ -168,7 +181,8 @@ def measure_one(plan_file: Path, steps: int) -> dict:
     from autoshard.runtime.sharded import run_steps
     from autoshard.verify.memory import memory_stats
 
-    out: dict = {"plan_file": plan_file.name}
+    options = parse_xla_options(xla_options)
+    out: dict = {"plan_file": plan_file.name, "xla_options": options}
     t = time.perf_counter()
     pf = load_plan(str(plan_file))
     bound = bind_plan(pf)
@@ -188,9 +202,20 @@ def measure_one(plan_file: Path, steps: int) -> dict:
         a.nbytes for a in flat if a.sharding.memory_kind != "pinned_host"
     )
     t = time.perf_counter()
-    compiled = step.compile()
+    compiled = step.compile(options or None)
     out["compile_s"] = time.perf_counter() - t
     _phase(out, "compiled", out["compile_s"])
+    if hlo_dir is not None:  # where XLA scheduled the host copies: the optimized HLO
+        import gzip
+
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{plan_file.stem}{'.opts' if options else ''}.hlo.txt.gz"
+        text = compiled.as_text()
+        (hlo_dir / name).write_bytes(gzip.compress(text.encode()))
+        out["hlo"] = {
+            "file": name,
+            **{k: text.count(k) for k in ("copy-start", "copy-done", "S(5)", "custom-call")},
+        }
     mem = memory_stats(compiled)
     out["memory_analysis"] = {
         "argument_bytes": mem.argument_bytes,
@@ -262,7 +287,13 @@ def _device_info() -> dict:
 
 
 def measure(
-    directory: Path, out_path: Path, steps: int, timeout_s: float, rows: list[str] | None = None
+    directory: Path,
+    out_path: Path,
+    steps: int,
+    timeout_s: float,
+    rows: list[str] | None = None,
+    xla_options: list[str] | None = None,
+    hlo_dir: Path | None = None,
 ) -> None:
     # the parent never starts a backend: each child has the whole GPU
     result: dict = {
@@ -288,37 +319,10 @@ def measure(
             continue
         if rows and plan_file.stem not in rows:
             continue
-        print(f"[measure] {plan_file.name} ...", file=sys.stderr, flush=True)
-        t = time.perf_counter()
-        made_with = predicted.get("planned_with_jax")
-        if made_with and result.get("jax") and made_with != result["jax"]:
-            row = {
-                "error": f"planned with jax {made_with}, this machine has jax {result['jax']}: "
-                "a plan binds only to the program the same jax traces; re-make the plans with "
-                f"jax {result['jax']} (python benchmarks/gpu_offload.py plans --dir ...)"
-            }
-        else:
-            row = _child(["one", str(plan_file), "--steps", str(steps)], timeout_s)
-        row["wall_s"] = time.perf_counter() - t
-        row["predicted"] = predicted
-        if "step_median_s" in row and predicted:
-            row["vs_planner"] = row["step_median_s"] / predicted["planner_step_s"] - 1
-            row["vs_simulator"] = row["step_median_s"] / predicted["sim_step_s"] - 1
-        result["rows"].append(row)
-        print(
-            f"[measure] {plan_file.name}: "
-            + (
-                f"step {row['step_median_s'] * 1e3:.1f} ms (planner "
-                f"{predicted.get('planner_step_s', float('nan')) * 1e3:.1f}, simulator "
-                f"{predicted.get('sim_step_s', float('nan')) * 1e3:.1f}), peak "
-                f"{row['allocator'].get('peak_bytes_in_use', 0) / 2**30:.2f} GiB, losses "
-                f"{row['losses']}"
-                if "step_median_s" in row
-                else f"FAILED: {row.get('error', '')[-600:]}"
-            ),
-            file=sys.stderr,
-            flush=True,
+        row = _measure_row(
+            plan_file, predicted, result.get("jax"), steps, timeout_s, xla_options, hlo_dir
         )
+        result["rows"].append(row)
         out_path.write_text(json.dumps(result, indent=1))
     pairs = {r["plan_file"]: r for r in result["rows"] if "losses" in r}
     a, b = pairs.get("gpt-1.3b-optimizer.json"), pairs.get("gpt-1.3b-none.json")
@@ -331,6 +335,48 @@ def measure(
         )
     out_path.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+def _measure_row(plan_file, predicted, jax_version, steps, timeout_s, xla_options, hlo_dir) -> dict:
+    """One plan file, in a child process."""
+    print(f"[measure] {plan_file.name} ...", file=sys.stderr, flush=True)
+    t = time.perf_counter()
+    made_with = predicted.get("planned_with_jax")
+    if made_with and jax_version and made_with != jax_version:
+        row = {
+            "plan_file": plan_file.name,
+            "error": f"planned with jax {made_with}, this machine has jax {jax_version}: "
+            "a plan binds only to the program the same jax traces; re-make the plans with "
+            f"jax {jax_version} (python benchmarks/gpu_offload.py plans --dir ...)",
+        }
+    else:
+        argv = ["one", str(plan_file), "--steps", str(steps)]
+        for o in xla_options or ():
+            argv += ["--xla-option", o]
+        if hlo_dir is not None:
+            argv += ["--hlo-dir", str(hlo_dir)]
+        row = _child(argv, timeout_s)
+        row.setdefault("plan_file", plan_file.name)
+    row["wall_s"] = time.perf_counter() - t
+    row["predicted"] = predicted
+    if "step_median_s" in row and predicted:
+        row["vs_planner"] = row["step_median_s"] / predicted["planner_step_s"] - 1
+        row["vs_simulator"] = row["step_median_s"] / predicted["sim_step_s"] - 1
+    print(
+        f"[measure] {plan_file.name}: "
+        + (
+            f"step {row['step_median_s'] * 1e3:.1f} ms (planner "
+            f"{predicted.get('planner_step_s', float('nan')) * 1e3:.1f}, simulator "
+            f"{predicted.get('sim_step_s', float('nan')) * 1e3:.1f}), peak "
+            f"{row['allocator'].get('peak_bytes_in_use', 0) / 2**30:.2f} GiB, losses "
+            f"{row['losses']}"
+            if "step_median_s" in row
+            else f"FAILED: {row.get('error', '')[-600:]}"
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
 
 
 def main(argv=None) -> int:
@@ -350,19 +396,31 @@ def main(argv=None) -> int:
     o = sub.add_parser("one", help="(internal) one plan file, JSON on stdout")
     o.add_argument("plan_file", type=Path)
     o.add_argument("--steps", type=int, default=4)
+    for p_ in (m, o):
+        p_.add_argument(
+            "--xla-option",
+            action="append",
+            dest="xla_options",
+            help="xla_name=value for the step's compile (repeat)",
+        )
+        p_.add_argument("--hlo-dir", type=Path, help="write each compiled step's HLO here (gz)")
     sub.add_parser("link", help="(internal) the host link's bandwidth, JSON on stdout")
     sub.add_parser("info", help="(internal) jax version and device, JSON on stdout")
     args = ap.parse_args(argv)
     if args.cmd == "plans":
         make_plans(args.dir, args.quick)
     elif args.cmd == "measure":
-        measure(args.dir, args.out, args.steps, args.timeout_s, args.rows)
+        measure(
+            args.dir, args.out, args.steps, args.timeout_s, args.rows, args.xla_options,
+            args.hlo_dir,
+        )  # fmt: skip
     elif args.cmd == "link":
         print(json.dumps(_link_bandwidth()))
     elif args.cmd == "info":
         print(json.dumps(_device_info()))
     else:
-        print(json.dumps(measure_one(args.plan_file, args.steps)))
+        row = measure_one(args.plan_file, args.steps, args.xla_options, args.hlo_dir)
+        print(json.dumps(row))
     return 0
 
 

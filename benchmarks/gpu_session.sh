@@ -9,7 +9,8 @@
 #   3. offload, issue 34: benchmarks/gpu_offload.py measure -- the plans of
 #      benchmarks/results/gpu_offload_plans named by OFFLOAD_ROWS (default the gpt-1.3b pair:
 #      with and without the optimizer state in pinned_host; "all": every plan, gpt-6.7b
-#      first), each row capped at OFFLOAD_ROW_S;
+#      first), each row capped at OFFLOAD_ROW_S; OFFLOAD_XLA="xla_a=v xla_b=w" compiles
+#      each step with those XLA options; the compiled steps' HLO goes to $OUT/offload_hlo;
 #   4. truth, issue 36: benchmarks/gpu_truth.sh on the scale rows not yet compiled
 #      (TRUTH_ROWS), in the time left of TOTAL_S.
 # Writes under $OUT: ab.json, peer.json, offload.json, gpu_truth.json, hlo.tar.gz, log.txt.
@@ -44,6 +45,8 @@ fi
 if [ "${QUICK:-0}" = 1 ]; then OFFLOAD_ROWS=${OFFLOAD_ROWS:-all}; fi
 OFFLOAD_ROWS=${OFFLOAD_ROWS:-gpt-1.3b-none gpt-1.3b-optimizer}
 if [ "$OFFLOAD_ROWS" = all ]; then OFF_ROWS=(); else read -r -a OFF_ROWS <<<"--rows $OFFLOAD_ROWS"; fi
+OFF_XLA=()
+for o in ${OFFLOAD_XLA:-}; do OFF_XLA+=(--xla-option "$o"); done
 PARTS=${PARTS:-ab peer offload truth}
 if [[ " $PARTS " == *" ab "* ]]; then
   log "1. gpu_ab (issue 30)"
@@ -59,7 +62,8 @@ fi
 if [[ " $PARTS " == *" offload "* ]]; then
   log "3. gpu_offload measure (issue 34): ${OFFLOAD_ROWS}"
   timeout "${OFFLOAD_S:-200}" "$PY" benchmarks/gpu_offload.py measure --dir "$PLANS" \
-    --out "$OUT/offload.json" --steps 4 --timeout-s "${OFFLOAD_ROW_S:-100}" "${OFF_ROWS[@]}" 2>&1 \
+    --out "$OUT/offload.json" --steps 4 --timeout-s "${OFFLOAD_ROW_S:-100}" "${OFF_ROWS[@]}" \
+    "${OFF_XLA[@]}" --hlo-dir "$OUT/offload_hlo" 2>&1 \
     | tee -a "$OUT/log.txt" | grep "\[measure\]\|\[one\]"
 fi
 left=$((TOTAL_S - SECONDS))

@@ -383,10 +383,11 @@ class ShardedStep:
             args = abstract_args(self.program, self.plan, self.mesh)
         return self._jitted.lower(*args)
 
-    def compile(self) -> jax.stages.Compiled:
-        """The executable for the plan's abstract arguments (compiled once, then cached)."""
-        if self._compiled is None:
-            self._compiled = self.lower().compile()
+    def compile(self, compiler_options: dict | None = None) -> jax.stages.Compiled:
+        """The executable for the plan's abstract arguments (compiled once, then cached;
+        ``compiler_options``: XLA options, compiled anew and cached in its place)."""
+        if self._compiled is None or compiler_options:
+            self._compiled = self.lower().compile(compiler_options=compiler_options)
         return self._compiled
 
     def compiled_text(self) -> str:
