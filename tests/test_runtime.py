@@ -334,6 +334,28 @@ def test_run_steps_matches_a_plain_loop():
         run_steps(step, args, 0)
 
 
+def test_run_steps_places_the_state_once(monkeypatch):
+    """run_steps places the arguments once: the updated state comes back in the shardings
+    the step takes (feeds_back_in_place), so each later step runs the executable on it
+    as it is -- the same losses as placing every step (ShardedStep.__call__)."""
+    workload, opt, program = _mlp()
+    mesh = Mesh(("data",), (8,))
+    step = build_sharded_step(program, _plan(program, mesh, "dp"), make_mesh(mesh))
+    assert step.feeds_back_in_place()
+    args = workload.init_train_args(opt)
+    placed = []
+    place = step.place
+    monkeypatch.setattr(step, "place", lambda *a, **k: placed.append(1) or place(*a, **k))
+    _, losses = run_steps(step, args, 3)
+    assert len(placed) == 1
+    state, expected = step.place(*args, copy=True), []
+    for _ in range(3):  # placed again every step
+        out = step(*state)
+        expected.append(float(out[2]))
+        state = (out[0], out[1], state[2])
+    assert losses == expected
+
+
 def test_abstract_args_compile_a_large_step_without_allocating():
     # 2 x 16384^2 float32 weights = 2 GiB of parameters, never allocated: the step
     # compiles from ShapeDtypeStructs.

@@ -335,6 +335,7 @@ class ShardedStep:
             flat_in[i] = flat_in[i].with_memory_kind(HOST_MEMORY)
         for j in self.host_outputs:
             flat_out[j] = flat_out[j].with_memory_kind(HOST_MEMORY)
+        self._flat_in, self._flat_out = tuple(flat_in), tuple(flat_out)
         self.in_shardings = jax.tree_util.tree_unflatten(program.in_tree, flat_in)
         self.out_shardings = jax.tree_util.tree_unflatten(program.out_tree, flat_out)
         self.donate_argnums = _donated_argnums(program) if donate else ()
@@ -419,6 +420,13 @@ class ShardedStep:
     def __call__(self, *args):
         return self.compile()(*self.place(*args))
 
+    def feeds_back_in_place(self, pairs: Mapping[int, int] | None = None) -> bool:
+        """Whether every updated state output comes out in its input's sharding (memory
+        kind included), so that a train loop may pass it straight back in: ``pairs``,
+        :func:`_alias_positions` of the program (computed when not given)."""
+        pairs = _alias_positions(self.program) if pairs is None else pairs
+        return all(self._flat_out[j] == self._flat_in[i] for i, j in pairs.items())
+
 
 def build_sharded_step(
     program: TracedProgram, plan: ParallelPlan, mesh: jax.sharding.Mesh, donate: bool = True
@@ -441,18 +449,19 @@ def abstract_args(program: TracedProgram, plan: ParallelPlan, mesh: jax.sharding
     return jax.tree_util.tree_unflatten(program.in_tree, leaves)
 
 
-def _next_args(program: TracedProgram, args, outputs):
-    """Feed the updated state back in: the aliased outputs replace their inputs."""
+def _next_args(program: TracedProgram, args, outputs, pairs: Mapping[int, int] | None = None):
+    """Feed the updated state back in: the aliased outputs replace their inputs
+    (``pairs``: :func:`_alias_positions` of ``program``, computed when not given)."""
     flat_in = jax.tree_util.tree_leaves(args)
     flat_out = jax.tree_util.tree_leaves(outputs)
-    for i, j in _alias_positions(program).items():
+    for i, j in (_alias_positions(program) if pairs is None else pairs).items():
         flat_in[i] = flat_out[j]
     return jax.tree_util.tree_unflatten(program.in_tree, flat_in)
 
 
-def _loss_of(program: TracedProgram, outputs) -> float:
+def _loss_of(program: TracedProgram, outputs, pairs: Mapping[int, int] | None = None) -> float:
     flat_out = jax.tree_util.tree_leaves(outputs)
-    state_out = set(_alias_positions(program).values())
+    state_out = set((_alias_positions(program) if pairs is None else pairs).values())
     rest = [v for j, v in enumerate(flat_out) if j not in state_out]
     if len(rest) != 1 or np.shape(rest[0]) != ():
         raise ValueError(
@@ -484,14 +493,25 @@ def run_steps(
             "run_steps needs a step that returns updated state (the traced "
             "program has no aliases); trace it with trace_train_step"
         )
+    # the state's input -> output positions, once (a quadratic search over the outputs:
+    # 8.6 ms a step for gpt-tiny's 879 leaves at 24 layers on this machine's CPU)
+    pairs = _alias_positions(program)
+    call = step
     if isinstance(step, ShardedStep):  # never consume the caller's arrays (unless told)
         args = step.place(*args, copy=copy)
+        if step.feeds_back_in_place(pairs):
+            # placed once: the updated state comes back as the step takes it, so each step
+            # runs the executable without placing its arguments again (device_put of every
+            # leaf: 12 ms a step for those 879 leaves); compiled within the first step
+            def call(*placed):
+                return step.compile()(*placed)
+
     losses = []
     for _ in range(num_steps):
         start = time.perf_counter()
-        outputs = step(*args)
-        losses.append(_loss_of(program, outputs))
+        outputs = call(*args)
+        losses.append(_loss_of(program, outputs, pairs))
         if seconds is not None:
             seconds.append(time.perf_counter() - start)
-        args = _next_args(program, args, outputs)
+        args = _next_args(program, args, outputs, pairs)
     return args, losses
