@@ -347,12 +347,14 @@ def test_offload_figure_is_built_from_the_committed_benchmark_json():
                 line.get_ydata()[0])  # fmt: skip
             assert y == p["reference"]["pflops"] > 0
     # the claims docs/offload.md and docs/experiments.md make from it: every point but
-    # gpt-39b's intra-only one fits under some placement, the fastest being these
+    # gpt-39b's intra-only one fits under some placement, the fastest being these (with
+    # the copies priced in series and 13% hidden, the host update where the f32 masters
+    # would otherwise move too)
     best = {p["point"]: p["fastest_fit"] for p in data["points"]}
-    om, omg = "optimizer,master", "optimizer,master,gradients"
+    omg = "optimizer,master,gradients"
     assert best == {
-        "ablation": om, "ablation:zero2:1": om, "ablation:zero2:2": "optimizer",
-        "ablation:zero2:4": "optimizer", "ablation:zero2:8": om, "ablation:zero3:1": om,
+        "ablation": omg, "ablation:zero2:1": omg, "ablation:zero2:2": "optimizer",
+        "ablation:zero2:4": "optimizer", "ablation:zero2:8": omg, "ablation:zero3:1": omg,
         "ablation:zero3:2": "optimizer", "weak:moe-27b:expert-zero2": omg,
         "weak:moe-70b:expert-zero2": omg, "weak:gpt-39b:intra-only": None,
     }  # fmt: skip
