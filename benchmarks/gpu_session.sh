@@ -10,7 +10,9 @@
 #      benchmarks/results/gpu_offload_plans named by OFFLOAD_ROWS (default the gpt-1.3b pair:
 #      with and without the optimizer state in pinned_host; "all": every plan, gpt-6.7b
 #      first), each row capped at OFFLOAD_ROW_S; OFFLOAD_XLA="xla_a=v xla_b=w" compiles
-#      each step with those XLA options; the compiled steps' HLO goes to $OUT/offload_hlo;
+#      each step with those XLA options (xla_gpu_enable_host_memory_offloading=true: on
+#      2026-11-27 the default flags held the whole offloaded state on the device); the
+#      compiled steps' HLO goes to $OUT/offload_hlo;
 #   4. truth, issue 36: benchmarks/gpu_truth.sh on the scale rows not yet compiled
 #      (TRUTH_ROWS), in the time left of TOTAL_S.
 # Writes under $OUT: ab.json, peer.json, offload.json, gpu_truth.json, hlo.tar.gz, log.txt.
