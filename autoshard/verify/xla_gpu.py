@@ -147,8 +147,8 @@ def _reshape_only(graph, node) -> bool:
     """Whether ``node`` only reshapes its one operand (XLA makes it a reshape)."""
     if len(node.inputs) != 1 or len(node.outputs) != 1:
         return False
-    if node.primitive in _RESHAPES:
-        return True
+    if node.primitive in _RESHAPES:  # a reshape that also transposes is no plain reshape
+        return node.params.get("dimensions") is None
     shape = graph.tensors[node.inputs[0]].shape
     if node.primitive == "reduce_sum":  # over size-1 dims only: a reshape once simplified
         return all(shape[a] == 1 for a in node.params.get("axes", ()))
