@@ -28,7 +28,9 @@ the pipeline tested without a GPU (tests/test_gpu_truth.py runs it on gpt-tiny):
 ``--reread RUN_JSON HLO...`` reads a GPU run's stored HLO again (its ``--hlo-tar``, or
 ``NAME.hlo.txt.gz`` files) and compares it with the plans by this tree's verifier, with
 XLA:GPU's all-reduce rewrites predicted (:mod:`autoshard.verify.xla_gpu`): no compile, no
-GPU (``benchmarks/results/gpu_truth_h100_2026-11-27_reread.json``; docs/truth.md).
+GPU (``benchmarks/results/gpu_truth_h100_2026-11-27_reread.json``; docs/truth.md). A row
+whose plan file no longer binds to the program this tree traces is written with its
+``not_bound`` reason and left out.
 """
 
 from __future__ import annotations
@@ -387,7 +389,7 @@ def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
     figures (``before``: its comparison; memory) beside the new comparison."""
     import jax
 
-    from autoshard.ir.planfile import check_fingerprint, load_plan
+    from autoshard.ir.planfile import PlanFileError, check_fingerprint, load_plan
     from autoshard.verify.collectives import analyze_collectives
     from autoshard.verify.compare import compare_collectives
     from autoshard.verify.xla_gpu import xla_gpu_collectives
@@ -427,7 +429,12 @@ def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
 
             _TRACED[key] = trace_workload(pf.model, pf.optimizer or "adamw", **pf.overrides)
         graph = _TRACED[key].graph
-        check_fingerprint(pf, graph, pf.plan.mesh)
+        try:
+            check_fingerprint(pf, graph, pf.plan.mesh)
+        except PlanFileError as err:  # the program changed since: no prediction to redo
+            _log(f"  not read again: {err}")
+            doc["rows"].append({"name": name, "not_bound": str(err)})
+            continue
         parsed = analyze_collectives(text, pf.plan.mesh, range(pf.plan.mesh.num_devices))
         compiled = list(parsed.compared())  # collective-permutes included
         gpu = xla_gpu_collectives(graph, pf.plan)

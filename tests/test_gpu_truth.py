@@ -84,6 +84,19 @@ def test_dry_run_writes_predicted_vs_compiled_per_row(gpu_truth, plans, tmp_path
         assert b"HloModule" in text and b"all-" in text
         assert b"metadata={" not in text  # the bulk of the text, none of what is read
 
+    # read again from the stored HLO; the plan made for another program is left out, said so
+    other_hlo = tmp_path / "other-program.hlo.txt.gz"
+    other_hlo.write_bytes(gzip.compress(text))
+    again = tmp_path / "reread.json"
+    argv = ["--reread", str(out), str(tar), str(other_hlo), "--plans", str(plans)]
+    assert gpu_truth.main([*argv, "--out", str(again)]) == 0
+    reread = {r["name"]: r for r in json.loads(again.read_text())["rows"]}
+    assert list(reread) == ["gpt-tiny-L1-auto-2x4", "other-program"]
+    assert [r["kind"] for r in reread["gpt-tiny-L1-auto-2x4"]["collectives"]] == [
+        r["kind"] for r in row["collectives"]
+    ]
+    assert "program differs" in reread["other-program"]["not_bound"]
+
 
 def test_a_gpu_target_without_cuda_is_refused_before_any_row(gpu_truth, plans, tmp_path, capsys):
     out = tmp_path / "truth.json"

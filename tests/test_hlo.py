@@ -514,6 +514,42 @@ def test_a_loop_carried_offset_is_evaluated_only_when_the_loop_leaves_it_alone(c
         assert "changes in loop %loop" in found[0].note
 
 
+_SECOND_USES = {  # the all-reduce's second use: a block of other rows, or the same columns
+    "rows": "f32[4,8]{1,0} dynamic-slice(%ar, %r, %z), dynamic_slice_sizes={4,8}",
+    "columns": "f32[16,2]{1,0} dynamic-slice(%ar, %z, %c), dynamic_slice_sizes={16,2}",
+}
+
+
+@pytest.mark.parametrize("second", ["rows", "columns"])
+def test_uses_that_keep_different_blocks_leave_an_all_reduce(second):
+    # moe-1.3b megatron 2x4 on XLA:GPU and XLA:CPU: an expert output reduced over model is
+    # read split on one dim by the forward and on another by the backward; each use keeps
+    # 1/4, not the same 1/4, so the whole reduced buffer is read. Two uses of one block
+    # are a reduce-scatter.
+    use = _SECOND_USES[second]
+    text = _module(f"""
+%pid = u32[] partition-id()
+%cols = u32[8]{{0}} constant({{0,2,4,6,0,2,4,6}})
+%coff = u32[1]{{0}} dynamic-slice(%cols, %pid), dynamic_slice_sizes={{1}}
+%c = s32[] bitcast(%coff)
+%rows = u32[8]{{0}} constant({{0,4,8,12,0,4,8,12}})
+%roff = u32[1]{{0}} dynamic-slice(%rows, %pid), dynamic_slice_sizes={{1}}
+%r = s32[] bitcast(%roff)
+%z = s32[] constant(0)
+%ar = f32[16,8]{{1,0}} all-reduce(%p), channel_id=1, replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, use_global_device_ids=true, to_apply=%add
+%first = f32[16,2]{{1,0}} dynamic-slice(%ar, %z, %c), dynamic_slice_sizes={{16,2}}
+%second = {use}
+ROOT %t = (f32[16,2]{{1,0}}, {use.split()[0]}) tuple(%first, %second)""")
+    found = parse_collectives(text, Mesh(("data", "model"), (2, 4)), range(8))
+    (ar,) = [f for f in found if f.hlo_name == "ar"]
+    if second == "rows":
+        assert ar.collective == Collective("all-reduce", ("model",), 512)
+        assert "its uses keep 1/n of different dims (0, 1)" in ar.note
+    else:
+        assert ar.collective == Collective("reduce-scatter", ("model",), 512)
+        assert "offsets checked on all 8 devices" in ar.note
+
+
 def test_slice_that_is_not_one_nth_of_the_group_stays_an_all_reduce():
     text = _module("""
 %z = s32[] constant(0)

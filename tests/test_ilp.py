@@ -207,6 +207,29 @@ def test_lp_first_keeps_an_integral_relaxation_and_solves_a_fractional_one():
     assert mip.objective == pytest.approx(brute_force(dense)[0], rel=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_neighbourhood_of_a_start_never_costs_more_nor_claims_a_false_optimum(seed):
+    """A fractional relaxation on a program "too large" for its integer program
+    (``mip_max_columns=0``): the integer program around the start (RINS) runs. Its plan
+    costs at most the start's and at least the optimum (brute force); "optimal" only where
+    it is the optimum, and its gap is measured against a true lower bound (the LP's)."""
+    dense = dense_random(6, 3, seed=seed)
+    best = brute_force(dense)[0]
+    start = tuple((seed + i) % 3 for i in range(6))  # a plan, usually a poor one
+    start_cost = objective_of(dense, start)
+    around = solve(dense, solver="highs", merge=False, lp_first=True, initial=start,
+                   mip_max_columns=0, max_nodes=50)  # fmt: skip
+    assert around.status in ("optimal", "neighbourhood", "fractional")
+    assert objective_of(dense, around.strategy) == pytest.approx(around.objective)
+    assert best - 1e-9 <= around.objective <= start_cost + 1e-9
+    if around.status == "optimal":
+        assert around.objective == pytest.approx(best, rel=1e-9)
+    if around.gap is not None:  # the LP's bound is a bound on the whole program
+        assert around.objective * (1 - around.gap) <= best + 1e-6 * abs(best)
+    if around.status == "neighbourhood":
+        assert around.neighbourhood_free and around.objective < start_cost
+
+
 # --- hand-built cases --------------------------------------------------------------------
 
 

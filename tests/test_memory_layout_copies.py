@@ -152,13 +152,12 @@ def test_a_backward_conv_copies_a_forward_value_where_it_is_made():
     assert moved >= 8  # one per weight-gradient conv of the 8 convolutions
 
 
-@pytest.fixture(scope="module")
-def wresnet_megatron_2x4():
+def _wresnet_pinned_2x4(exact_search: str):
     """wresnet-tiny (two blocks) on 2x4 with the weights replicated and the batch split over
     ``data`` (the old, non-strict megatron baseline's pins: the ILP splits channels over
-    ``model``), SGD, compiled: the plan gathers activations for the weight gradients.
-    (The strict megatron baseline refuses this model: no Megatron-LM rule splits a
-    convolution, tests/test_megatron_strict.py.)"""
+    ``model``), SGD, planned with ``exact_search`` and compiled: the plan gathers
+    activations for the weight gradients. (The strict megatron baseline refuses this
+    model: no Megatron-LM rule splits a convolution, tests/test_megatron_strict.py.)"""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.intra.problem.options import IntraOptions
@@ -167,12 +166,7 @@ def wresnet_megatron_2x4():
 
     traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
     mesh = device_mesh_for((2, 4), ("data", "model"))
-    # the default (exact_search="lp") keeps the per-demand plan priced per value, which these
-    # tests were written on: the exact program's LP is fractional here (42,383 columns).
-    # exact_search="auto" (its integer program) finds one 3.9% cheaper (30,097 against
-    # 31,331) whose predicted peak is 29% over XLA's (484,788 B against 374,460 B;
-    # docs/sharing.md)
-    options = IntraOptions(solver="highs", time_limit_s=60)
+    options = IntraOptions(solver="highs", time_limit_s=60, exact_search=exact_search)
     options = options.replace(data_parallel_axes=("data",))
     # what the megatron baseline pinned here before it became strict: no Megatron-LM rule
     # splits a convolution, so weights replicated and the batch split over data
@@ -187,12 +181,22 @@ def wresnet_megatron_2x4():
     return traced.graph, mesh, plan, report
 
 
+@pytest.fixture(scope="module")
+def wresnet_megatron_2x4():
+    """The per-demand plan these tests were written on (``exact_search="one-axis"``): the
+    exact program's LP is fractional here (42,383 columns). The default ("lp") searches
+    around that plan and finds one 3.9% cheaper (30,097 against 31,331, as "auto"'s
+    integer program does) whose predicted peak is 29.8% over XLA's (484,804 B against
+    373,564 B; the strict xfail below; docs/sharing.md)."""
+    return _wresnet_pinned_2x4("one-axis")
+
+
 def test_wresnet_2x4_memory_needs_the_early_conv_copies(wresnet_megatron_2x4):
     """With the copies made in the forward pass the model is within 10% of XLA's
     allocation (-8.0% on 2026-11-25); with them made at their convs, more than 10% under
     (-21.9%)."""
     g, mesh, plan, report = wresnet_megatron_2x4
-    assert "LP relaxation is fractional" in plan.solver["exact_stopped"]  # the default's rule
+    assert "exact_search='one-axis'" in plan.solver["exact_stopped"]  # the per-demand plan
     spec_of = dict(zip(g.inputs, plan.input_specs))
     spec_of.update(plan.tensor_specs)
     xla = report.compiled_peak_bytes
@@ -204,6 +208,19 @@ def test_wresnet_2x4_memory_needs_the_early_conv_copies(wresnet_megatron_2x4):
         mesh, memory_layout=dataclasses.replace(mesh.memory_layout, early_conv_copies=False)
     )
     assert max(predicted_live_bytes(g, spec_of, late, plan.operand_specs)) < 0.9 * xla
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the default's plan here (found around the per-demand plan, 3.9% cheaper) is "
+    "predicted 29.8% over XLA:CPU's peak: a memory-model miss on that plan not yet explained "
+    "(docs/sharing.md); this fails, and so must be flipped, once it agrees",
+)
+def test_wresnet_2x4_the_defaults_cheaper_plan_is_predicted_within_10_percent():
+    g, mesh, plan, report = _wresnet_pinned_2x4("lp")
+    assert plan.solver["neighbourhood_free"]  # found around the per-demand plan
+    xla = report.compiled_peak_bytes
+    assert abs(plan.predicted_peak_bytes - xla) <= 0.10 * xla, (plan.predicted_peak_bytes, xla)
 
 
 def trace_workload_graph(name: str, **overrides):

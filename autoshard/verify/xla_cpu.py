@@ -5,8 +5,10 @@ undoes two XLA:CPU habits, each recorded in ``note``:
 
 * GSPMD on CPU lowers partial -> sharded as an all-reduce whose every use is a
   dynamic-slice keeping 1/n of one dimension (n = group size).  That becomes a
-  reduce-scatter with the all-reduce's input bytes, provided every device's slice starts
-  at its rank's block: the start indices are evaluated for every partition/replica id by
+  reduce-scatter with the all-reduce's input bytes, provided every use keeps the same
+  block (an all-reduce read sliced one way by one use and another way by another is
+  needed whole: it stays, with a note) and every device's slice starts at its rank's
+  block: the start indices are evaluated for every partition/replica id by
   a small interpreter of integer index expressions (:mod:`autoshard.verify.index_eval`:
   partition-id, constants and constant tables, arithmetic, compare/select/clamp,
   dynamic-slice of a table, ...), followed across fusion parameters and loop-invariant
@@ -38,6 +40,7 @@ Jax-free.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -263,6 +266,15 @@ def _reduce_scatter_check(mod: _Module, groups, paths: Sequence[_Path]) -> str:
     )
 
 
+def _shard_of(dims) -> tuple[int, int, int]:
+    """The elements a 1/n slice keeps, shape-free: (elements before its dim, the dim's size,
+    elements after it) of the row-major buffer; two uses through different bitcasts that
+    keep the same block give the same triple."""
+    full, _ = dims
+    d = _sliced_dim(dims)
+    return math.prod(full[:d]), full[d], math.prod(full[d + 1 :])
+
+
 def _sliced_dim(dims) -> int | None:
     """The one dimension a dynamic-slice shortens (None if it shortens none or several)."""
     full, part = dims
@@ -322,7 +334,17 @@ def _normalise(
         paths = _use_paths(mod, ins.name, index, _Path())
     kind, dtype, nbytes = c.kind, cc.dtype, c.bytes
     n = len(groups[0])
-    if n > 1 and paths and all(p.slice_dims and _is_shard_slice(p.slice_dims, n) for p in paths):
+    shards = (
+        n > 1 and paths and all(p.slice_dims and _is_shard_slice(p.slice_dims, n) for p in paths)
+    )
+    if shards and len({_shard_of(p.slice_dims) for p in paths}) > 1:
+        # each use keeps 1/n, but not the same 1/n (the whole buffer is read): no reduce-scatter
+        dims = sorted({_sliced_dim(p.slice_dims) for p in paths})
+        notes.append(
+            "all-reduce + dynamic-slice kept: its uses keep 1/n of different dims "
+            f"({', '.join(str(d) for d in dims)})"
+        )
+    elif shards:
         notes.append(_reduce_scatter_check(mod, groups, paths))
         if "normalised" in notes[-1]:
             kind = "reduce-scatter"

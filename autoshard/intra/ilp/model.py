@@ -48,6 +48,8 @@ class _Model:
     # with mip_max_columns: the LP's simplex iteration limit (deterministic, unlike time);
     # an LP stopped there (or by the time limit) has outcome "lp_stopped"
     lp_max_iterations: int | None = None
+    lp_values: np.ndarray | None = None  # a fractional LP relaxation's column values
+    neighbourhood_free: int | None = None  # binary columns the neighbourhood search left free
 
     def column(self, cost: float = 0.0, preference: float = 0.0) -> int:
         self.cost.append(cost)

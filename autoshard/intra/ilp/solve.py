@@ -39,7 +39,10 @@ class Solution:
     solver found none, ``fallback`` says which feasible assignment was returned instead), or
     "fractional" (``mip_max_columns``: the LP relaxation alone, fractional; the strategy is
     the start given, ``gap`` its distance to the LP's bound) or "lp_stopped" (that LP
-    stopped unfinished; the start given).
+    stopped unfinished; the start given) or "neighbourhood" (that LP fractional: the best
+    plan of the integer program around the start given, ``neighbourhood_free`` binary
+    columns left free, ``gap`` its distance to the LP's bound; "optimal" where it reaches
+    that bound).
     ``gap`` is (objective - best bound) / |objective|, None where the solver gave no bound.
     ``seconds`` covers build + solve; ``build_seconds`` the model building alone.
     ``exact_stopped``: where the exact per-value program, started from the per-demand
@@ -65,6 +68,7 @@ class Solution:
     nodes: int | None = None  # branch-and-bound nodes explored (HiGHS; None: not reported)
     limit: str | None = None  # "time" or "nodes": which limit stopped a "time_limit" solve
     tie_break: str | None = None  # the preference solve: optimal | time_limit | skipped
+    neighbourhood_free: int | None = None  # "neighbourhood": the binary columns left free
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -258,9 +262,13 @@ def solve(
     program only when it is not (CBC ignores it).  The optimum is the same; where several
     plans reach it, which one comes back may differ from the integer program's.
     ``mip_max_columns`` (with ``lp_first`` and ``initial``): where the relaxation is
-    fractional and the program has more columns than this, no integer program runs: the
-    solution is ``initial`` with status "fractional" and its gap to the LP's bound (no
-    warning: the caller asked for the LP alone).  A rule on the program's size, so which
+    fractional and the program has more columns than this, no integer program runs on the
+    whole program: the integer program on ``initial``'s neighbourhood does (the binary
+    columns where ``initial`` and the LP agree fixed, at most
+    :data:`~autoshard.intra.ilp.solvers.NEIGHBOURHOOD_MAX_FREE` left free, ``max_nodes``
+    nodes; status "neighbourhood", or "optimal" where its plan reaches the LP's bound);
+    where it cannot run, the solution is ``initial`` with status "fractional" and its gap
+    to the LP's bound (no warning either way: the caller asked for the LP alone).  A rule on the program's size, so which
     programs get the integer program does not depend on the load.  ``lp_max_iterations``
     (with ``mip_max_columns``): the LP's simplex iteration limit; an LP stopped there or by
     the time limit also returns ``initial``, with status "lp_stopped" (``limit``
@@ -340,6 +348,10 @@ def solve(
         tie_break = "skipped"
     if fallback is None and out.status not in ("fractional", "lp_stopped"):
         strategy = _decode(red, model)
+    if out.status == "neighbourhood" and not objective_of(problem, strategy) <= objective_of(
+        problem, tuple(initial)
+    ):  # the start is inside the neighbourhood: never a dearer plan than the start
+        strategy = tuple(initial)
     objective = objective_of(problem, strategy)
     if not math.isfinite(objective):
         raise RuntimeError(
@@ -351,6 +363,11 @@ def solve(
         gap = max(0.0, objective - bound) / max(abs(objective), 1e-300)
     elif out.status == "optimal" and mip_gap == 0.0:
         gap = 0.0
+    status = out.status
+    if status == "neighbourhood" and out.bound is not None:
+        reach = objective - (out.bound * model.scale + red.constant.real)
+        if reach <= max(_ABS_GAP * model.scale, _PROVEN_GAP * abs(objective)):
+            status = "optimal"  # the neighbourhood's plan reaches the whole program's LP bound
     if out.status == "time_limit":
         found = (
             "found no plan; returning a greedy feasible plan"
@@ -370,7 +387,7 @@ def solve(
     return Solution(
         strategy=strategy,
         objective=objective,
-        status=out.status,
+        status=status,
         gap=gap,
         solver=solver,
         seconds=time.perf_counter() - start,
@@ -382,7 +399,14 @@ def solve(
         nodes=out.nodes,
         limit=out.limit,
         tie_break=tie_break,
+        neighbourhood_free=model.neighbourhood_free if out.status == "neighbourhood" else None,
     )
+
+
+# a neighbourhood's plan within the absolute gap the solvers prove (_ABS_GAP of the
+# rescaled range), or within this fraction of its objective (the simplex's own
+# tolerances), of the whole program's LP bound counts as proven optimal
+_PROVEN_GAP = 1e-7
 
 
 # a solve that ran this much past its time limit says so in the warning

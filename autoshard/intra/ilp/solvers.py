@@ -48,7 +48,8 @@ def _expr(terms, constant: float = 0.0) -> pulp.LpAffineExpression:
 
 @dataclass(frozen=True)
 class _Outcome:
-    status: str  # optimal | time_limit | no_incumbent | infeasible | fractional | lp_stopped
+    # optimal | time_limit | no_incumbent | infeasible | fractional | lp_stopped | neighbourhood
+    status: str
     bound: float | None  # best bound on the model objective
     nodes: int | None = None  # branch-and-bound nodes explored (HiGHS)
     limit: str | None = None  # what stopped a solve: "time", "nodes" or (LP) "iterations"
@@ -236,6 +237,8 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
         if relaxed.status in ("optimal", "infeasible"):
             return relaxed
         big = model.mip_max_columns is not None and model.num_cols > model.mip_max_columns
+        if big and relaxed.status == "fractional":  # the start's neighbourhood, the LP's bound
+            return _neighbourhood(highs, lp, model, relaxed) or relaxed
         if big or relaxed.status == "lp_stopped":  # no integer program: the LP's bound
             return relaxed
     kinds = highspy.HighsVarType
@@ -276,6 +279,61 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
 _INTEGRAL_TOL = 1e-6
 
 
+# the integer program of :func:`_neighbourhood` runs only where at most this many binary
+# columns are left free (the others fixed where the start and the LP agree). A second
+# round around the plan the first found improved none of the conv nets of
+# benchmarks/studies/bench_exact_verify.py (2026-11-27), so there is one.
+NEIGHBOURHOOD_MAX_FREE = 2_500
+
+
+def _neighbourhood(highs, lp, model: _Model, relaxed: _Outcome) -> _Outcome | None:
+    """Where the LP relaxation of a program too large for its integer program is
+    fractional (``relaxed``): the integer program on the start's neighbourhood (RINS, the
+    relaxation-induced neighbourhood search of Danna, Rothberg and Le Pape, 2005) -- every
+    binary column on which the start (``model.start``) and the LP's solution agree fixed
+    there, the rest free, within ``model.max_nodes`` nodes, from the start. Its plan is at
+    worst the start; the LP's objective bounds it from below (a bound on the whole
+    program, so a plan that reaches it is proven optimal). Outcome "neighbourhood" with the
+    LP's bound and the values, or None where there is no start, the two agree everywhere
+    (nothing to search), more than :data:`NEIGHBOURHOOD_MAX_FREE` columns would be free or
+    it found no plan. Rules on counts (nodes, columns), so the plan does not depend on the
+    load."""
+    import highspy
+
+    if model.start is None or model.lp_values is None:
+        return None
+    nb = model.num_binary
+    start = np.full(nb, np.nan)
+    cols, vals = model.start
+    start[np.asarray(cols, dtype=np.int64)] = vals
+    lp_bin = model.lp_values[:nb]
+    rounded = np.round(lp_bin)
+    fixed = (np.abs(lp_bin - rounded) <= _INTEGRAL_TOL) & (start == rounded)
+    free = int(nb - fixed.sum())
+    if free == 0 or free > NEIGHBOURHOOD_MAX_FREE:
+        return None
+    lower, upper = np.asarray(lp.col_lower_, dtype=float), np.asarray(lp.col_upper_, dtype=float)
+    lower[:nb][fixed] = rounded[fixed]
+    upper[:nb][fixed] = rounded[fixed]
+    lp.col_lower_, lp.col_upper_ = lower, upper
+    kinds = highspy.HighsVarType
+    lp.integrality_ = [kinds.kInteger] * nb + [kinds.kContinuous] * (model.num_cols - nb)
+    highs.passModel(lp)
+    try:
+        highs.setSolution(len(cols), np.asarray(cols, np.int32), np.asarray(vals, float))
+    except TypeError:  # highspy < 1.8: no warm start (the start is still inside)
+        pass
+    started = time.monotonic()
+    highs.run()
+    wall_s = time.monotonic() - started
+    info = highs.getInfo()
+    if info.primal_solution_status != 2:  # kSolutionStatusFeasible
+        return None
+    model.values = np.asarray(highs.getSolution().col_value)
+    model.neighbourhood_free = free
+    return _Outcome("neighbourhood", relaxed.bound, int(info.mip_node_count), wall_s=wall_s)
+
+
 def _relaxation(highs, lp, model: _Model) -> _Outcome:
     """The LP relaxation of ``model`` solved (dual simplex, no presolve): "optimal" with
     its solution when every binary column is integral -- then it is an optimal solution of
@@ -310,6 +368,7 @@ def _relaxation(highs, lp, model: _Model) -> _Outcome:
     values = np.asarray(highs.getSolution().col_value)
     binary = values[: model.num_binary]
     if np.any(np.minimum(np.abs(binary), np.abs(1.0 - binary)) > _INTEGRAL_TOL):
+        model.lp_values = values
         return _Outcome("fractional", info.objective_function_value, 0, wall_s=wall_s)
     model.values = values
     return _Outcome("optimal", info.objective_function_value, 0, wall_s=wall_s)

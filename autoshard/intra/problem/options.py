@@ -74,7 +74,9 @@ class IntraOptions:
       integral (then it is the exact optimum, proven); where it is fractional the integer
       program runs (200 nodes) only on an exact program of at most
       :data:`~autoshard.intra.problem.exact_values.EXACT_MIP_MAX_COLUMNS` columns, else the
-      per-demand plan is kept, priced per value; the LP gets at most
+      integer program around the per-demand plan (the columns where the LP and that plan
+      agree fixed, at most 2,500 left free, 200 nodes; RINS), kept where cheaper, else the
+      per-demand plan, priced per value; the LP gets at most
       :data:`~autoshard.intra.problem.exact_values.EXACT_LP_MAX_ITERATIONS` simplex
       iterations.  Not with forbidden collectives (their LPs were the slowest measured),
       unless the per-demand plan needs one, nor with CBC.  Rules on the program's size
