@@ -45,9 +45,10 @@ def with_activations_offloaded(u: UnitCost, latency, kept, working, recompute_s,
     the host link's per-GPU rate (all GPUs of the node copying at once) and the preset's
     ``copy_overlap`` share of it hides behind the unit's own compute in that pass (the
     forward for the copy out; the backward, recompute included, for the copy back; at
-    most that compute): the rest is exposed, per microbatch. HBM keeps no kept activations per microbatch in flight; it stages
-    twice the unit's (the copy under way and the next), held once. Returns (latency,
-    kept bytes, working bytes) as ``IntraStageCost._mode_terms`` does."""
+    most that compute): the rest is exposed, per microbatch. HBM keeps no kept
+    activations per microbatch in flight; it stages twice the unit's (the copy under way
+    and the next), held once. Returns (latency, kept bytes, working bytes) as
+    ``IntraStageCost._mode_terms`` does."""
     exposed = activation_exposed_s(u, kept, recompute_s, cluster)
     return latency + exposed, 0.0, working + 2.0 * kept
 
