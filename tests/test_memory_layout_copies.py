@@ -213,8 +213,9 @@ def test_wresnet_2x4_memory_needs_the_early_conv_copies(wresnet_megatron_2x4):
 @pytest.mark.xfail(
     strict=True,
     reason="the default's plan here (found around the per-demand plan, 3.9% cheaper) is "
-    "predicted 29.8% over XLA:CPU's peak: a memory-model miss on that plan not yet explained "
-    "(docs/sharing.md); this fails, and so must be flipped, once it agrees",
+    "predicted 29.8% over XLA:CPU's peak: the model makes one transposed copy of an activation "
+    "per weight-gradient conv where XLA shares one per (value, layout) (docs/sharing.md); this "
+    "fails, and so must be flipped, once it agrees",
 )
 def test_wresnet_2x4_the_defaults_cheaper_plan_is_predicted_within_10_percent():
     g, mesh, plan, report = _wresnet_pinned_2x4("lp")
