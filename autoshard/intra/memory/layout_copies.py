@@ -88,6 +88,12 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
     in the forward pass (``transpose_copy_fusion.19``: positions 57-228 of XLA's 409, its
     conv at 228), and on 2x4 (the ILP's plan) five such 8-16 KiB copies are live at XLA's
     peak in the backward pass."""
+    return [(tid, first, conv) for tid, first, conv, _ in _conv_copies(graph, mesh)]
+
+
+def _conv_copies(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, tuple]]:
+    """:func:`transposed_conv_values` with each copy's layout: (tensor, first, conv node,
+    the order of the value's dims the conv reads)."""
     layout = mesh.memory_layout
     if not layout.conv_layout_copies:
         return []
@@ -107,8 +113,34 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
         values = (node.inputs[0], node.inputs[1], node.outputs[0])
         for tid, spec, want in zip(values, (lhs, rhs, res), canonical):
             if tuple(spec) != want:
-                out.append((tid, _conv_copy_start(graph, tid, node, early, layout), node.index))
+                first = _conv_copy_start(graph, tid, node, early, layout)
+                out.append((tid, first, node.index, tuple(spec)))
     return out
+
+
+def shared_conv_copies(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, tuple]]:
+    """The buffers of :func:`transposed_conv_values`' copies, one where XLA shares one:
+    (tensor, first, last, the convs that read it). Copies of one value made before their
+    conv (a program input's at the start, a forward value's where it is made:
+    ``early_input_reshards``, ``early_conv_copies``) in the same transposed layout are one
+    buffer, made once and kept to the last of its convs: on wresnet-tiny's plan on 2x4
+    (tests/test_memory_layout_copies.py) the output of ``block_0``, read by the weight
+    gradients of ``block_1``'s ``proj`` and ``conv1``, is copied once
+    (``transpose_copy_fusion.13``), not once per conv. A copy made at its conv is freed
+    after it, so such copies never overlap and stay one per conv."""
+    merged: dict[tuple, list] = {}
+    out: list[list] = []
+    for tid, first, conv, order in _conv_copies(graph, mesh):
+        if first < conv and (tid, first, order) in merged:
+            entry = merged[(tid, first, order)]
+            entry[2] = max(entry[2], conv)
+            entry[3].append(conv)
+            continue
+        entry = [tid, first, conv, [conv]]
+        out.append(entry)
+        if first < conv:
+            merged[(tid, first, order)] = entry
+    return [(tid, first, last, tuple(convs)) for tid, first, last, convs in out]
 
 
 def _conv_copy_start(graph: Graph, tid: int, conv, early: set[int], layout) -> int:

@@ -32,6 +32,7 @@ from autoshard.intra.memory.layout_copies import (
     dot_lhs_copy_bytes,
     dot_lhs_copy_groups,
     reads_one_batch_row,
+    shared_conv_copies,
     transposed_conv_values,
     transposed_dot_lhs,
     transposed_weight_copies,
@@ -281,8 +282,8 @@ def tensor_buffers(
     """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
     layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
     the f32 copies of :func:`widened_dot_operands` and the transposed copies of
-    :func:`transposed_conv_values`.  The ILP's memory rows and
-    :func:`predicted_peak_bytes` both count these.  ``host``: tensors offloaded to host
+    :func:`transposed_conv_values` (one where XLA shares one: :func:`shared_conv_copies`).
+    The ILP's memory rows and :func:`predicted_peak_bytes` both count these.  ``host``: tensors offloaded to host
     memory (:mod:`autoshard.intra.offload.placement`), left out."""
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
@@ -296,7 +297,7 @@ def tensor_buffers(
     ]
     out += [
         (tid, first, last, graph.tensors[tid].nbytes)
-        for tid, first, last in transposed_conv_values(graph, mesh)
+        for tid, first, last, _ in shared_conv_copies(graph, mesh)
     ]
     return [b for b in out if b[0] not in host] if host else out
 
@@ -320,27 +321,46 @@ def predicted_live_bytes(
     delta = [0.0] * (n + 3)
     operand_specs = operand_specs or {}
     # a conv's transposed copy of an operand is made from the operand as the conv reads
-    # it: in the layout it is resharded to, if it is
-    at_conv = {}
-    for tid, first, last in transposed_conv_values(graph, mesh):
-        node = graph.nodes[last]
-        if tid in node.inputs:
-            spec = operand_specs.get(last, {}).get(node.inputs.index(tid))
-            if spec is not None:
-                at_conv[(tid, first, last)] = spec
+    # it: in the layout it is resharded to, if it is; a copy shared by several convs
+    # (shared_conv_copies) that read it in several layouts is one copy per layout, each
+    # kept to the last conv that reads that layout
+    at_conv, extra = {}, []
+    for tid, first, last, convs in shared_conv_copies(graph, mesh):
+        read: dict = {}  # layout read (None: the value's own) -> the last conv reading it
+        for c in convs:
+            node = graph.nodes[c]
+            spec = None
+            if tid in node.inputs:
+                spec = operand_specs.get(c, {}).get(node.inputs.index(tid))
+            read[spec] = max(read.get(spec, c), c)
+        for spec, c in read.items():
+            if c == last:  # the buffer tensor_buffers lists takes the last conv's layout
+                if spec is not None:
+                    at_conv[(tid, first, last)] = spec
+            elif tid not in host and tid in spec_of:
+                fraction = (spec or spec_of[tid]).shard_fraction(mesh.mesh)
+                extra.append((first, c, graph.tensors[tid].nbytes * fraction))
     own = tensor_buffers(graph, mesh, host)
     pos = program_positions(graph, mesh.memory_layout.late_updates)
     # a forward value gathered for its backward dots is freed after its own-layout readers
     tails = _gathered_tails(graph, mesh, own, pos)
+    # tensor_buffers lists the conv copies last: a copy and the value's own buffer can have
+    # the same interval (a forward value whose last reader is the conv that copies it), and
+    # only the copy is in the conv's layout
+    copy_at = len(own) - sum(1 for c in shared_conv_copies(graph, mesh) if c[0] not in host)
     buffers = [
         (
             first,
             own_buffer_end(tails[tid], spec_of[tid], operand_specs) if tid in tails else last,
-            nbytes * at_conv.get((tid, first, last), spec_of[tid]).shard_fraction(mesh.mesh),
+            nbytes
+            * (
+                at_conv.get((tid, first, last), spec_of[tid]) if k >= copy_at else spec_of[tid]
+            ).shard_fraction(mesh.mesh),
         )
-        for tid, first, last, nbytes in own
+        for k, (tid, first, last, nbytes) in enumerate(own)
         if tid in spec_of
     ]
+    buffers += extra
     buffers += reshard_buffers(graph, operand_specs, spec_of, mesh, pos, _union_intervals(own))
     # transposed weight copies: made at the start, live to their last reader; one per
     # layout that a dot reading one expert a device reads the weight in
