@@ -209,18 +209,34 @@ def run(
                 rows.append(row)
                 print(_format_row(row), flush=True)
                 if replay_cache:  # memory_replay.py's record of this plan and its compile
-                    tag = f"__{attention}" if extra else ""
-                    name = f"{suite}__{row['model']}__{mesh_text}__{which}{tag}.json"
-                    Path(replay_cache).mkdir(parents=True, exist_ok=True)
-                    record = {
-                        "plan": plan.dumps(),
-                        "compiled": report.compiled_peak_bytes,
-                        "live": report.compiled_live_peak_bytes,
-                        "live_at": report.compiled_live_peak_instruction,
-                        "collectives_agree": report.collectives_agree,
-                    }
-                    (Path(replay_cache) / name).write_text(json.dumps(record))
+                    path = replay_path(
+                        replay_cache,
+                        suite,
+                        row["model"],
+                        mesh_text,
+                        which,
+                        attention if extra else None,
+                    )
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps(replay_record(plan, report)))
     return rows
+
+
+def replay_path(cache, suite: str, label: str, mesh_text: str, which: str, attention=None) -> Path:
+    """Where ``benchmarks/studies/memory_replay.py`` caches one row's plan and compile."""
+    tag = f"__{attention}" if attention else ""
+    return Path(cache) / f"{suite}__{label}__{mesh_text}__{which}{tag}.json"
+
+
+def replay_record(plan, report) -> dict:
+    """A row's plan and what XLA compiled for it, as memory_replay.py caches them."""
+    return {
+        "plan": plan.dumps(),
+        "compiled": report.compiled_peak_bytes,
+        "live": report.compiled_live_peak_bytes,
+        "live_at": report.compiled_live_peak_instruction,
+        "collectives_agree": report.collectives_agree,
+    }
 
 
 def _refused(suite, model, mesh_text, which, err) -> dict:

@@ -41,7 +41,7 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from bench_truth import PLANS, SUITES, _label, plan_settings
+    from bench_truth import PLANS, SUITES, _label, plan_settings, replay_path, replay_record
 
     import autoshard
     from autoshard.api import device_mesh_for, trace_workload
@@ -74,8 +74,9 @@ def main() -> None:
             for which in PLANS:
                 if args.plans and which not in args.plans.split(","):
                     continue
-                tag = f"__{extra['attention']}" if extra else ""
-                path = cache / f"{args.suite}__{label}__{mesh_text}__{which}{tag}.json"
+                path = replay_path(
+                    cache, args.suite, label, mesh_text, which, extra.get("attention")
+                )
                 if not path.exists():
                     print(f"{label} {mesh_text} {which}: planning and compiling", file=sys.stderr)
                     try:  # as bench_truth plans the row
@@ -89,14 +90,7 @@ def main() -> None:
                         report = verify_plan(
                             traced.program, plan, live_peak="always" if args.live else "never"
                         )
-                        record = {
-                            "plan": plan.dumps(),
-                            "compiled": report.compiled_peak_bytes,
-                            "live": report.compiled_live_peak_bytes,
-                            "live_at": report.compiled_live_peak_instruction,
-                            "collectives_agree": report.collectives_agree,
-                        }
-                        path.write_text(json.dumps(record))
+                        path.write_text(json.dumps(replay_record(plan, report)))
                 record = json.loads(path.read_text())
                 if "refused" in record:  # a baseline that cannot mean its name here
                     continue
