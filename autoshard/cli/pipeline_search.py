@@ -88,13 +88,9 @@ def _microbatch_counts(args) -> tuple[int, ...]:
 def _gpt_shape(model: str, config):
     """A dense GPT preset's :class:`~autoshard.sim.megatron.GPTShape` (None: not a GPT)."""
     from autoshard.models.gpt import GPT_PRESETS
-    from autoshard.sim.megatron import GPTShape
+    from autoshard.sim.simulate import shape_of
 
-    if model not in GPT_PRESETS:
-        return None
-    return GPTShape(
-        config.hidden, config.num_layers, config.num_heads, config.vocab_size, config.seq_len
-    )
+    return shape_of(config) if model in GPT_PRESETS else None
 
 
 def search_microbatches(args, hosts: int, per_host: int, budget):

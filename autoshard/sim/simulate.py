@@ -148,8 +148,12 @@ def gpt_shape(model: str, **overrides) -> tuple[GPTShape, int]:
             f"plan='auto'); {model!r} is a dense GPT"
         )
     cfg = GPT_PRESETS[model].replace(**overrides)
-    shape = GPTShape(cfg.hidden, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.seq_len)
-    return shape, cfg.batch_size
+    return shape_of(cfg), cfg.batch_size
+
+
+def shape_of(cfg) -> GPTShape:
+    """The :class:`GPTShape` of a GPT config (a preset's, overrides applied)."""
+    return GPTShape(cfg.hidden, cfg.num_layers, cfg.num_heads, cfg.vocab_size, cfg.seq_len)
 
 
 def traced_only_model(model: str, plan_kind: str, overrides: dict, exact: bool):
