@@ -129,8 +129,9 @@ def offload_summary(cost, stages, cluster) -> dict:
     ``cost_of(stage.offload)`` priced each stage). Per stage: its placement
     (``offload_per_stage``, ``where_per_stage``), the host bytes per device and the exposed
     transfer/host-update seconds per step (spread over the microbatches in the stage
-    latency; offloaded activations: what its microbatches in flight keep); per node, the sum over the stages of each device's host bytes (stages without
-    device ids: the stage holding most on every GPU of the node). ``offload``, ``classes``
+    latency; offloaded activations: what its microbatches in flight keep); per node, the sum
+    over the stages of each device's host bytes (stages without device ids: the stage
+    holding most on every GPU of the node). ``offload``, ``classes``
     and ``where`` say the same for the whole plan: one stage's placement when every stage
     took it, else ``offload`` is ``"per stage"``, ``classes`` the classes any stage
     offloads and a class offloaded by some stages only is ``"some stages"`` in ``where``."""

@@ -268,8 +268,9 @@ def solve(
     :data:`~autoshard.intra.ilp.solvers.NEIGHBOURHOOD_MAX_FREE` left free, ``max_nodes``
     nodes; status "neighbourhood", or "optimal" where its plan reaches the LP's bound);
     where it cannot run, the solution is ``initial`` with status "fractional" and its gap
-    to the LP's bound (no warning either way: the caller asked for the LP alone).  A rule on the program's size, so which
-    programs get the integer program does not depend on the load.  ``lp_max_iterations``
+    to the LP's bound (no warning either way: the caller asked for the LP alone).  A rule
+    on the program's size, so which programs get the integer program does not depend on
+    the load.  ``lp_max_iterations``
     (with ``mip_max_columns``): the LP's simplex iteration limit; an LP stopped there or by
     the time limit also returns ``initial``, with status "lp_stopped" (``limit``
     "iterations" or "time").
@@ -348,11 +349,11 @@ def solve(
         tie_break = "skipped"
     if fallback is None and out.status not in ("fractional", "lp_stopped"):
         strategy = _decode(red, model)
-    if out.status == "neighbourhood" and not objective_of(problem, strategy) <= objective_of(
-        problem, tuple(initial)
-    ):  # the start is inside the neighbourhood: never a dearer plan than the start
-        strategy = tuple(initial)
     objective = objective_of(problem, strategy)
+    if out.status == "neighbourhood":  # the start is inside it: never a dearer plan
+        start_cost = objective_of(problem, tuple(initial))
+        if not objective <= start_cost:
+            strategy, objective = tuple(initial), start_cost
     if not math.isfinite(objective):
         raise RuntimeError(
             f"internal error: the {solver} solution breaks a tie or picks an infinite cost"

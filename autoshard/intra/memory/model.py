@@ -283,8 +283,9 @@ def tensor_buffers(
     layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
     the f32 copies of :func:`widened_dot_operands` and the transposed copies of
     :func:`transposed_conv_values` (one where XLA shares one: :func:`shared_conv_copies`).
-    The ILP's memory rows and :func:`predicted_peak_bytes` both count these.  ``host``: tensors offloaded to host
-    memory (:mod:`autoshard.intra.offload.placement`), left out."""
+    The ILP's memory rows and :func:`predicted_peak_bytes` both count these.  ``host``:
+    tensors offloaded to host memory (:mod:`autoshard.intra.offload.placement`), left
+    out."""
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
     out = [

@@ -25,25 +25,26 @@ device equations cost nothing and hold no HBM; otherwise on the device, which st
 offloaded state in (host -> device) and the updated state out (device -> host) each step.
 
 What is assumed about overlap (say it where a figure is quoted): each copy runs at
-:meth:`HostSpec.link_bandwidth` (the GPUs sharing an uplink share it), the copies in and
-the copies out one after the other (not both directions at once), and of that serial time
-only the preset's ``copy_overlap`` share hides behind compute, at most the backward pass's
-time (the transfers of the state for a device update, and the gradients' copies out for a
-host update); the rest is exposed. The share is what XLA:GPU did on one H100 with jax
-0.11.2 (:data:`~autoshard.hardware.clusters.COPY_OVERLAP`: 13%; the step's
-``device_put`` copies are not prefetched under the forward and backward), not the
-whole backward that an update made as each gradient is ready would allow. A host update's
-CPU Adam and the copy of the updated 16-bit weights back to the device are not overlapped:
-they follow the backward (ZeRO-Offload without its delayed parameter update). A host update partitions the host state over the plan's devices, as
-ZeRO-Offload does over its data-parallel ranks: each device sends its 1/N of the reduced
-gradients, its CPU share updates 1/N of the parameters and sends them back, and the
-devices all-gather the updated 16-bit weights; that all-gather and the gradients'
-reduce-scatter are taken to cost what the plan's gradient all-reduce does (an all-gather
-of 16-bit weights costs less than one of f32 gradients), so nothing is added for them. A
-device update streams each device's own shard of the state. The device keeps a staging buffer of twice the largest streamed tensor
-(double buffering), counted in its peak (the one-mesh ILP, which does not yet know the
-split, counts the whole tensor; the stage search its shard). Saved activations are not offloaded here: their
-live ranges would split in two, which the memory model does not yet express.
+:meth:`HostSpec.link_bandwidth` (the GPUs sharing an uplink share it), the copies in and the
+copies out one after the other (not both directions at once), and of that serial time only
+the preset's ``copy_overlap`` share hides behind compute, at most the backward pass's time
+(the transfers of the state for a device update, and the gradients' copies out for a host
+update); the rest is exposed. The share is what XLA:GPU did on one H100 with jax 0.11.2
+(:data:`~autoshard.hardware.clusters.COPY_OVERLAP`: 13%; the step's ``device_put`` copies
+are not prefetched under the forward and backward), not the whole backward that an update
+made as each gradient is ready would allow. A host update's CPU Adam and the copy of the
+updated 16-bit weights back to the device are not overlapped: they follow the backward
+(ZeRO-Offload without its delayed parameter update). A host update partitions the host state
+over the plan's devices, as ZeRO-Offload does over its data-parallel ranks: each device
+sends its 1/N of the reduced gradients, its CPU share updates 1/N of the parameters and
+sends them back, and the devices all-gather the updated 16-bit weights; that all-gather and
+the gradients' reduce-scatter are taken to cost what the plan's gradient all-reduce does (an
+all-gather of 16-bit weights costs less than one of f32 gradients), so nothing is added for
+them. A device update streams each device's own shard of the state. The device keeps a
+staging buffer of twice the largest streamed tensor (double buffering), counted in its peak
+(the one-mesh ILP, which does not yet know the split, counts the whole tensor; the stage
+search its shard). Saved activations are not offloaded here: their live ranges would split
+in two, which the memory model does not yet express.
 """
 
 from __future__ import annotations
