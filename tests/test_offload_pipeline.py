@@ -476,15 +476,15 @@ def test_cli_plan_and_explain_say_what_each_stage_placed(capsys, tmp_path):
     assert [s["offload"] for s in json.loads(explained)["stages"]] == ["optimizer", "none"]
 
 
-def test_pipeline_runtime_runs_a_placement_per_stage_and_trains_the_same(plain_f32):
+def _auto_pipeline(plain, budget):
+    """gpt-tiny (one layer) pipelined on 2 devices in 2 equal-layer stages, f32 AdamW,
+    ``--offload auto`` under ``budget`` on alpa-v100, its stage ILPs from ``plain``'s
+    cost; returns (the pipeline, its batch)."""
     import jax
-    import jax.numpy as jnp
 
     from autoshard.api_pipeline import auto_pipeline
     from autoshard.models import get_workload, make_optimizer
 
-    plain, losses = plain_f32
-    budget, _, _ = _stage_budget()
     workload = get_workload("gpt-tiny", num_layers=1)
     opt = make_optimizer("adamw")
     params, _, batch = workload.init_train_args(opt, seed=0)
@@ -493,6 +493,16 @@ def test_pipeline_runtime_runs_a_placement_per_stage_and_trains_the_same(plain_f
         stages="equal-layer", num_stages=2, cluster="alpa-v100", offload="auto",
         memory_budget_bytes=budget, intra_cost=plain.intra_cost,
     )  # fmt: skip
+    return mixed, batch
+
+
+def test_pipeline_runtime_runs_a_placement_per_stage_and_trains_the_same(plain_f32):
+    import jax
+    import jax.numpy as jnp
+
+    plain, losses = plain_f32
+    budget, _, _ = _stage_budget()
+    mixed, batch = _auto_pipeline(plain, budget)
     assert [s.offload for s in mixed.inter_plan.stages] == ["optimizer", "none"]
     kinds = [
         {x.sharding.memory_kind for x in jax.tree.leaves(st.opt_state)
@@ -664,18 +674,8 @@ def test_pipeline_runtime_offloads_activations_on_the_stage_auto_chose(plain_f32
     weights of the pipeline without offload within 1e-5."""
     import jax
 
-    from autoshard.api_pipeline import auto_pipeline
-    from autoshard.models import get_workload, make_optimizer
-
     plain, losses = plain_f32
-    workload = get_workload("gpt-tiny", num_layers=1)
-    opt = make_optimizer("adamw")
-    params, _, batch = workload.init_train_args(opt, seed=0)
-    mixed = auto_pipeline(
-        workload.loss_fn, opt, params, batch, devices=jax.devices()[:2], num_microbatches=2,
-        stages="equal-layer", num_stages=2, cluster="alpa-v100", offload="auto",
-        memory_budget_bytes=_activation_budget(), intra_cost=plain.intra_cost,
-    )  # fmt: skip
+    mixed, batch = _auto_pipeline(plain, _activation_budget())
     assert [s.offload for s in mixed.inter_plan.stages] == ["optimizer,activations", "none"]
     assert [st.activations_on_host for st in mixed.stage_executables] == [True, False]
     kinds = [
