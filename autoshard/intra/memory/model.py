@@ -326,14 +326,15 @@ def predicted_live_bytes(
     # (shared_conv_copies) that read it in several layouts is one copy per layout, each
     # kept to the last conv that reads that layout
     at_conv, extra = {}, []
-    for tid, first, last, convs in shared_conv_copies(graph, mesh):
+    shared = shared_conv_copies(graph, mesh)
+    for tid, first, last, convs in shared:
         read: dict = {}  # layout read (None: the value's own) -> the last conv reading it
-        for c in convs:
+        for c in convs:  # in program order
             node = graph.nodes[c]
             spec = None
             if tid in node.inputs:
                 spec = operand_specs.get(c, {}).get(node.inputs.index(tid))
-            read[spec] = max(read.get(spec, c), c)
+            read[spec] = c
         for spec, c in read.items():
             if c == last:  # the buffer tensor_buffers lists takes the last conv's layout
                 if spec is not None:
@@ -348,7 +349,7 @@ def predicted_live_bytes(
     # tensor_buffers lists the conv copies last: a copy and the value's own buffer can have
     # the same interval (a forward value whose last reader is the conv that copies it), and
     # only the copy is in the conv's layout
-    copy_at = len(own) - sum(1 for c in shared_conv_copies(graph, mesh) if c[0] not in host)
+    copy_at = len(own) - sum(1 for c in shared if c[0] not in host)
     buffers = [
         (
             first,
