@@ -50,6 +50,9 @@ class _Model:
     lp_max_iterations: int | None = None
     lp_values: np.ndarray | None = None  # a fractional LP relaxation's column values
     neighbourhood_free: int | None = None  # binary columns the neighbourhood search left free
+    # each binary column's node (its one-hot row's index): the neighbourhood search frees a
+    # node's every strategy, not only the columns where the start and the LP differ
+    node_of: np.ndarray | None = None
 
     def column(self, cost: float = 0.0, preference: float = 0.0) -> int:
         self.cost.append(cost)
@@ -102,6 +105,7 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
         for _ in range(cols.size):
             model.column()
     model.num_binary = model.num_cols
+    model.node_of = np.repeat(np.arange(len(red.cols)), [cols.size for cols in red.cols])
     for b, cols in enumerate(red.cols):
         if cols.size:
             o = int(red.offset[b])

@@ -284,6 +284,13 @@ _INTEGRAL_TOL = 1e-6
 # round around the plan the first found improved none of the conv nets of
 # benchmarks/studies/bench_exact_verify.py (2026-11-27), so there is one.
 NEIGHBOURHOOD_MAX_FREE = 2_500
+# A node whose start and LP disagree on some strategy is freed whole (its every strategy,
+# not only the columns where they differ) where that frees at most this many columns:
+# the 2-layer conv net on 2x4 then reaches the whole integer program's optimum (478
+# columns free, 0.3 s; 74 columns alone stop 1.4% above it), and on 4x2 costs 0.5 s (618);
+# the 4-layer one on 4x2 would free 2,277 (30 s at load 2, for 0.01%), so it keeps the
+# columns (benchmarks/studies/bench_exact_verify.py, 2026-11-28)
+NEIGHBOURHOOD_WHOLE_NODES_MAX = 1_000
 
 
 def _neighbourhood(highs, lp, model: _Model, relaxed: _Outcome) -> _Outcome | None:
@@ -291,13 +298,14 @@ def _neighbourhood(highs, lp, model: _Model, relaxed: _Outcome) -> _Outcome | No
     fractional (``relaxed``): the integer program on the start's neighbourhood (RINS, the
     relaxation-induced neighbourhood search of Danna, Rothberg and Le Pape, 2005) -- every
     binary column on which the start (``model.start``) and the LP's solution agree fixed
-    there, the rest free, within ``model.max_nodes`` nodes, from the start. Its plan is at
-    worst the start; the LP's objective bounds it from below (a bound on the whole
-    program, so a plan that reaches it is proven optimal). Outcome "neighbourhood" with the
-    LP's bound and the values, or None where there is no start, the two agree everywhere
-    (nothing to search), more than :data:`NEIGHBOURHOOD_MAX_FREE` columns would be free or
-    it found no plan. Rules on counts (nodes, columns), so the plan does not depend on the
-    load."""
+    there, the rest free (with the other strategies of their nodes, within
+    :data:`NEIGHBOURHOOD_WHOLE_NODES_MAX`), within ``model.max_nodes`` nodes, from the
+    start. Its plan is at worst the start; the LP's objective bounds it from below (a bound
+    on the whole program, so a plan that reaches it is proven optimal). Outcome
+    "neighbourhood" with the LP's bound and the values, or None where there is no start,
+    the two agree everywhere (nothing to search), more than :data:`NEIGHBOURHOOD_MAX_FREE`
+    columns would be free or it found no plan. Rules on counts (nodes, columns), so the
+    plan does not depend on the load."""
     import highspy
 
     if model.start is None or model.lp_values is None:
@@ -309,6 +317,10 @@ def _neighbourhood(highs, lp, model: _Model, relaxed: _Outcome) -> _Outcome | No
     lp_bin = model.lp_values[:nb]
     rounded = np.round(lp_bin)
     fixed = (np.abs(lp_bin - rounded) <= _INTEGRAL_TOL) & (start == rounded)
+    if model.node_of is not None and not fixed.all():
+        whole = ~np.isin(model.node_of, model.node_of[~fixed])
+        if nb - whole.sum() <= NEIGHBOURHOOD_WHOLE_NODES_MAX:
+            fixed &= whole
     free = int(nb - fixed.sum())
     if free == 0 or free > NEIGHBOURHOOD_MAX_FREE:
         return None

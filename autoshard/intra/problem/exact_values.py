@@ -343,8 +343,8 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False):
                 f"the exact program's LP relaxation is fractional ({solution.num_variables:,} "
                 f"columns, over the {EXACT_MIP_MAX_COLUMNS:,} up to which exact_search='lp' runs "
                 "its integer program): the integer program around the per-demand plan (the "
-                f"{solution.neighbourhood_free:,} columns where the LP and that plan differ "
-                f"free, {EXACT_MAX_NODES} nodes) found this plan, "
+                f"{solution.neighbourhood_free:,} columns of the nodes where the LP and that "
+                f"plan differ free, {EXACT_MAX_NODES} nodes) found this plan, "
                 f"{1 - objective / start_price:.1%} cheaper than the per-demand one{bound}"
             ),
         )
