@@ -295,6 +295,35 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(request, shape, wh
     assert peak_memory(no_copies.problem, solution.strategy) < plan.predicted_peak_bytes
 
 
+def test_the_ilp_memory_rows_count_xla_gpus_float32_attention_blocks(tiny_fused):
+    """On XLA:GPU a float32 attention runs XLA's body, whose S x S blocks XLA:GPU keeps
+    from the forward to the backward: the ILP's rows count them as the prediction does,
+    and a budget under them is a budget on them."""
+    import dataclasses
+
+    from autoshard.hardware.mesh import XLA_GPU_MEMORY, relative_mesh
+    from autoshard.intra.ilp import peak_memory, solve
+    from autoshard.intra.problem.build import plan_from_solution
+
+    gpu = relative_mesh((2, 4), ("data", "model"), XLA_GPU_MEMORY)
+    cudnn = dataclasses.replace(
+        gpu, memory_layout=dataclasses.replace(XLA_GPU_MEMORY, wide_attention_held_blocks=0.0)
+    )
+    peaks = {}
+    for name, mesh in (("gpu", gpu), ("cudnn", cudnn)):
+        ip = build_problem(tiny_fused.graph, mesh, copy_buffers=True)
+        solution = solve(ip.problem, solver="highs")
+        plan = plan_from_solution(ip, solution)
+        peaks[name] = peak_memory(ip.problem, solution.strategy)
+        assert peaks[name] == pytest.approx(plan.predicted_peak_bytes, rel=1e-12)
+        # without copy buffers only the attention's blocks remain (none on cuDNN)
+        bare = build_problem(tiny_fused.graph, mesh)
+        sources = {c.source - bare.num_inputs for c in bare.problem.copies}
+        held = {tiny_fused.graph.nodes[i].primitive for i in sources}
+        assert held <= ATTENTION and bool(held) == (name == "gpu")
+    assert peaks["gpu"] > peaks["cudnn"]
+
+
 def _predicted_peak_of(ip, s) -> float:
     """The predicted peak (bytes per device) of the assignment ``s`` of ``ip``: the
     layouts it gives each value and reads each operand in, as plan_from_solution's."""

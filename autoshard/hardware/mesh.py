@@ -96,6 +96,14 @@ class MemoryLayout:
     # flash attention (XLA:GPU) holds no S x S buffer. The memory model counts the
     # workspace at the operator (autoshard/intra/memory/attention_workspace.py).
     attention_scores_workspace: bool = False
+    # cuDNN's flash attention takes 16-bit floats only, so on XLA:GPU an attention in
+    # float32 runs the operator's XLA body (autoshard/models/attention.py), and XLA:GPU
+    # keeps this many of its S x S float32 blocks a layer from the forward to the
+    # backward: the scores and scores - lse (the exp is fused into every reader). 2 on 9
+    # of the 12 float32 GPT / MoE modules of the H100 scale runs, 1 on the other 3 (XLA
+    # fuses the subtraction into the backward's dS there; docs/truth_gpu.md). The memory
+    # model counts them (autoshard/intra/memory/attention_workspace.py); 0: not counted.
+    wide_attention_held_blocks: float = 0.0
     # XLA:CPU's reduction fusions (YNNPACK) read a broadcast operand as a buffer, which
     # its scheduler makes in the forward pass and shares with the backward: a LayerNorm
     # keeps its rsqrt and scale broadcast to [B, S, h], and rsqrt * scale, from its
@@ -132,7 +140,9 @@ XLA_CPU_MEMORY = MemoryLayout(
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).
-XLA_GPU_MEMORY = MemoryLayout(fused_transcendentals=True, held_update_gathers=True)
+XLA_GPU_MEMORY = MemoryLayout(
+    fused_transcendentals=True, held_update_gathers=True, wide_attention_held_blocks=2.0
+)
 
 
 def check_nonnegative(name: str, value: float, *, allow_inf: bool, positive: bool = False) -> None:
