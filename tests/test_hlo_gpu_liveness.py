@@ -116,7 +116,7 @@ def test_xla_gpu_keeps_float32_attention_score_blocks_to_the_backward(name, laye
     """The float32 scale rows run the attention's XLA body on XLA:GPU (cuDNN takes no
     float32) and keep ``per_layer`` S x S float32 blocks (S = 1024) of every layer from its
     forward to its backward, with at most one more of the operator's own live beside them
-    (benchmarks/studies/gpu_attention_blocks.py: 2 a layer on 9 of the 12 float32 GPT / MoE
+    (benchmarks/studies/gpu_attention_blocks.py: 2 a layer on 11 of the 14 float32 GPT / MoE
     modules of the H100 scale runs, 1 on 3). The memory model's XLA:GPU layout counts the
     2 (``wide_attention_held_blocks``)."""
     from autoshard.hardware.mesh import XLA_GPU_MEMORY

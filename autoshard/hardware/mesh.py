@@ -99,8 +99,8 @@ class MemoryLayout:
     # cuDNN's flash attention takes 16-bit floats only, so on XLA:GPU an attention in
     # float32 runs the operator's XLA body (autoshard/models/attention.py), and XLA:GPU
     # keeps this many of its S x S float32 blocks a layer from the forward to the
-    # backward: the scores and scores - lse (the exp is fused into every reader). 2 on 9
-    # of the 12 float32 GPT / MoE modules of the H100 scale runs, 1 on the other 3 (XLA
+    # backward: the scores and scores - lse (the exp is fused into every reader). 2 on 11
+    # of the 14 float32 GPT / MoE modules of the H100 scale runs, 1 on the other 3 (XLA
     # fuses the subtraction into the backward's dS there; docs/truth_gpu.md). The memory
     # model counts them (autoshard/intra/memory/attention_workspace.py); 0: not counted.
     wide_attention_held_blocks: float = 0.0
