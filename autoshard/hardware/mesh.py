@@ -116,6 +116,13 @@ class MemoryLayout:
     # holds 190 of its 192, 19.19 GB per device, at XLA's peak (docs/truth.md). The memory
     # model counts it so (autoshard/intra/memory/reshard_copies.py, held_update_copy).
     held_update_gathers: bool = False
+    # XLA:GPU's filter-gradient conv of an activation that a forward conv reads gathered
+    # reads the forward's gathered copy, whatever layout the plan reads it in, so the
+    # copy is held from the forward to that backward conv: wresnet-1b heuristic 2x4 (jax
+    # 0.11.2, H100) holds 49 gathered activations, 17.4 GiB, to a convBackwardFilter at
+    # XLA's peak (docs/truth_gpu.md). The memory model counts it so
+    # (autoshard/intra/memory/reshard_copies.py, reused_gather_end).
+    reused_conv_gathers: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -141,7 +148,10 @@ XLA_CPU_MEMORY = MemoryLayout(
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).
 XLA_GPU_MEMORY = MemoryLayout(
-    fused_transcendentals=True, held_update_gathers=True, wide_attention_held_blocks=2.0
+    fused_transcendentals=True,
+    held_update_gathers=True,
+    wide_attention_held_blocks=2.0,
+    reused_conv_gathers=True,
 )
 
 
