@@ -103,6 +103,8 @@ class MemoryLayout:
     # of the 14 float32 GPT / MoE modules of the H100 scale runs, 1 on the other 3 (XLA
     # fuses the subtraction into the backward's dS there; docs/truth_gpu.md). The memory
     # model counts them (autoshard/intra/memory/attention_workspace.py); 0: not counted.
+    # (A GPU without cuDNN's flash attention, a V100, runs the XLA body in 16-bit floats
+    # too: not counted, not measured.)
     wide_attention_held_blocks: float = 0.0
     # XLA:CPU's reduction fusions (YNNPACK) read a broadcast operand as a buffer, which
     # its scheduler makes in the forward pass and shares with the backward: a LayerNorm
