@@ -74,7 +74,9 @@ from autoshard.ir.spec import ShardingSpec
 # scores and their masked copy (forward); P and dP - delta, or dS and its copy (backward)
 SCORES_UNITS = 2.0
 # XLA's body on XLA:GPU: units the backward operator holds beside what the forward keeps
-# for it (dP - delta, and dS written into its buffer)
+# for it (dP - delta, and dS written into its buffer): the most short-lived S x S blocks
+# live at once in gpt-6.7b heuristic 2x8's backward; up to 3 on moe-1.3b's modules, where
+# neighbouring layers' overlap (not modelled)
 GPU_BACKWARD_UNITS = 1.0
 
 
