@@ -74,9 +74,9 @@ from autoshard.ir.spec import ShardingSpec
 # scores and their masked copy (forward); P and dP - delta, or dS and its copy (backward)
 SCORES_UNITS = 2.0
 # XLA's body on XLA:GPU: units the backward operator holds beside what the forward keeps
-# for it (dP - delta, and dS written into its buffer): the most short-lived S x S blocks
-# live at once in gpt-6.7b heuristic 2x8's backward; up to 3 on moe-1.3b's modules, where
-# neighbouring layers' overlap (not modelled)
+# for it (dP - delta, and dS written into its buffer): 1 beside the held blocks in the
+# backward of gpt-6.7b heuristic 2x8 and of moe-1.3b megatron 2x4 (whose 3 short-lived
+# blocks live at once are the last layer's 2 held ones and it)
 GPU_BACKWARD_UNITS = 1.0
 
 
