@@ -167,7 +167,7 @@ def test_workspace_only_where_xla_writes_the_scores(tiny):
     bwd = next(n for n in g.nodes if n.primitive in ATTENTION_BWD)
     cpu = relative_mesh((2, 4), ("data", "model"), XLA_CPU_MEMORY)
     gpu = relative_mesh((2, 4), ("data", "model"), XLA_GPU_MEMORY)
-    assert not gpu.memory_layout.attention_scores_workspace
+    assert not gpu.memory_layout.attention_scores_workspace  # cuDNN's kernel where it can
     unit = 4 * 8 * 4 * 32 * 32  # f32 [B, H, S, S], whole
     whole = ShardingSpec.replicated(4)
     # float32: P is held from the forward to the backward; each operator holds 2 units
@@ -178,6 +178,54 @@ def test_workspace_only_where_xla_writes_the_scores(tiny):
     split = ShardingSpec(((), (), ("model",), ()))  # one head per device: 3-D dots
     assert workspace_bytes(g, bwd, split, cpu) == unit / 4
     assert workspace_bytes(g, fwd, whole, cpu, held=False) == 2 * unit  # no backward
+
+
+def test_float32_attention_on_xla_gpu_holds_two_score_blocks_a_layer(tiny):
+    """cuDNN's flash attention takes no float32, so a float32 step runs the XLA body on
+    XLA:GPU too, which keeps the scores and scores - lse (2 units) from each forward to
+    its backward (the H100 scale runs: tests/test_hlo_gpu_liveness.py) and needs 1 more
+    unit in the backward; no XLA:CPU shared broadcast."""
+    from autoshard.intra.memory.attention_workspace import held_buffers
+    from autoshard.intra.memory.model import predicted_peak_bytes, program_positions
+
+    g = tiny.graph
+    fwd = next(n for n in g.nodes if n.primitive in ATTENTION_FWD)
+    bwd = next(n for n in g.nodes if n.primitive in ATTENTION_BWD)
+    gpu = relative_mesh((2, 4), ("data", "model"), XLA_GPU_MEMORY)
+    unit = 4 * 8 * 4 * 32 * 32  # f32 [B, H, S, S], whole
+    whole = ShardingSpec.replicated(4)
+    assert held_units(g, bwd, gpu) == 2
+    assert workspace_bytes(g, fwd, whole, gpu) == 0  # what it makes is what it holds
+    assert workspace_bytes(g, bwd, whole, gpu) == 1 * unit
+    assert workspace_bytes(g, fwd, whole, gpu, held=False) == 2 * unit
+    heads = ShardingSpec(((), (), ("model",), ()))
+    assert workspace_bytes(g, bwd, heads, gpu) == unit / 4
+    # one buffer per layer from its forward to its backward, and one per operator
+    spec_of = {t: ShardingSpec.replicated(len(g.tensors[t].shape)) for t in range(len(g.tensors))}
+    pos = program_positions(g)
+    held = [b for b in held_buffers(g, spec_of, gpu, pos) if b[0] < b[1]]
+    layers = sum(n.primitive in ATTENTION_FWD for n in g.nodes)
+    assert len(held) == layers and all(b[2] == 2 * unit for b in held)
+    assert len(held_buffers(g, spec_of, gpu, pos)) == layers + 2 * layers
+    # the peak counts them: a layout without them predicts less
+    cudnn = relative_mesh(
+        (2, 4), ("data", "model"), replace(XLA_GPU_MEMORY, wide_attention_held_blocks=0.0)
+    )
+    assert not held_buffers(g, spec_of, cudnn, pos)
+    assert (
+        predicted_peak_bytes(g, spec_of, gpu) >= predicted_peak_bytes(g, spec_of, cudnn) + 2 * unit
+    )
+
+
+def test_narrow_attention_on_xla_gpu_runs_cudnn_and_holds_no_score_block():
+    from autoshard.intra.memory.attention_workspace import attention_nodes
+
+    g = trace_workload("gpt-tiny", optimizer="sgd", attention="fused", dtype="bfloat16").graph
+    bwd = next(n for n in g.nodes if n.primitive in ATTENTION_BWD)
+    gpu = relative_mesh((8,), ("data",), XLA_GPU_MEMORY)
+    assert attention_nodes(g, gpu) == []
+    assert workspace_bytes(g, bwd, ShardingSpec.replicated(4), gpu) == 0
+    assert len(attention_nodes(g, relative_mesh((8,), ("data",), XLA_CPU_MEMORY))) > 0
 
 
 def test_narrow_attention_holds_the_dv_dots_copy_of_p():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import tarfile
 from pathlib import Path
 
 import jax
@@ -14,7 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autoshard.verify.hlo_liveness import HloParseError, held_updates, hlo_live_peak
+from autoshard.verify.hlo_liveness import (
+    HloParseError,
+    held_updates,
+    hlo_live_peak,
+    most_live_square_blocks,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURED = ROOT / "tests" / "fixtures" / "xla_gpu" / "h100_2026-11-27"
@@ -87,6 +93,39 @@ def test_xla_gpu_holds_gpt_39b_gathered_updates_until_the_backward_ends():
     live = [h for h in held if h.gathered_at <= peak.position <= h.added_at]
     assert len(live) == 190
     assert sum(h.bytes for h in live) == peak.temp_bytes == 19_193_135_104
+
+
+def _scale_module(name: str, run: str = "2026-11-27c") -> str:
+    """One module of a scale run's committed --hlo-tar (benchmarks/results)."""
+    path = ROOT / f"benchmarks/results/gpu_truth_scale_hlo_h100_{run}.tar.gz"
+    with tarfile.open(path) as tar:
+        return tar.extractfile(f"{name}.hlo.txt").read().decode()
+
+
+@pytest.mark.parametrize(
+    "name, layers, per_layer",
+    [
+        ("gpt-6.7b-L32-heuristic-2x8", 32, 2),
+        ("moe-1.3b-L16-megatron-2x4", 16, 2),
+        # XLA fused the subtraction into the backward's dS: the scores alone are kept
+        ("gpt-6.7b-L32-zero2-2x8-B16", 32, 1),
+        ("moe-1.3b-L16-zero2-2x4", 16, 1),
+    ],
+)
+def test_xla_gpu_keeps_float32_attention_score_blocks_to_the_backward(name, layers, per_layer):
+    """The float32 scale rows run the attention's XLA body on XLA:GPU (cuDNN takes no
+    float32) and keep ``per_layer`` S x S float32 blocks (S = 1024) of every layer from its
+    forward to its backward, with at most one more of the operator's own live beside them
+    (benchmarks/studies/gpu_attention_blocks.py: 2 a layer on 11 of the 14 float32 GPT / MoE
+    modules of the H100 scale runs, 1 on 3). The memory model's XLA:GPU layout counts the
+    2 (``wide_attention_held_blocks``)."""
+    from autoshard.hardware.mesh import XLA_GPU_MEMORY
+
+    most, _ = most_live_square_blocks(_scale_module(name), 1024)
+    assert per_layer * layers <= most <= per_layer * layers + 1
+    assert most_live_square_blocks(_scale_module(name), 2048)[0] == 0  # no other side
+    if per_layer == 2:
+        assert XLA_GPU_MEMORY.wide_attention_held_blocks == per_layer
 
 
 def test_text_that_is_not_hlo_is_refused_with_what_was_wrong():

@@ -295,6 +295,76 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(request, shape, wh
     assert peak_memory(no_copies.problem, solution.strategy) < plan.predicted_peak_bytes
 
 
+def test_the_ilp_memory_rows_count_xla_gpus_float32_attention_blocks(tiny_fused):
+    """On XLA:GPU a float32 attention runs XLA's body, whose S x S blocks XLA:GPU keeps
+    from the forward to the backward: the ILP's rows count them as the prediction does,
+    and a budget under them is a budget on them."""
+    import dataclasses
+
+    from autoshard.hardware.mesh import XLA_GPU_MEMORY, relative_mesh
+    from autoshard.intra.ilp import peak_memory, solve
+    from autoshard.intra.problem.build import plan_from_solution
+
+    gpu = relative_mesh((2, 4), ("data", "model"), XLA_GPU_MEMORY)
+    cudnn = dataclasses.replace(
+        gpu, memory_layout=dataclasses.replace(XLA_GPU_MEMORY, wide_attention_held_blocks=0.0)
+    )
+    peaks = {}
+    for name, mesh in (("gpu", gpu), ("cudnn", cudnn)):
+        ip = build_problem(tiny_fused.graph, mesh, copy_buffers=True)
+        solution = solve(ip.problem, solver="highs")
+        plan = plan_from_solution(ip, solution)
+        peaks[name] = peak_memory(ip.problem, solution.strategy)
+        assert peaks[name] == pytest.approx(plan.predicted_peak_bytes, rel=1e-12)
+        # without copy buffers only the attention's blocks remain (none on cuDNN)
+        bare = build_problem(tiny_fused.graph, mesh)
+        sources = {c.source - bare.num_inputs for c in bare.problem.copies}
+        held = {tiny_fused.graph.nodes[i].primitive for i in sources}
+        assert held <= ATTENTION and bool(held) == (name == "gpu")
+    assert peaks["gpu"] > peaks["cudnn"]
+
+
+def test_xla_gpu_holds_a_forward_convs_gather_to_the_filter_gradient():
+    """wresnet-tiny's heuristic plan on 2x4 gathers activations for forward convs whose
+    weight gradients read them split: XLA:GPU reads the gathered copy there instead and
+    holds it to the backward conv (``reused_conv_gathers``; wresnet-1b heuristic 2x4 on an
+    H100: -22.9% -> +8.3%). The prediction counts it (more than without the rule) and the
+    ILP's rows count it as the prediction does."""
+    import dataclasses
+
+    from autoshard.hardware.mesh import XLA_GPU_MEMORY, relative_mesh
+    from autoshard.intra.ilp import peak_memory, solve
+    from autoshard.intra.memory.model import predicted_peak_bytes
+    from autoshard.intra.memory.reshard_copies import reused_gather_end
+    from autoshard.intra.problem.build import plan_from_solution
+
+    g = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8).graph
+    gpu = relative_mesh((2, 4), ("data", "model"), XLA_GPU_MEMORY)
+    options = baseline_options(IntraOptions(solver="highs"), gpu.mesh, "heuristic")
+    pinned = baseline_inputs(g, gpu.mesh, "heuristic")
+    ip = build_problem(g, gpu, options, pinned_inputs=pinned, copy_buffers=True)
+    solution = solve(ip.problem, solver="highs")
+    plan = plan_from_solution(ip, solution)
+    assert peak_memory(ip.problem, solution.strategy) == pytest.approx(
+        plan.predicted_peak_bytes, rel=1e-12
+    )
+    layout = dataclasses.replace(XLA_GPU_MEMORY, reused_conv_gathers=False)
+    without = predicted_peak_bytes(
+        g,
+        plan.specs_by_tensor(g.inputs),
+        dataclasses.replace(gpu, memory_layout=layout),
+        plan.operand_specs,
+    )
+    assert plan.predicted_peak_bytes > without
+    # the rule's values: read by a forward conv and, later, by a backward one
+    pos = list(range(len(g.nodes)))
+    held = [t for t in range(len(g.tensors)) if reused_gather_end(g, t, pos) is not None]
+    assert held
+    for t in held:
+        convs = [g.nodes[c] for c in g.tensors[t].consumers]
+        assert {"forward", "backward"} <= {n.phase for n in convs if n.primitive.startswith("conv")}
+
+
 def _predicted_peak_of(ip, s) -> float:
     """The predicted peak (bytes per device) of the assignment ``s`` of ``ip``: the
     layouts it gives each value and reads each operand in, as plan_from_solution's."""

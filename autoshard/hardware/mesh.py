@@ -96,6 +96,16 @@ class MemoryLayout:
     # flash attention (XLA:GPU) holds no S x S buffer. The memory model counts the
     # workspace at the operator (autoshard/intra/memory/attention_workspace.py).
     attention_scores_workspace: bool = False
+    # cuDNN's flash attention takes 16-bit floats only, so on XLA:GPU an attention in
+    # float32 runs the operator's XLA body (autoshard/models/attention.py), and XLA:GPU
+    # keeps this many of its S x S float32 blocks a layer from the forward to the
+    # backward: the scores and scores - lse (the exp is fused into every reader). 2 on 11
+    # of the 14 float32 GPT / MoE modules of the H100 scale runs, 1 on the other 3 (XLA
+    # fuses the subtraction into the backward's dS there; docs/truth_gpu.md). The memory
+    # model counts them (autoshard/intra/memory/attention_workspace.py); 0: not counted.
+    # (A GPU without cuDNN's flash attention, a V100, runs the XLA body in 16-bit floats
+    # too: not counted, not measured.)
+    wide_attention_held_blocks: float = 0.0
     # XLA:CPU's reduction fusions (YNNPACK) read a broadcast operand as a buffer, which
     # its scheduler makes in the forward pass and shares with the backward: a LayerNorm
     # keeps its rsqrt and scale broadcast to [B, S, h], and rsqrt * scale, from its
@@ -108,6 +118,13 @@ class MemoryLayout:
     # holds 190 of its 192, 19.19 GB per device, at XLA's peak (docs/truth.md). The memory
     # model counts it so (autoshard/intra/memory/reshard_copies.py, held_update_copy).
     held_update_gathers: bool = False
+    # XLA:GPU's filter-gradient conv of an activation that a forward conv reads gathered
+    # reads the forward's gathered copy, whatever layout the plan reads it in, so the
+    # copy is held from the forward to that backward conv: wresnet-1b heuristic 2x4 (jax
+    # 0.11.2, H100) holds 49 gathered activations, 17.4 GiB, to a convBackwardFilter at
+    # XLA's peak (docs/truth_gpu.md). The memory model counts it so
+    # (autoshard/intra/memory/reshard_copies.py, reused_gather_end).
+    reused_conv_gathers: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -132,7 +149,12 @@ XLA_CPU_MEMORY = MemoryLayout(
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).
-XLA_GPU_MEMORY = MemoryLayout(fused_transcendentals=True, held_update_gathers=True)
+XLA_GPU_MEMORY = MemoryLayout(
+    fused_transcendentals=True,
+    held_update_gathers=True,
+    wide_attention_held_blocks=2.0,
+    reused_conv_gathers=True,
+)
 
 
 def check_nonnegative(name: str, value: float, *, allow_inf: bool, positive: bool = False) -> None:

@@ -380,3 +380,25 @@ __all__ = [
     "module_aliases",
     "schedule_buffers",
 ]
+
+
+def most_live_square_blocks(text: str, side: int, dtype: str = "f32") -> tuple[int, int]:
+    """(the most buffers whose shape ends ``[side, side]`` in ``dtype`` live at once in the
+    schedule, the first position where that many are): with ``side`` the sequence length
+    and three or more dims, the attention's ``S x S`` blocks an XLA body keeps
+    (``wide_attention_held_blocks`` in the memory model)."""
+    instrs, bufs = schedule_buffers(text)
+    shape = {(ins.name, path): t for ins in instrs for path, _, t in ins.leaves}
+    delta = [0] * (len(instrs) + 2)
+    for b in bufs:
+        m = _ARRAY.match(shape.get(b.made_by, ""))
+        dims = m.group(2).split(",") if m and m.group(1) == dtype else []
+        if len(dims) >= 3 and dims[-2:] == [str(side)] * 2:
+            delta[b.first] += 1
+            delta[b.last + 1] -= 1
+    best, at, running = 0, 0, 0
+    for i, d in enumerate(delta):
+        running += d
+        if running > best:
+            best, at = running, i
+    return best, at

@@ -11,7 +11,9 @@ workspace depends on the backend's body for the operator
 (:class:`~autoshard.hardware.mesh.MemoryLayout`'s ``attention_scores_workspace``):
 
 * cuDNN's flash attention (XLA:GPU) streams the scores through on-chip memory in tiles:
-  no ``S x S`` buffer at all, no workspace.
+  no ``S x S`` buffer at all, no workspace.  It takes 16-bit floats only: a float32
+  attention runs XLA's body on XLA:GPU too (``MemoryLayout.wide_attention_held_blocks``),
+  laid out otherwise than on XLA:CPU (below, "XLA's body on XLA:GPU").
 * XLA's body (XLA:CPU, :func:`autoshard.models.attention._xla_fwd` / ``_xla_bwd``) writes
   the ``[B, H, Sq, Sk]`` float32 blocks as buffers of their own.  Both bodies are inlined
   into the step and scheduled with it, and XLA computes the backward's ``P = exp(s - lse)``
@@ -45,6 +47,14 @@ One more buffer on XLA:CPU: one float32 ``[B, H, Sq, Sk]`` broadcast of a consta
 forward's ``mul`` by the scale, shared by every layer's backward dot fusion) lives from the
 first attention operator to the last: :func:`shared_broadcast`.
 
+XLA's body on XLA:GPU (float32; the H100 scale runs' HLO, jax 0.11.2, docs/truth_gpu.md):
+the forward writes the scores and ``scores - lse`` as buffers and fuses the ``exp`` into
+each reader (the ``PV`` dot, and in the backward the ``dV`` dot and the ``dS`` fusion), so
+both are **held** to the backward (``wide_attention_held_blocks`` units; XLA fuses the
+subtraction into ``dS`` on some modules and holds 1); the forward needs nothing more, the
+backward **1 unit** (``dP - delta``, ``dS`` written into its buffer:
+:data:`GPU_BACKWARD_UNITS`).  No shared broadcast.
+
 Before the held copy of ``P`` was counted (2026-11-27) gpt-1.3b bfloat16 ZeRO-3 on 8 with
 the fused program was predicted 14.5% under XLA:CPU's peak: at that peak (the head's
 backward) XLA holds ``P`` and its widened copy for both layers, 4 units of 128 MiB, where
@@ -63,14 +73,31 @@ from autoshard.ir.spec import ShardingSpec
 # units live at once at either operator, what is held to the backward included: the
 # scores and their masked copy (forward); P and dP - delta, or dS and its copy (backward)
 SCORES_UNITS = 2.0
+# XLA's body on XLA:GPU: units the backward operator holds beside what the forward keeps
+# for it (dP - delta, and dS written into its buffer): 1 beside the held blocks in the
+# backward of gpt-6.7b heuristic 2x8 and of moe-1.3b megatron 2x4 (whose 3 short-lived
+# blocks live at once are the last layer's 2 held ones and it)
+GPU_BACKWARD_UNITS = 1.0
+
+
+def runs_gpu_xla_body(graph: Graph, node: Node, mesh: DeviceMesh) -> bool:
+    """Whether fused attention ``node`` runs XLA's body where the backend's own kernel is
+    cuDNN's (``mesh``'s layout counts ``wide_attention_held_blocks``): its ``q`` is wider
+    than the 16-bit floats cuDNN's flash attention takes."""
+    layout = mesh.memory_layout
+    if layout.attention_scores_workspace or not layout.wide_attention_held_blocks:
+        return False  # XLA:CPU's body everywhere, or a layout that does not count it
+    return graph.tensors[node.inputs[0]].dtype not in NARROW_FLOATS
 
 
 def attention_nodes(graph: Graph, mesh: DeviceMesh) -> list[int]:
-    """Fused attention nodes that hold a workspace on ``mesh``'s backend (none where its
-    layout has no ``attention_scores_workspace``)."""
-    if not mesh.memory_layout.attention_scores_workspace:
-        return []
-    return [n.index for n in graph.nodes if n.primitive in ATTENTION]
+    """Fused attention nodes that hold a workspace on ``mesh``'s backend: every one where
+    its layout has ``attention_scores_workspace``, those in float32 where it counts
+    ``wide_attention_held_blocks`` (:func:`runs_gpu_xla_body`), else none."""
+    nodes = [n for n in graph.nodes if n.primitive in ATTENTION]
+    if mesh.memory_layout.attention_scores_workspace:
+        return [n.index for n in nodes]
+    return [n.index for n in nodes if runs_gpu_xla_body(graph, n, mesh)]
 
 
 def _local_dims(graph: Graph, node: Node, spec: ShardingSpec | None, mesh: DeviceMesh):
@@ -111,7 +138,12 @@ def _narrow_copy_units(
 
 def held_units(graph: Graph, node: Node, mesh: DeviceMesh) -> float:
     """Units a forward operator makes and keeps to ``node``, its backward (or the forward
-    itself: the same ``v``): ``P``, and in a narrow dtype the ``dV`` dot's copy of it."""
+    itself: the same ``v``): ``P``, and in a narrow dtype the ``dV`` dot's copy of it;
+    XLA's body on XLA:GPU: the layout's ``wide_attention_held_blocks``; cuDNN's: none."""
+    if runs_gpu_xla_body(graph, node, mesh):
+        return mesh.memory_layout.wide_attention_held_blocks
+    if not mesh.memory_layout.attention_scores_workspace:
+        return 0.0
     return 1.0 + _narrow_copy_units(graph, node, mesh)[0]
 
 
@@ -122,6 +154,14 @@ def workspace_units(
     backward (``held``: whether this forward's ``P`` is kept for a backward; ``three_d``:
     a dot batch dim of the shard is one)."""
     keep = held_units(graph, node, mesh) if held else 0.0
+    if runs_gpu_xla_body(graph, node, mesh):
+        # the forward makes what it holds (scores, scores - lse); a backward with no
+        # forward to keep them for it makes them again
+        made = mesh.memory_layout.wide_attention_held_blocks
+        extra = GPU_BACKWARD_UNITS if node.primitive not in ATTENTION_FWD else 0.0
+        return made + extra - keep
+    if not mesh.memory_layout.attention_scores_workspace:
+        return 0.0  # cuDNN's flash attention: no S x S buffer
     if node.primitive in ATTENTION_FWD:
         copy, pv = _narrow_copy_units(graph, node, mesh, three_d)
         at_node = max(SCORES_UNITS, 1.0 + (copy if held else 0.0) + pv)
@@ -158,7 +198,9 @@ def early_probabilities(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]
 
 def shared_broadcast(graph: Graph, mesh: DeviceMesh) -> tuple[int, int] | None:
     """(first forward, last attention node) between which the shared ``[B, H, Sq, Sk]``
-    constant broadcast lives, or None (no attention, or another backend)."""
+    constant broadcast lives, or None (no attention, or another backend than XLA:CPU)."""
+    if not mesh.memory_layout.attention_scores_workspace:
+        return None
     nodes = attention_nodes(graph, mesh)
     fwd = [i for i in nodes if graph.nodes[i].primitive in ATTENTION_FWD]
     return (fwd[0], nodes[-1]) if fwd else None

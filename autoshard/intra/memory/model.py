@@ -394,7 +394,7 @@ def predicted_live_bytes(
         for tid, dot in transposed_dot_lhs(graph, mesh)
         if tid in spec_of
     ]
-    # a fused attention's S x S temporaries on XLA:CPU (attention_workspace)
+    # a fused attention's S x S temporaries where XLA's body runs it (attention_workspace)
     buffers += held_buffers(graph, spec_of, mesh, pos)
     # broadcasts XLA:CPU keeps from the forward pass to the backward (broadcast_buffers)
     buffers += held_broadcast_buffers(graph, spec_of, mesh, pos, {b[0] for b in own})

@@ -13,6 +13,9 @@ is made decides what it overlaps:
 * right after an optimizer update's value, held to the end of the backward pass, for an
   update gathered to its parameter's layout on XLA:GPU (``held_update_gathers``,
   :func:`held_update_copy`);
+* at its first reader, held to the last backward conv reading the value, for a gather of
+  an activation that a forward conv reads on XLA:GPU (``reused_conv_gathers``,
+  :func:`reused_gather_end`: the filter gradient reads the gathered copy);
 * at the combined gradient reduction (``late_updates``, XLA:CPU): XLA combines the
   reductions of every gradient that feeds only the optimizer into one collective after
   the backward pass (gpt-tiny under data parallelism: one all-reduce of a 30-tuple, at
@@ -96,6 +99,27 @@ def held_update_copy(
         return None
     start = pos[t.producer]
     return start, max(start, end)
+
+
+_CONV = "conv_general_dilated"
+
+
+def reused_gather_end(graph: Graph, tid: int, pos: Sequence[int]) -> int | None:
+    """Program position to which XLA:GPU holds a gathered copy of ``tid``
+    (``reused_conv_gathers``): the last backward conv reading ``tid`` where a forward conv
+    reads it too, else None. XLA:GPU's filter-gradient conv reads the forward conv's
+    gathered copy of its activation, whatever layout the plan reads it in: in wresnet-1b's
+    heuristic step on 2x4 (jax 0.11.2, H100) ``all-gather-start.8`` (``[128, 56, 56, 1280]``
+    from ``[..., 160]``, position 210 of 3,549) is read by two forward convs and by
+    ``cudnn-conv-bw-filter.88`` at 2835; 49 such copies, 17.4 GiB, are live at XLA's peak.
+    Only a copy larger than its source is held (a gather): the callers compare. The
+    condition is the graph's alone (a forward conv among the value's readers), so the
+    prediction and the ILP's rows hold the same copies."""
+    convs = [c for c in graph.tensors[tid].consumers if graph.nodes[c].primitive == _CONV]
+    if not any(graph.nodes[c].phase == "forward" for c in convs):
+        return None
+    back = [pos[c] for c in convs if graph.nodes[c].phase == "backward"]
+    return max(back) if back else None
 
 
 def _gradient_tail(graph, tid, readers, intervals, first=None) -> tuple[int, bool] | None:
@@ -218,6 +242,7 @@ def reshard_buffers(
             uses.setdefault((node.inputs[slot], spec), []).append(node_index)
     out, kept, update = [], {}, first_update(graph)
     held = mesh.memory_layout.held_update_gathers
+    reuse = mesh.memory_layout.reused_conv_gathers
     end_of_backward = backward_end(graph, pos) if held else -1
     for (tid, spec), readers in uses.items():
         copy = resharded_copy(graph, tid, spec, mesh, readers, pos, intervals, update)
@@ -226,9 +251,13 @@ def reshard_buffers(
         nbytes, start, end, keep, tail = copy
         window = held_update_copy(graph, tid, readers, pos, end_of_backward) if held else None
         own = spec_of.get(tid)
-        if window is not None and own is not None and nbytes > _device_bytes(graph, tid, own, mesh):
+        gathers = own is not None and nbytes > _device_bytes(graph, tid, own, mesh)
+        if window is not None and gathers:
             start, end = window
         where = [pos[r] for r in readers]
+        reused = reused_gather_end(graph, tid, pos) if reuse and gathers else None
+        if reused is not None and end is None and tail is None:
+            end = max(max(where), reused)
         if tail is not None:
             own = spec_of.get(tid)
             source = 0.0 if own is None else _device_bytes(graph, tid, own, mesh)
@@ -295,6 +324,7 @@ def copy_groups(
     out, update = [], first_update(graph)
     tails: dict[int, tuple[tuple[int, int], list]] = {}  # tid -> (kept, [(layout, readers)])
     held = mesh.memory_layout.held_update_gathers
+    reuse = mesh.memory_layout.reused_conv_gathers
     end_of_backward = backward_end(graph, pos) if held else -1
     for (tid, spec), readers in found.items():
         src, k = producer[tid]
@@ -319,6 +349,16 @@ def copy_groups(
             if nbytes and rest:
                 out.append(CopyGroup(src, rest, nbytes, start, end, readers))
             continue
+        reused = reused_gather_end(graph, tid, pos) if reuse and tail is None else None
+        if reused is not None and end is None:  # gathers held to the backward conv
+            gathers = tuple(p for p in other if _device_bytes(
+                graph, tid, strategies[src][p].output_specs[k], mesh) < nbytes)  # fmt: skip
+            other = tuple(p for p in other if p not in set(gathers))
+            if nbytes and gathers:
+                held_end = max(readers[-1][0], reused)
+                out.append(CopyGroup(src, gathers, nbytes, start, held_end, readers))
+            if not other:
+                continue
         if tail is None:
             if nbytes:
                 out.append(CopyGroup(src, other, nbytes, start, end, readers))
