@@ -183,3 +183,41 @@ def evaluate_streamed(
                 if out == t and j not in host_shardings:
                     flat[j] = jax.device_put(flat[j], sharding)
     return jax.tree_util.tree_unflatten(program.out_tree, flat)
+
+
+def streamed_update(
+    update: Callable,
+    params,
+    state,
+    grads,
+    device_state,
+    host_state,
+    window: int = STREAM_WINDOW,
+):
+    """``update(params, state, grads) -> (params, state)`` (an optax update and its
+    ``apply_updates``) with the leaves of ``state`` whose ``host_state`` sharding is in
+    host memory streamed as :func:`evaluate_streamed` does: traced flat (optax's inner
+    ``jit`` s inlined, so each parameter's moments are a group of their own) and run a
+    group at a time, each fetched with its ``device_state`` sharding. Called inside a
+    ``jit`` (the pipeline runtime's stage update)."""
+    from autoshard.trace.jaxpr import trace
+
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state, grads)
+    )
+    program = trace(update, *abstract)
+    n_params = len(jax.tree.leaves(params))
+    host_leaves = jax.tree.leaves(host_state)
+    device_leaves = jax.tree.leaves(device_state)
+    on_host = [k for k, s in enumerate(host_leaves) if s.memory_kind == "pinned_host"]
+    host_in = [n_params + k for k in on_host]
+    host_out = [len(jax.tree.leaves(params)) + k for k in on_host]
+    plan = stream_plan(program.records, host_in, host_out, window)
+    out = evaluate_streamed(
+        program,
+        plan,
+        (params, state, grads),
+        {n_params + k: device_leaves[k] for k in on_host},
+        {j: host_leaves[j - n_params] for j in host_out},
+    )
+    return out
