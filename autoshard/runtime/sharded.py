@@ -338,10 +338,15 @@ class ShardedStep:
         # streamed (offload_stream): each group of the update fetches its state where it
         # starts and stores it where it ends, ``stream_window`` groups on the device at
         # once; None: every fetch where the step starts, every store where it ends (the
-        # form that held all the state on an H100, kept to measure against)
+        # form that held all the state on an H100, kept to measure against). Offloaded
+        # master weights are fetched where the step starts (the forward reads them: the
+        # whole step would be one group), stored as their group ends.
+        self._streamed_in = tuple(
+            i for i in self.host_inputs if records.tensors[records.inputs[i]].kind == "opt_state"
+        )
         self.stream = (
-            stream_plan(records, self.host_inputs, self.host_outputs, stream_window)
-            if self.host_inputs and stream_window is not None
+            stream_plan(records, self._streamed_in, self.host_outputs, stream_window)
+            if self._streamed_in and stream_window is not None
             else None
         )
         self.in_shardings = jax.tree_util.tree_unflatten(program.in_tree, flat_in)
@@ -372,12 +377,18 @@ class ShardedStep:
         c = self.constraints
         memo: dict = {}
         if self.stream is not None:
+            streamed = set(self._streamed_in)
+            flat = jax.tree_util.tree_leaves(args)
+            for i, sharding in self._device_in.items():
+                if i not in streamed:  # the masters: host -> device where the step starts
+                    flat[i] = jax.device_put(flat[i], sharding)
+            args = jax.tree_util.tree_unflatten(self.program.in_tree, flat)
             host_out = {j: s.with_memory_kind(HOST_MEMORY) for j, s in self._device_out.items()}
             return evaluate_streamed(
                 self.program,
                 self.stream,
                 args,
-                self._device_in,
+                {i: self._device_in[i] for i in self._streamed_in},
                 host_out,
                 hook=c.outputs_hook,
                 in_hook=lambda i, v: c.operands_hook(i, v, memo),
