@@ -613,3 +613,28 @@ def test_a_stream_window_below_one_group_is_refused(runtime_plans):
     _, _, off = runtime_plans
     with pytest.raises(ValueError, match="at least one group"):
         build_sharded_step(off.program, off.plan, off.mesh(jax.devices()[:2]), stream_window=0)
+
+
+def test_offloaded_masters_are_fetched_up_front_and_the_moments_still_stream():
+    """``optimizer,master`` (bf16 over f32 masters): the forward reads the masters, so
+    they are fetched where the step starts; the moments still stream a parameter at a time
+    (with the masters in the update's region the whole step was one group), and the
+    streamed step computes the all-at-once step's losses bit for bit."""
+    import jax
+
+    from autoshard.models import get_workload, make_optimizer
+    from autoshard.runtime.sharded import build_sharded_step, run_steps
+
+    kw = dict(options=HIGHS, cluster="alpa-v100", optimizer="adamw", num_layers=1)
+    off = plan_workload("gpt-tiny", "2", offload="optimizer,master", dtype="bfloat16", **kw)
+    g, mesh = off.graph, off.mesh(jax.devices()[:2])
+    kinds = [g.tensors[g.inputs[i]].kind for i in off.plan.offload["host_inputs"]]
+    assert "param" in kinds and "opt_state" in kinds
+    step = build_sharded_step(off.program, off.plan, mesh)
+    assert len(step.stream.groups) == kinds.count("opt_state") // 2
+    assert all(len(grp.fetch) == 2 for grp in step.stream.groups)
+    args = get_workload("gpt-tiny", num_layers=1, dtype="bfloat16").init_train_args(
+        make_optimizer("adamw")
+    )
+    old = build_sharded_step(off.program, off.plan, mesh, stream_window=None)
+    assert run_steps(step, args, 2)[1] == run_steps(old, args, 2)[1]
