@@ -24,8 +24,8 @@ floating-point optimizer state rests in ``pinned_host`` memory between steps (it
 sharding's memory kind); ``update`` streams it through the device a parameter's state at
 a time (:func:`autoshard.runtime.offload_stream.streamed_update`, as the one-mesh runtime
 does; ``stream_window=None``: all of it copied in where the update starts and back where
-it ends, the form that held the whole state on an H100). With ``master`` the f32 master weights
-(``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` makes
+it ends, the form that held the whole state on an H100). With ``master`` the f32 master
+weights (``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` makes
 their 16-bit copies on the device once per step (one weight at a time: copied in,
 converted to the dtype the stage's equations convert it to), which every microbatch
 reads, so the device holds the 16-bit copies during the step, as the stage search
