@@ -5,8 +5,9 @@ XLA:CPU ignores memory kinds, so the device working set of an offloaded step is 
 the program XLA:GPU would get (``ShardedStep.lowered_for("cuda")``, no GPU needed) by
 :func:`autoshard.verify.state_window.state_window`: per stream window (``none``: every
 fetch where the step starts), the fetches, their bytes and the most of them the data
-dependences let be on the device at once. Plans bind only to the program the same jax
-traces: run with the jax the plans were made with.
+dependences let be on the device at once; ``--cpu-compile`` adds XLA:CPU's
+``memory_analysis`` of each form. Plans bind only to the program the same jax traces: run
+with the jax the plans were made with.
 
     PYTHONPATH=. /work/venv-jax011/bin/python benchmarks/offload_window.py \\
         benchmarks/results/gpu_offload_plans/gpt-1.3b-optimizer.json
@@ -24,6 +25,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("plan_files", nargs="+")
     ap.add_argument("--windows", nargs="+", default=["none", "1", "2"])
+    ap.add_argument(
+        "--cpu-compile",
+        action="store_true",
+        help="also compile each form for this machine's CPU: XLA:CPU's memory_analysis "
+        "(which ignores memory kinds)",
+    )
     args = ap.parse_args(argv)
     import jax
 
@@ -51,6 +58,13 @@ def main(argv=None) -> int:
                 **sw.__dict__,
                 "seconds": round(time.perf_counter() - t, 1),
             }
+            if args.cpu_compile:
+                ma = step.compile().memory_analysis()
+                row["cpu"] = {
+                    k: int(getattr(ma, k))
+                    for k in ("temp_size_in_bytes", "argument_size_in_bytes")
+                    + ("host_argument_size_in_bytes", "host_temp_size_in_bytes")
+                }
             print(json.dumps(row), flush=True)
     return 0
 
