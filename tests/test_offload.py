@@ -638,3 +638,42 @@ def test_offloaded_masters_are_fetched_up_front_and_the_moments_still_stream():
     )
     old = build_sharded_step(off.program, off.plan, mesh, stream_window=None)
     assert run_steps(step, args, 2)[1] == run_steps(old, args, 2)[1]
+
+
+def test_state_window_bounds_what_a_barrier_chain_lets_be_on_the_device():
+    """verify.state_window on a hand-written step (two momentum buffers in pinned_host,
+    lowered for GPU): fetched together, both may be on the device at once; with the
+    second fetch behind a barrier on the first buffer's store, only one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from autoshard.verify.state_window import state_window
+
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
+    dev = NamedSharding(mesh, PartitionSpec())
+    host = dev.with_memory_kind("pinned_host")
+
+    def together(ms, gs):
+        ms = [jax.device_put(m, dev) for m in ms]
+        return [jax.device_put(0.9 * m + g, host) for m, g in zip(ms, gs, strict=True)]
+
+    def chained(ms, gs):
+        out = []
+        for m, g in zip(ms, gs, strict=True):
+            if out:  # this fetch waits for the previous store
+                m, _ = jax.lax.optimization_barrier((m, out[-1]))
+            out.append(jax.device_put(0.9 * jax.device_put(m, dev) + g, host))
+        return out
+
+    m = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=host)
+    g = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=dev)
+    windows = []
+    for fn in (together, chained):
+        jitted = jax.jit(fn, in_shardings=([host] * 2, [dev] * 2), out_shardings=[host] * 2)
+        low = jitted.trace([m, m], [g, g]).lower(lowering_platforms=("cuda",))
+        windows.append(state_window(low.as_text(), low.as_text(dialect="hlo")))
+    for w in windows:
+        assert (w.fetches, w.stores, w.total_bytes) == (2, 2, 2 * 64 * 64 * 4)
+    assert windows[0].window_bytes == 2 * 64 * 64 * 4
+    assert windows[1].window_bytes == 64 * 64 * 4
