@@ -19,13 +19,16 @@ array to the device and back). Then predicted vs measured, written as JSON.
     python benchmarks/gpu_offload.py plans --dir benchmarks/results/gpu_offload_plans
     run(command="bash benchmarks/gpu_offload.sh", timeout_s=...)   # measure, on the GPU
     python benchmarks/gpu_offload.py measure --dir DIR --out out.json [--steps 4] [--quick]
-        [--xla-option xla_name=value ...] [--hlo-dir DIR]
+        [--xla-option xla_name=value ...] [--hlo-dir DIR] [--stream-window W ...]
 
 ``--xla-option``: compile each step with these XLA options (e.g. the latency-hiding
 scheduler's flags: whether XLA:GPU then overlaps the copies of the state in
 ``pinned_host``); ``--hlo-dir``: the compiled step's HLO, gzipped (where XLA put those
-copies: the step's ``jax.device_put`` calls lower to nothing, the arguments' and results'
-memory kinds are all the program says), with counts of copy-start/-done in the row.
+copies; on GPU the step's ``jax.device_put`` calls lower to ``annotate_device_placement``
+custom calls, on CPU to nothing), with counts of copy-start/-done in the row;
+``--stream-window W`` (repeat): each offloaded row once per window (``1``: the runtime's
+default, the state streamed a parameter at a time; ``none``: every fetch where the step
+starts, the form of 2026-11-27, which held the whole state on the H100).
     python benchmarks/gpu_offload.py plans --quick --dir /tmp/offq   # gpt-tiny, CPU
 """
 
@@ -170,6 +173,7 @@ def measure_one(
     steps: int,
     xla_options: list[str] | None = None,
     hlo_dir: Path | None = None,
+    stream_window: str | None = None,
 ) -> dict:
     import jax
     from gpu_single import parse_xla_options
@@ -178,7 +182,8 @@ def measure_one(
     from autoshard.ir.planfile import load_plan
     from autoshard.models import get_workload, make_optimizer
     from autoshard.runtime.init_state import init_placed
-    from autoshard.runtime.sharded import run_steps
+    from autoshard.runtime.offload_stream import STREAM_WINDOW
+    from autoshard.runtime.sharded import build_sharded_step, run_steps
     from autoshard.verify.memory import memory_stats
 
     options = parse_xla_options(xla_options)
@@ -188,7 +193,14 @@ def measure_one(
     bound = bind_plan(pf)
     out["bind_s"] = time.perf_counter() - t
     _phase(out, "bound (re-traced)", out["bind_s"])
-    step = bound.jit(jax.devices()[:1])
+    window = _window(stream_window) if stream_window is not None else STREAM_WINDOW
+    step = build_sharded_step(
+        bound.program, bound.plan, bound.mesh(jax.devices()[:1]), True, window
+    )
+    if step.stream is not None:  # the offloaded state streamed a group at a time
+        out["stream"] = {"window": window, "groups": len(step.stream.groups)}
+    elif step.host_inputs:
+        out["stream"] = {"window": None}  # every fetch where the step starts
     workload = get_workload(pf.model, **pf.overrides)
     opt = make_optimizer(pf.optimizer or "adamw")
     t = time.perf_counter()
@@ -209,7 +221,8 @@ def measure_one(
         import gzip
 
         hlo_dir.mkdir(parents=True, exist_ok=True)
-        name = f"{plan_file.stem}{'.opts' if options else ''}.hlo.txt.gz"
+        form = f".w{stream_window}" if stream_window is not None else ""
+        name = f"{plan_file.stem}{form}{'.opts' if options else ''}.hlo.txt.gz"
         text = compiled.as_text()
         (hlo_dir / name).write_bytes(gzip.compress(text.encode()))
         out["hlo"] = {
@@ -249,6 +262,11 @@ def measure_one(
         k: int(stats[k]) for k in ("peak_bytes_in_use", "bytes_limit") if k in stats
     }
     return out
+
+
+def _window(text: str) -> int | None:
+    """``--stream-window``: ``none`` (every fetch where the step starts) or groups."""
+    return None if text == "none" else int(text)
 
 
 def _child(argv: list[str], timeout_s: float) -> dict:
@@ -294,6 +312,7 @@ def measure(
     rows: list[str] | None = None,
     xla_options: list[str] | None = None,
     hlo_dir: Path | None = None,
+    stream_windows: list[str] | None = None,
 ) -> None:
     # the parent never starts a backend: each child has the whole GPU
     result: dict = {
@@ -319,12 +338,18 @@ def measure(
             continue
         if rows and plan_file.stem not in rows:
             continue
-        row = _measure_row(
-            plan_file, predicted, result.get("jax"), steps, timeout_s, xla_options, hlo_dir
-        )
-        result["rows"].append(row)
-        out_path.write_text(json.dumps(result, indent=1))
-    pairs = {r["plan_file"]: r for r in result["rows"] if "losses" in r}
+        offloaded = predicted.get("host_inputs", 1) > 0
+        for window in (stream_windows or [None]) if offloaded else [None]:
+            row = _measure_row(
+                plan_file, predicted, result.get("jax"), steps, timeout_s, xla_options,
+                hlo_dir, window,
+            )  # fmt: skip
+            result["rows"].append(row)
+            out_path.write_text(json.dumps(result, indent=1))
+    pairs: dict = {}  # each plan's first row (with --stream-window: the first window's)
+    for r in result["rows"]:
+        if "losses" in r:
+            pairs.setdefault(r["plan_file"], r)
     a, b = pairs.get("gpt-1.3b-optimizer.json"), pairs.get("gpt-1.3b-none.json")
     if a is None:
         a, b = pairs.get("gpt-tiny-optimizer.json"), pairs.get("gpt-tiny-none.json")
@@ -337,7 +362,9 @@ def measure(
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
 
 
-def _measure_row(plan_file, predicted, jax_version, steps, timeout_s, xla_options, hlo_dir) -> dict:
+def _measure_row(
+    plan_file, predicted, jax_version, steps, timeout_s, xla_options, hlo_dir, window=None
+) -> dict:
     """One plan file, in a child process."""
     print(f"[measure] {plan_file.name} ...", file=sys.stderr, flush=True)
     t = time.perf_counter()
@@ -355,15 +382,18 @@ def _measure_row(plan_file, predicted, jax_version, steps, timeout_s, xla_option
             argv += ["--xla-option", o]
         if hlo_dir is not None:
             argv += ["--hlo-dir", str(hlo_dir)]
+        if window is not None:
+            argv += ["--stream-window", window]
         row = _child(argv, timeout_s)
         row.setdefault("plan_file", plan_file.name)
     row["wall_s"] = time.perf_counter() - t
+    row["stream_window_asked"] = window
     row["predicted"] = predicted
     if "step_median_s" in row and predicted:
         row["vs_planner"] = row["step_median_s"] / predicted["planner_step_s"] - 1
         row["vs_simulator"] = row["step_median_s"] / predicted["sim_step_s"] - 1
     print(
-        f"[measure] {plan_file.name}: "
+        f"[measure] {plan_file.name}{f' (stream window {window})' if window else ''}: "
         + (
             f"step {row['step_median_s'] * 1e3:.1f} ms (planner "
             f"{predicted.get('planner_step_s', float('nan')) * 1e3:.1f}, simulator "
@@ -404,6 +434,14 @@ def main(argv=None) -> int:
             help="xla_name=value for the step's compile (repeat)",
         )
         p_.add_argument("--hlo-dir", type=Path, help="write each compiled step's HLO here (gz)")
+    m.add_argument(
+        "--stream-window",
+        action="append",
+        dest="stream_windows",
+        help="offloaded rows: run each with this stream window (repeat; 'none': every "
+        "fetch where the step starts, the form before streaming; default the runtime's)",
+    )
+    o.add_argument("--stream-window")
     sub.add_parser("link", help="(internal) the host link's bandwidth, JSON on stdout")
     sub.add_parser("info", help="(internal) jax version and device, JSON on stdout")
     args = ap.parse_args(argv)
@@ -412,14 +450,16 @@ def main(argv=None) -> int:
     elif args.cmd == "measure":
         measure(
             args.dir, args.out, args.steps, args.timeout_s, args.rows, args.xla_options,
-            args.hlo_dir,
+            args.hlo_dir, args.stream_windows,
         )  # fmt: skip
     elif args.cmd == "link":
         print(json.dumps(_link_bandwidth()))
     elif args.cmd == "info":
         print(json.dumps(_device_info()))
     else:
-        row = measure_one(args.plan_file, args.steps, args.xla_options, args.hlo_dir)
+        row = measure_one(
+            args.plan_file, args.steps, args.xla_options, args.hlo_dir, args.stream_window
+        )
         print(json.dumps(row))
     return 0
 

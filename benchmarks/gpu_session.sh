@@ -11,8 +11,11 @@
 #      with and without the optimizer state in pinned_host; "all": every plan, gpt-6.7b
 #      first), each row capped at OFFLOAD_ROW_S; OFFLOAD_XLA="xla_a=v xla_b=w" compiles
 #      each step with those XLA options (xla_gpu_enable_host_memory_offloading=true: on
-#      2026-11-27 the default flags held the whole offloaded state on the device); the
-#      compiled steps' HLO goes to $OUT/offload_hlo;
+#      2026-11-27 the default flags held the whole offloaded state on the device);
+#      OFFLOAD_STREAM="1 none" runs each offloaded row with each stream window (1: the
+#      runtime's default, state streamed a parameter at a time; none: every fetch where
+#      the step starts, the form of 2026-11-27); the compiled steps' HLO goes to
+#      $OUT/offload_hlo;
 #   4. truth, issue 36: benchmarks/gpu_truth.sh on the scale rows not yet compiled
 #      (TRUTH_ROWS), in the time left of TOTAL_S.
 # Writes under $OUT: ab.json, peer.json, offload.json, gpu_truth.json, hlo.tar.gz, log.txt.
@@ -49,6 +52,7 @@ OFFLOAD_ROWS=${OFFLOAD_ROWS:-gpt-1.3b-none gpt-1.3b-optimizer}
 if [ "$OFFLOAD_ROWS" = all ]; then OFF_ROWS=(); else read -r -a OFF_ROWS <<<"--rows $OFFLOAD_ROWS"; fi
 OFF_XLA=()
 for o in ${OFFLOAD_XLA:-}; do OFF_XLA+=(--xla-option "$o"); done
+for w in ${OFFLOAD_STREAM:-}; do OFF_XLA+=(--stream-window "$w"); done
 PARTS=${PARTS:-ab peer offload truth}
 if [[ " $PARTS " == *" ab "* ]]; then
   log "1. gpu_ab (issue 30)"

@@ -548,3 +548,132 @@ def test_plan_and_simulate_auto_agree_on_one_gpu_with_one_microbatch(tmp_path):
     # the same step time within 5% (one ILP on the whole step, one per layer)
     exposed = planned.plan.offload["exposed_s"]
     assert simulated.step_time_s == pytest.approx(planned.plan.objective + exposed, rel=0.05)
+
+
+# -- streaming the offloaded state through the device (runtime/offload_stream.py) ----------
+
+
+def _state_window(step):
+    from autoshard.verify.state_window import state_window
+
+    lowered = step.lowered_for("cuda")  # XLA:CPU ignores memory kinds: read GPU's program
+    return state_window(lowered.as_text(), lowered.as_text(dialect="hlo"))
+
+
+def test_streamed_state_holds_one_group_on_the_device(runtime_plans):
+    """All-at-once (the form that held all 10.5 GB of gpt-1.3b's moments on an H100): any
+    schedule may hold every fetched tensor at once. Streamed: each parameter's update
+    fetches its state after the previous one stored its own, so no more than one
+    parameter's state is ever on the device (for AdamW, its two moments)."""
+    import jax
+
+    from autoshard.runtime.sharded import build_sharded_step
+
+    optimizer, _, off = runtime_plans
+    g, mesh = off.graph, off.mesh(jax.devices()[:2])
+    sizes = [g.tensors[g.inputs[i]].nbytes for i in off.plan.offload["host_inputs"]]
+    moments = 2 if optimizer == "adamw" else 1
+    old = _state_window(build_sharded_step(off.program, off.plan, mesh, stream_window=None))
+    assert old.fetches == len(sizes) and old.window_bytes == old.total_bytes == sum(sizes)
+    step = off.jit(jax.devices()[:2])  # the default: streamed, one group at a time
+    new = _state_window(step)
+    assert (new.fetches, new.stores, new.total_bytes) == (old.fetches, old.stores, sum(sizes))
+    assert new.window_bytes == moments * max(sizes)  # the planner's staging: 2x the largest
+    assert len(step.stream.groups) == len(sizes) // moments
+    assert all(len(grp.fetch) == len(grp.store) == moments for grp in step.stream.groups)
+
+
+def test_streamed_step_computes_what_the_all_at_once_step_does(runtime_plans):
+    """The groups' order and barriers change no value: the losses and the updated state of
+    the streamed step equal the all-at-once step's bit for bit (3 steps, XLA:CPU)."""
+    import jax
+    import numpy as np
+
+    from autoshard.models import get_workload, make_optimizer
+    from autoshard.runtime.sharded import build_sharded_step, run_steps
+
+    optimizer, _, off = runtime_plans
+    args = get_workload("gpt-tiny", num_layers=1).init_train_args(make_optimizer(optimizer))
+    mesh = off.mesh(jax.devices()[:2])
+    runs = [
+        run_steps(build_sharded_step(off.program, off.plan, mesh, stream_window=w), args, 3)
+        for w in (None, 1, 2)
+    ]
+    for state, losses in runs[1:]:
+        assert losses == runs[0][1]
+        for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(runs[0][0])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_stream_window_below_one_group_is_refused(runtime_plans):
+    import jax
+
+    from autoshard.runtime.sharded import build_sharded_step
+
+    _, _, off = runtime_plans
+    with pytest.raises(ValueError, match="at least one group"):
+        build_sharded_step(off.program, off.plan, off.mesh(jax.devices()[:2]), stream_window=0)
+
+
+def test_offloaded_masters_are_fetched_up_front_and_the_moments_still_stream():
+    """``optimizer,master`` (bf16 over f32 masters): the forward reads the masters, so
+    they are fetched where the step starts; the moments still stream a parameter at a time
+    (with the masters in the update's region the whole step was one group), and the
+    streamed step computes the all-at-once step's losses bit for bit."""
+    import jax
+
+    from autoshard.models import get_workload, make_optimizer
+    from autoshard.runtime.sharded import build_sharded_step, run_steps
+
+    kw = dict(options=HIGHS, cluster="alpa-v100", optimizer="adamw", num_layers=1)
+    off = plan_workload("gpt-tiny", "2", offload="optimizer,master", dtype="bfloat16", **kw)
+    g, mesh = off.graph, off.mesh(jax.devices()[:2])
+    kinds = [g.tensors[g.inputs[i]].kind for i in off.plan.offload["host_inputs"]]
+    assert "param" in kinds and "opt_state" in kinds
+    step = build_sharded_step(off.program, off.plan, mesh)
+    assert len(step.stream.groups) == kinds.count("opt_state") // 2
+    assert all(len(grp.fetch) == 2 for grp in step.stream.groups)
+    args = get_workload("gpt-tiny", num_layers=1, dtype="bfloat16").init_train_args(
+        make_optimizer("adamw")
+    )
+    old = build_sharded_step(off.program, off.plan, mesh, stream_window=None)
+    assert run_steps(step, args, 2)[1] == run_steps(old, args, 2)[1]
+
+
+def test_state_window_bounds_what_a_barrier_chain_lets_be_on_the_device():
+    """verify.state_window on a hand-written step (two momentum buffers in pinned_host,
+    lowered for GPU): fetched together, both may be on the device at once; with the
+    second fetch behind a barrier on the first buffer's store, only one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from autoshard.verify.state_window import state_window
+
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
+    dev = NamedSharding(mesh, PartitionSpec())
+    host = dev.with_memory_kind("pinned_host")
+
+    def together(ms, gs):
+        ms = [jax.device_put(m, dev) for m in ms]
+        return [jax.device_put(0.9 * m + g, host) for m, g in zip(ms, gs, strict=True)]
+
+    def chained(ms, gs):
+        out = []
+        for m, g in zip(ms, gs, strict=True):
+            if out:  # this fetch waits for the previous store
+                m, _ = jax.lax.optimization_barrier((m, out[-1]))
+            out.append(jax.device_put(0.9 * jax.device_put(m, dev) + g, host))
+        return out
+
+    m = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=host)
+    g = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=dev)
+    windows = []
+    for fn in (together, chained):
+        jitted = jax.jit(fn, in_shardings=([host] * 2, [dev] * 2), out_shardings=[host] * 2)
+        low = jitted.trace([m, m], [g, g]).lower(lowering_platforms=("cuda",))
+        windows.append(state_window(low.as_text(), low.as_text(dialect="hlo")))
+    for w in windows:
+        assert (w.fetches, w.stores, w.total_bytes) == (2, 2, 2 * 64 * 64 * 4)
+    assert windows[0].window_bytes == 2 * 64 * 64 * 4
+    assert windows[1].window_bytes == 64 * 64 * 4

@@ -687,3 +687,27 @@ def test_pipeline_runtime_offloads_activations_on_the_stage_auto_chose(plain_f32
     assert got == pytest.approx(losses, rel=1e-5)
     for a, b in zip(jax.tree.leaves(mixed.params), jax.tree.leaves(plain.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_pipeline_update_streams_the_state_a_parameter_at_a_time():
+    """Each stage's update, lowered for GPU: its moments are fetched a parameter at a time,
+    after the previous parameter's were stored (verify.state_window), where the form
+    before streaming may hold all of the stage's moments at once."""
+    import jax
+
+    from autoshard.verify.state_window import state_window
+
+    trainer, _ = _train("optimizer", steps=1)
+    for st in trainer.stage_executables:
+        grads = jax.tree.map(
+            lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
+            st.params,
+            st.param_shardings,
+        )
+        lowered = st.update.trace(st.params, st.opt_state, grads).lower(
+            lowering_platforms=("cuda",)
+        )
+        sw = state_window(lowered.as_text(), lowered.as_text(dialect="hlo"))
+        moments = [x.nbytes for x in jax.tree.leaves(st.opt_state) if x.ndim]
+        assert sw.fetches == len(moments) and sw.total_bytes == sum(moments)
+        assert sw.window_bytes == 2 * max(moments) < sw.total_bytes  # one AdamW group

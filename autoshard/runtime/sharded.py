@@ -38,6 +38,7 @@ from autoshard.ir import spec as aspec
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.records import EqnRecord
 from autoshard.runtime.distributed import to_host
+from autoshard.runtime.offload_stream import STREAM_WINDOW, evaluate_streamed, stream_plan
 from autoshard.trace.jaxpr import TracedProgram
 
 HOST_MEMORY = "pinned_host"  # JAX's memory kind of offloaded state (docs/offload.md)
@@ -293,6 +294,7 @@ class ShardedStep:
         plan: ParallelPlan,
         mesh: jax.sharding.Mesh,
         donate: bool = True,
+        stream_window: int | None = STREAM_WINDOW,
     ):
         _check_mesh(plan, mesh)
         records = program.records
@@ -333,6 +335,20 @@ class ShardedStep:
         for j in self.host_outputs:
             flat_out[j] = flat_out[j].with_memory_kind(HOST_MEMORY)
         self._flat_in, self._flat_out = tuple(flat_in), tuple(flat_out)
+        # streamed (offload_stream): each group of the update fetches its state where it
+        # starts and stores it where it ends, ``stream_window`` groups on the device at
+        # once; None: every fetch where the step starts, every store where it ends (the
+        # form that held all the state on an H100, kept to measure against). Offloaded
+        # master weights are fetched where the step starts (the forward reads them: the
+        # whole step would be one group), stored as their group ends.
+        self._streamed_in = tuple(
+            i for i in self.host_inputs if records.tensors[records.inputs[i]].kind == "opt_state"
+        )
+        self.stream = (
+            stream_plan(records, self._streamed_in, self.host_outputs, stream_window)
+            if self._streamed_in and stream_window is not None
+            else None
+        )
         self.in_shardings = jax.tree_util.tree_unflatten(program.in_tree, flat_in)
         self.out_shardings = jax.tree_util.tree_unflatten(program.out_tree, flat_out)
         self.donate_argnums = _donated_argnums(program) if donate else ()
@@ -359,12 +375,29 @@ class ShardedStep:
 
     def _evaluate(self, *args):
         c = self.constraints
+        memo: dict = {}
+        if self.stream is not None:
+            streamed = set(self._streamed_in)
+            flat = jax.tree_util.tree_leaves(args)
+            for i, sharding in self._device_in.items():
+                if i not in streamed:  # the masters: host -> device where the step starts
+                    flat[i] = jax.device_put(flat[i], sharding)
+            args = jax.tree_util.tree_unflatten(self.program.in_tree, flat)
+            host_out = {j: s.with_memory_kind(HOST_MEMORY) for j, s in self._device_out.items()}
+            return evaluate_streamed(
+                self.program,
+                self.stream,
+                args,
+                {i: self._device_in[i] for i in self._streamed_in},
+                host_out,
+                hook=c.outputs_hook,
+                in_hook=lambda i, v: c.operands_hook(i, v, memo),
+            )
         if self.host_inputs:  # host -> device at the start of the step
             flat = jax.tree_util.tree_leaves(args)
             for i, sharding in self._device_in.items():
                 flat[i] = jax.device_put(flat[i], sharding)
             args = jax.tree_util.tree_unflatten(self.program.in_tree, flat)
-        memo: dict = {}
         out = self.program.evaluate(
             *args, hook=c.outputs_hook, in_hook=lambda i, v: c.operands_hook(i, v, memo)
         )
@@ -380,6 +413,13 @@ class ShardedStep:
         if not args:
             args = abstract_args(self.program, self.plan, self.mesh)
         return self._jitted.lower(*args)
+
+    def lowered_for(self, platform: str) -> jax.stages.Lowered:
+        """The step lowered for ``platform`` (``"cuda"``, ``"tpu"``) from its abstract
+        arguments, on any machine: memory-kind transfers lower to nothing on CPU, so what
+        an offloaded step asks of a GPU is read here (``verify.state_window``)."""
+        args = abstract_args(self.program, self.plan, self.mesh)
+        return self._jitted.trace(*args).lower(lowering_platforms=(platform,))
 
     def compile(self, compiler_options: dict | None = None) -> jax.stages.Compiled:
         """The executable for the plan's abstract arguments (compiled once, then cached;
@@ -425,10 +465,14 @@ class ShardedStep:
 
 
 def build_sharded_step(
-    program: TracedProgram, plan: ParallelPlan, mesh: jax.sharding.Mesh, donate: bool = True
+    program: TracedProgram,
+    plan: ParallelPlan,
+    mesh: jax.sharding.Mesh,
+    donate: bool = True,
+    stream_window: int | None = STREAM_WINDOW,
 ) -> ShardedStep:
     """Compile-ready step running ``plan`` on ``mesh`` (see :class:`ShardedStep`)."""
-    return ShardedStep(program, plan, mesh, donate)
+    return ShardedStep(program, plan, mesh, donate, stream_window)
 
 
 def abstract_args(program: TracedProgram, plan: ParallelPlan, mesh: jax.sharding.Mesh):

@@ -21,10 +21,11 @@ mesh and layout, its parameters, an optax optimizer and the stage's recompute mo
 
 Offload (``offload``: the plan's host classes, docs/offload.md): with ``optimizer`` the
 floating-point optimizer state rests in ``pinned_host`` memory between steps (its
-sharding's memory kind); ``update`` copies it to the device where it starts and back
-where it ends (``jax.device_put`` inside the jitted update), as the one-mesh runtime
-(:mod:`autoshard.runtime.sharded`) does. With ``master`` the f32 master weights
-(``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` makes
+sharding's memory kind); ``update`` streams it through the device a parameter's state at
+a time (:func:`autoshard.runtime.offload_stream.streamed_update`, as the one-mesh runtime
+does; ``stream_window=None``: all of it copied in where the update starts and back where
+it ends, the form that held the whole state on an H100). With ``master`` the f32 master
+weights (``host_params``) rest in ``pinned_host`` too: :meth:`StageExecutable.live_params` makes
 their 16-bit copies on the device once per step (one weight at a time: copied in,
 converted to the dtype the stage's equations convert it to), which every microbatch
 reads, so the device holds the 16-bit copies during the step, as the stage search
@@ -69,6 +70,7 @@ from autoshard.inter.stage_memory import is_attention_sized
 from autoshard.inter.stages import RECOMPUTE_MODES
 from autoshard.ir.records import TensorRecord
 from autoshard.runtime.distributed import to_host
+from autoshard.runtime.offload_stream import STREAM_WINDOW, streamed_update
 from autoshard.runtime.sharded import HOST_MEMORY
 from autoshard.runtime.stage_layout import StageLayout
 from autoshard.trace.jaxpr import TracedProgram
@@ -172,6 +174,7 @@ class StageExecutable:
         probe: Probe | None = None,
         offload: tuple[str, ...] = (),
         host_params: frozenset[int] = frozenset(),
+        stream_window: int | None = STREAM_WINDOW,
     ):
         self.offload = tuple(offload)
         # the forward's residuals rest in pinned_host between its forward and backward
@@ -342,15 +345,29 @@ class StageExecutable:
             grads, in_cts = gradients(params, received, data, residuals, out_cts)
             return jax.tree.map(jnp.add, grad_acc, grads), in_cts
 
+        def apply(params, opt_state, grads):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
         def update(params, opt_state, grads):
             if self.masters_on_host:  # the f32 masters in from the host (params: at rest)
                 params = jax.device_put(params, self.param_shardings)
-            if state_on_host:  # host -> device where the update starts
+            if state_on_host and stream_window is not None:  # a parameter's state at a time
+                params, opt_state = streamed_update(
+                    apply,
+                    params,
+                    opt_state,
+                    grads,
+                    device_state,
+                    self.opt_state_shardings,
+                    stream_window,
+                )
+            elif state_on_host:  # all of it in where the update starts, out where it ends
                 opt_state = jax.device_put(opt_state, device_state)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            if state_on_host:  # and back where it ends (out_shardings say pinned_host too)
+                params, opt_state = apply(params, opt_state, grads)
                 opt_state = jax.device_put(opt_state, self.opt_state_shardings)
-            params = optax.apply_updates(params, updates)
+            else:
+                params, opt_state = apply(params, opt_state, grads)
             if self.masters_on_host:  # the updated master weights back to the host
                 params = jax.device_put(params, self.rest_shardings)
             return params, opt_state

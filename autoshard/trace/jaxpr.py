@@ -117,12 +117,30 @@ class TracedProgram:
         it to apply ``with_sharding_constraint``); ``in_hook(eqn_index, inputs)`` may
         replace the operands an equation reads (per use, the producer's value is kept).
         """
+        env = self.evaluate_env(args, hook=hook, in_hook=in_hook)
+        return jax.tree_util.tree_unflatten(self.out_tree, [env[i] for i in self.records.outputs])
+
+    def evaluate_env(
+        self,
+        args: tuple,
+        order: Sequence[int] | None = None,
+        hook: Callable[[int, list], list] | None = None,
+        in_hook: Callable[[int, list], list] | None = None,
+        before: Callable[[int, dict], None] | None = None,
+    ) -> dict[int, Any]:
+        """:meth:`evaluate`'s values, by tensor id: the equations at positions ``order``
+        (a topological order of all of them; default: as traced), ``before(position,
+        env)`` called before each (it may replace values in ``env``)."""
         flat, tree = jax.tree_util.tree_flatten(args)
         if tree != self.in_tree:
             raise ValueError(f"arguments have structure {tree}, traced with {self.in_tree}")
         env: dict[int, Any] = dict(self._consts)
         env.update(zip(self.records.inputs, flat))
-        for eqn, (prim, params) in zip(self.records.eqns, self._impls):
+        eqns = self.records.eqns
+        for pos in range(len(eqns)) if order is None else order:
+            eqn, (prim, params) = eqns[pos], self._impls[pos]
+            if before is not None:
+                before(pos, env)
             invals = [env[i] for i in eqn.inputs]
             if in_hook is not None:
                 invals = in_hook(eqn.index, invals)
@@ -131,7 +149,7 @@ class TracedProgram:
             if hook is not None:
                 outs = hook(eqn.index, outs)
             env.update(zip(eqn.outputs, outs))
-        return jax.tree_util.tree_unflatten(self.out_tree, [env[i] for i in self.records.outputs])
+        return env
 
 
 def _plain(value: Any) -> Any:
