@@ -32,6 +32,7 @@ from autoshard.intra.memory.layout_copies import (
     conv_copy_reads,
     dot_lhs_copy_bytes,
     dot_lhs_copy_groups,
+    input_gradient_copy_ends,
     reads_one_batch_row,
     shared_conv_copies,
     transposed_conv_values,
@@ -407,6 +408,7 @@ def _conv_copy_intervals(graph, spec_of, mesh, operand_specs, host) -> list:
     it is resharded to if it is, so a copy read in several layouts is one buffer per
     layout, each kept to the last conv that reads that layout."""
     out = []
+    ends = input_gradient_copy_ends(graph, mesh)
     for tid, first, _, nbytes, convs in conv_copy_buffers(graph, mesh, host):
         if tid not in spec_of:
             continue
@@ -417,7 +419,10 @@ def _conv_copy_intervals(graph, spec_of, mesh, operand_specs, host) -> list:
                 operand_specs.get(c, {}).get(node.inputs.index(tid)) if tid in node.inputs else None
             )
             read[spec or spec_of[tid]] = c
-        out += [(first, c, nbytes * spec.shard_fraction(mesh.mesh)) for spec, c in read.items()]
+        out += [
+            (first, ends.get((tid, c), c), nbytes * spec.shard_fraction(mesh.mesh))
+            for spec, c in read.items()
+        ]
     return out
 
 
@@ -581,6 +586,7 @@ def _conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host) -> lis
     strategies that read it so; made at the copy's first position, kept while a later
     conv reads that layout."""
     out = []
+    ends = input_gradient_copy_ends(graph, mesh)
     for tid, first, _, nbytes, convs in conv_copy_buffers(graph, mesh, host):
         src, k = producer[tid]
         every = tuple(range(len(strategies[src])))
@@ -595,7 +601,11 @@ def _conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host) -> lis
                 spec = s.input_specs[slot] if slot is not None else None
                 reads.setdefault(spec, {}).setdefault(c, []).append(q)
         for spec, readers in reads.items():
-            rows = tuple(sorted((pos[c], n_in + c, tuple(qs)) for c, qs in readers.items()))
+            rows = tuple(
+                sorted(
+                    (pos[ends.get((tid, c), c)], n_in + c, tuple(qs)) for c, qs in readers.items()
+                )
+            )
             sources = own.items() if spec is None else [(spec, every)]
             for layout, ps in sources:
                 size = nbytes * layout.shard_fraction(mesh.mesh)
