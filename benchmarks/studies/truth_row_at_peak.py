@@ -55,11 +55,13 @@ def main() -> None:
     from autoshard.intra.memory.attention_workspace import held_buffers
     from autoshard.intra.memory.gathered_sources import own_buffer_end
     from autoshard.intra.memory.model import (
+        _conv_copy_intervals,
         _gathered_tails,
         _union_intervals,
+        conv_copy_reads,
         predicted_live_bytes,
         program_positions,
-        tensor_buffers,
+        value_buffers,
     )
     from autoshard.intra.memory.reshard_copies import first_update, resharded_copy
     from autoshard.intra.problem.build import auto_shard_graph
@@ -98,7 +100,7 @@ def main() -> None:
     node = graph.nodes[at] if at >= 0 else None
     where = f"{node.primitive} ({node.phase}) in {node.module_path}" if node else "inputs"
     print(f"model: peak {live[at + 1]:,.0f} B at node {at}, {where}")
-    own = tensor_buffers(graph, mesh)
+    own = value_buffers(graph, mesh)
     tails = _gathered_tails(graph, mesh, own, pos)
     rows = []
     for tid, first, last, nbytes in own:
@@ -114,6 +116,10 @@ def main() -> None:
             rows.append(
                 (b, f"own t{tid} {t.shape} {t.dtype} {what} [{first},{last}] {spec_of[tid]}")
             )
+    for first, last, b in _conv_copy_intervals(graph, spec_of, mesh, plan.operand_specs, set()):
+        if first <= p_at <= last:
+            rows.append((b, f"transposed conv copy [{first},{last}]"))
+    read_at = conv_copy_reads(graph, mesh)
     uses: dict = {}
     for ni, slots in plan.operand_specs.items():
         for slot, spec in slots.items():
@@ -124,7 +130,7 @@ def main() -> None:
         if c is None:
             continue
         nb, s, e, _, _ = c
-        reads = [pos[r] for r in readers]
+        reads = [pos[read_at.get((tid, r), r)] for r in readers]
         s = min(reads) if s is None else s
         e = max(reads) if e is None else e
         if s <= p_at <= e:

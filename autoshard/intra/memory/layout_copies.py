@@ -79,7 +79,9 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
     other order (a weight gradient reads the activation as (feature, spatial..., batch),
     an input gradient reads the kernel with in and out swapped) costs a copy of the
     value, made just before the conv and freed after it -- or, for a program input (the
-    images, a kernel) with ``early_input_reshards``, made at the start of the step (seen
+    images, a kernel) or a value computed from inputs alone (a reversed kernel,
+    :func:`input_derived_values`) with ``early_input_reshards``, made at the start of
+    the step (seen
     in the compiled wresnet-tiny step: ``transpose_copy_fusion`` buffers beside each
     gradient conv, the images' from the start to the stem's weight gradient). With
     ``early_conv_copies`` a backward conv's copy of a value the forward pass makes is
@@ -91,13 +93,38 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
     return [(tid, first, conv) for tid, first, conv, _ in _conv_copies(graph, mesh)]
 
 
+def input_derived_values(graph: Graph) -> set[int]:
+    """The program inputs and the values computed from them alone (and literals) by ops
+    XLA fuses (no :data:`~autoshard.intra.memory.materialized.MATERIALIZING` op): a kernel
+    reversed for its input gradient's conv. XLA:CPU makes a conv's transposed copy of such
+    a value straight from the inputs, in the forward pass, and keeps it to the conv: in
+    wresnet-tiny's compiled steps on 2x4 (both plans of tests/test_memory_layout_copies.py)
+    every input gradient's kernel copy (``transpose_copy_fusion.23``-``.28``) is a fusion
+    of the parameter alone (the ``rev`` fused into it), made at positions 54-71 of XLA's
+    ~555 and live to its backward conv (``.26``, ``block_1``'s ``conv2`` kernel, 18 KiB
+    on the per-demand plan: 69-318). Counting them at their convs left the model 35 KiB
+    under XLA at its backward peak on that plan. The model makes them at the start of
+    the step, as an input's (``early_input_reshards``)."""
+    # here, not at the top: materialized imports this module
+    from autoshard.intra.memory.materialized import MATERIALIZING
+
+    out = set(graph.inputs)
+    for node in graph.nodes:  # in program order: a value's producers come first
+        if node.primitive in MATERIALIZING or not node.inputs:
+            continue
+        if all(i in out or graph.tensors[i].kind in ("literal", "const") for i in node.inputs):
+            if any(i in out for i in node.inputs):
+                out.update(node.outputs)
+    return out
+
+
 def _conv_copies(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, int, tuple]]:
     """:func:`transposed_conv_values` with each copy's layout: (tensor, first, conv node,
     the order of the value's dims the conv reads)."""
     layout = mesh.memory_layout
     if not layout.conv_layout_copies:
         return []
-    early = set(graph.inputs) if layout.early_input_reshards else set()
+    early = input_derived_values(graph) if layout.early_input_reshards else set()
     out = []
     for node in graph.nodes:
         if node.primitive != "conv_general_dilated":
@@ -143,9 +170,62 @@ def shared_conv_copies(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int, i
     return [(tid, first, last, tuple(convs)) for tid, first, last, convs in out]
 
 
+def conv_copy_reads(graph: Graph, mesh: DeviceMesh) -> dict[tuple[int, int], int]:
+    """(value, conv node) -> node index where the conv's transposed copy of the value is
+    made, for each conv that reads a copy made before it (:func:`shared_conv_copies`: a
+    forward value's for a backward conv, ``early_conv_copies``; a program input's or a
+    value computed from them alone, ``early_input_reshards``). Such a conv reads the
+    copy, not the value: the value (or its resharded copy, from which the transposed copy
+    is made) is read for it where the copy is made. On wresnet-tiny's default plan on 2x4
+    (tests/test_memory_layout_copies.py) ``block_0``'s output is all-gathered over
+    ``model`` for ``block_1``'s forward convs and their weight gradients; XLA:CPU frees
+    the gathered value (``all-gather.3``, positions 146-150 of 554) after the forward
+    convs and keeps only its transposed copy (``transpose_copy_fusion.13``, 147-285) for
+    the weight gradients; so for the three values gathered so in ``block_0``."""
+    return {
+        (tid, conv): first
+        for tid, first, _, convs in shared_conv_copies(graph, mesh)
+        for conv in convs
+        if first < conv
+    }
+
+
+def input_gradient_copy_ends(graph: Graph, mesh: DeviceMesh) -> dict[tuple[int, int], int]:
+    """(value, conv node) -> the node index a transposed copy made from the program inputs
+    (:func:`input_derived_values`: a reversed kernel) is last read at for that conv, where
+    it is not the conv: just before the weight gradient that reads the same output
+    gradient, when that comes first in program order. XLA:CPU runs a conv's input gradient
+    before its weight gradient on data-parallel plans (all 8 layers of wresnet-tiny's dp
+    step on 8 devices), so the kernel copy is freed before the weight gradient's result and
+    its transposed copy are made; the model's program order has the weight gradient first,
+    and counting the three together over-predicted the conv suite's dp rows by 11.0% (8
+    and 2x4), 5.3% without. On the 2x4 plans of tests/test_memory_layout_copies.py XLA
+    runs about half of the input gradients first; the peak there is elsewhere."""
+    ends = {}
+    derived = input_derived_values(graph)
+    for tid, first, _, convs in shared_conv_copies(graph, mesh):
+        if first != 0 or tid not in derived:
+            continue
+        for c in convs:
+            node = graph.nodes[c]
+            grads = [i for i in node.inputs if i != tid]
+            weight_grads = [
+                k
+                for gr in grads
+                for k in graph.tensors[gr].consumers
+                if k < c
+                and graph.nodes[k].primitive == "conv_general_dilated"
+                and graph.nodes[k].phase == "backward"
+            ]
+            if weight_grads:
+                ends[(tid, c)] = max(first, min(weight_grads) - 1)
+    return ends
+
+
 def _conv_copy_start(graph: Graph, tid: int, conv, early: set[int], layout) -> int:
     """Node index where :func:`transposed_conv_values`' copy of ``tid`` for ``conv`` is
-    made: the start of the step for a program input made early, the value's producer for
+    made: the start of the step for a program input made early (``early``:
+    :func:`input_derived_values`), the value's producer for
     a forward value read by a backward conv (``early_conv_copies``), else the conv."""
     if tid in early:
         return 0

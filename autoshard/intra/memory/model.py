@@ -29,8 +29,10 @@ from autoshard.intra.memory.common_values import common_values, merged_consumers
 from autoshard.intra.memory.gathered_sources import gathered_tails, own_buffer_end, tail_groups
 from autoshard.intra.memory.layout_copies import (
     NARROW_FLOATS,
+    conv_copy_reads,
     dot_lhs_copy_bytes,
     dot_lhs_copy_groups,
+    input_gradient_copy_ends,
     reads_one_batch_row,
     shared_conv_copies,
     transposed_conv_values,
@@ -276,16 +278,13 @@ def _replaced_by_copies(graph: Graph, widened) -> set[int]:
     return out
 
 
-def tensor_buffers(
+def value_buffers(
     graph: Graph, mesh: DeviceMesh, host: frozenset[int] = frozenset()
 ) -> list[tuple[int, int, int, int]]:
-    """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
-    layout: the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces),
-    the f32 copies of :func:`widened_dot_operands` and the transposed copies of
-    :func:`transposed_conv_values` (one where XLA shares one: :func:`shared_conv_copies`).
-    The ILP's memory rows and :func:`predicted_peak_bytes` both count these.  ``host``:
-    tensors offloaded to host memory (:mod:`autoshard.intra.offload.placement`), left
-    out."""
+    """(tensor, first, last, whole bytes) of every buffer that holds a value as it is made:
+    the live buffers of :func:`mesh_intervals` (but those an f32 copy replaces) and the f32
+    copies of :func:`widened_dot_operands`.  ``host``: tensors offloaded to host memory
+    (:mod:`autoshard.intra.offload.placement`), left out."""
     widened = widened_dot_operands(graph, mesh)
     replaced = _replaced_by_copies(graph, widened)
     out = [
@@ -296,11 +295,33 @@ def tensor_buffers(
     out += [
         (tid, first, last, 2 * graph.tensors[tid].nbytes) for tid, (first, last) in widened.items()
     ]
-    out += [
-        (tid, first, last, graph.tensors[tid].nbytes)
-        for tid, first, last, _ in shared_conv_copies(graph, mesh)
-    ]
     return [b for b in out if b[0] not in host] if host else out
+
+
+def conv_copy_buffers(
+    graph: Graph, mesh: DeviceMesh, host: frozenset[int] = frozenset()
+) -> list[tuple[int, int, int, int, tuple[int, ...]]]:
+    """(tensor, first, last, whole bytes, the convs that read it) of each transposed conv
+    copy (:func:`shared_conv_copies`), but those of ``host`` tensors.  Its layout is the
+    one its convs read the value in (a resharded layout, or the value's own)."""
+    return [
+        (tid, first, last, graph.tensors[tid].nbytes, convs)
+        for tid, first, last, convs in shared_conv_copies(graph, mesh)
+        if tid not in host
+    ]
+
+
+def tensor_buffers(
+    graph: Graph, mesh: DeviceMesh, host: frozenset[int] = frozenset()
+) -> list[tuple[int, int, int, int]]:
+    """(tensor, first, last, whole bytes) of every buffer that holds a value in its own
+    layout: :func:`value_buffers`, then the transposed copies of
+    :func:`transposed_conv_values` (one where XLA shares one: :func:`conv_copy_buffers`).
+    The ILP's memory rows and :func:`predicted_peak_bytes` both count these.  ``host``:
+    tensors offloaded to host memory (:mod:`autoshard.intra.offload.placement`), left
+    out."""
+    copies = conv_copy_buffers(graph, mesh, host)
+    return value_buffers(graph, mesh, host) + [c[:4] for c in copies]
 
 
 def predicted_live_bytes(
@@ -321,49 +342,26 @@ def predicted_live_bytes(
     n = len(graph.nodes)
     delta = [0.0] * (n + 3)
     operand_specs = operand_specs or {}
-    # a conv's transposed copy of an operand is made from the operand as the conv reads
-    # it: in the layout it is resharded to, if it is; a copy shared by several convs
-    # (shared_conv_copies) that read it in several layouts is one copy per layout, each
-    # kept to the last conv that reads that layout
-    at_conv, extra = {}, []
-    shared = shared_conv_copies(graph, mesh)
-    for tid, first, last, convs in shared:
-        read: dict = {}  # layout read (None: the value's own) -> the last conv reading it
-        for c in convs:  # in program order
-            node = graph.nodes[c]
-            spec = None
-            if tid in node.inputs:
-                spec = operand_specs.get(c, {}).get(node.inputs.index(tid))
-            read[spec] = c
-        for spec, c in read.items():
-            if c == last:  # the buffer tensor_buffers lists takes the last conv's layout
-                if spec is not None:
-                    at_conv[(tid, first, last)] = spec
-            elif tid not in host and tid in spec_of:
-                fraction = (spec or spec_of[tid]).shard_fraction(mesh.mesh)
-                extra.append((first, c, graph.tensors[tid].nbytes * fraction))
-    own = tensor_buffers(graph, mesh, host)
+    own = value_buffers(graph, mesh, host)
     pos = program_positions(graph, mesh.memory_layout.late_updates)
     # a forward value gathered for its backward dots is freed after its own-layout readers
     tails = _gathered_tails(graph, mesh, own, pos)
-    # tensor_buffers lists the conv copies last: a copy and the value's own buffer can have
-    # the same interval (a forward value whose last reader is the conv that copies it), and
-    # only the copy is in the conv's layout
-    copy_at = len(own) - sum(1 for c in shared if c[0] not in host)
     buffers = [
         (
             first,
             own_buffer_end(tails[tid], spec_of[tid], operand_specs) if tid in tails else last,
-            nbytes
-            * (
-                at_conv.get((tid, first, last), spec_of[tid]) if k >= copy_at else spec_of[tid]
-            ).shard_fraction(mesh.mesh),
+            nbytes * spec_of[tid].shard_fraction(mesh.mesh),
         )
-        for k, (tid, first, last, nbytes) in enumerate(own)
+        for tid, first, last, nbytes in own
         if tid in spec_of
     ]
-    buffers += extra
-    buffers += reshard_buffers(graph, operand_specs, spec_of, mesh, pos, _union_intervals(own))
+    buffers += _conv_copy_intervals(graph, spec_of, mesh, operand_specs, host)
+    # a conv that reads a transposed copy made before it (conv_copy_reads) reads neither the
+    # value nor its resharded copy: that copy is read where the transposed one is made
+    read_at = conv_copy_reads(graph, mesh)
+    buffers += reshard_buffers(
+        graph, operand_specs, spec_of, mesh, pos, _union_intervals(own), read_at
+    )
     # transposed weight copies: made at the start, live to their last reader; one per
     # layout that a dot reading one expert a device reads the weight in
     for tid, dots in transposed_weight_copies(graph, mesh).items():
@@ -404,9 +402,35 @@ def predicted_live_bytes(
     return tuple(itertools.accumulate(delta))
 
 
+def _conv_copy_intervals(graph, spec_of, mesh, operand_specs, host) -> list:
+    """(first, last, bytes per device) of each transposed conv copy
+    (:func:`conv_copy_buffers`): made from the value as its convs read it, in the layout
+    it is resharded to if it is, so a copy read in several layouts is one buffer per
+    layout, each kept to the last conv that reads that layout."""
+    out = []
+    ends = input_gradient_copy_ends(graph, mesh)
+    for tid, first, _, nbytes, convs in conv_copy_buffers(graph, mesh, host):
+        if tid not in spec_of:
+            continue
+        read: dict = {}  # layout read -> the last conv reading it
+        for c in convs:  # in program order
+            node = graph.nodes[c]
+            spec = (
+                operand_specs.get(c, {}).get(node.inputs.index(tid)) if tid in node.inputs else None
+            )
+            read[spec or spec_of[tid]] = c
+        out += [
+            (first, ends.get((tid, c), c), nbytes * spec.shard_fraction(mesh.mesh))
+            for spec, c in read.items()
+        ]
+    return out
+
+
 def _gathered_tails(graph: Graph, mesh: DeviceMesh, own, pos) -> dict:
     """:func:`~autoshard.intra.memory.gathered_sources.gathered_tails` of the buffers ``own``
-    (:func:`tensor_buffers`), the readers of each as :func:`live_intervals` finds them."""
+    (:func:`value_buffers`: a transposed conv copy beside a value is a buffer of its own,
+    which its convs read instead), the readers of each as :func:`live_intervals` finds
+    them."""
     if not mesh.memory_layout.freed_gathered_sources:
         return {}
     keep = {b[0] for b in own}
@@ -455,8 +479,9 @@ def memory_rows(
     ``operands``: the problem's operand edges (:class:`autoshard.intra.problem.build.Operand`);
     ``host``: offloaded tensors, not counted."""
     # a tensor's buffers (itself, its f32 copy) count together, over the union of their
-    # intervals (the tensor's holds the copy's unless the tensor is fused away)
-    own = tensor_buffers(graph, mesh, host)
+    # intervals (the tensor's holds the copy's unless the tensor is fused away); its
+    # transposed conv copies are copy groups of their own (_conv_copy_groups)
+    own = value_buffers(graph, mesh, host)
     intervals = _union_intervals(own)
     sizes: dict[int, float] = {}
     for tid, _, _, nbytes in own:
@@ -482,7 +507,9 @@ def memory_rows(
         node, _ = producer[tid]
         owner[tid] = node
     pos = program_positions(graph, mesh.memory_layout.late_updates)
-    groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals)
+    read_at = conv_copy_reads(graph, mesh)  # as predicted_live_bytes
+    groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals, read_at)
+    groups += _conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host)
     # an own buffer past its last fixed reader lives while a backward dot reads it as it is
     tails = _gathered_tails(graph, mesh, own, pos) if operands else {}
     groups += tail_groups(graph, tails, strategies, producer, n_in, mesh)
@@ -552,6 +579,41 @@ def _union_intervals(buffers) -> dict[int, tuple[int, int]]:
     return out
 
 
+def _conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host) -> list:
+    """:func:`conv_copy_buffers` as :class:`CopyGroup` entries, as
+    :func:`_conv_copy_intervals` counts them: per layout a conv may read the value in (its
+    own, per layout its producer may give, or one it is resharded to), the convs'
+    strategies that read it so; made at the copy's first position, kept while a later
+    conv reads that layout."""
+    out = []
+    ends = input_gradient_copy_ends(graph, mesh)
+    for tid, first, _, nbytes, convs in conv_copy_buffers(graph, mesh, host):
+        src, k = producer[tid]
+        every = tuple(range(len(strategies[src])))
+        own: dict = {}  # the producer's layout -> its strategies that give it
+        for p, s in enumerate(strategies[src]):
+            own.setdefault(s.output_specs[k], []).append(p)
+        reads: dict = {}  # layout -> conv -> its strategies that read the value in it
+        for c in convs:
+            node = graph.nodes[c]
+            slot = node.inputs.index(tid) if tid in node.inputs else None
+            for q, s in enumerate(strategies[n_in + c]):
+                spec = s.input_specs[slot] if slot is not None else None
+                reads.setdefault(spec, {}).setdefault(c, []).append(q)
+        for spec, readers in reads.items():
+            rows = tuple(
+                sorted(
+                    (pos[ends.get((tid, c), c)], n_in + c, tuple(qs)) for c, qs in readers.items()
+                )
+            )
+            sources = own.items() if spec is None else [(spec, every)]
+            for layout, ps in sources:
+                size = nbytes * layout.shard_fraction(mesh.mesh)
+                if size:
+                    out.append(CopyGroup(src, tuple(ps), size, pos[first], None, rows))
+    return out
+
+
 def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> list:
     """:func:`transposed_weight_copies` as :class:`CopyGroup` entries: per weight and
     layout a dot reads it in with one expert a device (:func:`reads_one_batch_row`), the
@@ -590,6 +652,8 @@ __all__ = [
     "streamed_tensors",
     "tensor_buffers",
     "transposed_conv_values",
+    "value_buffers",
+    "conv_copy_buffers",
     "transposed_dot_lhs",
     "transposed_weight_copies",
     "widened_dot_operands",

@@ -232,9 +232,14 @@ def reshard_buffers(
     mesh: DeviceMesh,
     pos: Sequence[int],
     intervals: Mapping[int, tuple[int, int]],
+    read_at: Mapping[tuple[int, int], int] | None = None,
 ) -> list[tuple[int, int, float]]:
     """(first, last, bytes per device) of each value in each layout it is resharded to,
-    and of each gradient kept until the combined reduction past its own buffer."""
+    and of each gradient kept until the combined reduction past its own buffer.
+    ``read_at``: (value, reader node) -> the node where that reader reads the copy instead
+    (:func:`~autoshard.intra.memory.layout_copies.conv_copy_reads`: a backward conv reads
+    its transposed copy, made from this one where the value is made)."""
+    read_at = read_at or {}
     uses: dict[tuple[int, ShardingSpec], list[int]] = {}
     for node_index, slots in operand_specs.items():
         node = graph.nodes[node_index]
@@ -254,7 +259,7 @@ def reshard_buffers(
         gathers = own is not None and nbytes > _device_bytes(graph, tid, own, mesh)
         if window is not None and gathers:
             start, end = window
-        where = [pos[r] for r in readers]
+        where = [pos[read_at.get((tid, r), r)] for r in readers]
         reused = reused_gather_end(graph, tid, pos) if reuse and gathers else None
         if reused is not None and end is None and tail is None:
             end = max(max(where), reused)
@@ -305,11 +310,21 @@ class CopyGroup:
 
 
 def copy_groups(
-    graph: Graph, strategies, producer, n_in: int, mesh: DeviceMesh, operands, pos, intervals
+    graph: Graph,
+    strategies,
+    producer,
+    n_in: int,
+    mesh: DeviceMesh,
+    operands,
+    pos,
+    intervals,
+    read_at: Mapping[tuple[int, int], int] | None = None,
 ) -> list[CopyGroup]:
     """One :class:`CopyGroup` per value and layout some reader may want that its
-    producer may not give (the buffers of :func:`reshard_buffers`), and, for a copy made
-    at the combined gradient reduction, the gradient kept until then (:func:`_kept_groups`)."""
+    producer may not give (the buffers of :func:`reshard_buffers`, ``read_at`` as there),
+    and, for a copy made at the combined gradient reduction, the gradient kept until then
+    (:func:`_kept_groups`)."""
+    read_at = read_at or {}
     found: dict[tuple[int, ShardingSpec], list] = {}
     for op in operands:
         if op.slot < 0 or op.dst < n_in:
@@ -320,7 +335,8 @@ def copy_groups(
             if spec is not None:
                 wants.setdefault(spec, []).append(q)
         for spec, qs in wants.items():
-            found.setdefault((op.tensor, spec), []).append((pos[op.dst - n_in], op.dst, tuple(qs)))
+            at = pos[read_at.get((op.tensor, op.dst - n_in), op.dst - n_in)]
+            found.setdefault((op.tensor, spec), []).append((at, op.dst, tuple(qs)))
     out, update = [], first_update(graph)
     tails: dict[int, tuple[tuple[int, int], list]] = {}  # tid -> (kept, [(layout, readers)])
     held = mesh.memory_layout.held_update_gathers
