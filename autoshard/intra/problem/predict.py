@@ -172,6 +172,10 @@ def collectives_by_value(
 # its partitioner's dynamic-slice passes through); a gather qualifies when it keeps every
 # element (``x[..., 0]`` of a trailing dim of one: a squeeze)
 _RELABELS = {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "gather"}
+# ops ahead of which XLA moves a slice of their one result on a chain of values each read
+# once (_sliced_after_all_reduce); the ILP prices such a chain of one op
+# (autoshard.intra.problem.value_edges.SliceChain)
+SLICE_PASSES = frozenset(_RELABELS | {"transpose"})
 
 
 def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, readers) -> bool:
