@@ -619,8 +619,8 @@ def _chain_matrices(chain: SliceChain, v: Value, strategies, mesh, options):
     op's output free of A, and the reader wanting that output with exactly A added to
     one dim."""
     mids, readers = strategies[chain.mid], strategies[chain.reader]
-    options_: dict[tuple[int, tuple[str, ...]], None] = {}
-    discounts: list[dict] = []
+    found: dict[tuple[int, tuple[str, ...]], None] = {}  # (layout op strategy, A), in order
+    discounts: list[dict] = []  # per producer strategy: (t, A) -> the price taken back
     for a, st in zip((s.output_specs[chain.k] for s in strategies[chain.src]), v.steps):
         here: dict = {}
         discounts.append(here)
@@ -631,20 +631,21 @@ def _chain_matrices(chain: SliceChain, v: Value, strategies, mesh, options):
             if b is None or b.partial or b.dims != a.dims or out.partial:
                 continue
             rel = _relevant(a, st, v.batch_dims)
-            r = reshard_to_consumers(a, [b], v.shape, v.itemsize, mesh, options, *rel)
-            (ar,) = r.collectives if len(r.collectives) == 1 else (None,)
-            if ar is None or ar.kind != "all-reduce" or set(ar.axes) != set(a.partial):
+            made = reshard_to_consumers(a, [b], v.shape, v.itemsize, mesh, options, *rel)
+            if len(made.collectives) != 1:
+                continue
+            ar = made.collectives[0]
+            if ar.kind != "all-reduce" or set(ar.axes) != set(a.partial):
                 continue
             if any(x in ar.axes for d in out.dims for x in d):
                 continue
             rs = Collective("reduce-scatter", ar.axes, ar.bytes)
-            here[t, ar.axes] = collective_cost(mesh, rs, options) - collective_cost(
-                mesh, ar, options
-            )
-            options_[t, ar.axes] = None
+            saved = collective_cost(mesh, ar, options) - collective_cost(mesh, rs, options)
+            here[t, ar.axes] = -saved
+            found[t, ar.axes] = None
     cols = [
         (t, axes)
-        for t, axes in options_
+        for t, axes in found
         if any(_splits(q.input_specs[chain.slot], mids[t].output_specs[0], axes) for q in readers)
     ]
     if not cols:
