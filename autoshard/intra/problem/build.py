@@ -50,6 +50,7 @@ from autoshard.intra.problem.exact_values import (
 )
 from autoshard.intra.problem.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.problem.predict import (
+    SLICE_PASSES,
     dot_batch_dims,
     plan_from_solution,
     predicted_collectives,
@@ -65,7 +66,13 @@ from autoshard.intra.problem.ties import (
     preferences,
     shard_largest_dims,
 )
-from autoshard.intra.problem.value_edges import Use, Value, hub_max_sets, value_edges
+from autoshard.intra.problem.value_edges import (
+    SliceChain,
+    Use,
+    Value,
+    hub_max_sets,
+    value_edges,
+)
 from autoshard.intra.rules.strategies import Strategy, input_strategies, node_strategies
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
@@ -210,6 +217,7 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
         values.append(
             Value(src, k, t.shape, _itemsize(t.dtype), steps_cache[key], tuple(used), batch)
         )
+    chains = _slice_chains(graph, strategies, producer, uses, n_in)
     edges: list[EdgeCost] = []
     edge_consumers: list[tuple[int, ...]] = []
     # data-parallel axes (the dp and megatron baselines): a use may not move a split off
@@ -278,8 +286,34 @@ def _common(graph, mesh, options, pinned_inputs, followers, copy_buffers) -> _Co
         graph, mesh, options, cost_options, tuple(strategies), n_in, tuple(node_costs),
         tuple(prefs), tuple(operands), tuple(values), tuple(edges), tuple(edge_consumers),
         tuple(ties), memory, notes, host,
-        offloaded.staging_bytes if offloaded is not None else 0.0,
+        offloaded.staging_bytes if offloaded is not None else 0.0, chains,
     )  # fmt: skip
+
+
+def _slice_chains(graph, strategies, producer, uses, n_in) -> tuple[SliceChain, ...]:
+    """The values some producer strategy makes partial that are read only by a layout op
+    (:data:`~autoshard.intra.problem.predict.SLICE_PASSES`, operand 0, every element
+    kept) whose result is read by one operand, neither a program output: where the
+    reader splits it over the reduced axes XLA reduce-scatters
+    (:class:`~autoshard.intra.problem.value_edges.SliceChain`)."""
+    outputs = set(graph.outputs)
+    out = []
+    for tid, used in uses.items():
+        src, k = producer[tid]
+        if src < n_in or tid in outputs or len(used) != 1 or used[0].slot != 0:
+            continue
+        node = graph.nodes[used[0].dst - n_in]
+        if node.primitive not in SLICE_PASSES or len(node.outputs) != 1:
+            continue
+        result = node.outputs[0]
+        read = uses.get(result, ())
+        if result in outputs or len(read) != 1:
+            continue
+        if math.prod(graph.tensors[result].shape) != math.prod(graph.tensors[tid].shape):
+            continue
+        if any(s.output_specs[k].partial for s in strategies[src]):
+            out.append(SliceChain(src, k, used[0].dst, read[0].dst, read[0].slot))
+    return tuple(out)
 
 
 def _finish(c: _Common, exact_values: bool) -> IntraProblem:
@@ -287,7 +321,7 @@ def _finish(c: _Common, exact_values: bool) -> IntraProblem:
     demand (:func:`autoshard.intra.problem.value_edges.value_edges`)."""
     per_value = value_edges(
         list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values, c.memo,
-        c.options.forbidden_collectives(), hub_max_sets(c.mesh),
+        c.options.forbidden_collectives(), hub_max_sets(c.mesh), chains=c.chains,
     )  # fmt: skip
     extra = per_value.num_strategies
     memory = _with_aux_nodes(c.memory, extra)

@@ -100,7 +100,7 @@ def price_per_value(c: _Common, choice) -> float:
             values.append(dataclasses.replace(v, uses=uses, steps=(v.steps[choice[v.src]],)))
     per_value = value_edges(
         values, chosen, (None,) * n, c.mesh, c.cost_options, True, None,
-        c.options.forbidden_collectives(), cap, frozenset(hub_only),
+        c.options.forbidden_collectives(), cap, frozenset(hub_only), c.chains,
     )  # fmt: skip
     full = per_value.complete(chosen, (0,) * n, c.mesh)
     return (

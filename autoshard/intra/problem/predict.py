@@ -172,11 +172,16 @@ def collectives_by_value(
 # its partitioner's dynamic-slice passes through); a gather qualifies when it keeps every
 # element (``x[..., 0]`` of a trailing dim of one: a squeeze)
 _RELABELS = {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "gather"}
+# ops ahead of which XLA moves a slice of their one result on a chain of values each read
+# once (_sliced_after_all_reduce); the ILP prices such a chain of one op
+# (autoshard.intra.problem.value_edges.SliceChain)
+SLICE_PASSES = frozenset(_RELABELS | {"transpose"})
 
 
 def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, readers) -> bool:
     """Is ``tid``'s one predicted all-reduce (over axes A) read only where it is sliced
-    over A, directly or through ops that relabel its elements, computed as they come?
+    over A, directly or through ops that relabel its elements, computed as they come, or
+    through a chain of transposes and such ops on which every value has one reader?
 
     XLA compiles that all-reduce and the later local slice as one all-reduce whose every
     use is a dynamic-slice keeping each device's 1/|A| block: GSPMD's reduce-scatter
@@ -184,14 +189,20 @@ def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, read
     verifier reads it as one, :mod:`autoshard.verify.xla_cpu`), with the all-reduce's
     bytes. The strict ``megatron`` makes it where the loss splits the batch over the
     tensor-parallel axis: the target logit of the cross-entropy is all-reduced over that
-    axis, squeezed, and sliced over it by the loss. ``src``: the value's spec as made
-    (partial over A); ``readers``: tensor -> the operands reading it (slot >= 0)."""
+    axis, squeezed, and sliced over it by the loss. XLA moves the slice ahead of a
+    transpose too (moe-1.3b megatron 2x4: the gradient of the experts' input, partial over
+    model, is all-reduced for a transpose whose one reader, a dot, splits the expert dim
+    over model). Values that reach several readers through a transpose may be sliced on
+    different dims of the reduced buffer, which XLA then needs whole, so a transpose
+    passes the slice only on a chain where every value has one reader. ``src``: the
+    value's spec as made (partial over A); ``readers``: tensor -> the operands reading it
+    (slot >= 0)."""
     if len(cols) != 1 or cols[0].kind != "all-reduce" or set(cols[0].axes) != set(src.partial):
         return False
     axes = tuple(cols[0].axes)
     graph, nin = ip.graph, ip.num_inputs
     outputs = set(graph.outputs)
-    todo, seen, sliced = [(tid, tuple(src.dims))], set(), False
+    todo, seen, sliced, transposed = [(tid, tuple(src.dims))], set(), False, False
     while todo:
         t, dims = todo.pop()
         if t in seen:
@@ -213,7 +224,11 @@ def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, read
             if grown or op.dst < nin:
                 return False
             node = graph.nodes[op.dst - nin]
-            if len(node.outputs) != 1 or not _passes_slice(graph, node, op.slot):
+            if len(node.outputs) != 1:
+                return False
+            if node.primitive == "transpose":
+                transposed = True
+            elif not _passes_slice(graph, node, op.slot):
                 return False
             out = node.outputs[0]
             if _numel(graph.tensors[out].shape) != _numel(graph.tensors[t].shape):
@@ -222,6 +237,8 @@ def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, read
             if spec.partial or any(a in axes for d in spec.dims for a in d):
                 return False
             todo.append((out, tuple(spec.dims)))
+    if transposed and any(len(readers.get(t, ())) != 1 for t in seen):
+        return False  # its readers may keep different dims of the reduced buffer
     return sliced
 
 

@@ -73,5 +73,6 @@ class _Common:
     notes: tuple = ()  # what shaping the problem did that the plan should say
     host: frozenset = frozenset()  # offloaded tensors (options.offload)
     staging_bytes: float = 0.0  # the device's staging buffers for them
+    chains: tuple = ()  # value_edges.SliceChain: partial sums a layout op's reader may slice
     # value_edges' cost matrices and distinct demands, shared by the two programs
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)

@@ -41,6 +41,20 @@ its bound was 4,620 against the optimum 6,040, and HiGHS, started from the per-d
 plan, kept that plan, 23% above the optimum, at its time cap), where the relaxation with
 hubs reached the optimum itself.  The sets grow as the product of the uses' wanted
 specs, so a value with more than ``hubs`` of them keeps copy nodes.
+
+Slice chains (``chains``). A partial sum whose one reader is a layout op (a transpose,
+or an op that relabels its elements) whose result's one reader splits it over the
+reduced axes is all-reduced for the layout op and sliced after it; XLA moves the slice
+ahead of the layout op and makes the two a reduce-scatter
+(:func:`autoshard.intra.problem.predict.collectives_by_value` predicts it so). The
+producer -- layout op edge prices the all-reduce, as for any reader; a *discount node*
+``Z`` takes the difference back: its strategies are "none" (free) and one per (layout
+op strategy, reduced axes) under which the pattern can hold, and a strategy other than
+"none" needs the producer's spec partial over those axes in the layout op's input
+layout (the edge to the producer carries minus the all-reduce's price plus the
+reduce-scatter's), the layout op's own strategy, and a reader that splits one dim of
+the layout op's output over exactly those axes. The cheapest completion takes the
+discount exactly where the prediction has the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -55,7 +69,7 @@ from autoshard.intra.cost.consumers import producer_preference, replication, res
 from autoshard.intra.cost.resharding import CostOptions, collective_cost, reshard
 from autoshard.intra.ilp import EdgeCost, Tie
 from autoshard.intra.problem.hub_sets import hub_max_sets, specs_of, wanted_sets_memo
-from autoshard.ir.spec import ShardingSpec
+from autoshard.ir.spec import Collective, ShardingSpec
 
 INF = math.inf
 
@@ -217,6 +231,31 @@ class CopyGroup:
 
 
 @dataclass(frozen=True)
+class SliceChain:
+    """A value (output ``k`` of ILP node ``src``) read only by ILP node ``mid``, a
+    transpose or an op that relabels its elements (operand 0), whose one result is read
+    only by ILP node ``reader`` as operand ``slot``: where the value is a partial sum
+    that ``mid`` reads reduced and ``reader`` splits over the reduced axes, XLA makes the
+    all-reduce and the slice one reduce-scatter (see the module docstring)."""
+
+    src: int
+    k: int
+    mid: int
+    reader: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class ChainGroup:
+    """The discount node ``node`` of a :class:`SliceChain` and its three cost matrices
+    (producer, layout op and reader rows; a column per discount strategy, 0 = none)."""
+
+    chain: SliceChain
+    node: int
+    matrices: tuple[tuple, tuple, tuple]
+
+
+@dataclass(frozen=True)
 class ValueEdges:
     """What the values add to the problem: ``num_strategies`` of the new nodes (numbered
     from ``first_node``), ``edges``, the ``ties`` of the new nodes (None: free), for
@@ -229,6 +268,7 @@ class ValueEdges:
     ties: tuple[Tie | None, ...]
     edge_consumers: tuple[tuple[int, ...], ...]
     groups: tuple[CopyGroup, ...] = ()
+    chain_groups: tuple[ChainGroup, ...] = ()
 
     def complete(self, strategies, choice, mesh: DeviceMesh) -> tuple[int, ...]:
         """``choice`` for the real nodes (the first ``first_node`` entries) extended with
@@ -254,6 +294,10 @@ class ValueEdges:
                     key=lambda b: producer_preference(b, mesh),
                 )
                 out[g.resolution] = 1 + g.targets.index(first)
+        for g in self.chain_groups:  # the discount wherever the chosen specs allow it
+            c, (pz, tz, rz) = g.chain, g.matrices
+            p, t, r = out[c.src], out[c.mid], out[c.reader]
+            out[g.node] = min(range(len(pz[p])), key=lambda z: pz[p][z] + tz[t][z] + rz[r][z])
         return tuple(out)
 
 
@@ -315,6 +359,7 @@ def value_edges(
     forbidden: frozenset[str] = frozenset(),
     hubs: int = 0,
     hub_only: frozenset | None = None,
+    chains: tuple[SliceChain, ...] = (),
 ) -> ValueEdges:
     """The nodes and edges that price ``values`` (see the module docstring).
     ``strategies``: every ILP node's strategies; ``ties``: the real nodes' ties.
@@ -336,7 +381,11 @@ def value_edges(
     specs together gets a hub instead of copy and resolution nodes (0: none;
     :func:`hub_max_sets` picks it per mesh); ``hub_only``: the indices of the values
     that may get one (None: any).  A value with one distinct demand gets a plain edge
-    whatever these say."""
+    whatever these say.
+
+    ``chains``: the values read by a layout op whose result one reader may split, each
+    given a discount node (module docstring); none where ``forbidden`` holds the
+    reduce-scatter (the all-reduce is then what the plan is priced for)."""
     first = len(strategies)
     sizes: list[int] = []
     new_ties: list[Tie | None] = []
@@ -534,13 +583,98 @@ def value_edges(
         )
         if leaders is None:
             seen[sig] = aux
+    chain_groups: list[ChainGroup] = []
+    by_src = {(v.src, v.k): v for v in values}
+    for chain in chains if "reduce-scatter" not in forbidden else ():
+        v = by_src.get((chain.src, chain.k))
+        if v is None:
+            continue
+        key = ("chain", id(strategies[chain.src]), chain.k, id(strategies[chain.mid]),
+               id(strategies[chain.reader]), chain.slot, v.shape, v.itemsize, v.steps,
+               v.batch_dims)  # fmt: skip
+        if key not in matrices:
+            matrices[key] = _chain_matrices(chain, v, strategies, mesh, options)
+        found = matrices[key]
+        if found is None:
+            continue
+        sig = (key,) + tuple((roots[n], maps[n]) for n in (chain.src, chain.mid, chain.reader))
+        leader = seen.get(sig)
+        z = node(len(found[0][0]), None if leader is None else leader[0])
+        seen.setdefault(sig, [z])
+        for n, m in zip((chain.src, chain.mid, chain.reader), found, strict=True):
+            edges.append(EdgeCost.of_floats(n, z, m))
+            consumers.append((chain.mid,))
+        chain_groups.append(ChainGroup(chain, z, found))
     return ValueEdges(
-        first, tuple(sizes), tuple(edges), tuple(new_ties), tuple(consumers), tuple(groups)
+        first, tuple(sizes), tuple(edges), tuple(new_ties), tuple(consumers), tuple(groups),
+        tuple(chain_groups),
+    )  # fmt: skip
+
+
+def _chain_matrices(chain: SliceChain, v: Value, strategies, mesh, options):
+    """The discount node's matrices for ``chain`` (producer, layout op, reader; a column
+    per discount strategy, column 0 "none"), or None where no strategies make the
+    pattern: the producer's spec ``a`` partial (a sum) over axes A, resolved for the
+    layout op's input spec (``a``'s dims, reduced) by one all-reduce over A, the layout
+    op's output free of A, and the reader wanting that output with exactly A added to
+    one dim."""
+    mids, readers = strategies[chain.mid], strategies[chain.reader]
+    found: dict[tuple[int, tuple[str, ...]], None] = {}  # (layout op strategy, A), in order
+    discounts: list[dict] = []  # per producer strategy: (t, A) -> the price taken back
+    for a, st in zip((s.output_specs[chain.k] for s in strategies[chain.src]), v.steps):
+        here: dict = {}
+        discounts.append(here)
+        if not a.partial or a.partial_op != "sum":
+            continue
+        for t, m in enumerate(mids):
+            b, out = m.input_specs[0], m.output_specs[0]
+            if b is None or b.partial or b.dims != a.dims or out.partial:
+                continue
+            rel = _relevant(a, st, v.batch_dims)
+            made = reshard_to_consumers(a, [b], v.shape, v.itemsize, mesh, options, *rel)
+            if len(made.collectives) != 1:
+                continue
+            ar = made.collectives[0]
+            if ar.kind != "all-reduce" or set(ar.axes) != set(a.partial):
+                continue
+            if any(x in ar.axes for d in out.dims for x in d):
+                continue
+            rs = Collective("reduce-scatter", ar.axes, ar.bytes)
+            saved = collective_cost(mesh, ar, options) - collective_cost(mesh, rs, options)
+            here[t, ar.axes] = -saved
+            found[t, ar.axes] = None
+    cols = [
+        (t, axes)
+        for t, axes in found
+        if any(_splits(q.input_specs[chain.slot], mids[t].output_specs[0], axes) for q in readers)
+    ]
+    if not cols:
+        return None
+    producer = tuple((0.0,) + tuple(d.get(c, INF) for c in cols) for d in discounts)
+    mid = tuple((0.0,) + tuple(0.0 if t == c[0] else INF for c in cols) for t in range(len(mids)))
+    reader = tuple(
+        (0.0,)
+        + tuple(
+            0.0 if _splits(q.input_specs[chain.slot], mids[t].output_specs[0], axes) else INF
+            for t, axes in cols
+        )
+        for q in readers
     )
+    return producer, mid, reader
+
+
+def _splits(want: ShardingSpec | None, have: ShardingSpec, axes: tuple[str, ...]) -> bool:
+    """Does reading ``have`` as ``want`` slice exactly one dim over exactly ``axes``?"""
+    if want is None or want.partial or len(want.dims) != len(have.dims):
+        return False
+    grown = [j for j, (w, d) in enumerate(zip(want.dims, have.dims)) if w != d]
+    return len(grown) == 1 and want.dims[grown[0]] == have.dims[grown[0]] + tuple(axes)
 
 
 __all__ = [
+    "ChainGroup",
     "CopyGroup",
+    "SliceChain",
     "Use",
     "Value",
     "ValueEdges",
