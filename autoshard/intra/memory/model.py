@@ -49,6 +49,7 @@ from autoshard.intra.memory.materialized import (  # noqa: F401 - re-exported: t
     data_free_tensors,
     materialized_tensors,
 )
+from autoshard.intra.memory.pool_workspace import pool_buffer_intervals, pool_groups
 from autoshard.intra.memory.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.memory.update_zeros import (
     UpdateZeros,
@@ -396,6 +397,8 @@ def predicted_live_bytes(
     buffers += held_buffers(graph, spec_of, mesh, pos)
     # broadcasts XLA:CPU keeps from the forward pass to the backward (broadcast_buffers)
     buffers += held_broadcast_buffers(graph, spec_of, mesh, pos, {b[0] for b in own})
+    # max pooling's backward as XLA:CPU expands it (pool_workspace)
+    buffers += pool_buffer_intervals(graph, spec_of, mesh, pos)
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -520,6 +523,7 @@ def memory_rows(
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
     groups += workspace_groups(graph, strategies, n_in, mesh, pos)
     groups += held_broadcast_groups(graph, strategies, n_in, mesh, pos, set(intervals))
+    groups += pool_groups(graph, strategies, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     intervals = {t: (a, tails[t].fixed if t in tails else b) for t, (a, b) in intervals.items()}
