@@ -322,6 +322,34 @@ def test_a_data_parallel_kernel_copy_is_freed_before_its_weight_gradient(monkeyp
     assert _peak(g, mesh, plan) > 1.10 * xla
 
 
+def test_a_reversed_kernel_has_no_buffer_beside_its_transposed_copy():
+    """Each input gradient's kernel is reversed (``rev``) from the parameter alone and read
+    only by its conv, which reads the transposed copy made at the start of the step:
+    XLA:CPU fuses the ``rev`` into that copy (wresnet-tiny dp on 8: the kernel copies
+    ``transpose_copy_fusion.17``-``.19`` are the only kernel-sized buffers beside the
+    parameters at the backward peak), so the value gets no buffer of its own
+    (:func:`~autoshard.intra.memory.layout_copies.copied_kernel_values`). With the copies
+    made at their convs (no ``early_input_reshards``) the reversed kernel is still one."""
+    from autoshard.intra.memory.layout_copies import copied_kernel_values
+    from autoshard.intra.memory.model import value_buffers
+
+    g = trace_workload_graph("wresnet-tiny", num_layers=8)
+    reversed_kernels = {
+        n.outputs[0]
+        for n in g.nodes
+        if n.primitive == "rev" and len(g.tensors[n.inputs[0]].shape) == 4
+    }
+    assert len(reversed_kernels) >= 7  # every conv's input gradient but the stem's
+    cpu = alpa_test_mesh((8,), ("data",), XLA_CPU_MEMORY)
+    assert reversed_kernels <= copied_kernel_values(g, cpu)
+    assert not reversed_kernels & {b[0] for b in value_buffers(g, cpu)}
+    late = alpa_test_mesh(
+        (8,), ("data",), dataclasses.replace(XLA_CPU_MEMORY, early_input_reshards=False)
+    )
+    assert copied_kernel_values(g, late) == set()
+    assert reversed_kernels <= {b[0] for b in value_buffers(g, late)}
+
+
 def test_the_ilp_memory_rows_count_the_conv_copies_as_the_prediction_does():
     """For random assignments of wresnet-tiny on 2x4 (XLA:CPU's layout) the ILP's own peak
     equals the prediction: the transposed conv copies in the layout their convs read, the

@@ -30,6 +30,7 @@ from autoshard.intra.memory.gathered_sources import gathered_tails, own_buffer_e
 from autoshard.intra.memory.layout_copies import (
     NARROW_FLOATS,
     conv_copy_reads,
+    copied_kernel_values,
     dot_lhs_copy_bytes,
     dot_lhs_copy_groups,
     input_gradient_copy_ends,
@@ -287,7 +288,8 @@ def value_buffers(
     copies of :func:`widened_dot_operands`.  ``host``: tensors offloaded to host memory
     (:mod:`autoshard.intra.offload.placement`), left out."""
     widened = widened_dot_operands(graph, mesh)
-    replaced = _replaced_by_copies(graph, widened)
+    # a reversed kernel fused into its transposed conv copy has no buffer of its own
+    replaced = _replaced_by_copies(graph, widened) | copied_kernel_values(graph, mesh)
     out = [
         (tid, first, last, buffer_bytes(graph, tid, mesh))
         for tid, (first, last) in mesh_intervals(graph, mesh).items()
