@@ -151,3 +151,51 @@ def test_the_conv_net_peak_is_within_10_percent_of_xla_cpu(shape):
     report = verify_plan(_program(), plan, devices=jax.devices()[:8], live_peak="never")
     compiled = report.compiled_peak_bytes
     assert math.isclose(plan.predicted_peak_bytes, compiled, rel_tol=0.10)
+
+
+def test_the_forward_operand_is_freed_at_the_forward_pooling():
+    """The expansion reads the pooling's operand only in its index reduce-window, at the
+    forward pooling; the backward's scatter reads the indices. An operand with a buffer of
+    its own (the conv net's ReLU outputs) ends at its last other reader, not at the
+    backward; without the rule it is held to the backward."""
+    from autoshard.intra.memory.model import mesh_intervals
+
+    graph = _graph()
+    on = alpa_test_mesh((8, 1), AXES, memory_layout=_cpu_layout())
+    off = alpa_test_mesh((8, 1), AXES, memory_layout=_cpu_layout(pool=False))
+    pools = pool_backwards(graph, on)
+    assert pools
+    held, freed = mesh_intervals(graph, off), mesh_intervals(graph, on)
+    for pool in pools:
+        operand = graph.nodes[pool.node].inputs[1]
+        assert held[operand][1] == pool.node
+        assert freed[operand][1] < pool.node
+        others = [c for c in graph.tensors[operand].consumers if c != pool.node]
+        assert freed[operand][1] == max(others)
+
+
+def test_wresnet_zero3_on_8_needs_the_operand_freed_at_the_forward_pooling(monkeypatch):
+    """wresnet-tiny's ZeRO-3 baseline on 8 devices: XLA:CPU does not hold the stem's ReLU
+    output (8 KiB a device, read only by the max pooling and its backward) at its backward
+    peak. Within 10% of XLA's allocation with the rule (+8.7% on 2026-11-28); held to the
+    pooling's backward, more than 10% over (+13.1%)."""
+    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
+    from autoshard.intra.memory import model
+    from autoshard.verify.check import verify_plan
+
+    traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
+    g, mesh = traced.graph, device_mesh_for((8,), ("data",))
+    options = baseline_options(IntraOptions(solver="highs", time_limit_s=60), mesh.mesh, "zero3")
+    pinned = baseline_inputs(g, mesh.mesh, "zero3")
+    plan = auto_shard_graph(g, mesh, options, pinned_inputs=pinned, name="zero3")
+    report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
+    xla = report.compiled_peak_bytes
+
+    def peak():
+        spec_of = plan.specs_by_tensor(g.inputs)
+        return max(model.predicted_live_bytes(g, spec_of, mesh, plan.operand_specs))
+
+    assert abs(peak() - xla) <= 0.10 * xla, (peak(), xla)
+    monkeypatch.setattr(model, "_pool_operands_read_forward", lambda graph, mesh, out: out)
+    assert peak() > 1.10 * xla, (peak(), xla)

@@ -50,7 +50,11 @@ from autoshard.intra.memory.materialized import (  # noqa: F401 - re-exported: t
     data_free_tensors,
     materialized_tensors,
 )
-from autoshard.intra.memory.pool_workspace import pool_buffer_intervals, pool_groups
+from autoshard.intra.memory.pool_workspace import (
+    pool_backwards,
+    pool_buffer_intervals,
+    pool_groups,
+)
 from autoshard.intra.memory.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.memory.update_zeros import (
     UpdateZeros,
@@ -163,7 +167,7 @@ def live_intervals(
 def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
     """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
     layout = mesh.memory_layout
-    return live_intervals(
+    out = live_intervals(
         graph,
         layout.reductions_read_memory,
         layout.late_updates,
@@ -172,6 +176,35 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
         layout.dot_lhs_copies,
         layout.narrow_dots_in_f32,
     )
+    return _pool_operands_read_forward(graph, mesh, out)
+
+
+def _pool_operands_read_forward(graph: Graph, mesh: DeviceMesh, out: dict) -> dict:
+    """``out`` (:func:`live_intervals`) with each max pooling's forward operand freed after
+    its last reader but the pooling's backward, where the backend expands that backward
+    (:func:`~autoshard.intra.memory.pool_workspace.pool_backwards`): the expansion reads the
+    operand only in its index reduce-window, which XLA:CPU runs at the forward pooling; the
+    scatter in the backward pass reads the held indices instead. In wresnet-tiny's
+    compiled dp step on 8 devices the stem's ReLU output (``f32[1,16,16,8]``, 8 KiB), which
+    only the pooling and its backward read, is not live at XLA's backward peak; the model
+    held it to the pooling's backward. Only an operand with a buffer of its own: one fused
+    into the pooling is read where its sources are."""
+    pools = [p for p in pool_backwards(graph, mesh) if p.forward is not None]
+    if not pools:
+        return out
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    consumers = merged_consumers(graph, common_values(graph))
+    keep = set(out)
+    for pool in pools:
+        tid = graph.nodes[pool.node].inputs[1]  # (source, operand)
+        if tid not in out or graph.tensors[tid].producer is None:
+            continue
+        first, last = out[tid]
+        if last != pos[pool.node]:
+            continue  # read later by something else
+        readers = _readers(graph, tid, keep, consumers) - {pool.node}
+        out[tid] = (first, max([pos[r] for r in readers] + [first]))
+    return out
 
 
 def _readers(graph: Graph, tid: int, keep: set[int], consumers=None) -> set[int]:
