@@ -195,11 +195,12 @@ def copied_kernel_values(graph: Graph, mesh: DeviceMesh) -> set[int]:
     input or output themselves: a reversed kernel) whose every reader is a conv that reads
     a transposed copy made from the inputs at the start of the step
     (:func:`conv_copy_reads`). XLA:CPU fuses the value into that copy and gives it no
-    buffer of its own: in wresnet-tiny's compiled dp step on 8 devices each input
-    gradient's kernel copy (``transpose_copy_fusion.17``, ``f32[3,3,32,16]``, made from
-    ``param.22``, ``block_1``'s ``conv2`` kernel) is the only kernel-sized buffer beside
-    the parameter at that conv; the ``rev`` the jaxpr makes for it is not one. Counting
-    it too (18 KiB there) was most of the conv suite's over-count on the dp rows."""
+    buffer of its own: in wresnet-tiny's compiled dp step on 8 devices the input
+    gradient's kernel copy of ``block_1``'s ``conv2`` (``transpose_copy_fusion.17``,
+    ``f32[3,3,32,16]``, a fusion of ``param.22`` alone, positions 58-211 of 361) is the
+    only buffer of that kernel's size but the parameter until its weight gradient
+    (``ynn_fusion.3``, 212); the ``rev`` the jaxpr makes for it has none. Counting it
+    (18 KiB there) put the conv suite's dp rows 1.7 points higher (replayed plans)."""
     if not mesh.memory_layout.early_input_reshards:
         return set()
     copied = {key for key, first in conv_copy_reads(graph, mesh).items() if first == 0}

@@ -185,10 +185,11 @@ def _pool_operands_read_forward(graph: Graph, mesh: DeviceMesh, out: dict) -> di
     (:func:`~autoshard.intra.memory.pool_workspace.pool_backwards`): the expansion reads the
     operand only in its index reduce-window, which XLA:CPU runs at the forward pooling; the
     scatter in the backward pass reads the held indices instead. In wresnet-tiny's
-    compiled dp step on 8 devices the stem's ReLU output (``f32[1,16,16,8]``, 8 KiB), which
-    only the pooling and its backward read, is not live at XLA's backward peak; the model
-    held it to the pooling's backward. Only an operand with a buffer of its own: one fused
-    into the pooling is read where its sources are."""
+    compiled dp step on 8 devices the stem's ReLU output (``broadcast_maximum_fusion.4``,
+    ``f32[1,16,16,8]``, 8 KiB a device), which only the pooling and its backward read,
+    lives at positions 74-76 of 361, beside the pooling's padded copy (75-77); the model
+    held it to the pooling's backward, through XLA's backward peak (191). Only an operand
+    with a buffer of its own: one fused into the pooling is read where its sources are."""
     pools = [p for p in pool_backwards(graph, mesh) if p.forward is not None]
     if not pools:
         return out
