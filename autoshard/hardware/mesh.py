@@ -125,6 +125,11 @@ class MemoryLayout:
     # XLA's peak (docs/truth_gpu.md). The memory model counts it so
     # (autoshard/intra/memory/reshard_copies.py, reused_gather_end).
     reused_conv_gathers: bool = False
+    # XLA:CPU expands max pooling's backward (select-and-scatter) into per-dimension s32
+    # iotas of the padded operand and a scatter into zeros, made at the start of the step,
+    # and an index reduce-window run in the forward pass whose indices are held to the
+    # backward (autoshard/intra/memory/pool_workspace.py). The memory model counts them.
+    expanded_select_and_scatter: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -146,6 +151,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     dot_lhs_copies=True,
     attention_scores_workspace=True,
     materialized_broadcasts=True,
+    expanded_select_and_scatter=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).

@@ -30,6 +30,7 @@ from autoshard.intra.memory.gathered_sources import gathered_tails, own_buffer_e
 from autoshard.intra.memory.layout_copies import (
     NARROW_FLOATS,
     conv_copy_reads,
+    copied_kernel_values,
     dot_lhs_copy_bytes,
     dot_lhs_copy_groups,
     input_gradient_copy_ends,
@@ -48,6 +49,11 @@ from autoshard.intra.memory.materialized import (  # noqa: F401 - re-exported: t
     copied_lhs_sources,
     data_free_tensors,
     materialized_tensors,
+)
+from autoshard.intra.memory.pool_workspace import (
+    pool_backwards,
+    pool_buffer_intervals,
+    pool_groups,
 )
 from autoshard.intra.memory.reshard_copies import CopyGroup, copy_groups, reshard_buffers
 from autoshard.intra.memory.update_zeros import (
@@ -161,7 +167,7 @@ def live_intervals(
 def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]:
     """:func:`live_intervals` as ``mesh``'s backend lays memory out."""
     layout = mesh.memory_layout
-    return live_intervals(
+    out = live_intervals(
         graph,
         layout.reductions_read_memory,
         layout.late_updates,
@@ -170,6 +176,36 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
         layout.dot_lhs_copies,
         layout.narrow_dots_in_f32,
     )
+    return _pool_operands_read_forward(graph, mesh, out)
+
+
+def _pool_operands_read_forward(graph: Graph, mesh: DeviceMesh, out: dict) -> dict:
+    """``out`` (:func:`live_intervals`) with each max pooling's forward operand freed after
+    its last reader but the pooling's backward, where the backend expands that backward
+    (:func:`~autoshard.intra.memory.pool_workspace.pool_backwards`): the expansion reads the
+    operand only in its index reduce-window, which XLA:CPU runs at the forward pooling; the
+    scatter in the backward pass reads the held indices instead. In wresnet-tiny's
+    compiled dp step on 8 devices the stem's ReLU output (``broadcast_maximum_fusion.4``,
+    ``f32[1,16,16,8]``, 8 KiB a device), which only the pooling and its backward read,
+    lives at positions 74-76 of 361, beside the pooling's padded copy (75-77); the model
+    held it to the pooling's backward, through XLA's backward peak (191). Only an operand
+    with a buffer of its own: one fused into the pooling is read where its sources are."""
+    pools = [p for p in pool_backwards(graph, mesh) if p.forward is not None]
+    if not pools:
+        return out
+    pos = program_positions(graph, mesh.memory_layout.late_updates)
+    consumers = merged_consumers(graph, common_values(graph))
+    keep = set(out)
+    for pool in pools:
+        tid = graph.nodes[pool.node].inputs[1]  # (source, operand)
+        if tid not in out or graph.tensors[tid].producer is None:
+            continue
+        first, last = out[tid]
+        if last != pos[pool.node]:
+            continue  # read later by something else
+        readers = _readers(graph, tid, keep, consumers) - {pool.node}
+        out[tid] = (first, max([pos[r] for r in readers] + [first]))
+    return out
 
 
 def _readers(graph: Graph, tid: int, keep: set[int], consumers=None) -> set[int]:
@@ -286,7 +322,8 @@ def value_buffers(
     copies of :func:`widened_dot_operands`.  ``host``: tensors offloaded to host memory
     (:mod:`autoshard.intra.offload.placement`), left out."""
     widened = widened_dot_operands(graph, mesh)
-    replaced = _replaced_by_copies(graph, widened)
+    # a reversed kernel fused into its transposed conv copy has no buffer of its own
+    replaced = _replaced_by_copies(graph, widened) | copied_kernel_values(graph, mesh)
     out = [
         (tid, first, last, buffer_bytes(graph, tid, mesh))
         for tid, (first, last) in mesh_intervals(graph, mesh).items()
@@ -396,6 +433,8 @@ def predicted_live_bytes(
     buffers += held_buffers(graph, spec_of, mesh, pos)
     # broadcasts XLA:CPU keeps from the forward pass to the backward (broadcast_buffers)
     buffers += held_broadcast_buffers(graph, spec_of, mesh, pos, {b[0] for b in own})
+    # max pooling's backward as XLA:CPU expands it (pool_workspace)
+    buffers += pool_buffer_intervals(graph, spec_of, mesh, pos)
     for first, last, size in buffers:
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
@@ -520,6 +559,7 @@ def memory_rows(
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
     groups += workspace_groups(graph, strategies, n_in, mesh, pos)
     groups += held_broadcast_groups(graph, strategies, n_in, mesh, pos, set(intervals))
+    groups += pool_groups(graph, strategies, n_in, mesh, pos)
     # one sweep over program order: the live set at each position where a buffer is born
     # (a copy is born at one of its readers, or at the start)
     intervals = {t: (a, tails[t].fixed if t in tails else b) for t, (a, b) in intervals.items()}
