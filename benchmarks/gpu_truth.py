@@ -148,7 +148,8 @@ def make_plans(rows, plans_dir: Path, time_limit: float) -> dict:
     for row in rows:
         _log(f"planning {row.name} on {CLUSTER} ...")
         t0 = time.perf_counter()
-        entry = {"name": row.name, **row._asdict(), "cluster": CLUSTER}
+        made = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        entry = {"name": row.name, **row._asdict(), "cluster": CLUSTER, "made": made}
         try:
             bound = plan_workload(
                 row.model,
@@ -381,6 +382,19 @@ def write_hlo_tar(path: Path, texts: dict[str, str]) -> None:
             tar.addfile(info, io.BytesIO(data))
 
 
+def _remade_since(entry: dict, run_date: str | None) -> str:
+    """Why a row's plan file is not the one a run compiled ("" where it may be): the
+    manifest says it was made after the run started (``made`` and a run's ``date`` both
+    begin ``YYYY-MM-DD HH:MM``; a run's may go on: "06:58-07:05 UTC", "... and ...")."""
+    made = entry.get("made")
+    if not made or not run_date or made[:16] <= run_date[:16]:  # no date: not known
+        return ""
+    return (
+        f"its plan file was re-made ({made}) after this run ({run_date}); the plan it "
+        "compiled is in git's history (git log -- benchmarks/results/gpu_truth_plans_scale)"
+    )
+
+
 def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
     """The collectives of a GPU run's stored HLO (its ``--hlo-tar``, or ``NAME.hlo.txt.gz``
     files) compared again with its
@@ -422,6 +436,11 @@ def reread(before_path: Path, sources, plans_dir: Path, out_path: Path) -> dict:
     texts = {n: texts[n] for n in sorted(texts, key=lambda n: list(rows_before).index(n))}
     for name, text in texts.items():
         _log(f"{name}: reading its HLO again ...")
+        remade = _remade_since(manifest[name], before.get("date"))
+        if remade:  # the plan file is not the one this run compiled
+            _log(f"  not read again: {remade}")
+            doc["rows"].append({"name": name, "not_this_plan": remade})
+            continue
         pf = load_plan(plans_dir / manifest[name]["file"])
         key = (pf.model, pf.optimizer or "adamw", json.dumps(pf.overrides, sort_keys=True))
         if key not in _TRACED:

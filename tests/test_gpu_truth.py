@@ -193,3 +193,16 @@ def test_the_budget_skips_a_row_its_estimate_would_overrun(gpu_truth, plans, tmp
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows[name]["status"] == "skipped" and "budget" in rows[name]["reason"]
     assert rows["gpt-tiny-L2-megatron-8"]["status"] == "refused when planned"  # costs nothing
+
+
+def test_a_plan_re_made_after_a_run_is_not_read_against_its_hlo(gpu_truth):
+    """A run's stored HLO was compiled from the plan file of its day: a plan file the
+    manifest says was made later (the suite's rows re-made once the program changed) is
+    not compared with it, with a reason; one made before, or with no date, is."""
+    made = {"made": "2026-11-28 01:54 UTC"}
+    assert "re-made (2026-11-28 01:54 UTC)" in gpu_truth._remade_since(
+        made, "2026-11-27 22:21 UTC and 2026-11-27 22:24 UTC"
+    )
+    assert gpu_truth._remade_since(made, "2026-11-28 02:10-02:20 UTC") == ""
+    assert gpu_truth._remade_since({}, "2026-11-27 06:58-07:05 UTC") == ""
+    assert gpu_truth._remade_since(made, None) == ""
