@@ -11,6 +11,7 @@ and the operands and results of convolutions (``conv_layout_copies``). Used by
 from __future__ import annotations
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.memory.fusion_kinds import MATERIALIZING
 from autoshard.intra.memory.reshard_copies import CopyGroup
 from autoshard.ir.graph import Graph, conv_dimension_numbers
 
@@ -95,7 +96,7 @@ def transposed_conv_values(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, in
 
 def input_derived_values(graph: Graph) -> set[int]:
     """The program inputs and the values computed from them alone (and literals) by ops
-    XLA fuses (no :data:`~autoshard.intra.memory.materialized.MATERIALIZING` op): a kernel
+    XLA fuses (no :data:`~autoshard.intra.memory.fusion_kinds.MATERIALIZING` op): a kernel
     reversed for its input gradient's conv. XLA:CPU makes a conv's transposed copy of such
     a value straight from the inputs, in the forward pass, and keeps it to the conv: in
     wresnet-tiny's compiled steps on 2x4 (both plans of tests/test_memory_layout_copies.py)
@@ -105,9 +106,6 @@ def input_derived_values(graph: Graph) -> set[int]:
     on the per-demand plan: 69-318). Counting them at their convs left the model 35 KiB
     under XLA at its backward peak on that plan. The model makes them at the start of
     the step, as an input's (``early_input_reshards``)."""
-    # here, not at the top: materialized imports this module
-    from autoshard.intra.memory.materialized import MATERIALIZING
-
     out = set(graph.inputs)
     for node in graph.nodes:  # in program order: a value's producers come first
         if node.primitive in MATERIALIZING or not node.inputs:

@@ -7,26 +7,11 @@ written to memory at all; the schedule and the sizes are the model's other parts
 from __future__ import annotations
 
 from autoshard.intra.memory.common_values import common_values, merged_consumers
+from autoshard.intra.memory.fusion_kinds import CONV_AND_WINDOW, MATERIALIZING
 from autoshard.intra.memory.layout_copies import NARROW_FLOATS, transposed_lhs_reads
 from autoshard.ir.graph import Graph
 from autoshard.ir.primitives import ALL_REDUCTIONS, ATTENTION, TRANSCENDENTAL
 
-# Convolutions, pooling and max pooling's gradient: library calls (or their own loops)
-# that read their operands from memory and write a buffer.
-CONV_AND_WINDOW = frozenset(
-    "conv_general_dilated reduce_window_max reduce_window_min reduce_window_sum reduce_window "
-    "select_and_scatter_add select_and_gather_add".split()
-)
-# Ops after which XLA materialises a buffer; elementwise producers are fused into their
-# consumers, reshapes are bitcasts.
-MATERIALIZING = (
-    frozenset(
-        "dot_general gather scatter-add scatter_add reduce_sum reduce_max reduce_min argmax argmin "
-        "concatenate cumsum cumprod cummax sort dynamic_update_slice transpose".split()
-    )
-    | CONV_AND_WINDOW
-    | ATTENTION  # one kernel (or XLA's body for it) that writes its results to memory
-)
 # Ops that read their operands from memory (no fusion into them).  A fused attention
 # too: cuDNN's kernel is a custom call; XLA:CPU's body reads ``q, k, v`` through
 # transposed copies (``transpose_copy_fusion``, one per operand) that its backward reads
