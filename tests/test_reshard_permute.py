@@ -1,11 +1,13 @@
-"""XLA's collective-permute reshards, compiled and predicted (issue 31).
+"""XLA's collective-permute reshards and its other own routes, compiled and predicted (issue 31).
 
 Each move compiles ``jax.jit`` of the identity from one spec (input sharding) to another
 (output sharding) on 8 fake CPU devices as 2x2, 2x4 and 4x2 meshes, and compares what XLA
 emits (collective-permutes included, groups over part of an axis read as sub-axes) with
 :func:`autoshard.intra.cost.resharding.reshard`: kind, axes, count and bytes.  The moves below are one
-or more of each of :mod:`autoshard.intra.cost.reshard_tiles`' routes per mesh; the ``slow`` test
-compiles all 330 moves of a 2-D tensor (``benchmarks/studies/reshard_moves.py`` prints them).
+or more of each of :mod:`autoshard.intra.cost.reshard_tiles`' routes per mesh; the ``slow`` tests
+compile all 330 moves of a 2-D tensor, and all 342 per mesh of a 3-D one as the runtime runs
+them, pinned where the priced route has steps (``benchmarks/studies/reshard_moves.py``
+prints them).
 """
 
 import itertools
@@ -37,8 +39,10 @@ def spec(text: str) -> ShardingSpec:
 _COMPILED: dict = {}  # compiled once per session: (mesh, src, dst) -> records
 
 
-def compiled(mesh_shape, src: ShardingSpec, dst: ShardingSpec, shape=SHAPE):
-    key = (mesh_shape, src, dst, shape)
+def compiled(mesh_shape, src: ShardingSpec, dst: ShardingSpec, shape=SHAPE, steps=()):
+    """What XLA emits for the move, through ``steps`` pinned one after the other (as the
+    runtime pins a priced route) where given."""
+    key = (mesh_shape, src, dst, shape, steps)
     if key not in _COMPILED:
         n = math.prod(mesh_shape)
         jmesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(mesh_shape), AXES)
@@ -46,7 +50,12 @@ def compiled(mesh_shape, src: ShardingSpec, dst: ShardingSpec, shape=SHAPE):
         def sharding(s):
             return NamedSharding(jmesh, P(*(d[0] if len(d) == 1 else d or None for d in s.dims)))
 
-        move = jax.jit(lambda x: x, in_shardings=sharding(src), out_shardings=sharding(dst))
+        def move_through(x):
+            for step in steps:
+                x = jax.lax.with_sharding_constraint(x, sharding(step))
+            return x
+
+        move = jax.jit(move_through, in_shardings=sharding(src), out_shardings=sharding(dst))
         text = move.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text()
         found = analyze_collectives(text, Mesh(AXES, mesh_shape), range(n)).compared()
         _COMPILED[key] = _records(found)
@@ -271,10 +280,10 @@ def test_a_slice_is_never_a_permute_on_a_mesh_of_three_axes():
     assert reshard(spec("x;"), spec("x+z;"), SHAPE, 4, priced).cost == 0.0
 
 
-def _all_specs():
+def _all_specs(rank=2):
     out = []
-    for place in itertools.product(range(3), repeat=2):  # 2: the axis is unused
-        dims = [[a for a, d in zip(AXES, place) if d == i] for i in range(2)]
+    for place in itertools.product(range(rank + 1), repeat=2):  # rank: the axis is unused
+        dims = [[a for a, d in zip(AXES, place) if d == i] for i in range(rank)]
         for orders in itertools.product(*(itertools.permutations(d) for d in dims)):
             out.append(ShardingSpec(tuple(tuple(o) for o in orders)))
     return list(dict.fromkeys(out))
@@ -288,4 +297,19 @@ def test_every_move_of_a_2d_tensor_is_predicted_as_xla_compiles_it(mesh_shape):
         for src, dst in itertools.permutations(_all_specs(), 2)
         if compiled(mesh_shape, src, dst) != predicted(mesh_shape, src, dst)
     ]
+    assert not wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4), (4, 2)])
+def test_every_move_of_a_3d_tensor_runs_as_priced(mesh_shape):
+    # 342 moves per mesh, each compiled as the runtime runs it: XLA's own route, or the
+    # planner's pinned step by step where it is cheaper (reshard_moves.py --pin-steps)
+    mesh = uniform_mesh(mesh_shape, AXES, alpha=1e-5, beta=1e-10)
+    wrong = []
+    for src, dst in itertools.permutations(_all_specs(3), 2):
+        r = reshard(src, dst, SHAPE_3D, 4, mesh)
+        got = compiled(mesh_shape, src, dst, SHAPE_3D, r.steps)
+        if got != _records(r.collectives):
+            wrong.append((str(src), str(dst), got, _records(r.collectives)))
     assert not wrong

@@ -172,6 +172,7 @@ def main(argv=None) -> int:
             f"{s['agree']} predicted exactly (kind, axes, count, bytes)"
         )
     doc = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "shape": list(shape),

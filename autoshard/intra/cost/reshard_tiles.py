@@ -24,6 +24,13 @@ block (its replication), whatever the mesh axes that cut them.  In its order:
    cut is part of a mesh axis (``[d0@data]`` -> ``[d0@model]`` on 4x2: a permute, then an
    all-gather over ``data:(1)2``, pairs of ``data``).
 
+Between a replicated and an unreplicated layout, where none of these applies, XLA's
+partial-replicate all-to-all and its "complex reshard" fallbacks come next (the bottom
+of this module); they too are routes with a permute where one follows.  XLA's own route
+where it has none (all-to-alls between several dims, an all-gather then an all-to-all)
+is :func:`xla_route`'s, which :func:`autoshard.intra.cost.resharding.reshard` prices
+where the planner's own route has no step to pin, or costs more.
+
 A permute's axes are the mesh axes along which a device and the one it sends to differ,
 pairing devices as XLA does (by their place in the two tile assignments);
 ``tests/test_reshard_permute.py`` compiles every move of a 2-D tensor on 2x2, 2x4 and 4x2
