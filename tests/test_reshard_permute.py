@@ -212,6 +212,18 @@ def test_xlas_other_moves_of_a_3d_tensor_are_predicted_as_it_compiles_them(
         assert predicted(mesh_shape, src, dst, SHAPE_3D) == sorted(xla)
 
 
+def test_all_to_alls_of_disjoint_dims_are_one_all_to_all_over_their_axes():
+    # [d0@data, d1@model, d2, d3] -> [d0, d1, d2@data, d3@model] on 2x4: the pairs (0, 2)
+    # and (1, 3) share no dim, and XLA moves both with one all-to-all over data and model
+    # (where they chain, as on a 3-D tensor above, it makes one per pair)
+    shape = (8, 8, 16, 16)  # f32: 65,536 bytes
+    src, dst = spec("data;model;;"), spec(";;data;model")
+    xla = [(A2A, ("data", "model"), 8192)]
+    assert compiled((2, 4), src, dst, shape) == xla
+    assert xla_records((2, 4), src, dst, shape) == xla
+    assert predicted((2, 4), src, dst, shape) == xla
+
+
 def test_where_the_replicas_would_move_between_dims_xla_replicates():
     # [d0@data] -> [d1@model] on 2x4: the tile counts [2, 1, 1] + 4 replicas and
     # [1, 4, 1] + 2 replicas swap with the replicas; XLA gathers everything instead

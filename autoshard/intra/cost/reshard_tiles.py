@@ -477,21 +477,37 @@ def _swap_pairs(ca, cb, replicas: bool) -> list[tuple[int, int]] | None:
 
 
 def _all_to_alls(a: Layout, pairs, mesh: Mesh):
-    """One all-to-all per pair ``(s, t)``: the minor ``count(s) / count(t)`` of dim
-    ``s``'s cut moves to the minor end of dim ``t`` (the replicas are dim ``rank``); the
-    buffer is the local block before the move.  Returns (steps, the layout reached), or
-    None where a count does not divide."""
+    """The all-to-alls of ``pairs`` ``(s, t)``: each moves the minor ``count(s) /
+    count(t)`` of dim ``s``'s cut to the minor end of dim ``t`` (the replicas are dim
+    ``rank``); the buffer is the local block before the move.  Where two or more pairs
+    share no dim (taken by target dim), XLA makes them one all-to-all over all their
+    axes, then the other pairs one by one; otherwise one all-to-all per pair, in order
+    (``[d0@data, d1@model, d2, d3]`` -> ``[d0, d1, d2@data, d3@model]``: one over
+    ``data`` and ``model``; ``[d0@data, d1@model, d2]`` -> ``[d0, d1@data, d2@model]`` on
+    2x4: ``model``, then ``data``).  Returns (steps, the layout reached), or None where a
+    count does not divide."""
     rank = len(a[0])
     ext = [*a[0], a[1]] if a[1] else list(a[0])
+    together, seen, after = [], set(), []
+    for s, t in sorted(pairs, key=lambda pair: pair[1]):
+        if s in seen or t in seen:
+            after.append((s, t))
+        else:
+            together.append((s, t))
+            seen.update((s, t))
+    groups = [together] + [[pair] for pair in after] if len(together) > 1 else [[p] for p in pairs]
     steps: list[Step] = []
-    for s, t in pairs:
-        cs, ct = math.prod(f[2] for f in ext[s]), math.prod(f[2] for f in ext[t])
-        split = _minor(ext[s], cs // ct) if cs % ct == 0 else None
-        if split is None:
-            return None
+    for group in groups:
         blocks = math.prod(math.prod(f[2] for f in d) for d in ext[:rank])
-        ext[s], ext[t] = split[0], ext[t] + split[1]
-        steps.append(("all-to-all", _names(split[1], mesh), blocks))
+        parts = []
+        for s, t in group:
+            cs, ct = math.prod(f[2] for f in ext[s]), math.prod(f[2] for f in ext[t])
+            split = _minor(ext[s], cs // ct) if cs % ct == 0 else None
+            if split is None:
+                return None
+            ext[s], ext[t] = split[0], ext[t] + split[1]
+            parts.extend(split[1])
+        steps.append(("all-to-all", _names(parts, mesh), blocks))
     rep = tuple(ext[rank]) if a[1] else ()
     return steps, (tuple(tuple(d) for d in ext[:rank]), rep)
 
