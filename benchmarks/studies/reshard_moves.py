@@ -4,7 +4,7 @@ predicts them (issue 31).
 Compiles every move of a tensor between two specs over the mesh axes ``data`` and
 ``model`` (``jax.jit`` of the identity with the source as input sharding and the
 destination as output sharding; a 2-D ``f32[16, 32]``, or ``--rank 3`` for
-``f32[8, 16, 32]``) on 2x2, 2x4 and 4x2 fake CPU devices, reads the compiled collectives
+``f32[8, 16, 32]``, ``--rank 4`` for ``f32[8, 8, 16, 16]``) on 2x2, 2x4 and 4x2 fake CPU devices, reads the compiled collectives
 (collective-permutes included, replica groups over part of an axis as sub-axes,
 :mod:`autoshard.verify.collectives`) and compares kind, axes (as a set), count and bytes with
 :func:`autoshard.intra.cost.resharding.reshard`'s prediction.  ``--without-tile-moves`` predicts as
@@ -14,7 +14,7 @@ left to itself may take another route; ``--pin-steps`` compiles each move that w
 runtime runs it.  Prints a table of the moves that compile to a collective-permute or
 differ, and a summary per mesh; writes JSON::
 
-    python benchmarks/studies/reshard_moves.py [--rank 2|3] [--meshes 2x2,2x4,4x2] \\
+    python benchmarks/studies/reshard_moves.py [--rank 2|3|4] [--meshes 2x2,2x4,4x2] \\
         [--without-tile-moves] [--pin-steps] [--out FILE]
 """
 
@@ -42,7 +42,7 @@ from autoshard.ir.spec import Mesh, ShardingSpec  # noqa: E402
 from autoshard.verify.collectives import analyze_collectives  # noqa: E402
 
 AXES = ("data", "model")
-SHAPES = {2: (16, 32), 3: (8, 16, 32)}
+SHAPES = {2: (16, 32), 3: (8, 16, 32), 4: (8, 8, 16, 16)}
 
 
 def all_specs(rank: int) -> list[ShardingSpec]:
@@ -108,7 +108,7 @@ def _fmt(recs) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, choices=(2, 3), default=2)
+    p.add_argument("--rank", type=int, choices=(2, 3, 4), default=2)
     p.add_argument("--meshes", default="2x2,2x4,4x2")
     p.add_argument("--without-tile-moves", action="store_true")
     p.add_argument(
