@@ -101,10 +101,8 @@ def _route(src_dims, dst_dims, mesh: Mesh) -> tuple[Step, ...] | None:
                 blocks[d] = tb[d]
                 steps.append(("all-gather", _names(chunks[d], mesh), math.prod(blocks)))
         return tuple(steps)
-    if bool(a[1]) != bool(b[1]):  # 5 and 6 as XLA decides them (see _partial_moves)
-        steps = _partial_moves(a, b, mesh)
-        if steps is not None:
-            return steps if any(k == "collective-permute" for k, _, _ in steps) else None
+    if bool(a[1]) != bool(b[1]) and _partial_moves(a, b, mesh) is not None:
+        return None  # XLA's own route (xla_route), priced unless a pinned one is cheaper
     if a[1] and math.prod(tb) > math.prod(ta):  # 5: all-to-all and slice
         return _all_to_all_and_slice(a, b, ta, tb, mesh)
     if b[1] and math.prod(ta) > math.prod(tb):  # 6: all-gather, then all-to-all
