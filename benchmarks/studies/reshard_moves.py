@@ -1,17 +1,21 @@
-"""Which reshards XLA makes with a collective-permute, and whether autoshard predicts them (issue 31).
+"""Which reshards XLA makes with a collective-permute or its other moves, and whether autoshard
+predicts them (issue 31).
 
 Compiles every move of a tensor between two specs over the mesh axes ``data`` and
 ``model`` (``jax.jit`` of the identity with the source as input sharding and the
 destination as output sharding; a 2-D ``f32[16, 32]``, or ``--rank 3`` for
-``f32[8, 16, 32]``) on 2x2, 2x4 and 4x2 fake CPU devices, reads the compiled collectives
+``f32[8, 16, 32]``, ``--rank 4`` for ``f32[8, 8, 16, 16]``) on 2x2, 2x4 and 4x2 fake CPU devices, reads the compiled collectives
 (collective-permutes included, replica groups over part of an axis as sub-axes,
 :mod:`autoshard.verify.collectives`) and compares kind, axes (as a set), count and bytes with
 :func:`autoshard.intra.cost.resharding.reshard`'s prediction.  ``--without-tile-moves`` predicts as
-before issue 31 (no :mod:`autoshard.intra.cost.reshard_tiles`).  Prints a table of the moves
-that compile to a collective-permute and a summary per mesh; writes JSON::
+before issue 31 (no :mod:`autoshard.intra.cost.reshard_tiles` routes).  Where the priced route
+has steps the runtime pins them (``with_sharding_constraint`` one after the other), and XLA
+left to itself may take another route; ``--pin-steps`` compiles each move that way, as the
+runtime runs it.  Prints a table of the moves that compile to a collective-permute or
+differ, and a summary per mesh; writes JSON::
 
-    python benchmarks/studies/reshard_moves.py [--rank 2|3] [--meshes 2x2,2x4,4x2] \\
-        [--without-tile-moves] [--out FILE]
+    python benchmarks/studies/reshard_moves.py [--rank 2|3|4] [--meshes 2x2,2x4,4x2] \\
+        [--without-tile-moves] [--pin-steps] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from autoshard.ir.spec import Mesh, ShardingSpec  # noqa: E402
 from autoshard.verify.collectives import analyze_collectives  # noqa: E402
 
 AXES = ("data", "model")
-SHAPES = {2: (16, 32), 3: (8, 16, 32)}
+SHAPES = {2: (16, 32), 3: (8, 16, 32), 4: (8, 8, 16, 16)}
 
 
 def all_specs(rank: int) -> list[ShardingSpec]:
@@ -56,9 +60,18 @@ def partition_spec(spec: ShardingSpec) -> P:
     return P(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in spec.dims))
 
 
-def compile_move(jmesh, src: ShardingSpec, dst: ShardingSpec, shape) -> str:
+def compile_move(jmesh, src: ShardingSpec, dst: ShardingSpec, shape, steps=()) -> str:
+    """The move compiled: the identity from ``src`` to ``dst``, through ``steps`` pinned
+    one after the other (``with_sharding_constraint``, as the runtime pins a priced
+    route) where given."""
+
+    def move_through(x):
+        for step in steps:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(jmesh, partition_spec(step)))
+        return x
+
     move = jax.jit(
-        lambda x: x,
+        move_through,
         in_shardings=NamedSharding(jmesh, partition_spec(src)),
         out_shardings=NamedSharding(jmesh, partition_spec(dst)),
     )
@@ -75,16 +88,18 @@ def compiled_records(text: str, mesh: Mesh):
     return records(found.compared())
 
 
-def predicted_records(src, dst, shape, mesh: Mesh, tile_moves: bool = True):
+def predicted(src, dst, shape, mesh: Mesh, tile_moves: bool = True) -> cost.Reshard:
     priced = uniform_mesh(mesh.shape, mesh.axis_names, alpha=1e-5, beta=1e-10)
     if tile_moves:
-        return records(cost.reshard(src, dst, shape, 4, priced).collectives)
-    saved = cost.tile_route
-    cost.tile_route = lambda *args: None
+        return cost.reshard(src, dst, shape, 4, priced)
+    saved = cost.tile_route, cost.xla_route
+    cost.tile_route = cost.xla_route = lambda *args: None
+    cost._reshard.cache_clear()
     try:
-        return records(cost.reshard(src, dst, shape, 4, priced).collectives)
+        return cost.reshard(src, dst, shape, 4, priced)
     finally:
-        cost.tile_route = saved
+        cost.tile_route, cost.xla_route = saved
+        cost._reshard.cache_clear()
 
 
 def _fmt(recs) -> str:
@@ -93,9 +108,14 @@ def _fmt(recs) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, choices=(2, 3), default=2)
+    p.add_argument("--rank", type=int, choices=(2, 3, 4), default=2)
     p.add_argument("--meshes", default="2x2,2x4,4x2")
     p.add_argument("--without-tile-moves", action="store_true")
+    p.add_argument(
+        "--pin-steps",
+        action="store_true",
+        help="compile each move as the runtime runs it: the predicted route's steps pinned",
+    )
     p.add_argument("--out", default="benchmarks/results/reshard_moves.json")
     args = p.parse_args(argv)
     shape = SHAPES[args.rank]
@@ -108,15 +128,18 @@ def main(argv=None) -> int:
         devices = np.array(jax.devices()[: math.prod(mshape)]).reshape(mshape)
         jmesh = jax.sharding.Mesh(devices, AXES)
         moves = list(itertools.permutations(specs, 2))
-        agree = permutes = 0
+        agree = permutes = pinned = 0
         for n, (src, dst) in enumerate(moves):
             if n % 50 == 0:
                 elapsed = time.perf_counter() - start
                 print(f"{mesh_text}: move {n}/{len(moves)} ({elapsed:.0f} s)", file=sys.stderr)
-            compiled = compiled_records(compile_move(jmesh, src, dst, shape), mesh)
-            predicted = predicted_records(src, dst, shape, mesh, not args.without_tile_moves)
+            route = predicted(src, dst, shape, mesh, not args.without_tile_moves)
+            steps = route.steps if args.pin_steps else ()
+            compiled = compiled_records(compile_move(jmesh, src, dst, shape, steps), mesh)
+            predicted_recs = records(route.collectives)
             has_permute = any(k == "collective-permute" for k, _, _ in compiled)
-            agree += compiled == predicted
+            agree += compiled == predicted_recs
+            pinned += bool(route.steps)
             permutes += has_permute
             rows.append(
                 {
@@ -124,12 +147,18 @@ def main(argv=None) -> int:
                     "src": str(src),
                     "dst": str(dst),
                     "compiled": [list(r) for r in compiled],
-                    "predicted": [list(r) for r in predicted],
-                    "agree": compiled == predicted,
+                    "predicted": [list(r) for r in predicted_recs],
+                    "pinned": [str(st) for st in route.steps],
+                    "agree": compiled == predicted_recs,
                     "collective_permute": has_permute,
                 }
             )
-        summary[mesh_text] = {"moves": len(moves), "with_permute": permutes, "agree": agree}
+        summary[mesh_text] = {
+            "moves": len(moves),
+            "with_permute": permutes,
+            "pinned_routes": pinned,
+            "agree": agree,
+        }
     print("| mesh | from | to | XLA compiles | autoshard predicts |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -139,13 +168,16 @@ def main(argv=None) -> int:
     for mesh_text, s in summary.items():
         print(
             f"{mesh_text}: {s['moves']} moves, {s['with_permute']} with a collective-permute, "
+            f"{s['pinned_routes']} priced routes the runtime pins, "
             f"{s['agree']} predicted exactly (kind, axes, count, bytes)"
         )
     doc = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "shape": list(shape),
         "tile_moves": not args.without_tile_moves,
+        "pin_steps": args.pin_steps,
         "command": "python benchmarks/studies/reshard_moves.py " + " ".join(argv or sys.argv[1:]),
         "summary": summary,
         "rows": rows,

@@ -9,8 +9,9 @@ The collectives' own alpha-beta formulas, compute and memory time are
 guarantees: identical specs cost 0; every finite cost is the cost of an explicit,
 legal sequence of collectives (listed in the result); the cost never exceeds
 :func:`gather_then_slice` (reduce, all-gather everything, slice locally) except on the
-moves XLA's partitioner makes with a collective-permute, which are priced as XLA makes
-them (:mod:`autoshard.intra.cost.reshard_tiles`); the cost is ``inf`` exactly when the
+moves XLA's partitioner makes with a collective-permute, and on its other own routes
+where the planner's route could not be pinned, which are priced as XLA makes them
+(:mod:`autoshard.intra.cost.reshard_tiles`); the cost is ``inf`` exactly when the
 destination is a partial sum over an axis the source is not.
 """
 
@@ -35,7 +36,7 @@ from autoshard.intra.cost.collectives import (
     memory_bound_cost,
     reduce_scatter_cost,
 )
-from autoshard.intra.cost.reshard_tiles import tile_route
+from autoshard.intra.cost.reshard_tiles import tile_route, xla_route
 from autoshard.ir.spec import Axes, Collective, ShardingSpec
 
 # ----------------------------------------------------------------------------- resharding
@@ -375,7 +376,11 @@ def reshard(
     Rules: identical specs are free; without partial sums, the moves XLA's partitioner
     makes with a collective-permute are priced as it makes them
     (:func:`~autoshard.intra.cost.reshard_tiles.tile_route`: same tile counts on other devices,
-    finer or coarser blocks); ``R -> S(x)`` is a free local slice; ``S(x) -> R``
+    finer or coarser blocks); XLA's other own routes
+    (:func:`~autoshard.intra.cost.reshard_tiles.xla_route`: all-to-alls between several
+    dims, an all-gather then an all-to-all, ...) are priced as it takes them where the
+    route below would have no step to pin, or would cost more; ``R -> S(x)`` is a free
+    local slice; ``S(x) -> R``
     is an all-gather on ``x`` (bytes: the gathered per-device buffer); an axis moving
     from one dim to another is an all-to-all; ``partial(x) -> R`` is an all-reduce and
     ``partial(x) -> S(x)`` a reduce-scatter (bytes: the buffer before scattering); a
@@ -440,6 +445,13 @@ def _reshard(src, dst, shape, itemsize, mesh, options, reduce_in_place, batch_di
             candidate = _move_and_finish(plan, dropped).result()
         if candidate.cost <= best.cost:
             best = candidate
+    if not src.partial and not dst.partial and options.group_reductions:
+        own = xla_route(src, dst, mesh.mesh)  # XLA's other moves: all-to-alls, gathers
+        if own is not None:
+            theirs = _priced_route(own, shape, itemsize, mesh, options)
+            # a route of one collective cannot be pinned: XLA takes its own
+            if not best.steps or theirs.cost <= best.cost:
+                best = theirs
     return best
 
 
