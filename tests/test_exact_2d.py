@@ -214,12 +214,13 @@ def test_the_default_searches_around_the_per_demand_plan_where_the_lp_is_fractio
     """The 2-layer conv net on 2x4: the relaxation is fractional on a program over
     EXACT_MIP_MAX_COLUMNS (its whole integer program, "auto", took 22-65 s where measured
     and found 2,481.6), so the default solves the integer program around the per-demand
-    plan instead: the nodes where the LP and that plan disagree free (478 columns), the
+    plan instead: the nodes where the LP and that plan disagree free (496 columns), the
     rest fixed. Its plan is 25% cheaper than the per-demand one ("one-axis"'s: 3,361.5),
-    cheaper than freeing only the columns where the two differ (74: 2,516.9, 1.4% above
-    auto's optimum on 2026-11-27), never under the LP's bound, and the record says how it
-    was found and how far from the bound it may be. The same plan twice (node and column
-    counts, no time, in the rule)."""
+    never dearer than freeing only the columns where the two differ (on 2026-11-27's
+    program those 74 columns stopped at 2,516.9, 1.4% above auto's optimum; since the
+    reduce-scatter discounts and XLA's own reshard routes, both reach it), never under the
+    LP's bound, and the record says how it was found and how far from the bound it may
+    be. The same plan twice (node and column counts, no time, in the rule)."""
     graph = _conv_net()
     mesh = alpa_test_mesh((2, 4), ("data", "model"))
     exact, start = _exact_and_start(graph, mesh)
@@ -235,7 +236,7 @@ def test_the_default_searches_around_the_per_demand_plan_where_the_lp_is_fractio
                         mip_max_columns=0, max_nodes=200)  # fmt: skip
     assert columns.status == "neighbourhood"
     assert columns.neighbourhood_free < around.neighbourhood_free <= NEIGHBOURHOOD_MAX_FREE
-    assert around.objective < columns.objective * (1 - 0.01)
+    assert around.objective <= columns.objective * (1 + 1e-9)
     bound = around.objective * (1 - around.gap)  # the LP's: a bound on the whole program
     assert around.gap > 0.01 and bound < around.objective < start_price * 0.8
 

@@ -286,10 +286,11 @@ _INTEGRAL_TOL = 1e-6
 NEIGHBOURHOOD_MAX_FREE = 2_500
 # A node whose start and LP disagree on some strategy is freed whole (its every strategy,
 # not only the columns where they differ) where that frees at most this many columns:
-# the 2-layer conv net on 2x4 then reaches the whole integer program's optimum (478
-# columns free, 0.3 s; 74 columns alone stop 1.4% above it), and on 4x2 costs 0.5 s (618);
-# the 4-layer one on 4x2 would free 2,277 (30 s at load 2, for 0.01%), so it keeps the
-# columns (benchmarks/studies/bench_exact_verify.py, 2026-11-28)
+# the 2-layer conv net on 2x4 then reached the whole integer program's optimum (478
+# columns free, 0.3 s; 74 columns alone stopped 1.4% above it), and on 4x2 costs 0.5 s
+# (618); the 4-layer one on 4x2 would free 2,277-2,402 (30-33 s at load 2), so it keeps
+# the columns (benchmarks/studies/bench_exact_verify.py, 2026-11-28; docs/sharing.md);
+# random problems where it finds what the columns miss: tests/test_ilp.py
 NEIGHBOURHOOD_WHOLE_NODES_MAX = 1_000
 
 
