@@ -253,6 +253,19 @@ def slices_then_permutes(src: ShardingSpec, dst: ShardingSpec, mesh: Mesh) -> bo
     )
 
 
+def slices_again(have: ShardingSpec, want: ShardingSpec | None, mesh: Mesh) -> bool:
+    """Does reading ``have`` as ``want`` (another spec) slice it again: a local slice (every
+    dim keeps its axes, some split over more: ``[..., 16@data]`` read as
+    ``[..., 16@data+model]``) or XLA's slice then permute
+    (:func:`slices_then_permutes`)?  XLA makes such a
+    slice and the one of a reduce-scatter before it one slice of the all-reduced buffer."""
+    if want is None or want.partial or len(want.dims) != len(have.dims) or want.dims == have.dims:
+        return False
+    if all(tuple(w[: len(d)]) == tuple(d) for d, w in zip(have.dims, want.dims)):
+        return True
+    return slices_then_permutes(ShardingSpec(tuple(have.dims)), want, mesh)
+
+
 def sliced_dims(src: ShardingSpec, dst: ShardingSpec, mesh: Mesh):
     """Where XLA's route from ``src`` to ``dst`` is move 3 (a local slice, then a
     permute), the dims the slice gives, named by whole mesh axes; else None.  A value

@@ -50,6 +50,7 @@ from autoshard.intra.problem.exact_values import (
 )
 from autoshard.intra.problem.options import DEFAULT_INTRA_OPTIONS, IntraOptions
 from autoshard.intra.problem.predict import (
+    RELABELS,
     SLICE_PASSES,
     dot_batch_dims,
     plan_from_solution,
@@ -312,7 +313,8 @@ def _slice_chains(graph, strategies, producer, uses, n_in) -> tuple[SliceChain, 
         if math.prod(graph.tensors[result].shape) != math.prod(graph.tensors[tid].shape):
             continue
         if any(s.output_specs[k].partial for s in strategies[src]):
-            out.append(SliceChain(src, k, used[0].dst, read[0].dst, read[0].slot))
+            relabels = node.primitive in RELABELS
+            out.append(SliceChain(src, k, used[0].dst, read[0].dst, read[0].slot, relabels))
     return tuple(out)
 
 

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from autoshard.intra.cost.consumers import reshard_to_consumers
-from autoshard.intra.cost.reshard_tiles import sliced_dims, slices_then_permutes
+from autoshard.intra.cost.reshard_tiles import sliced_dims, slices_again
 from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS
 from autoshard.intra.ilp import Solution
 from autoshard.intra.memory.model import predicted_peak_bytes
@@ -176,6 +176,7 @@ _RELABELS = {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy"
 # once (_sliced_after_all_reduce); the ILP prices such a chain of one op
 # (autoshard.intra.problem.value_edges.SliceChain)
 SLICE_PASSES = frozenset(_RELABELS | {"transpose"})
+RELABELS = frozenset(_RELABELS)
 
 
 def _sliced_after_all_reduce(ip: IntraProblem, choice, tid: int, src, cols, readers) -> bool:
@@ -266,20 +267,33 @@ def _scatter_folded_into_a_slice(ip: IntraProblem, choice, tid: int, wants, cols
             if want is None or want.partial or len(want.dims) != len(dims):
                 return False
             if want.dims != tuple(dims):
-                if not slices_then_permutes(ShardingSpec(tuple(dims)), want, mesh):
+                if not slices_again(ShardingSpec(tuple(dims)), want, mesh):
                     return False
                 sliced = True
                 continue
             if op.dst < nin:
                 return False
             node = graph.nodes[op.dst - nin]
-            if node.primitive not in _RELABELS or op.slot != 0 or len(node.outputs) != 1:
+            if not _relabels(graph, node) or op.slot != 0 or len(node.outputs) != 1:
                 return False
             spec = ip.strategies[op.dst][choice[op.dst]].output_specs[0]
             if spec.partial:
                 return False
             todo.append((node.outputs[0], tuple(spec.dims)))
     return sliced
+
+
+def _relabels(graph, node) -> bool:
+    """Does ``node`` only relabel its operand's elements: one of :data:`RELABELS`, or a sum
+    over dims of size 1 (XLA makes it a bitcast; wresnet-tiny zero3 on 2x4: a BatchNorm
+    scale's gradient reshaped to ``[1, 1, 1, 16]`` and summed back to ``[16]``)?"""
+    if node.primitive in _RELABELS:
+        return True
+    if node.primitive != "reduce_sum" or len(node.inputs) != 1 or len(node.outputs) != 1:
+        return False
+    return _numel(graph.tensors[node.inputs[0]].shape) == _numel(
+        graph.tensors[node.outputs[0]].shape
+    )
 
 
 def _passes_slice(graph, node, slot: int) -> bool:

@@ -55,6 +55,17 @@ layout (the edge to the producer carries minus the all-reduce's price plus the
 reduce-scatter's), the layout op's own strategy, and a reader that splits one dim of
 the layout op's output over exactly those axes. The cheapest completion takes the
 discount exactly where the prediction has the reduce-scatter.
+
+The other way round (``SliceChain.relabels``): a partial sum resolved for an op that
+relabels its elements by collectives ending in a reduce-scatter, whose result the one
+reader slices again (a local slice, or a slice then a permute), is all-reduced by XLA,
+which makes the two slices one (``predict._scatter_folded_into_a_slice``). A *surcharge
+node* adds the all-reduce's price over the reduce-scatter's there: per layout op strategy
+that may make the pattern it has three strategies, the pattern (surcharged), "the
+producer does not make it" and "the reader does not slice again", one of which the
+chosen specs must allow; "none" is allowed only under the layout op's other strategies.
+Only one layout op between the producer and the reader is priced so; the prediction also
+follows longer chains.
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ from functools import lru_cache
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.cost.consumers import producer_preference, replication, reshard_to_consumers
+from autoshard.intra.cost.reshard_tiles import slices_again
 from autoshard.intra.cost.resharding import CostOptions, collective_cost, reshard
 from autoshard.intra.ilp import EdgeCost, Tie
 from autoshard.intra.problem.hub_sets import hub_max_sets, specs_of, wanted_sets_memo
@@ -243,6 +255,7 @@ class SliceChain:
     mid: int
     reader: int
     slot: int
+    relabels: bool = False  # the layout op only relabels elements (not a transpose)
 
 
 @dataclass(frozen=True)
@@ -592,19 +605,25 @@ def value_edges(
         key = ("chain", id(strategies[chain.src]), chain.k, id(strategies[chain.mid]),
                id(strategies[chain.reader]), chain.slot, v.shape, v.itemsize, v.steps,
                v.batch_dims)  # fmt: skip
-        if key not in matrices:
-            matrices[key] = _chain_matrices(chain, v, strategies, mesh, options)
-        found = matrices[key]
-        if found is None:
-            continue
-        sig = (key,) + tuple((roots[n], maps[n]) for n in (chain.src, chain.mid, chain.reader))
-        leader = seen.get(sig)
-        z = node(len(found[0][0]), None if leader is None else leader[0])
-        seen.setdefault(sig, [z])
-        for n, m in zip((chain.src, chain.mid, chain.reader), found, strict=True):
-            edges.append(EdgeCost.of_floats(n, z, m))
-            consumers.append((chain.mid,))
-        chain_groups.append(ChainGroup(chain, z, found))
+        kinds = [("chain", _chain_matrices)]
+        if chain.relabels:
+            kinds.append(("fold", _fold_matrices))
+        for tag, make in kinds:
+            tagged = (tag,) + key[1:]
+            if tagged not in matrices:
+                matrices[tagged] = make(chain, v, strategies, mesh, options)
+            found = matrices[tagged]
+            if found is None:
+                continue
+            nodes = (chain.src, chain.mid, chain.reader)
+            sig = (tagged,) + tuple((roots[n], maps[n]) for n in nodes)
+            leader = seen.get(sig)
+            z = node(len(found[0][0]), None if leader is None else leader[0])
+            seen.setdefault(sig, [z])
+            for n, m in zip(nodes, found, strict=True):
+                edges.append(EdgeCost.of_floats(n, z, m))
+                consumers.append((chain.mid,))
+            chain_groups.append(ChainGroup(chain, z, found))
     return ValueEdges(
         first, tuple(sizes), tuple(edges), tuple(new_ties), tuple(consumers), tuple(groups),
         tuple(chain_groups),
@@ -659,6 +678,61 @@ def _chain_matrices(chain: SliceChain, v: Value, strategies, mesh, options):
             for t, axes in cols
         )
         for q in readers
+    )
+    return producer, mid, reader
+
+
+def _fold_matrices(chain: SliceChain, v: Value, strategies, mesh, options):
+    """The surcharge node's matrices for ``chain`` (producer, layout op, reader), or None
+    where no strategies make the pattern: the producer's partial sum ``a`` resolved for
+    the layout op's input by collectives ending in a reduce-scatter, and the reader
+    slicing the layout op's output again (:func:`~autoshard.intra.cost.reshard_tiles.slices_again`).
+    XLA then makes the two slices one and the reduce-scatter an all-reduce
+    (``predict._scatter_folded_into_a_slice``); the surcharge is the difference.
+
+    Columns: "none" (the layout op's strategy makes no pattern), then per layout op
+    strategy ``t`` that may: the pattern (surcharged), "the producer does not make it",
+    "the reader does not slice again"; one of the three must hold under ``t``."""
+    mids, readers = strategies[chain.mid], strategies[chain.reader]
+    extra: list[dict[int, float]] = []  # per producer strategy: layout op strategy -> surcharge
+    for a, st in zip((s.output_specs[chain.k] for s in strategies[chain.src]), v.steps):
+        here: dict[int, float] = {}
+        extra.append(here)
+        if not a.partial or a.partial_op != "sum":
+            continue
+        for t, m in enumerate(mids):
+            b, out = m.input_specs[0], m.output_specs[0]
+            if b is None or b.partial or out.partial:
+                continue
+            rel = _relevant(a, st, v.batch_dims)
+            made = reshard_to_consumers(a, [b], v.shape, v.itemsize, mesh, options, *rel)
+            cols = made.collectives
+            if not cols or cols[-1].kind != "reduce-scatter":
+                continue
+            if len(cols) == 1 and set(cols[0].axes) == set(a.partial):
+                continue  # predicted a reduce-scatter again (_sliced_after_all_reduce)
+            rs = cols[-1]
+            ar = Collective("all-reduce", rs.axes, rs.bytes)
+            here[t] = collective_cost(mesh, ar, options) - collective_cost(mesh, rs, options)
+    ts = sorted({t for here in extra for t in here})
+    again = [
+        [slices_again(mids[t].output_specs[0], q.input_specs[chain.slot], mesh.mesh) for t in ts]
+        for q in readers
+    ]
+    if not ts or not any(any(row) for row in again):
+        return None
+    producer = tuple(
+        (0.0,)
+        + tuple(x for t in ts for x in ((here[t], INF, 0.0) if t in here else (INF, 0.0, 0.0)))
+        for here in extra
+    )
+    mid = tuple(
+        (INF if t in ts else 0.0,) + tuple(0.0 if u == t else INF for u in ts for _ in range(3))
+        for t in range(len(mids))
+    )
+    reader = tuple(
+        (0.0,) + tuple(x for hit in row for x in ((0.0, 0.0, INF) if hit else (INF, 0.0, 0.0)))
+        for row in again
     )
     return producer, mid, reader
 
