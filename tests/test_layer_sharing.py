@@ -154,7 +154,10 @@ def test_ends_untied_problem_size_does_not_grow_with_depth():
         # which blocks hold the roots: the first, the last and ``period`` between them
         graph = gpts[6].graph
         roots = set(resolve_ties(build_problem(graph, mesh, ends).problem)[0])
-        holding = {graph.nodes[r - n_in].layer for r in roots if r >= n_in}
+        # the problem's nodes past the graph's (values' and discount nodes) belong to none
+        holding = {
+            graph.nodes[r - n_in].layer for r in roots if n_in <= r < n_in + len(graph.nodes)
+        }
         blocks = sorted(b for b in holding if b is not None and b.startswith("block_"))
         assert blocks == [f"block_{k}" for k in [0, *range(1, 1 + period), 5]], blocks
         # two more blocks' worth than the plain tying, far fewer than all ten blocks
