@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import json
 from pathlib import Path
 
 import jax
@@ -217,6 +218,7 @@ def wresnet_megatron_2x4():
 
 
 LP_PLAN = Path(__file__).parent / "fixtures" / "wresnet_2x4" / "lp_plan.json.gz"
+LP_PROGRAM = LP_PLAN.with_name("program.json")  # the program it binds to (jax 0.10.2's)
 
 
 @pytest.fixture(scope="module")
@@ -224,17 +226,23 @@ def wresnet_lp_2x4():
     """The plan the default (``exact_search="lp"``) found for :func:`_wresnet_pinned_2x4`
     on 2026-11-28, around the per-demand plan and 3.9% cheaper (objective 30,097 against
     31,331), kept in tests/fixtures/wresnet_2x4/ so that a change of the search does not
-    change the plan the model is measured on here; compiled."""
+    change the plan the model is measured on here; compiled. The plan binds to the program
+    jax 0.10 traces (its fingerprint kept beside it): where another jax traces another
+    program (jax 0.12 on Python 3.13), the default's own plan for it instead, and the last
+    item says which (True: the kept plan)."""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.ir.plan import ParallelPlan
+    from autoshard.ir.planfile import program_fingerprint
     from autoshard.verify.check import verify_plan
 
     traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
+    kept = json.loads(LP_PROGRAM.read_text())["program_sha256"]
+    if program_fingerprint(traced.graph)["sha256"] != kept:
+        return (*_wresnet_pinned_2x4("lp"), False)
     with gzip.open(LP_PLAN, "rt") as f:
         plan = ParallelPlan.loads(f.read())
-    assert len(plan.input_specs) == len(traced.graph.inputs), "the kept plan is of another trace"
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
-    return traced.graph, device_mesh_for((2, 4), ("data", "model")), plan, report
+    return traced.graph, device_mesh_for((2, 4), ("data", "model")), plan, report, True
 
 
 def _peak(g, mesh, plan) -> float:
@@ -279,12 +287,15 @@ def test_wresnet_2x4_the_defaults_cheaper_plan_is_predicted_within_10_percent(
     (:func:`~autoshard.intra.memory.layout_copies.conv_copy_reads`). Within 10% of XLA's
     allocation (-0.2% on 2026-11-28; +2.3% with max pooling's backward counted); with them
     kept to the backward beside their copies, more than 10% over (+11.0%; +11.3%; +11.7%
-    before the kernel copies were made early)."""
+    before the kernel copies were made early). On another jax's program (the default's own
+    plan there) the 10% alone: the counts below were measured on the kept plan."""
     from autoshard.intra.memory import model
 
-    g, mesh, plan, report = wresnet_lp_2x4
+    g, mesh, plan, report, kept = wresnet_lp_2x4
     xla = report.compiled_peak_bytes
     assert abs(_peak(g, mesh, plan) - xla) <= 0.10 * xla, (_peak(g, mesh, plan), xla)
+    if not kept:
+        return
     reads = model.conv_copy_reads(g, mesh)
     gathered = {
         g.nodes[c].inputs[slot]
