@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from autoshard.hardware.mesh import DeviceMesh, alpa_test_mesh, uniform_mesh
 from autoshard.intra.cost.consumers import reshard_to_consumers
-from autoshard.intra.cost.reshard_tiles import tile_route, xla_route
+from autoshard.intra.cost.reshard_tiles import tile_route
+from autoshard.intra.cost.reshard_xla import xla_route
 from autoshard.intra.cost.resharding import (
     ALPA_TIE_BREAKERS,
     CostOptions,

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from autoshard.hardware.mesh import uniform_mesh
 from autoshard.intra.cost.collectives import collective_cost
-from autoshard.intra.cost.reshard_tiles import tile_route, xla_route
+from autoshard.intra.cost.reshard_tiles import tile_route
+from autoshard.intra.cost.reshard_xla import xla_route
 from autoshard.intra.cost.resharding import reshard
 from autoshard.ir.spec import Collective, Mesh, ShardingSpec, sub_axis
 from autoshard.verify.collectives import analyze_collectives
@@ -170,7 +171,7 @@ SHAPE_3D = (8, 16, 32)  # f32: 16,384 bytes
 A2A, AG = "all-to-all", "all-gather"
 MOVES_3D = [
     # (mesh, from, to, what XLA emits) -- XLA's moves without a permute of the whole
-    # buffer first (autoshard.intra.cost.reshard_tiles.xla_route), one or two per rule
+    # buffer first (autoshard.intra.cost.reshard_xla.xla_route), one or two per rule
     # counts swapped between three dims: one all-to-all per pair of dims
     ((2, 4), "data;model;", ";data;model", [(A2A, ("data",), 2048), (A2A, ("model",), 2048)]),
     # replicated source, counts shifted one dim down: the all-to-all, then a local slice

@@ -36,7 +36,8 @@ from autoshard.intra.cost.collectives import (
     memory_bound_cost,
     reduce_scatter_cost,
 )
-from autoshard.intra.cost.reshard_tiles import tile_route, xla_route
+from autoshard.intra.cost.reshard_tiles import tile_route
+from autoshard.intra.cost.reshard_xla import xla_route
 from autoshard.ir.spec import Axes, Collective, ShardingSpec
 
 # ----------------------------------------------------------------------------- resharding
@@ -377,7 +378,7 @@ def reshard(
     makes with a collective-permute are priced as it makes them
     (:func:`~autoshard.intra.cost.reshard_tiles.tile_route`: same tile counts on other devices,
     finer or coarser blocks); XLA's other own routes
-    (:func:`~autoshard.intra.cost.reshard_tiles.xla_route`: all-to-alls between several
+    (:func:`~autoshard.intra.cost.reshard_xla.xla_route`: all-to-alls between several
     dims, an all-gather then an all-to-all, ...) are priced as it takes them where the
     route below would have no step to pin, or would cost more; ``R -> S(x)`` is a free
     local slice; ``S(x) -> R``
