@@ -318,7 +318,7 @@ def test_a_data_parallel_kernel_copy_is_freed_before_its_weight_gradient(monkeyp
     the copy kept to its own conv, more than 10% over (+11.0%; +14.9%)."""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
-    from autoshard.intra.memory import model
+    from autoshard.intra.memory import transposed_copies
     from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.intra.problem.options import IntraOptions
     from autoshard.verify.check import verify_plan
@@ -331,7 +331,7 @@ def test_a_data_parallel_kernel_copy_is_freed_before_its_weight_gradient(monkeyp
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
     xla = report.compiled_peak_bytes
     assert abs(_peak(g, mesh, plan) - xla) <= 0.10 * xla, (_peak(g, mesh, plan), xla)
-    monkeypatch.setattr(model, "input_gradient_copy_ends", lambda graph, mesh: {})
+    monkeypatch.setattr(transposed_copies, "input_gradient_copy_ends", lambda graph, mesh: {})
     assert _peak(g, mesh, plan) > 1.10 * xla
 
 

@@ -137,7 +137,7 @@ def test_only_the_expert_weights_get_transposed_copies(tiny_plan):
     """The weights a batched dot reads in a non-canonical layout are the experts' (their
     backward dots contract the last dim); the dense GPT has none; a plain layout none."""
     from autoshard.hardware.mesh import PLAIN_MEMORY, XLA_CPU_MEMORY, relative_mesh
-    from autoshard.intra.memory.model import transposed_weight_copies
+    from autoshard.intra.memory.layout_copies import transposed_weight_copies
 
     cpu = relative_mesh((8,), ("data",), XLA_CPU_MEMORY)
     graph = tiny_plan.graph
@@ -166,8 +166,7 @@ def test_transposed_expert_copies_only_where_a_device_holds_one_expert():
     dot reads one expert a device.  The megatron plan on 4x2 splits the experts' hidden
     dim and keeps all 8 experts on each device: no copy (XLA's peak holds none), and the
     prediction is within 10% of the compiled peak (+10.8% with the copies counted)."""
-    from autoshard.intra.memory.layout_copies import reads_one_batch_row
-    from autoshard.intra.memory.model import transposed_weight_copies
+    from autoshard.intra.memory.layout_copies import reads_one_batch_row, transposed_weight_copies
     from autoshard.verify.check import verify_plan
 
     traced, mesh, plan = _moe_tiny_baseline((4, 2), "megatron")
@@ -189,8 +188,7 @@ def test_ilp_rows_count_the_expert_copies_the_prediction_counts():
     are in play; the ILP's own peak for its plan is the plan's predicted peak."""
     from autoshard.api import device_mesh_for
     from autoshard.intra.ilp import peak_memory, solve
-    from autoshard.intra.memory.layout_copies import reads_one_batch_row
-    from autoshard.intra.memory.model import transposed_weight_copies
+    from autoshard.intra.memory.layout_copies import reads_one_batch_row, transposed_weight_copies
     from autoshard.intra.problem.build import build_problem, plan_from_solution
 
     g = trace_workload("moe-tiny", optimizer="sgd").graph

@@ -14,7 +14,7 @@ import autoshard
 from autoshard.intra.problem.options import IntraOptions
 from autoshard.models import get_workload, make_optimizer, make_train_step
 from autoshard.runtime.reference_check import check_against_single_device
-from autoshard.trace import jaxpr as tracer
+from autoshard.trace import flatten
 from autoshard.trace.jaxpr import trace, trace_train_step
 
 
@@ -62,7 +62,7 @@ def test_static_fori_loop_is_unrolled_and_long_scans_stay_whole(monkeypatch):
     x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     prims = [e.primitive for e in trace(f, x).records.eqns]
     assert "scan" not in prims and "while" not in prims and prims.count("tanh") == 4
-    monkeypatch.setattr(tracer, "MAX_UNROLLED_EQNS", 3)  # 4 iterations x 3 eqns > 3
+    monkeypatch.setattr(flatten, "MAX_UNROLLED_EQNS", 3)  # 4 iterations x 3 eqns > 3
     prims = [e.primitive for e in trace(f, x).records.eqns]
     assert prims.count("scan") == 1 and "tanh" not in prims
 

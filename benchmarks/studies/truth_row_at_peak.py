@@ -55,7 +55,6 @@ def main() -> None:
     from autoshard.intra.memory.attention_workspace import held_buffers
     from autoshard.intra.memory.gathered_sources import own_buffer_end
     from autoshard.intra.memory.model import (
-        _conv_copy_intervals,
         _gathered_tails,
         _union_intervals,
         conv_copy_reads,
@@ -64,6 +63,7 @@ def main() -> None:
         value_buffers,
     )
     from autoshard.intra.memory.reshard_copies import first_update, resharded_copy
+    from autoshard.intra.memory.transposed_copies import conv_copy_intervals
     from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.runtime.sharded import abstract_args, build_sharded_step, make_mesh
     from autoshard.verify.memory import dump_live_peak
@@ -116,7 +116,7 @@ def main() -> None:
             rows.append(
                 (b, f"own t{tid} {t.shape} {t.dtype} {what} [{first},{last}] {spec_of[tid]}")
             )
-    for first, last, b in _conv_copy_intervals(graph, spec_of, mesh, plan.operand_specs, set()):
+    for first, last, b in conv_copy_intervals(graph, spec_of, mesh, plan.operand_specs):
         if first <= p_at <= last:
             rows.append((b, f"transposed conv copy [{first},{last}]"))
     read_at = conv_copy_reads(graph, mesh)

@@ -4,15 +4,15 @@ Takes a graph and a priced mesh; returns the values a backend copies into a tran
 layout of its own, when its :class:`~autoshard.hardware.mesh.MemoryLayout` says it does:
 the weights a batched dot reads in a non-canonical layout (``batched_dot_weight_copies``),
 the lhs an unbatched dot reads contracted on its leading dims (``dot_lhs_copies``)
-and the operands and results of convolutions (``conv_layout_copies``). Used by
-:mod:`autoshard.intra.memory.model` for the predicted peak and the ILP's memory rows.
+and the operands and results of convolutions (``conv_layout_copies``). Their buffers, for
+the predicted peak and the ILP's memory rows, are
+:mod:`autoshard.intra.memory.transposed_copies`'.
 """
 
 from __future__ import annotations
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.memory.fusion_kinds import MATERIALIZING
-from autoshard.intra.memory.reshard_copies import CopyGroup
 from autoshard.ir.graph import Graph, conv_dimension_numbers
 
 NARROW_FLOATS = frozenset({"bfloat16", "float16"})
@@ -311,23 +311,3 @@ def dot_lhs_copy_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
     t = graph.tensors[tid]
     narrow = mesh.memory_layout.narrow_dots_in_f32 and t.dtype in NARROW_FLOATS
     return 2 * t.nbytes if narrow else t.nbytes
-
-
-def dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos) -> list[CopyGroup]:
-    """:func:`transposed_dot_lhs` as :class:`CopyGroup` entries (for the ILP's memory rows): per dot and size, the
-    dot's strategies that read its lhs at that size; live at the dot only."""
-    out = []
-    for tid, dot in transposed_dot_lhs(graph, mesh):
-        node, whole = n_in + dot, dot_lhs_copy_bytes(graph, tid, mesh)
-        by_size: dict[float, list[int]] = {}
-        for q, s in enumerate(strategies[node]):
-            spec = s.input_specs[0]
-            if spec is not None:
-                by_size.setdefault(whole * spec.shard_fraction(mesh.mesh), []).append(q)
-        reader = ((pos[dot], node, tuple(range(len(strategies[node])))),)
-        out += [
-            CopyGroup(node, tuple(qs), size, pos[dot], pos[dot], reader)
-            for size, qs in by_size.items()
-            if size
-        ]
-    return out

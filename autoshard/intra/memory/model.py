@@ -10,8 +10,9 @@ rows constrain.  It takes an op :class:`~autoshard.ir.graph.Graph` and a priced 
 * fusion -- which values are materialised (:func:`materialized_tensors`);
 * schedule -- each buffer's live interval in program order (:func:`live_intervals`);
 * sizes -- a buffer's bytes, f32 copies of narrow dot operands (:func:`tensor_buffers`),
-  and one buffer per value and resharded layout
-  (:mod:`autoshard.intra.memory.reshard_copies`).
+  one buffer per value and resharded layout
+  (:mod:`autoshard.intra.memory.reshard_copies`), and XLA:CPU's transposed copies for
+  convs and dots (:mod:`autoshard.intra.memory.transposed_copies`).
 """
 
 from __future__ import annotations
@@ -31,14 +32,6 @@ from autoshard.intra.memory.layout_copies import (
     NARROW_FLOATS,
     conv_copy_reads,
     copied_kernel_values,
-    dot_lhs_copy_bytes,
-    dot_lhs_copy_groups,
-    input_gradient_copy_ends,
-    reads_one_batch_row,
-    shared_conv_copies,
-    transposed_conv_values,
-    transposed_dot_lhs,
-    transposed_weight_copies,
 )
 from autoshard.intra.memory.materialized import (  # noqa: F401 - re-exported: the model's fusion part
     CONV_AND_WINDOW,
@@ -55,7 +48,16 @@ from autoshard.intra.memory.pool_workspace import (
     pool_buffer_intervals,
     pool_groups,
 )
-from autoshard.intra.memory.reshard_copies import CopyGroup, copy_groups, reshard_buffers
+from autoshard.intra.memory.reshard_copies import copy_groups, reshard_buffers
+from autoshard.intra.memory.transposed_copies import (
+    conv_copy_buffers,
+    conv_copy_groups,
+    conv_copy_intervals,
+    dot_lhs_copy_groups,
+    dot_lhs_copy_intervals,
+    transposed_weight_groups,
+    transposed_weight_intervals,
+)
 from autoshard.intra.memory.update_zeros import (
     UpdateZeros,
     foldable_zeros,
@@ -335,19 +337,6 @@ def value_buffers(
     return [b for b in out if b[0] not in host] if host else out
 
 
-def conv_copy_buffers(
-    graph: Graph, mesh: DeviceMesh, host: frozenset[int] = frozenset()
-) -> list[tuple[int, int, int, int, tuple[int, ...]]]:
-    """(tensor, first, last, whole bytes, the convs that read it) of each transposed conv
-    copy (:func:`shared_conv_copies`), but those of ``host`` tensors.  Its layout is the
-    one its convs read the value in (a resharded layout, or the value's own)."""
-    return [
-        (tid, first, last, graph.tensors[tid].nbytes, convs)
-        for tid, first, last, convs in shared_conv_copies(graph, mesh)
-        if tid not in host
-    ]
-
-
 def tensor_buffers(
     graph: Graph, mesh: DeviceMesh, host: frozenset[int] = frozenset()
 ) -> list[tuple[int, int, int, int]]:
@@ -392,43 +381,23 @@ def predicted_live_bytes(
         for tid, first, last, nbytes in own
         if tid in spec_of
     ]
-    buffers += _conv_copy_intervals(graph, spec_of, mesh, operand_specs, host)
+    buffers += conv_copy_intervals(graph, spec_of, mesh, operand_specs, host)
     # a conv that reads a transposed copy made before it (conv_copy_reads) reads neither the
     # value nor its resharded copy: that copy is read where the transposed one is made
     read_at = conv_copy_reads(graph, mesh)
     buffers += reshard_buffers(
         graph, operand_specs, spec_of, mesh, pos, _union_intervals(own), read_at
     )
-    # transposed weight copies: made at the start, live to their last reader; one per
-    # layout that a dot reading one expert a device reads the weight in
-    for tid, dots in transposed_weight_copies(graph, mesh).items():
-        if tid not in spec_of:
-            continue
-        last: dict = {}
-        for d in dots:
-            spec = operand_specs.get(d, {}).get(graph.nodes[d].inputs.index(tid), spec_of[tid])
-            if reads_one_batch_row(graph, d, tid, spec, mesh):
-                last[spec] = max(last.get(spec, -1), pos[d])
-        buffers += [
-            (0, end, graph.tensors[tid].nbytes * spec.shard_fraction(mesh.mesh))
-            for spec, end in last.items()
-        ]
+    # transposed weight copies: made at the start, live to their last reader
+    buffers += transposed_weight_intervals(graph, spec_of, mesh, operand_specs, pos)
     buffers += [  # zeros an add would absorb, but for a collective in between
         (0, max(0, pos[z.update] - 1), zeros_bytes(graph, z, spec_of[result], mesh))
         for z in foldable_zeros(graph_update_zeros(graph), mesh)
         for result in graph.nodes[z.update].outputs
         if result in spec_of and operand_specs.get(z.add, {}).get(z.slot) is not None
     ]
-    buffers += [  # transposed dot lhs: made from the lhs as the dot reads it, at the dot
-        (
-            pos[dot],
-            pos[dot],
-            dot_lhs_copy_bytes(graph, tid, mesh)
-            * operand_specs.get(dot, {}).get(0, spec_of.get(tid)).shard_fraction(mesh.mesh),
-        )
-        for tid, dot in transposed_dot_lhs(graph, mesh)
-        if tid in spec_of
-    ]
+    # transposed dot lhs: made from the lhs as the dot reads it, at the dot
+    buffers += dot_lhs_copy_intervals(graph, spec_of, mesh, operand_specs, pos)
     # a fused attention's S x S temporaries where XLA's body runs it (attention_workspace)
     buffers += held_buffers(graph, spec_of, mesh, pos)
     # broadcasts XLA:CPU keeps from the forward pass to the backward (broadcast_buffers)
@@ -439,30 +408,6 @@ def predicted_live_bytes(
         delta[first + 1] += size
         delta[min(last, n) + 2] -= size
     return tuple(itertools.accumulate(delta))
-
-
-def _conv_copy_intervals(graph, spec_of, mesh, operand_specs, host) -> list:
-    """(first, last, bytes per device) of each transposed conv copy
-    (:func:`conv_copy_buffers`): made from the value as its convs read it, in the layout
-    it is resharded to if it is, so a copy read in several layouts is one buffer per
-    layout, each kept to the last conv that reads that layout."""
-    out = []
-    ends = input_gradient_copy_ends(graph, mesh)
-    for tid, first, _, nbytes, convs in conv_copy_buffers(graph, mesh, host):
-        if tid not in spec_of:
-            continue
-        read: dict = {}  # layout read -> the last conv reading it
-        for c in convs:  # in program order
-            node = graph.nodes[c]
-            spec = (
-                operand_specs.get(c, {}).get(node.inputs.index(tid)) if tid in node.inputs else None
-            )
-            read[spec or spec_of[tid]] = c
-        out += [
-            (first, ends.get((tid, c), c), nbytes * spec.shard_fraction(mesh.mesh))
-            for spec, c in read.items()
-        ]
-    return out
 
 
 def _gathered_tails(graph: Graph, mesh: DeviceMesh, own, pos) -> dict:
@@ -519,7 +464,7 @@ def memory_rows(
     ``host``: offloaded tensors, not counted."""
     # a tensor's buffers (itself, its f32 copy) count together, over the union of their
     # intervals (the tensor's holds the copy's unless the tensor is fused away); its
-    # transposed conv copies are copy groups of their own (_conv_copy_groups)
+    # transposed conv copies are copy groups of their own (conv_copy_groups)
     own = value_buffers(graph, mesh, host)
     intervals = _union_intervals(own)
     sizes: dict[int, float] = {}
@@ -548,12 +493,12 @@ def memory_rows(
     pos = program_positions(graph, mesh.memory_layout.late_updates)
     read_at = conv_copy_reads(graph, mesh)  # as predicted_live_bytes
     groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals, read_at)
-    groups += _conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host)
+    groups += conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host)
     # an own buffer past its last fixed reader lives while a backward dot reads it as it is
     tails = _gathered_tails(graph, mesh, own, pos) if operands else {}
     groups += tail_groups(graph, tails, strategies, producer, n_in, mesh)
     if operands:  # copies are listed when asked for, the transposed weights' with the rest
-        groups += _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos)
+        groups += transposed_weight_groups(graph, strategies, producer, n_in, mesh, pos)
         groups += dot_lhs_copy_groups(graph, strategies, n_in, mesh, pos)
         zeros = foldable_zeros(graph_update_zeros(graph), mesh)
         groups += zeros_groups(graph, zeros, strategies, producer, n_in, mesh, pos)
@@ -619,65 +564,6 @@ def _union_intervals(buffers) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host) -> list:
-    """:func:`conv_copy_buffers` as :class:`CopyGroup` entries, as
-    :func:`_conv_copy_intervals` counts them: per layout a conv may read the value in (its
-    own, per layout its producer may give, or one it is resharded to), the convs'
-    strategies that read it so; made at the copy's first position, kept while a later
-    conv reads that layout."""
-    out = []
-    ends = input_gradient_copy_ends(graph, mesh)
-    for tid, first, _, nbytes, convs in conv_copy_buffers(graph, mesh, host):
-        src, k = producer[tid]
-        every = tuple(range(len(strategies[src])))
-        own: dict = {}  # the producer's layout -> its strategies that give it
-        for p, s in enumerate(strategies[src]):
-            own.setdefault(s.output_specs[k], []).append(p)
-        reads: dict = {}  # layout -> conv -> its strategies that read the value in it
-        for c in convs:
-            node = graph.nodes[c]
-            slot = node.inputs.index(tid) if tid in node.inputs else None
-            for q, s in enumerate(strategies[n_in + c]):
-                spec = s.input_specs[slot] if slot is not None else None
-                reads.setdefault(spec, {}).setdefault(c, []).append(q)
-        for spec, readers in reads.items():
-            rows = tuple(
-                sorted(
-                    (pos[ends.get((tid, c), c)], n_in + c, tuple(qs)) for c, qs in readers.items()
-                )
-            )
-            sources = own.items() if spec is None else [(spec, every)]
-            for layout, ps in sources:
-                size = nbytes * layout.shard_fraction(mesh.mesh)
-                if size:
-                    out.append(CopyGroup(src, tuple(ps), size, pos[first], None, rows))
-    return out
-
-
-def _transposed_copy_groups(graph, strategies, producer, n_in, mesh, pos) -> list:
-    """:func:`transposed_weight_copies` as :class:`CopyGroup` entries: per weight and
-    layout a dot reads it in with one expert a device (:func:`reads_one_batch_row`), the
-    dots' strategies that read it so; made at the start of the step, whatever the weight's
-    own strategy (``pos``: :func:`program_positions`)."""
-    out = []
-    for tid, dots in transposed_weight_copies(graph, mesh).items():
-        src, _ = producer[tid]
-        every = tuple(range(len(strategies[src])))
-        # per layout a dot may read one expert a device in: the dots' strategies that do
-        by_spec: dict = {}
-        for d in dots:
-            slot = graph.nodes[d].inputs.index(tid)
-            for q, s in enumerate(strategies[n_in + d]):
-                spec = s.input_specs[slot]
-                if spec is not None and reads_one_batch_row(graph, d, tid, spec, mesh):
-                    by_spec.setdefault(spec, {}).setdefault(d, []).append(q)
-        for spec, readers in by_spec.items():
-            size = graph.tensors[tid].nbytes * spec.shard_fraction(mesh.mesh)
-            rows = sorted((pos[d], n_in + d, tuple(qs)) for d, qs in readers.items())
-            out.append(CopyGroup(src, every, size, 0, None, tuple(rows)))
-    return out
-
-
 __all__ = [
     "MemoryRows",
     "buffer_bytes",
@@ -691,10 +577,6 @@ __all__ = [
     "program_positions",
     "streamed_tensors",
     "tensor_buffers",
-    "transposed_conv_values",
     "value_buffers",
-    "conv_copy_buffers",
-    "transposed_dot_lhs",
-    "transposed_weight_copies",
     "widened_dot_operands",
 ]
