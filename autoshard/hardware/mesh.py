@@ -125,6 +125,15 @@ class MemoryLayout:
     # XLA's peak (docs/truth_gpu.md). The memory model counts it so
     # (autoshard/intra/memory/reshard_copies.py, reused_gather_end).
     reused_conv_gathers: bool = False
+    # cuDNN reads a conv's filter as [out, spatial..., in]: XLA:GPU copies each kernel
+    # into that layout at its forward conv and reads the copy again in the conv's
+    # backward-input conv (a kernel wider than 1x1, a strided conv) and in the update,
+    # where the update reads the filter gradient whole in the kernel's layout (cuDNN's),
+    # so the copy is held from the forward to them: wresnet-1b dp 2x4 (jax 0.11.2, H100)
+    # holds all 53 kernels' copies, 3.71 GiB, at the end of its forward pass
+    # (docs/truth_gpu.md). The memory model counts it so
+    # (autoshard/intra/memory/filter_copies.py).
+    cudnn_filter_copies: bool = False
     # XLA:CPU expands max pooling's backward (select-and-scatter) into per-dimension s32
     # iotas of the padded operand and a scatter into zeros, made at the start of the step,
     # and an index reduce-window run in the forward pass whose indices are held to the
@@ -136,7 +145,8 @@ class MemoryLayout:
 PLAIN_MEMORY = MemoryLayout()
 
 # How XLA:CPU lays memory out: every flag but the GPU's (fused_transcendentals,
-# held_update_gathers) on (docs/truth.md); with jaxlib 0.11 and later narrow_dots_in_f32
+# held_update_gathers, wide_attention_held_blocks, reused_conv_gathers,
+# cudnn_filter_copies) on (docs/truth.md); with jaxlib 0.11 and later narrow_dots_in_f32
 # is off (autoshard.api.xla_cpu_memory_layout).
 XLA_CPU_MEMORY = MemoryLayout(
     narrow_dots_in_f32=True,
@@ -160,6 +170,7 @@ XLA_GPU_MEMORY = MemoryLayout(
     held_update_gathers=True,
     wide_attention_held_blocks=2.0,
     reused_conv_gathers=True,
+    cudnn_filter_copies=True,
 )
 
 

@@ -27,6 +27,7 @@ from autoshard.intra.ilp import CopyBuffer
 from autoshard.intra.memory.attention_workspace import held_buffers, workspace_groups
 from autoshard.intra.memory.broadcast_buffers import held_broadcast_buffers, held_broadcast_groups
 from autoshard.intra.memory.common_values import common_values, merged_consumers
+from autoshard.intra.memory.filter_copies import filter_copy_groups, filter_copy_intervals
 from autoshard.intra.memory.gathered_sources import gathered_tails, own_buffer_end, tail_groups
 from autoshard.intra.memory.layout_copies import (
     NARROW_FLOATS,
@@ -398,6 +399,8 @@ def predicted_live_bytes(
     ]
     # transposed dot lhs: made from the lhs as the dot reads it, at the dot
     buffers += dot_lhs_copy_intervals(graph, spec_of, mesh, operand_specs, pos)
+    # kernels copied into cuDNN's filter layout, held to the backward (filter_copies)
+    buffers += filter_copy_intervals(graph, spec_of, mesh, operand_specs, pos, host)
     # a fused attention's S x S temporaries where XLA's body runs it (attention_workspace)
     buffers += held_buffers(graph, spec_of, mesh, pos)
     # broadcasts XLA:CPU keeps from the forward pass to the backward (broadcast_buffers)
@@ -494,6 +497,7 @@ def memory_rows(
     read_at = conv_copy_reads(graph, mesh)  # as predicted_live_bytes
     groups = copy_groups(graph, strategies, producer, n_in, mesh, operands, pos, intervals, read_at)
     groups += conv_copy_groups(graph, strategies, producer, n_in, mesh, pos, host)
+    groups += filter_copy_groups(graph, strategies, producer, n_in, mesh, pos, host)
     # an own buffer past its last fixed reader lives while a backward dot reads it as it is
     tails = _gathered_tails(graph, mesh, own, pos) if operands else {}
     groups += tail_groups(graph, tails, strategies, producer, n_in, mesh)
