@@ -346,6 +346,39 @@ def moe_layer_step():
     return alpa_moe_layer_step()
 
 
+def moe_lm_step(batch=64, seq=16, num_layers=2, hidden=64, heads=16, vocab=32, group=32,
+                experts=16):  # fmt: skip
+    """test_moe's run_moe_lm at its sizes, on autoshard's GPT-MoE (autoshard.models.moe:
+    token and position embeddings, blocks alternating MoE and dense feed-forwards, the
+    head tied to the embedding; Alpa's is BERT-like: post-LayerNorm, bidirectional
+    attention, a masked loss), Adafactor (min_dim_size_to_factor=4, weight decay on the
+    matrices) as Alpa's."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from autoshard.models.gpt import token_loss_fn
+    from autoshard.models.moe import GPTMoE, MoEConfig
+
+    cfg = MoEConfig(
+        name="alpa-moe-lm", hidden=hidden, num_layers=num_layers, num_heads=heads,
+        num_experts=experts, expert_group_size=group, vocab_size=vocab, seq_len=seq,
+        batch_size=batch, ffn_ratio=4, attention="unfused",
+    )  # fmt: skip
+    model = GPTMoE(cfg)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+    def matrices(tree):
+        return jax.tree_util.tree_map(lambda x: x.ndim > 1, tree)
+
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=4, weight_decay_rate=1e-4,
+                         weight_decay_mask=matrices)  # fmt: skip
+    loss = token_loss_fn(model)
+    args = (params, jax.eval_shape(tx.init, params), {"tokens": tokens, "labels": tokens})
+    return _state_step(loss, tx), args
+
+
 # --- the cases -------------------------------------------------------------------------
 
 
@@ -370,6 +403,7 @@ class Case:
     collectives: Callable | None = None
     note: str = ""
     metadata: dict = field(default_factory=dict)
+    baseline: str | None = None  # autoshard's baseline pins (Alpa's force_zero_stage_3)
 
 
 def _mesh(shape, alpha=(1, 1), beta=(1, 1)) -> AlpaMesh:
@@ -594,6 +628,60 @@ def moe_2d_reduce_scatter_collectives(case, plan) -> list[str]:
                                                  "all-gather")]  # fmt: skip
 
 
+def zero3_collectives(case, plan) -> list[str]:
+    """Alpa (force_zero_stage_3): 2 all-gathers and 1 reduce-scatter (combined), no
+    all-reduce; every parameter and state leaf of rank > 1 sharded.  Here: all-gathers
+    and reduce-scatters only (but scalars), every rank > 1 parameter and state input
+    split."""
+    kinds = Counter(c.kind for c in _nonscalar(plan))
+    bad = [] if set(kinds) == {"all-gather", "reduce-scatter"} else [str(dict(kinds))]
+    for path, spec in _specs(plan).items():
+        if path[:3] in ("[0]", "[1]") and len(spec.dims) > 1 and spec.is_replicated:
+            bad.append(f"{path} replicated")
+    return bad
+
+
+def moe_lm_collectives(case, plan) -> list[str]:
+    """Alpa (test_moe_lm): 4 all-to-alls, at most 4 all-reduces (combined), nothing
+    else; here 4 all-to-alls and all-reduces."""
+    kinds = _kinds(plan)
+    bad = [] if kinds["all-to-all"] == 4 else [f"{kinds['all-to-all']} all-to-alls"]
+    return bad + [f"{k} x{n}" for k, n in kinds.items() if k not in ("all-to-all", "all-reduce")]
+
+
+def moe_lm_data_parallel_collectives(case, plan) -> list[str]:
+    """Alpa (test_moe_lm_data_parallel): 1 all-reduce (combined), nothing else."""
+    kinds = _kinds(plan)
+    return [] if set(kinds) == {"all-reduce"} else [str(dict(kinds))]
+
+
+def conv_zero2_collectives(case, plan) -> list[str]:
+    """Alpa (test_n_layer_conv_data_parallel_reduce_scatter): all-reduces only for the
+    batch norms' statistics (2 a batch norm), some reduce-scatter, at most 2 all-gathers
+    (combined), nothing else; the optimizer state of rank > 1 sharded.  Here: every
+    collective over the data axis, some reduce-scatter, nothing but all-reduces,
+    reduce-scatters and all-gathers, the momentum of the kernels split."""
+    kinds = _kinds(plan)
+    bad = [] if kinds["reduce-scatter"] else ["no reduce-scatter"]
+    bad += [k for k in kinds if k not in ("all-reduce", "reduce-scatter", "all-gather")]
+    for path, spec in _specs(plan).items():
+        if path.startswith("[1]") and len(spec.dims) > 1 and spec.is_replicated:
+            bad.append(f"{path} replicated")
+    return bad
+
+
+def some_all_to_all(case, plan) -> list[str]:
+    """Alpa (allow_mixed_mesh_shape=True on 2-D): some all-to-all."""
+    return [] if _kinds(plan)["all-to-all"] else [f"no all-to-all: {dict(_kinds(plan))}"]
+
+
+def some_all_to_all_and_reduce_scatter(case, plan) -> list[str]:
+    """Alpa (mixed mesh shape and prefer_reduce_scatter on 2-D): some all-to-all and some
+    reduce-scatter."""
+    kinds = _kinds(plan)
+    return [f"no {k}: {dict(kinds)}" for k in ("all-to-all", "reduce-scatter") if not kinds[k]]
+
+
 # expected objectives ----------------------------------------------------------------------
 
 
@@ -743,6 +831,14 @@ def _cases() -> list[Case]:
         layouts=state_fully_sharded, metadata={"layers": 6, "batch": 256, "hidden": 32},
     ))  # fmt: skip
 
+    for shape in one_d:
+        cases.append(Case(
+            f"mlp_data_parallel_zero_stage_3[{label(shape)}]",
+            mlp + "test_n_layer_mlp_data_parallel_reduce_scatter_zero_stage_3", _mesh(shape),
+            _one_d(shape), functools.partial(mlp_step, 6, 256, 32), baseline="zero3",
+            expected=dp_expected, collectives=zero3_collectives,
+        ))  # fmt: skip
+
     # test_bert ----------------------------------------------------------------------------
     for shape in one_d:
         cases.append(Case(
@@ -793,6 +889,16 @@ def _cases() -> list[Case]:
             functools.partial(bert_mlm_step, 32, 32, 2, 16, 4, 128), expected=dp_expected,
         ))  # fmt: skip
 
+    # allow_recompute_heavy_op=True in Alpa's test: autoshard has no such knob (it never
+    # recomputes a dot on every device), so the case runs without it
+    cases.append(Case(
+        "bert_mlm_2d_mesh[2x2]", bert + "test_bert_mlm_2d_mesh",
+        _mesh((2, 2), alpha=(2, 2), beta=(1, 0.1)), 0,
+        functools.partial(bert_mlm_step, 4, 4, 2, 512, 4, 4096),
+        options=(("allow_all_gather", False), ("allow_mixed_mesh_shape", False)),
+        collectives=only_all_reduces,
+    ))  # fmt: skip
+
     # test_moe ----------------------------------------------------------------------------
     for shape in one_d:
         cases.append(Case(
@@ -810,6 +916,22 @@ def _cases() -> list[Case]:
         "moe_layer_2d_reduce_scatter[2x2]", moe + "test_moe_layer_2d_reduce_scatter",
         _mesh((2, 2)), 0, moe_layer_step, options=(*moe_2d, ("prefer_reduce_scatter", True)),
         collectives=moe_2d_reduce_scatter_collectives,
+    ))  # fmt: skip
+
+    for shape in one_d:
+        cases.append(Case(
+            f"moe_lm[{label(shape)}]", moe + "test_moe_lm", _mesh(shape), _one_d(shape),
+            moe_lm_step, collectives=moe_lm_collectives,
+        ))  # fmt: skip
+        axes = (AXES[_one_d(shape)],)
+        cases.append(Case(
+            f"moe_lm_data_parallel[{label(shape)}]", moe + "test_moe_lm_data_parallel",
+            _mesh(shape), _one_d(shape), moe_lm_step, options=(("data_parallel_axes", axes),),
+            collectives=moe_lm_data_parallel_collectives,
+        ))  # fmt: skip
+    cases.append(Case(
+        "moe_lm_2d[2x2]", moe + "test_moe_lm_2d", _mesh((2, 2)), 0, moe_lm_step,
+        options=(("allow_mixed_mesh_shape", True),), collectives=moe_lm_collectives,
     ))  # fmt: skip
 
     # test_conv ---------------------------------------------------------------------------
@@ -831,10 +953,29 @@ def _cases() -> list[Case]:
             functools.partial(conv_step, 2, 4, 8, 256, True),
             collectives=conv_activation_all_reduces(lambda c: 1),
         ))  # fmt: skip
+        cases.append(Case(
+            f"conv_data_parallel_reduce_scatter[{label(shape)}]",
+            conv + "test_n_layer_conv_data_parallel_reduce_scatter", _mesh(shape),
+            _one_d(shape), functools.partial(conv_step, 3, 16, 16, 4),
+            options=(("prefer_reduce_scatter", True),), expected=conv_dp_expected,
+            collectives=conv_zero2_collectives,
+        ))  # fmt: skip
+    conv_2d = functools.partial(conv_step, 4, 8, 32, 8)
     cases.append(Case(
         "conv_2d_mesh[2x2]", conv + "test_n_layer_conv_2d_mesh",
-        _mesh((2, 2), beta=(1, 0.1)), 0, functools.partial(conv_step, 4, 8, 32, 8),
-        options=(("allow_mixed_mesh_shape", False),),
+        _mesh((2, 2), beta=(1, 0.1)), 0, conv_2d, options=(("allow_mixed_mesh_shape", False),),
+    ))  # fmt: skip
+    cases.append(Case(
+        "conv_2d_mesh_mixed_shape[2x2]", conv + "test_n_layer_conv_2d_mesh_mixed_shape",
+        _mesh((2, 2), beta=(1, 0.1)), 0, conv_2d, options=(("allow_mixed_mesh_shape", True),),
+        collectives=some_all_to_all,
+    ))  # fmt: skip
+    cases.append(Case(
+        "conv_2d_mesh_mixed_shape_reduce_scatter[2x2]",
+        conv + "test_n_layer_conv_2d_mesh_mixed_shape_reduce_scatter",
+        _mesh((2, 2), beta=(1, 0.1)), 0, conv_2d,
+        options=(("allow_mixed_mesh_shape", True), ("prefer_reduce_scatter", True)),
+        collectives=some_all_to_all_and_reduce_scatter,
     ))  # fmt: skip
     return cases
 
@@ -872,13 +1013,19 @@ def alpa_options(name: str):
 def plan_case(name: str, defaults: bool = False):
     """autoshard's plan of the case with :func:`alpa_options` (``defaults``: with
     autoshard's own defaults but for the knobs the test sets)."""
+    from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
     from autoshard.intra.problem.build import auto_shard_graph
     from autoshard.intra.problem.options import IntraOptions
 
     case = CASES[name]
     _, _, graph = traced(name)
     options = IntraOptions(**dict(case.options)) if defaults else alpa_options(name)
-    return auto_shard_graph(graph, case.mesh.autoshard(), options)
+    mesh = case.mesh.autoshard()
+    if case.baseline is None:
+        return auto_shard_graph(graph, mesh, options)
+    pins = baseline_inputs(graph, mesh.mesh, case.baseline)
+    options = baseline_options(options, mesh.mesh, case.baseline)
+    return auto_shard_graph(graph, mesh, options, pinned_inputs=pins, name=case.baseline)
 
 
 def plan_pinned(name: str, layouts: dict, **changes):
