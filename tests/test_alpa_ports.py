@@ -9,7 +9,10 @@ with autoshard's defaults but for the settings Alpa's test runs with
 (``alpa_options``: the knobs the test sets, Alpa's default ``allow_mixed_mesh_shape=False``,
 Alpa's all-to-all price).
 
-Where autoshard misses Alpa, the test is an ``xfail(strict=True)`` whose reason says why,
+The objective is checked two ways: equal to Alpa's within 1% where autoshard returns
+Alpa's plan or one of its cost, and never over Alpa's by more than 1% on every case (a
+lower objective is a plan cheaper under Alpa's own mesh costs, which XLA compiles as
+predicted).  Where autoshard misses Alpa, the test is an ``xfail(strict=True)`` whose reason says why,
 with the figures of ``python benchmarks/studies/alpa_ports.py`` (2026-11-28): a plan
 cheaper than Alpa's under the same costs, an option autoshard reads differently, or a
 partial sum autoshard resolves where XLA does.  The tests below them assert what holds in
@@ -174,9 +177,33 @@ def test_every_miss_names_a_case_that_checks_it():
                          ("collectives", COLLECTIVE_MISSES)):  # fmt: skip
         for name in misses:
             assert getattr(ports.CASES[name], attr) is not None, (attr, name)
+    for name, why in OBJECTIVE_MISSES.items():  # a miss not dearer is a lower one
+        assert name in DEARER or why.startswith(("lower", "as ")), name
 
 
-@pytest.mark.parametrize("name", _params("expected", OBJECTIVE_MISSES))
+# the misses where autoshard's plan costs more than Alpa's formula (the others are lower:
+# cheaper plans under Alpa's own mesh costs, compiled as predicted below)
+DEARER = {
+    name: OBJECTIVE_MISSES[name]
+    for name in (
+        "embedding_2d_mesh[2x2]",
+        "bert_mlm_data_parallel[4x1]",
+        "bert_mlm_data_parallel[1x4]",
+    )
+}
+
+
+@pytest.mark.parametrize("name", _params("expected", DEARER))
+def test_objective_is_never_over_alpas_by_1_percent(name):
+    """Alpa's published optimum, or a plan that costs less under the same mesh costs (the
+    lower misses of OBJECTIVE_MISSES: each compiles to its predicted collectives)."""
+    plan = ports.plan_case(name)
+    assert plan.objective <= ports.expected_objective(name) * 1.01
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in _params("expected", {}) if n.values[0] not in OBJECTIVE_MISSES]
+)
 def test_objective_is_alpas_within_1_percent(name):
     plan = ports.plan_case(name)
     assert plan.objective == pytest.approx(ports.expected_objective(name), rel=0.01)
