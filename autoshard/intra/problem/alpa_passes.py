@@ -52,18 +52,22 @@ def data_parallel_axes(graph: Graph, plan: ParallelPlan) -> tuple[str, ...]:
 
 
 def split_state_spec(
-    spec: ShardingSpec, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh
+    spec: ShardingSpec,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    mesh: Mesh,
+    allow_mixed: bool = True,
 ) -> ShardingSpec | None:
     """``spec`` with the ``axes`` it does not use added to one dim they divide: the first
-    unsplit dim, else the first split dim whose shard they divide (its axes in mesh
-    order, as the strategies list them); None where no dim takes them (or ``spec`` uses
-    them all already)."""
+    unsplit dim, else (``allow_mixed``: a dim may be split over several axes) the first
+    split dim whose shard they divide (its axes in mesh order, as the strategies list
+    them); None where no dim takes them (or ``spec`` uses them all already)."""
     used = {a for d in spec.dims for a in d}
     new = tuple(a for a in axes if a not in used)
     if not new or not shape:
         return None
     n = mesh.size(new)
-    for unsplit_first in (True, False):
+    for unsplit_first in (True, False) if allow_mixed else (True,):
         for d, size in enumerate(shape):
             if bool(spec.dims[d]) == unsplit_first:
                 continue
@@ -87,10 +91,13 @@ def prefer_reduce_scatter(
     plan: ParallelPlan,
     pinned: Mapping[int, ShardingSpec],
     replan: Callable[[dict[int, ShardingSpec]], ParallelPlan],
+    allow_mixed: bool = True,
 ) -> ParallelPlan:
     """``plan`` re-planned with its optimizer state split over its data-parallel axes
     where that moves no more bytes (see the module docstring). ``pinned``: the caller's
-    pins (a baseline's), which win; ``replan(pins)`` solves the ILP with ``pins``."""
+    pins (a baseline's), which win; ``replan(pins)`` solves the ILP with ``pins``;
+    ``allow_mixed``: the options' ``allow_mixed_mesh_shape`` (where False, no state is
+    pinned split over several axes on one dim: the ILP would have no strategy for it)."""
     from autoshard.intra.ilp import InfeasibleBudgetError, InfeasibleProblemError
 
     axes = data_parallel_axes(graph, plan)
@@ -100,7 +107,7 @@ def prefer_reduce_scatter(
         t = graph.tensors[tid]
         if t.kind != "opt_state" or pos in pinned:
             continue
-        split = split_state_spec(spec, t.shape, axes, mesh) if axes else None
+        split = split_state_spec(spec, t.shape, axes, mesh, allow_mixed) if axes else None
         pins[pos] = spec if split is None else split
         moved += split is not None
 

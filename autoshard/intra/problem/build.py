@@ -397,7 +397,9 @@ def auto_shard_graph(
         def replan(pins):
             return _plan_once(graph, mesh, options, pins, name, exact_values, refuse_over)
 
-        plan = prefer_reduce_scatter(graph, mesh.mesh, plan, pinned_inputs or {}, replan)
+        plan = prefer_reduce_scatter(
+            graph, mesh.mesh, plan, pinned_inputs or {}, replan, options.allow_mixed_mesh_shape
+        )
     exact = options.exact_values if exact_values is None else exact_values
     return checked_forbidden(plan, options, exact)
 

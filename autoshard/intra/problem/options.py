@@ -95,7 +95,10 @@ class IntraOptions:
 
     * ``force_batch_dim_to_mesh_axis``: the batch dimension (dim 0) of every data input
       is split over this mesh axis (what data parallelism means); a batch that the axis
-      does not divide is refused.
+      does not divide is refused. On an axis of one device the batch dim of every data
+      input is left unsplit (Alpa's rule: the other axes serve the model). Unlike
+      Alpa's, the rule holds for the inputs only, not every op with a batch dim
+      (``data_parallel_axes`` holds it in every op).
     * ``data_parallel_axes``: what data parallelism over these mesh axes means, for every
       op and not only the inputs: every data input splits its batch dim over all of them,
       and no resharding moves a tensor's split off one of them (no all-gather or
@@ -142,7 +145,8 @@ class IntraOptions:
       all-gathered), the ILP re-plans around those pins, and the new plan is kept where
       it moves no more bytes than the first (Alpa: "if no communication overhead is
       introduced"); the plan's notes say which was kept and the peaks of both. Twice
-      the solver time.
+      the solver time. With ``allow_mixed_mesh_shape=False`` a state input is split only
+      on a dim it leaves unsplit (never over a second axis on one dim).
 
     ``offload``: tensor classes kept in host memory, not HBM
     (:data:`~autoshard.intra.offload.placement.OFFLOAD_CLASSES`: ``optimizer``, ``master``,

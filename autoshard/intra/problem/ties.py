@@ -88,7 +88,7 @@ def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> No
                     "other axes"
                 )
             costs = [
-                c if set(axes) <= set(s.output_specs[0].dims[0]) else math.inf
+                c if _batch_dim_kept(s.output_specs[0].dims[0], axes, size) else math.inf
                 for s, c in zip(strats, costs, strict=True)
             ]
         if costs != list(node_costs[i]):
@@ -101,6 +101,16 @@ def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> No
                     "may contradict them"
                 )
             node_costs[i] = tuple(costs)
+
+
+def _batch_dim_kept(batch_axes, axes, size) -> bool:
+    """Whether a data input whose batch dim is split over ``batch_axes`` obeys a rule
+    asking for ``axes`` (of ``size`` devices): split over them all; where they hold one
+    device, not split at all (Alpa's rule: a batch forced onto a mesh dim of size 1 is
+    replicated, so that the other dims serve the model)."""
+    if size == 1:
+        return not batch_axes
+    return set(axes) <= set(batch_axes)
 
 
 def largest_dim_spec(shape, mesh) -> ShardingSpec:
