@@ -139,6 +139,12 @@ class MemoryLayout:
     # and an index reduce-window run in the forward pass whose indices are held to the
     # backward (autoshard/intra/memory/pool_workspace.py). The memory model counts them.
     expanded_select_and_scatter: bool = False
+    # XLA:CPU folds the transpose of a dot's result into the dot (the dot writes its result
+    # transposed, its operands swapped) where the transpose is the dot's only reader: a
+    # weight gradient, which JAX's transpose rule makes as dot_general(g, x) and then
+    # transposes, is one buffer, not two (autoshard/intra/memory/model.py,
+    # folded_transpose_operand). The memory model counts it so.
+    folded_dot_transposes: bool = False
 
 
 # Every flag off: the plain model, no backend's habits.
@@ -162,6 +168,7 @@ XLA_CPU_MEMORY = MemoryLayout(
     attention_scores_workspace=True,
     materialized_broadcasts=True,
     expanded_select_and_scatter=True,
+    folded_dot_transposes=True,
 )
 
 # How XLA:GPU lays memory out (docs/validation.md, the single-GPU check).

@@ -14,13 +14,16 @@ for the plan as XLA:CPU lays memory out (:func:`autoshard.api.xla_cpu_memory_lay
 as ``autoshard simulate --exact`` does; the plans and their objectives are the plain
 mesh's still).  The plain layout's prediction missed the conv nets' transposed copies
 (-56% to -62%, bench_exact_verify_merged_2026-11-28.json); XLA:CPU's is +0.8% to +4.4% on
-them and -7.8% to +45.7% on the MLPs (bench_exact_verify_cpu_memory_2026-11-28.json),
-where its ``late_updates`` holds the gradients to the backward's end (mlp-64x1024's lp
-plan on 2x2: 5,642,244 B predicted, 4,787,204 B without it, 3,871,868 B compiled).  With
-``--memo-off`` the last
-search's plan is also compiled with the runtime's reshard memo off (each reader of a value
-constrained on its own, as before 2026-11-27), which is how ``auto``'s prediction missed
-an all-gather on test_intra's MLP on 2x2. One JSON line per case on stdout, progress on
+them and -7.8% to +45.7% on the MLPs (bench_exact_verify_cpu_memory_2026-11-28.json).
+With each weight gradient's transpose folded into its dot (``folded_dot_transposes``)
+the MLPs are -8.4% to +22.0% (bench_exact_verify_mlp_folded_2026-11-28.json); what is
+left on mlp-16x256 and mlp-64x1024 is ``late_updates`` holding gradients that no
+collective reduces to the backward's end, where XLA:CPU applies them as soon as they are
+made (mlp-64x1024's lp plan on 2x2: 4,724,740 B predicted, 3,871,868 B compiled;
+docs/truth_memory.md, Known gaps).  With ``--memo-off`` the last search's plan is also
+compiled with the runtime's reshard memo off (each reader of a value constrained on its
+own, as before 2026-11-27), which is how ``auto``'s prediction missed an all-gather on
+test_intra's MLP on 2x2. One JSON line per case on stdout, progress on
 stderr; ``--out`` writes every row with the command and the load::
 
     python benchmarks/studies/bench_exact_verify.py [--meshes 2x2 2x4 4x2]

@@ -114,6 +114,7 @@ def live_intervals(
     early_inputs: bool = False,
     dot_lhs_copies: bool = False,
     narrow_dots_in_f32: bool = False,
+    folded_dot_transposes: bool = False,
 ) -> dict[int, tuple[int, int]]:
     """Tensor id -> (first, last) program position of every buffer that occupies memory.
 
@@ -130,6 +131,9 @@ def live_intervals(
     With ``early_inputs`` (XLA:CPU, ``early_input_reshards``) the zeros an in-place update
     writes into and no add absorbs (:mod:`autoshard.intra.memory.update_zeros`) are a buffer made
     at the start of the step, which the update's result then takes over.
+
+    With ``folded_dot_transposes`` (XLA:CPU) a transpose that is a dot result's only reader
+    continues the dot's buffer (:func:`folded_transpose_operand`).
     """
     n = len(graph.nodes)
     pos = program_positions(graph, late_updates)
@@ -161,6 +165,8 @@ def live_intervals(
                 out[z.zeros] = (0, pos[z.update])
     for node in graph.nodes:  # outputs written into a dying operand's buffer
         shared = _shared_operand(graph, node, out)
+        if shared is None and folded_dot_transposes:
+            shared = folded_transpose_operand(graph, node, out, narrow_dots_in_f32)
         if shared is not None:
             first, _ = out[shared]
             out[shared] = (first, max(first, pos[node.index] - 1))
@@ -178,6 +184,7 @@ def mesh_intervals(graph: Graph, mesh: DeviceMesh) -> dict[int, tuple[int, int]]
         layout.early_input_reshards,
         layout.dot_lhs_copies,
         layout.narrow_dots_in_f32,
+        layout.folded_dot_transposes,
     )
     return _pool_operands_read_forward(graph, mesh, out)
 
@@ -261,6 +268,37 @@ def _shared_operand(graph: Graph, node, intervals) -> int | None:
         ):
             return tid
     return None
+
+
+def folded_transpose_operand(
+    graph: Graph, node, intervals, narrow_dots_in_f32: bool = False
+) -> int | None:
+    """The dot result whose buffer ``node``'s output continues, if ``node`` is a transpose
+    that XLA:CPU folds into that dot (``folded_dot_transposes``): the transpose is the
+    result's only reader, so XLA swaps the dot's operands and the dot writes the transposed
+    result itself. JAX's transpose rule makes every weight gradient so (``dot_general(g,
+    x)``, then a transpose to the kernel's layout): in mlp-64x1024's step planned on 2x2
+    (bench_exact_verify, jax 0.10.2) ``dot.6 = f32[512,512] dot(x, g),
+    lhs_contracting_dims={0}`` is the gradient of ``dense_1``'s kernel in its own layout and
+    no transpose follows; the model held the dot's result and its transpose, 1 MiB each.
+    Not for a narrow result computed in f32 (``narrow_dots_in_f32``): the transpose reads the
+    convert down, not the dot. The rule is the graph's alone (the ILP's rows and the
+    prediction count the same): where the plan reshards the result before the transpose,
+    XLA does not fold (a collective reads it), and a gradient's partial sum is held to the
+    combined reduction by its copy (:mod:`autoshard.intra.memory.reshard_copies`)."""
+    if node.primitive != "transpose" or len(node.outputs) != 1:
+        return None
+    tid, out = node.inputs[0], graph.tensors[node.outputs[0]]
+    t = graph.tensors[tid]
+    if node.outputs[0] not in intervals or tid not in intervals or t.producer is None:
+        return None
+    if graph.nodes[t.producer].primitive != "dot_general" or list(t.consumers) != [node.index]:
+        return None
+    if t.last_use >= len(graph.nodes) or t.nbytes != out.nbytes:
+        return None
+    if narrow_dots_in_f32 and t.dtype in NARROW_FLOATS:
+        return None
+    return tid
 
 
 def buffer_bytes(graph: Graph, tid: int, mesh: DeviceMesh) -> int:
