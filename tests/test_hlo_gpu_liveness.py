@@ -20,6 +20,7 @@ from autoshard.verify.hlo_liveness import (
     held_updates,
     hlo_live_peak,
     most_live_square_blocks,
+    schedule_buffers,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,15 +60,17 @@ def test_the_live_peak_is_xla_cpus_allocation_on_a_donated_sharded_step():
 
 
 def test_the_live_peak_of_captured_xla_gpu_modules_is_near_xlas_allocation():
-    """gpt-tiny's two captured modules against XLA:GPU's own temporaries (the run's JSON):
-    ZeRO-3's to 1%; auto's 6.5% over (2026-11-27: 3,277,220 vs 3,076,128 B), where XLA:GPU
-    shares a buffer the reader does not find."""
+    """gpt-tiny's two captured modules against XLA:GPU's own temporaries (the run's JSON).
+    The live peak is what any placement of these buffers must hold, so XLA's heap is at or
+    above it, by the gaps it leaves between buffers: 0.3% on auto (2026-11-28: 3,068,324
+    vs 3,076,128 B), 1.2% on ZeRO-3 (2,150,888 vs 2,176,288 B), where a best-fit placement
+    of the reader's own buffers leaves 0.2% to 1.5% (benchmarks/studies/gpu_tuple_reads.py
+    --pack)."""
     run = json.loads((ROOT / "benchmarks/results/gpu_truth_h100_2026-11-27.json").read_text())
     temp = {r["name"]: r["verification"]["compiled_memory"]["temp_bytes"] for r in run["rows"]}
-    zero3 = hlo_live_peak(_text("gpt-tiny-L2-zero3-2x4"))
-    assert zero3.temp_bytes == pytest.approx(temp["gpt-tiny-L2-zero3-2x4"], rel=0.01)
-    auto = hlo_live_peak(_text("gpt-tiny-L2-auto-2x4"))
-    assert temp["gpt-tiny-L2-auto-2x4"] <= auto.temp_bytes <= 1.1 * temp["gpt-tiny-L2-auto-2x4"]
+    for name in ("gpt-tiny-L2-zero3-2x4", "gpt-tiny-L2-auto-2x4"):
+        peak = hlo_live_peak(_text(name))
+        assert 0.985 * temp[name] <= peak.temp_bytes <= temp[name], name
     assert not held_updates(_text("gpt-tiny-L2-auto-2x4"))  # its updates are not gathered
 
 
@@ -131,3 +134,61 @@ def test_xla_gpu_keeps_float32_attention_score_blocks_to_the_backward(name, laye
 def test_text_that_is_not_hlo_is_refused_with_what_was_wrong():
     with pytest.raises(HloParseError, match="no ENTRY computation"):
         hlo_live_peak("HloModule m\n\n%f (p: f32[2]) -> f32[2] {\n}\n")
+
+
+# A two-output fusion: a 4 KiB element read at once and a 64 B element read last, through
+# a get-tuple-element XLA printed late (it runs nothing); 8 KiB made between the two reads.
+_TWO_OUTPUTS = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[16]) -> f32[16] {
+  %x = f32[16]{0} parameter(0)
+  %two = (f32[1024]{0}, f32[16]{0}) fusion(%x), kind=kLoop, calls=%fused_two
+  %big = f32[1024]{0} get-tuple-element(%two), index=0
+  %sum = f32[16]{0} fusion(%big), kind=kInput, calls=%fused_sum
+  %wide = f32[2048]{0} fusion(%sum), kind=kLoop, calls=%fused_wide
+  %small = f32[16]{0} get-tuple-element(%two), index=1
+  ROOT %out = f32[16]{0} fusion(%wide, %small), kind=kLoop, calls=%fused_out
+}
+"""
+
+
+def test_a_get_tuple_element_reads_only_the_element_it_names():
+    """Each element of a tuple is its own buffer, live to the readers of its own view: the
+    4 KiB element dies at ``sum``, before ``wide`` is made, however late the view of the
+    other element is printed (reading the whole tuple there held it beside ``wide``:
+    12,416 B)."""
+    peak = hlo_live_peak(_TWO_OUTPUTS)
+    # at wide: wide, sum, and the small element
+    assert (peak.temp_bytes, peak.instruction) == (8192 + 64 + 64, "wide")
+    moved = _TWO_OUTPUTS.replace(
+        "  %small = f32[16]{0} get-tuple-element(%two), index=1\n", ""
+    ).replace("index=0\n", "index=0\n  %small = f32[16]{0} get-tuple-element(%two), index=1\n")
+    assert moved != _TWO_OUTPUTS
+    assert hlo_live_peak(moved).temp_bytes == peak.temp_bytes
+
+
+def test_a_while_loops_state_elements_live_to_their_own_readers():
+    """A loop's state lives in its operand's buffers (XLA colocates them), one buffer an
+    element; a ``tuple`` reads none of its elements, so the 4 KiB element is live from its
+    maker to ``sum`` and the 64 B one to the root."""
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[16]) -> f32[16] {
+  %x = f32[16]{0} parameter(0)
+  %a = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %b = f32[16]{0} fusion(%x), kind=kLoop, calls=%fused_b
+  %init = (f32[1024]{0}, f32[16]{0}) tuple(%a, %b)
+  %loop = (f32[1024]{0}, f32[16]{0}) while(%init), condition=%cond, body=%body
+  %big = f32[1024]{0} get-tuple-element(%loop), index=0
+  %sum = f32[16]{0} fusion(%big), kind=kInput, calls=%fused_sum
+  %wide = f32[2048]{0} fusion(%sum), kind=kLoop, calls=%fused_wide
+  %small = f32[16]{0} get-tuple-element(%loop), index=1
+  ROOT %out = f32[16]{0} fusion(%wide, %small), kind=kLoop, calls=%fused_out
+}
+"""
+    _, bufs = schedule_buffers(text)
+    made = {b.made_by[0]: b for b in bufs}
+    assert "loop" not in made  # no buffer of its own
+    assert (made["a"].first, made["a"].last) == (1, 6)  # to sum
+    assert (made["b"].first, made["b"].last) == (2, 10)  # the root's, to the end
+    assert hlo_live_peak(text).temp_bytes == 8192 + 64 + 64
