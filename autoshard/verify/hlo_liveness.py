@@ -38,8 +38,9 @@ zero3 2x4; within 3.6% under on moe-1.3b expert-zero2 (3.81 vs 3.93) and wresnet
 zero2 and heuristic; over XLA's on gpt-6.7b auto 2x8 (18.10 vs 17.14, +5.6%), wresnet-1b dp 2x4 (14.30 vs
 11.91, +20.1%), moe-1.3b megatron 2x4 (6.20 vs 5.01, +23.7%), where XLA:GPU shares buffers
 this reader does not find, and gpt-39b megatron 8x8 (19.98 vs 7.45, not looked into).
-XLA:CPU (2026-11-27, before the tuple rule; not re-read): gpt-39b 4 layers on 64 fake
-devices (8x8) 3,746,062,356 vs 3,746,059,616 B.
+XLA:CPU (jax 0.11.2, 2026-11-27 and again 2026-11-28 with the tuple rule, the same
+figure): gpt-39b 4 layers on 64 fake devices (8x8) 3,746,062,356 vs 3,746,059,616 B
+(``python benchmarks/studies/gpu_held_updates.py --cpu 4 --out FILE``).
 """
 
 from __future__ import annotations

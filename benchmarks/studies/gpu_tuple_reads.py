@@ -122,8 +122,10 @@ def main() -> None:
     for run in args.runs:
         for row in json.loads(run.read_text())["rows"]:
             memory = (row.get("verification") or {}).get("compiled_memory")
-            if memory:
-                temp[row["name"]] = memory["temp_bytes"]
+            if not memory:
+                continue
+            if temp.setdefault(row["name"], memory["temp_bytes"]) != memory["temp_bytes"]:
+                raise SystemExit(f"{row['name']}: two runs compiled it differently; give one")
     heads = ["stored", "views moved"] + (["best fit, largest", "best fit, longest"] * args.pack)
     print(f"{'module':36s} {'XLA':>9s} " + " ".join(f"{h:>19s}" for h in heads))
     for name, text in modules(args.tars):
