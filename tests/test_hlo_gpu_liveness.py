@@ -169,8 +169,8 @@ def test_a_get_tuple_element_reads_only_the_element_it_names():
 
 def test_a_while_loops_state_elements_live_to_their_own_readers():
     """A loop's state lives in its operand's buffers (XLA colocates them), one buffer an
-    element; a ``tuple`` reads none of its elements, so the 4 KiB element is live from its
-    maker to ``sum`` and the 64 B one to the root."""
+    element, so the 4 KiB element is live from its maker to ``sum`` and the 64 B one to
+    the root."""
     text = """HloModule m, is_scheduled=true
 
 ENTRY %main (x: f32[16]) -> f32[16] {
@@ -192,3 +192,45 @@ ENTRY %main (x: f32[16]) -> f32[16] {
     assert (made["a"].first, made["a"].last) == (1, 6)  # to sum
     assert (made["b"].first, made["b"].last) == (2, 10)  # the root's, to the end
     assert hlo_live_peak(text).temp_bytes == 8192 + 64 + 64
+
+
+def test_each_tuple_elements_live_range_is_xlas_own(tmp_path):
+    """A max pool's gradient on XLA:CPU: the expanded pooling's reduce-window fusion makes
+    five elements, the pooled values unread (the forward pools again) and four index planes
+    read through views printed after it. Every element's live range read from the text is
+    the one XLA's own live-range dump gives: the unread element dies where it is made, not at
+    the tuple's last view."""
+    import glob
+    import re
+
+    from jax import lax
+
+    from autoshard.verify.memory import LIVE_RANGE_DUMP_OPTIONS
+
+    def loss(x, w):
+        h = jnp.tanh(x * w)
+        pooled = lax.reduce_window(h, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+        return jnp.sum(pooled**2)
+
+    x = jax.ShapeDtypeStruct((2, 16, 16, 8), jnp.float32)
+    options = {"xla_dump_to": str(tmp_path), **LIVE_RANGE_DUMP_OPTIONS}
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, x).compile(options)
+    (dump,) = glob.glob(str(tmp_path / "*after_optimizations-live-range.txt"))
+    xla = {
+        m.group(1): (int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"^\s+(\S+\{[\d,]+\}):(\d+)-(\d+)\s*$", open(dump).read(), re.M)
+    }
+    instrs, bufs = schedule_buffers(compiled.as_text())
+    views = {}  # tuple -> position of its last view
+    for k, ins in enumerate(instrs):
+        if ins.opcode == "get-tuple-element":
+            views[ins.operands[0]] = k
+    elements = {
+        f"{b.made_by[0]}{{{','.join(map(str, b.made_by[1]))}}}": (b.first, b.last, b.made_by[0])
+        for b in bufs
+        if b.made_by[1] and len(b.values) == 1 and not b.parameter
+    }
+    assert elements and elements.keys() <= xla.keys()
+    assert {name: e[:2] for name, e in elements.items()} == {name: xla[name] for name in elements}
+    # an element that dies before its tuple's last view: what reading the whole tuple missed
+    assert any(last < views.get(tuple_, -1) for _, last, tuple_ in elements.values())

@@ -12,9 +12,11 @@ bytes live at once, parameters included.  Buffer rules, as XLA's buffer assignme
   they name their operand's (a ``*-done`` the ``*-start``'s result); an async start's
   operands stay live until its done;
 * each element of a tuple-shaped result (a multi-output fusion, a combined all-reduce, a
-  custom call's scratch) is its own buffer, live to the last reader of the view that names
-  it: a ``get-tuple-element`` reads only the element it names and a ``tuple`` none (as
-  XLA's dataflow counts uses), so a view printed late keeps no other element live;
+  custom call's scratch) is its own buffer, live to the last instruction that names it or
+  reads it: a ``get-tuple-element`` holds only the element it names (XLA's live range of a
+  value ends at its last position or use, and the view is a position of that element
+  only, a use of none), so a view printed late keeps no other element live; a ``tuple``
+  holds each of its elements;
 * a ``while`` keeps its state in its operand's buffers (XLA colocates them);
 * ``output_to_operand_aliasing`` (an all-reduce-start, an in-place custom call) writes
   into the operand's buffer; an output the module aliases to a parameter
@@ -31,13 +33,18 @@ modules, where a best-fit placement of this reader's buffers leaves 0.2% to 8.6%
 benchmarks/studies/gpu_tuple_reads.py --pack).  Measured against XLA's
 ``temp_size_in_bytes`` (compiled peak minus the parameters; XLA:GPU H100 compile-only
 topology, jax 0.11.2, the stored --hlo-tar modules read 2026-11-28): within 2% of XLA's
-and under it on gpt-1.3b auto 2x4 (12.185 vs 12.202 GB), gpt-6.7b megatron 2x8 (17.727 vs
-17.728), heuristic 2x8 (23.03 vs 23.39), zero2 2x8 (25.710 vs 25.710), zero3 2x8 (47.55 vs 47.76), gpt-39b auto 8x8
-(21.30 vs 21.39) and 64x8 (19.59 vs 19.92), moe-1.3b zero3, auto and zero2 2x4, wresnet-1b
-zero3 2x4; within 3.6% under on moe-1.3b expert-zero2 (3.81 vs 3.93) and wresnet-1b auto,
-zero2 and heuristic; over XLA's on gpt-6.7b auto 2x8 (18.10 vs 17.14, +5.6%), wresnet-1b dp 2x4 (14.30 vs
-11.91, +20.1%), moe-1.3b megatron 2x4 (6.20 vs 5.01, +23.7%), where XLA:GPU shares buffers
-this reader does not find, and gpt-39b megatron 8x8 (19.98 vs 7.45, not looked into).
+and under it on gpt-1.3b auto 2x4 (12.185 vs 12.202 GB), gpt-6.7b megatron 2x8 (17.727
+vs 17.728), heuristic 2x8 (23.03 vs 23.39), zero2 2x8 (25.710 vs 25.710), zero3 2x8
+(47.55 vs 47.76), gpt-39b auto 8x8 (21.30 vs 21.39) and 64x8 (19.59 vs 19.92), moe-1.3b
+zero3, auto and zero2 2x4, wresnet-1b zero3 2x4; within 3.6% under on moe-1.3b
+expert-zero2 (3.81 vs 3.93) and wresnet-1b auto, zero2 and heuristic; over XLA's on
+gpt-6.7b auto 2x8 (18.10 vs 17.14, +5.6%), wresnet-1b dp 2x4 (14.30 vs 11.91, +20.1%),
+moe-1.3b megatron 2x4 (6.20 vs 5.01, +23.7%), where XLA:GPU shares buffers this reader
+does not find, and gpt-39b megatron 8x8 (19.98 vs 7.45, not looked into).  Against
+XLA:CPU's own live-range dump, every tuple element's range is XLA's: a max pool's
+gradient (``tests/test_hlo_gpu_liveness.py``), and 149, 290 and 473 elements of the
+gpt-tiny zero3 and wresnet-tiny zero3 and zero2 2x4 AdamW plans (2026-11-28,
+``benchmarks/studies/live_peak_values.py ... --dump DIR``).
 XLA:CPU (jax 0.11.2, 2026-11-27 and again 2026-11-28 with the tuple rule, the same
 figure): gpt-39b 4 layers on 64 fake devices (8x8) 3,746,062,356 vs 3,746,059,616 B
 (``python benchmarks/studies/gpu_held_updates.py --cpu 4 --out FILE``).
@@ -62,12 +69,6 @@ _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 _OPERAND = re.compile(r"%([^\s,()]+)")
 _INDEX = re.compile(r"index=(\d+)")
 _OUTPUT_ALIAS = re.compile(r"\{([\d,]*)\}: \((\d+), \{([\d,]*)\}")
-
-
-# Instructions that only name elements of their operands: a tuple reads none of its
-# elements and a get-tuple-element only the element it names, so each element stays live
-# to the readers of the views that name it (XLA's dataflow counts no use there either).
-_NAMES_ONLY = frozenset({"get-tuple-element", "tuple"})
 
 
 class HloParseError(ValueError):
@@ -206,7 +207,7 @@ def _buffers(instrs, aliases, ends) -> list[Buffer]:
     n = len(instrs)
     for pos, ins in enumerate(instrs):
         op = ins.opcode
-        if op not in _NAMES_ONLY:
+        if op != "get-tuple-element":  # it holds only the element it names: below
             for o in ins.operands:
                 for b in value.get(o, {}).values():
                     read(b, pos)
@@ -224,6 +225,8 @@ def _buffers(instrs, aliases, ends) -> list[Buffer]:
             k = int(_INDEX.search(ins.attributes).group(1))
             src = value[ins.operands[0]]
             value[ins.name] = {p[1:]: b for p, b in src.items() if p and p[0] == k}
+            for b in value[ins.name].values():
+                read(b, pos)
         elif op == "tuple":
             value[ins.name] = {
                 (k, *p): b for k, o in enumerate(ins.operands) for p, b in value[o].items()
