@@ -37,7 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autoshard.verify.hlo_liveness import hlo_live_peak, schedule_buffers  # noqa: E402
+from autoshard.verify.hlo_liveness import (  # noqa: E402
+    _union,
+    _value_pieces,
+    hlo_live_peak,
+    in_dead_donated_parameters,
+    schedule_buffers,
+)
 
 _DEFINES = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
 _GTE = re.compile(r"get-tuple-element\(%([^\s,()]+)\)")
@@ -68,14 +74,18 @@ def views_next_to_tuples(text: str) -> str:
 
 def best_fit_heap(text: str, largest_first: bool, align: int = 128) -> int:
     """The bytes a best-fit heap needs for the temporaries of ``text`` (the reader's
-    buffers and live ranges, each rounded up to ``align``): buffers taken largest first
+    buffers and live ranges, each rounded up to ``align``, less what it puts in donated
+    parameters' buffers): buffers taken largest first
     (or longest-lived first), each put in the smallest gap that is free for its whole
     live range, else on top."""
-    _, bufs = schedule_buffers(text)
+    instrs, bufs = schedule_buffers(text)
+    pieces = _value_pieces(instrs, bufs)
+    inside = in_dead_donated_parameters(instrs, bufs, pieces)
     items = [
-        (b.first, b.last, -(-b.bytes // align) * align)
-        for b in bufs
+        (first, last, -(-b.bytes // align) * align)
+        for k, b in enumerate(bufs)
         if b.bytes and not b.parameter and not b.donated
+        for first, last in _union([p for i, p in enumerate(pieces[k]) if (k, i) not in inside])
     ]
     if largest_first:
         items.sort(key=lambda t: (-t[2], t[0]))
