@@ -20,6 +20,7 @@ from autoshard.verify.hlo_liveness import (
     held_updates,
     hlo_live_peak,
     most_live_square_blocks,
+    schedule_buffers,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,15 +60,17 @@ def test_the_live_peak_is_xla_cpus_allocation_on_a_donated_sharded_step():
 
 
 def test_the_live_peak_of_captured_xla_gpu_modules_is_near_xlas_allocation():
-    """gpt-tiny's two captured modules against XLA:GPU's own temporaries (the run's JSON):
-    ZeRO-3's to 1%; auto's 6.5% over (2026-11-27: 3,277,220 vs 3,076,128 B), where XLA:GPU
-    shares a buffer the reader does not find."""
+    """gpt-tiny's two captured modules against XLA:GPU's own temporaries (the run's JSON).
+    The live peak is what any placement of these buffers must hold, so XLA's heap is at or
+    above it, by the gaps it leaves between buffers: 0.5% on auto (2026-11-28: 3,060,068
+    vs 3,076,128 B), 1.2% on ZeRO-3 (2,150,856 vs 2,176,288 B), where a best-fit placement
+    of the reader's own buffers leaves 0.2% to 3.0% (benchmarks/studies/gpu_tuple_reads.py
+    --pack)."""
     run = json.loads((ROOT / "benchmarks/results/gpu_truth_h100_2026-11-27.json").read_text())
     temp = {r["name"]: r["verification"]["compiled_memory"]["temp_bytes"] for r in run["rows"]}
-    zero3 = hlo_live_peak(_text("gpt-tiny-L2-zero3-2x4"))
-    assert zero3.temp_bytes == pytest.approx(temp["gpt-tiny-L2-zero3-2x4"], rel=0.01)
-    auto = hlo_live_peak(_text("gpt-tiny-L2-auto-2x4"))
-    assert temp["gpt-tiny-L2-auto-2x4"] <= auto.temp_bytes <= 1.1 * temp["gpt-tiny-L2-auto-2x4"]
+    for name in ("gpt-tiny-L2-zero3-2x4", "gpt-tiny-L2-auto-2x4"):
+        peak = hlo_live_peak(_text(name))
+        assert 0.985 * temp[name] <= peak.temp_bytes <= temp[name], name
     assert not held_updates(_text("gpt-tiny-L2-auto-2x4"))  # its updates are not gathered
 
 
@@ -131,3 +134,124 @@ def test_xla_gpu_keeps_float32_attention_score_blocks_to_the_backward(name, laye
 def test_text_that_is_not_hlo_is_refused_with_what_was_wrong():
     with pytest.raises(HloParseError, match="no ENTRY computation"):
         hlo_live_peak("HloModule m\n\n%f (p: f32[2]) -> f32[2] {\n}\n")
+
+
+# A two-output fusion: a 4 KiB element read at once and a 64 B element read last, through
+# a get-tuple-element XLA printed late (it runs nothing); 8 KiB made between the two reads.
+_TWO_OUTPUTS = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[16]) -> f32[16] {
+  %x = f32[16]{0} parameter(0)
+  %two = (f32[1024]{0}, f32[16]{0}) fusion(%x), kind=kLoop, calls=%fused_two
+  %big = f32[1024]{0} get-tuple-element(%two), index=0
+  %sum = f32[16]{0} fusion(%big), kind=kInput, calls=%fused_sum
+  %wide = f32[2048]{0} fusion(%sum), kind=kLoop, calls=%fused_wide
+  %small = f32[16]{0} get-tuple-element(%two), index=1
+  ROOT %out = f32[16]{0} fusion(%wide, %small), kind=kLoop, calls=%fused_out
+}
+"""
+
+
+def test_a_get_tuple_element_reads_only_the_element_it_names():
+    """Each element of a tuple is its own buffer, live to the readers of its own view: the
+    4 KiB element dies at ``sum``, before ``wide`` is made, however late the view of the
+    other element is printed (reading the whole tuple there held it beside ``wide``:
+    12,416 B)."""
+    peak = hlo_live_peak(_TWO_OUTPUTS)
+    # at wide: wide, sum, and the small element
+    assert (peak.temp_bytes, peak.instruction) == (8192 + 64 + 64, "wide")
+    moved = _TWO_OUTPUTS.replace(
+        "  %small = f32[16]{0} get-tuple-element(%two), index=1\n", ""
+    ).replace("index=0\n", "index=0\n  %small = f32[16]{0} get-tuple-element(%two), index=1\n")
+    assert moved != _TWO_OUTPUTS
+    assert hlo_live_peak(moved).temp_bytes == peak.temp_bytes
+
+
+def test_a_while_loops_state_elements_live_to_their_own_readers():
+    """A loop's state lives in its operand's buffers (XLA colocates them), one buffer an
+    element, so the 4 KiB element is live from its maker to ``sum`` and the 64 B one to
+    the root."""
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[16]) -> f32[16] {
+  %x = f32[16]{0} parameter(0)
+  %a = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %b = f32[16]{0} fusion(%x), kind=kLoop, calls=%fused_b
+  %init = (f32[1024]{0}, f32[16]{0}) tuple(%a, %b)
+  %loop = (f32[1024]{0}, f32[16]{0}) while(%init), condition=%cond, body=%body
+  %big = f32[1024]{0} get-tuple-element(%loop), index=0
+  %sum = f32[16]{0} fusion(%big), kind=kInput, calls=%fused_sum
+  %wide = f32[2048]{0} fusion(%sum), kind=kLoop, calls=%fused_wide
+  %small = f32[16]{0} get-tuple-element(%loop), index=1
+  ROOT %out = f32[16]{0} fusion(%wide, %small), kind=kLoop, calls=%fused_out
+}
+"""
+    _, bufs = schedule_buffers(text)
+    made = {b.made_by[0]: b for b in bufs}
+    assert "loop" not in made  # no buffer of its own
+    assert (made["a"].first, made["a"].last) == (1, 6)  # to sum
+    assert (made["b"].first, made["b"].last) == (2, 10)  # the root's, to the end
+    assert hlo_live_peak(text).temp_bytes == 8192 + 64 + 64
+
+
+def test_each_tuple_elements_live_range_is_xlas_own(tmp_path):
+    """A max pool's gradient on XLA:CPU: the expanded pooling's reduce-window fusion makes
+    five elements, the pooled values unread (the forward pools again) and four index planes
+    read through views printed after it. Every element's live range read from the text is
+    the one XLA's own live-range dump gives: the unread element dies where it is made, not at
+    the tuple's last view."""
+    import glob
+    import re
+
+    from jax import lax
+
+    from autoshard.verify.memory import LIVE_RANGE_DUMP_OPTIONS
+
+    def loss(x, w):
+        h = jnp.tanh(x * w)
+        pooled = lax.reduce_window(h, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+        return jnp.sum(pooled**2)
+
+    x = jax.ShapeDtypeStruct((2, 16, 16, 8), jnp.float32)
+    options = {"xla_dump_to": str(tmp_path), **LIVE_RANGE_DUMP_OPTIONS}
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, x).compile(options)
+    (dump,) = glob.glob(str(tmp_path / "*after_optimizations-live-range.txt"))
+    xla = {
+        m.group(1): (int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"^\s+(\S+\{[\d,]+\}):(\d+)-(\d+)\s*$", open(dump).read(), re.M)
+    }
+    instrs, bufs = schedule_buffers(compiled.as_text())
+    views = {}  # tuple -> position of its last view
+    for k, ins in enumerate(instrs):
+        if ins.opcode == "get-tuple-element":
+            views[ins.operands[0]] = k
+    elements = {
+        f"{b.made_by[0]}{{{','.join(map(str, b.made_by[1]))}}}": (b.first, b.last, b.made_by[0])
+        for b in bufs
+        if b.made_by[1] and len(b.values) == 1 and not b.parameter
+    }
+    assert elements and elements.keys() <= xla.keys()
+    assert {name: e[:2] for name, e in elements.items()} == {name: xla[name] for name in elements}
+    # an element that dies before its tuple's last view: what reading the whole tuple missed
+    assert any(last < views.get(tuple_, -1) for _, last, tuple_ in elements.values())
+
+
+def test_temporaries_live_in_a_donated_parameter_after_its_last_reader():
+    """XLA's buffer assignment offers a donated parameter's buffer to the temporaries made
+    after its last reader and dead before the output written there (``hlo_live_peak``'s
+    ``in_dead_donated_parameters``): here ``w`` is read by the first dot only and the new
+    ``w`` is made last, so ``h1`` lives in ``w``'s buffer, from its tanh to the fusion that
+    writes the new ``w`` over it in place. XLA:CPU allocates 3 MiB of temporaries
+    (2026-11-28, jax 0.10.2); counting all four activations in the heap read 4 MiB."""
+
+    def step(w, x):
+        h1 = jnp.tanh(x @ w)
+        h2 = jnp.tanh(h1 @ x)
+        h3 = jnp.tanh(h2 @ x)
+        h4 = jnp.tanh(h3 @ x)
+        return jnp.sin(h1 + h2 + h3 + h4)
+
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    compiled = jax.jit(step, donate_argnums=0).lower(w, w).compile()
+    peak = hlo_live_peak(compiled.as_text())
+    assert peak.temp_bytes == compiled.memory_analysis().temp_size_in_bytes == 3 * 2**20

@@ -11,22 +11,50 @@ bytes live at once, parameters included.  Buffer rules, as XLA's buffer assignme
 * ``bitcast``, ``get-tuple-element``, ``tuple`` and an async ``*-done`` make no buffer:
   they name their operand's (a ``*-done`` the ``*-start``'s result); an async start's
   operands stay live until its done;
+* each element of a tuple-shaped result (a multi-output fusion, a combined all-reduce, a
+  custom call's scratch) is its own buffer, live to the last instruction that names it or
+  reads it: a ``get-tuple-element`` holds only the element it names (XLA's live range of a
+  value ends at its last position or use, and the view is a position of that element
+  only, a use of none), so a view printed late keeps no other element live; a ``tuple``
+  holds each of its elements;
+* a ``while`` keeps its state in its operand's buffers (XLA colocates them);
 * ``output_to_operand_aliasing`` (an all-reduce-start, an in-place custom call) writes
   into the operand's buffer; an output the module aliases to a parameter
   (``input_output_alias``, a donated parameter) lives in the parameter's buffer;
 * a fusion's output reuses an operand's buffer of the same bytes that dies there (XLA:GPU
-  shares so within 1% on gpt-1.3b and 6.7b megatron, below);
+  shares so within 1% on gpt-1.3b and 6.7b megatron, below), not a library call's
+  (``kind=kCustom``: a GEMM or cuDNN call does not write over its input);
+* a donated parameter's buffer holds temporaries between its last reader and the output
+  written there (:func:`in_dead_donated_parameters`, as XLA's buffer assignment offers
+  it before it heap-packs the rest): XLA:CPU puts 26, 241 and 562 values there on the
+  gpt-tiny zero3 and wresnet-tiny zero3 and zero2 2x4 AdamW plans (its buffer-assignment
+  dump, 2026-11-28); on XLA:GPU gpt-39b megatron 8x8 copies 103 weights (11.81 GiB)
+  long before their updates (the old value is read after), and their buffers hold 1,218
+  temporaries in between (18.60 -> 6.94 GiB of temporaries, XLA's 6.94);
 * parameters live throughout; constants are not counted (XLA's ``memory_analysis`` does
   not count them as temporaries either).
 
 Not modelled: buffers inside ``while`` bodies and called computations (the steps read so
-far have none), heap fragmentation.  Measured against XLA's ``temp_size_in_bytes``
-(compiled peak minus the parameters; 2026-11-27, jax 0.11.2): XLA:CPU gpt-39b 4 layers
-on 64 fake devices (8x8) 3,746,062,356 vs 3,746,059,616 B; XLA:GPU (H100, compile-only
-topology) gpt-1.3b auto 2x4 12.185 vs 12.202 GB, gpt-6.7b megatron 2x8 17.727 vs 17.728,
-zero3 2x8 47.58 vs 47.76, gpt-39b auto 64x8 19.79 vs 19.92, moe-1.3b expert-zero2 3.81 vs
-3.93; over XLA's on gpt-6.7b auto 2x8 (18.10 vs 17.14, +5.6%) and gpt-39b auto 8x8 (24.10
-vs 21.39, +12.7%), where XLA:GPU shares buffers this reader does not find.
+far have none), heap gaps: the live peak is what XLA's heap must hold, XLA allocates it
+plus the gaps it leaves (0.5% and 1.2% on gpt-tiny's captured auto and ZeRO-3 modules,
+where a best-fit placement of this reader's buffers leaves 0.2% to 8.6%:
+benchmarks/studies/gpu_tuple_reads.py --pack).  The reuse of donated buffers is XLA's
+greedy order approximately (largest first), not its exact choice of tenants: on the
+XLA:CPU plans above it places 21, 169 and 421 values there, 7, 134 and 354 of them
+XLA's, and reads 2.0%, 9.6% and 4.0% under XLA's temporaries (+28% on wresnet-tiny zero2
+without the rule); with XLA's own tenants (its dump) the same heap holds 2.0%, 7.2% and
+0.7% under them, the gaps XLA's heap leaves, so the rest (0-3.2%) is the choice of
+tenants.  Against XLA:GPU's ``temp_size_in_bytes`` (H100 compile-only topology,
+jax 0.11.2; the 25 stored --hlo-tar modules read 2026-11-28): at or under it on all 25,
+within 2% on 19 (gpt-1.3b's five, gpt-6.7b auto, megatron, zero2, zero3 and heuristic,
+gpt-39b auto 8x8 and megatron 8x8, moe-1.3b auto, zero3, megatron and expert-zero2,
+wresnet-1b zero3, gpt-tiny's two), 2.8% and 3.7% under on gpt-39b auto 64x8 and
+wresnet-1b heuristic, 5.2-7.8% under on wresnet-1b auto, zero2 and dp and moe-1.3b zero2.
+XLA:CPU: gpt-39b 4 layers on 64 fake devices (8x8) 3,746,058,260 vs 3,746,059,616 B
+(2026-11-28, jax 0.11.2, ``python benchmarks/studies/gpu_held_updates.py --cpu 4 --out
+FILE``).  Against XLA:CPU's own live-range dump, every tuple element's range is XLA's: a
+max pool's gradient (``tests/test_hlo_gpu_liveness.py``), and 149, 290 and 473 elements
+of the XLA:CPU plans above (``benchmarks/studies/live_peak_values.py ... --dump DIR``).
 """
 
 from __future__ import annotations
@@ -90,6 +118,7 @@ class Instruction:
     operands: tuple[str, ...]
     attributes: str  # the text after the operand list
     root: bool
+    parameter_number: int | None = None
 
 
 def entry_instructions(text: str) -> list[Instruction]:
@@ -118,9 +147,16 @@ def entry_instructions(text: str) -> list[Instruction]:
                 depth -= 1
             q += 1
         operands = tuple(_OPERAND.findall(line[k : q - 1]))
+        number = int(line[k : q - 1]) if op.group(1) == "parameter" else None
         out.append(
             Instruction(
-                m.group(2), op.group(1), tuple(leaves), operands, line[q:], bool(m.group(1))
+                m.group(2),
+                op.group(1),
+                tuple(leaves),
+                operands,
+                line[q:],
+                bool(m.group(1)),
+                number,
             )
         )
     if not out:
@@ -154,6 +190,8 @@ class Buffer:
     parameter: bool = False
     donated: bool = False  # an output written into a donated parameter's buffer
     values: list | None = None
+    read_until: int = -1  # the last position an instruction reads it (-1: none)
+    parameter_number: int | None = None  # a parameter's, or the donated one written
 
 
 def schedule_buffers(text: str) -> tuple[list[Instruction], list[Buffer]]:
@@ -182,23 +220,32 @@ def _buffers(instrs, aliases, ends) -> list[Buffer]:
 
     def read(b: int, pos: int) -> None:
         bufs[b].last = max(bufs[b].last, pos)
+        bufs[b].read_until = max(bufs[b].read_until, pos)
 
     n = len(instrs)
     for pos, ins in enumerate(instrs):
-        for o in ins.operands:
-            for b in value.get(o, {}).values():
-                read(b, pos)
         op = ins.opcode
+        if op != "get-tuple-element":  # it holds only the element it names: below
+            for o in ins.operands:
+                for b in value.get(o, {}).values():
+                    read(b, pos)
         if op == "parameter":
-            b = new(ins.leaves[0][1], 0, (ins.name, ()), op, parameter=True)
-            bufs[b].last = n
-            value[ins.name] = {(): b}
+            value[ins.name] = {}
+            for path, size, _ in ins.leaves:
+                number = ins.parameter_number
+                b = new(size, 0, (ins.name, path), op, parameter=True, parameter_number=number)
+                bufs[b].last = n
+                value[ins.name][path] = b
+        elif op == "while":  # XLA colocates a loop's state with its operand's buffers
+            value[ins.name] = dict(value[ins.operands[0]])
         elif op == "bitcast":
             value[ins.name] = {(): value[ins.operands[0]][()]}
         elif op == "get-tuple-element":
             k = int(_INDEX.search(ins.attributes).group(1))
             src = value[ins.operands[0]]
             value[ins.name] = {p[1:]: b for p, b in src.items() if p and p[0] == k}
+            for b in value[ins.name].values():
+                read(b, pos)
         elif op == "tuple":
             value[ins.name] = {
                 (k, *p): b for k, o in enumerate(ins.operands) for p, b in value[o].items()
@@ -243,10 +290,10 @@ def _outputs(ins, pos, value, bufs, new, donated, ends) -> dict:
             continue
         key = (ins.name, path)
         if key in donated:
-            out[path] = new(size, pos, key, ins.opcode, donated=True)
+            out[path] = new(size, pos, key, ins.opcode, donated=True, parameter_number=donated[key])
             continue
         shared = None
-        if ends is not None and ins.opcode == "fusion":
+        if ends is not None and ins.opcode == "fusion" and "kind=kCustom" not in ins.attributes:
             for o in ins.operands:
                 for b in value.get(o, {}).values():
                     buf = bufs[b]
@@ -266,8 +313,9 @@ def _outputs(ins, pos, value, bufs, new, donated, ends) -> dict:
     return out
 
 
-def _donated_outputs(instrs, by_name, aliases) -> set:
-    """(instruction, index) of each value the module returns in a donated parameter."""
+def _donated_outputs(instrs, by_name, aliases) -> dict:
+    """(instruction, index) of each value the module returns in a donated parameter ->
+    that parameter's number."""
     root = next((ins for ins in reversed(instrs) if ins.root), instrs[-1])
 
     def resolve(name, path):
@@ -280,8 +328,8 @@ def _donated_outputs(instrs, by_name, aliases) -> set:
         return (name, path)
 
     if root.opcode != "tuple":
-        return {resolve(root.name, ())} if () in aliases else set()
-    return {resolve(o, ()) for k, o in enumerate(root.operands) if (k,) in aliases}
+        return {resolve(root.name, ()): aliases[()]} if () in aliases else {}
+    return {resolve(o, ()): aliases[(k,)] for k, o in enumerate(root.operands) if (k,) in aliases}
 
 
 @dataclass(frozen=True)
@@ -307,11 +355,18 @@ def hlo_live_peak(text: str) -> HloLivePeak:
     """The live peak of a scheduled module's entry computation (module docstring)."""
     instrs, bufs = schedule_buffers(text)
     n = len(instrs)
-    delta = [0] * (n + 2)
-    for b in bufs:
+    pieces = _value_pieces(instrs, bufs)
+    inside = in_dead_donated_parameters(instrs, bufs, pieces)
+    spans: dict[int, list[tuple[int, int]]] = {}  # buffer -> where the heap holds it
+    for k, b in enumerate(bufs):
         if b.bytes and not b.donated:
-            delta[b.first] += b.bytes
-            delta[b.last + 1] -= b.bytes
+            kept = [piece for i, piece in enumerate(pieces[k]) if (k, i) not in inside]
+            spans[k] = _union(kept)
+    delta = [0] * (n + 2)
+    for k, intervals in spans.items():
+        for first, last in intervals:
+            delta[first] += bufs[k].bytes
+            delta[last + 1] -= bufs[k].bytes
     best, at, running = -1, 0, 0
     for i in range(n + 1):
         running += delta[i]
@@ -319,11 +374,95 @@ def hlo_live_peak(text: str) -> HloLivePeak:
             best, at = running, i
     params = sum(b.bytes for b in bufs if b.parameter)
     live = sorted(
-        (b for b in bufs if b.bytes and not b.donated and b.first <= at <= b.last),
+        (bufs[k] for k, intervals in spans.items() if any(f <= at <= z for f, z in intervals)),
         key=lambda b: -b.bytes,
     )
     where = instrs[min(at, n - 1)].name
     return HloLivePeak(best, params, at, where, tuple(live))
+
+
+def _value_pieces(instrs, bufs) -> list[list[tuple[int, int]]]:
+    """Each buffer's values as live ranges: a value from where it is made to where the
+    next value sharing the buffer is made (it dies there), the last to the buffer's end.
+    XLA assigns each such value apart; the sharing is its heap's choice."""
+    position = {ins.name: k for k, ins in enumerate(instrs)}
+    out = []
+    for b in bufs:
+        starts = [b.first] + [position[name] for name, _ in (b.values or [])[1:]]
+        out.append([(f, z) for f, z in zip(starts, starts[1:] + [b.last])])
+    return out
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for first, last in sorted(intervals):
+        if out and first <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
+def in_dead_donated_parameters(instrs, bufs: list[Buffer], pieces) -> set[tuple[int, int]]:
+    """The temporaries ((buffer, value) of :func:`_value_pieces`) XLA's buffer assignment
+    puts into a donated parameter's buffer while it holds nothing: after the parameter's
+    last reader, before the output written there is made.  XLA offers such a buffer to
+    every temporary that fits before it heap-packs the rest (``MaybeAssignBuffer`` through
+    ``TryAssignToExistingAllocation``): largest first, earliest first among equals, each
+    into the smallest fitting parameter whose other tenants it does not meet (a reused
+    allocation is not packed); a value may start where the parameter's last reader is,
+    or end where the output is made, when that instruction writes it in place (a fusion
+    that reads it, not a library call).  A step that copies a weight before its update
+    (the old value read after it) frees the weight's buffer between the copy and the
+    update."""
+
+    def in_place(user: int, name: str) -> bool:
+        ins = instrs[user]
+        return (
+            ins.opcode == "fusion"
+            and "kind=kCustom" not in ins.attributes
+            and (name in ins.operands)
+        )
+
+    outputs: dict[int, int] = {}  # parameter number -> first position of its output
+    for b in bufs:
+        if b.donated and b.parameter_number is not None:
+            at = outputs.get(b.parameter_number, b.first)
+            outputs[b.parameter_number] = min(at, b.first)
+    windows = []  # (bytes, -number, dead after, dead before, parameter, tenants)
+    for b in bufs:
+        if b.parameter and b.parameter_number in outputs:
+            start, end = b.read_until, outputs[b.parameter_number]
+            if end - start > 0:
+                windows.append((b.bytes, -b.parameter_number, start, end, b.made_by[0], []))
+    if not windows:
+        return set()
+    windows.sort()  # smallest first
+    largest = windows[-1][0]
+    candidates = sorted(
+        (
+            (-b.bytes, first, last, k, i)
+            for k, b in enumerate(bufs)
+            if 0 < b.bytes <= largest and not b.parameter and not b.donated
+            for i, (first, last) in enumerate(pieces[k])
+        )
+    )
+    inside = set()
+    for minus_bytes, first, last, k, i in candidates:
+        name = bufs[k].values[i][0]
+        for size, _, start, end, parameter, tenants in windows:
+            if size < -minus_bytes or not start <= first or not last <= end:
+                continue
+            if first == start and not (instrs[first].name == name and in_place(first, parameter)):
+                continue
+            if last == end and not in_place(end, name):
+                continue
+            if any(not (last < lo or hi < first) for lo, hi in tenants):
+                continue
+            tenants.append((first, last))
+            inside.add((k, i))
+            break
+    return inside
 
 
 @dataclass(frozen=True)
