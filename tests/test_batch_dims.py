@@ -141,3 +141,44 @@ def test_an_undivided_batch_is_refused_naming_the_value():
     with pytest.raises(ValueError, match=r"batch dim \(dim 0\) of data input .* not divisible "
                        r"by the 4 devices of axis 'model'"):  # fmt: skip
         auto_shard_graph(g, mesh, IntraOptions(force_batch_dim_to_mesh_axis="model"))
+
+
+def test_batched_dots_and_reshapes():
+    """A batched dot keeps the batch on its batch dim; a reshape keeps it where the dims
+    up to it are unchanged, not where it merges the batch with the next dim (Alpa keeps
+    it there too: the deviation its docstring names)."""
+    B, S, H = 4, 6, 8
+
+    def loss(p, b):
+        q = b["x"] @ p["w"]  # (B, S, H)
+        scores = jnp.einsum("bsh,bth->bst", q, b["x"])  # batch dim b
+        flat = scores.reshape(B, S * S)  # keeps dim 0
+        merged = q.reshape(B * S, H)  # merges it: no batch
+        return jnp.sum(flat) + jnp.sum(merged @ p["v"])
+
+    def step(params, opt_state, b):
+        grads = jax.grad(loss)(params, b)
+        return jax.tree.map(lambda w, g: w - g, params, grads), opt_state, loss(params, b)
+
+    params = {"w": jnp.zeros((H, H)), "v": jnp.zeros((H, 2))}
+    g = build_graph(trace_train_step(step, params, (), {"x": jnp.zeros((B, S, H))}).records)
+    batch = batch_dim_map(g)
+    fwd = [n for n in g.nodes if n.phase == "forward"]
+    dots = [n for n in fwd if n.primitive == "dot_general"]
+    shapes = [g.tensors[n.outputs[0]].shape for n in dots]
+    assert shapes == [(B, S, H), (B, S, S), (B * S, 2)], shapes
+    assert [batch.get(n.outputs[0]) for n in dots] == [0, 0, None]
+    reshapes = {g.tensors[n.outputs[0]].shape: n.outputs[0] for n in fwd
+                if n.primitive == "reshape"}  # fmt: skip
+    assert batch[reshapes[(B, S * S)]] == 0 and reshapes[(B * S, H)] not in batch
+
+
+def test_the_forced_axis_forbids_all_gathers_over_it_alone():
+    from autoshard.intra.problem.options import collective_forbidden
+
+    forbidden = IntraOptions(force_batch_dim_to_mesh_axis="x").forbidden_collectives()
+    assert collective_forbidden("all-gather", ("x",), forbidden)
+    assert collective_forbidden("all-gather", ("x", "y"), forbidden)
+    assert not collective_forbidden("all-gather", ("y",), forbidden)
+    assert not collective_forbidden("all-reduce", ("x",), forbidden)
+    assert IntraOptions().forbidden_collectives() == frozenset()
