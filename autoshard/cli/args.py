@@ -184,7 +184,8 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force-batch-axis",
         metavar="AXIS",
-        help="split every data input's batch dimension over this mesh axis (e.g. data)",
+        help="split the batch dimension of every data input, dot and convolution over this "
+        "mesh axis alone, as Alpa's force_batch_dim_to_mesh_dim (e.g. data)",
     )
     p.add_argument(
         "--layer-period",

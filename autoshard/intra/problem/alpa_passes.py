@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from autoshard.intra.cost.collectives import ring_volume
-from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.problem.options import IntraOptions, held_forbidden
 from autoshard.ir.graph import Graph
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.spec import Mesh, ShardingSpec
@@ -153,13 +153,14 @@ def checked_forbidden(plan: ParallelPlan, options: IntraOptions, exact: bool) ->
     forbidden = options.forbidden_collectives()
     held = plan.solver.get("forbidden_held")
     if held is None:
-        held = sorted({c.kind for c in plan.predicted_collectives} & forbidden)
+        held = held_forbidden({(c.kind, c.axes) for c in plan.predicted_collectives}, forbidden)
     if not held:
         return plan
     said = [
         f"{k}={getattr(options, k)}"
         for k, default in (
-            ("all_reduce_only", False), ("allow_all_gather", True), ("allow_all_to_all", True)
+            ("all_reduce_only", False), ("allow_all_gather", True), ("allow_all_to_all", True),
+            ("force_batch_dim_to_mesh_axis", None),
         )
         if getattr(options, k) != default
     ]  # fmt: skip

@@ -93,12 +93,19 @@ class IntraOptions:
 
     Alpa's ``AutoShardingOption`` knobs:
 
-    * ``force_batch_dim_to_mesh_axis``: the batch dimension (dim 0) of every data input
-      is split over this mesh axis (what data parallelism means); a batch that the axis
-      does not divide is refused. On an axis of one device the batch dim of every data
-      input is left unsplit (Alpa's rule: the other axes serve the model). Unlike
-      Alpa's, the rule holds for the inputs only, not every op with a batch dim
-      (``data_parallel_axes`` holds it in every op).
+    * ``force_batch_dim_to_mesh_axis``: Alpa's ``force_batch_dim_to_mesh_dim``. A
+      batch-dim analysis finds which dim of each value carries the batch (the data
+      inputs' dim 0 propagated through the program:
+      :mod:`autoshard.intra.problem.batch_dims`), and, as Alpa filters them, every data
+      input and every dot, convolution and fused attention whose result has a batch dim
+      splits it over this mesh axis and over no other (:func:`~autoshard.intra.problem.
+      ties.force_batch_dim`); on an axis of one device that dim is left unsplit (the
+      other axes serve the model). Other ops are not filtered (they pay for any
+      resharding to or from these), and values without a batch dim (weights, their
+      gradients, optimizer state) are free. As Alpa prices an all-gather over the
+      forced mesh dim at infinity, no resharding all-gathers over the axis
+      (:meth:`forbidden_collectives`). An axis that does not divide such a batch dim is
+      refused, naming the value.
     * ``data_parallel_axes``: what data parallelism over these mesh axes means, for every
       op and not only the inputs: every data input splits its batch dim over all of them,
       and no resharding moves a tensor's split off one of them (no all-gather or
@@ -252,8 +259,14 @@ class IntraOptions:
         return dataclasses.replace(self, **changes)
 
     def forbidden_collectives(self) -> frozenset[str]:
-        """The collective kinds no resharding may use under these options."""
+        """The collective kinds no resharding may use under these options: a kind (over
+        any axes), or ``kind@axis`` for one over that mesh axis
+        (:func:`collective_forbidden`): ``force_batch_dim_to_mesh_axis`` forbids
+        all-gathers over its axis, as Alpa prices them (infinite) on the forced mesh dim,
+        so that data parallelism there only all-reduces."""
         kinds = set()
+        if self.force_batch_dim_to_mesh_axis is not None:
+            kinds.add(f"all-gather@{self.force_batch_dim_to_mesh_axis}")
         if self.all_reduce_only:
             kinds |= {"all-gather", "all-to-all", "reduce-scatter", "collective-permute"}
         if not self.allow_all_gather:
@@ -265,6 +278,23 @@ class IntraOptions:
     def cost_options(self, relative_units: bool) -> CostOptions:
         """``cost``, or the default for a mesh in relative units / in seconds."""
         return self.cost if self.cost is not None else CostOptions(tie_breakers=relative_units)
+
+
+def collective_forbidden(kind: str, axes, forbidden: frozenset[str]) -> bool:
+    """Whether a collective of ``kind`` over mesh ``axes`` is in ``forbidden``
+    (:meth:`IntraOptions.forbidden_collectives`: the kind, or the kind over one of
+    ``axes``)."""
+    return kind in forbidden or any(f"{kind}@{a}" in forbidden for a in axes)
+
+
+def held_forbidden(collectives, forbidden: frozenset[str]) -> list[str]:
+    """The entries of ``forbidden`` that ``collectives`` (``(kind, axes)`` pairs) use,
+    sorted."""
+    held = set()
+    for kind, axes in collectives:
+        held |= {kind} & forbidden
+        held |= {f"{kind}@{a}" for a in axes} & forbidden
+    return sorted(held)
 
 
 def _real(x) -> bool:

@@ -17,6 +17,7 @@ from autoshard.intra.cost.reshard_tiles import sliced_dims, slices_again
 from autoshard.intra.cost.resharding import DEFAULT_COST_OPTIONS
 from autoshard.intra.ilp import Solution
 from autoshard.intra.memory.model import predicted_peak_bytes
+from autoshard.intra.problem.options import held_forbidden
 from autoshard.intra.rules.strategies import Strategy
 from autoshard.ir.plan import ParallelPlan
 from autoshard.ir.primitives import ELEMENTWISE, SUM_MAX_MIN_REDUCTIONS
@@ -71,9 +72,11 @@ def plan_from_solution(
     solver["compute_s_by_phase"] = by_phase
     if forbidden:
         priced = {
-            "all-reduce" if tid in relabelled else c.kind for tid, cols in by_value for c in cols
+            ("all-reduce" if tid in relabelled else c.kind, c.axes)
+            for tid, cols in by_value
+            for c in cols
         }
-        solver["forbidden_held"] = sorted(priced & forbidden)
+        solver["forbidden_held"] = held_forbidden(priced, forbidden)
     operand_specs: dict[int, dict[int, ShardingSpec]] = {}
     for op in ip.operands:
         if op.slot < 0 or op.dst < ip.num_inputs:

@@ -47,10 +47,10 @@ NOT_FOLLOWERS = frozenset(
 def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> None:
     """Forbid (infinite cost) the strategies that ``options``' Alpa knobs rule out:
     ``allow_mixed_mesh_shape=False`` (a dim split over several mesh axes),
-    ``force_batch_dim_to_mesh_axis`` and ``data_parallel_axes`` (a data input whose batch
-    dim is not split over that axis / all those axes). Raises ValueError, naming the input
-    and what would work, where an axis is unknown, a batch does not divide or no strategy
-    is left."""
+    ``force_batch_dim_to_mesh_axis`` (:func:`force_batch_dim`) and ``data_parallel_axes``
+    (a data input whose batch dim is not split over all those axes). Raises ValueError,
+    naming the input or op and what would work, where an axis is unknown, a batch does
+    not divide or no strategy is left."""
     names = mesh.mesh.axis_names
     axis = options.force_batch_dim_to_mesh_axis
     if axis is not None and axis not in names:
@@ -64,9 +64,9 @@ def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> No
             f"data_parallel_axes={options.data_parallel_axes!r}: {unknown} not axes of the "
             f"mesh {mesh.mesh}; choose among {list(names)}"
         )
-    batch_rules = [((axis,), "force_batch_dim_to_mesh_axis")] if axis is not None else []
-    if options.data_parallel_axes:
-        batch_rules.append((options.data_parallel_axes, "data_parallel_axes"))
+    forced = force_batch_dim(graph, n_in, mesh.mesh, axis) if axis is not None else {}
+    dp_axes = options.data_parallel_axes
+    dp_size = mesh.mesh.size(dp_axes) if dp_axes else 1
 
     def mixed(s) -> bool:
         specs = [*s.input_specs, *s.output_specs]
@@ -76,19 +76,23 @@ def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> No
         costs = list(node_costs[i])
         if not options.allow_mixed_mesh_shape:
             costs = [math.inf if mixed(s) else c for s, c in zip(strats, costs, strict=True)]
+        if i in forced:
+            d = forced[i]
+            costs = [
+                c if _split_only_over(s.output_specs[0].dims[d], axis, mesh.mesh) else math.inf
+                for s, c in zip(strats, costs, strict=True)
+            ]  # fmt: skip
         t = graph.tensors[graph.inputs[i]] if i < n_in else None
-        for axes, knob in batch_rules if t is not None and t.kind == "data" and t.shape else ():
-            size = mesh.mesh.size(axes)
-            if t.shape[0] % size:
-                where = f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
+        if dp_axes and t is not None and t.kind == "data" and t.shape:
+            if t.shape[0] % dp_size:
+                where = f"axis {dp_axes[0]!r}" if len(dp_axes) == 1 else f"axes {dp_axes}"
                 raise ValueError(
-                    f"{knob}={axes[0] if knob.startswith('force') else axes!r}: the batch dim "
-                    f"of data input {i} (shape {t.shape}) is not divisible by the {size} "
-                    f"devices of {where}; use a batch that is a multiple of {size}, or "
-                    "other axes"
+                    f"data_parallel_axes={dp_axes!r}: the batch dim of data input {i} (shape "
+                    f"{t.shape}) is not divisible by the {dp_size} devices of {where}; use a "
+                    f"batch that is a multiple of {dp_size}, or other axes"
                 )
             costs = [
-                c if _batch_dim_kept(s.output_specs[0].dims[0], axes, size) else math.inf
+                c if _batch_dim_kept(s.output_specs[0].dims[0], dp_axes, dp_size) else math.inf
                 for s, c in zip(strats, costs, strict=True)
             ]
         if costs != list(node_costs[i]):
@@ -103,11 +107,60 @@ def apply_alpa_options(graph, strategies, node_costs, n_in, mesh, options) -> No
             node_costs[i] = tuple(costs)
 
 
+def force_batch_dim(graph, n_in, mesh, axis) -> dict[int, int]:
+    """``force_batch_dim_to_mesh_axis=axis``, Alpa's ``force_batch_dim_to_mesh_dim``: the
+    problem nodes whose strategies must split their output's batch dim over ``axis`` and
+    over no other axis (on an axis of one device: leave it unsplit), as node -> that dim.
+
+    Alpa's rule: the batch-dim map of the whole program
+    (:func:`autoshard.intra.problem.batch_dims.batch_dim_map`), and the strategies of the
+    ops it filters -- the program inputs (Alpa's parameters) with a batch dim, and the
+    dots and convolutions (here also the fused attention, two batched dots in Alpa's
+    HLO) whose result has one -- kept where their *output* splits that dim so. Other ops
+    with a batch dim are not filtered (in Alpa they follow an operand; in autoshard a
+    light op takes its operand's layout, and any other op pays for a resharding to or
+    from the filtered ones). Raises ValueError where ``axis`` does not divide the batch
+    dim of such an input or op (Alpa refuses it too)."""
+    from autoshard.intra.problem.batch_dims import FILTERED, batch_dim_map
+
+    batch = batch_dim_map(graph)
+    size = mesh.size(axis)
+    out: dict[int, int] = {}
+    for i in range(n_in + len(graph.nodes)):
+        if i < n_in:
+            tid, what = graph.inputs[i], f"input {i}"
+        else:
+            node = graph.nodes[i - n_in]
+            if node.primitive not in FILTERED or not node.outputs:
+                continue
+            tid, what = node.outputs[0], f"{node.primitive} (node {node.index})"
+        if tid not in batch:
+            continue
+        d, shape = batch[tid], graph.tensors[tid].shape
+        if shape[d] % size:
+            kind = graph.tensors[tid].kind
+            raise ValueError(
+                f"force_batch_dim_to_mesh_axis={axis!r}: the batch dim (dim {d}) of {kind} "
+                f"{what} (shape {shape}) is not divisible by the {size} devices of axis "
+                f"{axis!r}; use a batch that is a multiple of {size}, or another axis"
+            )
+        out[i] = d
+    return out
+
+
+def _split_only_over(dim_axes, axis, mesh) -> bool:
+    """Whether a batch dim split over ``dim_axes`` obeys ``force_batch_dim_to_mesh_axis=
+    axis``: split over that axis and no other (axes of one device aside); where the axis
+    holds one device, not split at all (Alpa: the batch replicated on a mesh dim of size
+    1, so that the other dims serve the model)."""
+    real = tuple(a for a in dim_axes if mesh.size(a) > 1)
+    return real == ((axis,) if mesh.size(axis) > 1 else ())
+
+
 def _batch_dim_kept(batch_axes, axes, size) -> bool:
-    """Whether a data input whose batch dim is split over ``batch_axes`` obeys a rule
-    asking for ``axes`` (of ``size`` devices): split over them all; where they hold one
-    device, not split at all (Alpa's rule: a batch forced onto a mesh dim of size 1 is
-    replicated, so that the other dims serve the model)."""
+    """Whether a data input whose batch dim is split over ``batch_axes`` obeys
+    ``data_parallel_axes=axes`` (of ``size`` devices): split over them all; where they
+    hold one device, not split at all."""
     if size == 1:
         return not batch_axes
     return set(axes) <= set(batch_axes)

@@ -80,6 +80,7 @@ from autoshard.intra.cost.consumers import producer_preference, replication, res
 from autoshard.intra.cost.resharding import CostOptions, collective_cost, reshard
 from autoshard.intra.ilp import EdgeCost, Tie
 from autoshard.intra.problem.hub_sets import hub_max_sets, specs_of, wanted_sets_memo
+from autoshard.intra.problem.options import collective_forbidden
 from autoshard.intra.problem.slice_chains import (
     ChainGroup,
     SliceChain,
@@ -111,7 +112,7 @@ def xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
 
 def _priced(r, forbidden: frozenset[str]) -> float:
     """The cost of resharding ``r``, infinite where it uses a ``forbidden`` kind."""
-    if forbidden and any(c.kind in forbidden for c in r.collectives):
+    if forbidden and any(collective_forbidden(c.kind, c.axes, forbidden) for c in r.collectives):
         return INF
     return float(r.cost)
 
