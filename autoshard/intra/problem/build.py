@@ -427,13 +427,7 @@ def _plan_once(
     )
     budgeted = memory_budget_bytes is not None
     unsolved = (
-        unsolved_because(
-            mesh,
-            options.exact_search,
-            budgeted,
-            solver=options.solver,
-            forbidden=options.forbidden_collectives(),
-        )  # fmt: skip
+        unsolved_because(mesh, options.exact_search, budgeted, solver=options.solver)
         if exact_values
         else None
     )
@@ -464,9 +458,8 @@ def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, 
         first = solve(ip.problem, **settings)
         # exact_search="lp" / "auto" solves a small program of several axes after all
         unsolved = unsolved_because(
-            mesh, options.exact_search, budgeted, first.num_variables, options.solver,
-            options.forbidden_collectives(),
-        )  # fmt: skip
+            mesh, options.exact_search, budgeted, first.num_variables, options.solver
+        )
         solution = kept_per_demand(
             first, first.strategy, price_per_value(common, first.strategy), unsolved
         )

@@ -54,8 +54,11 @@ EXACT_MAX_COLUMNS = 40_000
 EXACT_MIP_MAX_COLUMNS = 2_500
 # and its LP gets at most this many simplex iterations (a count, not seconds, so the plan
 # does not depend on the load): the LPs kept where measured took at most 11,250 (the
-# 4-layer conv net on 2x2, 43,324 columns); gpt-tiny's with allow_all_gather=False on 2x4
-# and 4x2 (42,184 and 42,792 columns, fractional) 27,651 and 29,120, 33-46 s at load 9
+# 4-layer conv net on 2x2, 43,324 columns); with forbidden collectives
+# (benchmarks/studies/exact_lp_forbidden.py, 2026-11-28) gpt-tiny's with
+# allow_all_gather=False on 2x4 (46,533 columns) 31,630 (11 s), with
+# force_batch_dim_to_mesh_axis on 2x4 and 4x2 19,877-20,886 (1.6-2.7 s), the strict
+# megatron baseline's 8,229-15,152 (integral)
 EXACT_LP_MAX_ITERATIONS = 20_000
 
 
@@ -116,14 +119,14 @@ def unsolved_because(
     budgeted: bool = False,
     columns: int | None = None,
     solver: str = "highs",
-    forbidden: frozenset[str] = frozenset(),
 ) -> str | None:
     """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
     ``mesh`` (under a memory budget when ``budgeted``), or None where it does.
     ``columns``: the per-demand program's, which "lp" and "auto" read on a mesh of several
-    axes (None: not solved yet, so not solved there either).  ``forbidden``: the collective
-    kinds the options forbid, with which "lp" does not solve it on a mesh of several axes
-    (their LPs were the slowest measured, and proved nothing cheaper: docs/sharing.md)."""
+    axes (None: not solved yet, so not solved there either).  Forbidden collectives do not
+    keep "lp" from solving it (until 2026-11-28 they did): under the LP's iteration cap it
+    found plans 7.5% cheaper with force_batch_dim_to_mesh_axis, and never a dearer one, for
+    1.3-2.7 s more (benchmarks/studies/exact_lp_forbidden.py, docs/sharing.md)."""
     if search == "always":
         return None
     if search == "never":
@@ -131,11 +134,6 @@ def unsolved_because(
     several = sum(1 for n in mesh.mesh.shape if n > 1) > 1
     if several and search == "one-axis":
         return "not solved on this mesh of several axes (exact_search='one-axis')"
-    if several and search == "lp" and forbidden:
-        return (
-            "not solved on this mesh of several axes with forbidden collectives "
-            f"({', '.join(sorted(forbidden))}; exact_search='lp')"
-        )
     if several and search == "lp" and solver != "highs":
         return (
             f"not solved on this mesh of several axes with {solver} (exact_search='lp' "

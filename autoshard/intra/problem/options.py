@@ -78,8 +78,7 @@ class IntraOptions:
       agree fixed, at most 2,500 left free, 200 nodes; RINS), kept where cheaper, else the
       per-demand plan, priced per value; the LP gets at most
       :data:`~autoshard.intra.problem.exact_values.EXACT_LP_MAX_ITERATIONS` simplex
-      iterations.  Not with forbidden collectives (their LPs were the slowest measured),
-      unless the per-demand plan needs one, nor with CBC.  Rules on the program's size
+      iterations.  With forbidden collectives too (since 2026-11-28), not with CBC.  Rules on the program's size
       and counts, so the plan does not depend on the load (docs/sharing.md);
     * "one-axis" on meshes with at most one axis longer than 1, where it proves its
       optimum in seconds and finds cheaper plans than its start;
