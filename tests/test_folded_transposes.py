@@ -48,7 +48,7 @@ def test_xla_cpu_writes_a_weight_gradient_transposed_and_the_model_holds_one_buf
     begins; the plain layout holds both at the transpose."""
     from autoshard.api import device_mesh_for
     from autoshard.hardware.mesh import PLAIN_MEMORY
-    from autoshard.intra.memory.model import mesh_intervals
+    from autoshard.intra.memory.intervals import mesh_intervals
 
     text = jax.jit(_two_layer_step).lower(*_ARGS).compile().as_text()
     entry = text[text.index("ENTRY") :]
@@ -71,7 +71,7 @@ def test_xla_cpu_writes_a_weight_gradient_transposed_and_the_model_holds_one_buf
 def test_a_narrow_dot_result_computed_in_f32_is_not_folded():
     """A bf16 dot that XLA:CPU computes in f32 (``narrow_dots_in_f32``) is transposed
     through the convert down, not folded: both buffers are kept."""
-    from autoshard.intra.memory.model import live_intervals
+    from autoshard.intra.memory.intervals import live_intervals
 
     args = tuple(jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in _ARGS)
     graph = build_graph(trace(_two_layer_step, *args).records)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from autoshard.intra.memory.model import live_intervals
+from autoshard.intra.memory.intervals import live_intervals
 from autoshard.intra.problem.options import IntraOptions
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace
@@ -309,7 +309,7 @@ def test_gradients_reduced_together_hold_partial_and_reduced_copies_on_cpu():
     MLP's predicted peak counts both there (on CPU meshes: ``late_updates``), and agrees
     with XLA's compiled peak within 10%; without late updates nothing is combined."""
     from autoshard.api import device_mesh_for
-    from autoshard.intra.memory.model import mesh_intervals, program_positions
+    from autoshard.intra.memory.intervals import mesh_intervals, program_positions
     from autoshard.intra.memory.reshard_copies import combined_reduction
 
     def loss(params, x):
@@ -363,7 +363,7 @@ def test_a_sliced_gradient_is_reduced_whole_at_the_combined_all_reduce():
     a copy is its own size at its reader."""
     from autoshard.api import device_mesh_for
     from autoshard.hardware.mesh import alpa_test_mesh
-    from autoshard.intra.memory.model import mesh_intervals, program_positions
+    from autoshard.intra.memory.intervals import mesh_intervals, program_positions
     from autoshard.intra.memory.reshard_copies import combined_copy_bytes, reshard_buffers
     from autoshard.ir.spec import ShardingSpec
 

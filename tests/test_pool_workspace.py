@@ -95,7 +95,7 @@ def test_the_sizes_are_the_per_device_shapes_of_the_expansion():
 def test_the_live_ranges_run_from_the_start_and_the_forward_to_the_backward():
     """Iotas from the step's start to the forward pooling, zeros to just before the
     backward, the indices from the forward pooling to the backward."""
-    from autoshard.intra.memory.model import program_positions
+    from autoshard.intra.memory.intervals import program_positions
 
     graph = _graph()
     mesh = alpa_test_mesh((8, 1), AXES, memory_layout=XLA_CPU_MEMORY)
@@ -159,7 +159,7 @@ def test_the_forward_operand_is_freed_at_the_forward_pooling():
     forward pooling; the backward's scatter reads the indices. An operand with a buffer of
     its own (the conv net's ReLU outputs) ends at its last other reader, not at the
     backward; without the rule it is held to the backward."""
-    from autoshard.intra.memory.model import mesh_intervals
+    from autoshard.intra.memory.intervals import mesh_intervals
 
     graph = _graph()
     on = alpa_test_mesh((8, 1), AXES, memory_layout=_cpu_layout())
@@ -182,7 +182,7 @@ def test_wresnet_zero3_on_8_needs_the_operand_freed_at_the_forward_pooling(monke
     pooling's backward, more than 10% over (+13.1%)."""
     from autoshard.api import device_mesh_for, trace_workload
     from autoshard.intra.baselines.tables import baseline_inputs, baseline_options
-    from autoshard.intra.memory import model
+    from autoshard.intra.memory import intervals, model
     from autoshard.verify.check import verify_plan
 
     traced = trace_workload("wresnet-tiny", optimizer="sgd", num_layers=8)
@@ -198,5 +198,5 @@ def test_wresnet_zero3_on_8_needs_the_operand_freed_at_the_forward_pooling(monke
         return max(model.predicted_live_bytes(g, spec_of, mesh, plan.operand_specs))
 
     assert abs(peak() - xla) <= 0.10 * xla, (peak(), xla)
-    monkeypatch.setattr(model, "_pool_operands_read_forward", lambda graph, mesh, out: out)
+    monkeypatch.setattr(intervals, "_pool_operands_read_forward", lambda graph, mesh, out: out)
     assert peak() > 1.10 * xla, (peak(), xla)

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.intra.memory.model import mesh_intervals
+from autoshard.intra.memory.intervals import mesh_intervals
 from autoshard.ir.graph import Graph
 from autoshard.ir.spec import ShardingSpec
 
@@ -143,7 +143,7 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
     pipeline runtime runs a stage's backward and update as one program
     (:meth:`autoshard.runtime.stage.StageExecutable.backward_update`) and the device
     updates each weight as soon as its gradient is made (as the one-mesh memory model has
-    it, :func:`autoshard.intra.memory.model.program_positions`), so a unit holds its own
+    it, :func:`autoshard.intra.memory.intervals.program_positions`), so a unit holds its own
     gradients only while they are made: staging (working) bytes, held once. On a backend
     that updates late (XLA:CPU, ``late_updates``) they are owned bytes either way."""
     from autoshard.intra.offload.placement import narrow_copy_bytes, offload_cost, offload_tensors

@@ -103,7 +103,7 @@ def held_broadcasts(graph: Graph, mesh: DeviceMesh, kept: set[int]) -> list[Held
     """The broadcasts XLA:CPU keeps from the forward pass to a backward reduction, and the
     forward values made of broadcasts only that the backward reads (none unless ``mesh``'s
     layout has ``materialized_broadcasts``).  ``kept``: the tensors that have a buffer of
-    their own already (:func:`~autoshard.intra.memory.model.mesh_intervals`), not counted again."""
+    their own already (:func:`~autoshard.intra.memory.intervals.mesh_intervals`), not counted again."""
     if not mesh.memory_layout.materialized_broadcasts:
         return []
     data_free = data_free_tensors(graph)  # folded or made inside each reader's fusion

@@ -112,7 +112,7 @@ def copied_lhs_sources(
     fusions and kept (the fused cross-entropy's ``exp(logits - lse)``:
     ``subtract_exponential_fusion`` beside the logits gradient and its transposed copy on
     gpt-350m, 200 MiB each).  Returns them mapped to the last such dot's node index, to
-    which they live (:func:`~autoshard.intra.memory.model.live_intervals`).  Forward ones are left to the rules above (saved or recomputed
+    which they live (:func:`~autoshard.intra.memory.intervals.live_intervals`).  Forward ones are left to the rules above (saved or recomputed
     for the backward: on gpt-tiny's and gpt-350m's unfused steps counting them again
     over-predicted XLA:CPU by up to 45% at the embedding gradient's dot).
 

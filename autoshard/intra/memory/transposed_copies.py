@@ -83,7 +83,7 @@ def conv_copy_groups(graph: Graph, strategies, producer, n_in: int, mesh, pos, h
     strategies that read it so; made at the copy's first position, kept while a later
     conv reads that layout.  ``strategies``, ``producer``, ``n_in``: as
     :func:`~autoshard.intra.memory.model.memory_rows` takes them; ``pos``:
-    :func:`~autoshard.intra.memory.model.program_positions`."""
+    :func:`~autoshard.intra.memory.intervals.program_positions`."""
     out = []
     ends = input_gradient_copy_ends(graph, mesh)
     for tid, first, _, nbytes, convs in conv_copy_buffers(graph, mesh, host):
@@ -124,7 +124,7 @@ def transposed_weight_intervals(
     (:func:`~autoshard.intra.memory.layout_copies.transposed_weight_copies`): made at the
     start, live to its last reader; one per layout that a dot reading one expert a device
     (:func:`~autoshard.intra.memory.layout_copies.reads_one_batch_row`) reads the weight
-    in.  ``pos``: :func:`~autoshard.intra.memory.model.program_positions`."""
+    in.  ``pos``: :func:`~autoshard.intra.memory.intervals.program_positions`."""
     out = []
     for tid, dots in transposed_weight_copies(graph, mesh).items():
         if tid not in spec_of:
@@ -146,7 +146,7 @@ def transposed_weight_groups(graph: Graph, strategies, producer, n_in: int, mesh
     :class:`CopyGroup` entries, as :func:`transposed_weight_intervals` counts them: per
     weight and layout a dot reads it in with one expert a device, the dots' strategies
     that read it so; made at the start of the step, whatever the weight's own strategy
-    (``pos``: :func:`~autoshard.intra.memory.model.program_positions`)."""
+    (``pos``: :func:`~autoshard.intra.memory.intervals.program_positions`)."""
     out = []
     for tid, dots in transposed_weight_copies(graph, mesh).items():
         src, _ = producer[tid]

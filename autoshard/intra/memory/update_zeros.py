@@ -71,7 +71,7 @@ def update_zeros(
 def foldable_zeros(zeros: list[UpdateZeros], mesh: DeviceMesh) -> list[UpdateZeros]:
     """Of ``zeros`` (:func:`update_zeros`), those an add may absorb, on a backend that
     makes them early (``early_input_reshards``); the others are buffers of
-    :func:`autoshard.intra.memory.model.live_intervals`."""
+    :func:`autoshard.intra.memory.intervals.live_intervals`."""
     if not mesh.memory_layout.early_input_reshards:
         return []
     return [z for z in zeros if z.add is not None]
