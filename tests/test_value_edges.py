@@ -15,7 +15,8 @@ from autoshard.intra.cost.resharding import collective_cost
 from autoshard.intra.ilp import ShardingProblem, objective_of, solve
 from autoshard.intra.problem.build import auto_shard_graph, build_problem
 from autoshard.intra.problem.options import IntraOptions
-from autoshard.intra.problem.value_edges import Use, Value, value_edges, xla_resolves
+from autoshard.intra.problem.value_costs import xla_resolves
+from autoshard.intra.problem.value_edges import Use, Value, value_edges
 from autoshard.intra.rules.strategies import Strategy
 from autoshard.ir.spec import ShardingSpec
 

@@ -167,9 +167,9 @@ def test_the_replication_s_first_all_gather_is_made_once(jmesh, capfd):
 
 def test_the_ilp_prices_a_shared_replication_as_predicted():
     # a hub's price for the set {channels, replicated} is the prediction's
-    from autoshard.intra.problem.value_edges import _consumers_cost
+    from autoshard.intra.problem.value_costs import consumers_cost
 
-    price = _consumers_cost(ACT, (CHANNELS, REPLICATED), ACT_SHAPE, 4, PRICED, DEFAULT_COST_OPTIONS)
+    price = consumers_cost(ACT, (CHANNELS, REPLICATED), ACT_SHAPE, 4, PRICED, DEFAULT_COST_OPTIONS)
     predicted = reshard_to_consumers(ACT, [CHANNELS, REPLICATED], ACT_SHAPE, 4, PRICED)
     assert price == pytest.approx(predicted.cost)
     both = 2 * replication(ACT, ACT_SHAPE, 4, PRICED).cost

@@ -73,14 +73,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.intra.cost.consumers import producer_preference, replication, reshard_to_consumers
-from autoshard.intra.cost.resharding import CostOptions, collective_cost, reshard
+from autoshard.intra.cost.consumers import producer_preference
+from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import EdgeCost, Tie
 from autoshard.intra.problem.hub_sets import hub_max_sets, specs_of, wanted_sets_memo
-from autoshard.intra.problem.options import collective_forbidden
 from autoshard.intra.problem.slice_chains import (
     ChainGroup,
     SliceChain,
@@ -88,80 +86,15 @@ from autoshard.intra.problem.slice_chains import (
     _fold_matrices,
     _relevant,
 )
+from autoshard.intra.problem.value_costs import (
+    consumers_cost,
+    reshard_cost,
+    resolve_cost,
+    xla_resolves,
+)
 from autoshard.ir.spec import ShardingSpec
 
 INF = math.inf
-
-
-def xla_resolves(src: ShardingSpec, dst: ShardingSpec) -> bool:
-    """Can XLA turn the partial sum ``src`` into ``dst`` right at the producing op?
-
-    XLA's SPMD partitioner resolves a partial sum with one all-reduce or reduce-scatter
-    into the sharding its consumer needs; when that sharding drops or moves a split of
-    the output, it re-partitions the producing op instead (gathering its operands), a
-    different plan.  So from a partial sum we only allow targets that keep every split
-    the producer has (and may add the reduced axes to a dim: a reduce-scatter).  A partial
-    max or min is resolved by an all-reduce into the producer's own layout only (on 2x4
-    gpt-tiny, XLA did not reduce-scatter the log-softmax's partial max into the split
-    the consumer wanted, and the prediction that it would disagreed with the compiled step).
-    """
-    if src.partial and src.partial_op != "sum":
-        return dst.dims == src.dims
-    return all(d[: len(s)] == s for s, d in zip(src.dims, dst.dims))
-
-
-def _priced(r, forbidden: frozenset[str]) -> float:
-    """The cost of resharding ``r``, infinite where it uses a ``forbidden`` kind."""
-    if forbidden and any(collective_forbidden(c.kind, c.axes, forbidden) for c in r.collectives):
-        return INF
-    return float(r.cost)
-
-
-@lru_cache(maxsize=1_000_000)
-def _resolve_cost(
-    src, dst, shape, itemsize, mesh, options, steps, batch_dims=(), forbidden=frozenset()
-) -> float:
-    """One value into one spec, reductions at the producer included (``steps``; a
-    batched dot's ``batch_dims``); infinite where that needs a ``forbidden`` collective
-    kind (:meth:`~autoshard.intra.problem.options.IntraOptions.forbidden_collectives`).  Give
-    ``steps`` and ``batch_dims`` through :func:`_relevant`, so that equal costs share
-    one memo entry."""
-    r = reshard_to_consumers(
-        src, [dst], shape, itemsize, mesh, options, steps, batch_dims=batch_dims
-    )
-    return _priced(r, forbidden)
-
-
-@lru_cache(maxsize=1_000_000)
-def _consumers_cost(
-    src, dsts, shape, itemsize, mesh, options, steps=(), batch_dims=(), forbidden=frozenset()
-) -> float:
-    """One value into every spec of ``dsts`` (a tuple), as predicted: once per spec, a
-    partial sum reduced once (:func:`reshard_to_consumers`); infinite where a partial
-    ``src`` cannot be resolved into one of them at the producer (:func:`xla_resolves`) or
-    a ``forbidden`` kind is needed.  Give ``steps`` and ``batch_dims`` through
-    :func:`_relevant`."""
-    if not dsts:
-        return 0.0
-    if src.partial and not all(xla_resolves(src, b) for b in dsts):
-        return INF
-    if not src.partial:
-        costs = [_reshard_cost(src, b, shape, itemsize, mesh, options, forbidden) for b in dsts]
-        if len(dsts) < 2 or not all(map(math.isfinite, costs)):
-            return math.fsum(costs)
-        # the targets reached by the value's replication share its first all-gather,
-        # as predicted (reshard_to_consumers)
-        rep = replication(src, shape, itemsize, mesh, options)
-        if rep is None:
-            return math.fsum(costs)
-        shared = sum(reshard(src, b, shape, itemsize, mesh, options).collectives
-                     == rep.collectives for b in dsts)  # fmt: skip
-        first = collective_cost(mesh, rep.collectives[0], options)
-        return math.fsum(costs) - max(shared - 1, 0) * first
-    r = reshard_to_consumers(
-        src, list(dsts), shape, itemsize, mesh, options, steps, batch_dims=batch_dims
-    )
-    return _priced(r, forbidden)
 
 
 def hubbed_values(values, strategies, ties, hubs: int, memo: dict | None = None) -> frozenset:
@@ -192,11 +125,6 @@ def hubbed_values(values, strategies, ties, hubs: int, memo: dict | None = None)
         if targets and sets is not None:
             out.append(i)
     return frozenset(out)
-
-
-@lru_cache(maxsize=1_000_000)
-def _reshard_cost(src, dst, shape, itemsize, mesh, options, forbidden=frozenset()) -> float:
-    return _priced(reshard(src, dst, shape, itemsize, mesh, options), forbidden)
 
 
 @dataclass(frozen=True)
@@ -419,7 +347,7 @@ def value_edges(
                         rel = _relevant(a, st, v.batch_dims)
                         row = rows.get((a, rel))
                         if row is None:
-                            # this build's prices of a into each b (_resolve_cost's, looked
+                            # this build's prices of a into each b (resolve_cost's, looked
                             # up by b alone: the lru's nine-part key cost more than a price)
                             known = prices.setdefault((a, v.shape, v.itemsize, rel), {})
                             price = {}
@@ -432,7 +360,7 @@ def value_edges(
                                     c = known[b] = (
                                         0.0 if b is None
                                         else INF if a.partial and not xla_resolves(a, b)
-                                        else _resolve_cost(a, b, v.shape, v.itemsize, mesh,
+                                        else resolve_cost(a, b, v.shape, v.itemsize, mesh,
                                                            options, *rel, forbidden)
                                     )  # fmt: skip
                                 price[b] = c
@@ -473,7 +401,7 @@ def value_edges(
                     row = rows.get((a, rel))
                     if row is None:
                         row = rows[a, rel] = tuple(
-                            _consumers_cost(a, tuple(sorted(specs_of(x), key=targets.index)),
+                            consumers_cost(a, tuple(sorted(specs_of(x), key=targets.index)),
                                             v.shape, v.itemsize, mesh, options, *rel, forbidden)
                             for x in sets
                         )  # fmt: skip
@@ -508,7 +436,7 @@ def value_edges(
             if key not in matrices:
                 matrices[key] = tuple(
                     (0.0, (0.0 if xla_resolves(a, b) else INF) if a.partial
-                     else _reshard_cost(a, b, v.shape, v.itemsize, mesh, options, forbidden))
+                     else reshard_cost(a, b, v.shape, v.itemsize, mesh, options, forbidden))
                     for a in src_specs
                 )  # fmt: skip
             edges.append(EdgeCost.of_floats(v.src, y, matrices[key]))
@@ -529,7 +457,7 @@ def value_edges(
             if key not in matrices:
                 matrices[key] = tuple(
                     (INF,) + tuple(
-                        _resolve_cost(a, t, v.shape, v.itemsize, mesh, options,
+                        resolve_cost(a, t, v.shape, v.itemsize, mesh, options,
                                       *_relevant(a, st, v.batch_dims), forbidden)
                         if xla_resolves(a, t) else INF
                         for t in targets
@@ -552,7 +480,7 @@ def value_edges(
                             rows.append(
                                 (
                                     0.0,
-                                    _reshard_cost(
+                                    reshard_cost(
                                         t, b, v.shape, v.itemsize, mesh, options, forbidden
                                     ),
                                 )
