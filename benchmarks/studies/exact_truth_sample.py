@@ -212,7 +212,23 @@ def exact_record(solution, objective, start_price, default, lp) -> dict:
     }
 
 
-def run_row(text: str, time_limit: float, traced_cache: dict) -> dict:
+@contextlib.contextmanager
+def rules_lifted():
+    """The default's exact search (``exact_search="lp"``) with its size rules lifted: no
+    column rule (``EXACT_MAX_COLUMNS``) and no LP iteration cap (``EXACT_LP_MAX_ITERATIONS``),
+    so its LP, and the integer program around the per-demand plan where the LP is
+    fractional, run on bench_truth's 2-D programs too."""
+    import autoshard.intra.problem.exact_values as exact_values
+
+    saved = exact_values.EXACT_MAX_COLUMNS, exact_values.EXACT_LP_MAX_ITERATIONS
+    exact_values.EXACT_MAX_COLUMNS = exact_values.EXACT_LP_MAX_ITERATIONS = 10**12
+    try:
+        yield
+    finally:
+        exact_values.EXACT_MAX_COLUMNS, exact_values.EXACT_LP_MAX_ITERATIONS = saved
+
+
+def run_row(text: str, time_limit: float, traced_cache: dict, lifted: bool = False) -> dict:
     from bench_truth import _label, plan_settings, truth_mesh
 
     from autoshard.api import trace_workload
@@ -262,6 +278,12 @@ def run_row(text: str, time_limit: float, traced_cache: dict) -> dict:
     row["same_plan"] = (
         plan.input_specs == plain.input_specs and plan.tensor_specs == plain.tensor_specs
     )
+    if lifted:
+        progress("the default's search, its size rules lifted")
+        t0 = time.perf_counter()
+        with rules_lifted():
+            wide = auto_shard_graph(graph, mesh, options, pinned_inputs=pinned, name=which)
+        row["default_rules_lifted"] = plan_record(wide, demand, time.perf_counter() - t0)
 
     progress(f"exact program, {time_limit:g} s")
     t0 = time.perf_counter()
@@ -332,6 +354,11 @@ def main() -> int:
     ap.add_argument(
         "--time-limit", type=float, default=300.0, help="the exact program's seconds per row"
     )
+    ap.add_argument(
+        "--rules-lifted",
+        action="store_true",
+        help="also plan each row by default with the exact search's size rules lifted",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
@@ -350,7 +377,7 @@ def main() -> int:
     for text in args.rows:
         t0 = time.perf_counter()
         try:
-            row = {"row": text, **run_row(text, args.time_limit, traced)}
+            row = {"row": text, **run_row(text, args.time_limit, traced, args.rules_lifted)}
         except Exception as err:  # noqa: BLE001 -- one row's failure is a row of the study
             row = {"row": text, "error": f"{type(err).__name__}: {err}"[:500]}
         row["row_seconds"] = round(time.perf_counter() - t0, 1)
