@@ -12,11 +12,12 @@ seconds: the median of ``auto_shard_graph``'s), with the objective, the free col
 the rounds.  ``--variants``: on one case's exact program (captured from the default's
 solve), each neighbourhood on its own, from the per-demand plan and then around the plan
 the minority nodes found, with HiGHS's options as shipped and ``max_nodes`` 200: the
-objective of the program (rescaled units), seconds and branch-and-bound nodes.  One JSON
-document::
+objective of the program (rescaled units), seconds and branch-and-bound nodes.
+``--random N``: tests/test_ilp.py's random problems, N seeds per size, with whole nodes
+forced off: the rule now against the columns alone.  One JSON document::
 
     python benchmarks/studies/neighbourhood_rounds.py [--cases conv4-4x2 conv3-2x4]
-        [--repeat 2] [--variants conv4-4x2] [--out FILE]
+        [--repeat 2] [--variants conv4-4x2] [--random 60] [--out FILE]
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def variants(name: str) -> dict:
     def minority(incumbent, enclosed):
         return solvers._minority_nodes(model, incumbent, enclosed)
 
-    run("start: columns where the start and the LP differ (the rule before)", start, columns(start))
+    before = run("start: columns where the start and the LP differ (the rule before)", start,
+                 columns(start))  # fmt: skip
     found = run("start: minority nodes (round 1 now)", start, minority(start, False))
     whole_cap = solvers.NEIGHBOURHOOD_WHOLE_NODES_MAX
     solvers.NEIGHBOURHOOD_WHOLE_NODES_MAX = 10**9
@@ -189,14 +191,100 @@ def variants(name: str) -> dict:
     incumbent = np.round(found[:nb])
     run("round 3 (not run by default): minority nodes and those they enclose", incumbent,
         minority(incumbent, True))  # fmt: skip
+    whole = np.isin(model.node_of, model.node_of[columns(start)])
+    incumbent = np.round(before[:nb])
+    for k in (20, 90):  # local branching around the rule before's plan
+        rows.append(_local_branching(lp, bounds, model, incumbent, whole, k))
+        print(name, rows[-1], file=sys.stderr, flush=True)
     return {"case": name, "lp_bound": round(got["relaxed"].bound, 3), "rows": rows}
+
+
+def _local_branching(lp, bounds, model, incumbent, free, k: int) -> dict:
+    """The integer program with ``free`` free (the rest fixed at ``incumbent``) and one
+    more row: at most ``k`` nodes leave ``incumbent``'s strategy; 50 nodes."""
+    import highspy
+    import numpy as np
+
+    from autoshard.intra.ilp import solvers
+
+    nb = model.num_binary
+    with solvers._banner_to_devnull():
+        highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("mip_abs_gap", solvers._ABS_GAP)
+    highs.setOptionValue("mip_rel_gap", 0.0)
+    highs.setOptionValue("mip_max_nodes", 50)
+    lower, upper = bounds[0].copy(), bounds[1].copy()
+    lower[:nb][~free] = incumbent[~free]
+    upper[:nb][~free] = incumbent[~free]
+    lp.col_lower_, lp.col_upper_ = lower, upper
+    highs.passModel(lp)
+    chosen = np.flatnonzero(incumbent == 1).astype(np.int32)
+    highs.addRow(float(chosen.size - k), highspy.kHighsInf, chosen.size, chosen,
+                 np.ones(chosen.size))  # fmt: skip
+    highs.setSolution(nb, np.arange(nb, dtype=np.int32), incumbent)
+    started = time.perf_counter()
+    highs.run()
+    seconds = time.perf_counter() - started
+    info = highs.getInfo()
+    feasible = info.primal_solution_status == 2
+    return {
+        "neighbourhood": f"local branching: at most {k} nodes change from the rule before's "
+        "plan, every node where the start and the LP differ free",
+        "free_columns": int(free.sum()),
+        "objective": round(info.objective_function_value, 3) if feasible else None,
+        "seconds": round(seconds, 2), "nodes": int(info.mip_node_count),
+    }  # fmt: skip
+
+
+def random_scan(seeds: int) -> dict:
+    """tests/test_ilp.py's dense random problems (6-8 nodes, 3-4 strategies, the start
+    ``(seed + i) % k``) with whole nodes forced off (``NEIGHBOURHOOD_WHOLE_NODES_MAX`` 0):
+    the rule now against the columns alone (no minority nodes); where they differ, brute
+    force's optimum."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
+    from test_ilp import brute_force, dense_random
+
+    from autoshard.intra.ilp import solve, solvers
+
+    def no_minority(model, incumbent, enclosed):
+        return np.zeros(model.num_binary, dtype=bool)
+
+    real, cap = solvers._minority_nodes, solvers.NEIGHBOURHOOD_WHOLE_NODES_MAX
+    solvers.NEIGHBOURHOOD_WHOLE_NODES_MAX = 0
+    problems, dearer, cheaper = 0, [], []
+    try:
+        for n, k in ((6, 3), (7, 3), (6, 4), (8, 3)):
+            for seed in range(seeds):
+                dense = dense_random(n, k, seed)
+                start = tuple((seed + i) % k for i in range(n))
+                got = {}
+                for rule, minority in (("columns", no_minority), ("now", real)):
+                    solvers._minority_nodes = minority
+                    got[rule] = solve(dense, solver="highs", merge=False, lp_first=True,
+                                      initial=start, mip_max_columns=0, max_nodes=50)  # fmt: skip
+                problems += 1
+                a, b = got["columns"].objective, got["now"].objective
+                case = {"n": n, "k": k, "seed": seed, "columns": round(a, 4), "now": round(b, 4)}
+                if b > a + 1e-9:
+                    dearer.append(case)
+                elif b < a - 1e-6:
+                    case["optimum"] = round(brute_force(dense)[0], 4)
+                    case["rounds"] = got["now"].neighbourhood_rounds
+                    cheaper.append(case)
+    finally:
+        solvers._minority_nodes, solvers.NEIGHBOURHOOD_WHOLE_NODES_MAX = real, cap
+    return {"problems": problems, "dearer": dearer, "cheaper": cheaper}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--variants", nargs="*", default=[], choices=list(CASES))
+    ap.add_argument("--random", type=int, default=0, help="seeds per size of the scan")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax
@@ -210,6 +298,7 @@ def main() -> None:
         "load_1min_start": os.getloadavg()[0],
         "plans": [plans(name, args.repeat) for name in args.cases],
         "variants": [variants(name) for name in args.variants],
+        "random": random_scan(args.random) if args.random else None,
     }
     out["wall_s"] = round(time.time() - started, 1)
     out["load_1min_end"] = os.getloadavg()[0]

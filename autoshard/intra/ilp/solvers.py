@@ -292,8 +292,8 @@ NEIGHBOURHOOD_WHOLE_NODES_MAX = 1_000
 # rounds of the neighbourhood search, each around the plan the last one kept, while one
 # finds a cheaper plan: a count, so the plan does not depend on the load. The 4-layer conv
 # net on 4x2 (whole nodes 2,429 columns; 108 s for one branch-and-bound node) reached its
-# per-value optimum in the second round, the 5-layer one on 4x2 0.7% below the first
-# round's plan; a third found nothing on the 4-layer one
+# per-value optimum in the second round (the rule before: 0.74% above it), the 5-layer one
+# on 4x2 a plan 0.75% below the rule before's; a third round found nothing on the 4-layer one
 # (benchmarks/studies/neighbourhood_rounds.py, docs/sharing.md)
 NEIGHBOURHOOD_ROUNDS = 2
 
@@ -306,8 +306,8 @@ def _neighbourhoods(model: _Model, incumbent: np.ndarray, first: bool) -> list[n
     :data:`NEIGHBOURHOOD_WHOLE_NODES_MAX` columns.  Where it is more (the LP fractional
     across much of the program), a narrower set, and no one rule won on every conv net of
     benchmarks/studies/neighbourhood_rounds.py: the first round tries both the columns
-    where the two differ (the rule before; the 3-layer net on 2x4: 213 columns, 11% cheaper
-    than the other) and the nodes where the LP puts under half its weight on the
+    where the two differ (the rule before; the 3-layer net on 2x4: 213 columns, 9.5%
+    cheaper than the other) and the nodes where the LP puts under half its weight on the
     incumbent's strategy (:func:`_minority_nodes`; the 4-layer net on 4x2: 0.6% cheaper
     than the columns), keeping the cheaper plan; a later round the minority nodes and the
     nodes they enclose.  Without ``model.node_of``: the columns where the two differ."""
