@@ -238,19 +238,81 @@ def test_the_neighbourhood_frees_whole_nodes_and_finds_what_the_columns_alone_mi
     """Freeing every strategy of a node on which the start and the LP disagree (not only
     those two columns) searches a larger neighbourhood, so its plan is never dearer; on
     these random problems it is strictly cheaper (found by a scan of seeds, 2026-11-28),
-    and never below brute force's optimum."""
+    and never below brute force's optimum.  The columns alone: whole nodes over their cap
+    (0 columns) and no minority nodes (the other neighbourhood tried there)."""
     dense = dense_random(n, k, seed=seed)
     start = tuple((seed + i) % k for i in range(n))
     kw = dict(solver="highs", merge=False, lp_first=True, initial=start, mip_max_columns=0,
               max_nodes=50)  # fmt: skip
     nodes = solve(dense, **kw)
     monkeypatch.setattr(solvers, "NEIGHBOURHOOD_WHOLE_NODES_MAX", 0)
+    monkeypatch.setattr(solvers, "_minority_nodes", _no_minority_nodes)
     columns = solve(dense, **kw)
     assert nodes.status == columns.status == "neighbourhood"
     assert nodes.neighbourhood_free > columns.neighbourhood_free
     best = brute_force(dense)[0]
     assert best - 1e-9 <= nodes.objective < columns.objective - 1e-6
     assert objective_of(dense, nodes.strategy) == pytest.approx(nodes.objective)
+
+
+def _no_minority_nodes(model, incumbent, enclosed):
+    return np.zeros(model.num_binary, dtype=bool)
+
+
+@pytest.mark.parametrize(("n", "k", "seed", "rounds"), [(7, 3, 35, 1), (6, 4, 1, 1), (8, 3, 5, 2)])
+def test_where_whole_nodes_are_too_many_the_minority_nodes_find_what_the_columns_miss(
+    n, k, seed, rounds, monkeypatch
+):
+    """Whole nodes over their cap (0 columns here; on the 4-layer conv net on 4x2, 2,429
+    over 1,000): the neighbourhood search tries the columns where the start and the LP
+    differ and the nodes where the LP puts under half its weight on the start's strategy,
+    keeps the cheaper, then searches again around it. On these random problems (a scan of
+    240, 2026-11-28: never dearer than the columns alone) it reaches brute force's optimum
+    where the columns alone stop above it; the last one only in its second round."""
+    dense = dense_random(n, k, seed=seed)
+    start = tuple((seed + i) % k for i in range(n))
+    kw = dict(solver="highs", merge=False, lp_first=True, initial=start, mip_max_columns=0,
+              max_nodes=50)  # fmt: skip
+    monkeypatch.setattr(solvers, "NEIGHBOURHOOD_WHOLE_NODES_MAX", 0)
+    best = brute_force(dense)[0]
+    around = solve(dense, **kw)
+    assert around.objective == pytest.approx(best, rel=1e-9)
+    assert objective_of(dense, around.strategy) == pytest.approx(around.objective)
+    assert around.status in ("neighbourhood", "optimal")
+    with monkeypatch.context() as m:
+        m.setattr(solvers, "_minority_nodes", _no_minority_nodes)
+        columns = solve(dense, **kw)
+    assert columns.objective > best + 1e-6
+    if around.status == "neighbourhood":
+        assert around.neighbourhood_rounds == rounds
+    monkeypatch.setattr(solvers, "NEIGHBOURHOOD_ROUNDS", 1)
+    one = solve(dense, **kw)
+    assert (one.objective > best + 1e-6) == (rounds == 2)
+
+
+def test_the_minority_nodes_and_the_nodes_they_enclose(monkeypatch):
+    """A chain 0-1-2-3-4 and a node 5 apart, two strategies each, the start on strategy 0
+    everywhere but node 5 (unset). The LP puts under half its weight on the start's
+    strategy on nodes 0 and 2 (freed), node 5 has none (freed); node 1's neighbours are
+    all freed (enclosed: freed with ``enclosed``, where that stays within the cap on
+    columns), node 3's are not (node 4 is fixed: the LP is on the start's strategy)."""
+    from autoshard.intra.ilp.model import _Model
+
+    model = _Model(num_binary=12)
+    model.node_of = np.repeat(np.arange(6), 2)
+    model.node_pairs = np.array([(0, 1), (1, 2), (2, 3), (3, 4)])
+    model.lp_values = np.array([0.2, 0.8, 0.9, 0.1, 0.3, 0.7, 0.9, 0.1, 1.0, 0.0, 0.5, 0.5])
+    incumbent = np.array([1.0, 0, 1, 0, 1, 0, 1, 0, 1, 0, np.nan, np.nan])
+
+    def freed(enclosed):
+        mask = solvers._minority_nodes(model, incumbent, enclosed)
+        assert mask.shape == (12,) and (mask == mask[model.node_of * 2]).all()  # whole nodes
+        return sorted(set(model.node_of[mask].tolist()))
+
+    assert freed(False) == [0, 2, 5]
+    assert freed(True) == [0, 1, 2, 5]
+    monkeypatch.setattr(solvers, "NEIGHBOURHOOD_WHOLE_NODES_MAX", 7)  # 8 columns with node 1
+    assert freed(True) == [0, 2, 5]
 
 
 # --- hand-built cases --------------------------------------------------------------------

@@ -53,6 +53,10 @@ class _Model:
     # each binary column's node (its one-hot row's index): the neighbourhood search frees a
     # node's every strategy, not only the columns where the start and the LP differ
     node_of: np.ndarray | None = None
+    # the nodes' pairs that share edge columns (an (n, 2) array of node indices): the
+    # neighbourhood search also frees a node whose every neighbour is free
+    node_pairs: np.ndarray | None = None
+    neighbourhood_rounds: int | None = None  # the neighbourhood search's rounds kept
 
     def column(self, cost: float = 0.0, preference: float = 0.0) -> int:
         self.cost.append(cost)
@@ -106,6 +110,7 @@ def _build(red: _Reduced, minimise_peak: bool) -> _Model:
             model.column()
     model.num_binary = model.num_cols
     model.node_of = np.repeat(np.arange(len(red.cols)), [cols.size for cols in red.cols])
+    model.node_pairs = np.array([(a, b) for a, b, _ in red.pairs], dtype=np.int64).reshape(-1, 2)
     for b, cols in enumerate(red.cols):
         if cols.size:
             o = int(red.offset[b])

@@ -41,8 +41,8 @@ class Solution:
     the start given, ``gap`` its distance to the LP's bound) or "lp_stopped" (that LP
     stopped unfinished; the start given) or "neighbourhood" (that LP fractional: the best
     plan of the integer program around the start given, ``neighbourhood_free`` binary
-    columns left free, ``gap`` its distance to the LP's bound; "optimal" where it reaches
-    that bound).
+    columns left free in its first round, ``neighbourhood_rounds`` rounds kept, ``gap``
+    its distance to the LP's bound; "optimal" where it reaches that bound).
     ``gap`` is (objective - best bound) / |objective|, None where the solver gave no bound.
     ``seconds`` covers build + solve; ``build_seconds`` the model building alone.
     ``exact_stopped``: where the exact per-value program, started from the per-demand
@@ -69,6 +69,8 @@ class Solution:
     limit: str | None = None  # "time" or "nodes": which limit stopped a "time_limit" solve
     tie_break: str | None = None  # the preference solve: optimal | time_limit | skipped
     neighbourhood_free: int | None = None  # "neighbourhood": the binary columns left free
+    # "neighbourhood": its rounds whose plan was kept (each around the last one's plan)
+    neighbourhood_rounds: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -266,7 +268,9 @@ def solve(
     whole program: the integer program on ``initial``'s neighbourhood does (the binary
     columns where ``initial`` and the LP agree fixed, at most
     :data:`~autoshard.intra.ilp.solvers.NEIGHBOURHOOD_MAX_FREE` left free, ``max_nodes``
-    nodes; status "neighbourhood", or "optimal" where its plan reaches the LP's bound);
+    nodes a round, up to :data:`~autoshard.intra.ilp.solvers.NEIGHBOURHOOD_ROUNDS` rounds,
+    each around the last one's plan; status "neighbourhood", or "optimal" where its plan
+    reaches the LP's bound);
     where it cannot run, the solution is ``initial`` with status "fractional" and its gap
     to the LP's bound (no warning either way: the caller asked for the LP alone).  A rule
     on the program's size, so which programs get the integer program does not depend on
@@ -401,6 +405,9 @@ def solve(
         limit=out.limit,
         tie_break=tie_break,
         neighbourhood_free=model.neighbourhood_free if out.status == "neighbourhood" else None,
+        neighbourhood_rounds=(
+            model.neighbourhood_rounds if out.status == "neighbourhood" else None
+        ),
     )
 
 

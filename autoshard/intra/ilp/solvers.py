@@ -280,71 +280,155 @@ _INTEGRAL_TOL = 1e-6
 
 
 # the integer program of :func:`_neighbourhood` runs only where at most this many binary
-# columns are left free (the others fixed where the start and the LP agree). A second
-# round around the plan the first found improved none of the conv nets of
-# benchmarks/studies/bench_exact_verify.py (2026-11-27), so there is one.
+# columns are left free (the others fixed where the start and the LP agree).
 NEIGHBOURHOOD_MAX_FREE = 2_500
 # A node whose start and LP disagree on some strategy is freed whole (its every strategy,
 # not only the columns where they differ) where that frees at most this many columns:
 # the 2-layer conv net on 2x4 then reached the whole integer program's optimum (478
 # columns free, 0.3 s; 74 columns alone stopped 1.4% above it), and on 4x2 costs 0.5 s
-# (618); the 4-layer one on 4x2 would free 2,277-2,402 (30-33 s at load 2), so it keeps
-# the columns (benchmarks/studies/bench_exact_verify.py, 2026-11-28; docs/sharing.md);
-# random problems where it finds what the columns miss: tests/test_ilp.py
+# (618); random problems where whole nodes find what the columns miss: tests/test_ilp.py.
+# Where whole nodes would free more, see :func:`_neighbourhoods`
 NEIGHBOURHOOD_WHOLE_NODES_MAX = 1_000
+# rounds of the neighbourhood search, each around the plan the last one kept, while one
+# finds a cheaper plan: a count, so the plan does not depend on the load. The 4-layer conv
+# net on 4x2 (whole nodes 2,429 columns; 108 s for one branch-and-bound node) reached its
+# per-value optimum in the second round (the rule before: 0.74% above it), the 5-layer one
+# on 4x2 a plan 0.75% below the rule before's; a third round found nothing on the 4-layer one
+# (benchmarks/studies/neighbourhood_rounds.py, docs/sharing.md)
+NEIGHBOURHOOD_ROUNDS = 2
+
+
+def _neighbourhoods(model: _Model, incumbent: np.ndarray, first: bool) -> list[np.ndarray]:
+    """The free binary columns (masks) of the integer programs a round of
+    :func:`_neighbourhood` solves around ``incumbent`` (0/1 per binary column, NaN where
+    the start set none; ``first``: the round around the start).  Every node on which the
+    incumbent and the LP's solution disagree, whole, where that is at most
+    :data:`NEIGHBOURHOOD_WHOLE_NODES_MAX` columns.  Where it is more (the LP fractional
+    across much of the program), a narrower set, and no one rule won on every conv net of
+    benchmarks/studies/neighbourhood_rounds.py: the first round tries both the columns
+    where the two differ (the rule before; the 3-layer net on 2x4: 213 columns, 9.5%
+    cheaper than the other) and the nodes where the LP puts under half its weight on the
+    incumbent's strategy (:func:`_minority_nodes`; the 4-layer net on 4x2: 0.6% cheaper
+    than the columns), keeping the cheaper plan; a later round the minority nodes and the
+    nodes they enclose.  Without ``model.node_of``: the columns where the two differ."""
+    nb = model.num_binary
+    lp_bin = model.lp_values[:nb]
+    rounded = np.round(lp_bin)
+    differ = ~((np.abs(lp_bin - rounded) <= _INTEGRAL_TOL) & (incumbent == rounded))
+    if model.node_of is None or not differ.any():
+        return [differ]
+    whole = np.isin(model.node_of, model.node_of[differ])
+    if whole.sum() <= NEIGHBOURHOOD_WHOLE_NODES_MAX:
+        return [whole]
+    if first:
+        return [differ, _minority_nodes(model, incumbent, enclosed=False)]
+    return [_minority_nodes(model, incumbent, enclosed=True)]
+
+
+def _minority_nodes(model: _Model, incumbent: np.ndarray, enclosed: bool) -> np.ndarray:
+    """The binary columns of the nodes where the LP relaxation puts under half its weight
+    on ``incumbent``'s strategy (the LP's majority, if any, is elsewhere), as a mask; with
+    ``enclosed``, within :data:`NEIGHBOURHOOD_WHOLE_NODES_MAX` columns, also every node all
+    of whose neighbours (nodes sharing an edge, ``model.node_pairs``) are among them: its
+    cost then depends on free nodes alone, and fixed it pins the region around it (the
+    4-layer conv net on 4x2 reached its optimum only with them: 983 columns, against 0.12%
+    above it with the minority nodes alone)."""
+    nb = model.num_binary
+    node_of = model.node_of
+    nodes = int(node_of.max()) + 1
+    weight = model.lp_values[:nb] * np.nan_to_num(incumbent)  # unset: weight 0, freed
+    share = np.bincount(node_of, weights=weight, minlength=nodes)
+    has_columns = np.bincount(node_of, minlength=nodes) > 0
+    free = has_columns & (share < 0.5)
+    pairs = model.node_pairs
+    if enclosed and pairs is not None and len(pairs):
+        ends = np.concatenate([pairs[:, 0], pairs[:, 1]])
+        others = np.concatenate([pairs[:, 1], pairs[:, 0]])
+        degree = np.bincount(ends, minlength=nodes)
+        free_around = np.bincount(ends, weights=free[others], minlength=nodes)
+        inside = has_columns & ~free & (degree > 0) & (free_around == degree)
+        if (free | inside)[node_of].sum() <= NEIGHBOURHOOD_WHOLE_NODES_MAX:
+            free |= inside
+    return free[node_of]
 
 
 def _neighbourhood(highs, lp, model: _Model, relaxed: _Outcome) -> _Outcome | None:
     """Where the LP relaxation of a program too large for its integer program is
     fractional (``relaxed``): the integer program on the start's neighbourhood (RINS, the
-    relaxation-induced neighbourhood search of Danna, Rothberg and Le Pape, 2005) -- every
-    binary column on which the start (``model.start``) and the LP's solution agree fixed
-    there, the rest free (with the other strategies of their nodes, within
-    :data:`NEIGHBOURHOOD_WHOLE_NODES_MAX`), within ``model.max_nodes`` nodes, from the
-    start. Its plan is at worst the start; the LP's objective bounds it from below (a bound
-    on the whole program, so a plan that reaches it is proven optimal). Outcome
-    "neighbourhood" with the LP's bound and the values, or None where there is no start,
-    the two agree everywhere (nothing to search), more than :data:`NEIGHBOURHOOD_MAX_FREE`
-    columns would be free or it found no plan. Rules on counts (nodes, columns), so the
-    plan does not depend on the load."""
+    relaxation-induced neighbourhood search of Danna, Rothberg and Le Pape, 2005) -- the
+    binary columns :func:`_neighbourhoods` picks free (where the start and the LP's
+    solution disagree), the others fixed at the start's values, within ``model.max_nodes``
+    nodes, from the start; then around the plan it kept, up to
+    :data:`NEIGHBOURHOOD_ROUNDS` rounds, while a round finds a cheaper plan. Its plan is
+    at worst the start; the LP's objective bounds it from below (a bound on the whole
+    program, so a plan that reaches it is proven optimal). Outcome "neighbourhood" with
+    the LP's bound and the values (``model.neighbourhood_free``: the free columns of the
+    first round's kept plan, ``model.neighbourhood_rounds``: the rounds that found a
+    cheaper plan), or None where there is no start, the two agree everywhere (nothing to
+    search), more than :data:`NEIGHBOURHOOD_MAX_FREE` columns would be free or it found
+    no plan. Rules on counts (nodes, columns, rounds), so the plan does not depend on the
+    load."""
     import highspy
 
     if model.start is None or model.lp_values is None:
         return None
     nb = model.num_binary
-    start = np.full(nb, np.nan)
+    incumbent = np.full(nb, np.nan)
     cols, vals = model.start
-    start[np.asarray(cols, dtype=np.int64)] = vals
-    lp_bin = model.lp_values[:nb]
-    rounded = np.round(lp_bin)
-    fixed = (np.abs(lp_bin - rounded) <= _INTEGRAL_TOL) & (start == rounded)
-    if model.node_of is not None and not fixed.all():
-        whole = ~np.isin(model.node_of, model.node_of[~fixed])
-        if nb - whole.sum() <= NEIGHBOURHOOD_WHOLE_NODES_MAX:
-            fixed &= whole
-    free = int(nb - fixed.sum())
-    if free == 0 or free > NEIGHBOURHOOD_MAX_FREE:
-        return None
-    lower, upper = np.asarray(lp.col_lower_, dtype=float), np.asarray(lp.col_upper_, dtype=float)
-    lower[:nb][fixed] = rounded[fixed]
-    upper[:nb][fixed] = rounded[fixed]
-    lp.col_lower_, lp.col_upper_ = lower, upper
+    incumbent[np.asarray(cols, dtype=np.int64)] = vals
+    bounds = (np.asarray(lp.col_lower_, dtype=float), np.asarray(lp.col_upper_, dtype=float))
     kinds = highspy.HighsVarType
     lp.integrality_ = [kinds.kInteger] * nb + [kinds.kContinuous] * (model.num_cols - nb)
+    found, best, nodes, wall_s, rounds = None, math.inf, 0, 0.0, 0
+    for round_ in range(NEIGHBOURHOOD_ROUNDS):
+        kept = None
+        for free in _neighbourhoods(model, incumbent, first=round_ == 0):
+            count = int(free.sum())
+            if count == 0 or count > NEIGHBOURHOOD_MAX_FREE:
+                continue
+            objective, values, n, seconds = _around(highs, lp, bounds, incumbent, free)
+            nodes, wall_s = nodes + n, wall_s + seconds
+            if values is not None and (found is None or objective < best - _ABS_GAP):
+                found, best, kept = values, objective, count
+        if kept is None:  # nothing (cheaper) around the incumbent
+            break
+        rounds += 1
+        if round_ == 0:
+            model.neighbourhood_free = kept
+        incumbent = np.round(found[:nb])
+        if relaxed.bound is not None and best <= relaxed.bound + _ABS_GAP:
+            break  # the LP's bound reached: proven optimal
+    if found is None:
+        return None
+    model.values = found
+    model.neighbourhood_rounds = rounds
+    return _Outcome("neighbourhood", relaxed.bound, nodes, wall_s=wall_s)
+
+
+def _around(highs, lp, bounds, incumbent: np.ndarray, free: np.ndarray):
+    """The integer program with the binary columns outside ``free`` fixed at
+    ``incumbent``'s values (set there: a column the start left unset is free), from
+    ``incumbent``: (its objective, its column values, nodes, seconds); (None, None, ...)
+    where it found no plan."""
+    nb = free.size
+    lower, upper = bounds[0].copy(), bounds[1].copy()
+    lower[:nb][~free] = incumbent[~free]
+    upper[:nb][~free] = incumbent[~free]
+    lp.col_lower_, lp.col_upper_ = lower, upper
     highs.passModel(lp)
+    given = np.flatnonzero(~np.isnan(incumbent))
     try:
-        highs.setSolution(len(cols), np.asarray(cols, np.int32), np.asarray(vals, float))
+        highs.setSolution(len(given), given.astype(np.int32), incumbent[given])
     except TypeError:  # highspy < 1.8: no warm start (the start is still inside)
         pass
     started = time.monotonic()
     highs.run()
-    wall_s = time.monotonic() - started
+    seconds = time.monotonic() - started
     info = highs.getInfo()
     if info.primal_solution_status != 2:  # kSolutionStatusFeasible
-        return None
-    model.values = np.asarray(highs.getSolution().col_value)
-    model.neighbourhood_free = free
-    return _Outcome("neighbourhood", relaxed.bound, int(info.mip_node_count), wall_s=wall_s)
+        return None, None, int(info.mip_node_count), seconds
+    values = np.asarray(highs.getSolution().col_value)
+    return float(info.objective_function_value), values, int(info.mip_node_count), seconds
 
 
 def _relaxation(highs, lp, model: _Model) -> _Outcome:

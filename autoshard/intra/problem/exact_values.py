@@ -46,7 +46,8 @@ EXACT_MAX_COLUMNS = 40_000
 # optimum); where it is fractional the integer program runs (EXACT_MAX_NODES nodes) only
 # on an exact program of at most this many columns, else the integer program around the
 # per-demand plan (the columns where the LP and that plan agree fixed; the ILP solver's
-# NEIGHBOURHOOD_MAX_FREE, EXACT_MAX_NODES nodes), kept where cheaper.
+# NEIGHBOURHOOD_MAX_FREE, EXACT_MAX_NODES nodes a round, NEIGHBOURHOOD_ROUNDS rounds), kept
+# where cheaper.
 # Measured (benchmarks/studies/exact_lp_integral.py): the MLPs' fractional programs
 # (1,250-1,316 columns) prove their optimum in under 0.5 s; the conv nets' (19,430-39,407)
 # took 12-36 s, one over a minute at load 7 (its root node alone 135 s); around the
@@ -332,6 +333,13 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False):
         if not objective < start_price * (1 - 1e-9):  # nothing cheaper around the start
             return _fractional(first, initial, start_price, solution)
         bound = "" if solution.gap is None else f", at most {solution.gap:.1%} above its optimum"
+        rounds = solution.neighbourhood_rounds or 1
+        again = (
+            ""
+            if rounds == 1
+            else f", then {rounds - 1} more round{'s' if rounds > 2 else ''} around the plan "
+            "it found"
+        )
         return dataclasses.replace(
             first,
             strategy=strategy,
@@ -339,12 +347,13 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False):
             seconds=first.seconds + solution.seconds,
             nodes=solution.nodes,
             neighbourhood_free=solution.neighbourhood_free,
+            neighbourhood_rounds=solution.neighbourhood_rounds,
             exact_stopped=(
                 f"the exact program's LP relaxation is fractional ({solution.num_variables:,} "
                 f"columns, over the {EXACT_MIP_MAX_COLUMNS:,} up to which exact_search='lp' runs "
                 "its integer program): the integer program around the per-demand plan (the "
                 f"{solution.neighbourhood_free:,} columns of the nodes where the LP and that "
-                f"plan differ free, {EXACT_MAX_NODES} nodes) found this plan, "
+                f"plan differ free, {EXACT_MAX_NODES} nodes{again}) found this plan, "
                 f"{1 - objective / start_price:.1%} cheaper than the per-demand one{bound}"
             ),
         )
