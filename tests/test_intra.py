@@ -255,7 +255,10 @@ def tiny_unfused():
     "shape, which, cpu, fused",
     [
         ((8,), "zero3", True, False),
-        ((2, 4), "auto", True, False),
+        # heavy (CI's heavy step): the free 2x4 ILP with copy rows is the slowest solve of
+        # this file; the same rows-equal-prediction path runs by default on the pinned
+        # cases here (1-D and 2-D meshes, both programs)
+        pytest.param((2, 4), "auto", True, False, marks=pytest.mark.heavy),
         ((4, 2), "dp", False, False),
         # the fused program's q/k/v kernel slices are read by a forward dot in one layout
         # and gathered for the backward's: XLA:CPU makes that copy right after the slice
