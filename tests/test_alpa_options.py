@@ -52,6 +52,13 @@ def momentum_mlp():
     return trace_workload("mlp", optimizer="sgd-momentum", batch_size=64, hidden=64, num_layers=3)
 
 
+@pytest.fixture(scope="module")
+def momentum_mlp_dp():
+    """A 2-layer MLP with SGD + momentum, batch 256 and hidden 32: on 8 devices its first
+    plan is data parallel (gradients all-reduced, momentum replicated)."""
+    return trace_workload("mlp", optimizer="sgd-momentum", batch_size=256, hidden=32, num_layers=2)
+
+
 def _mesh(shape):
     return alpa_test_mesh(shape, ("data", "model"))
 
@@ -115,12 +122,18 @@ def test_no_all_to_all_plan_has_none(momentum):
     assert plan.objective >= default.objective
 
 
-def test_prefer_reduce_scatter_splits_the_state_for_the_same_bytes(momentum_unfused):
+# gpt-tiny: heavy (CI's heavy step); every check runs by default on the 3-layer MLP
+@pytest.mark.parametrize(
+    "model",
+    ["momentum_mlp_dp", pytest.param("momentum_unfused", marks=pytest.mark.heavy)],
+    ids=["mlp", "gpt-tiny"],
+)
+def test_prefer_reduce_scatter_splits_the_state_for_the_same_bytes(request, model):
     """On 8 data-parallel devices: the first plan all-reduces the gradients and keeps the
     momentum replicated; prefer_reduce_scatter's plan reduce-scatters the gradients,
     updates the split momentum and all-gathers the parameters -- the same bytes sent,
     a lower peak -- and XLA compiles what it predicts, and it trains like one device."""
-    momentum = momentum_unfused
+    momentum = request.getfixturevalue(model)
     mesh = _mesh((8, 1))
     first = shared_plan(momentum, mesh, IntraOptions())
     options = IntraOptions(prefer_reduce_scatter=True)
