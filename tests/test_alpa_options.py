@@ -44,6 +44,21 @@ def momentum_unfused():
     return trace_workload("gpt-tiny", optimizer="sgd-momentum", attention="unfused")
 
 
+@pytest.fixture(scope="module")
+def momentum_mlp():
+    """A 3-layer MLP with SGD + momentum (batch 64, hidden 64): on 2x4 its default plan
+    gathers, and without all-gathers it all-to-alls instead -- the option's checks in
+    seconds where gpt-tiny's plans take a minute."""
+    return trace_workload("mlp", optimizer="sgd-momentum", batch_size=64, hidden=64, num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def momentum_mlp_dp():
+    """A 2-layer MLP with SGD + momentum, batch 256 and hidden 32: on 8 devices its first
+    plan is data parallel (gradients all-reduced, momentum replicated)."""
+    return trace_workload("mlp", optimizer="sgd-momentum", batch_size=256, hidden=32, num_layers=2)
+
+
 def _mesh(shape):
     return alpa_test_mesh(shape, ("data", "model"))
 
@@ -64,16 +79,24 @@ def _objective_is_predicted_cost(traced, mesh, options, plan, pinned=None):
     assert plan.objective == pytest.approx(comm + compute, rel=0.01)
 
 
-# 4x2: heavy (CI's heavy step); 2x4 runs by default
+# gpt-tiny: heavy (CI's heavy step; a minute a mesh, most of it its two ILPs); every check
+# runs by default on the 3-layer MLP on 2x4
 @pytest.mark.parametrize(
-    "shape", [(2, 4), pytest.param((4, 2), marks=pytest.mark.heavy)], ids=["2x4", "4x2"]
+    "model, shape",
+    [
+        ("momentum_mlp", (2, 4)),
+        pytest.param("momentum", (2, 4), marks=pytest.mark.heavy),
+        pytest.param("momentum", (4, 2), marks=pytest.mark.heavy),
+    ],
+    ids=["mlp-2x4", "2x4", "4x2"],
 )
-def test_no_all_gather_plan_has_none_and_xla_agrees(momentum, shape):
+def test_no_all_gather_plan_has_none_and_xla_agrees(request, model, shape):
     """allow_all_gather=False on a 2-D mesh: no predicted all-gather, none compiled, the
     collectives agree with XLA, the objective is the predicted cost (the per-demand plan
     is priced per value: a partial sum several demands read is all-reduced into one
     layout, never reduce-scattered for one use and gathered for another), and the plan
     trains like one device. The default plan of the same step gathers."""
+    momentum = request.getfixturevalue(model)
     mesh = _mesh(shape)
     options = IntraOptions(allow_all_gather=False)
     plan = auto_shard_graph(momentum.graph, mesh, options)
@@ -99,12 +122,18 @@ def test_no_all_to_all_plan_has_none(momentum):
     assert plan.objective >= default.objective
 
 
-def test_prefer_reduce_scatter_splits_the_state_for_the_same_bytes(momentum_unfused):
+# gpt-tiny: heavy (CI's heavy step); every check runs by default on the 3-layer MLP
+@pytest.mark.parametrize(
+    "model",
+    ["momentum_mlp_dp", pytest.param("momentum_unfused", marks=pytest.mark.heavy)],
+    ids=["mlp", "gpt-tiny"],
+)
+def test_prefer_reduce_scatter_splits_the_state_for_the_same_bytes(request, model):
     """On 8 data-parallel devices: the first plan all-reduces the gradients and keeps the
     momentum replicated; prefer_reduce_scatter's plan reduce-scatters the gradients,
     updates the split momentum and all-gathers the parameters -- the same bytes sent,
     a lower peak -- and XLA compiles what it predicts, and it trains like one device."""
-    momentum = momentum_unfused
+    momentum = request.getfixturevalue(model)
     mesh = _mesh((8, 1))
     first = shared_plan(momentum, mesh, IntraOptions())
     options = IntraOptions(prefer_reduce_scatter=True)

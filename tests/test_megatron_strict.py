@@ -7,15 +7,16 @@ data-parallel axis. ``baseline_options`` says so with ``keep_weight_layout`` and
 ``all_reduce_only`` (issue #14: the ILP, free on activations, used to gather weights).
 """
 
+import functools
 from collections import Counter
 
 import jax
 import pytest
+from conftest import shared_plan
 
 from autoshard.api import device_mesh_for, plan_workload, trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.baselines.tables import BaselineRefusedError, baseline_inputs, baseline_options
-from autoshard.intra.problem.build import auto_shard_graph
 from autoshard.intra.problem.options import IntraOptions
 from autoshard.models import make_optimizer
 from autoshard.runtime.reference_check import check_against_single_device
@@ -27,15 +28,18 @@ HIGHS = IntraOptions(solver="highs")
 CASES = [((2, 4), 4), ((1, 8), 8)]
 
 
+@functools.cache  # traced once per worker: several tests plan, verify and train one program
 def _traced(heads, layers=2, **kw):
     return trace_workload("gpt-tiny", optimizer="sgd", num_heads=heads, num_layers=layers, **kw)
 
 
 def _megatron(traced, shape):
+    """The megatron baseline's plan, solved once per worker for a traced program and mesh
+    (the 2x4 plan is checked against Megatron-LM's counts, XLA's and one device's)."""
     mesh = alpa_test_mesh(shape, ("data", "model"))
     options = baseline_options(HIGHS, mesh.mesh, "megatron")
     pinned = baseline_inputs(traced.graph, mesh.mesh, "megatron")
-    return auto_shard_graph(traced.graph, mesh, options, pinned_inputs=pinned, name="megatron")
+    return shared_plan(traced, mesh, options, pinned_inputs=pinned, name="megatron")
 
 
 def _counts(plan):

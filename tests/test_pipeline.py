@@ -114,7 +114,9 @@ def test_gpt_pipeline_matches_single_device_sgd(num_stages, schedule):
     [
         (((0, 2), (2, 6)), None, "1f1b"),
         ("equal-flops", 4, "gpipe"),
-        ("auto", 2, "1f1b"),
+        # heavy (CI's heavy step): the auto cut at a fixed count; by default the auto cut
+        # whose count is searched (below) and 1f1b on the explicit cut and in the test above
+        pytest.param("auto", 2, "1f1b", marks=pytest.mark.heavy),
         ("auto", None, "gpipe"),
     ],
 )

@@ -64,6 +64,10 @@ def test_megatron_tied_embedding_gradients_are_reduced_once(megatron):
     assert "GPT/embedding" in gpu.notes[0]
 
 
+# heavy (CI's heavy step): solving gpt-tiny's zero3 plan on 2x4 is most of the default run's
+# time in this file; the same fold (an all-reduce over model, then over data, of one value)
+# runs by default on a hand-built sum: test_an_all_reduce_of_an_all_reduce_is_folded_into_one
+@pytest.mark.heavy
 def test_a_sum_reduced_one_axis_at_a_time_is_folded_into_one_all_reduce():
     bound = _plan("zero3")
     gpu = xla_gpu_collectives(bound.graph, bound.plan)
@@ -116,6 +120,27 @@ def _sum_over_two_split_dims():
     )
     cols = _values(graph, plan)[sum_id]
     return graph, replace(plan, predicted_collectives=cols), cols
+
+
+def test_an_all_reduce_of_an_all_reduce_is_folded_into_one():
+    """The sum of ``_sum_over_two_split_dims`` read replicated: XLA:CPU all-reduces it over
+    model, then over data; XLA:GPU's AllReduceFolder makes that one all-reduce over both
+    (the fold gpt-tiny's zero3 loss takes, checked on the real plan in CI's heavy step)."""
+    graph, plan, _ = _sum_over_two_split_dims()
+    whole = ShardingSpec.replicated(1)
+    specs = {**plan.tensor_specs, graph.nodes[3].outputs[0]: whole}
+    plan = replace(plan, output_specs=(whole,), tensor_specs=specs, operand_specs={3: {0: whole}})
+    cols = _values(graph, plan)[graph.nodes[2].outputs[0]]
+    assert cols == (
+        Collective("all-reduce", ("model",), 64),
+        Collective("all-reduce", ("data",), 64),
+    )
+    gpu = xla_gpu_collectives(graph, replace(plan, predicted_collectives=cols))
+    assert gpu.collectives == (Collective("all-reduce", ("data", "model"), 64),)
+    assert gpu.notes == (
+        "AllReduceFolder: all-reduce over model then all-reduce over data of reduce_sum "
+        "in ? (tensor 4) (64 B) -> one all-reduce",
+    )
 
 
 def test_an_all_reduce_then_a_reduce_scatter_of_one_buffer_is_folded_into_one_all_reduce():
