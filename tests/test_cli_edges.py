@@ -671,7 +671,7 @@ def test_exact_search_defaults_to_lp_and_refuses_other_values(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "lp, the default: up to 26% cheaper plans" in out
+    assert "lp, the default: up to 27% cheaper plans" in out
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["plan", *MLP, "--mesh", "2x4", "--exact-search", "exact"])
     assert exit_.value.code == 2

@@ -104,9 +104,10 @@ def plan_record(plan, demand, seconds: float) -> dict:
     if len(choice) != demand.problem.num_nodes:
         choice = demand.values.complete(demand.strategies, choice, demand.mesh)
     per_demand = objective_of(demand.problem, choice)
-    # the planner keeps the per-demand program's plan where it does not solve the exact
-    # program (exact_stopped says why) or where the per-demand program charged that plan
-    # its per-value price (kept_per_demand); else the plan is the exact program's
+    # the plan is the per-demand program's where the planner does not solve the exact
+    # program or stops it (exact_stopped says why), or where the per-demand program charged
+    # it its per-value price (kept unsearched on one-axis meshes until 2026-11-28; since,
+    # a start the exact program proved optimal); else it is the exact program's
     kept = plan.solver.get("exact_stopped") is not None or per_demand <= plan.objective * (1 + SAME)
     return {
         "objective": plan.objective,

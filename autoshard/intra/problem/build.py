@@ -463,9 +463,7 @@ def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, 
         solution = kept_per_demand(
             first, first.strategy, price_per_value(common, first.strategy), unsolved
         )
-        if unsolved is None and hub_max_sets(mesh):
-            solution = None  # solved where the per-demand charge is exact too (_from_start)
-        if solution is None:  # over-charged and small, or it needs a forbidden collective
+        if solution is None:  # solved after all, or it needs a forbidden collective
             demand, ip = ip, _finish(common, True)
             solution = solve_exact(ip, demand, mesh, settings, None, first, lp_only)
     else:

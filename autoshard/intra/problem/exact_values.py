@@ -2,8 +2,8 @@
 
 The default program charges a value's resharding once per demand; the exact one once per
 value (:mod:`autoshard.intra.problem.value_edges`), which is larger. :func:`solve_exact` solves
-it from the per-demand plan within a node budget and keeps the per-demand plan where the
-exact one is not cheaper (:func:`kept_per_demand`); :func:`price_per_value` prices an
+it from the per-demand plan within a node budget, or keeps the per-demand plan where the
+exact one is not solved (:func:`kept_per_demand`); :func:`price_per_value` prices an
 assignment the exact way without building that program.  Called by
 :func:`autoshard.intra.problem.build.auto_shard_graph`.
 """
@@ -204,26 +204,27 @@ def _restated(text: str, objective: float) -> str:
 
 def kept_per_demand(first, strategy, priced: float, unsolved: str | None):
     """The per-demand solution ``first`` as the plan (assignment ``strategy``, objective
-    its per-value price ``priced``) where the exact program need not be solved; None where
-    it must. Kept where the per-demand program charged its plan exactly its per-value price
-    (the exact program could only find a plan the per-demand one over-charged: 0.2-0.7%
-    cheaper where measured, docs/truth.md; not worth its time by default), or where the
-    exact program is not solved (``unsolved``, the reason, goes into ``exact_stopped``).
-    Never where the price is infinite: priced per value the plan needs a collective the
-    options forbid (all_reduce_only: a partial sum two consumers want in two specs, reduced
-    once into one and resharded to the other), which only the exact program can avoid."""
-    if math.isinf(priced):
+    its per-value price ``priced``) where the exact program is not solved (``unsolved``,
+    the reason, goes into ``exact_stopped`` where the per-demand program over-charged its
+    plan); None where it is solved, on every mesh.  A plan the per-demand program charged
+    exactly its per-value price is no proof: that program prices each demand apart, so a
+    plan it over-charges can still cost less per value (until 2026-11-28 such a plan was
+    kept unsearched on one-axis meshes; bench_truth's gpt-tiny on 8 then cost 0.75% over
+    the exact program's optimum, and 13 of its 28 planned one-axis rows 0.02-1.05%,
+    docs/sharing.md).  Never where the price is infinite: priced per value the plan needs
+    a collective the options forbid (all_reduce_only: a partial sum two consumers want in
+    two specs, reduced once into one and resharded to the other), which only the exact
+    program can avoid."""
+    if unsolved is None or math.isinf(priced):
         return None
     if priced >= first.objective * (1 - 1e-9):
         return dataclasses.replace(first, strategy=strategy, objective=priced)
-    if unsolved is not None:
-        return dataclasses.replace(
-            first,
-            strategy=strategy,
-            objective=priced,
-            exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
-        )
-    return None
+    return dataclasses.replace(
+        first,
+        strategy=strategy,
+        objective=priced,
+        exact_stopped=f"{unsolved}; the per-demand plan is priced per value",
+    )
 
 
 def solve_exact(
@@ -235,9 +236,8 @@ def solve_exact(
     nodes as XLA's behaviour implies, so the objective is the predicted resharding.
 
     The per-demand solve runs under the user's settings (its time-limit warning is the
-    user's).  Where it charged its plan exactly the plan's predicted cost, its plan is
-    kept on a mesh without hubs (one axis); otherwise the exact one gets :data:`EXACT_MAX_NODES` branch-and-bound nodes
-    (and at most :data:`EXACT_TIME_FACTOR` times the per-demand time, at least
+    user's).  The exact program then gets :data:`EXACT_MAX_NODES` branch-and-bound nodes
+    (on one-axis meshes at most :data:`EXACT_TIME_FACTOR` times the per-demand time, at least
     :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
     best plan it found -- the start at worst.  The solution's status says which:
     "optimal" (proven on the exact program), the per-demand status and gap otherwise,
@@ -290,10 +290,7 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False):
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     start_price = objective_of(ip.problem, initial)
     kept = kept_per_demand(first, initial, start_price, unsolved)
-    # with hubs (meshes of several axes) a plan the per-demand program charges exactly is
-    # no proof either: the verifier's MLP on 2x2 (tests/test_exact_2d.py) has a per-value optimum
-    # 0.3% below such a plan, which the exact program proves in under a second
-    if kept is not None and (unsolved is not None or not hub_max_sets(mesh)):
+    if kept is not None:
         return kept
     hubs = hub_max_sets(mesh) > 0
     # the LP alone only where the per-demand plan is a plan: priced per value it may need a
