@@ -127,12 +127,6 @@ COLLECTIVE_MISSES = {
     ),
     "moe_lm[1x4]": "as on 4x1",
     "moe_lm_2d[2x2]": "as moe_lm[4x1], over both axes",
-    "conv_data_parallel_reduce_scatter[4x1]": (
-        "prefer_reduce_scatter keeps the all-reduce plan: splitting the 9 state inputs over "
-        "x would send more (0.002815 -> 0.00285 MiB a device), and autoshard rewrites only "
-        "where no more is sent"
-    ),
-    "conv_data_parallel_reduce_scatter[1x4]": "as on 4x1",
     "conv_2d_mesh_mixed_shape[2x2]": (
         "no all-to-all: with mixed mesh shapes allowed autoshard's optimum is the plan "
         "without them (6,033.7 both; 24 all-reduces over x, 3 reduce-scatters and 3 "
