@@ -67,18 +67,9 @@ chosen specs must allow; "none" is allowed only under the layout op's other stra
 Only one layout op between the producer and the reader is priced so; the prediction also
 follows longer chains.
 
-Shared reads (``SHARED_READS``, off by default; the per-demand program only). Per demand,
-a value that several readers want in one spec pays one move per reader, where XLA makes
-it once. With shared reads, every use but the value's first is priced through a *share
-node*: its states are (own, b), the move into the spec b the use wants, priced as per
-demand, and (shared, b), free, allowed only where the first use wants b too. Still an
-upper bound on the predicted cost (a shared spec is made once; any other is paid per
-reader, as before), exact where every reader wants one spec. On wresnet-tiny (8 layers)
-2x4 the per-demand program charged the exact program's best plan 40,497 against its
-per-value price 26,958 -- each activation gathered once for the forward conv, the
-weight-gradient conv and the projection's pair, charged up to four times -- and with
-share nodes its optimum is that plan, but the solve took 247-301 s against 8 s
-(docs/sharing.md).
+Shared reads (``SHARED_READS``, off by default; the per-demand program only): one move
+charged for the readers that want one spec, by share nodes
+(:mod:`autoshard.intra.problem.shared_reads`).
 """
 
 from __future__ import annotations
@@ -92,6 +83,7 @@ from autoshard.intra.cost.consumers import producer_preference
 from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import EdgeCost, Tie
 from autoshard.intra.problem.hub_sets import hub_max_sets, specs_of, wanted_sets_memo
+from autoshard.intra.problem.shared_reads import SharedRead, share_matrices
 from autoshard.intra.problem.slice_chains import (
     ChainGroup,
     SliceChain,
@@ -108,7 +100,7 @@ from autoshard.intra.problem.value_costs import (
 from autoshard.ir.spec import ShardingSpec
 
 INF = math.inf
-# the per-demand program's share nodes (module docstring): off, as their solve took
+# the per-demand program's share nodes (autoshard.intra.problem.shared_reads): off, as their solve took
 # 247-301 s where the per-demand one took 8 s on wresnet-tiny 2x4 (docs/sharing.md)
 SHARED_READS = False
 
@@ -164,19 +156,6 @@ class Value:
     steps: tuple[tuple[tuple[str, ...], ...], ...]
     uses: tuple[Use, ...]
     batch_dims: tuple[int, ...] = ()  # a batched dot's result: its batch dims
-
-
-@dataclass(frozen=True)
-class SharedRead:
-    """The share node of a use priced per demand (SHARED_READS): its states are
-    (own, b) for each spec b in ``own`` and then (shared, b) for each b in ``both``;
-    ``lead``: the value's first use, whose move a shared state reuses."""
-
-    node: int
-    lead: Use
-    use: Use
-    own: tuple
-    both: tuple
 
 
 @dataclass(frozen=True)
@@ -237,10 +216,9 @@ class ValueEdges:
                 )
                 out[g.resolution] = 1 + g.targets.index(first)
         for r in self.shares:  # shared wherever the first use wants the same spec
-            b = strategies[r.use.dst][out[r.use.dst]].input_specs[r.use.slot]
-            lead = strategies[r.lead.dst][out[r.lead.dst]].input_specs[r.lead.slot]
-            out[r.node] = (
-                len(r.own) + r.both.index(b) if b is not None and b == lead else r.own.index(b)
+            out[r.node] = r.state(
+                strategies[r.use.dst][out[r.use.dst]].input_specs[r.use.slot],
+                strategies[r.lead.dst][out[r.lead.dst]].input_specs[r.lead.slot],
             )
         for g in self.chain_groups:  # the discount wherever the chosen specs allow it
             c, (pz, tz, rz) = g.chain, g.matrices
@@ -360,24 +338,14 @@ def value_edges(
         """Price use ``u`` of ``v`` (its wants ``w``, its per-demand ``matrix``) through a
         share node: its state is (own, b) -- the move into b paid, as per demand -- or
         (shared, b), free, allowed only where the value's first use wants b too."""
-        own = tuple(dict.fromkeys(w))
-        both = tuple(b for b in own if b is not None)
-        first_of = {b: w.index(b) for b in own}
         sig = ("share", roots[v.src], maps[v.src], id(strategies[v.src]), v.k, v.shape,
                v.itemsize, v.steps, v.batch_dims, roots[u.dst], maps[u.dst],
                id(strategies[u.dst]), u.slot, roots[v.uses[0].dst], maps[v.uses[0].dst],
                id(strategies[v.uses[0].dst]), v.uses[0].slot)  # fmt: skip
+        own, both, src_m, use_m, lead_m = share_matrices(w, lead, matrix)
         leader = seen.get(sig)
         z = node(len(own) + len(both), None if leader is None else leader[0])
         seen.setdefault(sig, [z])
-        src_m = tuple(tuple(row[first_of[b]] for b in own) + (0.0,) * len(both) for row in matrix)
-        use_m = tuple(
-            tuple(0.0 if x == b else INF for b in own) + tuple(0.0 if x == b else INF for b in both)
-            for x in w
-        )
-        lead_m = tuple(
-            (0.0,) * len(own) + tuple(0.0 if x == b else INF for b in both) for x in lead
-        )
         for a, m in ((v.src, src_m), (u.dst, use_m), (v.uses[0].dst, lead_m)):
             edges.append(EdgeCost.of_floats(a, z, m))
             consumers.append((u.dst,))
