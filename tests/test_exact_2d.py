@@ -289,10 +289,7 @@ def test_the_default_searches_around_the_per_demand_plan_where_the_lp_is_fractio
 def _columns_rule(model, incumbent, first):
     """The neighbourhood rule before 2026-11-28c: whole nodes within their cap, else the
     columns where the incumbent and the LP differ."""
-    nb = model.num_binary
-    lp = model.lp_values[:nb]
-    rounded = np.round(lp)
-    differ = ~((np.abs(lp - rounded) <= solvers._INTEGRAL_TOL) & (incumbent == rounded))
+    differ = solvers._differing_columns(model, incumbent)
     whole = np.isin(model.node_of, model.node_of[differ])
     return [whole if whole.sum() <= solvers.NEIGHBOURHOOD_WHOLE_NODES_MAX else differ]
 

@@ -35,12 +35,9 @@ def _consumer(wants):
     return tuple(Strategy(str(w), (w,), (R,), 0.0, 1) for w in wants)
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_objective_is_the_predicted_resharding_for_every_assignment(exact):
-    """A value (producer: replicated, split or partial) read by three consumers: for every
-    choice of the real nodes, the least objective over the extra nodes is the cost of
-    reshard_to_consumers over the distinct wanted specs (exact; a partial sum wanted in
-    two specs: at most it), or one resharding per consumer (not exact)."""
+def _three_readers():
+    """An 8x8 f32 value on 2x2 (producer: replicated, split or partial) read by three
+    consumers that want different specs: ``(mesh, shape, itemsize, strategies, value)``."""
     mesh = alpa_test_mesh((2, 2), ("data", "model"))
     shape, item = (8, 8), 4
     strategies = [
@@ -50,6 +47,16 @@ def test_objective_is_the_predicted_resharding_for_every_assignment(exact):
         _consumer((D0, DM)),
     ]
     value = Value(0, 0, shape, item, ((),) * 6, (Use(1, 0), Use(2, 0), Use(3, 0)))
+    return mesh, shape, item, strategies, value
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_objective_is_the_predicted_resharding_for_every_assignment(exact):
+    """A value (producer: replicated, split or partial) read by three consumers: for every
+    choice of the real nodes, the least objective over the extra nodes is the cost of
+    reshard_to_consumers over the distinct wanted specs (exact; a partial sum wanted in
+    two specs: at most it), or one resharding per consumer (not exact)."""
+    mesh, shape, item, strategies, value = _three_readers()
     ve = value_edges([value], strategies, [None] * 4, mesh, _cost_options(), exact)
     problem = ShardingProblem(
         num_strategies=(6, 3, 3, 2) + ve.num_strategies,
@@ -98,15 +105,7 @@ def test_a_hub_prices_every_assignment_as_predicted():
     choice of the real nodes, the least objective over the hub's sets is exactly the cost
     of reshard_to_consumers over the distinct wanted specs -- infinite where XLA cannot
     resolve the partial sum into one of them -- with no gap on partial sums."""
-    mesh = alpa_test_mesh((2, 2), ("data", "model"))
-    shape, item = (8, 8), 4
-    strategies = [
-        _producer((R, D0, M1) + PART),
-        _consumer((R, D0, DM)),
-        _consumer((R, M1, DM)),
-        _consumer((D0, DM)),
-    ]
-    value = Value(0, 0, shape, item, ((),) * 6, (Use(1, 0), Use(2, 0), Use(3, 0)))
+    mesh, shape, item, strategies, value = _three_readers()
     ve = value_edges([value], strategies, [None] * 4, mesh, _cost_options(), True, hubs=64)
     assert (
         len(ve.groups) == 1
@@ -410,15 +409,7 @@ def test_shared_reads_charge_one_move_for_the_readers_of_one_spec(monkeypatch):
     import autoshard.intra.problem.value_edges as value_edges_module
 
     monkeypatch.setattr(value_edges_module, "SHARED_READS", True)
-    mesh = alpa_test_mesh((2, 2), ("data", "model"))
-    shape, item = (8, 8), 4
-    strategies = [
-        _producer((R, D0, M1) + PART),
-        _consumer((R, D0, DM)),
-        _consumer((R, M1, DM)),
-        _consumer((D0, DM)),
-    ]
-    value = Value(0, 0, shape, item, ((),) * 6, (Use(1, 0), Use(2, 0), Use(3, 0)))
+    mesh, shape, item, strategies, value = _three_readers()
     ve = value_edges([value], strategies, [None] * 4, mesh, _cost_options(), False)
     assert len(ve.shares) == 2 and len(ve.num_strategies) == 2  # the two later readers
     problem = ShardingProblem(

@@ -46,10 +46,7 @@ def _before(model, incumbent, first):
 
     from autoshard.intra.ilp import solvers
 
-    nb = model.num_binary
-    lp = model.lp_values[:nb]
-    rounded = np.round(lp)
-    differ = ~((np.abs(lp - rounded) <= solvers._INTEGRAL_TOL) & (incumbent == rounded))
+    differ = solvers._differing_columns(model, incumbent)
     whole = np.isin(model.node_of, model.node_of[differ])
     return [whole if whole.sum() <= solvers.NEIGHBOURHOOD_WHOLE_NODES_MAX else differ]
 

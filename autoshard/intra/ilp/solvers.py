@@ -311,10 +311,7 @@ def _neighbourhoods(model: _Model, incumbent: np.ndarray, first: bool) -> list[n
     incumbent's strategy (:func:`_minority_nodes`; the 4-layer net on 4x2: 0.6% cheaper
     than the columns), keeping the cheaper plan; a later round the minority nodes and the
     nodes they enclose.  Without ``model.node_of``: the columns where the two differ."""
-    nb = model.num_binary
-    lp_bin = model.lp_values[:nb]
-    rounded = np.round(lp_bin)
-    differ = ~((np.abs(lp_bin - rounded) <= _INTEGRAL_TOL) & (incumbent == rounded))
+    differ = _differing_columns(model, incumbent)
     if model.node_of is None or not differ.any():
         return [differ]
     whole = np.isin(model.node_of, model.node_of[differ])
@@ -323,6 +320,14 @@ def _neighbourhoods(model: _Model, incumbent: np.ndarray, first: bool) -> list[n
     if first:
         return [differ, _minority_nodes(model, incumbent, enclosed=False)]
     return [_minority_nodes(model, incumbent, enclosed=True)]
+
+
+def _differing_columns(model: _Model, incumbent: np.ndarray) -> np.ndarray:
+    """The binary columns on which ``incumbent`` and the LP's solution disagree (the LP
+    fractional there, or integral at another value), as a mask."""
+    lp_bin = model.lp_values[: model.num_binary]
+    rounded = np.round(lp_bin)
+    return ~((np.abs(lp_bin - rounded) <= _INTEGRAL_TOL) & (incumbent == rounded))
 
 
 def _minority_nodes(model: _Model, incumbent: np.ndarray, enclosed: bool) -> np.ndarray:
