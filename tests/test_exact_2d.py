@@ -19,10 +19,14 @@ from autoshard.hardware.mesh import alpa_test_mesh
 from autoshard.intra.cost.resharding import collective_cost
 from autoshard.intra.ilp import objective_of, solve, solvers
 from autoshard.intra.ilp.solvers import NEIGHBOURHOOD_MAX_FREE, NEIGHBOURHOOD_WHOLE_NODES_MAX
+from autoshard.intra.problem import exact_values
 from autoshard.intra.problem.build import _common, _finish, auto_shard_graph
 from autoshard.intra.problem.exact_values import (
     EXACT_MAX_COLUMNS,
     EXACT_MIP_MAX_COLUMNS,
+    EXACT_WIDE_MAX_COLUMNS,
+    EXACT_WIDE_MIN_HUB_SHARE,
+    hub_share,
     unsolved_because,
 )
 from autoshard.intra.problem.options import IntraOptions
@@ -409,3 +413,53 @@ def test_the_lp_finishes_on_the_forced_model_axis_and_its_plan_compiles_as_predi
     assert plan.objective < per_demand.objective * 0.8
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
     assert report.collectives_agree, report.comparison
+
+
+def test_lp_rules_over_the_column_rule():
+    """Over EXACT_MAX_COLUMNS "lp" (not "auto") still solves a program of at most
+    EXACT_WIDE_MAX_COLUMNS whose values hubs mostly price (hub_share at least
+    EXACT_WIDE_MIN_HUB_SHARE), and says why not elsewhere."""
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    over = EXACT_MAX_COLUMNS + 1
+    assert unsolved_because(mesh, "lp", columns=over, share=EXACT_WIDE_MIN_HUB_SHARE) is None
+    low = unsolved_because(mesh, "lp", columns=over, share=EXACT_WIDE_MIN_HUB_SHARE - 0.01)
+    assert "hubbed" in low and "over the" in low
+    assert unsolved_because(mesh, "lp", columns=EXACT_WIDE_MAX_COLUMNS + 1, share=1.0)
+    assert unsolved_because(mesh, "auto", columns=over, share=1.0)
+    assert unsolved_because(mesh, "lp", columns=over)  # no share: as before
+    assert "memory budget" in unsolved_because(mesh, "lp", True, columns=over, share=1.0)
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides", "hubbed"),
+    [("wresnet-tiny", {"num_layers": 8}, True), ("gpt-tiny", {}, False), ("moe-tiny", {}, False)],
+)
+def test_hub_share_admits_the_conv_net_not_gpt_or_moe(model, overrides, hubbed):
+    """The signal on bench_truth's models on 2x4 (their per-demand programs are all over
+    EXACT_MAX_COLUMNS): hubs price most of wresnet-tiny's values read by several demands
+    (80 of 106), where the exact LP is tight and the search around the per-demand plan
+    finds plans 5-9% cheaper; a quarter of GPT's and MoE's (21 of 80, 26 of 105), where
+    the LP's bound is 17-66% below the plan and nothing cheaper was found
+    (benchmarks/studies/wide_exact_signal.py, docs/sharing.md)."""
+    from autoshard.api import trace_workload
+
+    graph = trace_workload(model, optimizer="sgd", **overrides).graph
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    share = hub_share(_common(graph, mesh, DEFAULT, None, True, None))
+    assert (share >= EXACT_WIDE_MIN_HUB_SHARE) == hubbed, share
+
+
+def test_the_default_solves_a_program_over_the_column_rule_whose_values_hubs_price(monkeypatch):
+    """The conv net on 2x2 with the column rule lowered under its program (as wresnet-tiny
+    on 2x4 is over it): its values are mostly hubbed, so "lp" solves its LP anyway and
+    keeps the integral optimum, 23% below the per-demand plan that the rule alone kept
+    (hub share raised out of reach); the record says why."""
+    graph = _conv_net()
+    mesh = alpa_test_mesh((2, 2), ("data", "model"))
+    monkeypatch.setattr(exact_values, "EXACT_MAX_COLUMNS", 1_000)
+    plan = auto_shard_graph(graph, mesh, DEFAULT)
+    assert plan.solver["exact_stopped"] is None and plan.solver["status"] == "optimal"
+    monkeypatch.setattr(exact_values, "EXACT_WIDE_MIN_HUB_SHARE", 1.01)
+    kept = auto_shard_graph(graph, mesh, DEFAULT)
+    assert "hubbed" in kept.solver["exact_stopped"]
+    assert plan.objective < 0.85 * kept.objective  # 3,304 against 4,308

@@ -41,8 +41,10 @@ from autoshard.intra.ilp import (
 from autoshard.intra.ilp.problem import below_bound_error, peak_lower_bound
 from autoshard.intra.memory.model import memory_rows, streamed_tensors
 from autoshard.intra.offload.placement import Offload, offload_tensors
+from autoshard.intra.problem import exact_values as _exact
 from autoshard.intra.problem.exact_values import (
     held_warnings,
+    hub_share,
     kept_per_demand,
     price_per_value,
     solve_exact,
@@ -318,12 +320,14 @@ def _slice_chains(graph, strategies, producer, uses, n_in) -> tuple[SliceChain, 
     return tuple(out)
 
 
-def _finish(c: _Common, exact_values: bool) -> IntraProblem:
+def _finish(c: _Common, exact_values: bool, per_value: frozenset = frozenset()) -> IntraProblem:
     """The program of ``c`` with its values priced per value (``exact_values``) or per
-    demand (:func:`autoshard.intra.problem.value_edges.value_edges`)."""
+    demand (:func:`autoshard.intra.problem.value_edges.value_edges`; ``per_value``: the
+    indices of values priced per value all the same)."""
     per_value = value_edges(
         list(c.values), c.strategies, c.ties, c.mesh, c.cost_options, exact_values, c.memo,
         c.options.forbidden_collectives(), hub_max_sets(c.mesh), chains=c.chains,
+        priced_per_value=per_value,
     )  # fmt: skip
     extra = per_value.num_strategies
     memory = _with_aux_nodes(c.memory, extra)
@@ -456,16 +460,24 @@ def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, 
         # gpt-39b 8x8, docs/sharing.md); with a budget its memory rows are needed
         ip = _finish(common, False)
         first = solve(ip.problem, **settings)
-        # exact_search="lp" / "auto" solves a small program of several axes after all
+        # exact_search="lp" / "auto" solves a small program of several axes after all, and
+        # "lp" a larger one whose values hubs mostly price (its LP tight: hub_share)
+        wide = hub_max_sets(mesh) > 0 and first.num_variables > _exact.EXACT_MAX_COLUMNS
         unsolved = unsolved_because(
-            mesh, options.exact_search, budgeted, first.num_variables, options.solver
-        )
+            mesh, options.exact_search, budgeted, first.num_variables, options.solver,
+            hub_share(common) if wide else None,
+        )  # fmt: skip
         solution = kept_per_demand(
             first, first.strategy, price_per_value(common, first.strategy), unsolved
         )
         if solution is None:  # solved after all, or it needs a forbidden collective
             demand, ip = ip, _finish(common, True)
-            solution = solve_exact(ip, demand, mesh, settings, None, first, lp_only)
+            cap = (
+                max(_exact.EXACT_WIDE_LP_MAX_ITERATIONS, _exact.EXACT_LP_MAX_ITERATIONS)
+                if wide
+                else None
+            )
+            solution = solve_exact(ip, demand, mesh, settings, None, first, lp_only, cap)
     else:
         ip = _finish(common, exact_values)
         # with a budget, the ILP's memory rows count every buffer predicted_peak_bytes

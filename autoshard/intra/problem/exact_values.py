@@ -63,6 +63,21 @@ EXACT_MIP_MAX_COLUMNS = 2_500
 # stopped just short, keeping plans 26% dearer than RINS finds once the LP is through
 # (exact_lp_forbidden_iter200k_2026-11-28.json); 32,000 lets every LP measured finish
 EXACT_LP_MAX_ITERATIONS = 32_000
+# Over EXACT_MAX_COLUMNS, "lp" still solves the LP (at most EXACT_WIDE_LP_MAX_ITERATIONS
+# simplex iterations, then the integer program around the per-demand plan) on a program of
+# at most EXACT_WIDE_MAX_COLUMNS columns where hubs price at least EXACT_WIDE_MIN_HUB_SHARE
+# of the values several demands read (:func:`hub_share`): a hub prices a value's every set
+# of wanted specs at once and keeps the LP tight, where copy nodes charge each spec through
+# an OR the LP splits at will. Measured on bench_truth's 2-D rows over the column rule
+# (benchmarks/studies/wide_exact_signal.py, docs/sharing.md): wresnet-tiny (8 layers) on
+# 2x4, hubs on 80 of its 106 such values, LP within 4.8-6.8% of the plan found, 27,823-
+# 35,702 iterations, 5-9% cheaper plans; every GPT and MoE row 21-26 of 80-105, LP bounds
+# 17-66% below the plan and nothing cheaper found, for 17-42 s more (so bench_intra's GPT
+# rows, planned under their compile time, are not admitted). Counts, not seconds: the plan
+# does not depend on the load.
+EXACT_WIDE_MAX_COLUMNS = 120_000
+EXACT_WIDE_MIN_HUB_SHARE = 0.5
+EXACT_WIDE_LP_MAX_ITERATIONS = 40_000
 
 
 def _stopped(solution) -> str:
@@ -116,12 +131,43 @@ def price_per_value(c: _Common, choice) -> float:
     )
 
 
+def hub_share(c: _Common) -> float:
+    """The share of the values read by several distinct demands (each wanting some spec)
+    that the exact program prices by a hub on ``c``'s mesh (0 without hubs, 1 without such
+    values): the signal that admits a program over :data:`EXACT_MAX_COLUMNS`."""
+    cap = hub_max_sets(c.mesh)
+    if not cap:
+        return 0.0
+    if "hubbed" not in c.memo:
+        c.memo["hubbed"] = hubbed_values(c.values, c.strategies, c.ties, cap, c.memo)
+    hubbed, distinct = c.memo["hubbed"], c.memo["distinct"]
+    read = sum(  # every value of several uses (hubbed_values fills ``distinct``)
+        1
+        for v in distinct.values()
+        if len(v.uses) > 1
+        and any(s.input_specs[u.slot] is not None for u in v.uses for s in c.strategies[u.dst])
+    )
+    return len(hubbed) / read if read else 1.0
+
+
+def wide_admitted(columns: int | None, share: float | None) -> bool:
+    """Whether exact_search="lp" solves the LP of a per-demand program of ``columns``
+    columns over :data:`EXACT_MAX_COLUMNS` whose values have hub share ``share``."""
+    return (
+        columns is not None
+        and share is not None
+        and columns <= EXACT_WIDE_MAX_COLUMNS
+        and share >= EXACT_WIDE_MIN_HUB_SHARE
+    )
+
+
 def unsolved_because(
     mesh: DeviceMesh,
     search: str,
     budgeted: bool = False,
     columns: int | None = None,
     solver: str = "highs",
+    share: float | None = None,
 ) -> str | None:
     """Why :attr:`IntraOptions.exact_search` does not solve the exact program on
     ``mesh`` (under a memory budget when ``budgeted``), or None where it does.
@@ -129,7 +175,9 @@ def unsolved_because(
     axes (None: not solved yet, so not solved there either).  Forbidden collectives do not
     keep "lp" from solving it (until 2026-11-28 they did): under the LP's iteration cap it
     found plans 7.5% cheaper with force_batch_dim_to_mesh_axis, and never a dearer one, for
-    1.3-2.7 s more (benchmarks/studies/exact_lp_forbidden.py, docs/sharing.md)."""
+    1.3-2.7 s more (benchmarks/studies/exact_lp_forbidden.py, docs/sharing.md).
+    ``share``: the program's :func:`hub_share`; with "lp", a program over the column rule
+    is solved where :func:`wide_admitted` says so."""
     if search == "always":
         return None
     if search == "never":
@@ -144,14 +192,22 @@ def unsolved_because(
         )
     if budgeted:  # with memory rows its root node alone ran past 45 s on gpt-350m (2 blocks)
         return f"not solved under a memory budget (exact_search={search!r})"
-    if several:
-        if columns is None or columns > EXACT_MAX_COLUMNS:
-            size = "" if columns is None else f" ({columns:,} columns)"
-            return (
-                f"not solved on this mesh of several axes: the per-demand program{size} is "
-                f"over the {EXACT_MAX_COLUMNS:,} columns up to which exact_search={search!r} "
-                "solves it"
+    if several and (columns is None or columns > EXACT_MAX_COLUMNS):
+        if search == "lp" and wide_admitted(columns, share):
+            return None
+        size = "" if columns is None else f" ({columns:,} columns)"
+        return (
+            f"not solved on this mesh of several axes: the per-demand program{size} is "
+            f"over the {EXACT_MAX_COLUMNS:,} columns up to which exact_search={search!r} "
+            "solves it"
+            + (
+                f" (and its values are {share:.0%} hubbed, under the "
+                f"{EXACT_WIDE_MIN_HUB_SHARE:.0%} over which 'lp' solves up to "
+                f"{EXACT_WIDE_MAX_COLUMNS:,} columns)"
+                if search == "lp" and share is not None
+                else ""
             )
+        )
     return None
 
 
@@ -229,7 +285,7 @@ def kept_per_demand(first, strategy, priced: float, unsolved: str | None):
 
 def solve_exact(
     ip: IntraProblem, demand: IntraProblem, mesh, settings, unsolved: str | None = None,
-    first=None, lp_only: bool = False,
+    first=None, lp_only: bool = False, lp_iterations: int | None = None,
 ):  # fmt: skip
     """Solve the exact per-value program from the per-demand program's plan (a starting
     point HiGHS needs: alone it finds no good plan on 2-D meshes), and set the extra
@@ -247,22 +303,23 @@ def solve_exact(
     below the per-demand one).  ``lp_only`` (exact_search="lp"): on a mesh with hubs, a
     fractional relaxation of a program over :data:`EXACT_MIP_MAX_COLUMNS` gets the integer
     program around the per-demand plan alone, kept where cheaper, else the per-demand plan
-    (``exact_stopped`` says which, with the LP's bound)."""
+    (``exact_stopped`` says which, with the LP's bound); ``lp_iterations``: its LP's cap
+    (None: :data:`EXACT_LP_MAX_ITERATIONS`)."""
     if first is None:
         with held_warnings() as held:
             first = solve(demand.problem, **settings)
-            solution = _from_start(ip, mesh, settings, unsolved, first, lp_only)
+            solution = _from_start(ip, mesh, settings, unsolved, first, lp_only, lp_iterations)
         held.release(solution.objective)
         return solution
-    return _from_start(ip, mesh, settings, unsolved, first, lp_only)
+    return _from_start(ip, mesh, settings, unsolved, first, lp_only, lp_iterations)
 
 
-def _fractional(first, initial, start_price, solution):
+def _fractional(first, initial, start_price, solution, lp_iterations: int):
     """The per-demand plan where exact_search="lp" found the exact program's relaxation
     fractional on a program too large for its integer program (and nothing cheaper around
     the per-demand plan), or the LP stopped."""
     if solution.status == "lp_stopped":
-        at = {"iterations": f"its {EXACT_LP_MAX_ITERATIONS:,} simplex iterations"}.get(
+        at = {"iterations": f"its {lp_iterations:,} simplex iterations"}.get(
             solution.limit, "the time limit"
         )
         why = (
@@ -285,8 +342,10 @@ def _fractional(first, initial, start_price, solution):
     )
 
 
-def _from_start(ip, mesh, settings, unsolved, first, lp_only=False):
+def _from_start(ip, mesh, settings, unsolved, first, lp_only=False, lp_iterations=None):
     """:func:`solve_exact` past the per-demand solve ``first``."""
+    if lp_iterations is None:
+        lp_iterations = EXACT_LP_MAX_ITERATIONS
     initial = ip.values.complete(ip.strategies, first.strategy, mesh)
     start_price = objective_of(ip.problem, initial)
     kept = kept_per_demand(first, initial, start_price, unsolved)
@@ -320,15 +379,15 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False):
             max_nodes=EXACT_MAX_NODES,
             lp_first=hubs,
             mip_max_columns=EXACT_MIP_MAX_COLUMNS if lp_only else None,
-            lp_max_iterations=EXACT_LP_MAX_ITERATIONS if lp_only else None,
+            lp_max_iterations=lp_iterations if lp_only else None,
         )
     if solution.status in ("fractional", "lp_stopped"):
-        return _fractional(first, initial, start_price, solution)
+        return _fractional(first, initial, start_price, solution, lp_iterations)
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)
     objective = objective_of(ip.problem, strategy)
     if solution.status == "neighbourhood":
         if not objective < start_price * (1 - 1e-9):  # nothing cheaper around the start
-            return _fractional(first, initial, start_price, solution)
+            return _fractional(first, initial, start_price, solution, lp_iterations)
         bound = "" if solution.gap is None else f", at most {solution.gap:.1%} above its optimum"
         rounds = solution.neighbourhood_rounds or 1
         again = (

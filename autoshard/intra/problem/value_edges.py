@@ -103,6 +103,14 @@ INF = math.inf
 # the per-demand program's share nodes (autoshard.intra.problem.shared_reads): off, as their solve took
 # 247-301 s where the per-demand one took 8 s on wresnet-tiny 2x4 (docs/sharing.md)
 SHARED_READS = False
+# which values get share nodes where SHARED_READS is on: those with at least
+# SHARED_READS_MIN_USES distinct uses (2: every value read by several demands), and with
+# SHARED_READS_NO_PARTIAL only where the producer never makes a partial sum. On
+# wresnet-tiny 2x4, 4 values of 4 uses: 5.5% cheaper in 14 s, every value: 9.05% in
+# 247-301 s; on gpt-tiny 2x4 past 120 s with nothing cheaper
+# (benchmarks/studies/wide_exact_signal.py, docs/sharing.md)
+SHARED_READS_MIN_USES = 2
+SHARED_READS_NO_PARTIAL = False
 
 
 def hubbed_values(values, strategies, ties, hubs: int, memo: dict | None = None) -> frozenset:
@@ -286,6 +294,7 @@ def value_edges(
     hubs: int = 0,
     hub_only: frozenset | None = None,
     chains: tuple[SliceChain, ...] = (),
+    priced_per_value: frozenset = frozenset(),
 ) -> ValueEdges:
     """The nodes and edges that price ``values`` (see the module docstring).
     ``strategies``: every ILP node's strategies; ``ties``: the real nodes' ties.
@@ -308,6 +317,9 @@ def value_edges(
     :func:`hub_max_sets` picks it per mesh); ``hub_only``: the indices of the values
     that may get one (None: any).  A value with one distinct demand gets a plain edge
     whatever these say.
+
+    ``priced_per_value`` (without ``exact``): the indices of values priced per value
+    anyway, the others per demand (a study's hybrid, ``wide_exact_signal.py``).
 
     ``chains``: the values read by a layout op whose result one reader may split, each
     given a discount node (module docstring); none where ``forbidden`` holds the
@@ -360,13 +372,19 @@ def value_edges(
             continue
         wants = [tuple(s.input_specs[u.slot] for s in strategies[u.dst]) for u in v.uses]
         readers = tuple(dict.fromkeys(u.dst for u in v.uses))
-        if len(v.uses) == 1 or not exact:
+        if len(v.uses) == 1 or not (exact or i in priced_per_value):
             # with forbidden kinds, a partial sum several demands read is all-reduced into
             # the producer's own layout only: per demand, a reduce-scatter for one use and
             # an all-reduce for another would price fine, but XLA would reduce once and
             # gather or exchange for the other (the kind forbidden); the per-value program
             # is exact and may still find the reduce-scatter where it is safe
             guarded = bool(forbidden) and len(v.uses) > 1
+            share = (
+                SHARED_READS
+                and not guarded
+                and len(v.uses) >= SHARED_READS_MIN_USES
+                and not (SHARED_READS_NO_PARTIAL and any(a.partial for a in src_specs))
+            )
             for u, w in zip(v.uses, wants):
                 key = ("edge", id(strategies[v.src]), v.k, id(strategies[u.dst]), u.slot,
                        v.shape, v.itemsize, v.steps, v.batch_dims, guarded)  # fmt: skip
@@ -400,7 +418,7 @@ def value_edges(
                             row = rows[a, rel] = tuple(price[b] for b in w)
                         matrix.append(row)
                     matrices[key] = tuple(matrix)
-                if SHARED_READS and not guarded and u is not v.uses[0]:
+                if share and u is not v.uses[0]:
                     shared_read(v, u, w, wants[0], matrices[key])
                     continue
                 edges.append(EdgeCost.of_floats(v.src, u.dst, matrices[key]))
