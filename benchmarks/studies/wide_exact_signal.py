@@ -14,7 +14,10 @@ signals a rule could read from that plan:
   over-charges its own plan);
 * ``shared_overcharge``: the part of that over-charge on values two or more of whose
   uses want one spec the producer does not make (reads XLA makes once), over the price;
-* ``shared_values``: how many such values.
+* ``shared_values``: how many such values;
+* ``hub_share``: the share of the values several demands read that the exact program
+  prices by a hub (``exact_values.hub_share``, the rule the default reads since
+  2026-11-28; ``--hub-share-only``: this alone, without a solve).
 
 With ``--lp``, on a program over the rule: the default's own search with the column rule lifted and the LP capped at
 ``--lp-iterations`` (its LP's status, iterations and seconds, and the plan it returns:
@@ -153,6 +156,7 @@ def run_row(
     shared: tuple[int, ...] = (),
     no_partial: bool = False,
     per_value: tuple[int, ...] = (),
+    share_only: bool = False,
 ) -> dict:
     from exact_truth_sample import _LpRecorder
 
@@ -173,6 +177,10 @@ def run_row(
     common = build._common(graph, mesh, options, pinned, True, None)
     demand = build._finish(common, False)
     build_s = time.perf_counter() - t0
+    if share_only:  # the signal alone, no solve
+        t0 = time.perf_counter()
+        share = exact_values.hub_share(common)
+        return {"row": text, "hub_share": share, "hub_share_s": round(time.perf_counter() - t0, 3)}
     first = solve(demand.problem, **settings)
     price = price_per_value(common, first.strategy)
     over, count = shared_overcharge(common, first.strategy)
@@ -225,6 +233,7 @@ def main() -> int:
     ap.add_argument("--shared-min-uses", type=int, nargs="*", default=[])
     ap.add_argument("--shared-no-partial", action="store_true")
     ap.add_argument("--per-value-min-uses", type=int, nargs="*", default=[])
+    ap.add_argument("--hub-share-only", action="store_true", help="the hub share alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows, started = [], time.strftime("%Y-%m-%d %H:%M", time.gmtime())
@@ -238,6 +247,7 @@ def main() -> int:
             tuple(args.shared_min_uses),
             args.shared_no_partial,
             tuple(args.per_value_min_uses),
+            args.hub_share_only,
         )
         row["load"] = round(os.getloadavg()[0], 1)
         loads.append(row["load"])
