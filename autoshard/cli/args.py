@@ -238,8 +238,10 @@ def add_intra_option_args(p: argparse.ArgumentParser) -> None:
         default="lp",
         help="where the per-value program is solved from the per-demand plan, never with "
         "--memory-budget: on meshes with one axis > 1 (200 branch-and-bound nodes) and, on "
-        "meshes of several axes whose per-demand program has at most 40,000 columns, its LP "
-        "relaxation (at most 32,000 simplex iterations), kept where integral (the proven "
+        "meshes of several axes whose per-demand program has at most 40,000 columns (120,000 "
+        "where hubs price at least half the values several demands read), its LP "
+        "relaxation (at most 32,000 simplex iterations; 40,000 over 40,000 columns), kept "
+        "where integral (the proven "
         "optimum); a fractional one runs the integer program (200 nodes) on a program of at "
         "most 2,500 columns, else around the per-demand plan, kept where cheaper (lp, the "
         "default: up to 27%% cheaper plans on small 2-D programs, in seconds); the same "
