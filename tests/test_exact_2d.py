@@ -424,7 +424,11 @@ def test_lp_rules_over_the_column_rule():
     assert unsolved_because(mesh, "lp", columns=over, share=EXACT_WIDE_MIN_HUB_SHARE) is None
     low = unsolved_because(mesh, "lp", columns=over, share=EXACT_WIDE_MIN_HUB_SHARE - 0.01)
     assert "hubbed" in low and "over the" in low
-    assert unsolved_because(mesh, "lp", columns=EXACT_WIDE_MAX_COLUMNS + 1, share=1.0)
+    big = unsolved_because(mesh, "lp", columns=EXACT_WIDE_MAX_COLUMNS + 1, share=0.67)
+    # the reason given is the size, not the share (which is over the rule's)
+    assert "67% hubbed, but it is over" in big and "under" not in big.split("hubbed")[-1]
+    both = unsolved_because(mesh, "lp", columns=EXACT_WIDE_MAX_COLUMNS + 1, share=0.2)
+    assert "20% hubbed, under 50% and it is over" in both
     assert unsolved_because(mesh, "auto", columns=over, share=1.0)
     assert unsolved_because(mesh, "lp", columns=over)  # no share: as before
     assert "memory budget" in unsolved_because(mesh, "lp", True, columns=over, share=1.0)

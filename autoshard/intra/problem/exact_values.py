@@ -161,6 +161,24 @@ def wide_admitted(columns: int | None, share: float | None) -> bool:
     )
 
 
+def _wide_refusal(columns: int | None, share: float | None) -> str:
+    """Why :func:`wide_admitted` refused a program over the column rule (empty where the
+    share was not measured): the hub share, the size, or both."""
+    if share is None or columns is None:
+        return ""
+    under = share < EXACT_WIDE_MIN_HUB_SHARE
+    why = f"its values are {share:.0%} hubbed" + (
+        f", under {EXACT_WIDE_MIN_HUB_SHARE:.0%}" if under else ""
+    )
+    if columns > EXACT_WIDE_MAX_COLUMNS:
+        why += f"{' and' if under else ', but'} it is over {EXACT_WIDE_MAX_COLUMNS:,} columns"
+    return (
+        " (nor admitted as a program whose values hubs mostly price, at least "
+        f"{EXACT_WIDE_MIN_HUB_SHARE:.0%} of them on at most {EXACT_WIDE_MAX_COLUMNS:,} "
+        f"columns: {why})"
+    )
+
+
 def unsolved_because(
     mesh: DeviceMesh,
     search: str,
@@ -199,14 +217,7 @@ def unsolved_because(
         return (
             f"not solved on this mesh of several axes: the per-demand program{size} is "
             f"over the {EXACT_MAX_COLUMNS:,} columns up to which exact_search={search!r} "
-            "solves it"
-            + (
-                f" (and its values are {share:.0%} hubbed, under the "
-                f"{EXACT_WIDE_MIN_HUB_SHARE:.0%} over which 'lp' solves up to "
-                f"{EXACT_WIDE_MAX_COLUMNS:,} columns)"
-                if search == "lp" and share is not None
-                else ""
-            )
+            "solves it" + (_wide_refusal(columns, share) if search == "lp" else "")
         )
     return None
 
