@@ -172,6 +172,36 @@ def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_one_ax
     assert never.objective == pytest.approx(priced, rel=1e-9)  # "never" only prices
 
 
+def test_the_exact_solve_on_one_axis_has_no_seconds_cap(monkeypatch):
+    """On one axis the exact program's budget is its nodes alone, so the plan does not
+    depend on the load: with the time cap's floor and factor at a nanosecond (a machine
+    so loaded that no time is enough) the 3-layer MLP on 4 still gets its per-value
+    optimum, proven. Until 2026-11-28 a cap of the per-demand time, at least 5 s, bounded
+    it; gpt-tiny's exact program needed about that at load 4 and stopped 0.8-1.4% above
+    its optimum at load 4-7 (docs/sharing.md). Under a memory budget (exact_search
+    "always") the cap stays, a safety for roots that take minutes: it stops there."""
+    import autoshard.intra.problem.exact_values as ev
+    from autoshard.api import trace_workload
+
+    monkeypatch.setattr(ev, "EXACT_MIN_SECONDS", 1e-9)
+    monkeypatch.setattr(ev, "EXACT_TIME_FACTOR", 1e-9)
+    traced = trace_workload("mlp", optimizer="sgd", batch_size=16, hidden=64, num_layers=3)
+    mesh = alpa_test_mesh((4,), ("x",))
+    common = _common(traced.graph, mesh, DEFAULT, None, True, None)
+    first = solve(_finish(common, False).problem, solver="highs")
+    exact = _finish(common, True)
+    start = exact.values.complete(exact.strategies, first.strategy, mesh)
+    optimum = solve(exact.problem, solver="highs", time_limit_s=60, initial=start)
+    assert optimum.status == "optimal"
+    assert optimum.objective < objective_of(exact.problem, start) * (1 - 1e-4)
+    plan = auto_shard_graph(traced.graph, mesh, DEFAULT)
+    assert plan.solver["status"] == "optimal" and plan.solver["exact_stopped"] is None
+    assert plan.objective == pytest.approx(optimum.objective, rel=1e-9)
+    budget = DEFAULT.replace(exact_search="always", memory_budget_bytes=1e12)
+    capped = auto_shard_graph(traced.graph, mesh, budget)
+    assert "stopped at its time limit" in capped.solver["exact_stopped"]
+
+
 def test_a_solve_that_ends_with_a_worse_plan_keeps_the_per_demand_plan(monkeypatch):
     """Where the exact solve hands back a plan dearer than its start (its cap spent in the
     LP relaxation on a loaded machine, HiGHS then had no incumbent and a greedy plan stood

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import math
 import os
+import sys
 
 import numpy as np
 import pulp
@@ -790,11 +791,11 @@ def test_preferences_break_ties_the_same_way_on_every_solver(pb):
     if best is None:
         return
     for solver in ("highs", "cbc"):
-        for merge in (True, False):
-            sol = solve(pb, solver=solver, merge=merge)
+        for merge, after in itertools.product((True, False), (False, True)):
+            sol = solve(pb, solver=solver, merge=merge, ties_after=after)
             assert sol.objective == pytest.approx(best[0], abs=1e-9)
             chosen = math.fsum(pb.preferences[v][p] for v, p in enumerate(sol.strategy))
-            assert chosen == best[1], (solver, merge)
+            assert chosen == best[1], (solver, merge, after)
 
 
 @st.composite
@@ -821,12 +822,12 @@ def test_preferences_never_buy_cost(pb):
     if best is None:
         return
     plain = dataclasses.replace(pb, preferences=None)
-    for solver in ("highs", "cbc"):
-        sol = solve(pb, solver=solver)
-        assert sol.objective == best[0], solver
+    for solver, after in itertools.product(("highs", "cbc"), (False, True)):
+        sol = solve(pb, solver=solver, ties_after=after)
+        assert sol.objective == best[0], (solver, after)
         assert sol.objective == solve(plain, solver="highs").objective
         chosen = math.fsum(pb.preferences[v][p] for v, p in enumerate(sol.strategy))
-        assert chosen == best[1], solver
+        assert chosen == best[1], (solver, after)
 
 
 def test_preferences_decide_only_between_equal_costs():
@@ -866,6 +867,43 @@ def test_the_tie_break_solve_is_reported():
     chain = ShardingProblem((2,) * 3, [(0.0, 0.0)] * 3, edges[:2], preferences=prefs[:3])
     assert solve(chain, solver="highs").tie_break is None
     assert solve(dataclasses.replace(clique, preferences=None), solver="highs").tie_break is None
+
+
+def test_ties_after_solves_the_costs_alone_first():
+    """``ties_after``: the first solve runs on the program reduced on its costs alone,
+    where dominance drops the strategies that only tie on cost (the lexicographic
+    reductions keep them where their preferences differ: on gpt-tiny's exact program
+    they made that solve 4-6x slower, docs/sharing.md); the tie-breaking solve then runs
+    on the lexicographic program under the first plan's cost, with the same outcome."""
+    # strategy 2 costs what 1 does against every neighbour's but 0 and 1 more against a
+    # 2: on costs alone 1 dominates it; preferred, it stays in the lexicographic program
+    near = [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
+    edges = [EdgeCost(a, b, near) for a, b in itertools.combinations(range(4), 2)]
+    prefs = [(3.0, 2.0, 1.0)] * 3 + [(3.0, 2.0, 0.0)]
+    clique = ShardingProblem((3,) * 4, [(0.0, 0.0, 0.0)] * 4, edges, preferences=prefs)
+    columns = []
+    real_run = solvers._run
+
+    def counted(model, *args):
+        columns.append(model.num_binary)
+        return real_run(model, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys.modules["autoshard.intra.ilp.solve"], "_run", counted)
+        together = solve(clique, solver="highs")
+        first_together = columns[0]
+        columns.clear()
+        after = solve(clique, solver="highs", ties_after=True)
+    assert len(columns) == 2  # the first solve, then the tie-break
+    assert columns == [8, 12] and first_together == 12  # 2 strategies a node, against 3
+    # cost 0: every node at 0 (preference 12), or at 1 but for at most one at 2; the
+    # least preference puts the last node at 2 (6)
+    assert after.strategy == together.strategy == (1, 1, 1, 2)
+    assert after.tie_break == together.tie_break == "optimal"
+    assert after.objective == together.objective == 0.0
+    assert after.num_variables == together.num_variables  # the program as given
+    with pytest.raises(ValueError, match="ties_after needs lp_first=False"):
+        solve(clique, solver="highs", ties_after=True, lp_first=True)
 
 
 def test_solver_output_never_reaches_stdout():

@@ -22,6 +22,7 @@ from autoshard.intra.ilp.problem import (
     ShardingProblem,
     SolverTimeLimitError,
     SolverTimeLimitWarning,
+    cost_quantum,
     objective_of,
     peak_lower_bound,
     peak_memory,
@@ -140,30 +141,79 @@ TIE_MAX_COLUMNS = 20_000
 TIE_MAX_NODES = 20
 
 
-def _tie_break(model: _Model, solver: str, time_limit_s, seed: int) -> _Outcome | None:
+def _tie_break(
+    model: _Model, solver: str, time_limit_s, seed: int, within: float | None = None
+) -> _Outcome | None:
     """The second, lexicographic solve: among the plans whose cost is at most the first
     solve's (``model.values``) plus the gap it proved (``_ABS_GAP``), the least preference
     total. Started from the first solve's plan, it minimises cost + :data:`TIE_WEIGHT` x
     preference under that cost row: every plan it may return costs what the first did
     (to the solver's tolerance). ``model``'s values are the new plan's where the outcome
     has one (else the first plan's, kept). None: no preference left to decide (the
-    reductions resolved them, or they are constant on every block)."""
+    reductions resolved them, or they are constant on every block).
+    ``within``: the first plan's cost in ``model``'s units where that plan was solved on
+    another program (:func:`_ties_after`; ``model.start`` then holds its columns and
+    ``model.values`` is None, and stays None where this solve finds no plan)."""
     preference = np.asarray(model.preference)
-    if not preference.any() or model.values is None:
+    if not preference.any() or (within is None and model.values is None):
         return None
     first = model.values
     cost = np.asarray(model.cost)
+    if within is None:
+        within = float(cost @ first)
+        model.start = (list(range(model.num_binary)), np.round(first[: model.num_binary]).tolist())
     paid = [(j, float(c)) for j, c in enumerate(cost.tolist()) if c]
-    model.row(paid, -math.inf, float(cost @ first) + _ABS_GAP)
+    model.row(paid, -math.inf, within + _ABS_GAP)
     model.cost = (cost + TIE_WEIGHT * preference).tolist()
-    binary = list(range(model.num_binary))
-    model.start = (binary, np.round(first[: model.num_binary]).tolist())
     model.max_nodes = min(model.max_nodes or TIE_MAX_NODES, TIE_MAX_NODES)
     model.values = None
     out = _run(model, solver, time_limit_s, 0.0, seed)
     if model.values is None or out.status not in ("optimal", "time_limit"):
         model.values = first  # no plan from the second solve: the first stays
     return out
+
+
+def _rounded_objective(problem: ShardingProblem, strategy) -> float:
+    """:func:`objective_of` with every cost rounded to :func:`cost_quantum` as the
+    lexicographic reductions round them: the cost the lexicographic program (plus its
+    reductions' constant) charges ``strategy``, or less where its reductions picked a
+    cheaper strategy for a node they eliminated or dropped (dominance keeps a strategy
+    no dearer whatever the neighbours pick)."""
+    q = cost_quantum(problem)
+    s = tuple(strategy)
+    node = (problem.node_costs[v][s[v]] for v in range(problem.num_nodes))
+    edge = (e.costs[s[e.src]][s[e.dst]] for e in problem.edges)
+    return math.fsum(float(np.round(c / q) * q) for c in (*node, *edge))
+
+
+def _breaks_ties(red: _Reduced, model: _Model) -> bool:
+    """Whether :func:`solve`'s tie-breaking solve runs on ``model`` (of ``red``): it has
+    preferences left to decide, at most :data:`TIE_MAX_COLUMNS` columns and no memory
+    rows (else :func:`_polish` alone breaks its ties)."""
+    return (
+        np.asarray(model.preference).any()
+        and model.num_cols <= TIE_MAX_COLUMNS
+        and not red.mem_rows
+    )
+
+
+def _ties_after(
+    red: _Reduced, model: _Model, plan, merge: bool, solver: str, time_limit_s, seed: int
+):
+    """The tie-breaking solve on the lexicographic program (``red``, ``model``) from
+    ``plan``, a least-cost plan of the program reduced on its costs alone (``ties_after``):
+    under the cost row at ``plan``'s cost, from ``plan``'s columns (a node whose strategy
+    the lexicographic reductions dropped as dominated is left to the solver). (Its
+    outcome or None, the strategy: the tie-broken plan, else ``plan``.)"""
+    within = (_rounded_objective(red.problem, plan) - red.constant.real) / model.scale
+    model.start = _start(red, plan)
+    model.values = None
+    second = _tie_break(model, solver, time_limit_s, seed, within)
+    if model.values is None:  # no plan from it (or no preference to decide): plan stays
+        return second, tuple(int(p) for p in plan)
+    if merge:  # (tie rows bind unmerged)
+        _polish(red, model)
+    return second, _decode(red, model)
 
 
 def _polish(red: _Reduced, model: _Model, rounds: int = 50) -> int:
@@ -244,6 +294,7 @@ def solve(
     lp_first: bool = False,
     mip_max_columns: int | None = None,
     lp_max_iterations: int | None = None,
+    ties_after: bool = False,
 ) -> Solution:
     """Minimise total cost over one strategy per node; see :mod:`autoshard.intra.ilp`.
 
@@ -278,6 +329,15 @@ def solve(
     (with ``mip_max_columns``): the LP's simplex iteration limit; an LP stopped there or by
     the time limit also returns ``initial``, with status "lp_stopped" (``limit``
     "iterations" or "time").
+    ``ties_after`` (not with ``lp_first``): where the tie-breaking solve runs, the first
+    solve runs on the program reduced on its costs alone, and the tie-breaking solve on
+    the lexicographic program from its plan, under the same cost row. The lexicographic
+    reductions keep every strategy that costs what another does but is preferred
+    differently, which the costs alone let dominance drop: a larger program whose
+    equal-cost alternatives HiGHS's root closes slowly (gpt-tiny's exact program on 8:
+    7,141 columns against 6,979, 3.8 s and 3 nodes against 0.6 s and 1 node, the same
+    optimum; docs/sharing.md). Same (cost, preference) optimum; where several plans reach
+    it, which one comes back may differ.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
@@ -292,13 +352,21 @@ def solve(
         raise ValueError("mip_max_columns needs lp_first=True and an initial assignment")
     if lp_max_iterations is not None and mip_max_columns is None:
         raise ValueError("lp_max_iterations needs mip_max_columns")
+    if ties_after and lp_first:
+        raise ValueError("ties_after needs lp_first=False (the LP first breaks no ties)")
     start = time.perf_counter()
-    red = _reduce(problem, merge)
-    model = _build(red, minimise_peak=False)
+    # ``lex`` the program as given (lexicographic with preferences), ``red`` and ``model``
+    # the one the first solve runs on: the costs alone with ties_after where the
+    # tie-breaking solve will run, else the same
+    red = lex_red = _reduce(problem, merge)
+    model = lex = _build(red, minimise_peak=False)
+    if ties_after and _breaks_ties(lex_red, lex):
+        red = _reduce(dataclasses.replace(problem, preferences=None), merge)
+        model = _build(red, minimise_peak=False)
     if initial is not None:
         model.start = _start(red, initial)
-    model.presolve = presolve
-    model.max_nodes = None if max_nodes is None else int(max_nodes)
+    model.presolve = lex.presolve = presolve
+    model.max_nodes = lex.max_nodes = None if max_nodes is None else int(max_nodes)
     model.lp_first = lp_first
     model.mip_max_columns = mip_max_columns
     model.lp_max_iterations = lp_max_iterations
@@ -331,7 +399,20 @@ def solve(
         strategy, fallback = greedy, "greedy"
         out = _Outcome("time_limit", out.bound, out.nodes, out.limit, out.wall_s)
     tie_break = None
-    if out.status == "optimal" and model.values is not None:
+    ties_later = model is not lex and out.status == "optimal"
+    if ties_later:  # (no values: the reductions fixed every block, _decode needs none)
+        left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
+        if left is None or left > 0.0:
+            second, strategy = _ties_after(
+                lex_red, lex, _decode(red, model), merge, solver, left, seed
+            )
+            if second is not None:
+                statuses = {"optimal": "optimal", "time_limit": "time_limit"}
+                tie_break = statuses.get(second.status, "skipped")
+                out = dataclasses.replace(out, nodes=_add(out.nodes, second.nodes))
+        else:
+            tie_break, strategy = "skipped", _decode(red, model)
+    elif out.status == "optimal" and model.values is not None:
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
         if model.num_cols > TIE_MAX_COLUMNS or red.mem_rows:
             # under a memory budget the rows make the second solve 2-10x the first (gpt-350m,
@@ -349,9 +430,9 @@ def solve(
                 out = dataclasses.replace(out, nodes=_add(out.nodes, second.nodes))
         elif np.asarray(model.preference).any():
             tie_break = "skipped"
-    elif np.asarray(model.preference).any():
+    elif np.asarray(lex.preference).any():
         tie_break = "skipped"
-    if fallback is None and out.status not in ("fractional", "lp_stopped"):
+    if fallback is None and out.status not in ("fractional", "lp_stopped") and not ties_later:
         strategy = _decode(red, model)
     objective = objective_of(problem, strategy)
     if out.status == "neighbourhood":  # the start is inside it: never a dearer plan
@@ -397,8 +478,8 @@ def solve(
         solver=solver,
         seconds=time.perf_counter() - start,
         build_seconds=build_seconds,
-        num_variables=model.num_cols,
-        num_constraints=model.num_rows,
+        num_variables=lex.num_cols,
+        num_constraints=lex.num_rows,
         num_roots=len(red.blocks),
         fallback=fallback,
         nodes=out.nodes,

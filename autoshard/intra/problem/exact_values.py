@@ -26,11 +26,15 @@ if TYPE_CHECKING:
 
 # The exact program's budget, past the per-demand solve that gives its start: a number of
 # branch-and-bound nodes, so that where it stops -- and so the plan -- does not depend on
-# the machine's load. Its time is capped too (the root node of a program with memory rows
-# can take minutes): at EXACT_TIME_FACTOR times the per-demand solve's time, at least
-# EXACT_MIN_SECONDS, within what the user's time limit leaves. The old budget, time alone
-# (half the per-demand time, at least 0.5 s), stopped most one-axis solves mid-root, at a
-# point set by the load (docs/sharing.md).
+# the machine's load; its time bounded by the user's limit alone (what the per-demand
+# solve left of it). Under a memory budget (exact_search="always" only) its time is capped
+# too, as a safety (the root node of a program with memory rows can take minutes): at
+# EXACT_TIME_FACTOR times the per-demand solve's time, at least EXACT_MIN_SECONDS. Until
+# 2026-11-28 that cap held on every one-axis program, and gpt-tiny's exact program (its
+# tie-break preferences reduced lexicographically, 4-6 s) reached its optimum below load 4
+# and stopped 0.8-1.4% above it at load 4-7; its first solve now runs on the costs alone
+# (solve's ties_after: 0.6 s, docs/sharing.md). The old budget before that, time alone
+# (half the per-demand time, at least 0.5 s), stopped most one-axis solves mid-root.
 EXACT_MAX_NODES = 200
 EXACT_TIME_FACTOR = 1.0
 EXACT_MIN_SECONDS = 5.0
@@ -81,13 +85,13 @@ EXACT_WIDE_LP_MAX_ITERATIONS = 40_000
 
 
 def _stopped(solution) -> str:
-    """Where the exact program stopped: its node budget or its time cap (CBC does not say
-    which), and its own gap (against a bound that is weak on these programs), the
-    per-demand status and gap being the plan's."""
+    """Where the exact program stopped: its node budget or its time (the user's limit, or
+    its cap under a memory budget; CBC does not say which), and its own gap (against a
+    bound that is weak on these programs), the per-demand status and gap being the plan's."""
     at = {
         "nodes": f"its {EXACT_MAX_NODES}-node budget",
-        "time": f"its time cap ({solution.seconds:.3g} s)",
-    }.get(solution.limit, f"its budget ({EXACT_MAX_NODES} nodes or its time cap)")
+        "time": f"its time limit ({solution.seconds:.3g} s)",
+    }.get(solution.limit, f"its budget ({EXACT_MAX_NODES} nodes or its time limit)")
     gap = "" if solution.gap is None else f" (its gap {solution.gap:.3g})"
     return f"stopped at {at}{gap}, keeping its best plan"
 
@@ -304,8 +308,9 @@ def solve_exact(
 
     The per-demand solve runs under the user's settings (its time-limit warning is the
     user's).  The exact program then gets :data:`EXACT_MAX_NODES` branch-and-bound nodes
-    (on one-axis meshes at most :data:`EXACT_TIME_FACTOR` times the per-demand time, at least
-    :data:`EXACT_MIN_SECONDS`, within the time limit) and, out of that budget, keeps the
+    within what the per-demand solve left of the time limit (under a memory budget at most
+    :data:`EXACT_TIME_FACTOR` times the per-demand time, at least
+    :data:`EXACT_MIN_SECONDS`) and, out of that budget, keeps the
     best plan it found -- the start at worst.  The solution's status says which:
     "optimal" (proven on the exact program), the per-demand status and gap otherwise,
     with ``exact_stopped`` (and the exact gap) in the plan's solver record.  Given
@@ -366,11 +371,13 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False, lp_iteration
     # the LP alone only where the per-demand plan is a plan: priced per value it may need a
     # collective the options forbid (infinite), which only the integer program can avoid
     lp_only = lp_only and hubs and math.isfinite(start_price)
-    # with hubs the LP relaxation comes first, and a time cap there made the plan depend
-    # on the load (the 4-layer conv net on 2x2: its optimum at load 12, its start kept at
-    # load 15, the relaxation cut at 14 s): the user's limit alone bounds it, the node
-    # budget the branch and bound after it
-    cap = math.inf if hubs else max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds)
+    # no time cap of its own (the node budget ends it): with hubs the LP relaxation comes
+    # first, and a cap there made the plan depend on the load (the 4-layer conv net on
+    # 2x2: its optimum at load 12, its start kept at load 15, the relaxation cut at 14 s);
+    # on one axis the 5 s cap did (gpt-tiny, docs/sharing.md). Under a memory budget a cap
+    # stays, as a safety: the root node of a program with memory rows can take minutes
+    budgeted = ip.problem.memory_budget_bytes is not None
+    cap = max(EXACT_MIN_SECONDS, EXACT_TIME_FACTOR * first.seconds) if budgeted else math.inf
     limit = settings["time_limit_s"]
     if limit is not None:  # what the per-demand solve left of the user's limit
         cap = min(cap, max(limit - first.seconds, min(limit, 0.5)))
@@ -381,7 +388,10 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False, lp_iteration
         # HiGHS's presolve off pays on the per-demand program (2-4x faster, docs/sharing.md),
         # not on this one: with it, the exact program improved its start more often.  With
         # hubs (meshes of several axes) its relaxation is tight: the LP first (the conv
-        # net of tests/test_exact_2d.py: integral, about 2x faster than the MIP's root)
+        # net of tests/test_exact_2d.py: integral, about 2x faster than the MIP's root).
+        # Without, its first solve runs on the costs alone and the tie-break after it
+        # (ties_after): the lexicographic program's equal-cost strategies made that solve
+        # 4-6x slower on gpt-tiny (docs/sharing.md)
         solution = solve(
             ip.problem,
             **{**settings, "time_limit_s": cap},
@@ -389,6 +399,7 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False, lp_iteration
             presolve=True,
             max_nodes=EXACT_MAX_NODES,
             lp_first=hubs,
+            ties_after=not hubs,
             mip_max_columns=EXACT_MIP_MAX_COLUMNS if lp_only else None,
             lp_max_iterations=lp_iterations if lp_only else None,
         )

@@ -55,12 +55,14 @@ class IntraOptions:
     predicted collectives.  The exact program starts from the plan of the cheaper
     per-demand program (False: that plan alone; one edge per distinct demand on a value,
     which can charge a resharding twice) and gets 200 branch-and-bound nodes (a budget
-    that does not depend on the machine's load; its time capped at the per-demand solve's,
-    at least 5 s) to improve it (docs/sharing.md). With HiGHS the per-demand program is solved with its
-    presolve off (2-4x faster to the same optimum on the GPT presets), the exact one with
-    it on (it improved its start more often so); on meshes of several axes the exact
-    program's LP relaxation is solved first and kept where it is integral (its hubs make
-    it so where measured), and the user's time limit alone bounds its time.
+    that does not depend on the machine's load; under a memory budget its time is also
+    capped at the per-demand solve's, at least 5 s) to improve it (docs/sharing.md). With
+    HiGHS the per-demand program is solved with its presolve off (2-4x faster to the same
+    optimum on the GPT presets), the exact one with it on (it improved its start more
+    often so); on meshes of several axes the exact program's LP relaxation is solved first
+    and kept where it is integral (its hubs make it so where measured); on one axis its
+    costs alone are solved first, its tie-break preferences after. Without a memory budget
+    the user's time limit alone bounds its time.
 
     ``exact_search``: where the exact program is *solved* (with ``exact_values``), never
     under a memory budget except with "always" (with a budget's memory rows its root node
