@@ -106,8 +106,10 @@ def test_ends_untied_sharing_reaches_the_proven_unshared_optimum(mesh_shape, lay
 def test_ends_untied_reach_the_unshared_optimum_of_the_default_planner_on_moe():
     """moe-tiny, 6 blocks (three dense, three MoE: two runs of three), on one axis of 8,
     planned as a user does (the exact per-value program, proven): period 2 ties each
-    run's third block to its first and loses 0.28% (docs/sharing.md); with the ends of
-    each run untied nothing is tied and the plan is the unshared optimum."""
+    run's third block to its first and loses 0.035% (1,896,473.9 against 1,895,803.1 on
+    2026-11-28; 0.28% on 2026-11-27, before the one-axis exact search ran from every
+    per-demand plan; docs/sharing.md); with the ends of each run untied nothing is tied
+    and the plan is the unshared optimum."""
     from autoshard.api import device_mesh_for
 
     # the exact program's node budget ends its solve (no time cap on one axis since
@@ -127,7 +129,8 @@ def test_ends_untied_reach_the_unshared_optimum_of_the_default_planner_on_moe():
         assert not plan.solver.get("exact_stopped"), (name, plan.solver["exact_stopped"])
     best = plans["unshared"].objective
     assert math.isclose(plans["ends"].objective, best, rel_tol=1e-9), plans["ends"].objective
-    assert plans["period 2"].objective > best * 1.001, (plans["period 2"].objective, best)
+    # dearer by far more than the solver's tolerance (1e-9): what the tie costs period 2
+    assert plans["period 2"].objective > best * 1.0002, (plans["period 2"].objective, best)
 
 
 def test_shared_problem_size_does_not_grow_with_depth():
