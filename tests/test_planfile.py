@@ -71,8 +71,9 @@ def test_run_plan_matches_one_device_without_solving(plan_path, capsys, monkeypa
 
 def test_verify_plan_checks_the_saved_plan(plan_path):
     # what this test owns: verify reads the file's plan (not a new one) and reports on it;
-    # the memory model's accuracy on the batch-64 plan this test had (30 KB: 10.7% after this session's planner
-    # changes, against a 10% tolerance) is the verifier's business (tests/test_verify.py)
+    # the memory model's accuracy on the batch-64 plan this test had (30 KB: 10.7% after a
+    # session's planner changes, against a 10% tolerance) is the verifier's business
+    # (tests/test_verify.py)
     proc = _run("verify", "--plan", str(plan_path), "--json")
     out = json.loads(proc.stdout)
     assert proc.returncode == (0 if out["agree"] else 1), proc.stderr
