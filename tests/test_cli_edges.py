@@ -630,7 +630,9 @@ def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys):
     assert rc == 2 and "--microbatches" in err
 
 
-def test_a_pipeline_plan_recomputes_where_its_budget_needs_it(capsys):
+# 8 devices: heavy (CI's heavy step; its four stage searches take twice the 4 devices' time)
+@pytest.mark.parametrize("devices", [4, pytest.param(8, marks=pytest.mark.heavy)])
+def test_a_pipeline_plan_recomputes_where_its_budget_needs_it(capsys, devices):
     """``plan --pipeline`` lets the stage DP give each stage a recompute mode (default
     ``--recompute auto``, as ``simulate --plan auto``): where no plan without recompute
     fits the budget, the plan recomputes in some stage and fits; with ``--recompute none``
@@ -641,7 +643,9 @@ def test_a_pipeline_plan_recomputes_where_its_budget_needs_it(capsys):
 
     from conftest import cli_in_process
 
-    tiny = "plan --model gpt-tiny --devices 8 --pipeline auto --microbatches 2 --json --quiet"
+    tiny = (
+        f"plan --model gpt-tiny --devices {devices} --pipeline auto --microbatches 2 --json --quiet"
+    )
     rc, out, _ = cli_in_process(capsys, *tiny.split())
     assert rc == 0 and {s["recompute"] for s in json.loads(out)["stages"]} == {"none"}
     rc, _, err = cli_in_process(

@@ -21,6 +21,22 @@ def tiny():
     return trace_workload("gpt-tiny", optimizer="adamw")
 
 
+# an MLP whose free 2x4 plan neither puts every batch on "model" nor splits each dim over
+# one axis at most: the options bind on it as on gpt-tiny, its three plans in about a second
+# (gpt-tiny's forced plan is the exact program's slow LP: heavy, CI's heavy step)
+SMALL_MLP = "mlp --batch 32 --hidden 64 --layers 2"
+
+
+@pytest.fixture(scope="module")
+def small_mlp():
+    return trace_workload("mlp", optimizer="adamw", batch_size=32, hidden=64, num_layers=2)
+
+
+MODELS = pytest.mark.parametrize(
+    "model", ["small_mlp", pytest.param("tiny", marks=pytest.mark.heavy)]
+)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -48,20 +64,24 @@ def test_options_are_frozen_and_replace_validates():
         opts.replace(time_limit_s=-1)
 
 
-def _data_specs(tiny, plan):
-    g = tiny.graph
+def _data_specs(traced, plan):
+    g = traced.graph
     return [s for t, s in zip(g.inputs, plan.input_specs) if g.tensors[t].kind == "data"]
 
 
-def test_force_batch_dim_puts_every_batch_on_the_axis(tiny):
+@MODELS
+def test_force_batch_dim_puts_every_batch_on_the_axis(request, model):
+    traced = request.getfixturevalue(model)
     mesh = alpa_test_mesh((2, 4), ("data", "model"))
     # no time limit: the objectives are compared, so both plans must be optimal (on a
     # loaded machine 60 s can pass before HiGHS proves the free plan)
     exact = HIGHS.replace(time_limit_s=None)
-    free = shared_plan(tiny, mesh, exact)
-    forced = auto_shard_graph(tiny.graph, mesh, exact.replace(force_batch_dim_to_mesh_axis="model"))
-    assert not all("model" in s.dims[0] for s in _data_specs(tiny, free))  # it does bind
-    assert all("model" in s.dims[0] for s in _data_specs(tiny, forced))
+    free = shared_plan(traced, mesh, exact)
+    forced = auto_shard_graph(
+        traced.graph, mesh, exact.replace(force_batch_dim_to_mesh_axis="model")
+    )
+    assert not all("model" in s.dims[0] for s in _data_specs(traced, free))  # it does bind
+    assert all("model" in s.dims[0] for s in _data_specs(traced, forced))
     assert forced.objective >= free.objective - 1e-6 * abs(free.objective)
 
 
@@ -74,7 +94,9 @@ def test_force_batch_dim_refuses_an_unknown_axis_or_an_undivided_batch(tiny):
         auto_shard_graph(odd.graph, mesh, HIGHS.replace(force_batch_dim_to_mesh_axis="model"))
 
 
-def test_no_mixed_mesh_shape_splits_each_dim_over_one_axis_at_most(tiny):
+@MODELS
+def test_no_mixed_mesh_shape_splits_each_dim_over_one_axis_at_most(request, model):
+    traced = request.getfixturevalue(model)
     mesh = alpa_test_mesh((2, 4), ("data", "model"))
 
     def mixed(plan):
@@ -82,8 +104,8 @@ def test_no_mixed_mesh_shape_splits_each_dim_over_one_axis_at_most(tiny):
         return [s for s in specs if any(len(d) > 1 for d in s.dims)]
 
     # the free plan of the test above (solved once; no time limit: the optimum)
-    free = shared_plan(tiny, mesh, HIGHS.replace(time_limit_s=None))
-    plain = auto_shard_graph(tiny.graph, mesh, HIGHS.replace(allow_mixed_mesh_shape=False))
+    free = shared_plan(traced, mesh, HIGHS.replace(time_limit_s=None))
+    plain = auto_shard_graph(traced.graph, mesh, HIGHS.replace(allow_mixed_mesh_shape=False))
     assert mixed(free)  # the option has something to forbid
     assert not mixed(plain)
 
@@ -94,8 +116,11 @@ def _cli(*args):
     )
 
 
-def test_cli_flags_build_the_options():
-    argv = "plan --model gpt-tiny --mesh 2x4 --solver highs --no-mixed-mesh-shape --json"
+@pytest.mark.parametrize(
+    "model", [SMALL_MLP, pytest.param("gpt-tiny", marks=pytest.mark.heavy)], ids=["mlp", "gpt-tiny"]
+)
+def test_cli_flags_build_the_options(model):
+    argv = f"plan --model {model} --mesh 2x4 --solver highs --no-mixed-mesh-shape --json"
     proc = _cli(*argv.split())
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

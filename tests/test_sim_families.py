@@ -72,16 +72,22 @@ def test_expert_zero2_refusal_says_what_does_not_divide_and_what_would(moe_graph
         baseline_inputs(moe_graph, Mesh(("data",), (6,)), "expert-zero2")
 
 
-def test_baseline_stage_search_says_why_it_has_no_plan():
+def test_baseline_stage_search_says_why_it_has_no_plan(monkeypatch):
     """The weak-scaling figure's 'no plan' for moe-27b's expert-zero2 at 32 GPUs, in small:
     the one-stage search over the refused stage costs raises with the refusal in it, not
-    only 'a stage whose stage_cost latency is infinite'."""
+    only 'a stage whose stage_cost latency is infinite'. The expert-group search then
+    reads the same stage cost (the units both searches price are solved once)."""
+    import autoshard.sim.auto as sim_auto
     from autoshard.inter.stages import RECOMPUTE_MODES, optimal_stage_plan
+    from autoshard.models import get_workload
 
     ws = load_experiment("weak_scaling")
     cluster = load_cluster("alpa-v100", 16)
-    cost = search_stage_cost("moe-tiny", cluster, 32, 1, "fp16", 20.0, {}, "expert-zero2")
-    args = (len(cost.graph.layers), 2, 8, ws._data_parallel_only(cost), 1)
+    # the micro-batches the baseline search below takes (moe-tiny's sequences and groups)
+    cfg = get_workload("moe-tiny").config
+    m = ws.baseline_microbatches(32, 16, cfg.seq_len, cfg.expert_group_size)
+    cost = search_stage_cost("moe-tiny", cluster, 32, m, "fp16", 20.0, {}, "expert-zero2")
+    args = (len(cost.graph.layers), 2, 8, ws._data_parallel_only(cost), m)
     with pytest.raises(ValueError, match="latency is infinite") as info:
         optimal_stage_plan(*args, num_stages=1, recompute_modes=RECOMPUTE_MODES)
     assert "8 experts do not divide over the 16 data-parallel devices" in str(info.value)
@@ -90,6 +96,14 @@ def test_baseline_stage_search_says_why_it_has_no_plan():
     # DeepSpeed-MoE's answer: an expert-parallel group of 8 repeated twice, the 2 x 8 view
     assert ws.expert_views(8, 16) == ((2, 8),) and ws.expert_views(8, 8) == ()
     assert ws.expert_views(48, 32) == ((2, 16),)  # moe-27b on 32 GPUs
+
+    def the_cost_above(model, cluster_, batch, m, dtype, time_limit, overrides, baseline,
+                       optimizer="adamw", graph=None):  # fmt: skip
+        asked = (model, cluster_, batch, m, dtype, time_limit, overrides, baseline, optimizer)
+        assert asked == ("moe-tiny", cluster, 32, m, "fp16", 20.0, {}, "expert-zero2", "adamw")
+        return cost
+
+    monkeypatch.setattr(sim_auto, "search_stage_cost", the_cost_above)
     found = ws.baseline_search("moe-tiny", "alpa-v100", 16, 32, "fp16", ("expert-zero2",))
     assert found is not None and not math.isinf(found["step_time_s"])
     assert found["plan"]["stages"][0]["logical_mesh_dp_tp"] == [2, 8]
