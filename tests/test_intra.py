@@ -239,11 +239,13 @@ def gpt350m_2l():
 
 # (layers, budgets, refused): gpt-350m's 2 layers are heavy (CI's heavy step: its tightest
 # budget is the slowest solve of this file); its 1 layer runs the same sweep by default in
-# about half the time (peaks 2.83, 1.35 and 1.12 GB when written, 0.95 GB the least)
+# about half the time (peaks 2.85, 1.35 and 1.04 GB, 0.91 GB the least any plan peaks)
 @pytest.mark.parametrize(
     "layers, budgets, refused",
     [
-        (1, (1.9e9, 1.15e9), 0.9e9),
+        # at 1.15e9 the plan pays in communication, not in state (as much state as at 1.9e9
+        # on jax 0.12.0.1), so the state order needs the tighter 1.05e9 (jax 0.10.2 and 0.12)
+        (1, (1.9e9, 1.05e9), 0.9e9),
         # 1.52 and 1.20 GB predicted when written; 1.11 GiB the least any plan peaks
         pytest.param(2, (2.0e9, 1.2e9), 1.0e9, marks=pytest.mark.heavy),
     ],
