@@ -89,8 +89,10 @@ def _per_demand(traced, mesh, **changes):
 def test_ends_untied_sharing_reaches_the_proven_unshared_optimum(mesh_shape, layers):
     """gpt-tiny's first block reads the embedding's output and is best placed unlike the
     others (its ln_1 keeps the batch whole); period 2 ties block 2 to it and loses 1.3%
-    (1x8) and 1.4% (2x4; docs/sharing.md).  With the ends of the run untied the shared
-    program's optimum is the unshared one, proven."""
+    (1x8) and 0.93% on 2x4 (501,716.6 against 497,095.7; 1.26% until caf0f92 priced XLA's
+    own reshard routes, which made period 2's plan cheaper: bisected 2026-11-28;
+    docs/sharing.md).  With the ends of the run untied the shared program's optimum is the
+    unshared one, proven."""
     traced = trace_workload("gpt-tiny", optimizer="sgd", num_layers=layers)
     mesh = alpa_test_mesh(mesh_shape, ("data", "model"))
     ends = _per_demand(traced, mesh, layer_ends=True)
@@ -99,7 +101,7 @@ def test_ends_untied_sharing_reaches_the_proven_unshared_optimum(mesh_shape, lay
     assert unshared.status == "optimal" and unshared.gap == 0.0
     assert ends.status == "optimal"
     assert math.isclose(ends.objective, unshared.objective, rel_tol=1e-9), (ends, unshared)
-    assert period_2.objective > unshared.objective * 1.01  # what the ends cost period 2
+    assert period_2.objective > unshared.objective * 1.005  # what the ends cost period 2
 
 
 @pytest.mark.slow
