@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from autoshard.hardware.mesh import DeviceMesh, alpa_test_mesh, uniform_mesh
@@ -432,6 +432,11 @@ def independent_fallback_cost(src, dst, shape, itemsize, mesh, options):
 
 @settings(max_examples=300, deadline=None)
 @given(reshard_cases(), st.sampled_from([NO_TIES, CostOptions()]), st.sampled_from([1, 2, 4]))
+@example(  # found by hypothesis on 2026-11-28: a pinned route of XLA's own route's kinds
+    (ShardingSpec(((), ("x",), ())), ShardingSpec((("x",), (), ("y",))), (8, 8, 8)),
+    CostOptions(),
+    1,
+)
 def test_reshard_properties_on_2x4(case, options, itemsize):
     src, dst, shape = case
     assert reshard(src, src, shape, itemsize, MESH, options) == Reshard((), 0.0)
@@ -448,8 +453,16 @@ def test_reshard_properties_on_2x4(case, options, itemsize):
         assert kinds == [(k, a) for k, a, _ in route]
     elif own is None or kinds != [(k, a) for k, a, _ in own]:
         assert r.cost <= independent_fallback_cost(src, dst, shape, itemsize, MESH, options) + 1e-9
-    else:  # XLA's own route, taken where the planner's cannot be pinned or costs more
-        assert not r.steps
+    else:  # XLA's own route's kinds: taken where the planner's cannot be pinned or costs
+        # more; a pinned route (steps) of the same kinds only where its messages are
+        # cheaper (2x4 [d0, d1@x, d2] -> [d0@x, d1, d2@y] through [d0, d1@x, d2@y]: the
+        # all-to-all moves half the bytes of XLA's own)
+        total = itemsize * math.prod(shape)
+        theirs = sum(
+            collective_cost(MESH, Collective(k, a, total // blocks), options)
+            for k, a, blocks in own
+        )
+        assert not r.steps or r.cost < theirs
     # the cost is the sum of the listed collectives, each a real message
     assert r.cost == pytest.approx(sum(collective_cost(MESH, c, options) for c in r.collectives))
     full = math.prod(shape) * itemsize
