@@ -452,7 +452,10 @@ def test_deeper_gpt_tiny_memory_counts_the_combined_gradient_all_reduce(
     """Once named disagreements (docs/truth.md): the 4-block gpt-tiny dp, zero2 and auto
     plans on the 1-D meshes were predicted 26% under XLA's allocation, whose peak is the one
     all-reduce into which XLA:CPU combines every gradient's, where the unreduced and the
-    reduced gradients are live together.  The model now counts both there: within 10%."""
+    reduced gradients are live together.  The model now counts both there: within 10%.
+    Since the one-axis exact search (2026-11-28, merge 1d7413e) the ``auto`` plan is 1.05%
+    cheaper and reduce-scatters nine gradients, so its peak is no longer at that all-reduce
+    (XLA's live peak is at a dot): it is checked for the memory alone."""
     from autoshard.api import device_mesh_for
     from autoshard.intra.baselines.tables import baseline_inputs
     from autoshard.intra.problem.build import auto_shard_graph
@@ -465,7 +468,8 @@ def test_deeper_gpt_tiny_memory_counts_the_combined_gradient_all_reduce(
     plan = auto_shard_graph(traced.graph, mesh, HIGHS, pinned_inputs=pinned, name=which)
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="always")
     assert report.memory_agree, report.memory_explanation
-    assert report.compiled_live_peak_instruction.startswith("all-reduce")
+    if which != "auto":
+        assert report.compiled_live_peak_instruction.startswith("all-reduce")
 
 
 @pytest.mark.slow
