@@ -714,17 +714,13 @@ def test_2d_mesh_collectives_match_xla_slow(tiny, shape, which):
 
 
 @pytest.mark.slow
-def test_zero2_on_4x2_disagrees_by_one_all_to_all_over_model(tiny):
-    # Known, named disagreement since the two gpt-tiny blocks are planned apart
-    # (layer_period=2): XLA adds one 24,576-byte all-to-all over `model` that the plan
-    # does not predict; every other (kind, axes) pair agrees. Not yet explained.
+def test_zero2_on_4x2_once_disagreed_by_one_all_to_all_over_model(tiny):
+    # Was a known, named disagreement: XLA added one 24,576-byte all-to-all over `model`
+    # that the plan did not predict. Found agreeing on 2026-11-28 (this slow test, which
+    # still asserted the disagreement, failed; bench_truth's zero2 4x2 row agrees too).
     plan = _plan(tiny, (4, 2), "zero2")
     report = verify_plan(tiny.program, plan, devices=jax.devices()[:8])
-    wrong = {(r.kind, r.axes): r for r in report.comparison.rows if not r.agree}
-    assert set(wrong) == {("all-to-all", ("model",))}
-    row = wrong["all-to-all", ("model",)]
-    assert row.compiled_count == row.predicted_count + 1
-    assert row.compiled_bytes - row.predicted_bytes == 24576
+    assert report.collectives_agree, report.comparison.format()
 
 
 @pytest.mark.heavy  # out of the default run; CI's heavy step runs it (.ci/run)
@@ -736,14 +732,16 @@ def test_deeper_zero3_on_4x2_collectives_match_xla(tiny4):
 
 
 @pytest.mark.slow
-def test_zero3_on_2x4_disagrees_where_xla_exchanges_over_part_of_an_axis(tiny):
-    # Known, named disagreement: XLA splits the 4-device model axis and runs an all-to-all
-    # over pairs of it, which no spec (whole mesh axes only) can predict; the verifier
-    # reports its axes as "?" (see autoshard/verify/replica_groups.py).
+def test_zero3_on_2x4_once_disagreed_where_xla_exchanges_over_part_of_an_axis(tiny):
+    # Was a known, named disagreement: XLA splits the 4-device model axis and runs an
+    # all-to-all over pairs of it, which the verifier read as axes "?". Found agreeing on
+    # 2026-11-28, no such all-to-all left (this slow test, which still asserted the
+    # disagreement, failed); whether the plan or its prediction moved was not bisected
+    # (the planner has since priced XLA's own routes, all-to-alls over part of an axis too).
     plan = _plan(tiny, (2, 4), "zero3")
     report = verify_plan(tiny.program, plan, devices=jax.devices()[:8])
-    assert not report.collectives_agree
-    assert any(c.axes == ("?",) and c.kind == "all-to-all" for c in report.compiled_collectives)
+    assert report.collectives_agree, report.comparison.format()
+    assert not any(c.axes == ("?",) for c in report.compiled_collectives)
 
 
 @pytest.mark.slow
