@@ -148,12 +148,10 @@ def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_2x2(se
         assert alone.num_variables <= EXACT_MIP_MAX_COLUMNS
 
 
-def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_one_axis():
-    """A 3-layer MLP on a mesh of 4 (no hubs): the per-demand program charges its plan
-    exactly its per-value price, and the per-value optimum is 0.05% below it. The default
-    solves the exact program from that plan and returns the optimum; until 2026-11-28 it
-    kept the per-demand plan unsearched on one-axis meshes (bench_truth's gpt-tiny on 8:
-    0.75% dearer, docs/sharing.md)."""
+@pytest.fixture(scope="module")
+def mlp3_on_4():
+    """A 3-layer MLP on a mesh of 4 (no hubs), its per-demand plan, that plan's per-value
+    price and the exact program's optimum from it, solved once for the tests below."""
     from autoshard.api import trace_workload
 
     traced = trace_workload("mlp", optimizer="sgd", batch_size=16, hidden=64, num_layers=3)
@@ -162,9 +160,18 @@ def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_one_ax
     first = solve(_finish(common, False).problem, solver="highs")
     exact = _finish(common, True)
     start = exact.values.complete(exact.strategies, first.strategy, mesh)
-    priced = objective_of(exact.problem, start)
-    assert priced == pytest.approx(first.objective, rel=1e-9)  # charged exactly
     optimum = solve(exact.problem, solver="highs", time_limit_s=60, initial=start)
+    return traced, mesh, first, objective_of(exact.problem, start), optimum
+
+
+def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_one_axis(mlp3_on_4):
+    """A 3-layer MLP on a mesh of 4 (no hubs): the per-demand program charges its plan
+    exactly its per-value price, and the per-value optimum is 0.05% below it. The default
+    solves the exact program from that plan and returns the optimum; until 2026-11-28 it
+    kept the per-demand plan unsearched on one-axis meshes (bench_truth's gpt-tiny on 8:
+    0.75% dearer, docs/sharing.md)."""
+    traced, mesh, first, priced, optimum = mlp3_on_4
+    assert priced == pytest.approx(first.objective, rel=1e-9)  # charged exactly
     assert optimum.status == "optimal" and optimum.objective < priced * (1 - 1e-4)
     plan = auto_shard_graph(traced.graph, mesh, DEFAULT)
     assert plan.objective == pytest.approx(optimum.objective, rel=1e-9)
@@ -172,7 +179,7 @@ def test_a_plan_the_per_demand_program_charges_exactly_is_still_solved_on_one_ax
     assert never.objective == pytest.approx(priced, rel=1e-9)  # "never" only prices
 
 
-def test_the_exact_solve_on_one_axis_has_no_seconds_cap(monkeypatch):
+def test_the_exact_solve_on_one_axis_has_no_seconds_cap(monkeypatch, mlp3_on_4):
     """On one axis the exact program's budget is its nodes alone, so the plan does not
     depend on the load: with the time cap's floor and factor at a nanosecond (a machine
     so loaded that no time is enough) the 3-layer MLP on 4 still gets its per-value
@@ -181,19 +188,12 @@ def test_the_exact_solve_on_one_axis_has_no_seconds_cap(monkeypatch):
     its optimum at load 4-7 (docs/sharing.md). Under a memory budget (exact_search
     "always") the cap stays, a safety for roots that take minutes: it stops there."""
     import autoshard.intra.problem.exact_values as ev
-    from autoshard.api import trace_workload
 
     monkeypatch.setattr(ev, "EXACT_MIN_SECONDS", 1e-9)
     monkeypatch.setattr(ev, "EXACT_TIME_FACTOR", 1e-9)
-    traced = trace_workload("mlp", optimizer="sgd", batch_size=16, hidden=64, num_layers=3)
-    mesh = alpa_test_mesh((4,), ("x",))
-    common = _common(traced.graph, mesh, DEFAULT, None, True, None)
-    first = solve(_finish(common, False).problem, solver="highs")
-    exact = _finish(common, True)
-    start = exact.values.complete(exact.strategies, first.strategy, mesh)
-    optimum = solve(exact.problem, solver="highs", time_limit_s=60, initial=start)
+    traced, mesh, _, priced, optimum = mlp3_on_4
     assert optimum.status == "optimal"
-    assert optimum.objective < objective_of(exact.problem, start) * (1 - 1e-4)
+    assert optimum.objective < priced * (1 - 1e-4)
     plan = auto_shard_graph(traced.graph, mesh, DEFAULT)
     assert plan.solver["status"] == "optimal" and plan.solver["exact_stopped"] is None
     assert plan.objective == pytest.approx(optimum.objective, rel=1e-9)
