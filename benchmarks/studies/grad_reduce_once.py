@@ -51,6 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "")
+os.environ.setdefault("JAX_TRACEBACK_FILTERING", "off")  # to say where a failure is raised
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
@@ -166,12 +167,14 @@ def mixed_ops() -> Ops:
 # ---- the compiled programs' collectives ---------------------------------------------
 
 
-def collectives(compiled, mesh) -> list[dict]:
-    """Kind, axes, count and bytes per device of each kind of collective in ``compiled``."""
+def collectives(programs, mesh) -> list[dict]:
+    """Kind, axes, count and bytes per device of each kind of collective in the compiled
+    ``programs`` together."""
     logical = Mesh(AXES, tuple(mesh.devices.shape))
-    found = analyze_collectives(compiled.as_text(), logical, [d.id for d in mesh.devices.flat])
+    ids = [d.id for d in mesh.devices.flat]
+    found = [c for p in programs for c in analyze_collectives(p.as_text(), logical, ids).compared()]
     rows: dict[tuple, dict] = {}
-    for c in found.compared():
+    for c in found:
         key = (c.kind, tuple(c.axes))
         row = rows.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "count": 0, "bytes": 0})
         row["count"] += 1
@@ -210,6 +213,26 @@ class Stage:
     params: Any
     opt_state: Any
     feed: Callable
+
+
+class SplitStep:
+    """A micro-batch as the runtime runs it: a jitted forward that returns the ``jax.vjp``'s
+    residuals (its leaves) and a jitted backward that applies them and adds into the
+    accumulator (:class:`autoshard.runtime.stage.StageExecutable`'s ``forward`` /
+    ``backward``)."""
+
+    def __init__(self, forward, backward):
+        self.forward, self.backward = forward, backward
+
+    def __call__(self, p, x, t, acc):
+        return self.backward(self.forward(p, x, t), acc)
+
+    def compiled(self, p, x, t, acc) -> list:
+        res = self.forward(p, x, t)
+        return [
+            self.forward.lower(p, x, t).compile(),
+            self.backward.lower(res, acc).compile(),
+        ]
 
 
 def auto_mesh(shape):
@@ -367,7 +390,42 @@ def mech_shard_map(shape, zero=False):
     return split_stage(mesh, grads, zero)
 
 
-def mech_unreduced(shape, mixed=False, zero=False):
+def mech_shard_map_split(shape):
+    """``shard_map`` with the runtime's forward / backward split: the forward's residuals
+    leave it stacked ``(D, ...)`` over data (whatever dim of theirs holds the batch) and
+    the backward takes them back the same way."""
+    mesh = auto_mesh(shape)
+    ops = Ops(wsc(drop=("data",)))
+    layout = {}
+
+    def fwd_local(p, x, t):
+        p = jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), p)
+        _, vjp = jax.vjp(lambda q: loss_fn(q, x[0], t[0], ops), p)
+        leaves, layout["tree"] = jax.tree.flatten(vjp)
+        return [leaf[None] for leaf in leaves]
+
+    def bwd_local(leaves):
+        vjp = jax.tree.unflatten(layout["tree"], [leaf[0] for leaf in leaves])
+        # the local loss is a sum over this device's rows / the step's size: cotangent 1
+        (g,) = vjp(jax.lax.pcast(jnp.ones((), jnp.float32), "data", to="varying"))
+        return jax.tree.map(lambda a: a[None], g)
+
+    def manual(f, in_specs):
+        return jax.shard_map(
+            f, mesh=mesh, in_specs=in_specs, out_specs=P("data"), axis_names={"data"}
+        )
+
+    forward = jax.jit(manual(fwd_local, (P(), P("data"), P("data"))))
+
+    def backward(leaves, acc):
+        return jax.tree.map(jnp.add, acc, manual(bwd_local, (P("data"),))(leaves))
+
+    st = split_stage(mesh, lambda p, x, t: None, zero=False)
+    st.backward = SplitStep(forward, jax.jit(backward, out_shardings=stacked(mesh)))
+    return st
+
+
+def mech_unreduced(shape, mixed=False, zero=False, split=False):
     types = (AxisType.Explicit, AxisType.Auto) if mixed else (AxisType.Explicit,) * 2
     mesh = jax.make_mesh(shape, AXES, axis_types=types)
     rsh = param_shardings(mesh, reduced={"data"})  # the weights at rest: free cast of replicated
@@ -380,6 +438,17 @@ def mech_unreduced(shape, mixed=False, zero=False):
     def backward(p, x, t, acc):
         return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(p, x, t, ops))
 
+    layout = {}
+
+    def split_forward(p, x, t):
+        _, vjp = jax.vjp(lambda q: loss_fn(q, x, t, ops), p)
+        leaves, layout["tree"] = jax.tree.flatten(vjp)
+        return leaves
+
+    def split_backward(leaves, acc):
+        (g,) = jax.tree.unflatten(layout["tree"], leaves)(jnp.ones((), jnp.float32))
+        return jax.tree.map(jnp.add, acc, g)
+
     def to(specs):
         return lambda tree: jax.tree.map(lambda a, s: jax.reshard(a, P(*s)), tree, specs)
 
@@ -389,9 +458,14 @@ def mech_unreduced(shape, mixed=False, zero=False):
         return adamw_update(params, opt_state, grads)
 
     with jax.set_mesh(mesh):
+        micro = (
+            SplitStep(jax.jit(split_forward), jax.jit(split_backward, out_shardings=ush))
+            if split
+            else jax.jit(backward, out_shardings=ush)
+        )
         return Stage(
             mesh,
-            jax.jit(backward, out_shardings=ush),
+            micro,
             jax.jit(update, out_shardings=(rsh, None)),
             jax.jit(to(PARAM_SPECS)),
             jax.jit(lambda: jax.tree.map(jnp.zeros_like, init_params()), out_shardings=ush)(),
@@ -412,7 +486,18 @@ MECHANISMS = {
     "unreduced": mech_unreduced,
     "unreduced-zero": lambda s: mech_unreduced(s, zero=True),
     "unreduced-mixed": lambda s: mech_unreduced(s, mixed=True),
+    "shard_map-split": mech_shard_map_split,
+    "unreduced-split": lambda s: mech_unreduced(s, split=True),
 }
+
+
+def describe(e: BaseException) -> str:
+    """The error's first line, and where it was raised (JAX's own frame: an assertion has
+    no message)."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    where = f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
+    return f"{type(e).__name__}: {first} [{where}]" if first else f"{type(e).__name__} [{where}]"
 
 
 def as_numpy(tree) -> dict:
@@ -425,14 +510,17 @@ def run_one(name: str, shape, xs, ts):
     st: Stage = MECHANISMS[name](shape)
     with jax.set_mesh(st.mesh):
         x0, t0 = st.feed(xs[0], ts[0])
-        bwd_c = st.backward.lower(st.params, x0, t0, st.acc).compile()
+        if isinstance(st.backward, SplitStep):
+            mb_c = st.backward.compiled(st.params, x0, t0, st.acc)
+        else:
+            mb_c = [st.backward.lower(st.params, x0, t0, st.acc).compile()]
         upd_c = st.update.lower(st.params, st.opt_state, st.acc).compile()
         acc = st.acc
         for m in range(MICROBATCHES):
             acc = st.backward(st.params, *st.feed(xs[m], ts[m]), acc)
         grads = as_numpy(st.reduce(acc))
         new_params = as_numpy(st.update(st.params, st.opt_state, acc)[0])
-    per_mb, per_step = collectives(bwd_c, st.mesh), collectives(upd_c, st.mesh)
+    per_mb, per_step = collectives(mb_c, st.mesh), collectives([upd_c], st.mesh)
     return (
         {
             "backward_collectives": per_mb,
@@ -458,6 +546,33 @@ SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to
 def fmt_coll(c: dict) -> str:
     kinds = "+".join(SHORT.get(k, k) for k in c["kinds"])
     return f"{c['count']} {kinds} {c['bytes']:,} B" if c["count"] else "-"
+
+
+def sharding_params(preset: str = "gpt-tiny") -> dict:
+    """Equations of a GPT's ``value_and_grad`` jaxpr (nested ones included) whose primitive
+    carries an ``out_sharding`` / ``sharding`` parameter, by primitive: what an all-Explicit
+    stage would have to set from the plan when it binds them (the runtime binds the traced
+    equations with the Auto-mode value, None)."""
+    from autoshard.models.gpt import GPT_PRESETS, gpt_batch_spec, gpt_init_fn, gpt_loss_fn
+
+    cfg = GPT_PRESETS[preset]
+    params = jax.eval_shape(gpt_init_fn(cfg), jax.random.PRNGKey(0))
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(gpt_loss_fn(cfg)))(params, gpt_batch_spec(cfg))
+    total, found = 0, {}
+
+    def walk(j):
+        nonlocal total
+        for e in j.eqns:
+            total += 1
+            if "out_sharding" in e.params or "sharding" in e.params:
+                found[e.primitive.name] = found.get(e.primitive.name, 0) + 1
+            for v in e.params.values():
+                inner = getattr(v, "jaxpr", None)
+                if inner is not None:
+                    walk(getattr(inner, "jaxpr", inner))
+
+    walk(jaxpr.jaxpr)
+    return {"model": preset, "attention": cfg.attention, "equations": total, "by_primitive": found}
 
 
 def git_commit() -> str | None:
@@ -494,8 +609,7 @@ def main(argv=None) -> int:
                 row["works"] = True
             except Exception as e:  # what the mechanism hit, as the record
                 row["works"] = False
-                first = (str(e).strip().splitlines() or [""])[0]
-                row["error"] = f"{type(e).__name__}: {first[:300]}".rstrip(": ")
+                row["error"] = describe(e)
                 if os.environ.get("GRAD_ONCE_TRACE"):
                     traceback.print_exc()
             rows.append(row)
@@ -511,7 +625,7 @@ def main(argv=None) -> int:
     )
     for r in rows:
         if not r["works"]:
-            print(f"{r['mesh']:5} {r['mechanism']:16} FAILS: {r['error'][:110]}")
+            print(f"{r['mesh']:5} {r['mechanism']:16} FAILS: {r['error'][:140]}")
             continue
         print(
             f"{r['mesh']:5} {r['mechanism']:16} {fmt_coll(r['data_axis_per_microbatch']):>18} "
@@ -521,6 +635,12 @@ def main(argv=None) -> int:
             f"{r['max_abs_grad_diff_vs_reduced']:>9.1e} "
             f"{r['max_abs_param_diff_vs_reduced']:>9.1e}  {'yes' if r['equal'] else 'NO'}"
         )
+    counted = sharding_params()
+    print(
+        f"{counted['model']} ({counted['attention']} attention) value_and_grad: "
+        f"{sum(counted['by_primitive'].values())} of {counted['equations']} equations carry a "
+        f"sharding parameter: {counted['by_primitive']}"
+    )
     print(f"wall {wall:.1f} s")
     if args.out:
         result = {
@@ -536,6 +656,7 @@ def main(argv=None) -> int:
             "tolerance": TOL,
             "wall_s": round(wall, 1),
             "rows": rows,
+            "sharding_params": counted,
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
