@@ -270,8 +270,19 @@ def adamw_update(params, opt_state, grads):
 
 
 def opt_init(state_shardings):
-    """AdamW's state made on ``state_shardings`` (ZeRO: sharded over data)."""
-    return jax.jit(OPTIMIZER.init)(jax.device_put(init_params(), state_shardings))
+    """AdamW's state made on ``state_shardings`` (ZeRO: sharded over data): each moment as
+    its parameter's entry, the step count replicated (left to XLA, Auto mode replicates
+    the moments: zeros do not take their argument's sharding)."""
+    replicated = NamedSharding(next(iter(state_shardings.values())).mesh, P())
+
+    def pick(path, _leaf):
+        keys = [getattr(k, "key", None) for k in path]
+        return next((state_shardings[k] for k in keys if k in state_shardings), replicated)
+
+    abstract = jax.eval_shape(OPTIMIZER.init, init_params())
+    out = jax.tree_util.tree_map_with_path(pick, abstract)
+    init = jax.jit(OPTIMIZER.init, out_shardings=out)
+    return init(jax.device_put(init_params(), state_shardings))
 
 
 def plain_feed(mesh):
