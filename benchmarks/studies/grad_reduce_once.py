@@ -586,6 +586,51 @@ def sharding_params(preset: str = "gpt-tiny") -> dict:
     return {"model": preset, "attention": cfg.attention, "equations": total, "by_primitive": found}
 
 
+def where_priced(model: str = "gpt-tiny", mesh: str = "8") -> list[dict]:
+    """Where the planner charges data-axis reductions of backward values: ``model``'s
+    default plan on ``mesh``, its predicted collectives over ``data`` of values a backward
+    equation makes, grouped by (kind, producer, readers) -- the phase of each reader says
+    whether ``amortise_update`` scales it (update) or not (backward)."""
+    from autoshard.api import device_mesh_for, plan_workload
+    from autoshard.intra.problem import predict
+
+    asked = []
+    original = predict.collectives_by_value
+
+    def listen(ip, choice, relabelled=None):
+        asked.append((ip, choice))
+        return original(ip, choice, relabelled)
+
+    predict.collectives_by_value = listen
+    try:
+        plan_workload(model, device_mesh_for(mesh))
+    finally:
+        predict.collectives_by_value = original
+    ip, choice = asked[-1]
+    producer = {t: n for n in ip.graph.nodes for t in n.outputs}
+    readers: dict[int, set] = {}
+    for n in ip.graph.nodes:
+        for t in n.inputs:
+            readers.setdefault(t, set()).add(f"{n.primitive} ({n.phase})")
+    rows: dict[tuple, dict] = {}
+    for tid, cols in original(ip, choice):
+        node = producer.get(tid)
+        if node is None or node.phase != "backward":
+            continue
+        for c in cols:
+            if c.kind not in ("all-reduce", "reduce-scatter") or "data" not in c.axes:
+                continue
+            key = (c.kind, node.primitive, tuple(sorted(readers.get(tid, ()))))
+            row = rows.setdefault(
+                key,
+                {"kind": c.kind, "producer": node.primitive, "readers": list(key[2]), "count": 0,
+                 "bytes": 0},
+            )  # fmt: skip
+            row["count"] += 1
+            row["bytes"] += int(c.bytes)
+    return sorted(rows.values(), key=lambda r: -r["bytes"])
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -600,7 +645,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results JSON here")
     ap.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    ap.add_argument(
+        "--where-priced",
+        action="store_true",
+        help="only: where gpt-tiny's default plan on 8 charges its backward's data reductions",
+    )
     args = ap.parse_args(argv)
+    if args.where_priced:
+        found = where_priced()
+        print("gpt-tiny on 8, default plan: predicted data-axis reductions of backward values")
+        for r in found:
+            print(f"{r['count']:3d} {r['kind']:15s} {r['bytes']:>9,} B  {r['producer']} -> "
+                  + ", ".join(r["readers"]))  # fmt: skip
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"jax": jax.__version__, "where_priced": found}, f, indent=1)
+        return 0
     names = args.mechanisms.split(",")
     xs, ts = step_batches()
     params_bytes = sum(a.nbytes for a in jax.tree.leaves(init_params()))
