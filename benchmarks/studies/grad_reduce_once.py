@@ -631,6 +631,65 @@ def where_priced(model: str = "gpt-tiny", mesh: str = "8") -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
+def model_check(preset: str, shape, batch_size: int | None = None) -> dict:
+    """(b) on one of the project's models, unconstrained (GSPMD lays it out): a micro-batch's
+    gradient as today (``jax.grad`` of the mean loss, batch over ``data``) against
+    ``shard_map`` over ``data``: each device's gradient of the mean over its own rows,
+    scaled by 1/D (the cotangent of a mean), summed over D. Returns the data-axis
+    collectives of each backward and the largest gradient difference, absolute and
+    relative to the largest gradient."""
+    from autoshard.models.gpt import GPT as GPTModel
+    from autoshard.models.gpt import GPT_PRESETS, gpt_random_batch, token_init_fn, token_loss_fn
+    from autoshard.models.moe import MOE_PRESETS, GPTMoE
+
+    cfg = GPT_PRESETS.get(preset) or MOE_PRESETS[preset]
+    if batch_size is not None:
+        cfg = dataclasses.replace(cfg, batch_size=batch_size)
+    model = GPTModel(cfg) if preset in GPT_PRESETS else GPTMoE(cfg)
+    loss = token_loss_fn(model)
+    mesh = auto_mesh(shape)
+    d = shape[0]
+    params = jax.jit(token_init_fn(model, cfg))(jax.random.PRNGKey(0))
+    batch = gpt_random_batch(cfg, jax.random.PRNGKey(1))
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, ns(mesh, ()))
+        batch = jax.device_put(batch, ns(mesh, ("data", None)))
+        today = jax.jit(jax.grad(loss), out_shardings=ns(mesh, ()))
+
+        def local(p, b):
+            p = jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), p)
+            g = jax.grad(loss)(p, b)
+            return jax.tree.map(lambda a: a[None] / d, g)
+
+        stacked_grads = jax.jit(
+            jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=(P(), P("data")),
+                out_specs=P("data"),
+                axis_names={"data"},
+            )
+        )
+        ref = as_numpy(today(params, batch))
+        once = as_numpy(jax.tree.map(lambda a: a.sum(0), stacked_grads(params, batch)))
+        compiled = {
+            "today": today.lower(params, batch).compile(),
+            "shard_map": stacked_grads.lower(params, batch).compile(),
+        }
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), once, ref))
+    scale = max(float(np.max(np.abs(a))) for a in jax.tree.leaves(ref))
+    return {
+        "model": preset,
+        "batch_size": cfg.batch_size,
+        "mesh": f"{shape[0]}x{shape[1]}",
+        "data_axis_per_microbatch": {
+            k: on_axis(collectives([c], mesh), "data") for k, c in compiled.items()
+        },
+        "max_abs_grad_diff": max(diffs),
+        "max_abs_grad": scale,
+    }
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -646,6 +705,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the results JSON here")
     ap.add_argument("--mechanisms", default=",".join(MECHANISMS))
     ap.add_argument(
+        "--models",
+        action="store_true",
+        help="only: shard_map over data on gpt-tiny and moe-tiny against today's gradient",
+    )
+    ap.add_argument(
         "--where-priced",
         action="store_true",
         help="only: where gpt-tiny's default plan on 8 charges its backward's data reductions",
@@ -660,6 +724,31 @@ def main(argv=None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"jax": jax.__version__, "where_priced": found}, f, indent=1)
+        return 0
+    if args.models:
+        found = [model_check(m, s) for m in ("gpt-tiny", "moe-tiny") for s in ((8, 1), (4, 2))]
+        try:  # 8 sequences of 32 tokens on 8 devices: a device holds half an expert group
+            found.append(model_check("moe-tiny", (8, 1), batch_size=8))
+        except Exception as e:
+            found.append(
+                {"model": "moe-tiny", "batch_size": 8, "mesh": "8x1", "error": describe(e)}
+            )
+        print("one micro-batch's gradient: today's against shard_map over data (1/D, summed)")
+        for r in found:
+            if "error" in r:
+                print(
+                    f"{r['model']:9s} {r['mesh']} batch {r['batch_size']}: FAILS {r['error'][:150]}"
+                )
+                continue
+            per = r["data_axis_per_microbatch"]
+            print(
+                f"{r['model']:9s} {r['mesh']} batch {r['batch_size']}: data collectives today {fmt_coll(per['today'])}, "
+                f"shard_map {fmt_coll(per['shard_map'])}; max |dg| {r['max_abs_grad_diff']:.1e} "
+                f"(max |g| {r['max_abs_grad']:.1e})"
+            )
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"jax": jax.__version__, "models": found}, f, indent=1)
         return 0
     names = args.mechanisms.split(",")
     xs, ts = step_batches()
