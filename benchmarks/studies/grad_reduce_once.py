@@ -23,18 +23,28 @@ update) by each mechanism:
   unreduced, one ``jax.reshard`` to the plain spec in the update (the all-reduce);
   constraints become ``jax.reshard`` and the row-parallel dot gets an ``out_sharding``;
 * ``unreduced-mixed``: (c) with ``data`` Explicit and ``model`` Auto (the stage's
-  ``model`` constraints left as ``with_sharding_constraint``).
+  ``model`` constraints left as ``with_sharding_constraint``);
+* ``reduced-zero2``: today's path with the accumulator sharded over ``data`` (a
+  reduce-scatter per micro-batch, ZeRO-2's way); ``*-zero``: (a), (b), (c) with the update
+  sharded over ``data`` (one reduce-scatter and one all-gather a step);
+* ``shard_map-split``, ``unreduced-split``: (b), (c) as the runtime splits a micro-batch, a
+  jitted forward returning the ``jax.vjp`` residuals and a jitted backward applying them.
 
 Per mesh (4x2, 2x4 and 8x1 over ``data`` x ``model``) and mechanism it reads the compiled
 HLO's collectives (:func:`autoshard.verify.collectives.analyze_collectives`) of the
 backward (per micro-batch) and of the update (per step), the accumulator's bytes per device
 (its first addressable shard), and runs one step of 4 micro-batches from the same weights:
-the largest difference of the updated parameters from ``reduced`` 's. The losses are sums
+the largest difference of the summed gradient and of the updated parameters from
+``reduced`` 's. The losses are sums
 over the step's global batch divided by its size, so a local gradient summed over the D
 data shards is the global one (a traced program's ``mean`` over a micro-batch would have to
 become that, see the docs). Prints a table; writes JSON::
 
     python benchmarks/studies/grad_reduce_once.py [--out FILE]
+
+``--models``: (b) on the project's gpt-tiny and moe-tiny (:func:`model_check`);
+``--where-priced``: where the planner charges a gradient's data reduction
+(:func:`where_priced`).
 """
 
 from __future__ import annotations
