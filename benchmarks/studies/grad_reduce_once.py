@@ -17,7 +17,8 @@ update) by each mechanism:
   (``vmap-constrained`` tries them as the layout has them);
 * ``shard_map``: candidate (b): ``jax.shard_map`` manual over ``data`` only (``model``
   left to GSPMD), the parameters made varying inside (``jax.lax.pcast(..., to="varying")``)
-  so the gradient is each device's own; returned stacked ``(D, *shape)`` as ``vmap``;
+  so the gradient is each device's own; returned stacked ``(D, *shape)`` as ``vmap``
+  (``shard_map-invariant``: without the cast);
 * ``unreduced``: candidate (c): the mesh all Explicit, parameters typed
   ``reduced={"data"}`` so their gradients come out ``unreduced={"data"}``, the accumulator
   unreduced, one ``jax.reshard`` to the plain spec in the update (the all-reduce);
@@ -43,7 +44,8 @@ become that, see the docs). Prints a table; writes JSON::
     python benchmarks/studies/grad_reduce_once.py [--out FILE]
 
 ``--models``: (b) on the project's gpt-tiny and moe-tiny (:func:`model_check`);
-``--where-priced``: where the planner charges a gradient's data reduction
+``--traced``: (b) binding a stage's traced equations, as the runtime does
+(:func:`traced_check`); ``--where-priced``: where the planner charges a gradient's data reduction
 (:func:`where_priced`).
 """
 
@@ -391,13 +393,15 @@ def mech_vmap(shape, keep_data_in_constraints=False, zero=False):
     return split_stage(mesh, grads, zero)
 
 
-def mech_shard_map(shape, zero=False):
+def mech_shard_map(shape, zero=False, varying=True):
     mesh = auto_mesh(shape)
     ops = Ops(wsc(drop=("data",)))
 
     def local(p, x, t):
-        # a varying copy: its gradient is this device's own (an invariant one's is psum'd)
-        p = jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), p)
+        # a varying copy: its gradient is this device's own (an invariant one's is psum'd:
+        # ``shard_map-invariant``, each device then holds the whole sum)
+        if varying:
+            p = jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), p)
         g = jax.grad(loss_fn)(p, x[0], t[0], ops)
         return jax.tree.map(lambda a: a[None], g)
 
@@ -504,6 +508,7 @@ MECHANISMS = {
     "vmap-constrained": lambda s: mech_vmap(s, keep_data_in_constraints=True),
     "shard_map": mech_shard_map,
     "shard_map-zero": lambda s: mech_shard_map(s, zero=True),
+    "shard_map-invariant": lambda s: mech_shard_map(s, varying=False),
     "unreduced": mech_unreduced,
     "unreduced-zero": lambda s: mech_unreduced(s, zero=True),
     "unreduced-mixed": lambda s: mech_unreduced(s, mixed=True),
@@ -700,6 +705,78 @@ def model_check(preset: str, shape, batch_size: int | None = None) -> dict:
     }
 
 
+def traced_check(shape=(4, 2)) -> list[dict]:
+    """(b) as the runtime would run it: gpt-tiny's loss traced by :func:`autoshard.trace.
+    jaxpr.trace` and its equations bound (``TracedProgram.evaluate``, what a stage does)
+    inside ``shard_map`` over ``data``. Tried with the trace at the micro-batch size (what
+    the runtime holds) and at its 1/D share, with ``check_vma`` on and off; each row: whether
+    it runs, and its gradient (local means / D, summed) against ``jax.grad`` of the loss."""
+    from autoshard.models.gpt import (
+        GPT_PRESETS,
+        gpt_batch_spec,
+        gpt_init_fn,
+        gpt_loss_fn,
+        gpt_random_batch,
+    )
+    from autoshard.trace.jaxpr import trace
+
+    cfg = GPT_PRESETS["gpt-tiny"]
+    d = shape[0]
+    loss = gpt_loss_fn(cfg)
+    params = jax.jit(gpt_init_fn(cfg))(jax.random.PRNGKey(0))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    local_cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // d)
+    traces = {
+        f"batch {cfg.batch_size}": trace(loss, abstract, gpt_batch_spec(cfg), arg_kinds=("param", "data")),
+        f"batch {local_cfg.batch_size}": trace(
+            loss, abstract, gpt_batch_spec(local_cfg), arg_kinds=("param", "data")
+        ),
+    }  # fmt: skip
+    whole, part = traces.values()
+    same = len(whole.records.eqns) == len(part.records.eqns) and all(
+        a.inputs == b.inputs and a.outputs == b.outputs and p[0] is q[0]
+        for a, b, p, q in zip(whole.records.eqns, part.records.eqns, whole._impls, part._impls)
+    )
+    mesh = auto_mesh(shape)
+    batch = gpt_random_batch(cfg, jax.random.PRNGKey(1))
+    ref = as_numpy(jax.grad(loss)(params, batch))
+    rows = [{"check": "traces alike", "equations": len(whole.records.eqns), "same_ids": same}]
+    for name, prog in traces.items():
+        for vma in (True, False):
+
+            def local(p, b, prog=prog, vma=vma):
+                if vma:  # the parameters varying, as in the study's own shard_map
+                    p = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), p)
+                g = jax.grad(lambda q: prog.evaluate(q, b))(p)
+                return jax.tree.map(lambda x: x[None] / d, g)
+
+            row = {"check": f"trace at {name}, check_vma={vma}", "mesh": f"{shape[0]}x{shape[1]}"}
+            try:
+                f = jax.shard_map(
+                    local,
+                    mesh=mesh,
+                    in_specs=(P(), P("data")),
+                    out_specs=P("data"),
+                    axis_names={"data"},
+                    check_vma=vma,
+                )
+                with jax.set_mesh(mesh):
+                    got = as_numpy(jax.tree.map(lambda a: a.sum(0), jax.jit(f)(params, batch)))
+                    compiled = jax.jit(f).lower(params, batch).compile()
+                row["works"] = True
+                # a psum'd gradient would sum to the same: the collectives tell them apart
+                row["data_axis_collectives"] = on_axis(collectives([compiled], mesh), "data")
+                row["max_abs_grad_diff"] = max(
+                    float(np.max(np.abs(a - b)))
+                    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))
+                )
+            except Exception as e:
+                row["works"] = False
+                row["error"] = describe(e)
+            rows.append(row)
+    return rows
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -720,6 +797,11 @@ def main(argv=None) -> int:
         help="only: shard_map over data on gpt-tiny and moe-tiny against today's gradient",
     )
     ap.add_argument(
+        "--traced",
+        action="store_true",
+        help="only: gpt-tiny's traced equations bound inside shard_map, as a stage binds them",
+    )
+    ap.add_argument(
         "--where-priced",
         action="store_true",
         help="only: where gpt-tiny's default plan on 8 charges its backward's data reductions",
@@ -734,6 +816,25 @@ def main(argv=None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"jax": jax.__version__, "where_priced": found}, f, indent=1)
+        return 0
+    if args.traced:
+        found = traced_check()
+        head = found[0]
+        print(
+            f"gpt-tiny traced at the micro-batch and at 1/D of it: {head['equations']} equations "
+            f"each, the same equations and tensor ids: {head['same_ids']}"
+        )
+        for r in found[1:]:
+            what = (
+                f"works, data collectives {fmt_coll(r['data_axis_collectives'])}, "
+                f"max |dg| {r['max_abs_grad_diff']:.1e}"
+                if r["works"]
+                else f"FAILS {r['error'][:140]}"
+            )
+            print(f"{r['mesh']} {r['check']}: {what}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"jax": jax.__version__, "traced": found}, f, indent=1)
         return 0
     if args.models:
         found = [model_check(m, s) for m in ("gpt-tiny", "moe-tiny") for s in ((8, 1), (4, 2))]
@@ -790,15 +891,15 @@ def main(argv=None) -> int:
         "(count, kinds, bytes per device)"
     )
     print(
-        f"{'mesh':5} {'mechanism':16} {'data/micro-batch':>18} {'data/update':>18} "
+        f"{'mesh':5} {'mechanism':19} {'data/micro-batch':>18} {'data/update':>18} "
         f"{'model/micro-batch':>18} {'acc B/device':>12} {'max |dg|':>9} {'max |dp|':>9}  ok"
     )
     for r in rows:
         if not r["works"]:
-            print(f"{r['mesh']:5} {r['mechanism']:16} FAILS: {r['error'][:140]}")
+            print(f"{r['mesh']:5} {r['mechanism']:19} FAILS: {r['error'][:140]}")
             continue
         print(
-            f"{r['mesh']:5} {r['mechanism']:16} {fmt_coll(r['data_axis_per_microbatch']):>18} "
+            f"{r['mesh']:5} {r['mechanism']:19} {fmt_coll(r['data_axis_per_microbatch']):>18} "
             f"{fmt_coll(r['data_axis_per_update']):>18} "
             f"{fmt_coll(r['model_axis_per_microbatch']):>18} "
             f"{r['accumulator_bytes_per_device']:>12,} "
