@@ -774,7 +774,34 @@ def traced_check(shape=(4, 2)) -> list[dict]:
                 row["works"] = False
                 row["error"] = describe(e)
             rows.append(row)
+    rows.append(explicit_traced(whole, params, batch, shape, ref))
     return rows
+
+
+def explicit_traced(prog, params, batch, shape, ref) -> dict:
+    """(c) as the runtime would run it: the traced equations bound as they are (their
+    sharding parameters None) on an all-Explicit mesh, the weights ``reduced={"data"}``."""
+    mesh = jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * 2)
+    row = {"check": "trace at the micro-batch, all-Explicit, reduced weights"}
+    row["mesh"] = f"{shape[0]}x{shape[1]}"
+    try:
+        with jax.set_mesh(mesh):
+            p = jax.device_put(params, ns(mesh, (), reduced={"data"}))
+            b = jax.device_put(batch, ns(mesh, ("data",)))
+            grad = jax.jit(jax.grad(lambda q, x: prog.evaluate(q, x)))
+            compiled = grad.lower(p, b).compile()
+            got = as_numpy(
+                jax.jit(lambda t: jax.tree.map(lambda a: jax.reshard(a, P()), t))(grad(p, b))
+            )
+        row["works"] = True
+        row["max_abs_grad_diff"] = max(
+            float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))
+        )
+        row["data_axis_collectives"] = on_axis(collectives([compiled], mesh), "data")
+    except Exception as e:
+        row["works"] = False
+        row["error"] = describe(e)
+    return row
 
 
 def git_commit() -> str | None:
