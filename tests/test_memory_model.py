@@ -523,10 +523,13 @@ def test_softmax_exp_is_kept_on_cpu_and_recomputed_on_gpu():
     assert set(exps) & set(mesh_intervals(g, cpu)) and not set(exps) & set(mesh_intervals(g, gpu))
 
 
-def test_a_checkpointed_recompute_is_the_forward_value_xla_keeps():
-    """The traced step is one flat program (remat2 inlined, no optimization barrier): XLA's
-    CSE merges a jax.checkpoint's backward recompute into the forward value and keeps that
-    for the backward.  Literals are compared by value: tanh(2x) is not tanh(x / 2)."""
+def test_a_checkpointed_recompute_stays_a_recompute_behind_its_barrier():
+    """A jax.checkpoint's backward recompute reads its operands through optimization
+    barriers in the traced step, as JAX lowers it (trace/flatten.py): XLA's CSE cannot
+    merge it into the forward value, so that value is not kept for the backward.  Until
+    2026-11-28 the tracer inlined the body bare, XLA merged the recompute, and the model
+    followed (common_values): the runtime's step then held 3.22 GB more than the plain
+    jit step on gpt-350m (test_trace's compiled check)."""
     from autoshard.intra.memory.common_values import common_values
     from autoshard.intra.memory.model import materialized_tensors
 
@@ -539,14 +542,22 @@ def test_a_checkpointed_recompute_is_the_forward_value_xla_keeps():
     tanhs = [n for n in g.nodes if n.primitive == "tanh"]
     fwd = [n for n in tanhs if n.phase == "forward"]
     bwd = [n for n in tanhs if n.phase == "backward"]
-    assert len(fwd) == 2 and bwd  # tanh(x/2), tanh(2x); the recompute of tanh(x/2)
+    assert len(fwd) == 2 and len(bwd) == 1  # tanh(x/2), tanh(2x); the recompute of tanh(x/2)
+    barriers = [n for n in g.nodes if n.primitive == "optimization_barrier"]
+    assert barriers and all(n.phase == "backward" for n in barriers)
+    # the recompute reads x through a barrier (its 0.5 * y multiply reads a barrier's output)
+    (recompute,) = bwd
+    (scaled,) = recompute.inputs
+    mul = g.nodes[g.tensors[scaled].producer]
+    assert any(
+        g.tensors[i].producer is not None
+        and g.nodes[g.tensors[i].producer].primitive == "optimization_barrier"
+        for i in mul.inputs
+    )
     same = common_values(g)
-    kept = {same[n.outputs[0]] for n in bwd if n.outputs[0] in same}
-    assert len(kept) == 1 and kept <= {n.outputs[0] for n in fwd}
-    assert fwd[0].outputs[0] not in same and fwd[1].outputs[0] not in same
-    (half,) = kept
-    assert half in materialized_tensors(g)  # kept from the forward to the backward
-    assert not {n.outputs[0] for n in bwd} & materialized_tensors(g)
+    assert not any(n.outputs[0] in same for n in tanhs)
+    kept = materialized_tensors(g)
+    assert fwd[0].outputs[0] not in kept  # tanh(x / 2): not kept for the backward
 
 
 def test_a_kernel_slice_a_dot_reads_through_a_view_is_a_buffer():

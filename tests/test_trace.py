@@ -128,6 +128,31 @@ def test_flattened_program_evaluates_like_the_step():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_flattened_program_recomputes_what_the_step_recomputes():
+    """The fused GELU (jax.checkpoint, prevent_cse) recomputes its tanh in the backward
+    pass; the flattened program keeps that recompute behind optimization barriers, as JAX
+    lowers it, so XLA compiles it to the plain step's program: as many tanh ops and the
+    same temp bytes.  Inlined bare (until 2026-11-28) XLA merged each recompute into the
+    forward's tanh and kept it: 2 tanh ops against 4 on gpt-tiny and 15.7% more temp
+    (3.87 MB against 3.35 MB; on gpt-350m 3.22 GB, the gap measured on gpt-1.3b on an
+    H100, docs/fused.md)."""
+    w = get_workload("gpt-tiny")
+    opt = make_optimizer("adamw")
+    step = make_train_step(w.loss_fn, opt)
+    args = w.abstract_train_args(opt)
+    program = trace_train_step(step, *args)
+
+    def compiled(fn):
+        c = jax.jit(fn).lower(*args).compile()
+        return c.as_text().count(" tanh("), c.memory_analysis().temp_size_in_bytes
+
+    plain_tanh, plain_temp = compiled(step)
+    flat_tanh, flat_temp = compiled(program.evaluate)
+    assert plain_tanh == 2 * w.config.num_layers  # forward and recompute, each block
+    assert flat_tanh == plain_tanh
+    assert flat_temp <= plain_temp
+
+
 def test_nested_jit_custom_jvp_and_remat_are_inlined():
     @jax.jit
     def inner(x):

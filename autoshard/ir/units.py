@@ -22,7 +22,8 @@ def format_bytes(nbytes: float, *, exact: bool = False, signed: bool = False) ->
     n = abs(nbytes)
     for unit, scale in _UNITS:
         if n >= scale:
-            text = f"{sign}{n / scale:.3g} {unit}"
+            v = n / scale  # 1,000-1,023 of a unit: four digits, never 1.01e+03
+            text = f"{sign}{v:.3g} {unit}" if v < 999.5 else f"{sign}{v:.0f} {unit}"
             break
     else:
         text = f"{sign}{n:,.0f} B"

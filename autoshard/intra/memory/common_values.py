@@ -6,12 +6,14 @@ Takes an op :class:`~autoshard.ir.graph.Graph`; returns, for the memory model
 (:func:`merged_consumers`).
 
 XLA's CSE pass merges instructions that apply the same operation, with the same
-parameters, to the same operands.  The traced step is one flat program (``remat2``
-inlined, so no ``optimization_barrier`` is left between a recompute and the value it
-recomputes): a backward-pass recompute of a forward value -- ``jax.checkpoint`` around
-the fused program's GELU -- is merged into the forward value, which is then *kept* for
-the backward pass.  In the compiled gpt-tiny 2x4 step the backward's ``tanh`` is the
-forward's ``multiply_tanh_fusion``, live from the forward's fc1 to the GELU's gradient.
+parameters, to the same operands.  The traced step is one flat program, but a
+``jax.checkpoint``'s backward recompute keeps its operands behind ``optimization_barrier``
+nodes, as JAX lowers it (:func:`autoshard.trace.flatten._recompute_behind_barrier`), so it
+is not merged into the forward value it repeats: the fused GELU's ``tanh`` is computed in
+the forward pass and again in the backward, and nothing holds it in between.  (Until
+2026-11-28 the tracer inlined the body bare; XLA then merged the recompute and kept the
+forward's ``tanh`` -- 3.22 GB on gpt-350m -- and this module modelled that merge.)
+What it still merges: equal computations of the same operands anywhere in the step.
 
 Two literals are equal when their dtype and value are; a node whose params hold a
 sub-program, or that has no operands, is never merged (nothing to compare it by).

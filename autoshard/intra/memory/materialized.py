@@ -24,7 +24,9 @@ UNFUSED_CONSUMERS = (
     | ATTENTION
 )
 EXPENSIVE = TRANSCENDENTAL | {"div"}  # not recomputed in the backward pass when saved
-FREE_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "copy", "stop_gradient"})
+FREE_VIEWS = frozenset(
+    {"reshape", "squeeze", "expand_dims", "copy", "stop_gradient", "optimization_barrier"}
+)
 
 
 def materialized_tensors(
@@ -58,7 +60,7 @@ def materialized_tensors(
     A value an unfused op reads through views (a slice of a kernel, squeezed, read by a
     dot: the fused program's q/k/v GEMMs) is materialised: the view is a bitcast of its
     buffer.  A value XLA's CSE merges into an earlier one
-    (:func:`~autoshard.intra.memory.common_values.common_values`: a backward-pass recompute)
+    (:func:`~autoshard.intra.memory.common_values.common_values`: a repeated computation)
     is not; the earlier value is read by the copy's readers too.
     """
     expensive = EXPENSIVE - TRANSCENDENTAL if fused_transcendentals else EXPENSIVE

@@ -87,10 +87,18 @@ def _dot(ctx: NodeContext) -> list[Slot]:
 LINEAR_ALL = frozenset({"add", "sub", "add_any"})
 LINEAR_FIRST = frozenset({"neg", "convert_element_type", "copy", "reduce_precision", "div"})
 LINEAR_EITHER = frozenset({"mul"})
+# its operand as it is (a partial sum passes through unreduced)
+IDENTITIES = frozenset({"stop_gradient", "optimization_barrier"})
 
 
 @register(
-    *ELEMENTWISE, "select_n", "convert_element_type", "copy", "stop_gradient", "reduce_precision"
+    *ELEMENTWISE,
+    "select_n",
+    "convert_element_type",
+    "copy",
+    "stop_gradient",
+    "reduce_precision",
+    "optimization_barrier",
 )
 def _elementwise(ctx: NodeContext) -> list[Slot] | None:
     shape = ctx.out_shapes[0]
@@ -106,7 +114,7 @@ def _elementwise(ctx: NodeContext) -> list[Slot] | None:
     prim = ctx.node.primitive
     if prim in LINEAR_ALL and len(full) == len(ctx.in_shapes):
         slots.append(Slot("through", tuple((i, -1) for i in full)))
-    elif (prim in LINEAR_FIRST or prim == "stop_gradient") and 0 in full:
+    elif (prim in LINEAR_FIRST or prim in IDENTITIES) and 0 in full:
         slots.append(Slot("through", ((0, -1),)))
     elif prim in LINEAR_EITHER:
         slots += [Slot("through", ((i, -1),)) for i in live]
