@@ -33,23 +33,27 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", math.prod(parse_mesh_shape(args.mesh)))
     import autoshard.intra.problem.predict as predict
 
-    asked = []  # (ip, choice) of every plan predicted
-    original = predict.predicted_collectives
+    # (ip, choice) of every plan predicted: the planner calls collectives_by_value (its
+    # flat form, predicted_collectives, is no longer what the plan path calls)
+    asked = []
+    original = predict.collectives_by_value
 
-    def listen(ip, choice):
+    def listen(ip, choice, *rest, **kw):
         asked.append((ip, choice))
-        return original(ip, choice)
+        return original(ip, choice, *rest, **kw)
 
-    predict.predicted_collectives = listen
+    predict.collectives_by_value = listen
     try:
         plan_workload(args.model, device_mesh_for(args.mesh), baseline=args.baseline)
     finally:
-        predict.predicted_collectives = original
+        predict.collectives_by_value = original
+    if not asked:
+        raise SystemExit("the plan path predicted no collectives through collectives_by_value")
     ip, choice = asked[-1]
     graph = ip.graph
     producer = {t: n for n in graph.nodes for t in n.outputs}
     seen = []
-    for tid, cols in predict.collectives_by_value(ip, choice):
+    for tid, cols in original(ip, choice):
         if cols:
             node = producer.get(tid)
             seen.append((node.primitive if node else "input", graph.tensors[tid].shape, cols))
