@@ -12,7 +12,9 @@ either way, and that plan is moved onto the lexicographic program and polished t
 Rows: ``LABEL/MESH/PLAN`` (a bench_truth model by its label, planned as bench_truth
 plans it, on any mesh), ``intra:MODEL/MESH`` (bench_intra's planner defaults, batch 2 x
 the devices) and ``cli:MODEL/MESH`` (``python -m autoshard plan --model MODEL --mesh
-MESH``'s settings: adamw, highs, layer period 2). Each way solves the per-demand program
+MESH``'s settings: adamw, highs, layer period 2) and ``stage:MODEL/MESH`` (a pipeline
+stage's program, ``inter/stage_cost.py``'s options on the whole model, costs in seconds
+on a dgx-a100 mesh; its A way is the stage solves' own, the LP first). Each way solves the per-demand program
 (what ``build.py``'s ``_solved`` solves first) under ``--time-limit`` (default 600 s, so
 that both can finish; the CLI's is 120 s). Per row: the lexicographic and cost-only
 programs' columns, each way's CPU and wall seconds (both runs), status, gap, nodes,
@@ -46,6 +48,7 @@ TRUTH_2D = tuple(
     for mesh in ("2x4", "4x2")
     for plan in ("auto", "zero2", "zero3")
 )
+STAGE_CLUSTER = "dgx-a100"
 ROWS = (*TRUTH_2D, "intra:gpt-350m/2x4", "intra:gpt-1.3b/2x4", "cli:wresnet-small/2x4")
 
 
@@ -90,8 +93,21 @@ def _cli_problem(text: str):
     return build_problem(graph, device_mesh_for(mesh_text), options).problem
 
 
+def _stage_problem(text: str):
+    from autoshard.api import device_mesh_for, trace_workload
+    from autoshard.inter.stage_cost import _NO_TIES_OPTIONS
+    from autoshard.intra.problem.build import build_problem
+
+    model, mesh_text = text.split("/")
+    graph = trace_workload(model, optimizer="adamw").graph
+    mesh = device_mesh_for(mesh_text, cluster=STAGE_CLUSTER)
+    return build_problem(graph, mesh, _NO_TIES_OPTIONS).problem
+
+
 def problem_of(text: str):
     """The per-demand ShardingProblem of a row."""
+    if text.startswith("stage:"):
+        return _stage_problem(text.removeprefix("stage:"))
     if text.startswith("intra:"):
         return _intra_problem(text.removeprefix("intra:"))
     if text.startswith("cli:"):
@@ -109,11 +125,12 @@ def _columns(problem) -> tuple[int, int]:
     return lex, cost.num_cols
 
 
-def _one(problem, after: bool, time_limit: float, seed: int = 0) -> dict:
+def _one(problem, after: bool, time_limit: float, seed: int = 0, lp_first=False) -> dict:
     from autoshard.intra.ilp import objective_of, solve
 
     cpu, wall = time.process_time(), time.perf_counter()
-    sol = solve(problem, solver="highs", time_limit_s=time_limit, ties_after=after, seed=seed)
+    sol = solve(problem, solver="highs", time_limit_s=time_limit, ties_after=after, seed=seed,
+                lp_first=lp_first and not after)  # fmt: skip
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     prefs = problem.preferences
     return {
@@ -133,13 +150,14 @@ def run_row(text: str, time_limit: float) -> dict:
     from autoshard.intra.ilp import SolverTimeLimitWarning
 
     problem = problem_of(text)
+    stage = text.startswith("stage:")  # the stage solves' way: the LP first
     lex_cols, cost_cols = _columns(problem)
     runs: dict[str, list[dict]] = {"lexicographic": [], "ties_after": []}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeLimitWarning)  # in the record
         for after in (False, True, True, False):  # A B B A
             name = "ties_after" if after else "lexicographic"
-            runs[name].append(_one(problem, after, time_limit))
+            runs[name].append(_one(problem, after, time_limit, lp_first=stage))
     row = {"row": text, "columns_lexicographic": lex_cols, "columns_costs_alone": cost_cols}
     for name, got in runs.items():
         first = got[0]
