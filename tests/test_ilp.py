@@ -906,6 +906,64 @@ def test_ties_after_solves_the_costs_alone_first():
         solve(clique, solver="highs", ties_after=True, lp_first=True)
 
 
+def test_ties_after_over_the_tie_break_columns_polishes_the_costs_alone_plan():
+    """Over TIE_MAX_COLUMNS no tie-breaking solve runs (every per-demand program on a 2-D
+    mesh: 46,000-320,000 columns). There ``ties_after`` still solves the costs alone first,
+    then moves that plan onto the lexicographic program and polishes it there
+    (``_polish_after``); the planner's way polishes its own first plan (docs/sharing.md:
+    neither is faster on every row, and neither's preference is always the lesser)."""
+    near = [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
+    edges = [EdgeCost(a, b, near) for a, b in itertools.combinations(range(4), 2)]
+    prefs = [(3.0, 2.0, 1.0)] * 3 + [(3.0, 2.0, 0.0)]
+    clique = ShardingProblem((3,) * 4, [(0.0, 0.0, 0.0)] * 4, edges, preferences=prefs)
+    module = sys.modules["autoshard.intra.ilp.solve"]
+    columns = []
+    real_run = module._run
+
+    def counted(model, *args):
+        columns.append(model.num_binary)
+        return real_run(model, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "TIE_MAX_COLUMNS", 0)
+        mp.setattr(module, "_run", counted)
+        after = solve(clique, solver="highs", ties_after=True)
+        assert columns == [8]  # the costs alone, and no second solve
+        columns.clear()
+        together = solve(clique, solver="highs")
+        assert columns == [12]
+    assert after.tie_break == together.tie_break == "skipped"
+    assert after.objective == together.objective == 0.0
+    assert after.num_variables == together.num_variables  # the program as given
+    preference = [
+        math.fsum(prefs[v][p] for v, p in enumerate(s.strategy)) for s in (after, together)
+    ]
+    assert preference[0] == 6.0  # (1, 1, 1, 2): the least, polished from the costs' plan
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tied_problems())
+def test_ties_after_polish_never_buys_cost(pb):
+    """Over TIE_MAX_COLUMNS, ``ties_after``'s plan has the least cost, and a preference
+    total no greater than the costs-alone plan it starts from (the same problem solved
+    without preferences: the same first solve): the polish moves blocks the lexicographic
+    reductions dropped onto kept strategies and keeps its plan only where it is no worse."""
+    best = lexicographic_best(pb)
+    if best is None:
+        return
+    module = sys.modules["autoshard.intra.ilp.solve"]
+    plain = dataclasses.replace(pb, preferences=None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "TIE_MAX_COLUMNS", 0)
+        sol = solve(pb, solver="highs", ties_after=True)
+    alone = solve(plain, solver="highs")
+    assert sol.objective == pytest.approx(best[0], abs=1e-9)
+    total = [
+        math.fsum(pb.preferences[v][p] for v, p in enumerate(s.strategy)) for s in (sol, alone)
+    ]
+    assert total[0] <= total[1]
+
+
 def test_solver_output_never_reaches_stdout():
     """HiGHS 1.16 prints a banner from C++ when a Highs object is made; CBC runs as a
     process: neither may write to the stdout of a --json command."""

@@ -216,6 +216,57 @@ def _ties_after(
     return second, _decode(red, model)
 
 
+def _ties_later(red: _Reduced, model: _Model, merge: bool) -> bool:
+    """Whether ``ties_after`` solves the costs alone first on ``model`` (of ``red``, the
+    lexicographic program): it has preferences left to decide and no memory rows, and
+    either the tie-breaking solve runs on it (:func:`_breaks_ties`) or, over
+    :data:`TIE_MAX_COLUMNS` columns, :func:`_polish` does (``merge``)."""
+    if _breaks_ties(red, model):
+        return True
+    return merge and np.asarray(model.preference).any() and not red.mem_rows
+
+
+def _polish_after(red: _Reduced, model: _Model, plan) -> tuple[int, ...]:
+    """``plan`` (a least-cost plan of the program reduced on its costs alone) moved onto
+    the lexicographic program (``red``, ``model``, over :data:`TIE_MAX_COLUMNS` columns:
+    no tie-breaking solve) and polished there (:func:`_polish`), as that program's own
+    first plan would be. A block whose strategy in ``plan`` the lexicographic reductions
+    dropped (dominated) starts on its least (cost, preference) column given the
+    neighbours placed before it. The polished plan where its (rounded cost, preference)
+    is no worse than ``plan``'s, else ``plan``: never a dearer plan."""
+    plan = tuple(int(p) for p in plan)
+    around: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for a, b, mat in red.pairs:
+        around.setdefault(a, []).append((b, mat))
+        around.setdefault(b, []).append((a, mat.T))
+    chosen: dict[int, int] = {}
+    dropped = []
+    for b, cols in enumerate(red.cols):
+        if cols.size:
+            hit = np.flatnonzero(cols == plan[red.blocks[b]])
+            if hit.size:
+                chosen[b] = int(hit[0])
+            else:
+                dropped.append(b)
+    for b in dropped:
+        total = red.costs[b].astype(complex)
+        for u, mat in around.get(b, ()):
+            if u in chosen:
+                total = total + mat[:, chosen[u]]
+        chosen[b] = int(np.argmin(total))  # complex: cost, then preference
+    model.values = np.zeros(model.num_cols)
+    for b, j in chosen.items():
+        model.values[red.offset[b] + j] = 1.0
+    _polish(red, model)
+    polished = _decode(red, model)
+
+    def key(s):
+        prefs = red.problem.preferences
+        return _rounded_objective(red.problem, s), math.fsum(prefs[v][p] for v, p in enumerate(s))
+
+    return polished if key(polished) <= key(plan) else plan
+
+
 def _polish(red: _Reduced, model: _Model, rounds: int = 50) -> int:
     """Move single blocks to a preferred strategy of equal cost, given their neighbours'
     (``model.values``, updated in place), until no move helps: each move lowers the
@@ -337,7 +388,12 @@ def solve(
     equal-cost alternatives HiGHS's root closes slowly (gpt-tiny's exact program on 8:
     7,141 columns against 6,979, 3.8 s and 3 nodes against 0.6 s and 1 node, the same
     optimum; docs/sharing.md). Same (cost, preference) optimum; where several plans reach
-    it, which one comes back may differ.
+    it, which one comes back may differ. Over :data:`TIE_MAX_COLUMNS` columns (no
+    tie-breaking solve; ``merge`` only) the first solve's plan is moved onto the
+    lexicographic program and polished there (:func:`_polish_after`) instead: the same
+    cost, its preference total neither the least nor always that of the lexicographic
+    program's own polished plan (the per-demand programs on 2-D meshes: not faster on every
+    row, docs/sharing.md; not the planner's default there).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
@@ -360,7 +416,7 @@ def solve(
     # tie-breaking solve will run, else the same
     red = lex_red = _reduce(problem, merge)
     model = lex = _build(red, minimise_peak=False)
-    if ties_after and _breaks_ties(lex_red, lex):
+    if ties_after and _ties_later(lex_red, lex, merge):
         red = _reduce(dataclasses.replace(problem, preferences=None), merge)
         model = _build(red, minimise_peak=False)
     if initial is not None:
@@ -402,7 +458,10 @@ def solve(
     ties_later = model is not lex and out.status == "optimal"
     if ties_later:  # (no values: the reductions fixed every block, _decode needs none)
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
-        if left is None or left > 0.0:
+        if lex.num_cols > TIE_MAX_COLUMNS:  # no tie-breaking solve: the polish alone
+            tie_break = "skipped"
+            strategy = _polish_after(lex_red, lex, _decode(red, model))
+        elif left is None or left > 0.0:
             second, strategy = _ties_after(
                 lex_red, lex, _decode(red, model), merge, solver, left, seed
             )
