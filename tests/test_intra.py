@@ -345,11 +345,20 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(request, shape, wh
     assert peak_memory(no_copies.problem, solution.strategy) < plan.predicted_peak_bytes
 
 
-def test_the_ilp_memory_rows_count_xla_gpus_float32_attention_blocks(tiny_fused):
+# gpt-tiny's 1 block by default, its 2 (the shared fixture) in CI's heavy step
+@pytest.mark.parametrize(
+    "layers", [1, pytest.param(2, marks=pytest.mark.heavy)], ids=["1-layer", "2-layer"]
+)
+def test_the_ilp_memory_rows_count_xla_gpus_float32_attention_blocks(request, layers):
     """On XLA:GPU a float32 attention runs XLA's body, whose S x S blocks XLA:GPU keeps
     from the forward to the backward: the ILP's rows count them as the prediction does,
     and a budget under them is a budget on them."""
     import dataclasses
+
+    if layers == 2:
+        tiny_fused = request.getfixturevalue("tiny_fused")
+    else:
+        tiny_fused = trace_workload("gpt-tiny", optimizer="sgd", attention="fused", num_layers=1)
 
     from autoshard.hardware.mesh import XLA_GPU_MEMORY, relative_mesh
     from autoshard.intra.ilp import peak_memory, solve
