@@ -22,7 +22,7 @@ CASES = [
     ("explain {old_schema}", "this autoshard reads 'autoshard.plan/1'"),
     ("export {no_inputs} --to megatron", "save it again with `autoshard plan ... --out`"),
     ("run --plan {plan} --model gpt-tiny", "--model gpt-tiny (the plan is for mlp)"),
-    ("run --plan {plan} --batch 32", "--batch 32 (the plan is for --batch 64)"),
+    ("run --plan {plan} --batch 32", "--batch 32 (the plan is for --batch 128)"),
     ("run --plan {plan} --mesh 8x1", "the plan was made for mesh 2x4 (data, model), not 8x1"),
     ("run --plan {plan} --baseline dp", "drop --baseline"),
     ("plan --model gpt-3b --mesh 2x4", "unknown model 'gpt-3b'. Did you mean 'gpt-39b'?"),
@@ -60,7 +60,7 @@ def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     plan = tmp / "p.json"
     plan_workload(
-        "mlp", "2x4", options=IntraOptions(solver="highs"), batch_size=64, hidden=32
+        "mlp", "2x4", options=IntraOptions(solver="highs"), batch_size=128, hidden=32
     ).save(plan)
     doc = json.loads(plan.read_text())
 

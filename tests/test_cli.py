@@ -182,8 +182,18 @@ def test_demo_runs_plans_and_reports_its_checks():
     "argv",
     [
         # plan --pipeline auto --solver highs --json: test_plan_pipeline_json_has_the_documented_keys
-        "plan --model gpt-tiny --layers 2 --devices 8 --mesh 2x4 --solver highs --json",
-        "plan --model gpt-tiny --layers 2 --devices 8 --mesh 8 --solver cbc --json",  # CBC: a 1-D mesh solves in seconds
+        # each solver on the MLP (CBC solves its four programs on 8 in-process), and on
+        # gpt-tiny in CI's heavy step (11.6 and 6.2 CPU-s against about 2 s each)
+        "plan --model mlp --batch 128 --hidden 32 --devices 8 --mesh 2x4 --solver highs --json",
+        "plan --model mlp --batch 128 --hidden 32 --devices 8 --mesh 8 --solver cbc --json",
+        pytest.param(
+            "plan --model gpt-tiny --layers 2 --devices 8 --mesh 2x4 --solver highs --json",
+            marks=pytest.mark.heavy,
+        ),
+        pytest.param(
+            "plan --model gpt-tiny --layers 2 --devices 8 --mesh 8 --solver cbc --json",
+            marks=pytest.mark.heavy,
+        ),
         "simulate --model gpt-350m --cluster dgx-a100 --gpus 2 --plan auto --json",
         "simulate --model gpt-350m --cluster dgx-a100 --gpus 8 --json",
     ],

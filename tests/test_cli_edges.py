@@ -591,7 +591,9 @@ def test_a_pipeline_plan_is_the_plan_simulate_prices(capsys, tmp_path):
     assert got == want
 
 
-def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys):
+# 2 devices by default; 4 (each stage search about twice as long) in CI's heavy step
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.heavy)])
+def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys, devices):
     """``plan --pipeline --microbatches 2,4`` runs the whole stage search at each count and
     keeps the fastest plan that fits (the JSON lists every count tried); none fitting exits
     2 with the least budget over the counts; a count that does not divide the batch, and a
@@ -600,7 +602,7 @@ def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys):
 
     from conftest import cli_in_process
 
-    tiny = "plan --model gpt-tiny --devices 4 --pipeline auto --batch 8 --json --quiet"
+    tiny = f"plan --model gpt-tiny --devices {devices} --pipeline auto --batch 8 --json --quiet"
     rc, out, err = cli_in_process(capsys, *tiny.split(), "--microbatches", "2,4")
     assert rc == 0, err
     plan = json.loads(out)
@@ -625,7 +627,8 @@ def test_a_pipeline_plan_searches_the_microbatch_count_it_is_given(capsys):
     assert rc == 0, err
     assert len(json.loads(out)["microbatch_search"]) >= 2
     rc, _, err = cli_in_process(
-        capsys, *"run --model gpt-tiny --devices 4 --pipeline auto --microbatches search".split()
+        capsys,
+        *f"run --model gpt-tiny --devices {devices} --pipeline auto --microbatches search".split(),
     )
     assert rc == 2 and "--microbatches" in err
 

@@ -345,11 +345,20 @@ def test_the_ilp_memory_rows_count_what_the_prediction_counts(request, shape, wh
     assert peak_memory(no_copies.problem, solution.strategy) < plan.predicted_peak_bytes
 
 
-def test_the_ilp_memory_rows_count_xla_gpus_float32_attention_blocks(tiny_fused):
+# gpt-tiny's 1 block by default, its 2 (the shared fixture) in CI's heavy step
+@pytest.mark.parametrize(
+    "layers", [1, pytest.param(2, marks=pytest.mark.heavy)], ids=["1-layer", "2-layer"]
+)
+def test_the_ilp_memory_rows_count_xla_gpus_float32_attention_blocks(request, layers):
     """On XLA:GPU a float32 attention runs XLA's body, whose S x S blocks XLA:GPU keeps
     from the forward to the backward: the ILP's rows count them as the prediction does,
     and a budget under them is a budget on them."""
     import dataclasses
+
+    if layers == 2:
+        tiny_fused = request.getfixturevalue("tiny_fused")
+    else:
+        tiny_fused = trace_workload("gpt-tiny", optimizer="sgd", attention="fused", num_layers=1)
 
     from autoshard.hardware.mesh import XLA_GPU_MEMORY, relative_mesh
     from autoshard.intra.ilp import peak_memory, solve
@@ -641,7 +650,16 @@ def test_bad_inputs_get_clear_errors(tiny):
         solve(ip.problem, solver="gurobi")
 
 
-def test_zero2_with_optimizer_state_trains_like_one_device():
+# by default on a 3-layer MLP (1.8 CPU-s); gpt-tiny (8.6 s) in CI's heavy step
+@pytest.mark.parametrize(
+    "model, sizes",
+    [
+        ("mlp", dict(batch_size=256, hidden=64, num_layers=3)),
+        pytest.param("gpt-tiny", {}, marks=pytest.mark.heavy),
+    ],
+    ids=["mlp", "gpt-tiny"],
+)
+def test_zero2_with_optimizer_state_trains_like_one_device(model, sizes):
     """ZeRO-2 only differs from DP when the optimizer has state: SGD with momentum."""
     import optax
 
@@ -649,7 +667,7 @@ def test_zero2_with_optimizer_state_trains_like_one_device():
     from autoshard.models import get_workload, make_train_step
     from autoshard.trace.jaxpr import trace_train_step
 
-    w = get_workload("gpt-tiny")
+    w = get_workload(model, **sizes)
     opt = optax.sgd(1e-2, momentum=0.9)
     program = trace_train_step(make_train_step(w.loss_fn, opt), *w.abstract_train_args(opt))
     graph = build_graph(program.records)
@@ -756,11 +774,15 @@ def test_deeper_megatron_on_4x2_collectives_match_xla(tiny4, which):
     assert report.collectives_agree, report.comparison.format()
 
 
-def test_bf16_plan_collectives_match_xla_after_upcast_normalisation():
+# gpt-tiny's 1 block by default (6.0 CPU-s), its default 2 in CI's heavy step (8.8 s)
+@pytest.mark.parametrize(
+    "layers", [1, pytest.param(2, marks=pytest.mark.heavy)], ids=["1-layer", "2-layer"]
+)
+def test_bf16_plan_collectives_match_xla_after_upcast_normalisation(layers):
     """XLA:CPU moves some bf16 tensors through all-gathers and all-to-alls as f32 (the
     convert hoisted above the data movement, for its f32 dots); the verifier counts them in
     bf16, and an f32 value the program made itself keeps its f32 bytes."""
-    traced = trace_workload("gpt-tiny", optimizer="adamw", dtype="bfloat16")
+    traced = trace_workload("gpt-tiny", optimizer="adamw", dtype="bfloat16", num_layers=layers)
     mesh = alpa_test_mesh((8,), ("data",))
     # dp's pinned inputs without its data-parallel rule (baseline_options), all-to-alls
     # priced as when written: the ILP then moves bf16 activations and the logits gradient

@@ -256,6 +256,9 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
                 nbrs[u].add(w)
                 nbrs[w].add(u)
         red.eliminated.append((b, c, parts))
+        for u in around:  # its cost or matrices changed, so may its allowed strategies
+            stale.add(u)
+            stale.update(nbrs[u])
         return around
 
     def dominated(b: int) -> bool:
@@ -271,20 +274,24 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
                 diff = m[:, None, :] - m[None, :, :]
                 diff[np.isnan(diff)] = -math.inf  # both forbidden: that q is out either way
                 worst = worst + diff.max(axis=2, initial=-math.inf)
-        gone = np.zeros(ok.size, bool)
-        with np.errstate(invalid="ignore"):  # NaN (inf - inf): not dominated, as for floats
-            for i in range(ok.size):
-                others = ~gone
-                others[i] = False
-                if np.any(worst[others, i] <= 0):
-                    gone[i] = True
-        if not gone.any():
+            beats = worst <= 0  # [p', p]: p' dominates p (NaN, inf - inf: it does not)
+        np.fill_diagonal(beats, False)
+        candidates = np.flatnonzero(beats.any(axis=0))
+        if candidates.size == 0:  # the common case: nothing dominated, no loop
             return False
+        gone = np.zeros(ok.size, bool)
+        for i in candidates:  # in order: a strategy already gone dominates nothing
+            if np.any(beats[~gone, i]):
+                gone[i] = True
         c_new = cost[b].copy()
         c_new[ok[gone]] = math.inf
         cost[b] = c_new
         return True
 
+    # blocks whose dominance test could answer differently from their last one: its
+    # inputs (the block's costs, its matrices, its neighbours' allowed strategies) changed
+    # since; the others would find nothing again, so the test skips them (same result)
+    stale = set(nbrs)
     todo = set(b for b in nbrs if fixed[b] < 0)
     while todo:
         queue = sorted(todo)
@@ -294,9 +301,14 @@ def _eliminate(red: _Reduced, pb: ShardingProblem, cost, fixed, free_pairs):
             if can_go(b):
                 queue.extend(u for u in eliminate(b) if can_go(u))
         for b in sorted(nbrs):
-            if b not in protected and nbrs[b] and dominated(b):
+            if b in protected or not nbrs[b] or b not in stale:
+                continue
+            stale.discard(b)
+            if dominated(b):
                 todo.add(b)
                 todo.update(nbrs[b])
+                stale.add(b)
+                stale.update(nbrs[b])
     gone = {b for b, _, _ in red.eliminated}
     for b, c in enumerate(cost):  # alone: its own cheapest strategy (lexicographic: and
         # among the cheapest the preferred), whatever the others pick
