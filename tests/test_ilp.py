@@ -869,18 +869,23 @@ def test_the_tie_break_solve_is_reported():
     assert solve(dataclasses.replace(clique, preferences=None), solver="highs").tie_break is None
 
 
+def _tied_clique() -> ShardingProblem:
+    """Four nodes, each against the other three: strategy 2 costs what 1 does against every
+    neighbour's but 0 and 1 more against a 2, so on costs alone 1 dominates it, and,
+    preferred, it stays in the lexicographic program (the ``ties_after`` tests)."""
+    near = [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
+    edges = [EdgeCost(a, b, near) for a, b in itertools.combinations(range(4), 2)]
+    prefs = [(3.0, 2.0, 1.0)] * 3 + [(3.0, 2.0, 0.0)]
+    return ShardingProblem((3,) * 4, [(0.0, 0.0, 0.0)] * 4, edges, preferences=prefs)
+
+
 def test_ties_after_solves_the_costs_alone_first():
     """``ties_after``: the first solve runs on the program reduced on its costs alone,
     where dominance drops the strategies that only tie on cost (the lexicographic
     reductions keep them where their preferences differ: on gpt-tiny's exact program
     they made that solve 4-6x slower, docs/sharing.md); the tie-breaking solve then runs
     on the lexicographic program under the first plan's cost, with the same outcome."""
-    # strategy 2 costs what 1 does against every neighbour's but 0 and 1 more against a
-    # 2: on costs alone 1 dominates it; preferred, it stays in the lexicographic program
-    near = [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
-    edges = [EdgeCost(a, b, near) for a, b in itertools.combinations(range(4), 2)]
-    prefs = [(3.0, 2.0, 1.0)] * 3 + [(3.0, 2.0, 0.0)]
-    clique = ShardingProblem((3,) * 4, [(0.0, 0.0, 0.0)] * 4, edges, preferences=prefs)
+    clique = _tied_clique()
     columns = []
     real_run = solvers._run
 
@@ -912,10 +917,8 @@ def test_ties_after_over_the_tie_break_columns_polishes_the_costs_alone_plan():
     then moves that plan onto the lexicographic program and polishes it there
     (``_polish_after``); the planner's way polishes its own first plan (docs/sharing.md:
     neither is faster on every row, and neither's preference is always the lesser)."""
-    near = [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
-    edges = [EdgeCost(a, b, near) for a, b in itertools.combinations(range(4), 2)]
-    prefs = [(3.0, 2.0, 1.0)] * 3 + [(3.0, 2.0, 0.0)]
-    clique = ShardingProblem((3,) * 4, [(0.0, 0.0, 0.0)] * 4, edges, preferences=prefs)
+    clique = _tied_clique()
+    prefs = clique.preferences
     module = sys.modules["autoshard.intra.ilp.solve"]
     columns = []
     real_run = module._run

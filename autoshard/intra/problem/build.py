@@ -472,11 +472,7 @@ def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, 
         )
         if solution is None:  # solved after all, or it needs a forbidden collective
             demand, ip = ip, _finish(common, True)
-            cap = (
-                max(_exact.EXACT_WIDE_LP_MAX_ITERATIONS, _exact.EXACT_LP_MAX_ITERATIONS)
-                if wide
-                else None
-            )
+            cap = _exact.EXACT_WIDE_LP_MAX_ITERATIONS if wide else None
             solution = solve_exact(ip, demand, mesh, settings, None, first, lp_only, cap)
     else:
         ip = _finish(common, exact_values)
