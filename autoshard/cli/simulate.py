@@ -60,6 +60,7 @@ def _plan_text(plan: dict) -> str:
             f"{s['layers'][0]}..{s['layers'][1]} on {s['submesh'][0]}x{s['submesh'][1]} "
             f"as (dp, tp)=({s['logical_mesh_dp_tp'][0]}, {s['logical_mesh_dp_tp'][1]}), "
             f"recompute {s['recompute']}"
+            + (", gradients reduced once a step" if s.get("grad_reduce") == "step" else "")
             for s in plan["stages"]
         )
         return f"auto: {plan['pp']} stage(s): {stages}"
@@ -71,6 +72,9 @@ def _plan_text(plan: dict) -> str:
         extra += f", {plan['virtual_stages']} virtual stages (interleaved 1F1B)"
     if plan.get("program") == "traced":
         extra += ", timed on the traced JAX step (the search's cost model)"
+        reduced = {s.get("grad_reduce") for s in plan.get("stages", ())}
+        if "step" in reduced:
+            extra += ", data-parallel gradients reduced once a step"
     if plan.get("program") == "megatron-lm-flash":
         extra += ", flash attention"
     searched = (
@@ -246,6 +250,7 @@ def cmd_simulate(args) -> int:
         optimizer=args.optimizer,
         progress=Progress(f"{args.model} {args.plan}", enabled=not getattr(args, "quiet", False)),
         offload=args.offload,
+        grad_reduce=args.grad_reduce,
         **_model_overrides(args),
     )
     if args.json:
@@ -388,6 +393,15 @@ def register(subparsers) -> None:
         "none or a placement with its logical mesh and recompute, the fastest that fits), "
         "none, or classes joined by commas, every stage the same: optimizer, master, "
         "gradients (docs/offload.md)",
+    )
+    p.add_argument(
+        "--grad-reduce",
+        choices=("microbatch", "step", "auto"),  # sim.auto.GRAD_REDUCE_CHOICES
+        default="microbatch",
+        help="on the traced step (--plan auto, or --program traced): where a stage with "
+        "several data-parallel replicas reduces its gradients: every micro-batch (default: "
+        "the pipeline runtime's default), once per step (replicas of a plan over the model "
+        "axis, as Megatron-LM does), or auto (each stage chooses) (docs/weak_scaling.md)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_simulate)

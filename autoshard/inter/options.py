@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autoshard.inter.plan import Shape2
-from autoshard.inter.stages import NO_RECOMPUTE
+from autoshard.inter.stages import NO_GRAD_REDUCE, NO_RECOMPUTE
 
 STAGE_METHODS = ("auto", "equal-layer", "equal-flops")
 GRANULARITIES = ("layer", "range")
@@ -36,7 +36,11 @@ class StageSearchOptions:
     sub-meshes; ``"uniform"``, one sub-mesh shape for all stages and Megatron-LM's logical
     meshes (:func:`autoshard.inter.uniform_stages.uniform_stage_plan`); ``"auto"``, Alpa's unless one
     of its DP runs would exceed :data:`~autoshard.inter.uniform_stages.ALPA_DP_WORK_LIMIT` element
-    operations (thousands of devices).
+    operations (thousands of devices). ``grad_reduces``: where a stage with several
+    data-parallel replicas may reduce its gradients (:data:`autoshard.inter.stages.GRAD_REDUCES`:
+    ``"microbatch"``, every microbatch, one plan over the whole logical mesh; ``"step"``,
+    once per step, replicas of a plan over ``model``: the stage cost needs ``replicas``,
+    :class:`autoshard.inter.stage_cost.IntraStageCost`).
     """
 
     num_microbatches: int
@@ -50,6 +54,7 @@ class StageSearchOptions:
     time_limit_s: float = 60.0
     granularity: str = "layer"
     submesh_search: str = "auto"
+    grad_reduces: tuple[str, ...] = NO_GRAD_REDUCE
 
     def __post_init__(self) -> None:
         if self.submesh_search not in SUBMESH_SEARCHES:
@@ -62,3 +67,4 @@ class StageSearchOptions:
         if self.logical_meshes is not None:
             object.__setattr__(self, "logical_meshes", tuple(tuple(m) for m in self.logical_meshes))
         object.__setattr__(self, "recompute_modes", tuple(self.recompute_modes))
+        object.__setattr__(self, "grad_reduces", tuple(self.grad_reduces))

@@ -45,6 +45,10 @@ class Stage:
     layers: tuple[str, ...] = ()
     device_ids: tuple[int, ...] = ()
     offload: str = "none"  # offload placement (what it keeps in host memory)
+    # "microbatch": the data-parallel gradient reduced in every microbatch's backward;
+    # "step": ``dp`` replicas of a plan over ``model`` on 1/dp of the microbatch's rows,
+    # their gradients reduced once per step (GRAD_REDUCES)
+    grad_reduce: str = "microbatch"
 
     @property
     def num_devices(self) -> int:
@@ -63,6 +67,7 @@ class Stage:
             "layers": list(self.layers),
             "device_ids": list(self.device_ids),
             "offload": self.offload,
+            "grad_reduce": self.grad_reduce,
         }
 
     @staticmethod
@@ -81,6 +86,7 @@ class Stage:
             layers=tuple(obj.get("layers", ())),
             device_ids=tuple(obj.get("device_ids", ())),
             offload=obj.get("offload", offload),
+            grad_reduce=obj.get("grad_reduce", "microbatch"),
         )
 
 

@@ -23,6 +23,7 @@ from autoshard.inter.plan import InterPlan, Shape2
 from autoshard.inter.progress import Progress
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
+    NO_GRAD_REDUCE,
     NO_PLACEMENT,
     StageCost,
     cost_stage_choices,
@@ -98,11 +99,13 @@ def _same_graph(a: Graph, b: Graph) -> bool:
 def _forced_logical(cost, forced: Mapping[tuple[int, int], Shape2]):
     """``cost`` restricted to one logical mesh per range (``inf`` for the others)."""
 
-    def restricted(start: int, end: int, submesh: Shape2, logical: Shape2, *mode: str) -> StageCost:
+    def restricted(
+        start: int, end: int, submesh: Shape2, logical: Shape2, *mode: str, **grad_reduce: str
+    ) -> StageCost:
         want = forced[(start, end)]
         if tuple(logical) != want:
             return StageCost(math.inf, 0.0, 0.0)
-        return cost(start, end, submesh, logical, *mode)
+        return cost(start, end, submesh, logical, *mode, **grad_reduce)
 
     return restricted
 
@@ -182,6 +185,12 @@ def search_stages(
     among them; each stage's ``offload`` says which it took.
     """
     if offload is not None and (offload == "auto" or offload):
+        if options.grad_reduces != NO_GRAD_REDUCE:
+            raise ValueError(
+                f"grad_reduces={options.grad_reduces} is priced without offload (a replica's "
+                "state is not offloaded yet): search with offload or with the reduction every "
+                "microbatch, not both"
+            )
         return _search_offloaded(
             graph, num_hosts, devices_per_host, options, cluster, cost, model, progress, offload
         )
@@ -189,7 +198,7 @@ def search_stages(
     num_microbatches, stages = options.num_microbatches, options.stages
     num_stages, logical_meshes = options.num_stages, options.logical_meshes
     schedule, recompute_modes = options.schedule, options.recompute_modes
-    memory_budget_bytes = options.memory_budget_bytes
+    memory_budget_bytes, grad_reduces = options.memory_budget_bytes, options.grad_reduces
     t_start = time.perf_counter()
     check_positive_int("num_hosts", num_hosts)
     check_positive_int("devices_per_host", devices_per_host)
@@ -246,6 +255,12 @@ def search_stages(
         if search == "auto":
             work = alpa_dp_work(num_layers, num_hosts, devices_per_host)
             search = "uniform" if work > ALPA_DP_WORK_LIMIT else "alpa"
+        if search == "uniform" and grad_reduces != NO_GRAD_REDUCE:
+            raise ValueError(
+                "grad_reduces other than ('microbatch',) is priced by Alpa's stage DP; the "
+                "uniform sub-mesh search (thousands of devices) does not offer it: use "
+                "submesh_search='alpa'"
+            )
         if search == "uniform":
             method = "auto-uniform"
             plan = uniform_stage_plan(
@@ -266,6 +281,7 @@ def search_stages(
                 recompute_modes=recompute_modes,
                 progress=progress,
                 placements=placements,
+                grad_reduces=grad_reduces,
             )
     else:
         submesh = _equal_submesh(num_stages, num_hosts, devices_per_host)
@@ -302,6 +318,7 @@ def search_stages(
             schedule=schedule,
             recompute_modes=recompute_modes,
             placements=placements,
+            grad_reduces=grad_reduces,
         )
     t_search = time.perf_counter() - t0
     ilp_seconds = cost.seconds - seconds_before

@@ -68,7 +68,7 @@ from autoshard.inter.stage_memory import (
 from autoshard.inter.stage_memory import spec_fraction as _spec_fraction
 from autoshard.inter.stage_ranges import RangeCosts
 from autoshard.inter.stage_specs import assemble_stage_specs
-from autoshard.inter.stages import StageCost
+from autoshard.inter.stages import GRAD_REDUCES, StageCost
 from autoshard.inter.subgraph import (
     RangeGraph,
     RangeIds,
@@ -91,6 +91,7 @@ from autoshard.inter.unit_ties import (
     with_feeds,
     with_ties,
 )
+from autoshard.intra.cost.collectives import all_reduce_cost
 from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload.placement import (
@@ -131,6 +132,7 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
         deep_layers: int | None = None,
         offload: Offload = NO_OFFLOAD,
         cluster=None,
+        replicas: Callable[[int], IntraStageCost] | None = None,
     ) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -144,6 +146,10 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
         if offload and getattr(cluster, "host", None) is None:
             raise ValueError("offload in the stage search needs a cluster with a 'host' section")
         self.offload, self.cluster = offload, cluster
+        # dp -> the cost of this step traced at 1/dp of the microbatch, with these
+        # microbatches (:meth:`replica_range_cost`); None: no once-a-step reduction priced
+        self.replicas = replicas
+        self._grad_bytes: dict = {}  # (signature range, logical) -> owned gradient bytes
         self.owners = param_owner_layers(graph)
         shallow_signatures = layer_signatures(graph)
         self._shallow_signatures = shallow_signatures
@@ -519,13 +525,101 @@ class IntraStageCost(RangeCosts, PooledUnits, LayerHandoffs):
         logical: Shape2,
         recompute: str = "none",
         placement: str | None = None,
+        grad_reduce: str = "microbatch",
     ) -> StageCost:
         if placement is not None and placement != self.offload.label:
             raise ValueError(
                 f"this stage cost prices offload {self.offload.label}, not {placement}"
             )
+        if grad_reduce not in GRAD_REDUCES:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCES}, got {grad_reduce!r}")
         t0 = time.perf_counter()
         try:
+            if grad_reduce == "step":
+                return self.replica_range_cost(start, end, tuple(logical), recompute)
             return self.range_cost(start, end, tuple(logical), recompute)
         finally:
             self.seconds += time.perf_counter() - t0
+
+    # -- data-parallel replicas: the gradients reduced once per step
+    def replica_cost(self, logical: Shape2) -> IntraStageCost:
+        """The cost each of ``logical = (dp, tp)``'s ``dp`` replicas runs: this step traced
+        at 1/dp of the microbatch (``replicas(dp)``), planned on ``(1, tp)``."""
+        if self.replicas is None:
+            raise ValueError(
+                "this stage cost has no replica traces: build it with replicas=dp -> the "
+                "cost of the step traced at 1/dp of the microbatch to price grad_reduce='step'"
+            )
+        if self.baseline is not None or self.offload:
+            raise ValueError(
+                "grad_reduce='step' is priced without a baseline and without offload "
+                f"(this cost has baseline={self.baseline!r}, offload={self.offload.label!r})"
+            )
+        return self.replicas(logical[0])  # None: the microbatch does not split so
+
+    def replica_grad_bytes(self, layer: int, logical: Shape2) -> float:
+        """Per-device bytes of the gradients layer ``layer`` owns (the parameters its
+        update writes) under the replicas' plan on ``(1, tp)``: what one replica holds in
+        its accumulator and all-reduces over ``data`` once per step."""
+        replica = self.replica_cost(logical)
+        inner = (1, logical[1])
+        key = (replica.signatures[layer], inner, id(replica))
+        if key not in self._grad_bytes:
+            unit = replica.unit(layer, layer + 1, inner)
+            if unit.plan is None:
+                self._grad_bytes[key] = math.inf
+            else:
+                rep = replica._rep[replica.signatures[layer]]
+                rg = replica.subgraph(rep, rep + 1)
+                mesh = replica.mesh_for(inner)
+                aliased = {src for src, _ in rg.graph.aliases}
+                self._grad_bytes[key] = sum(
+                    rg.graph.tensors[tid].nbytes * _spec_fraction(spec, mesh)
+                    for tid, spec in zip(rg.graph.inputs, unit.plan.input_specs, strict=True)
+                    if rg.graph.tensors[tid].kind == "param" and tid in aliased
+                )
+        return self._grad_bytes[key]
+
+    def replica_reduce_s(self, start: int, end: int, logical: Shape2) -> float:
+        """Seconds per step of the replicas' gradient all-reduces over ``data`` for layers
+        ``[start, end)`` on ``logical``: one ring all-reduce per layer's gradients (its
+        bucket), not overlapped with compute."""
+        mesh = self.mesh_for(logical)
+        total = 0.0
+        for layer in range(start, end):
+            nbytes = self.replica_grad_bytes(layer, logical)
+            if nbytes > 0:
+                total += all_reduce_cost(mesh, "data", nbytes, _NO_TIES)
+        return total
+
+    def replica_range_cost(
+        self, start: int, end: int, logical: Shape2, mode: str = "none"
+    ) -> StageCost:
+        """Layers ``[start, end)`` on ``logical = (dp, tp)`` run as ``dp`` data-parallel
+        replicas (``grad_reduce="step"``), each on 1/dp of the microbatch's rows under the
+        plan of the step traced at that size on ``(1, tp)`` (:meth:`replica_cost`), their
+        gradients accumulated unreduced and all-reduced over ``data`` once per step
+        (Megatron-LM's data parallelism; the pipeline runtime's ``grad_reduce="step"``).
+        Latency: a replica's (its update amortised as in every stage), plus the step's
+        all-reduces (:meth:`replica_reduce_s`) spread over the microbatches; memory: a
+        replica's (its weights, gradients and optimizer state unsharded over ``data``).
+        Infinite with one replica or one microbatch a step (nothing to save: the runtime's
+        one-microbatch step reduces as it updates)."""
+        dp, tp = logical
+        if dp < 2 or self.num_microbatches < 2:
+            return StageCost(math.inf, 0.0, 0.0)
+        replica = self.replica_cost(logical)
+        if replica is None:
+            return StageCost(math.inf, 0.0, 0.0)
+        if replica.num_microbatches != self.num_microbatches:
+            raise ValueError(
+                f"the replica cost amortises over {replica.num_microbatches} microbatches, "
+                f"this one over {self.num_microbatches}: build it with the same count"
+            )
+        base = replica.range_cost(start, end, (1, tp), mode)
+        if not math.isfinite(base.latency_s):
+            return base
+        reduce_s = self.replica_reduce_s(start, end, logical)
+        return dataclasses.replace(
+            base, latency_s=base.latency_s + reduce_s / self.num_microbatches
+        )

@@ -102,6 +102,11 @@ StageCostFn = Callable[..., StageCost]  # (start, end, submesh, logical[, recomp
 NO_RECOMPUTE = ("none",)
 NO_PLACEMENT = ("none",)  # no offload choice: the callback takes no placement argument
 RECOMPUTE_MODES = ("none", "selective", "full")
+# where a stage reduces its data-parallel gradients: in every microbatch's backward (one
+# plan over the whole logical mesh), or once per step ("step": ``dp`` replicas of a plan
+# over ``model``, each on 1/dp of the microbatch; Megatron-LM's data parallelism)
+GRAD_REDUCES = ("microbatch", "step")
+NO_GRAD_REDUCE = ("microbatch",)  # the callback takes no grad_reduce argument
 
 
 def pipeline_objective(stage_latencies: Sequence[float], num_microbatches: int) -> float:
@@ -164,6 +169,15 @@ def _check_modes(recompute_modes) -> tuple[str, ...]:
     return modes
 
 
+def _check_grad_reduces(grad_reduces) -> tuple[str, ...]:
+    values = tuple(grad_reduces)
+    if not values or len(set(values)) != len(values) or any(v not in GRAD_REDUCES for v in values):
+        raise ValueError(
+            f"grad_reduces must be distinct values of {GRAD_REDUCES}, got {grad_reduces!r}"
+        )
+    return values
+
+
 def _check_placements(placements) -> tuple[str, ...]:
     labels = tuple(placements)
     if not labels or len(set(labels)) != len(labels) or not all(isinstance(p, str) for p in labels):
@@ -172,8 +186,8 @@ def _check_placements(placements) -> tuple[str, ...]:
 
 
 class _CostTable:
-    """Memoised callback: each (range, sub-mesh, logical mesh, recompute, placement) is
-    costed once."""
+    """Memoised callback: each (range, sub-mesh, logical mesh, recompute, placement,
+    gradient reduction) is costed once."""
 
     def __init__(
         self,
@@ -181,21 +195,26 @@ class _CostTable:
         recompute_modes=NO_RECOMPUTE,
         logical_meshes=None,
         placements=NO_PLACEMENT,
+        grad_reduces=NO_GRAD_REDUCE,
     ) -> None:
         self.stage_cost = stage_cost
         self.modes = _check_modes(recompute_modes)
         self.placements = _check_placements(placements)
+        self.grad_reduces = _check_grad_reduces(grad_reduces)
         self.logical_meshes = logical_meshes or logical_mesh_shapes
         self.table: dict[tuple, StageCost] = {}
 
-    def variants(self, submesh: Shape2) -> list[tuple[Shape2, str, str]]:
-        """(logical mesh, recompute mode, placement) a stage on ``submesh`` may take, in
-        order (on equal latencies the first wins: no recompute, then no offload)."""
+    def variants(self, submesh: Shape2) -> list[tuple[Shape2, str, str, str]]:
+        """(logical mesh, recompute mode, placement, gradient reduction) a stage on
+        ``submesh`` may take, in order (on equal latencies the first wins: no recompute,
+        then no offload, then the reduction every microbatch); a logical mesh with one
+        data-parallel replica has only the reduction every microbatch (there is none)."""
         return [
-            (g, m, p)
+            (g, m, p, r)
             for g in self.logical_meshes(submesh)
             for m in self.modes
             for p in self.placements
+            for r in (self.grad_reduces if g[0] > 1 else NO_GRAD_REDUCE)
         ]
 
     def __call__(
@@ -206,10 +225,15 @@ class _CostTable:
         logical: Shape2,
         mode: str = "none",
         placement: str = "none",
+        grad_reduce: str = "microbatch",
     ) -> StageCost:
-        key = (start, end, submesh, logical, mode, placement)
+        key = (start, end, submesh, logical, mode, placement, grad_reduce)
         if key not in self.table:
-            if self.placements != NO_PLACEMENT:
+            if grad_reduce != "microbatch":
+                cost = self.stage_cost(
+                    start, end, submesh, logical, mode, placement, grad_reduce=grad_reduce
+                )
+            elif self.placements != NO_PLACEMENT:
                 cost = self.stage_cost(start, end, submesh, logical, mode, placement)
             elif self.modes == NO_RECOMPUTE:
                 cost = self.stage_cost(start, end, submesh, logical)
@@ -223,9 +247,9 @@ class _CostTable:
 
     def best_logical(
         self, start: int, end: int, submesh: Shape2, in_flight: int, budget: float
-    ) -> tuple[tuple[Shape2, str, str], StageCost] | None:
-        """The fastest (logical mesh, recompute, placement) whose memory fits ``budget``
-        (first on ties)."""
+    ) -> tuple[tuple[Shape2, str, str, str], StageCost] | None:
+        """The fastest (logical mesh, recompute, placement, gradient reduction) whose memory
+        fits ``budget`` (first on ties)."""
         best = None
         for variant in self.variants(submesh):
             cost = self(start, end, submesh, *variant)
@@ -255,12 +279,14 @@ def cost_stage_choices(
     schedule: str = "1f1b",
     recompute_modes: Sequence[str] = NO_RECOMPUTE,
     placements: Sequence[str] = NO_PLACEMENT,
+    grad_reduces: Sequence[str] = NO_GRAD_REDUCE,
 ) -> StagePlan:
     """Cost hand-chosen ``((start, end), submesh_shape)`` stages with the DP's objective.
 
     Each stage gets its fastest logical mesh (and recompute mode, among
-    ``recompute_modes``, and offload placement, among ``placements``) that fits the
-    budget; raises if the ranges do
+    ``recompute_modes``, offload placement, among ``placements``, and where it reduces
+    its data-parallel gradients, among ``grad_reduces``) that fits the budget; raises if
+    the ranges do
     not cover ``0..num_layers`` contiguously, the sub-meshes do not tile the cluster, or a
     stage fits no logical mesh (saying how much memory its leanest one needs).
     """
@@ -284,7 +310,9 @@ def cost_stage_choices(
         raise ValueError(f"stage ranges end at layer {expected_start}, not {num_layers}")
     place_submeshes([c[1] for c in choices], num_hosts, devices_per_host)
     budget = math.inf if memory_budget_bytes is None else memory_budget_bytes
-    costs = _CostTable(stage_cost, recompute_modes, placements=placements)
+    costs = _CostTable(
+        stage_cost, recompute_modes, placements=placements, grad_reduces=grad_reduces
+    )
     stages = []
     for index, ((start, end), submesh) in enumerate(choices):
         in_flight = microbatches_in_flight(index, len(choices), num_microbatches, schedule)
@@ -308,7 +336,7 @@ def cost_stage_choices(
                 for i, ((a, b), m) in enumerate(choices)
             )
             raise StageBudgetError(message, budget, least)
-        (logical, mode, placement), cost = found
+        (logical, mode, placement, grad_reduce), cost = found
         stages.append(
             Stage(
                 start,
@@ -320,6 +348,7 @@ def cost_stage_choices(
                 in_flight,
                 mode,
                 offload=placement,
+                grad_reduce=grad_reduce,
             )
         )
     objective = pipeline_objective([s.latency_s for s in stages], num_microbatches)
@@ -445,12 +474,15 @@ def optimal_stage_plan(
     submeshes: Sequence[Shape2] | None = None,
     logical_meshes: Callable[[Shape2], Sequence[Shape2]] | None = None,
     placements: Sequence[str] = NO_PLACEMENT,
+    grad_reduces: Sequence[str] = NO_GRAD_REDUCE,
 ) -> StagePlan:
     """Alpa's stage DP: the stage plan minimising ``sum(t) + (B - 1) max(t)``.
 
     ``num_stages`` fixes the stage count (default: any).  ``recompute_modes``: the modes
     each stage may choose from (the callback then takes the mode as a fifth argument);
-    ``placements``: the offload placements likewise (a sixth argument).  Raises if the problem has no
+    ``placements``: the offload placements likewise (a sixth argument); ``grad_reduces``:
+    where a stage with data-parallel replicas reduces its gradients (:data:`GRAD_REDUCES`;
+    a ``grad_reduce=`` keyword argument for ``"step"``).  Raises if the problem has no
     plan; if only memory is the obstacle, the error gives the smallest per-device budget
     that would admit one; where every plan needs an infinite-latency stage, it quotes the
     callback's ``refusals`` (if it has that attribute: why it refused a stage).
@@ -486,7 +518,7 @@ def optimal_stage_plan(
     sizes = [r * c // unit for r, c in submeshes]
     num_devices //= unit  # in units of `unit` devices from here on
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
-    costs = _CostTable(stage_cost, recompute_modes, logical_meshes, placements)
+    costs = _CostTable(stage_cost, recompute_modes, logical_meshes, placements, grad_reduces)
     usable = [m for m, n in zip(submeshes, sizes, strict=True) if n <= num_devices]
     prepare = getattr(stage_cost, "prepare", None)
     if prepare is not None:
@@ -572,7 +604,9 @@ def optimal_stage_plan(
     _, s = best_total(table, num_stages, num_devices)
     stages = []
     for index, (s_left, j, k, i) in enumerate(trace_back(table, capped, sizes, s, num_devices)):
-        (logical, mode, placement), cost = tables.choice(costs, submeshes, s_left, j, k, i)
+        (logical, mode, placement, grad_reduce), cost = tables.choice(
+            costs, submeshes, s_left, j, k, i
+        )
         in_flight = microbatches_in_flight(index, s, num_microbatches, schedule)
         stages.append(
             Stage(
@@ -585,6 +619,7 @@ def optimal_stage_plan(
                 in_flight,
                 mode,
                 offload=placement,
+                grad_reduce=grad_reduce,
             )
         )
     return StagePlan(

@@ -348,7 +348,7 @@ class PooledUnits:
         (:mod:`autoshard.inter.unit_pool`)."""
         subgraphs = {i: self.subgraph(i, i + 1) for i in layers}
         twin = copy.copy(self)
-        twin.graph = twin.mesh_for = None
+        twin.graph = twin.mesh_for = twin.replicas = None  # the replicas plan here
         twin.signatures, twin._rep, twin._crossings, twin._pair_rep = (), {}, (), {}
         for memo in (
             "_units",
@@ -362,6 +362,7 @@ class PooledUnits:
             "_owners_of",
             "_graph_keys",
             "_offloaded",
+            "_grad_bytes",
         ):
             setattr(twin, memo, {})
         twin._nodes_by_layer = twin._crossings_by_high = None

@@ -67,6 +67,17 @@ def _default_microbatches(
 MICROBATCH_SEARCH = "search"  # num_microbatches="search": the default candidates
 
 
+GRAD_REDUCE_CHOICES = ("microbatch", "step", "auto")
+
+
+def grad_reduces(grad_reduce: str) -> tuple[str, ...]:
+    """The stage DP's ``grad_reduces`` for a ``grad_reduce`` choice
+    (:data:`GRAD_REDUCE_CHOICES`; ``"auto"``: both, each stage chooses)."""
+    if grad_reduce not in GRAD_REDUCE_CHOICES:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_CHOICES}, got {grad_reduce!r}")
+    return ("microbatch", "step") if grad_reduce == "auto" else (grad_reduce,)
+
+
 def microbatch_candidates(batch: int, default: int | None, extra=(), valid=None) -> tuple[int, ...]:
     """The micro-batch counts ``plan="auto"`` searches, ascending: ``default``, half of it,
     twice and four times it, each kept only if it divides ``batch`` (a micro-batch at least
@@ -177,6 +188,7 @@ def _traced_flops(graph, m: int, stages) -> tuple[float, float]:
 def simulate_auto(
     model, shape, cluster, batch, num_microbatches, recompute, dtype, peak, time_limit, overrides,
     seq_len: int | None = None, optimizer: str = "adamw", progress=None, offload=None,
+    grad_reduce: str = "microbatch",
 ) -> SimulationReport:  # fmt: skip
     """``plan="auto"`` with ``num_microbatches`` micro-batches per step (``None``: see
     :func:`_default_microbatches`); ``plan["microbatch_size"]`` in the report is the
@@ -191,7 +203,12 @@ def simulate_auto(
     placement (none or one of :func:`~autoshard.inter.stage_offload.auto_placements`) with
     its logical mesh and recompute mode, the fastest that fits its HBM, kept where nothing
     fits without offload or it gains ``AUTO_MIN_GAIN`` (:mod:`autoshard.inter.stage_offload`);
-    ``plan["offload"]`` then says what lives where (absent when no stage offloads)."""
+    ``plan["offload"]`` then says what lives where (absent when no stage offloads).
+    ``grad_reduce`` (:data:`GRAD_REDUCE_CHOICES`): where a stage with several data-parallel
+    replicas reduces its gradients: ``"microbatch"`` (every micro-batch's backward, as the
+    pipeline runtime's default), ``"step"`` (once per step: replicas of a plan over
+    ``model``) or ``"auto"`` (each stage chooses, with its logical mesh and recompute
+    mode); each stage's ``grad_reduce`` in ``plan["stages"]`` says which it takes."""
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
@@ -223,7 +240,7 @@ def simulate_auto(
     traced_graph = cost.graph
     t_trace = time.perf_counter()
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
-    options = StageSearchOptions(m, recompute_modes=modes)
+    options = StageSearchOptions(m, recompute_modes=modes, grad_reduces=grad_reduces(grad_reduce))
     hbm = cluster.device.hbm_bytes
     try:
         inter = search_stages(
@@ -261,6 +278,7 @@ def simulate_auto(
             "logical_mesh_dp_tp": list(st.logical_mesh),
             "recompute": st.recompute,
             "offload": st.offload,
+            "grad_reduce": st.grad_reduce,
             "latency_s": st.latency_s,
             "peak_bytes": st.peak_bytes,
             "microbatches_in_flight": assigned.microbatches_in_flight,
@@ -322,7 +340,7 @@ def simulate_auto(
             cost,
             [
                 (st.start_layer, st.end_layer, st.logical_mesh, st.recompute, st.latency_s)
-                + (st.offload,)
+                + (st.offload, st.grad_reduce)
                 for st in inter.stages
             ],
             m,
@@ -360,7 +378,7 @@ def shared_stage_cost(
 
 def search_stage_cost(
     model, cluster, batch, m, dtype, time_limit, overrides, baseline=None, optimizer="adamw",
-    graph=None, offload=None,
+    graph=None, offload=None, trace_m=None,
 ):  # fmt: skip
     """The stage costs ``plan="auto"``'s search uses: intra-op ILPs (HiGHS) over the
     traced step of ``m`` micro-batches, priced at ``dtype``'s peak and GEMM efficiency on
@@ -390,10 +408,15 @@ def search_stage_cost(
     )
     trace_dtype = "float32" if dtype == "fp32" else "bfloat16"
 
+    trace_m = m if trace_m is None else trace_m
+    replicas = None
+    if baseline is None and not offload and trace_m == m:
+        replicas = _replica_costs(model, cluster, batch, m, dtype, time_limit, overrides, optimizer)
+
     def cost_of(g, deep_layers=None):
         return IntraStageCost(
             g, mesh_for, solver="highs", time_limit_s=time_limit, num_microbatches=m,
-            baseline=baseline, deep_layers=deep_layers,
+            baseline=baseline, deep_layers=deep_layers, replicas=replicas,
             **({"offload": offload, "cluster": cluster} if offload else {}),
         )  # fmt: skip
 
@@ -402,7 +425,7 @@ def search_stage_cost(
         blocks = config.config.num_layers
         if type(config.config) is GPTConfig and blocks > FOLD_MIN_BLOCKS:  # not MoE, ResNet
             _, shallow = microbatch_graph(
-                model, m, optimizer, batch_size=batch, dtype=trace_dtype,
+                model, trace_m, optimizer, batch_size=batch, dtype=trace_dtype,
                 **{**overrides, "num_layers": FOLD_BLOCKS},
             )  # fmt: skip
             if len(shallow.layers) == FOLD_BLOCKS + 2:
@@ -412,9 +435,33 @@ def search_stage_cost(
                     pass  # not a chain of identical blocks: trace it whole
     if graph is None:
         _, graph = microbatch_graph(
-            model, m, optimizer, batch_size=batch, dtype=trace_dtype, **overrides
+            model, trace_m, optimizer, batch_size=batch, dtype=trace_dtype, **overrides
         )
     return cost_of(graph)
+
+
+def _replica_costs(model, cluster, batch, m, dtype, time_limit, overrides, optimizer):
+    """``dp -> IntraStageCost`` of the step traced at ``1/dp`` of the micro-batch, amortised
+    over the same ``m`` micro-batches (the replicas a ``grad_reduce="step"`` stage runs,
+    :meth:`autoshard.inter.stage_cost.IntraStageCost.replica_range_cost`); None where the
+    micro-batch does not split into ``dp`` equal parts (or a GPT-MoE's expert groups
+    would be cut: the trace refuses). Each traced once, when first asked."""
+    memo: dict = {}
+
+    def replicas(dp: int):
+        if dp not in memo:
+            memo[dp] = None
+            if batch % (m * dp) == 0:
+                try:
+                    memo[dp] = search_stage_cost(
+                        model, cluster, batch, m, dtype, time_limit, overrides,
+                        optimizer=optimizer, trace_m=m * dp,
+                    )  # fmt: skip
+                except ValueError:
+                    memo[dp] = None
+        return memo[dp]
+
+    return replicas
 
 
 FOLD_BLOCKS = 3  # blocks traced when a deep GPT is folded (first, middle, last)

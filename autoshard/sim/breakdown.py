@@ -86,7 +86,9 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
     ``cost``: the :class:`~autoshard.inter.stage_cost.IntraStageCost` the stages were
     priced with; ``stages``: ``(start, end, logical_mesh, recompute_mode, latency_s)`` per
     stage, optionally with the stage's offload placement last (then priced by
-    ``cost.cost_of(placement)``, as the stage DP priced it); the step is Alpa's ``sum(t) + (m - 1) max(t)``. The slowest stage's time, once
+    ``cost.cost_of(placement)``, as the stage DP priced it) and then its gradient
+    reduction (``"step"``: its replicas' units, from ``cost.replica_cost``, and their
+    once-a-step all-reduces on ``comm_data``); the step is Alpa's ``sum(t) + (m - 1) max(t)``. The slowest stage's time, once
     per micro-batch, is split into compute, recompute and communication per axis from its
     layers' intra-op plans (each unit's ``communication_by_axis``: the update's
     collectives once per step, its gradients' data-parallel reductions once per
@@ -96,13 +98,19 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
     """
     m = num_microbatches
     slowest = max(range(len(stages)), key=lambda i: stages[i][4])
-    start, end, logical, mode, latency, *placement = stages[slowest]
-    if placement:
-        cost = cost.cost_of(placement[0])
+    start, end, logical, mode, latency, *rest = stages[slowest]
+    placement, grad_reduce = (*rest, None, None)[:2]
+    if placement is not None:
+        cost = cost.cost_of(placement)
     logical = tuple(logical)
+    comm: dict[str, float] = {}
+    if grad_reduce == "step":  # replicas of a plan on (1, tp); all-reduced once a step
+        reduce_s = cost.replica_reduce_s(start, end, logical) / m
+        if reduce_s > 0:
+            comm[f"{COMM_PREFIX}data"] = reduce_s
+        cost, logical = cost.replica_cost(logical), (1, logical[1])
     mesh = cost.mesh_for(logical)
     compute = recompute = offload = 0.0
-    comm: dict[str, float] = {}
     for layer in range(start, end):
         unit = cost.unit(layer, layer + 1, logical)
         compute += unit.compute_s
@@ -119,7 +127,7 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
     # the junctions between the stage's layers, and anything else its latency holds
     reshard = cost.junctions_s(start, end, logical)
     reshard = max(reshard, latency - compute - recompute - offload - sum(comm.values()))
-    if reshard > 0:
+    if reshard > 1e-9 * latency:  # not the rounding of the subtraction above
         comm[f"{COMM_PREFIX}reshard"] = comm.get(f"{COMM_PREFIX}reshard", 0.0) + reshard
     parts = {"compute": m * compute, "recompute": m * recompute, "offload": m * offload}
     parts.update({k: m * v for k, v in comm.items()})

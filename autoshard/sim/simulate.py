@@ -247,6 +247,7 @@ def simulate(
     optimizer: str = "adamw",
     progress=None,
     offload: str | None = None,
+    grad_reduce: str = "microbatch",
     **overrides,
 ) -> SimulationReport:
     """Simulate ``plan`` for GPT preset ``model`` on ``gpus`` GPUs of cluster preset ``cluster``.
@@ -289,7 +290,13 @@ def simulate(
     takes, or ``"auto"``: each stage chooses its placement (none or one of those) with its
     logical mesh and recompute mode, the fastest that fits its HBM, within the host's
     memory (:mod:`autoshard.inter.stage_offload`); ``plan["offload"]`` says what lives
-    where, per stage (absent when no stage offloads).
+    where, per stage (absent when no stage offloads). ``grad_reduce``
+    (:data:`autoshard.sim.auto.GRAD_REDUCE_CHOICES`; the traced step only: ``plan="auto"``
+    or ``program="traced"``): where a stage with several data-parallel replicas reduces
+    its gradients, ``"microbatch"`` (every micro-batch: the pipeline runtime's default),
+    ``"step"`` (once per step, as Megatron-LM does: replicas of a plan over ``model``,
+    :meth:`autoshard.inter.stage_cost.IntraStageCost.replica_range_cost`) or ``"auto"``
+    (each stage chooses); each stage's ``grad_reduce`` in ``plan["stages"]`` says which.
     """
     from autoshard.models import OPTIMIZERS  # lazy: the models import jax
 
@@ -312,6 +319,7 @@ def simulate(
             "program='traced' or plan='auto'"
         )
     offload = _offload_request(offload, plan, cluster)
+    _check_grad_reduce(grad_reduce, plan, program, offload, exact)
     search = _microbatch_search(num_microbatches, plan, microbatch_size)
     schedule = _schedule(
         plan, program, microbatch_size, None if search else num_microbatches,
@@ -327,11 +335,40 @@ def simulate(
     report = _simulate(
         model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
         ilp_time_limit_s, exact, overrides, program, optimizer, search, progress, offload,
+        grad_reduce,
     )  # fmt: skip
     if not exact:
         return report
     checked = exact_check(report, cluster, time_limit_s=ilp_time_limit_s, **overrides)
     return dataclasses.replace(report, exact=checked)
+
+
+def _check_grad_reduce(grad_reduce: str, plan: str, program: str, offload, exact: bool) -> None:
+    """ValueError unless ``grad_reduce`` is a choice the plan and program price."""
+    from autoshard.sim.auto import GRAD_REDUCE_CHOICES
+
+    if grad_reduce not in GRAD_REDUCE_CHOICES:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_CHOICES}, got {grad_reduce!r}")
+    if grad_reduce == "microbatch":
+        return
+    if parse_plan(plan).kind != "auto" and program != "traced":
+        raise ValueError(
+            f"grad_reduce={grad_reduce!r} prices the traced step's gradient reduction (plan "
+            f"'auto', or a Megatron grid with program 'traced'); plan {plan!r} on program "
+            f"{program!r} is Megatron-LM's own, which reduces once per step already: drop "
+            "--grad-reduce or use --program traced"
+        )
+    if offload is not None:
+        raise ValueError(
+            f"grad_reduce={grad_reduce!r} is priced without offload (a replica's state is "
+            "not offloaded yet): drop --offload or use --grad-reduce microbatch"
+        )
+    if exact:
+        raise ValueError(
+            f"exact mode compiles the one-mesh step, which reduces its gradients as it "
+            f"makes them; grad_reduce={grad_reduce!r} needs the pipeline runtime: drop "
+            "--exact or --grad-reduce"
+        )
 
 
 def _offload_request(offload, plan: str, cluster):
@@ -436,7 +473,7 @@ def _schedule(
 def _simulate(
     model, cluster, gpus, plan, schedule, global_batch, recompute, dtype,
     ilp_time_limit_s, exact, overrides, program="megatron-lm", optimizer="adamw", search=None,
-    progress=None, offload=None,
+    progress=None, offload=None, grad_reduce="microbatch",
 ) -> SimulationReport:  # fmt: skip
     request = parse_plan(plan)
     if program not in PROGRAMS:
@@ -491,6 +528,7 @@ def _simulate(
                 model, shape, the_cluster, batch, m, recompute, dtype, peak,
                 ilp_time_limit_s, overrides, seq_len=None if traced_cfg is None else seq_len,
                 optimizer=optimizer, progress=progress, offload=placement,
+                grad_reduce=grad_reduce,
             )  # fmt: skip
 
         def price(m):
@@ -515,7 +553,7 @@ def _simulate(
     if program == "traced":
         return simulate_traced_grid(
             model, shape, the_cluster, batch, schedule, request.grid, recompute,
-            dtype, peak, ilp_time_limit_s, overrides, progress,
+            dtype, peak, ilp_time_limit_s, overrides, progress, grad_reduce,
         )  # fmt: skip
     return simulate_grid(
         model, shape, the_cluster, gpus, request, batch, schedule, recompute, dtype, peak,

@@ -38,6 +38,20 @@ def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
     )
 
 
+def _grad_reduce(cost, start, end, submesh, logical, recompute, grad_reduce):
+    """``(where the stage reduces its gradients, its StageCost)`` under the choice
+    ``grad_reduce`` (:data:`autoshard.sim.auto.GRAD_REDUCE_CHOICES`): ``"step"`` only where
+    the stage has several data-parallel replicas; ``"auto"`` the faster (the reduction
+    every micro-batch on a tie)."""
+    every = cost(start, end, submesh, logical, recompute)
+    if grad_reduce == "microbatch" or logical[0] < 2:
+        return "microbatch", every
+    once = cost(start, end, submesh, logical, recompute, grad_reduce="step")
+    if grad_reduce == "step" or once.latency_s < every.latency_s:
+        return "step", once
+    return "microbatch", every
+
+
 def _grid_submesh(devices: int, cluster: Cluster) -> tuple[int, int]:
     per_host = cluster.devices_per_node
     return (devices // per_host, per_host) if devices >= per_host else (1, devices)
@@ -45,10 +59,14 @@ def _grid_submesh(devices: int, cluster: Cluster) -> tuple[int, int]:
 
 def simulate_traced_grid(
     model, shape, cluster, batch, schedule: Schedule, grid, recompute, dtype, peak, time_limit,
-    overrides, progress=None,
+    overrides, progress=None, grad_reduce: str = "microbatch",
 ) -> SimulationReport:  # fmt: skip
     """Each grid point of ``megatron_grid`` priced on the traced step (module docstring);
-    ``progress`` (:class:`autoshard.inter.progress.Progress`) counts the points."""
+    ``progress`` (:class:`autoshard.inter.progress.Progress`) counts the points.
+    ``grad_reduce="step"``: each stage with DP > 1 runs DP replicas of its plan over
+    ``model`` and all-reduces its gradients once per step, as Megatron-LM does
+    (:meth:`autoshard.inter.stage_cost.IntraStageCost.replica_range_cost`); ``"auto"``:
+    each stage the faster of the two."""
     from autoshard.inter.progress import Progress
     from autoshard.inter.stages import microbatches_in_flight, pipeline_objective
 
@@ -78,7 +96,11 @@ def simulate_traced_grid(
         cost = shared_stage_cost(model, cluster, batch, m, dtype, time_limit, overrides)
         submesh = _grid_submesh(cfg.tp * cfg.dp, cluster)
         ranges = megatron_stages(shape.layers, cfg.pp)
-        stage_costs = [cost(a, b, submesh, (cfg.dp, cfg.tp), recompute) for a, b in ranges]
+        reduces = [
+            _grad_reduce(cost, a, b, submesh, (cfg.dp, cfg.tp), recompute, grad_reduce)
+            for a, b in ranges
+        ]
+        stage_costs = [c for _, c in reduces]
         latencies = [c.latency_s for c in stage_costs]
         memory = [
             c.memory_bytes(microbatches_in_flight(i, cfg.pp, m, "1f1b"))
@@ -90,8 +112,8 @@ def simulate_traced_grid(
         parts = pipeline_step_breakdown(
             cost,
             [
-                (a, b, (cfg.dp, cfg.tp), recompute, lat)
-                for (a, b), lat in zip(ranges, latencies, strict=True)
+                (a, b, (cfg.dp, cfg.tp), recompute, lat, None, r)
+                for (a, b), lat, (r, _) in zip(ranges, latencies, reduces, strict=True)
             ],
             m,
             step,
@@ -105,10 +127,11 @@ def simulate_traced_grid(
                 "submesh": list(submesh),
                 "logical_mesh_dp_tp": [cfg.dp, cfg.tp],
                 "recompute": recompute,
+                "grad_reduce": r,
                 "latency_s": lat,
                 "peak_bytes": mem,
             }
-            for (a, b), lat, mem in zip(ranges, latencies, memory, strict=True)
+            for (a, b), lat, mem, (r, _) in zip(ranges, latencies, memory, reduces, strict=True)
         ]
         phase.advance()
     phase.__exit__(None, None, None)
@@ -124,6 +147,7 @@ def simulate_traced_grid(
         "num_microbatches": cfg.num_microbatches,
         "global_batch": batch,
         "recompute": recompute,
+        "grad_reduce": grad_reduce,
         "dtype": dtype,
         "zero_stage": 0,
         "sequence_parallel": False,
