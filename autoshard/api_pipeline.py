@@ -190,6 +190,9 @@ def auto_stage_plan(
                 traced = trace_microbatch(workload, num_microbatches, optimizer, **overrides)
             name, graph = traced.workload.name, traced.graph
         t_trace = time.perf_counter() - t_start
+        replica_graphs = None
+        if options.grad_reduces != ("microbatch",):
+            replica_graphs = _replica_graphs(workload, num_microbatches, optimizer, overrides)
         plan = search_stages(
             graph,
             num_hosts,
@@ -199,6 +202,7 @@ def auto_stage_plan(
             model=name,
             progress=progress,
             offload=offload,
+            replica_graphs=replica_graphs,
         )
     finally:
         unit_pool.release()
@@ -207,6 +211,26 @@ def auto_stage_plan(
         search_seconds=time.perf_counter() - t_start,
         phase_seconds={**plan.phase_seconds, "trace": t_trace},
     )
+
+
+def _replica_graphs(workload, num_microbatches: int, optimizer: str, overrides: dict):
+    """``dp -> graph`` of ``workload`` traced at 1/dp of the microbatch (what each replica
+    of a ``grad_reduce="step"`` stage runs), None where the batch does not split so."""
+    if isinstance(workload, TracedWorkload):
+        raise ValueError(
+            "grad_reduces with 'step' traces the step again at 1/dp of the microbatch: give "
+            "the workload by preset name or as a Workload, not already traced"
+        )
+
+    def graph(dp: int):
+        try:
+            if isinstance(workload, str):
+                return microbatch_graph(workload, num_microbatches * dp, optimizer, **overrides)[1]
+            return trace_microbatch(workload, num_microbatches * dp, optimizer, **overrides).graph
+        except ValueError:  # the microbatch does not split into dp (or cuts expert groups)
+            return None
+
+    return graph
 
 
 def _offload_request(offload):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Shape2
@@ -162,6 +162,7 @@ def search_stages(
     model: str = "model",
     progress: Progress | None = None,
     offload=None,
+    replica_graphs: Callable[[int], Graph | None] | None = None,
 ) -> InterPlan:
     """Alpa's inter-operator search on a step already traced at the microbatch size.
 
@@ -173,7 +174,9 @@ def search_stages(
     carries each stage's intra-op plan (``stage_specs``).  Raises ``ValueError`` for more
     stages than layers or devices, equal sub-meshes that do not tile the cluster, and a
     model that fits no stage configuration (with the smallest budget that would).
-    ``progress``: where a long search reports its phases (default: stderr after 2 s,
+    ``replica_graphs(dp)``: the same step traced at 1/dp of the microbatch (None where it
+    does not split so), for ``options.grad_reduces`` with ``"step"`` when no ``cost`` is
+    given. ``progress``: where a long search reports its phases (default: stderr after 2 s,
     :mod:`autoshard.inter.progress`).
     ``offload``: None, an :class:`~autoshard.intra.offload.placement.Offload` every stage
     takes, or ``"auto"``: each stage chooses its placement with its logical mesh and
@@ -234,14 +237,30 @@ def search_stages(
         )
 
     if cost is None:
-        cost = IntraStageCost(
-            graph,
-            logical_mesh_costs(cluster_for(cluster, num_hosts, devices_per_host)),
-            solver=options.solver,
-            time_limit_s=options.time_limit_s,
-            granularity=options.granularity,
-            num_microbatches=num_microbatches,
-        )
+        mesh_for = logical_mesh_costs(cluster_for(cluster, num_hosts, devices_per_host))
+
+        def cost_of(g, replicas=None):
+            return IntraStageCost(
+                g,
+                mesh_for,
+                solver=options.solver,
+                time_limit_s=options.time_limit_s,
+                granularity=options.granularity,
+                num_microbatches=num_microbatches,
+                replicas=replicas,
+            )
+
+        replicas = None
+        if replica_graphs is not None:
+            memo: dict = {}
+
+            def replicas(dp: int):
+                if dp not in memo:
+                    g = replica_graphs(dp)
+                    memo[dp] = None if g is None else cost_of(g)
+                return memo[dp]
+
+        cost = cost_of(graph, replicas)
     elif not _same_graph(cost.graph, graph) or cost.num_microbatches != num_microbatches:
         raise ValueError(
             "the IntraStageCost given was built for another traced step or microbatch count"
