@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from autoshard.api_pipeline import auto_pipeline
@@ -22,9 +24,7 @@ from autoshard.verify.collectives import analyze_collectives
 
 NUM_STEPS = 3
 NUM_MICROBATCHES = 2
-# 2 microbatches of 16: 8 rows a replica on dp = 2, 2 on dp = 8 (at one row a replica the
-# MLP's trace has other equations, and the runtime refuses it)
-BATCH = 32
+BATCH = 32  # 2 microbatches of 16: 8 rows a replica on dp = 2, 2 on dp = 8
 # the same cuts both modes run: 2 stages on (2, 2) (tensor parallel inside each
 # replica), and 1 stage of 8 pure data-parallel replicas
 TWO_STAGES = {"stages": ((0, 2), (2, 4)), "logical_meshes": ((2, 2), (2, 2))}
@@ -104,15 +104,45 @@ def test_step_reduction_trains_like_microbatch_and_one_device(cut, optimizer):
     assert "replicas reduced once a step" in str(trainer.plan)
 
 
-def test_one_microbatch_replicas_update_in_the_backward_like_one_device():
-    # one microbatch: the replicas' backward and update run as one program
-    # (backward_update), the stacked gradients summed there
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_replicas_train_like_one_device_at_other_microbatch_counts(microbatches):
+    # 1 microbatch: the replicas' backward and update run as one program
+    # (backward_update), the stacked gradients summed there; 4: one row a replica (the
+    # whole step's trace at one row has other backward equations, the loss's are the same)
     _, _, initial, _, single_losses, single = _setup("sgd")
-    trainer, losses, params = _train("step", "one", "sgd", 1)
+    trainer, losses, params = _train("step", "one", "sgd", microbatches)
     assert trainer.stage_executables[0].replicas.replicas == 8
     np.testing.assert_allclose(losses, single_losses, rtol=LOSS_RTOL)
     assert _max_diff(params, single) < PARAM_ATOL
     assert _max_diff(params, initial) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "extra", [{"recompute": "full"}, {"schedule": "interleaved", "virtual_stages": 2}]
+)
+def test_replicas_recompute_and_interleave_like_one_device(extra):
+    # the inner layer's forward under jax.checkpoint inside the replicas' shard_map; and 4
+    # chunks on the two (2, 2) stages, each chunk's replicas reduced in its update
+    workload, opt, params, batch, single_losses, single = _setup("sgd")
+    trainer = auto_pipeline(
+        workload.loss_fn,
+        opt,
+        params,
+        batch,
+        num_microbatches=NUM_MICROBATCHES,
+        grad_reduce="step",
+        **TWO_STAGES,
+        **extra,
+    )
+    losses = [float(trainer.step(batch)) for _ in range(NUM_STEPS)]
+    stages = trainer.stage_executables
+    assert all(st.replicas is not None for st in stages)
+    if "recompute" in extra:
+        assert stages[0].recomputed_layers == ("dense_1",)
+    else:
+        assert len(stages) == 4
+    np.testing.assert_allclose(losses, single_losses, rtol=LOSS_RTOL)
+    assert _max_diff(trainer.params, single) < PARAM_ATOL
 
 
 @pytest.mark.heavy  # gpt-tiny's two stages plan and compile for ~30 s; CI's heavy step
@@ -223,3 +253,24 @@ def test_stage_memory_counts_the_stacked_accumulator():
     (a,), (b,) = stage_memory(step), stage_memory(today)
     # the same state per device: the stacked accumulator holds today's bytes
     assert a.state_bytes == b.state_bytes
+
+
+def test_a_loss_with_other_equations_per_replica_is_rejected():
+    def loss(p, b):
+        y = b["x"] @ p["w"]
+        if b["x"].shape[0] > 4:  # the program itself depends on the rows
+            return jnp.mean(y * y)
+        return jnp.mean(jnp.abs(y))
+
+    params, batch = {"w": jnp.ones((8, 4))}, {"x": jnp.ones((16, 8))}
+    with pytest.raises(ValueError, match=r"other equations than at the microbatch \(equation 1"):
+        auto_pipeline(
+            loss,
+            optax.sgd(0.1),
+            params,
+            batch,
+            num_microbatches=2,
+            stages=((0, 1),),
+            layout="data-parallel",
+            grad_reduce="step",
+        )

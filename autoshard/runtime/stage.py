@@ -186,21 +186,30 @@ class ReplicaShapes:
 
     @staticmethod
     def compare(full: TracedProgram, local: TracedProgram, replicas: int) -> ReplicaShapes:
+        """The batch dims of the tensors ``full``'s equations read and write; ValueError
+        where ``local`` is not the same program at ``1/replicas`` of the rows."""
         a, b = full.records, local.records
-        same = len(a.eqns) == len(b.eqns) and all(
-            x.inputs == y.inputs and x.outputs == y.outputs and x.primitive == y.primitive
-            for x, y in zip(a.eqns, b.eqns, strict=True)
+        differ = next(
+            (
+                x
+                for x, y in zip(a.eqns, b.eqns)
+                if (x.primitive, x.inputs, x.outputs) != (y.primitive, y.inputs, y.outputs)
+            ),
+            None,
         )
-        if not same or len(a.tensors) != len(b.tensors):
+        if len(a.eqns) != len(b.eqns) or differ is not None or a.inputs != b.inputs:
+            where = f" (equation {differ.index}, {differ.primitive})" if differ else ""
             raise ValueError(
                 f"the loss traced at 1/{replicas} of the microbatch has other equations than "
-                "at the microbatch (its program depends on the batch size beyond shapes): it "
-                "cannot run as data-parallel replicas; use grad_reduce='microbatch'"
+                f"at the microbatch{where}: it cannot run as data-parallel replicas; use "
+                "grad_reduce='microbatch' or more rows per replica"
             )
+        ids = {*a.inputs, *a.outputs, *(t for e in a.eqns for t in (*e.inputs, *e.outputs))}
         dims: dict[int, int | None] = {}
-        for big, small in zip(a.tensors, b.tensors, strict=True):
+        for t in sorted(ids):
+            big, small = a.tensors[t], b.tensors[t]
             shrunk = [
-                d for d, (m, n) in enumerate(zip(big.shape, small.shape, strict=True)) if m != n
+                d for d, (m, n) in enumerate(zip(big.shape, small.shape, strict=False)) if m != n
             ]
             if (
                 len(big.shape) != len(small.shape)
@@ -212,10 +221,10 @@ class ReplicaShapes:
                     f"{list(small.shape)} at 1/{replicas} of it: not one batch dim split "
                     f"{replicas} ways, so the stage cannot run as data-parallel replicas"
                 )
-            dims[big.id] = shrunk[0] if shrunk else None
+            dims[t] = shrunk[0] if shrunk else None
         return ReplicaShapes(replicas, dims)
 
-    def manual_spec(self, t: int, rank: int) -> PartitionSpec:
+    def manual_spec(self, t: int) -> PartitionSpec:
         """``shard_map``'s spec of a tensor: ``data`` on its batch dim (None: replicated)."""
         d = self.batch_dims[t]
         return PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data")
@@ -582,13 +591,13 @@ class StageExecutable:
         of the microbatch) run as ``D`` replicas inside ``shard_map`` manual over
         ``data``: the full microbatch's tensors in and out, the residuals and parameter
         gradients stacked ``(D, ...)`` over ``data``."""
-        replicas, sp, mesh, tensors = self.replicas, self.sp, self.mesh, self.tensors
+        replicas, sp, mesh = self.replicas, self.sp, self.mesh
         d = replicas.replicas
         shared = {t for t, dim in replicas.batch_dims.items() if dim is None}
         stacked = PartitionSpec("data")
 
         def specs(ids):
-            return [replicas.manual_spec(t, len(tensors[t].shape)) for t in ids]
+            return [replicas.manual_spec(t) for t in ids]
 
         def manual(f, in_specs, out_specs):
             return jax.shard_map(
