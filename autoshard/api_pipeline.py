@@ -328,8 +328,8 @@ def auto_pipeline(
     (intra-op) ``stages="auto"``, whose search prices the per-microbatch reduction.
     """
     check_virtual_stages(schedule, virtual_stages)
-    _check_grad_reduce(grad_reduce, layout, stages, offload, spec_fn)
     offload = _offload_request(offload)
+    _check_grad_reduce(grad_reduce, layout, stages, offload, spec_fn)
     if offload is not None and (layout != "intra-op" or virtual_stages > 1):
         raise ValueError(
             "offload in the pipeline runtime needs layout='intra-op' and one model chunk per "

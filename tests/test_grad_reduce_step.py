@@ -235,6 +235,10 @@ def test_stage_grad_reduce_round_trips_and_is_checked():
         ),
         ({"stages": "auto"}, "grad_reduce='step' with stages='auto' needs the stage search"),
         ({**TWO_STAGES, "offload": "optimizer"}, "grad_reduce='step' with offload"),
+        (
+            {**ONE_STAGE, "offload": "none", "num_microbatches": 8},
+            r"num_microbatches \* dp = 8 \* 8",
+        ),
         ({**TWO_STAGES, "grad_reduce": "layer"}, "unknown grad_reduce 'layer'"),
     ],
 )
@@ -274,3 +278,21 @@ def test_a_loss_with_other_equations_per_replica_is_rejected():
             layout="data-parallel",
             grad_reduce="step",
         )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--devices", "8", "--pipeline", "auto"],
+            "grad_reduce='step' with stages='auto' needs the stage search",
+        ),
+        (["--mesh", "8"], "--grad-reduce set pipeline stages; add --pipeline"),
+    ],
+)
+def test_cli_grad_reduce_flag_reaches_the_pipeline(argv, message, capsys):
+    from autoshard.cli.main import main
+
+    rc = main(["run", "--model", "mlp", *argv, "--grad-reduce", "step", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err

@@ -276,12 +276,9 @@ def _replica_shapes(prog, replica_prog, mesh, offload) -> ReplicaShapes | None:
     return ReplicaShapes.compare(prog, replica_prog, mesh.shape["data"])
 
 
-def _on_context_mesh(constraints):
-    """``constraints`` with each sharding's spec on the mesh of the trace's context (inside
-    a replica's ``shard_map``: ``data`` manual, ``model`` left to GSPMD)."""
-    if constraints is None:
-        return None
-    mesh = jax.sharding.get_abstract_mesh()
+def _on_mesh(constraints, mesh):
+    """``constraints`` with each sharding's spec on ``mesh`` (a replica's: the trace's
+    context inside its ``shard_map``, ``data`` manual, ``model`` left to GSPMD)."""
 
     def rebased(table):
         return {
@@ -405,9 +402,9 @@ class StageExecutable:
         needed = {t for e, _ in eqns for t in e.inputs}
         consts = {t: v for t, v in run._consts.items() if t in needed}
         param_ids = self.param_ids
-        constraints = layout.constraints
-        if replicas is not None and constraints is not None:
-            _check_model_only(sp.index, constraints)
+        if replicas is not None and layout.constraints is not None:
+            _check_model_only(sp.index, layout.constraints)
+        rebased: dict = {}  # replicas: the constraints per context mesh (one a shard_map)
         groups = _layer_groups(eqns, lambda layer: policy is not None and layer in inner)
         self.recomputed_layers = tuple(layer for layer, r, _ in groups if r)
         # per group: the tensors it reads from outside and those read after it
@@ -422,7 +419,12 @@ class StageExecutable:
             memo: dict = {}  # one reshard per value and spec within the group (one trace)
             # replicas: on the context's mesh, whose data axis is manual (a sharding on the
             # stage mesh as such fails in the transposes that build from a cotangent's)
-            constraints = _on_context_mesh(layout.constraints) if replicas else layout.constraints
+            constraints = layout.constraints
+            if replicas is not None and constraints is not None:
+                context = jax.sharding.get_abstract_mesh()
+                if context not in rebased:
+                    rebased[context] = _on_mesh(constraints, context)
+                constraints = rebased[context]
             for eqn, (prim, bind_params) in group:
                 invals = [env[t] for t in eqn.inputs]
                 if constraints is not None:  # the plan's reshards and node output specs
