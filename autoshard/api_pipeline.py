@@ -22,12 +22,13 @@ from typing import Any
 
 import jax
 import optax
+from jax.sharding import PartitionSpec
 
 from autoshard.api import TracedWorkload, trace_workload
 from autoshard.inter import unit_pool
 from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
-from autoshard.inter.plan import InterPlan, Stage
+from autoshard.inter.plan import GRAD_REDUCE_MODES, InterPlan, Stage, StageSpecs
 from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_stages
 from autoshard.inter.progress import Progress
 from autoshard.inter.search import check_positive_int, search_stages
@@ -45,6 +46,7 @@ from autoshard.inter.submesh import cluster_for, logical_mesh_costs
 from autoshard.inter.unit_cache import UnitCache
 from autoshard.ir.graph import Graph, build_graph
 from autoshard.ir.repeat import SHALLOW_BLOCKS, repeat_blocks
+from autoshard.ir.spec import ShardingSpec
 from autoshard.models import GPT_PRESETS, Workload, get_workload, make_train_step
 from autoshard.runtime.pipeline import (
     LayoutFn,
@@ -55,13 +57,14 @@ from autoshard.runtime.pipeline import (
 )
 from autoshard.runtime.stage import Probe
 from autoshard.runtime.stage_layout import (
+    LossProgram,
     SpecFn,
     StageLayout,
     data_parallel_spec,
     intra_op_layout,
     loss_program,
 )
-from autoshard.trace.jaxpr import trace_train_step
+from autoshard.trace.jaxpr import TracedProgram, trace_train_step
 
 LAYOUTS = ("intra-op", "data-parallel")
 
@@ -305,6 +308,7 @@ def auto_pipeline(
     virtual_stages: int = 1,
     probe: Probe | None = None,
     offload=None,
+    grad_reduce: str = "microbatch",
 ) -> PipelineTrainer:
     """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
 
@@ -338,9 +342,18 @@ def auto_pipeline(
     ``"auto"`` (:func:`auto_stage_plan`); the runtime keeps the optimizer state, the
     master weights and the forward's saved activations in ``pinned_host`` memory
     (:mod:`autoshard.runtime.stage`).
+    ``grad_reduce``: ``"microbatch"`` (default: every microbatch's backward reduces its
+    data-parallel gradient) or ``"step"``: every stage whose logical mesh has ``dp > 1``
+    runs ``dp`` replicas, each on ``1/dp`` of the microbatch's rows, of a plan over
+    ``model`` only, made on the loss traced at ``1/dp`` of the microbatch (intra-op: the
+    range's ILP plan on the ``(1, tp)`` mesh; data-parallel: replicated), and reduces the
+    gradient once, in the update (:mod:`autoshard.runtime.stage`).  The batch must then
+    divide by ``num_microbatches * dp``; not with ``offload``, a custom ``spec_fn``, nor
+    (intra-op) ``stages="auto"``, whose search prices the per-microbatch reduction.
     """
     check_virtual_stages(schedule, virtual_stages)
     offload = _offload_request(offload)
+    _check_grad_reduce(grad_reduce, layout, stages, offload, spec_fn)
     if offload is not None and (layout != "intra-op" or virtual_stages > 1):
         raise ValueError(
             "offload in the pipeline runtime needs layout='intra-op' and one model chunk per "
@@ -517,6 +530,23 @@ def auto_pipeline(
         def layout_fn(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
             return StageLayout(spec_fn)
 
+    replica_programs = None
+    if grad_reduce == "step":
+        planned = [
+            dataclasses.replace(s, grad_reduce="step") if s.logical_mesh[0] > 1 else s
+            for s in planned
+        ]
+        _check_replica_batch(batch_size, num_microbatches, planned)
+        losses = {
+            dp: _replica_loss(loss_fn, optimizer, abstract, batch, num_microbatches * dp)
+            for dp in sorted({s.logical_mesh[0] for s in planned if s.grad_reduce == "step"})
+        }
+        replica_programs = [
+            losses[s.logical_mesh[0]].program if s.grad_reduce == "step" else None for s in planned
+        ]
+        layout_fn = _replica_layouts(
+            layout_fn, layout, planned, losses, cluster, n, solver, num_microbatches
+        )
     programs = split_stages(program.records, [(s.start_layer, s.end_layer) for s in planned])
     return PipelineTrainer(
         program,
@@ -534,7 +564,141 @@ def auto_pipeline(
         intra_cost=intra_cost,
         probe=probe,
         host_params=host_params,
+        replica_programs=replica_programs,
     )
+
+
+# ------------------------------------------------- data-parallel replicas (grad_reduce="step")
+
+
+def _check_grad_reduce(grad_reduce, layout, stages, offload, spec_fn) -> None:
+    """ValueError for a ``grad_reduce`` the pipeline cannot run."""
+    if grad_reduce not in GRAD_REDUCE_MODES:
+        raise ValueError(f"unknown grad_reduce {grad_reduce!r}; choose one of {GRAD_REDUCE_MODES}")
+    if grad_reduce == "microbatch":
+        return
+    if layout == "intra-op" and isinstance(stages, str) and stages == "auto":
+        raise ValueError(
+            "grad_reduce='step' with stages='auto' needs the stage search to price it; give "
+            "explicit stages=[...] ranges (with logical_meshes), 'equal-layer' or "
+            "'equal-flops'"
+        )
+    if offload is not None:
+        raise ValueError(
+            "grad_reduce='step' with offload: a stage running data-parallel replicas keeps "
+            "its state on the device; drop offload or use grad_reduce='microbatch'"
+        )
+    if spec_fn is not data_parallel_spec:
+        raise ValueError(
+            "grad_reduce='step' lays each replica out itself (replicated on a (dp, 1) "
+            "mesh); a custom spec_fn needs grad_reduce='microbatch'"
+        )
+
+
+def _check_replica_batch(batch_size: int, num_microbatches: int, planned) -> None:
+    """ValueError unless each replica stage's ``dp`` splits every microbatch evenly."""
+    for i, st in enumerate(planned):
+        dp = st.logical_mesh[0]
+        if st.grad_reduce != "step" or batch_size % (num_microbatches * dp) == 0:
+            continue
+        fits = [m for m in _divisors(batch_size) if batch_size % (m * dp) == 0]
+        raise ValueError(
+            f"grad_reduce='step': stage {i} runs {dp} data-parallel replicas, so the batch "
+            f"size {batch_size} must divide by num_microbatches * dp = {num_microbatches} * "
+            f"{dp}; use num_microbatches in {fits}, a batch size that is a multiple of "
+            f"{num_microbatches * dp}, or grad_reduce='microbatch'"
+        )
+
+
+def _replica_loss(loss_fn, optimizer, abstract, batch, parts: int) -> ReplicaTrace:
+    """The train step and loss of ``batch / parts`` rows, traced as :func:`auto_pipeline`
+    traces the microbatch's (the same equations and tensor ids at a smaller batch)."""
+    rows = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype), batch
+    )
+    step = trace_train_step(
+        make_train_step(loss_fn, optimizer),
+        abstract,
+        jax.eval_shape(optimizer.init, abstract),
+        rows,
+    )
+    return ReplicaTrace(step, loss_program(step))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaTrace:
+    """A replica's train step (its graph is what the ILP plans) and its loss program
+    (what the stage binds)."""
+
+    step: TracedProgram
+    loss: LossProgram
+
+    @property
+    def program(self) -> TracedProgram:
+        return self.loss.program
+
+
+def _model_only(specs: StageSpecs) -> StageSpecs:
+    """A replica's plan made on the ``(1, tp)`` mesh with its ``data`` entries (an axis
+    of one device, so nothing) dropped; ValueError for a plan that splits over ``data``."""
+    if specs.logical_mesh[0] != 1:
+        raise ValueError(
+            f"a replica's plan must be made on a (1, tp) mesh, not {tuple(specs.logical_mesh)}"
+        )
+
+    def strip(spec: ShardingSpec) -> ShardingSpec:
+        dims = tuple(tuple(a for a in d if a != "data") for d in spec.dims)
+        partial = tuple(a for a in spec.partial if a != "data")
+        return dataclasses.replace(spec, dims=dims, partial=partial)
+
+    def table(m):
+        return {k: strip(v) for k, v in m.items()}
+
+    return StageSpecs(
+        specs.logical_mesh,
+        table(specs.tensor_specs),
+        table(specs.input_specs),
+        {n: table(o) for n, o in specs.operand_specs.items()},
+    )
+
+
+def replicated_spec(stage: int, tensor, role: str, mesh: jax.sharding.Mesh) -> PartitionSpec:
+    """A replica's layout under ``layout="data-parallel"``: everything replicated (the
+    runtime splits the batch over ``data`` itself)."""
+    return PartitionSpec()
+
+
+def _replica_layouts(layout_fn, layout, planned, losses, cluster, n, solver, num_microbatches):
+    """``layout_fn`` with each replica stage laid out as one replica: under
+    ``"intra-op"`` the range's ILP plan on ``(1, tp)`` of the loss traced at ``1/dp`` of
+    the microbatch (model only), under ``"data-parallel"`` replicated."""
+    costs: dict[int, IntraStageCost] = {}
+    mesh_costs = logical_mesh_costs(cluster_for(cluster, 1, n))
+    layouts: dict[int, StageLayout] = {}
+
+    def replica_layout(index: int, sp: StageProgram, mesh) -> StageLayout:
+        st = planned[index]
+        if layout == "data-parallel":
+            return StageLayout(replicated_spec)
+        dp, tp = st.logical_mesh
+        if dp not in costs:
+            costs[dp] = IntraStageCost(
+                build_graph(losses[dp].step.records),
+                mesh_costs,
+                solver=solver,
+                num_microbatches=num_microbatches,
+            )
+        specs = _model_only(costs[dp].stage_specs(st.start_layer, st.end_layer, (1, tp)))
+        return intra_op_layout(losses[dp].loss, specs, sp.eqns, mesh)
+
+    def laid_out(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:
+        if planned[sp.index].grad_reduce != "step":
+            return layout_fn(sp, mesh)
+        if sp.index not in layouts:
+            layouts[sp.index] = replica_layout(sp.index, sp, mesh)
+        return layouts[sp.index]
+
+    return laid_out
 
 
 def _chunks(stages: Sequence[Stage], virtual_stages: int, stats: LayerStats) -> list[Stage]:

@@ -255,6 +255,7 @@ def cmd_pipeline_run(args) -> int:
         virtual_stages=getattr(args, "virtual_stages", None) or 1,
         cluster=getattr(args, "cluster", None),
         offload=getattr(args, "offload", None),
+        grad_reduce=getattr(args, "grad_reduce", None) or "microbatch",
     )
     print(trainer.plan)
     if trainer.inter_plan is not None and trainer.inter_plan.offload:
@@ -455,6 +456,14 @@ def add_pipeline_args(p, run: bool) -> None:
             "recompute only adds time)"
         ),
     )
+    if run:
+        g.add_argument(
+            "--grad-reduce",
+            choices=("microbatch", "step"),
+            help="where a stage reduces its data-parallel gradient: every microbatch "
+            "(default) or once a step (dp replicas of a plan over 'model'; not with "
+            "--pipeline auto, whose search prices the per-microbatch reduction)",
+        )
     if not run:
         g.add_argument("--hosts", type=_positive_int, help="hosts the devices span (default: 1)")
 
@@ -466,6 +475,7 @@ PIPELINE_ONLY = (
     ("--hosts", "hosts", 1),
     ("--virtual-stages", "virtual_stages", 1),
     ("--recompute", "recompute", "none"),
+    ("--grad-reduce", "grad_reduce", "microbatch"),
 )
 
 # where ``plan --pipeline`` defaults differ from ``run --pipeline``'s: the plan's stage DP

@@ -20,6 +20,8 @@ from autoshard.ir.spec import ShardingSpec
 
 Shape2 = tuple[int, int]
 LOGICAL_AXES = ("data", "model")  # the axes of a stage's (dp, tp) logical mesh
+# where a stage reduces its data-parallel gradient: every microbatch, or once a step
+GRAD_REDUCE_MODES = ("microbatch", "step")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class Stage:
     the stage DP, which knows neither, made the stage.  ``offload``: the placement label of
     the training state it keeps in host memory (``"none"``, ``"optimizer"``,
     ``"optimizer,master"``, ...; :mod:`autoshard.inter.stage_offload`).
+    ``grad_reduce``: where the data-parallel gradient is reduced: ``"microbatch"`` (in
+    every microbatch's backward) or ``"step"`` (the stage runs ``dp`` replicas of a plan
+    over ``model`` only and reduces once, in the update: :mod:`autoshard.runtime.stage`).
     """
 
     start_layer: int
@@ -47,8 +52,14 @@ class Stage:
     offload: str = "none"  # offload placement (what it keeps in host memory)
     # "microbatch": the data-parallel gradient reduced in every microbatch's backward;
     # "step": ``dp`` replicas of a plan over ``model`` on 1/dp of the microbatch's rows,
-    # their gradients reduced once per step (GRAD_REDUCES)
+    # their gradients reduced once per step (GRAD_REDUCE_MODES)
     grad_reduce: str = "microbatch"
+
+    def __post_init__(self) -> None:
+        if self.grad_reduce not in GRAD_REDUCE_MODES:
+            raise ValueError(
+                f"grad_reduce must be one of {GRAD_REDUCE_MODES}, got {self.grad_reduce!r}"
+            )
 
     @property
     def num_devices(self) -> int:

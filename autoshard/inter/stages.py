@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.inter.plan import Shape2, Stage, StagePlan
+from autoshard.inter.plan import GRAD_REDUCE_MODES, Shape2, Stage, StagePlan
 from autoshard.inter.progress import Progress, quiet
 from autoshard.inter.stage_dp import best_total, suffix_dp, trace_back
 from autoshard.inter.submesh import (  # noqa: F401 - re-exported: the stage DP's sub-meshes
@@ -105,7 +105,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # where a stage reduces its data-parallel gradients: in every microbatch's backward (one
 # plan over the whole logical mesh), or once per step ("step": ``dp`` replicas of a plan
 # over ``model``, each on 1/dp of the microbatch; Megatron-LM's data parallelism)
-GRAD_REDUCES = ("microbatch", "step")
+GRAD_REDUCES = GRAD_REDUCE_MODES
 NO_GRAD_REDUCE = ("microbatch",)  # the callback takes no grad_reduce argument
 
 

@@ -127,6 +127,11 @@ class PipelinePlan:
         ]
         for st in self.stages:
             shared = f", receives {', '.join(st.received_params)}" if st.received_params else ""
+            reduce = (
+                f", {st.stage.logical_mesh[0]} replicas reduced once a step"
+                if st.stage.grad_reduce == "step"
+                else ""
+            )
             name = (
                 f"chunk {st.index} on stage {st.index % (len(self.stages) // self.virtual_stages)}"
                 if self.virtual_stages > 1
@@ -137,7 +142,7 @@ class PipelinePlan:
                 f"devices {list(st.stage.device_ids)} as (dp, tp) = "
                 f"{tuple(st.stage.logical_mesh)}, {st.layout}"
                 f"{' (tensor parallel)' if st.tensor_parallel else ''}, recompute "
-                f"{st.stage.recompute}{shared}"
+                f"{st.stage.recompute}{reduce}{shared}"
             )
         return "\n".join(lines)
 
@@ -179,13 +184,17 @@ class PipelineTrainer:
         intra_cost: IntraStageCost | None = None,
         probe: Probe | None = None,
         host_params: frozenset[int] = frozenset(),
+        replica_programs: Sequence[TracedProgram | None] | None = None,
     ):
         """``stages[i]`` runs ``stage_programs[i]`` on ``devices[j] for j in
         stages[i].device_ids``, viewed as its logical mesh (axes ``data``, ``model``),
         with ``stages[i].recompute``.  With ``virtual_stages = V > 1`` (interleaved 1F1B)
         there are ``S * V`` programs: program ``c * S + s`` is model chunk ``c`` of stage
         ``s`` and runs on ``stages[s]``'s devices.  ``probe(stage, layer)`` is called each
-        time a layer's forward runs (:mod:`autoshard.runtime.stage`)."""
+        time a layer's forward runs (:mod:`autoshard.runtime.stage`).  A stage whose
+        ``grad_reduce`` is ``"step"`` and whose logical mesh has ``dp > 1`` runs as ``dp``
+        data-parallel replicas of ``replica_programs[i]`` (the loss traced at ``1/dp`` of
+        the microbatch; ``layout_fn`` then lays out one replica, over ``model`` only)."""
         records = program.records
         self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
         self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
@@ -214,9 +223,12 @@ class PipelineTrainer:
         path_of = {t: path for t, (path, _) in zip(self._param_ids, leaves, strict=True)}
         values = {t: leaf for t, (_, leaf) in zip(self._param_ids, leaves, strict=True)}
         self._stages: list[StageExecutable] = []
+        replica_programs = _replica_programs(replica_programs, stages)
         stage_devices = [[devices[i] for i in st.device_ids] for st in stages]
         meshes: dict[tuple, jax.sharding.Mesh] = {}
-        for sp, devs, st in zip(stage_programs, stage_devices, stages, strict=True):
+        for sp, devs, st, replica in zip(
+            stage_programs, stage_devices, stages, replica_programs, strict=True
+        ):
             key = (tuple(d.id for d in devs), tuple(st.logical_mesh))
             if key not in meshes:  # the chunks of one stage share its mesh
                 meshes[key] = jax.sharding.Mesh(
@@ -240,6 +252,7 @@ class PipelineTrainer:
                     probe,
                     offload=_classes(st),
                     host_params=host_params if "master" in _classes(st) else frozenset(),
+                    replica_prog=replica,
                 )  # fmt: skip
             )
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
@@ -282,6 +295,18 @@ class PipelineTrainer:
         (compiled for abstract arguments with the stage's shardings)."""
         st = self._stages[stage]
         return st.forward.lower(*st.abstract_args()).compile()
+
+    def compiled_backward(self, stage: int) -> jax.stages.Compiled:
+        """The executable of stage ``stage``'s backward for one microbatch, as it runs
+        (adding into the gradient accumulator)."""
+        st = self._stages[stage]
+        return st.backward.lower(*st.abstract_backward_args()).compile()
+
+    def compiled_update(self, stage: int) -> jax.stages.Compiled:
+        """The executable of stage ``stage``'s update (once a step: the optimizer on the
+        accumulated gradient; with replicas also their one reduction over ``data``)."""
+        st = self._stages[stage]
+        return st.update.lower(st.params, st.opt_state, st.abstract_grads()).compile()
 
     @property
     def params(self):
@@ -370,6 +395,25 @@ class PipelineTrainer:
             if not fused:
                 st.params, st.opt_state = st.update(st.params, st.opt_state, g)
         return sum(losses[1:], losses[0]) / m
+
+
+def _replica_programs(programs, stages) -> list:
+    """Per stage, the program its replicas run (None: it runs as one); raises where a
+    stage asks for ``grad_reduce="step"`` over ``dp > 1`` without one."""
+    programs = [None] * len(stages) if programs is None else list(programs)
+    if len(programs) != len(stages):
+        raise ValueError(f"{len(programs)} replica programs for {len(stages)} stages")
+    out = []
+    for i, (prog, st) in enumerate(zip(programs, stages, strict=True)):
+        replicated = st.grad_reduce == "step" and st.logical_mesh[0] > 1
+        if replicated and prog is None:
+            raise ValueError(
+                f"stage {i} reduces its gradient once a step over dp={st.logical_mesh[0]} "
+                "replicas but no replica program (the loss traced at 1/dp of the "
+                "microbatch) was given"
+            )
+        out.append(prog if replicated else None)
+    return out
 
 
 def _classes(stage) -> tuple[str, ...]:

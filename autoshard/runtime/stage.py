@@ -49,6 +49,21 @@ the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` pri
 * ``full``: the layer runs under ``jax.checkpoint`` with nothing saveable: only its
   inputs are kept and its forward runs again in the backward.
 
+Data-parallel replicas (``replica_prog``: the stage's loss traced at ``1/D`` of the
+microbatch, ``D`` the size of the mesh's ``data`` axis; :class:`ReplicaShapes`): the
+stage runs ``D`` replicas of a plan that uses only ``model``, each on ``1/D`` of the
+microbatch's rows, its forward and backward inside ``jax.shard_map`` manual over ``data``
+(``model`` left to GSPMD; ``check_vma=False``: the traced equations carry no varying
+casts).  Each replica's parameter gradient is its own (no reduction over ``data`` in the
+backward); the accumulator holds them stacked ``(D, *shape)`` over ``data`` (per device the
+bytes of today's accumulator of a parameter replicated over ``data``) and ``update`` sums
+that dim once: one all-reduce per gradient a step instead of one a microbatch.  A stage
+output without a batch dim (the loss, a parameter sent on) is the mean of the replicas'
+(a microbatch's mean loss is the mean of its equal shares' means) and its cotangent is
+split ``1/D`` to each; a received tensor without one gets the sum of the replicas'
+cotangents.  Math that couples rows across replicas (a batch statistic) is not what the
+microbatch computes: such a stage keeps today's path.  Not with offload.
+
 ``probe(stage, layer)``, when given, is called through ``jax.debug.callback`` each time
 a layer's forward equations run (inside the checkpoint, so a recomputed layer reports
 twice): it counts forward executions without changing what runs.
@@ -56,14 +71,15 @@ twice): it counts forward executions without changing what runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.inter.program_cut import StageProgram
 from autoshard.inter.stage_memory import is_attention_sized
@@ -158,6 +174,132 @@ def _layer_groups(eqns, recomputed: Callable[[str | None], bool]):
     return groups
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaShapes:
+    """Per tensor, the dim that holds the microbatch's rows, found by comparing the
+    program traced at the microbatch (``full``) with its trace at ``1/replicas`` of it
+    (``local``): the dim that shrank by ``replicas``; None where no dim shrank (the
+    tensor is the same in every replica: a loss scalar, a weight)."""
+
+    replicas: int
+    batch_dims: Mapping[int, int | None]
+
+    @staticmethod
+    def compare(full: TracedProgram, local: TracedProgram, replicas: int) -> ReplicaShapes:
+        """The batch dims of the tensors ``full``'s equations read and write; ValueError
+        where ``local`` is not the same program at ``1/replicas`` of the rows."""
+        a, b = full.records, local.records
+        differ = next(
+            (
+                x
+                for x, y in zip(a.eqns, b.eqns)
+                if (x.primitive, x.inputs, x.outputs) != (y.primitive, y.inputs, y.outputs)
+            ),
+            None,
+        )
+        if len(a.eqns) != len(b.eqns) or differ is not None or a.inputs != b.inputs:
+            where = f" (equation {differ.index}, {differ.primitive})" if differ else ""
+            raise ValueError(
+                f"the loss traced at 1/{replicas} of the microbatch has other equations than "
+                f"at the microbatch{where}: it cannot run as data-parallel replicas; use "
+                "grad_reduce='microbatch' or more rows per replica"
+            )
+        ids = {*a.inputs, *a.outputs, *(t for e in a.eqns for t in (*e.inputs, *e.outputs))}
+        dims: dict[int, int | None] = {}
+        for t in sorted(ids):
+            big, small = a.tensors[t], b.tensors[t]
+            shrunk = [
+                d for d, (m, n) in enumerate(zip(big.shape, small.shape, strict=False)) if m != n
+            ]
+            if (
+                len(big.shape) != len(small.shape)
+                or len(shrunk) > 1
+                or any(big.shape[d] != small.shape[d] * replicas for d in shrunk)
+            ):
+                raise ValueError(
+                    f"tensor {big.path or big.id} is {list(big.shape)} at the microbatch and "
+                    f"{list(small.shape)} at 1/{replicas} of it: not one batch dim split "
+                    f"{replicas} ways, so the stage cannot run as data-parallel replicas"
+                )
+            dims[t] = shrunk[0] if shrunk else None
+        return ReplicaShapes(replicas, dims)
+
+    def manual_spec(self, t: int) -> PartitionSpec:
+        """``shard_map``'s spec of a tensor: ``data`` on its batch dim (None: replicated)."""
+        d = self.batch_dims[t]
+        return PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data")
+
+    def placed_spec(self, t: int, spec: PartitionSpec, rank: int) -> PartitionSpec:
+        """The full tensor's spec: the replica plan's ``spec`` with ``data`` added (major)
+        on its batch dim."""
+        d = self.batch_dims[t]
+        if d is None:
+            return spec
+        entries = list(spec) + [None] * (rank - len(spec))
+        held = entries[d]
+        held = () if held is None else (held,) if isinstance(held, str) else tuple(held)
+        entries[d] = ("data", *held)
+        return PartitionSpec(*entries)
+
+
+def _names_data(spec: PartitionSpec) -> bool:
+    for entry in spec:
+        if entry == "data" or (isinstance(entry, tuple) and "data" in entry):
+            return True
+    return False
+
+
+def _check_model_only(stage: int, constraints) -> None:
+    """ValueError where a replica stage's constraints name ``data``."""
+    for table in (constraints.outputs, constraints.operands):
+        for eqn, found in table.items():
+            for _, sharding in found:
+                if _names_data(sharding.spec):
+                    raise ValueError(
+                        f"stage {stage} runs as data-parallel replicas but its plan constrains "
+                        f"equation {eqn} to {sharding.spec}: a replica's plan may use only "
+                        "'model'"
+                    )
+
+
+def _replica_shapes(prog, replica_prog, mesh, offload) -> ReplicaShapes | None:
+    """The stage's :class:`ReplicaShapes`, or None where it runs as one (no
+    ``replica_prog``, or a ``data`` axis of 1)."""
+    if replica_prog is None or mesh.shape["data"] == 1:
+        return None
+    if offload:
+        raise ValueError(
+            f"a stage offloading {', '.join(offload)} cannot run as data-parallel replicas "
+            "(grad_reduce='step'): the offloaded update and residuals are not built for the "
+            "stacked gradients; drop offload or use grad_reduce='microbatch'"
+        )
+    return ReplicaShapes.compare(prog, replica_prog, mesh.shape["data"])
+
+
+def _on_mesh(constraints, mesh):
+    """``constraints`` with each sharding's spec on ``mesh`` (a replica's: the trace's
+    context inside its ``shard_map``, ``data`` manual, ``model`` left to GSPMD)."""
+
+    def rebased(table):
+        return {
+            k: tuple((pos, NamedSharding(mesh, sh.spec)) for pos, sh in found)
+            for k, found in table.items()
+        }
+
+    return dataclasses.replace(
+        constraints, outputs=rebased(constraints.outputs), operands=rebased(constraints.operands)
+    )
+
+
+def _combine(stacked):
+    """One value from the replicas' stacked copies of an output without a batch dim: the
+    mean of a floating-point one (the microbatch's mean loss is the mean of its equal
+    shares' means), the first of another (the same in every replica)."""
+    if jnp.issubdtype(stacked.dtype, jnp.inexact):
+        return stacked.mean(0)
+    return stacked[0]
+
+
 class StageExecutable:
     """The jitted functions and state of one stage (see the module docstring)."""
 
@@ -175,8 +317,12 @@ class StageExecutable:
         offload: tuple[str, ...] = (),
         host_params: frozenset[int] = frozenset(),
         stream_window: int | None = STREAM_WINDOW,
+        replica_prog: TracedProgram | None = None,
     ):
         self.offload = tuple(offload)
+        # data-parallel replicas (module docstring): None where the stage runs as one
+        self.replicas = replicas = _replica_shapes(prog, replica_prog, mesh, self.offload)
+        run = prog if replicas is None else replica_prog  # the equations bound
         # the forward's residuals rest in pinned_host between its forward and backward
         self.activations_on_host = "activations" in self.offload
         self.sp, self.mesh, self.layout, self.recompute = sp, mesh, layout, recompute
@@ -189,7 +335,16 @@ class StageExecutable:
 
         def sharding(t: int, role: str) -> NamedSharding:
             role = "param" if tensors[t].kind == "param" else role
-            return NamedSharding(mesh, spec_fn(sp.index, tensors[t], role, mesh))
+            spec = spec_fn(sp.index, tensors[t], role, mesh)
+            if replicas is not None:
+                if _names_data(spec):
+                    raise ValueError(
+                        f"stage {sp.index} runs as data-parallel replicas but its plan puts "
+                        f"{tensors[t].path or f'tensor {t}'} in {spec}: a replica's plan may "
+                        "use only 'model' (plan it on the (1, tp) mesh)"
+                    )
+                spec = replicas.placed_spec(t, spec, len(tensors[t].shape))
+            return NamedSharding(mesh, spec)
 
         tid_tree = nest(param_items)
         self.param_ids = jax.tree.leaves(tid_tree)
@@ -243,11 +398,13 @@ class StageExecutable:
             self.opt_state_shardings,
         )
 
-        eqns = [(prog.records.eqns[i], prog._impls[i]) for i in sp.eqns]
+        eqns = [(run.records.eqns[i], run._impls[i]) for i in sp.eqns]
         needed = {t for e, _ in eqns for t in e.inputs}
-        consts = {t: v for t, v in prog._consts.items() if t in needed}
+        consts = {t: v for t, v in run._consts.items() if t in needed}
         param_ids = self.param_ids
-        constraints = layout.constraints
+        if replicas is not None and layout.constraints is not None:
+            _check_model_only(sp.index, layout.constraints)
+        rebased: dict = {}  # replicas: the constraints per context mesh (one a shard_map)
         groups = _layer_groups(eqns, lambda layer: policy is not None and layer in inner)
         self.recomputed_layers = tuple(layer for layer, r, _ in groups if r)
         # per group: the tensors it reads from outside and those read after it
@@ -260,6 +417,14 @@ class StageExecutable:
 
         def run_eqns(group, env) -> None:
             memo: dict = {}  # one reshard per value and spec within the group (one trace)
+            # replicas: on the context's mesh, whose data axis is manual (a sharding on the
+            # stage mesh as such fails in the transposes that build from a cotangent's)
+            constraints = layout.constraints
+            if replicas is not None and constraints is not None:
+                context = jax.sharding.get_abstract_mesh()
+                if context not in rebased:
+                    rebased[context] = _on_mesh(constraints, context)
+                constraints = rebased[context]
             for eqn, (prim, bind_params) in group:
                 invals = [env[t] for t in eqn.inputs]
                 if constraints is not None:  # the plan's reshards and node output specs
@@ -317,10 +482,11 @@ class StageExecutable:
                 return [outs[i] for i in float_out], outs
 
             _, vjp, outs = jax.vjp(f, params, [received[i] for i in float_in], has_aux=True)
-            outs = [
-                jax.lax.with_sharding_constraint(o, sh)
-                for o, sh in zip(outs, self.output_shardings, strict=True)
-            ]
+            if replicas is None:  # (replicas: constrained outside their shard_map)
+                outs = [
+                    jax.lax.with_sharding_constraint(o, sh)
+                    for o, sh in zip(outs, self.output_shardings, strict=True)
+                ]
             # residuals that are arguments go back in place in the backward, not copied
             args = {id(x): k for k, x in enumerate(jax.tree.leaves((params, received, data)))}
             leaves, vjp_tree = jax.tree.flatten(vjp)
@@ -341,6 +507,9 @@ class StageExecutable:
             vjp = jax.tree.unflatten(vjp_tree, leaves)
             return vjp(list(out_cts))
 
+        if replicas is not None:
+            forward, gradients = self._replicated(forward, gradients)
+
         def backward(params, received, data, residuals, out_cts, grad_acc):
             grads, in_cts = gradients(params, received, data, residuals, out_cts)
             return jax.tree.map(jnp.add, grad_acc, grads), in_cts
@@ -350,6 +519,8 @@ class StageExecutable:
             return optax.apply_updates(params, updates), opt_state
 
         def update(params, opt_state, grads):
+            if replicas is not None:  # the step's one reduction over data
+                grads = jax.tree.map(lambda g: g.sum(0), grads)
             if self.masters_on_host:  # the f32 masters in from the host (params: at rest)
                 params = jax.device_put(params, self.param_shardings)
             if state_on_host and stream_window is not None:  # a parameter's state at a time
@@ -384,9 +555,18 @@ class StageExecutable:
             return params, opt_state, in_cts
 
         self.forward = jax.jit(forward)
+        # the accumulator: each parameter's spec; replicas: stacked (D, *shape) over data
+        self.grad_shardings = (
+            self.param_shardings
+            if replicas is None
+            else jax.tree.map(
+                lambda sh: NamedSharding(mesh, PartitionSpec("data", *sh.spec)),
+                self.param_shardings,
+            )
+        )
         self.backward = jax.jit(
             backward,
-            out_shardings=(self.param_shardings, [self.received_shardings[i] for i in float_in]),
+            out_shardings=(self.grad_shardings, [self.received_shardings[i] for i in float_in]),
         )
         self.update = jax.jit(update, out_shardings=(self.rest_shardings, self.opt_state_shardings))
         self.backward_update = jax.jit(
@@ -399,11 +579,93 @@ class StageExecutable:
             donate_argnums=(0, 1),  # the state is updated in place
         )
         # the gradient accumulator: the parameters' own dtypes (f32 for a master)
-        shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.params)
+        stack = () if replicas is None else (replicas.replicas,)
+        shapes = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct((*stack, *p.shape), p.dtype), self.params
+        )
         self.zero_grads = jax.jit(
             lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
-            out_shardings=self.param_shardings,
+            out_shardings=self.grad_shardings,
         )
+
+    def _replicated(self, forward, gradients):
+        """``forward`` and ``gradients`` of one replica (the stage's equations at ``1/D``
+        of the microbatch) run as ``D`` replicas inside ``shard_map`` manual over
+        ``data``: the full microbatch's tensors in and out, the residuals and parameter
+        gradients stacked ``(D, ...)`` over ``data``."""
+        replicas, sp, mesh = self.replicas, self.sp, self.mesh
+        d = replicas.replicas
+        shared = {t for t, dim in replicas.batch_dims.items() if dim is None}
+        stacked = PartitionSpec("data")
+
+        def specs(ids):
+            return [replicas.manual_spec(t) for t in ids]
+
+        def manual(f, in_specs, out_specs):
+            return jax.shard_map(
+                f,
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                axis_names={"data"},
+                check_vma=False,  # the traced equations carry no varying casts
+            )
+
+        # an output the replicas share (the loss, a weight sent on) leaves stacked and is
+        # averaged outside; a received one's cotangents leave stacked and are summed
+        out_specs = [stacked if t in shared else s for t, s in zip(sp.outputs, specs(sp.outputs))]
+        float_received = [sp.received[i] for i in self.float_in]
+        in_ct_specs = [
+            stacked if t in shared else s
+            for t, s in zip(float_received, specs(float_received), strict=True)
+        ]
+
+        def forward_body(params, received, data):
+            outs, kept = forward(params, received, data)
+            outs = [o[None] if t in shared else o for t, o in zip(sp.outputs, outs, strict=True)]
+            return outs, [r[None] for r in kept]
+
+        def replicated_forward(params, received, data):
+            outs, kept = manual(
+                forward_body,
+                (PartitionSpec(), specs(sp.received), specs(sp.data)),
+                (out_specs, stacked),
+            )(params, received, data)
+            outs = [_combine(o) if t in shared else o for t, o in zip(sp.outputs, outs)]
+            outs = [
+                jax.lax.with_sharding_constraint(o, sh)
+                for o, sh in zip(outs, self.output_shardings, strict=True)
+            ]
+            return outs, kept
+
+        def gradients_body(params, received, data, residuals, out_cts):
+            residuals = [r[0] for r in residuals]
+            # the adjoint of the mean over replicas: each replica's share is 1/D
+            out_cts = [
+                ct / d if t in shared else ct for t, ct in zip(self.float_out, out_cts, strict=True)
+            ]
+            grads, in_cts = gradients(params, received, data, residuals, out_cts)
+            in_cts = [
+                c[None] if t in shared else c for t, c in zip(float_received, in_cts, strict=True)
+            ]
+            return jax.tree.map(lambda g: g[None], grads), in_cts
+
+        def replicated_gradients(params, received, data, residuals, out_cts):
+            grads, in_cts = manual(
+                gradients_body,
+                (
+                    PartitionSpec(),
+                    specs(sp.received),
+                    specs(sp.data),
+                    stacked,
+                    specs(self.float_out),
+                ),
+                (stacked, in_ct_specs),
+            )(params, received, data, residuals, out_cts)
+            in_cts = [c.sum(0) if t in shared else c for t, c in zip(float_received, in_cts)]
+            return grads, in_cts
+
+        return replicated_forward, replicated_gradients
 
     def live_params(self):
         """The stage's parameters on the device for one step: each master weight resting in
@@ -418,6 +680,36 @@ class StageExecutable:
             for x, sh, dt in zip(leaves, shardings, self.live_dtypes, strict=True)
         ]
         return jax.tree.unflatten(treedef, live)
+
+    def abstract_backward_args(self):
+        """``(params, received, data, residuals, output cotangents, accumulator)`` of one
+        microbatch's :attr:`backward` as abstract arrays with the shardings they run in
+        (the residuals in those the compiled forward gives them)."""
+        args = self.abstract_args()
+        outs, kept = jax.eval_shape(self.forward, *args)  # also fixes the residual layout
+        kept_shardings = self.forward.lower(*args).compile().output_shardings[1]
+        residuals = [
+            jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sh)
+            for r, sh in zip(kept, kept_shardings, strict=True)
+        ]
+        cts = [
+            jax.ShapeDtypeStruct(
+                self.tensors[t].shape,
+                jnp.dtype(self.tensors[t].dtype),
+                sharding=self.output_shardings[self.sp.outputs.index(t)],
+            )
+            for t in self.float_out
+        ]
+        return (*args, residuals, cts, self.abstract_grads())
+
+    def abstract_grads(self):
+        """The gradient accumulator as abstract arrays with its shardings."""
+        stack = () if self.replicas is None else (self.replicas.replicas,)
+        return jax.tree.map(
+            lambda p, sh: jax.ShapeDtypeStruct((*stack, *p.shape), p.dtype, sharding=sh),
+            self.params,
+            self.grad_shardings,
+        )
 
     def abstract_args(self):
         """``(params, received, data)`` of one microbatch as abstract arrays with the

@@ -112,11 +112,8 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
             )
             for t in st.float_out
         ]
-        grad_acc = jax.tree.map(  # the parameters' own dtypes (f32 for a master)
-            lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
-            st.params,
-            st.param_shardings,
-        )
+        # the parameters' own dtypes (f32 for a master); replicas: stacked over data
+        grad_acc = st.abstract_grads()
         if trainer.num_microbatches == 1:  # the backward and the update, one program
             rest = jax.tree.map(
                 lambda p, sh: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh),
