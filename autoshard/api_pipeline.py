@@ -28,16 +28,18 @@ from autoshard.api import TracedWorkload, trace_workload
 from autoshard.inter import unit_pool
 from autoshard.inter.flops_cost import LayerStats, flops_stage_cost, layer_stats
 from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
-from autoshard.inter.plan import GRAD_REDUCE_MODES, InterPlan, Stage, StageSpecs
+from autoshard.inter.plan import InterPlan, Stage, StageSpecs
 from autoshard.inter.program_cut import StageProgram, check_layer_ranges, split_stages
 from autoshard.inter.progress import Progress
 from autoshard.inter.search import check_positive_int, search_stages
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import (
+    GRAD_REDUCE_CHOICES,
     RECOMPUTE_MODES,
     StageCostFn,
     equal_flops_stages,
     equal_layer_stages,
+    grad_reduces_for,
     microbatches_in_flight,
     optimal_stage_plan,
     place_submeshes,
@@ -55,7 +57,7 @@ from autoshard.runtime.pipeline import (
     data_parallel_layout,
     divisibility_message,
 )
-from autoshard.runtime.stage import Probe
+from autoshard.runtime.stage import Probe, ReplicaShapes
 from autoshard.runtime.stage_layout import (
     LossProgram,
     SpecFn,
@@ -424,6 +426,47 @@ def auto_pipeline(
     stage_plan = inter_plan = None
     host_params: frozenset[int] = frozenset()  # master weights resting in host memory
     layout_fn: LayoutFn = data_parallel_layout
+    # the replicas of a grad_reduce="step" stage: the step traced at 1/dp of the
+    # microbatch (what each replica binds) and its stage cost (what the search prices and
+    # the replica's layout is planned from: one ILP for both)
+    replica_traces: dict[int, ReplicaTrace | None] = {}
+    replica_costs: dict[int, IntraStageCost | None] = {}
+
+    def replica_trace(dp: int) -> ReplicaTrace | None:
+        """None where ``dp`` replicas cannot run (the microbatch does not split so, or its
+        trace at 1/dp is another program, e.g. a batch dim squeezed at one row): not
+        offered to the search under "auto"; an error with "step", which asked for them."""
+        if dp not in replica_traces:
+            parts = num_microbatches * dp
+            found = None
+            if batch_size % parts == 0:
+                found = _replica_loss(loss_fn, optimizer, abstract, batch, parts)
+                try:
+                    ReplicaShapes.compare(program, found.program, dp)
+                except ValueError:
+                    if grad_reduce == "step":
+                        raise
+                    found = None
+            replica_traces[dp] = found
+        return replica_traces[dp]
+
+    def replica_cost(dp: int) -> IntraStageCost | None:
+        if dp not in replica_costs:
+            trace = replica_trace(dp)
+            replica_costs[dp] = (
+                None
+                if trace is None
+                else IntraStageCost(
+                    build_graph(trace.step.records),
+                    logical_mesh_costs(cluster_for(cluster, 1, n)),
+                    solver=solver,
+                    granularity=intra_cost.granularity,
+                    time_limit_s=intra_cost.time_limit_s,
+                    num_microbatches=num_microbatches,
+                )
+            )
+        return replica_costs[dp]
+
     if layout == "intra-op":
         options = StageSearchOptions(
             num_microbatches,
@@ -434,6 +477,7 @@ def auto_pipeline(
             recompute_modes=RECOMPUTE_MODES if recompute == "auto" else (recompute,),
             memory_budget_bytes=memory_budget_bytes,
             solver=solver,
+            grad_reduces=grad_reduces_for(grad_reduce),
         )
         graph = build_graph(step.records)
         if intra_cost is None:
@@ -445,6 +489,8 @@ def auto_pipeline(
                 granularity=options.granularity,
                 num_microbatches=num_microbatches,
             )
+        if grad_reduce != "microbatch" and intra_cost.replicas is None:
+            intra_cost.replicas = replica_cost  # the search prices the replicas' plans
         if virtual_stages > 1 and stages == "auto" and num_stages is None:
             # the DP over the stage counts interleaving allows: S * V <= layers, and the
             # microbatches a multiple of S (Megatron's schedule); the fastest plan wins
@@ -531,22 +577,21 @@ def auto_pipeline(
             return StageLayout(spec_fn)
 
     replica_programs = None
-    if grad_reduce == "step":
+    if grad_reduce == "step" and layout == "data-parallel":  # FLOPs costs: every dp > 1
         planned = [
             dataclasses.replace(s, grad_reduce="step") if s.logical_mesh[0] > 1 else s
             for s in planned
         ]
+    if any(s.grad_reduce == "step" for s in planned):  # intra-op: as the search chose
         _check_replica_batch(batch_size, num_microbatches, planned)
         losses = {
-            dp: _replica_loss(loss_fn, optimizer, abstract, batch, num_microbatches * dp)
+            dp: replica_trace(dp)
             for dp in sorted({s.logical_mesh[0] for s in planned if s.grad_reduce == "step"})
         }
         replica_programs = [
             losses[s.logical_mesh[0]].program if s.grad_reduce == "step" else None for s in planned
         ]
-        layout_fn = _replica_layouts(
-            layout_fn, layout, planned, losses, cluster, n, solver, num_microbatches
-        )
+        layout_fn = _replica_layouts(layout_fn, layout, planned, losses, replica_cost)
     programs = split_stages(program.records, [(s.start_layer, s.end_layer) for s in planned])
     return PipelineTrainer(
         program,
@@ -573,15 +618,17 @@ def auto_pipeline(
 
 def _check_grad_reduce(grad_reduce, layout, stages, offload, spec_fn) -> None:
     """ValueError for a ``grad_reduce`` the pipeline cannot run."""
-    if grad_reduce not in GRAD_REDUCE_MODES:
-        raise ValueError(f"unknown grad_reduce {grad_reduce!r}; choose one of {GRAD_REDUCE_MODES}")
+    if grad_reduce not in GRAD_REDUCE_CHOICES:
+        raise ValueError(
+            f"unknown grad_reduce {grad_reduce!r}; choose one of {GRAD_REDUCE_CHOICES}"
+        )
     if grad_reduce == "microbatch":
         return
-    if layout == "intra-op" and isinstance(stages, str) and stages == "auto":
+    if grad_reduce == "auto" and layout != "intra-op":
         raise ValueError(
-            "grad_reduce='step' with stages='auto' needs the stage search to price it; give "
-            "explicit stages=[...] ranges (with logical_meshes), 'equal-layer' or "
-            "'equal-flops'"
+            "grad_reduce='auto' lets the stage search choose per stage: it needs "
+            "layout='intra-op' (the data-parallel layout's FLOPs costs price no reduction); "
+            "use grad_reduce='step'"
         )
     if offload is not None:
         raise ValueError(
@@ -668,12 +715,11 @@ def replicated_spec(stage: int, tensor, role: str, mesh: jax.sharding.Mesh) -> P
     return PartitionSpec()
 
 
-def _replica_layouts(layout_fn, layout, planned, losses, cluster, n, solver, num_microbatches):
+def _replica_layouts(layout_fn, layout, planned, losses, replica_cost):
     """``layout_fn`` with each replica stage laid out as one replica: under
     ``"intra-op"`` the range's ILP plan on ``(1, tp)`` of the loss traced at ``1/dp`` of
-    the microbatch (model only), under ``"data-parallel"`` replicated."""
-    costs: dict[int, IntraStageCost] = {}
-    mesh_costs = logical_mesh_costs(cluster_for(cluster, 1, n))
+    the microbatch (``replica_cost(dp)``'s, the plan the stage search priced; model
+    only), under ``"data-parallel"`` replicated."""
     layouts: dict[int, StageLayout] = {}
 
     def replica_layout(index: int, sp: StageProgram, mesh) -> StageLayout:
@@ -681,14 +727,7 @@ def _replica_layouts(layout_fn, layout, planned, losses, cluster, n, solver, num
         if layout == "data-parallel":
             return StageLayout(replicated_spec)
         dp, tp = st.logical_mesh
-        if dp not in costs:
-            costs[dp] = IntraStageCost(
-                build_graph(losses[dp].step.records),
-                mesh_costs,
-                solver=solver,
-                num_microbatches=num_microbatches,
-            )
-        specs = _model_only(costs[dp].stage_specs(st.start_layer, st.end_layer, (1, tp)))
+        specs = _model_only(replica_cost(dp).stage_specs(st.start_layer, st.end_layer, (1, tp)))
         return intra_op_layout(losses[dp].loss, specs, sp.eqns, mesh)
 
     def laid_out(sp: StageProgram, mesh: jax.sharding.Mesh) -> StageLayout:

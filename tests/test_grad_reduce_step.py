@@ -233,7 +233,10 @@ def test_stage_grad_reduce_round_trips_and_is_checked():
             r"batch size 32 must divide by num_microbatches \* dp = 8 \* 8; use "
             r"num_microbatches in \[1, 2, 4\]",
         ),
-        ({"stages": "auto"}, "grad_reduce='step' with stages='auto' needs the stage search"),
+        (
+            {"stages": "auto", "layout": "data-parallel", "grad_reduce": "auto"},
+            "grad_reduce='auto' lets the stage search choose per stage",
+        ),
         ({**TWO_STAGES, "offload": "optimizer"}, "grad_reduce='step' with offload"),
         (
             {**ONE_STAGE, "offload": "none", "num_microbatches": 8},
@@ -247,6 +250,30 @@ def test_bad_step_reduction_requests_are_rejected(kw, message):
     kw = {"num_microbatches": NUM_MICROBATCHES, "grad_reduce": "step", **kw}
     with pytest.raises(ValueError, match=message):
         auto_pipeline(workload.loss_fn, opt, params, batch, **kw)
+
+
+def test_the_stage_search_chooses_replicas_per_stage_and_the_runtime_runs_them():
+    """``stages="auto"`` with ``grad_reduce="auto"`` on the MLP on 8 H100-priced devices:
+    the search takes replicas reduced once a step for some stages and not others (a lower
+    objective than the search without them), and the runtime runs the stages it chose as
+    replicas -- only those -- training like one device."""
+    workload, opt, params, batch, single_losses, single = _setup("sgd")
+
+    def trainer(grad_reduce):
+        return auto_pipeline(
+            workload.loss_fn, opt, params, batch, num_microbatches=NUM_MICROBATCHES,
+            grad_reduce=grad_reduce, cluster="dgx-h100",
+        )  # fmt: skip
+
+    chosen, every = trainer("auto"), trainer("microbatch")
+    reduces = [s.grad_reduce for s in chosen.inter_plan.stages]
+    assert "step" in reduces and "microbatch" in reduces
+    assert chosen.inter_plan.objective_s < every.inter_plan.objective_s
+    for planned, st in zip(chosen.plan.stages, chosen.stage_executables, strict=True):
+        assert (st.replicas is not None) == (planned.stage.grad_reduce == "step")
+    losses = [float(chosen.step(batch)) for _ in range(NUM_STEPS)]
+    np.testing.assert_allclose(losses, single_losses, rtol=LOSS_RTOL)
+    assert _max_diff(chosen.params, single) < PARAM_ATOL
 
 
 def test_stage_memory_counts_the_stacked_accumulator():
@@ -284,8 +311,9 @@ def test_a_loss_with_other_equations_per_replica_is_rejected():
     ("argv", "message"),
     [
         (
-            ["--devices", "8", "--pipeline", "auto"],
-            "grad_reduce='step' with stages='auto' needs the stage search",
+            ["--devices", "8", "--pipeline", "auto", "--offload", "optimizer"]
+            + ["--cluster", "dgx-h100"],
+            "grad_reduce='step' with offload",
         ),
         (["--mesh", "8"], "--grad-reduce set pipeline stages; add --pipeline"),
     ],

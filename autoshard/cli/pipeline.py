@@ -114,6 +114,7 @@ def _print_stages(args, plan) -> int:
             f"{s.submesh[0]}x{s.submesh[1]} as (dp, tp) = {tuple(s.logical_mesh)}: "
             f"{cost(s.latency_s)} per microbatch, peak {binary_size(s.peak_bytes)} per device"
             + ("" if s.recompute == "none" else f", {s.recompute} recompute")
+            + (", gradients reduced once a step" if s.grad_reduce == "step" else "")
         )
     if plan.offload:
         for line in offload_lines(plan.offload):
@@ -456,14 +457,15 @@ def add_pipeline_args(p, run: bool) -> None:
             "recompute only adds time)"
         ),
     )
-    if run:
-        g.add_argument(
-            "--grad-reduce",
-            choices=("microbatch", "step"),
-            help="where a stage reduces its data-parallel gradient: every microbatch "
-            "(default) or once a step (dp replicas of a plan over 'model'; not with "
-            "--pipeline auto, whose search prices the per-microbatch reduction)",
-        )
+    # plan --pipeline searches with it; run --pipeline runs what the search chose
+    g.add_argument(
+        "--grad-reduce",
+        choices=("microbatch", "step", "auto"),
+        help="where a stage reduces its data-parallel gradient: every microbatch "
+        "(default), once a step (dp replicas of a plan over 'model', on every stage "
+        "with dp > 1 the search keeps) or auto (the stage search chooses per stage, "
+        "with its logical mesh)",
+    )
     if not run:
         g.add_argument("--hosts", type=_positive_int, help="hosts the devices span (default: 1)")
 

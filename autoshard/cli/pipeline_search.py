@@ -147,6 +147,7 @@ def search(args, hosts: int, per_host: int, budget, num_microbatches: int):
     from autoshard.api_pipeline import auto_stage_plan
     from autoshard.inter.options import StageSearchOptions
     from autoshard.inter.progress import Progress
+    from autoshard.inter.stages import grad_reduces_for
 
     return auto_stage_plan(
         args.model,
@@ -161,6 +162,7 @@ def search(args, hosts: int, per_host: int, budget, num_microbatches: int):
             memory_budget_bytes=budget,
             solver=args.solver or "highs",
             time_limit_s=60.0 if args.time_limit is None else args.time_limit,
+            grad_reduces=grad_reduces_for(getattr(args, "grad_reduce", None) or "microbatch"),
         ),
         cluster=args.cluster,
         optimizer=args.optimizer,

@@ -396,7 +396,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--grad-reduce",
-        choices=("microbatch", "step", "auto"),  # sim.auto.GRAD_REDUCE_CHOICES
+        choices=("microbatch", "step", "auto"),  # inter.stages.GRAD_REDUCE_CHOICES
         default="microbatch",
         help="on the traced step (--plan auto, or --program traced): where a stage with "
         "several data-parallel replicas reduces its gradients: every micro-batch (default: "

@@ -107,6 +107,15 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # over ``model``, each on 1/dp of the microbatch; Megatron-LM's data parallelism)
 GRAD_REDUCES = GRAD_REDUCE_MODES
 NO_GRAD_REDUCE = ("microbatch",)  # the callback takes no grad_reduce argument
+# what a user asks for: one of GRAD_REDUCES for every stage, or "auto" (each stage chooses)
+GRAD_REDUCE_CHOICES = (*GRAD_REDUCES, "auto")
+
+
+def grad_reduces_for(choice: str) -> tuple[str, ...]:
+    """The stage DP's ``grad_reduces`` for a user's ``choice`` (:data:`GRAD_REDUCE_CHOICES`)."""
+    if choice not in GRAD_REDUCE_CHOICES:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_CHOICES}, got {choice!r}")
+    return GRAD_REDUCES if choice == "auto" else (choice,)
 
 
 def pipeline_objective(stage_latencies: Sequence[float], num_microbatches: int) -> float:

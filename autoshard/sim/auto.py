@@ -67,17 +67,6 @@ def _default_microbatches(
 MICROBATCH_SEARCH = "search"  # num_microbatches="search": the default candidates
 
 
-GRAD_REDUCE_CHOICES = ("microbatch", "step", "auto")
-
-
-def grad_reduces(grad_reduce: str) -> tuple[str, ...]:
-    """The stage DP's ``grad_reduces`` for a ``grad_reduce`` choice
-    (:data:`GRAD_REDUCE_CHOICES`; ``"auto"``: both, each stage chooses)."""
-    if grad_reduce not in GRAD_REDUCE_CHOICES:
-        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_CHOICES}, got {grad_reduce!r}")
-    return ("microbatch", "step") if grad_reduce == "auto" else (grad_reduce,)
-
-
 def microbatch_candidates(batch: int, default: int | None, extra=(), valid=None) -> tuple[int, ...]:
     """The micro-batch counts ``plan="auto"`` searches, ascending: ``default``, half of it,
     twice and four times it, each kept only if it divides ``batch`` (a micro-batch at least
@@ -204,7 +193,7 @@ def simulate_auto(
     its logical mesh and recompute mode, the fastest that fits its HBM, kept where nothing
     fits without offload or it gains ``AUTO_MIN_GAIN`` (:mod:`autoshard.inter.stage_offload`);
     ``plan["offload"]`` then says what lives where (absent when no stage offloads).
-    ``grad_reduce`` (:data:`GRAD_REDUCE_CHOICES`): where a stage with several data-parallel
+    ``grad_reduce`` (:data:`autoshard.inter.stages.GRAD_REDUCE_CHOICES`): where a stage with several data-parallel
     replicas reduces its gradients: ``"microbatch"`` (every micro-batch's backward, as the
     pipeline runtime's default), ``"step"`` (once per step: replicas of a plan over
     ``model``) or ``"auto"`` (each stage chooses, with its logical mesh and recompute
@@ -213,7 +202,7 @@ def simulate_auto(
     from autoshard.inter.progress import Progress
     from autoshard.inter.search import search_stages
     from autoshard.inter.stage_offload import offload_summary
-    from autoshard.inter.stages import StageBudgetError
+    from autoshard.inter.stages import StageBudgetError, grad_reduces_for
 
     progress = progress or Progress(f"{model} auto")
 
@@ -240,7 +229,9 @@ def simulate_auto(
     traced_graph = cost.graph
     t_trace = time.perf_counter()
     modes = formulas.RECOMPUTE_MODES if recompute == "auto" else (recompute,)
-    options = StageSearchOptions(m, recompute_modes=modes, grad_reduces=grad_reduces(grad_reduce))
+    options = StageSearchOptions(
+        m, recompute_modes=modes, grad_reduces=grad_reduces_for(grad_reduce)
+    )
     hbm = cluster.device.hbm_bytes
     try:
         inter = search_stages(

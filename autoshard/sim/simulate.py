@@ -291,7 +291,7 @@ def simulate(
     logical mesh and recompute mode, the fastest that fits its HBM, within the host's
     memory (:mod:`autoshard.inter.stage_offload`); ``plan["offload"]`` says what lives
     where, per stage (absent when no stage offloads). ``grad_reduce``
-    (:data:`autoshard.sim.auto.GRAD_REDUCE_CHOICES`; the traced step only: ``plan="auto"``
+    (:data:`autoshard.inter.stages.GRAD_REDUCE_CHOICES`; the traced step only: ``plan="auto"``
     or ``program="traced"``): where a stage with several data-parallel replicas reduces
     its gradients, ``"microbatch"`` (every micro-batch: the pipeline runtime's default),
     ``"step"`` (once per step, as Megatron-LM does: replicas of a plan over ``model``,
@@ -345,7 +345,7 @@ def simulate(
 
 def _check_grad_reduce(grad_reduce: str, plan: str, program: str, offload, exact: bool) -> None:
     """ValueError unless ``grad_reduce`` is a choice the plan and program price."""
-    from autoshard.sim.auto import GRAD_REDUCE_CHOICES
+    from autoshard.inter.stages import GRAD_REDUCE_CHOICES
 
     if grad_reduce not in GRAD_REDUCE_CHOICES:
         raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_CHOICES}, got {grad_reduce!r}")

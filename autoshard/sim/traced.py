@@ -40,7 +40,7 @@ def megatron_stages(num_blocks: int, pp: int) -> tuple[tuple[int, int], ...]:
 
 def _grad_reduce(cost, start, end, submesh, logical, recompute, grad_reduce):
     """``(where the stage reduces its gradients, its StageCost)`` under the choice
-    ``grad_reduce`` (:data:`autoshard.sim.auto.GRAD_REDUCE_CHOICES`): ``"step"`` only where
+    ``grad_reduce`` (:data:`autoshard.inter.stages.GRAD_REDUCE_CHOICES`): ``"step"`` only where
     the stage has several data-parallel replicas; ``"auto"`` the faster (the reduction
     every micro-batch on a tie)."""
     every = cost(start, end, submesh, logical, recompute)
