@@ -324,3 +324,18 @@ def test_cli_grad_reduce_flag_reaches_the_pipeline(argv, message, capsys):
     rc = main(["run", "--model", "mlp", *argv, "--grad-reduce", "step", "--steps", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
+
+
+def test_replicas_that_cannot_run_are_refused_under_step_and_not_offered_under_auto():
+    # gpt-tiny at one row a replica squeezes a batch dim ([2, 32, 1, 1] -> [32, 1, 1]):
+    # asked for, the replicas are refused with the tensor; under "auto" the search is
+    # not offered them and the stage reduces every microbatch
+    workload = get_workload("gpt-tiny", num_layers=1)
+    opt = make_optimizer("sgd", 0.1)
+    params, _, batch = workload.init_train_args(opt, seed=1)
+    kw = {"num_microbatches": 4, "stages": ((0, 3),), "logical_meshes": ((2, 4),)}
+    with pytest.raises(ValueError, match="not one batch dim split 2 ways"):
+        auto_pipeline(workload.loss_fn, opt, params, batch, grad_reduce="step", **kw)
+    trainer = auto_pipeline(workload.loss_fn, opt, params, batch, grad_reduce="auto", **kw)
+    assert [s.stage.grad_reduce for s in trainer.plan.stages] == ["microbatch"]
+    assert trainer.stage_executables[0].replicas is None
