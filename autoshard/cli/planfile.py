@@ -40,6 +40,7 @@ PLANNING_FLAGS = (
     ("--stages", "stages"),
     ("--microbatches", "microbatches"),
     ("--schedule", "schedule"),
+    ("--grad-reduce", "grad_reduce"),
     ("run --devices", "pipeline_devices"),  # the mesh in the file sets the devices
 )
 
