@@ -13,6 +13,7 @@ from autoshard.api_pipeline import trace_microbatch
 from autoshard.hardware.mesh import uniform_mesh
 from autoshard.inter.plan import LOGICAL_AXES, Stage
 from autoshard.inter.stage_cost import IntraStageCost
+from autoshard.inter.stage_memory import zero_dim
 from autoshard.inter.stages import optimal_stage_plan
 
 BATCH = 8  # gpt-tiny's global batch
@@ -59,29 +60,60 @@ def _param_bytes(graph) -> float:
     return sum(graph.tensors[t].nbytes for t in graph.inputs if graph.tensors[t].kind == "param")
 
 
+def _grads(cost, logical) -> float:
+    found = [cost.replica_layer(i, logical) for i in range(cost.num_layers)]
+    return sum(x.sharded_grad_bytes + x.whole_grad_bytes for x in found)
+
+
 def test_a_replica_reduces_every_parameters_gradient_once(cost2):
     """With one device per replica (tp = 1) the replicas' gradients are the whole model's,
     each parameter once (the tied embedding too); split over ``model`` (tp = 2), less."""
-    layers = range(cost2.num_layers)
-    whole = sum(cost2.replica_grad_bytes(i, (4, 1)) for i in layers)
+    whole = _grads(cost2, (4, 1))
     assert whole == _param_bytes(cost2.graph)
-    split = sum(cost2.replica_grad_bytes(i, (2, 2)) for i in layers)
-    assert split < whole
+    assert _grads(cost2, (2, 2)) < whole
+    # every gpt-tiny weight has a dim 4 divides (kernels, embeddings, and the biases and
+    # LayerNorm scales of 64): every gradient is reduce-scattered
+    found = [cost2.replica_layer(i, (4, 1)) for i in range(cost2.num_layers)]
+    assert sum(x.sharded_grad_bytes for x in found) == whole
+
+
+def test_zero_dim_is_the_first_dim_the_replicas_and_the_plan_divide():
+    assert zero_dim((256, 64), (1, 1), 4) == 0
+    assert zero_dim((6, 64), (1, 1), 4) == 1
+    assert zero_dim((8, 64), (4, 1), 4) == 1  # dim 0 is already split 4 ways by model
+    assert zero_dim((3,), (1,), 2) is None
+    assert zero_dim((), (), 8) is None
+
+
+def test_the_replicas_shard_their_optimizer_state_over_data(cost2):
+    """A replica stage's memory is its plan's less the optimizer state sharded over
+    ``data`` (1 - 1/dp of each leaf with a ZeRO dim): four replicas hold less than two."""
+    last = cost2.num_layers
+    held = {}
+    for logical in ((2, 1), (4, 1)):
+        base = cost2.replica_cost(logical).range_cost(0, last, (1, 1))
+        saved = sum(cost2.replica_layer(i, logical).state_saved_bytes for i in range(last))
+        step = cost2(0, last, (1, 4), logical, grad_reduce="step")
+        assert saved > 0
+        assert step.param_bytes == pytest.approx(base.param_bytes - saved, rel=1e-12)
+        held[logical] = step.param_bytes
+    assert held[4, 1] < held[2, 1]
 
 
 def test_the_step_is_a_replicas_plus_its_reductions_once_a_step(cost2):
     """Latency = a replica's plan of the range on ``(1, tp)`` at 1/dp of the micro-batch,
-    plus the step's all-reduces over ``data`` spread over its micro-batches; memory is the
-    replica's. The all-reduces do not depend on the micro-batch count: the gradients do
-    not."""
+    plus the step's reductions over ``data`` less what its sharded update saves, spread
+    over its micro-batches; activations are the replica's. The reductions do not depend
+    on the micro-batch count: the gradients do not."""
     last = cost2.num_layers
     step = cost2(0, last, (1, 4), (4, 1), grad_reduce="step")
     replica = cost2.replica_cost((4, 1))
     base = replica.range_cost(0, last, (1, 1))
     reduce_s = cost2.replica_reduce_s(0, last, (4, 1))
-    assert reduce_s > 0
-    assert step.latency_s == pytest.approx(base.latency_s + reduce_s / 2, rel=1e-12)
-    assert (step.param_bytes, step.activation_bytes) == (base.param_bytes, base.activation_bytes)
+    saved_s = sum(cost2.replica_layer(i, (4, 1)).update_saved_s for i in range(last))
+    assert reduce_s > 0 and saved_s > 0
+    assert step.latency_s == pytest.approx(base.latency_s + (reduce_s - saved_s) / 2, rel=1e-12)
+    assert step.activation_bytes == base.activation_bytes
     cost4 = _cost(4)
     assert cost4.replica_reduce_s(0, last, (2, 1)) == pytest.approx(
         cost2.replica_reduce_s(0, last, (2, 1)), rel=1e-12

@@ -19,6 +19,18 @@ def is_attention_sized(shape: tuple[int, ...]) -> bool:
     return len(shape) == 4 and shape[-1] == shape[-2] > 1
 
 
+def zero_dim(shape: tuple[int, ...], split: tuple[int, ...], dp: int) -> int | None:
+    """The dim a data-parallel replica's optimizer state (or gradient) is sharded on over
+    ``data`` (ZeRO-1, Megatron-LM's distributed optimizer): the first dim whose size
+    divides by ``dp`` times ``split[d]``, the devices the replica's plan already splits it
+    over; None: none does (a scalar, a small bias), the leaf stays whole on every
+    replica. The stage search prices and the runtime runs the same rule."""
+    for d, (size, ways) in enumerate(zip(shape, split, strict=True)):
+        if size % (dp * ways) == 0:
+            return d
+    return None
+
+
 def spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
     """The share of ``spec``'s whole tensor one device of ``mesh`` holds."""
     return spec.shard_fraction(mesh.mesh)

@@ -104,13 +104,15 @@ def pipeline_step_breakdown(cost, stages, num_microbatches: int, step_time_s: fl
         cost = cost.cost_of(placement)
     logical = tuple(logical)
     comm: dict[str, float] = {}
-    if grad_reduce == "step":  # replicas of a plan on (1, tp); all-reduced once a step
+    compute = recompute = offload = 0.0
+    if grad_reduce == "step":  # replicas of a plan on (1, tp); reduced once a step
         reduce_s = cost.replica_reduce_s(start, end, logical) / m
         if reduce_s > 0:
             comm[f"{COMM_PREFIX}data"] = reduce_s
+        # their update sharded over data: less than the replica's units say
+        compute -= sum(cost.replica_layer(i, logical).update_saved_s for i in range(start, end)) / m
         cost, logical = cost.replica_cost(logical), (1, logical[1])
     mesh = cost.mesh_for(logical)
-    compute = recompute = offload = 0.0
     for layer in range(start, end):
         unit = cost.unit(layer, layer + 1, logical)
         compute += unit.compute_s
