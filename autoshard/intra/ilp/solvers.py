@@ -276,11 +276,11 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
 
 
 # HiGHS's worker threads, fixed: its branch-and-bound takes another path with another
-# count (a random 60-node program with memory rows: 31 nodes with 2 threads, 125 with 1,
-# the same optimum; docs/sharing.md), and by default it takes half the machine's cores,
-# so a node budget would stop at another point, with another plan, on another machine.
-# One thread: the per-demand programs measured close at their root node, where a second
-# thread saved nothing (the same LP iterations and CPU seconds).
+# count (tests/test_ilp.py's dense_random(14, 4, seed=0): 5 nodes on one thread, 3 on two,
+# the same optimum), and by default it takes half the machine's cores, so a node budget
+# would stop at another point, with another plan, on another machine. One thread: the
+# per-demand programs measured close at their root node, where a second thread saved
+# nothing (the same plans and CPU seconds; docs/sharing.md).
 HIGHS_THREADS = 1
 
 

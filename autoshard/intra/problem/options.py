@@ -87,7 +87,8 @@ class IntraOptions:
     often so); on meshes of several axes the exact program's LP relaxation is solved first
     and kept where it is integral (its hubs make it so where measured); on one axis its
     costs alone are solved first, its tie-break preferences after. Without a memory budget
-    the user's time limit alone bounds its time.
+    what the per-demand solve left of its safety net (:data:`SAFETY_NET_FACTOR` times the
+    user's time limit) alone bounds its time.
 
     ``exact_search``: where the exact program is *solved* (with ``exact_values``), never
     under a memory budget except with "always" (with a budget's memory rows its root node
