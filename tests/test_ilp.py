@@ -963,6 +963,29 @@ def test_ties_after_solves_the_costs_alone_first():
         solve(clique, solver="highs", ties_after=True, lp_first=True)
 
 
+def test_a_tie_break_the_clock_skipped_is_reported(monkeypatch):
+    """Where the first solve leaves no time of the limit to the tie-breaking solve, the
+    clock decided which plan of the least cost comes back: the solution says it depends
+    on the load, with a warning (here the first solve is made to take the whole limit)."""
+    import time as clock
+
+    module = sys.modules["autoshard.intra.ilp.solve"]
+    real = module._solve_model
+
+    def slow(*args):
+        out = real(*args)
+        clock.sleep(0.3)  # past the 0.2 s limit, its plan proven
+        return out
+
+    monkeypatch.setattr(module, "_solve_model", slow)
+    with pytest.warns(SolverTimeLimitWarning, match=r"tie-breaking solve had no time.*load"):
+        sol = solve(_tied_clique(), solver="highs", time_limit_s=0.2)
+    assert sol.status == "optimal" and sol.tie_break == "skipped"
+    assert sol.objective == 0.0 and sol.load_dependent
+    monkeypatch.setattr(module, "_solve_model", real)
+    assert not solve(_tied_clique(), solver="highs", time_limit_s=60).load_dependent
+
+
 def test_ties_after_over_the_tie_break_columns_polishes_the_costs_alone_plan():
     """Over TIE_MAX_COLUMNS no tie-breaking solve runs (every per-demand program on a 2-D
     mesh: 46,000-320,000 columns). There ``ties_after`` still solves the costs alone first,
