@@ -197,9 +197,11 @@ def test_the_exact_solve_on_one_axis_has_no_seconds_cap(monkeypatch, mlp3_on_4):
     plan = auto_shard_graph(traced.graph, mesh, DEFAULT)
     assert plan.solver["status"] == "optimal" and plan.solver["exact_stopped"] is None
     assert plan.objective == pytest.approx(optimum.objective, rel=1e-9)
+    assert plan.solver["load_dependent"] is False  # counts decided it
     budget = DEFAULT.replace(exact_search="always", memory_budget_bytes=1e12)
     capped = auto_shard_graph(traced.graph, mesh, budget)
     assert "stopped at its time limit" in capped.solver["exact_stopped"]
+    assert capped.solver["load_dependent"] is True  # the clock stopped the exact solve
 
 
 def test_a_solve_that_ends_with_a_worse_plan_keeps_the_per_demand_plan(monkeypatch):

@@ -651,9 +651,12 @@ def dense_random(n: int, k: int, seed: int) -> ShardingProblem:
 @pytest.mark.parametrize("solver", ["cbc", "highs"])
 def test_time_limit_without_incumbent_returns_a_feasible_plan_and_warns(solver):
     pb = dense_random(30, 6, seed=0)
-    with pytest.warns(SolverTimeLimitWarning, match=r"greedy feasible plan.*--time-limit"):
+    with pytest.warns(
+        SolverTimeLimitWarning, match=r"greedy feasible plan.*--time-limit.*machine's load"
+    ):
         sol = solve(pb, solver=solver, time_limit_s=0.001)
     assert sol.status == "time_limit" and sol.fallback == "greedy"
+    assert sol.load_dependent  # the clock stopped it: another load, another plan
     assert sol.objective == objective_of(pb, sol.strategy) < INF
     assert Solution.from_json(sol.to_json()) == sol
 
@@ -671,6 +674,55 @@ def test_time_limit_raises_when_no_feasible_plan_is_found(solver):
     )
     with pytest.raises(SolverTimeLimitError, match="time_limit_s"):
         solve(pb, solver=solver, time_limit_s=0.001)
+
+
+def _scheduler(threads: int) -> None:
+    """HiGHS's process-wide scheduler started anew on ``threads`` threads, as highspy used
+    before the planner with another thread count leaves it."""
+    import highspy
+
+    highspy.Highs.resetGlobalScheduler(True)
+    with solvers._banner_to_devnull():
+        highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", threads)
+    highs.addVar(0.0, 1.0)
+    highs.run()
+
+
+def test_highs_takes_the_same_path_whatever_scheduler_it_finds():
+    """HiGHS's branch-and-bound takes another path with another thread count (this
+    program: 5 nodes on one thread, 3 on two, the same optimum), and by default it takes
+    half the machine's cores: a node budget would stop at another point on another
+    machine. The solver runs HiGHS on HIGHS_THREADS threads, starting the scheduler anew
+    where it finds one of another size."""
+    pb = dense_random(14, 4, seed=0)
+    runs = []
+    for threads in (2, 1):
+        _scheduler(threads)
+        runs.append(solve(pb, solver="highs", time_limit_s=60))
+    assert runs[0].status == runs[1].status == "optimal"
+    assert runs[0].nodes == runs[1].nodes
+    assert runs[0].strategy == runs[1].strategy
+
+
+def test_a_node_budget_stops_at_the_same_plan_whatever_the_clock():
+    """A solve that its node budget stops returns the same plan under any wall-clock limit
+    above it and any scheduler, and says that no clock decided it; one the clock stops
+    says that the plan depends on the load."""
+    pb = dense_random(14, 4, seed=0)
+    plans = []
+    for threads, limit in ((2, 30.0), (1, 300.0)):
+        _scheduler(threads)
+        with pytest.warns(SolverTimeLimitWarning, match=r"max_nodes=2") as caught:
+            plans.append(solve(pb, solver="highs", time_limit_s=limit, max_nodes=2))
+        assert not any("load" in str(w.message) for w in caught)
+    assert plans[0].limit == plans[1].limit == "nodes"
+    assert plans[0].strategy == plans[1].strategy
+    assert not plans[0].load_dependent and not plans[1].load_dependent
+    with pytest.warns(SolverTimeLimitWarning, match=r"time_limit_s=0\.01.*machine's load"):
+        clocked = solve(pb, solver="highs", time_limit_s=0.01, max_nodes=2)
+    assert clocked.limit == "time" and clocked.load_dependent
 
 
 def _cbc_children() -> list[str]:
@@ -909,6 +961,29 @@ def test_ties_after_solves_the_costs_alone_first():
     assert after.num_variables == together.num_variables  # the program as given
     with pytest.raises(ValueError, match="ties_after needs lp_first=False"):
         solve(clique, solver="highs", ties_after=True, lp_first=True)
+
+
+def test_a_tie_break_the_clock_skipped_is_reported(monkeypatch):
+    """Where the first solve leaves no time of the limit to the tie-breaking solve, the
+    clock decided which plan of the least cost comes back: the solution says it depends
+    on the load, with a warning (here the first solve is made to take the whole limit)."""
+    import time as clock
+
+    module = sys.modules["autoshard.intra.ilp.solve"]
+    real = module._solve_model
+
+    def slow(*args):
+        out = real(*args)
+        clock.sleep(0.3)  # past the 0.2 s limit, its plan proven
+        return out
+
+    monkeypatch.setattr(module, "_solve_model", slow)
+    with pytest.warns(SolverTimeLimitWarning, match=r"tie-breaking solve had no time.*load"):
+        sol = solve(_tied_clique(), solver="highs", time_limit_s=0.2)
+    assert sol.status == "optimal" and sol.tie_break == "skipped"
+    assert sol.objective == 0.0 and sol.load_dependent
+    monkeypatch.setattr(module, "_solve_model", real)
+    assert not solve(_tied_clique(), solver="highs", time_limit_s=60).load_dependent
 
 
 def test_ties_after_over_the_tie_break_columns_polishes_the_costs_alone_plan():

@@ -10,8 +10,9 @@ from conftest import cli_in_process, shared_plan
 
 from autoshard.api import trace_workload
 from autoshard.hardware.mesh import alpa_test_mesh
-from autoshard.intra.problem.build import auto_shard_graph
-from autoshard.intra.problem.options import IntraOptions
+from autoshard.intra.problem import build, exact_values
+from autoshard.intra.problem.build import auto_shard_graph, solve_time_limit
+from autoshard.intra.problem.options import PER_DEMAND_MAX_NODES, SAFETY_NET_FACTOR, IntraOptions
 
 HIGHS = IntraOptions(solver="highs")
 
@@ -47,6 +48,9 @@ MODELS = pytest.mark.parametrize(
         (dict(mip_gap=1.5), "relative gap"),
         (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
         (dict(seed=-1), "seed=-1"),
+        (dict(max_nodes=0), "max_nodes=0"),
+        (dict(max_nodes=True), "max_nodes=True"),
+        (dict(max_nodes=2.5), "max_nodes=2.5"),
         (dict(force_batch_dim_to_mesh_axis=""), "mesh axis name"),
     ],
 )
@@ -62,6 +66,40 @@ def test_options_are_frozen_and_replace_validates():
     assert opts.replace(solver="highs").solver == "highs"
     with pytest.raises(ValueError, match="time_limit_s"):
         opts.replace(time_limit_s=-1)
+
+
+def test_the_time_limit_is_a_safety_net_where_the_node_budget_ends_the_solve():
+    """Without a memory budget the per-demand solve stops at its node budget, and the
+    user's time limit, times SAFETY_NET_FACTOR, only catches a solve that runs away: the
+    plan then does not depend on the load. Under a budget (its root node can take
+    minutes) or with no node budget, the limit is the user's."""
+    opts = IntraOptions(time_limit_s=7.0)
+    assert opts.max_nodes == PER_DEMAND_MAX_NODES
+    assert solve_time_limit(opts) == SAFETY_NET_FACTOR * 7.0 > 7.0
+    assert solve_time_limit(opts.replace(memory_budget_bytes=1e9)) == 7.0
+    assert solve_time_limit(opts.replace(max_nodes=None)) == 7.0
+    assert solve_time_limit(opts.replace(time_limit_s=None)) is None
+
+
+def test_the_per_demand_solve_gets_the_node_budget_and_the_net(monkeypatch, small_mlp):
+    """What the planner hands the per-demand solve: the node budget and the safety net,
+    and a plan whose solver record says no clock decided it."""
+    seen = []
+
+    def spy(real):
+        def solve(problem, **kwargs):
+            seen.append(kwargs)
+            return real(problem, **kwargs)
+
+        return solve
+
+    monkeypatch.setattr(build, "solve", spy(build.solve))
+    monkeypatch.setattr(exact_values, "solve", spy(exact_values.solve))
+    mesh = alpa_test_mesh((2, 4), ("data", "model"))
+    plan = auto_shard_graph(small_mlp.graph, mesh, HIGHS.replace(time_limit_s=9.0, max_nodes=50))
+    first = seen[0]
+    assert first["max_nodes"] == 50 and first["time_limit_s"] == SAFETY_NET_FACTOR * 9.0
+    assert plan.solver["load_dependent"] is False
 
 
 def _data_specs(traced, plan):

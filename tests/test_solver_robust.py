@@ -26,6 +26,9 @@ def test_cli_time_limit_too_short_still_prints_a_plan_and_warns(solver):
     out = json.loads(proc.stdout)  # exactly one JSON document
     assert out["solver"]["status"] == "time_limit"
     assert out["specs"] and out["objective"] > 0
+    # the clock, not the node budget, stopped it: the plan says so, and the warning
+    assert out["solver"]["load_dependent"] is True
+    assert "depends on the machine's load" in proc.stderr
     if out["solver"]["fallback"] is not None:  # no incumbent: the cheapest fallback, said so
         assert out["solver"]["fallback"] in ("greedy", "dp", "zero2", "zero3", "megatron")
         assert any("cheapest feasible fallback" in n for n in out["notes"])

@@ -241,7 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
             "--time-limit",
             type=positive_float,
             default=None,
-            help="ILP time limit in s (default 120; 60 per ILP with --pipeline)",
+            help="ILP wall-clock limit in s (default 120; 60 per ILP with --pipeline). "
+            "Without --memory-budget the per-demand solve stops at its node budget (200) and "
+            "5 times this is only its safety net; a plan that a clock stopped says it "
+            "depends on the machine's load (solver load_dependent)",
         )
         p.add_argument(
             "--merge-elementwise",

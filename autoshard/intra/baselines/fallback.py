@@ -49,8 +49,11 @@ def cheapest_fallback(plan, solution, ip, options, plan_from_solution):
             sol = dataclasses.replace(solution, strategy=choice, objective=objective, fallback=name)
             best = plan_from_solution(ip, sol, name=plan.name)
     listed = ", ".join(f"{k} {v:.6g}" for k, v in costs.items())
+    from autoshard.intra.problem.build import solve_time_limit
+
+    limit = solve_time_limit(options)  # the safety net where a node budget was in charge
     note = (
-        f"the solver found no plan within the time limit ({options.time_limit_s} s); this is the "
+        f"the solver found no plan within the time limit ({limit} s); this is the "
         f"cheapest feasible fallback ({best.solver.get('fallback')}) of: {listed}; raise the time "
         "limit (--time-limit) for the ILP's plan"
     )

@@ -52,6 +52,12 @@ class Solution:
     "optimal", "time_limit" (its best plan kept: still of the least cost), "skipped" (no
     time left, or the first solve was not proven optimal), or None (no preferences, or
     none left to decide once the reductions had resolved them).
+    ``load_dependent``: True where a wall-clock limit (``time_limit_s``), not a count,
+    decided the plan: it stopped the first solve, its LP or the tie-breaking solve, or left
+    no time for the tie-breaking solve. Another run, on a machine more or less loaded, can
+    then return another plan (a warning says so). Where the counts (``max_nodes``, the
+    tie-break's nodes, iteration caps) end every solve, HiGHS's path does not depend on
+    the clock, and the same problem, seed and solver give the same plan.
     """
 
     strategy: tuple[int, ...]
@@ -72,6 +78,7 @@ class Solution:
     neighbourhood_free: int | None = None  # "neighbourhood": the binary columns left free
     # "neighbourhood": its rounds whose plan was kept (each around the last one's plan)
     neighbourhood_rounds: int | None = None
+    load_dependent: bool = False  # a wall-clock limit, not a count, decided the plan
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -428,6 +435,8 @@ def solve(
     model.lp_max_iterations = lp_max_iterations
     build_seconds = time.perf_counter() - start
     out = _solve_model(red, model, solver, time_limit_s, mip_gap, seed)
+    # which stops were the clock's (the plan then depends on the load), not a count's
+    clock = _by_clock(out)
     if out.status == "infeasible":
         if problem.memory_budget_bytes is None or model.violated == "tie" or not red.mem_rows:
             raise InfeasibleProblemError(
@@ -454,7 +463,7 @@ def solve(
             )
         strategy, fallback = greedy, "greedy"
         out = _Outcome("time_limit", out.bound, out.nodes, out.limit, out.wall_s)
-    tie_break = None
+    tie_break, tie_clock = None, False
     ties_later = model is not lex and out.status == "optimal"
     if ties_later:  # (no values: the reductions fixed every block, _decode needs none)
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
@@ -469,8 +478,10 @@ def solve(
                 statuses = {"optimal": "optimal", "time_limit": "time_limit"}
                 tie_break = statuses.get(second.status, "skipped")
                 out = dataclasses.replace(out, nodes=_add(out.nodes, second.nodes))
+                tie_clock = _by_clock(second)
         else:
             tie_break, strategy = "skipped", _decode(red, model)
+            tie_clock = True
     elif out.status == "optimal" and model.values is not None:
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
         if model.num_cols > TIE_MAX_COLUMNS or red.mem_rows:
@@ -487,8 +498,9 @@ def solve(
                 statuses = {"optimal": "optimal", "time_limit": "time_limit"}
                 tie_break = statuses.get(second.status, "skipped")
                 out = dataclasses.replace(out, nodes=_add(out.nodes, second.nodes))
+                tie_clock = _by_clock(second)
         elif np.asarray(model.preference).any():
-            tie_break = "skipped"
+            tie_break, tie_clock = "skipped", True
     elif np.asarray(lex.preference).any():
         tie_break = "skipped"
     if fallback is None and out.status not in ("fractional", "lp_stopped") and not ties_later:
@@ -525,7 +537,17 @@ def solve(
             f"objective {objective:.6g}, "
             f"relative gap {'unknown' if gap is None else f'{gap:.3g}'}; raise "
             + ("max_nodes" if out.limit == "nodes" else "the time limit (--time-limit)")
-            + " for a better plan",
+            + " for a better plan"
+            + (f"; {LOAD_DEPENDENT}" if clock else ""),
+            SolverTimeLimitWarning,
+            stacklevel=2,
+        )
+    elif tie_clock:
+        warnings.warn(
+            f"{solver}'s tie-breaking solve "
+            + ("stopped at" if tie_break == "time_limit" else "had no time left of")
+            + f" time_limit_s={time_limit_s} (its plan still costs the least; among the plans"
+            f" of that cost, the preferences did not decide which); {LOAD_DEPENDENT}",
             SolverTimeLimitWarning,
             stacklevel=2,
         )
@@ -548,7 +570,23 @@ def solve(
         neighbourhood_rounds=(
             model.neighbourhood_rounds if out.status == "neighbourhood" else None
         ),
+        load_dependent=clock or tie_clock,
     )
+
+
+# what a warning adds where a wall-clock limit, not a count, decided the plan
+LOAD_DEPENDENT = (
+    "a wall-clock limit decided this plan, so it depends on the machine's load: another "
+    "run can return another plan"
+)
+
+
+def _by_clock(out: _Outcome) -> bool:
+    """Whether the wall clock stopped the solve of ``out`` (its time limit), not a count
+    (nodes, simplex iterations). CBC does not say which limit stopped it: a CBC solve
+    stopped anywhere counts as stopped by the clock."""
+    stopped = out.status in ("time_limit", "no_incumbent", "lp_stopped")
+    return stopped and out.limit not in ("nodes", "iterations")
 
 
 # a neighbourhood's plan within the absolute gap the solvers prove (_ABS_GAP of the

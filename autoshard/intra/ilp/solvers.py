@@ -217,6 +217,7 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
     highs.setOptionValue("mip_rel_gap", float(mip_gap))
     highs.setOptionValue("mip_abs_gap", _ABS_GAP)
     highs.setOptionValue("random_seed", int(seed))
+    highs.setOptionValue("threads", HIGHS_THREADS)
     highs.setOptionValue("presolve", "on" if model.presolve else "off")
     if model.max_nodes is not None:
         highs.setOptionValue("mip_max_nodes", int(model.max_nodes))
@@ -254,7 +255,7 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
             # (a start changes the solve's time, not its optimum; tests/test_value_edges.py)
             pass
     started = time.monotonic()
-    highs.run()
+    _run_fixed(highs)
     wall_s = time.monotonic() - started
     ms, info, status = highs.getModelStatus(), highs.getInfo(), highspy.HighsModelStatus
     if ms in (status.kInfeasible, status.kUnboundedOrInfeasible):
@@ -272,6 +273,29 @@ def _run_highs(model: _Model, time_limit_s: float | None, mip_gap: float, seed: 
             "time_limit" if has else "no_incumbent", info.mip_dual_bound, nodes, limit, wall_s
         )
     raise RuntimeError(f"HiGHS ended with model status {highs.modelStatusToString(ms)}")
+
+
+# HiGHS's worker threads, fixed: its branch-and-bound takes another path with another
+# count (tests/test_ilp.py's dense_random(14, 4, seed=0): 5 nodes on one thread, 3 on two,
+# the same optimum), and by default it takes half the machine's cores, so a node budget
+# would stop at another point, with another plan, on another machine. One thread: the
+# per-demand programs measured close at their root node, where a second thread saved
+# nothing (the same plans and CPU seconds; docs/sharing.md).
+HIGHS_THREADS = 1
+
+
+def _run_fixed(highs) -> None:
+    """``highs.run()`` with :data:`HIGHS_THREADS` threads. HiGHS runs every solve of the
+    process on one scheduler, sized by the first run; one started with another count
+    (highspy used before with its default) refuses the option and solves nothing
+    (``kError``, model status not set), so that scheduler is shut down and the solve run
+    again on a new one. (The planner solves one program at a time.)"""
+    import highspy
+
+    if highs.run() == highspy.HighsStatus.kError:
+        if highs.getModelStatus() == highspy.HighsModelStatus.kNotset:
+            highspy.Highs.resetGlobalScheduler(True)
+            highs.run()
 
 
 # a binary column this close to 0 or 1 counts as integral (HiGHS's default
@@ -427,7 +451,7 @@ def _around(highs, lp, bounds, incumbent: np.ndarray, free: np.ndarray):
     except TypeError:  # highspy < 1.8: no warm start (the start is still inside)
         pass
     started = time.monotonic()
-    highs.run()
+    _run_fixed(highs)
     seconds = time.monotonic() - started
     info = highs.getInfo()
     if info.primal_solution_status != 2:  # kSolutionStatusFeasible
@@ -453,7 +477,7 @@ def _relaxation(highs, lp, model: _Model) -> _Outcome:
         highs.setOptionValue("simplex_iteration_limit", int(model.lp_max_iterations))
     highs.passModel(lp)
     started = time.monotonic()
-    highs.run()
+    _run_fixed(highs)
     wall_s = time.monotonic() - started
     info = highs.getInfo()
     presolve = "on" if model.presolve else "off"

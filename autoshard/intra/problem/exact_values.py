@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.ilp import SolverTimeLimitWarning, objective_of, solve
+from autoshard.intra.ilp.solve import LOAD_DEPENDENT
 from autoshard.intra.problem.value_edges import hub_max_sets, hubbed_values, value_edges
 
 if TYPE_CHECKING:
@@ -394,15 +395,31 @@ def _from_start(ip, mesh, settings, unsolved, first, lp_only=False, lp_iteration
         # 4-6x slower on gpt-tiny (docs/sharing.md)
         solution = solve(
             ip.problem,
-            **{**settings, "time_limit_s": cap},
+            **{**settings, "time_limit_s": cap, "max_nodes": EXACT_MAX_NODES},
             initial=initial,
             presolve=True,
-            max_nodes=EXACT_MAX_NODES,
             lp_first=hubs,
             ties_after=not hubs,
             mip_max_columns=EXACT_MIP_MAX_COLUMNS if lp_only else None,
             lp_max_iterations=lp_iterations if lp_only else None,
         )
+    kept = _kept_after(ip, mesh, first, initial, start_price, solution, lp_iterations)
+    # a clock that stopped either solve decided the plan (Solution.load_dependent); the
+    # per-demand solve warned of its own, this says the exact one's
+    if solution.load_dependent and not first.load_dependent:
+        warnings.warn(
+            f"the exact program's solve stopped at its time limit ({cap:.3g} s); {LOAD_DEPENDENT}",
+            SolverTimeLimitWarning,
+            stacklevel=2,
+        )
+    clock = first.load_dependent or solution.load_dependent
+    return dataclasses.replace(kept, load_dependent=clock)
+
+
+def _kept_after(ip, mesh, first, initial, start_price, solution, lp_iterations):
+    """:func:`_from_start`'s plan once the exact program's ``solution`` is in: that plan
+    where it is proven or no dearer than the per-demand plan (``initial``, priced
+    ``start_price``), else the per-demand plan, with what stopped the exact program."""
     if solution.status in ("fractional", "lp_stopped"):
         return _fractional(first, initial, start_price, solution, lp_iterations)
     strategy = ip.values.complete(ip.strategies, solution.strategy, mesh)

@@ -21,6 +21,21 @@ from autoshard.intra.ilp import SOLVERS
 
 # where the exact per-value program is solved (IntraOptions.exact_search)
 EXACT_SEARCH = ("lp", "auto", "one-axis", "always", "never")
+# The per-demand solve's work budget (IntraOptions.max_nodes): branch-and-bound nodes, a
+# count, so that where it stops -- and so the plan -- does not depend on the machine's
+# load. Every per-demand program measured closes at its root node (bench_truth's and
+# bench_intra's rows on 2x4, the CLI's wresnet-small on 2x4, every solve of
+# test_exact_2d, test_alpa_ports, test_alpa_options and test_ilp: at most 3 nodes, the
+# tie-breaking solve's included), so the budget changes none of their plans; it is the
+# exact program's (EXACT_MAX_NODES).
+PER_DEMAND_MAX_NODES = 200
+# Where that budget is in charge (no memory budget), time_limit_s is only a safety net:
+# the per-demand solve, and the exact one after it, stop at this many times it. A
+# per-demand solve that is all root node has no count to stop it: the CLI's wresnet-small
+# on 2x4 (319,631 columns) takes 118.6 s at idle -- just under the CLI's 120 s -- and
+# 225-270 s of wall time at load 7-8, when a stop at 120 s kept another plan each time
+# (docs/sharing.md). Five times the limit leaves that solve room on a loaded machine.
+SAFETY_NET_FACTOR = 5.0
 
 
 @dataclass(frozen=True)
@@ -29,7 +44,17 @@ class IntraOptions:
 
     Solver: ``solver`` ("highs" through its own API, the default: 4.6x faster than CBC
     on gpt-350m 2x4 to the same optimum, docs/sharing.md; or "cbc" through PuLP),
-    ``time_limit_s`` (None: no limit), ``mip_gap`` (relative, in [0, 1)) and ``seed``.
+    ``time_limit_s`` (None: no limit), ``mip_gap`` (relative, in [0, 1)) and ``seed``;
+    ``max_nodes`` (default :data:`PER_DEMAND_MAX_NODES`; None: none) bounds the
+    per-demand solve's branch-and-bound nodes.  Without a memory budget that count, not
+    the clock, ends the per-demand solve, and ``time_limit_s`` is only its safety net: the
+    per-demand solve and the exact one after it stop at :data:`SAFETY_NET_FACTOR` times
+    it, so that the plan does not depend on the machine's load.  Where a wall-clock limit
+    stops a solve anyway (the net, or under a memory budget the limit itself: the root
+    node of a budgeted program can run for minutes) the plan says so
+    (``plan.solver["load_dependent"]``) with a warning: another run, under another load,
+    can return another plan.  HiGHS runs on one thread
+    (:data:`~autoshard.intra.ilp.solvers.HIGHS_THREADS`: its path depends on the count).
 
     Problem: ``merge_elementwise`` makes binary elementwise ops follow their deepest
     operand (Alpa's rule: a smaller ILP that can miss the best plan); ``share_layers``
@@ -62,7 +87,8 @@ class IntraOptions:
     often so); on meshes of several axes the exact program's LP relaxation is solved first
     and kept where it is integral (its hubs make it so where measured); on one axis its
     costs alone are solved first, its tie-break preferences after. Without a memory budget
-    the user's time limit alone bounds its time.
+    what the per-demand solve left of its safety net (:data:`SAFETY_NET_FACTOR` times the
+    user's time limit) alone bounds its time.
 
     ``exact_search``: where the exact program is *solved* (with ``exact_values``), never
     under a memory budget except with "always" (with a budget's memory rows its root node
@@ -168,6 +194,7 @@ class IntraOptions:
     time_limit_s: float | None = 60.0
     mip_gap: float = 0.0
     seed: int = 0
+    max_nodes: int | None = PER_DEMAND_MAX_NODES
     merge_elementwise: bool = False
     share_layers: bool = True
     layer_period: int = 2
@@ -207,6 +234,14 @@ class IntraOptions:
             raise ValueError(
                 f"layer_period={period!r}: give an integer >= 1 (2 reaches alternating "
                 "plans, 1 ties every identical layer to the first)"
+            )
+        nodes = self.max_nodes
+        if nodes is not None and (
+            isinstance(nodes, bool) or not isinstance(nodes, numbers.Integral) or nodes < 1
+        ):
+            raise ValueError(
+                f"max_nodes={nodes!r}: give a positive whole number of branch-and-bound "
+                "nodes, or None for no node limit"
             )
         if not isinstance(self.seed, numbers.Integral) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r}: give an integer >= 0")
