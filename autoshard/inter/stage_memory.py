@@ -19,6 +19,24 @@ def is_attention_sized(shape: tuple[int, ...]) -> bool:
     return len(shape) == 4 and shape[-1] == shape[-2] > 1
 
 
+def zero_dim(shape: tuple[int, ...], split: tuple[int, ...], dp: int) -> int | None:
+    """The dim a data-parallel replica stage shards an optimizer-state leaf of ``shape``
+    on over ``data`` (ZeRO-1: each of the ``dp`` replicas updates ``1/dp`` of it): the
+    first dim whose size divides by ``dp`` times ``split[d]``, the product of the mesh
+    axis sizes the replica's spec already puts on ``d``.  None where no dim does (a
+    scalar such as a step count, a dim too small): the leaf stays replicated over
+    ``data``.  The runtime (:class:`~autoshard.runtime.stage.StageExecutable`) and the
+    stage pricing share this rule."""
+    if len(split) != len(shape):
+        raise ValueError(f"split {split} has not one entry per dim of shape {shape}")
+    if dp < 1 or any(s < 1 for s in split):
+        raise ValueError(f"dp ({dp}) and split {split} must be positive")
+    for d, (size, held) in enumerate(zip(shape, split, strict=True)):
+        if size % (dp * held) == 0:
+            return d
+    return None
+
+
 def spec_fraction(spec: ShardingSpec, mesh: DeviceMesh) -> float:
     """The share of ``spec``'s whole tensor one device of ``mesh`` holds."""
     return spec.shard_fraction(mesh.mesh)
