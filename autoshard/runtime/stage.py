@@ -57,7 +57,10 @@ microbatch's rows, its forward and backward inside ``jax.shard_map`` manual over
 casts).  Each replica's parameter gradient is its own (no reduction over ``data`` in the
 backward); the accumulator holds them stacked ``(D, *shape)`` over ``data`` (per device the
 bytes of today's accumulator of a parameter replicated over ``data``) and ``update`` sums
-that dim once: one all-reduce per gradient a step instead of one a microbatch.  A stage
+that dim once a step (not once a microbatch) into each gradient's ZeRO layout
+(:func:`zero_spec`: a reduce-scatter), updates each replica's ``1/D`` of the weights with
+its ``1/D`` of the optimizer state (which rests so: ZeRO-1) and returns the weights whole
+(an all-gather).  A stage
 output without a batch dim (the loss, a parameter sent on) is the mean of the replicas'
 (a microbatch's mean loss is the mean of its equal shares' means) and its cotangent is
 split ``1/D`` to each; a received tensor without one gets the sum of the replicas'
