@@ -1,7 +1,8 @@
 """Pricing a stage's data-parallel gradients reduced once per step (``grad_reduce="step"``):
 ``dp`` replicas of a plan over ``model`` on 1/dp of the micro-batch, their gradients
-all-reduced over ``data`` once a step (``IntraStageCost.replica_range_cost``), offered to
-the stage DP beside the reduction every micro-batch, and to the simulator."""
+reduced over ``data`` once a step and their update sharded over it (ZeRO-1;
+``IntraStageCost.replica_range_cost``), offered to the stage DP beside the reduction every
+micro-batch, and to the simulator."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from autoshard.api_pipeline import trace_microbatch
 from autoshard.hardware.mesh import uniform_mesh
 from autoshard.inter.plan import LOGICAL_AXES, Stage
 from autoshard.inter.stage_cost import IntraStageCost
-from autoshard.inter.stage_memory import zero_dim
 from autoshard.inter.stages import optimal_stage_plan
 
 BATCH = 8  # gpt-tiny's global batch
@@ -75,14 +75,6 @@ def test_a_replica_reduces_every_parameters_gradient_once(cost2):
     # LayerNorm scales of 64): every gradient is reduce-scattered
     found = [cost2.replica_layer(i, (4, 1)) for i in range(cost2.num_layers)]
     assert sum(x.sharded_grad_bytes for x in found) == whole
-
-
-def test_zero_dim_is_the_first_dim_the_replicas_and_the_plan_divide():
-    assert zero_dim((256, 64), (1, 1), 4) == 0
-    assert zero_dim((6, 64), (1, 1), 4) == 1
-    assert zero_dim((8, 64), (4, 1), 4) == 1  # dim 0 is already split 4 ways by model
-    assert zero_dim((3,), (1,), 2) is None
-    assert zero_dim((), (), 8) is None
 
 
 def test_the_replicas_shard_their_optimizer_state_over_data(cost2):

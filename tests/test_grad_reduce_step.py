@@ -3,7 +3,9 @@ gradient over ``data`` once a step, in the update (autoshard/runtime/stage.py).
 
 Trains like ``grad_reduce="microbatch"`` and like one device from the same weights; its
 compiled backward holds no collective over ``data`` (today's holds one per gradient), its
-update holds the step's one reduction; bad requests are refused with a message.
+update holds the step's one reduction: a reduce-scatter per gradient, the optimizer state
+sharded over ``data`` (ZeRO-1), an all-gather per updated weight; bad requests are refused
+with a message.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from autoshard.api_pipeline import auto_pipeline
 from autoshard.inter.plan import Stage
+from autoshard.inter.stage_memory import zero_dim
+from autoshard.intra.cost.collectives import ring_volume
 from autoshard.ir.spec import Mesh
 from autoshard.models import get_workload, make_optimizer, make_train_step
+from autoshard.runtime.stage import zero_spec
 from autoshard.verify.collectives import analyze_collectives
 
 NUM_STEPS = 3
@@ -177,7 +183,8 @@ def test_gpt_replicas_with_a_tied_embedding_train_like_one_device():
 
 def test_replica_backward_reduces_nothing_over_data_and_the_update_once():
     # one stage of 8 data-parallel devices: today every microbatch's backward all-reduces
-    # each gradient over data; the replicas' backward none, their update each once
+    # each gradient over data; the replicas' backward nothing, their update (ZeRO-1)
+    # reduce-scatters each gradient once and all-gathers each updated weight once
     step, _, _ = _train("step", "one")
     today, _, _ = _train("microbatch", "one")
     num_params = len(jax.tree.leaves(step.stage_executables[0].params))  # 4 kernels, 4 biases
@@ -186,21 +193,89 @@ def test_replica_backward_reduces_nothing_over_data_and_the_update_once():
     assert _data_collectives(step, 0, step.compiled_backward(0)) == []
     assert _data_collectives(today, 0, today.compiled_update(0)) == []
     once = _data_collectives(step, 0, step.compiled_update(0))
-    assert len(once) == num_params and {c.kind for c in once} == {"all-reduce"}
-    # the same bytes, moved once a step instead of once a microbatch
-    assert sum(c.bytes for c in once) == sum(c.bytes for c in now)
+    kinds = [c.kind for c in once]
+    assert kinds.count("reduce-scatter") == kinds.count("all-gather") == num_params
+    assert len(once) == 2 * num_params
+    # per gradient: a reduce-scatter of it and an all-gather back, each of its bytes
+    # (XLA:CPU, jax 0.10.2: 4 x 4096 + 4 x 128 each) -- on a ring the bytes today's
+    # all-reduce sends, moved once a step instead of once a microbatch
+    for kind in ("reduce-scatter", "all-gather"):
+        assert sorted(c.bytes for c in once if c.kind == kind) == sorted(c.bytes for c in now)
+    assert sum(ring_volume(c.kind, 8, c.bytes) for c in once) == pytest.approx(
+        sum(ring_volume(c.kind, 8, c.bytes) for c in now)
+    )
 
 
 def test_tensor_parallel_replicas_reduce_over_data_only_in_the_update():
     # 2 stages on (2, 2): each replica's plan splits over model (its ILP plan on (1, 2));
-    # nothing crosses data in the backward, each gradient once in the update
+    # nothing crosses data in the backward; in the update each gradient is reduce-scattered
+    # over data within its model shard and each weight all-gathered back, nothing permuted
+    # (data minor to model on a dim both split: data major would move the shards)
     step, _, _ = _train("step", "two")
     for stage, st in enumerate(step.stage_executables):
         assert step.plan.stages[stage].tensor_parallel
         assert _data_collectives(step, stage, step.compiled_backward(stage)) == []
         once = _data_collectives(step, stage, step.compiled_update(stage))
-        assert len(once) == len(jax.tree.leaves(st.params))
-        assert {c.kind for c in once} == {"all-reduce"}
+        kinds = [c.kind for c in once]
+        num_params = len(jax.tree.leaves(st.params))
+        assert kinds.count("reduce-scatter") == kinds.count("all-gather") == num_params
+        assert len(once) == 2 * num_params
+        assert {c.axes for c in once} == {("data",)}
+
+
+def test_replica_optimizer_state_is_sharded_over_data():
+    # AdamW's mu and nu rest 1/8 per device on 8 replicas (every MLP leaf has a dim of
+    # 32: its ZeRO dim is 0); the step count stays whole
+    step, _, _ = _train("step", "one")
+    today, _, _ = _train("microbatch", "one")
+    (a,), (b,) = step.stage_executables, today.stage_executables
+    sharded = 0
+    for mine, theirs in zip(jax.tree.leaves(a.opt_state), jax.tree.leaves(b.opt_state)):
+        mine_bytes = mine.addressable_shards[0].data.nbytes
+        theirs_bytes = theirs.addressable_shards[0].data.nbytes
+        if mine.ndim:
+            assert mine.sharding.spec[0] == "data"
+            assert mine_bytes * 8 == theirs_bytes
+            sharded += 1
+        else:
+            assert mine_bytes == theirs_bytes
+    assert sharded == 2 * len(jax.tree.leaves(a.params))
+    # the weights themselves rest whole on every replica
+    for p in jax.tree.leaves(a.params):
+        assert p.addressable_shards[0].data.nbytes == p.nbytes
+
+
+def test_tensor_parallel_replica_state_shards_over_data_within_model():
+    step, _, _ = _train("step", "two")
+    for st in step.stage_executables:
+        for leaf in jax.tree.leaves(st.opt_state):
+            if not leaf.ndim:
+                continue
+            # every dim is 32: data joins dim 0, after model where model is there too
+            axes = [a for e in leaf.sharding.spec if e for a in ((e,) if isinstance(e, str) else e)]
+            assert leaf.sharding.spec[0] in ("data", ("data",), ("model", "data"))
+            split = 2 * (2 if "model" in axes else 1)  # 1/2 of the replica plan's shard
+            assert leaf.addressable_shards[0].data.nbytes * split == leaf.nbytes
+
+
+def test_zero_dim_is_the_first_dim_dividing_by_dp_times_its_split():
+    assert zero_dim((32, 32), (1, 1), 8) == 0
+    assert zero_dim((6, 32), (1, 1), 4) == 1  # 6 does not divide by 4
+    assert zero_dim((8, 32), (2, 1), 8) == 1  # 8 does not by 8 * 2 (model already on 0)
+    assert zero_dim((16, 32), (2, 4), 8) == 0
+    assert zero_dim((12, 6), (1, 2), 4) == 0
+    assert zero_dim((2, 6), (1, 2), 4) is None  # nothing divides: stays replicated
+    assert zero_dim((), (), 8) is None  # a step count
+    with pytest.raises(ValueError, match="one entry per dim"):
+        zero_dim((8, 8), (1,), 2)
+
+
+def test_zero_spec_adds_data_minor_on_the_zero_dim():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    assert zero_spec(P(None, "model"), (6, 8), mesh) == P(None, ("model", "data"))
+    assert zero_spec(P(None, "model"), (8, 8), mesh) == P(("data",), "model")
+    assert zero_spec(P(), (3,), mesh) == P()
+    assert zero_spec(P(), (), mesh) == P()
 
 
 def test_replica_accumulator_is_stacked_over_data_at_todays_bytes():
@@ -276,14 +351,16 @@ def test_the_stage_search_chooses_replicas_per_stage_and_the_runtime_runs_them()
     assert _max_diff(chosen.params, single) < PARAM_ATOL
 
 
-def test_stage_memory_counts_the_stacked_accumulator():
+def test_stage_memory_counts_the_stacked_accumulator_and_the_sharded_state():
     from autoshard.runtime.stage_memory import stage_memory
 
     step, _, _ = _train("step", "one")
     today, _, _ = _train("microbatch", "one")
     (a,), (b,) = stage_memory(step), stage_memory(today)
-    # the same state per device: the stacked accumulator holds today's bytes
-    assert a.state_bytes == b.state_bytes
+    # the stacked accumulator holds today's bytes; AdamW's mu and nu (2 x the f32
+    # weights, replicated today) 1/8 of theirs
+    weights = sum(p.nbytes for p in jax.tree.leaves(today.stage_executables[0].params))
+    assert b.state_bytes - a.state_bytes == 2 * weights * 7 // 8
 
 
 def test_a_loss_with_other_equations_per_replica_is_rejected():

@@ -20,13 +20,19 @@ def is_attention_sized(shape: tuple[int, ...]) -> bool:
 
 
 def zero_dim(shape: tuple[int, ...], split: tuple[int, ...], dp: int) -> int | None:
-    """The dim a data-parallel replica's optimizer state (or gradient) is sharded on over
-    ``data`` (ZeRO-1, Megatron-LM's distributed optimizer): the first dim whose size
-    divides by ``dp`` times ``split[d]``, the devices the replica's plan already splits it
-    over; None: none does (a scalar, a small bias), the leaf stays whole on every
-    replica. The stage search prices and the runtime runs the same rule."""
-    for d, (size, ways) in enumerate(zip(shape, split, strict=True)):
-        if size % (dp * ways) == 0:
+    """The dim a data-parallel replica stage shards an optimizer-state leaf of ``shape``
+    on over ``data`` (ZeRO-1: each of the ``dp`` replicas updates ``1/dp`` of it): the
+    first dim whose size divides by ``dp`` times ``split[d]``, the product of the mesh
+    axis sizes the replica's spec already puts on ``d``.  None where no dim does (a
+    scalar such as a step count, a dim too small): the leaf stays replicated over
+    ``data``.  The runtime (:class:`~autoshard.runtime.stage.StageExecutable`) and the
+    stage pricing share this rule."""
+    if len(split) != len(shape):
+        raise ValueError(f"split {split} has not one entry per dim of shape {shape}")
+    if dp < 1 or any(s < 1 for s in split):
+        raise ValueError(f"dp ({dp}) and split {split} must be positive")
+    for d, (size, held) in enumerate(zip(shape, split, strict=True)):
+        if size % (dp * held) == 0:
             return d
     return None
 

@@ -57,7 +57,10 @@ microbatch's rows, its forward and backward inside ``jax.shard_map`` manual over
 casts).  Each replica's parameter gradient is its own (no reduction over ``data`` in the
 backward); the accumulator holds them stacked ``(D, *shape)`` over ``data`` (per device the
 bytes of today's accumulator of a parameter replicated over ``data``) and ``update`` sums
-that dim once: one all-reduce per gradient a step instead of one a microbatch.  A stage
+that dim once a step (not once a microbatch) into each gradient's ZeRO layout
+(:func:`zero_spec`: a reduce-scatter), updates each replica's ``1/D`` of the weights with
+its ``1/D`` of the optimizer state (which rests so: ZeRO-1) and returns the weights whole
+(an all-gather).  A stage
 output without a batch dim (the loss, a parameter sent on) is the mean of the replicas'
 (a microbatch's mean loss is the mean of its equal shares' means) and its cotangent is
 split ``1/D`` to each; a received tensor without one gets the sum of the replicas'
@@ -73,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -82,7 +86,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.inter.program_cut import StageProgram
-from autoshard.inter.stage_memory import is_attention_sized
+from autoshard.inter.stage_memory import is_attention_sized, zero_dim
 from autoshard.inter.stages import RECOMPUTE_MODES
 from autoshard.ir.records import TensorRecord
 from autoshard.runtime.distributed import to_host
@@ -242,6 +246,24 @@ class ReplicaShapes:
         return PartitionSpec(*entries)
 
 
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a ``PartitionSpec`` names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec:
+    """A replica stage's ``spec`` (on ``model`` only) of a tensor of ``shape`` with
+    ``data`` added, major, on its ZeRO dim (:func:`~autoshard.inter.stage_memory.zero_dim`):
+    how its optimizer state rests and its update runs; ``spec`` itself where it has none."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    split = tuple(math.prod(mesh.shape[a] for a in _axes(e)) for e in entries)
+    d = zero_dim(tuple(shape), split, mesh.shape["data"])
+    if d is None:
+        return spec
+    entries[d] = (*_axes(entries[d]), "data")
+    return PartitionSpec(*entries)
+
+
 def _names_data(spec: PartitionSpec) -> bool:
     for entry in spec:
         if entry == "data" or (isinstance(entry, tuple) and "data" in entry):
@@ -378,6 +400,22 @@ class StageExecutable:
         )
         abstract_state = jax.eval_shape(optimizer.init, self.params)
         device_state = layout.opt_state_sharding(mesh, abstract_state)
+        if replicas is not None:  # ZeRO-1: each replica holds and updates 1/D of the state
+            device_state = jax.tree.map(
+                lambda sh, a: NamedSharding(mesh, zero_spec(sh.spec, a.shape, mesh)),
+                device_state,
+                abstract_state,
+            )
+        # replicas: where each parameter's gradient is reduced to and its update runs
+        self.zero_shardings = (
+            None
+            if replicas is None
+            else jax.tree.map(
+                lambda sh, p: NamedSharding(mesh, zero_spec(sh.spec, p.shape, mesh)),
+                self.param_shardings,
+                self.params,
+            )
+        )
         state_on_host = "optimizer" in self.offload
         # at rest: the floating-point state in pinned_host when offloaded (a step count stays)
         self.opt_state_shardings = (
@@ -519,8 +557,15 @@ class StageExecutable:
             return optax.apply_updates(params, updates), opt_state
 
         def update(params, opt_state, grads):
-            if replicas is not None:  # the step's one reduction over data
-                grads = jax.tree.map(lambda g: g.sum(0), grads)
+            if replicas is not None:
+                # the step's one reduction over data, each replica left with its 1/D of
+                # the gradient (a reduce-scatter), which it applies to its 1/D of the
+                # weights and state; the weights leave whole (out_shardings: all-gather)
+                zero = self.zero_shardings
+                grads = jax.tree.map(
+                    lambda g, sh: jax.lax.with_sharding_constraint(g.sum(0), sh), grads, zero
+                )
+                params = jax.lax.with_sharding_constraint(params, zero)
             if self.masters_on_host:  # the f32 masters in from the host (params: at rest)
                 params = jax.device_put(params, self.param_shardings)
             if state_on_host and stream_window is not None:  # a parameter's state at a time
