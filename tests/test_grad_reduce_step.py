@@ -352,6 +352,23 @@ def test_the_stage_search_chooses_replicas_per_stage_and_the_runtime_runs_them()
     losses = [float(chosen.step(batch)) for _ in range(NUM_STEPS)]
     np.testing.assert_allclose(losses, single_losses, rtol=LOSS_RTOL)
     assert _max_diff(chosen.params, single) < PARAM_ATOL
+    # predicted against compiled: each replica stage's update reduce-scatters and
+    # all-gathers over data the gradient bytes the search priced, and all-reduces the rest
+    cost = chosen.intra_cost
+    for index, planned in enumerate(chosen.plan.stages):
+        st = planned.stage
+        if st.grad_reduce != "step":
+            continue
+        priced = [
+            cost.replica_layer(i, tuple(st.logical_mesh))
+            for i in range(st.start_layer, st.end_layer)
+        ]
+        found = _data_collectives(chosen, index, chosen.compiled_update(index))
+        by_kind = {k: sum(c.bytes for c in found if c.kind == k) for k in {c.kind for c in found}}
+        sharded = sum(x.sharded_grad_bytes for x in priced)
+        assert by_kind.pop("reduce-scatter") == sharded == by_kind.pop("all-gather")
+        assert by_kind.pop("all-reduce", 0) == sum(x.whole_grad_bytes for x in priced)
+        assert by_kind == {}
 
 
 def test_stage_memory_counts_the_stacked_accumulator_and_the_sharded_state():
