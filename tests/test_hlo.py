@@ -719,9 +719,13 @@ def test_memory_stats_fall_back_to_the_sum_without_an_xla_peak():
 
 
 def _live_range_dump(fn, shapes, folder):
+    from autoshard.verify.check import _past_the_persistent_cache
+
     options = {"xla_dump_to": str(folder), **LIVE_RANGE_DUMP_OPTIONS}
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+    # under a persistent cache (JAX_COMPILATION_CACHE_DIR) a hit would dump nothing
+    with _past_the_persistent_cache(options, str(folder)):
+        compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
     (live_range,) = folder.glob("*after_optimizations-live-range.txt")
     (assignment,) = folder.glob("*after_optimizations-buffer-assignment.txt")
     return compiled, live_range.read_text(), assignment.read_text()

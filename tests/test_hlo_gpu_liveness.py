@@ -205,6 +205,7 @@ def test_each_tuple_elements_live_range_is_xlas_own(tmp_path):
 
     from jax import lax
 
+    from autoshard.verify.check import _past_the_persistent_cache
     from autoshard.verify.memory import LIVE_RANGE_DUMP_OPTIONS
 
     def loss(x, w):
@@ -214,7 +215,9 @@ def test_each_tuple_elements_live_range_is_xlas_own(tmp_path):
 
     x = jax.ShapeDtypeStruct((2, 16, 16, 8), jnp.float32)
     options = {"xla_dump_to": str(tmp_path), **LIVE_RANGE_DUMP_OPTIONS}
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, x).compile(options)
+    # under a persistent cache (JAX_COMPILATION_CACHE_DIR) a hit would dump nothing
+    with _past_the_persistent_cache(options, str(tmp_path)):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, x).compile(options)
     (dump,) = glob.glob(str(tmp_path / "*after_optimizations-live-range.txt"))
     xla = {
         m.group(1): (int(m.group(2)), int(m.group(3)))
