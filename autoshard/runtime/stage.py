@@ -253,8 +253,10 @@ def _axes(entry) -> tuple[str, ...]:
 
 def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec:
     """A replica stage's ``spec`` (on ``model`` only) of a tensor of ``shape`` with
-    ``data`` added, major, on its ZeRO dim (:func:`~autoshard.inter.stage_memory.zero_dim`):
-    how its optimizer state rests and its update runs; ``spec`` itself where it has none."""
+    ``data`` added, minor (after the dim's ``model`` axes: each replica's share lies inside
+    its own ``model`` shard, so nothing moves but the reduce-scatter and all-gather), on
+    its ZeRO dim (:func:`~autoshard.inter.stage_memory.zero_dim`): how its optimizer state
+    rests and its update runs; ``spec`` itself where it has none."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     split = tuple(math.prod(mesh.shape[a] for a in _axes(e)) for e in entries)
     d = zero_dim(tuple(shape), split, mesh.shape["data"])

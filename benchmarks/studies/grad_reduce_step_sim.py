@@ -98,7 +98,9 @@ def main(argv=None) -> int:
         )
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"cluster": args.cluster, "chunk": chunk["path"], "rows": rows}, f, indent=1)
+                json.dump(
+                    {"cluster": args.cluster, "chunk": chunk["path"], "rows": rows}, f, indent=1
+                )
     return 0
 
 

@@ -49,7 +49,7 @@ def cheapest_fallback(plan, solution, ip, options, plan_from_solution):
             sol = dataclasses.replace(solution, strategy=choice, objective=objective, fallback=name)
             best = plan_from_solution(ip, sol, name=plan.name)
     listed = ", ".join(f"{k} {v:.6g}" for k, v in costs.items())
-    from autoshard.intra.problem.build import solve_time_limit
+    from autoshard.intra.problem.options import solve_time_limit
 
     limit = solve_time_limit(options)  # the safety net where a node budget was in charge
     note = (

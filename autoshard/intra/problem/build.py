@@ -52,8 +52,8 @@ from autoshard.intra.problem.exact_values import (
 )
 from autoshard.intra.problem.options import (
     DEFAULT_INTRA_OPTIONS,
-    SAFETY_NET_FACTOR,
     IntraOptions,
+    solve_time_limit,
 )
 from autoshard.intra.problem.predict import (
     RELABELS,
@@ -452,18 +452,6 @@ def _plan_once(
                 f"prediction {plan.predicted_peak_bytes:.6g} B"
             )
     return plan
-
-
-def solve_time_limit(options) -> float | None:
-    """The wall-clock limit of the per-demand solve (and of the exact one after it) under
-    ``options``: :data:`~autoshard.intra.problem.options.SAFETY_NET_FACTOR` times
-    ``time_limit_s`` where a node budget (``max_nodes``) ends it and no memory budget
-    makes its root node the whole solve -- a safety net far above the solve, so that the
-    count, not the machine's load, decides the plan -- else ``time_limit_s``."""
-    limit = options.time_limit_s
-    if limit is None or options.max_nodes is None or options.memory_budget_bytes is not None:
-        return limit
-    return SAFETY_NET_FACTOR * limit
 
 
 def _solved(common, mesh, options, pinned_inputs, name, exact_values, settings, budgeted,

@@ -338,3 +338,15 @@ def _real(x) -> bool:
 
 
 DEFAULT_INTRA_OPTIONS = IntraOptions()
+
+
+def solve_time_limit(options) -> float | None:
+    """The wall-clock limit of the per-demand solve (and of the exact one after it) under
+    ``options``: :data:`SAFETY_NET_FACTOR` times
+    ``time_limit_s`` where a node budget (``max_nodes``) ends it and no memory budget
+    makes its root node the whole solve -- a safety net far above the solve, so that the
+    count, not the machine's load, decides the plan -- else ``time_limit_s``."""
+    limit = options.time_limit_s
+    if limit is None or options.max_nodes is None or options.memory_budget_bytes is not None:
+        return limit
+    return SAFETY_NET_FACTOR * limit
