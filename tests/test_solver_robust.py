@@ -18,7 +18,8 @@ def _cli(*args):
 @pytest.mark.parametrize("solver", ["cbc", "highs"])
 def test_cli_time_limit_too_short_still_prints_a_plan_and_warns(solver):
     proc = _cli(
-        *f"plan --model gpt-tiny --mesh 2x4 --solver {solver} --time-limit 0.01 --json".split()
+        # 0.002 s: its safety net (5x) is 0.01 s, the limit this test had before the net
+        *f"plan --model gpt-tiny --mesh 2x4 --solver {solver} --time-limit 0.002 --json".split()
     )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
