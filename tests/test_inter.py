@@ -318,7 +318,7 @@ def test_units_are_read_back_from_the_disk_cache(tmp_path, monkeypatch):
 
 
 def test_the_traced_step_is_read_back_from_the_disk_cache(tmp_path, monkeypatch):
-    import autoshard.api_pipeline as api
+    import autoshard.api_stage_plan as api
 
     monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
     name, graph = api.microbatch_graph("gpt-tiny", 2, batch_size=8, num_layers=2)

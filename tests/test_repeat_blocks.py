@@ -25,7 +25,7 @@ def test_three_blocks_repeated_are_the_deep_trace(kw):
 
 
 def test_the_plan_path_traces_three_blocks_and_gets_the_deep_graph(monkeypatch):
-    import autoshard.api_pipeline as api
+    import autoshard.api_stage_plan as api
 
     monkeypatch.delenv("AUTOSHARD_CACHE_DIR", raising=False)
     full = trace_microbatch("gpt-tiny", 2, **SMALL, num_layers=6).graph

@@ -362,7 +362,7 @@ class PooledUnits:
             "_owners_of",
             "_graph_keys",
             "_offloaded",
-            "_grad_bytes",
+            "_replica_layers",
         ):
             setattr(twin, memo, {})
         twin._nodes_by_layer = twin._crossings_by_high = None

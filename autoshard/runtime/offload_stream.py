@@ -1,4 +1,5 @@
-"""Stream offloaded optimizer state through the device a group at a time (docs/offload.md).
+"""Stream offloaded optimizer state through the device a group at a time (docs/offload.md),
+and copy master weights resting in host memory to the device in their narrow dtype.
 
 With the state's memory kind ``pinned_host`` and a ``jax.device_put`` of every state tensor
 where the step starts (the form before this module), XLA:GPU copied the whole state into
@@ -27,11 +28,17 @@ state_window` reads the bound from the step lowered for GPU, which this machine 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from autoshard.inter.program_cut import StageProgram
+from autoshard.trace.jaxpr import TracedProgram
 
 STREAM_WINDOW = 1  # groups on the device at once: the planner's staging of two tensors
 # (one parameter's moments) is one Adam group
@@ -221,3 +228,31 @@ def streamed_update(
         {j: host_leaves[j - n_params] for j in host_out},
     )
     return out
+
+
+# ---------------------------------------------- master weights resting in host memory
+
+
+def _narrow_dtype(prog: TracedProgram, sp: StageProgram, tid: int):
+    """The dtype the stage's equations convert master weight ``tid`` to (every reader of
+    a master is a convert to one narrow dtype, :func:`~autoshard.intra.offload.placement.
+    tensor_classes`)."""
+    dtypes = set()
+    for i in sp.eqns:
+        eqn, (prim, params) = prog.records.eqns[i], prog._impls[i]
+        if tid in eqn.inputs:
+            if prim.name != "convert_element_type":
+                raise ValueError(
+                    f"master weight {tid} is read by {prim.name}, not only through a convert "
+                    "to 16 bits: it cannot rest in host memory as a master"
+                )
+            dtypes.add(jnp.dtype(params["new_dtype"]))
+    if len(dtypes) != 1:
+        raise ValueError(f"master weight {tid} is converted to {sorted(map(str, dtypes))} here")
+    return dtypes.pop()
+
+
+@functools.cache
+def _narrow_copy(sharding: NamedSharding, dtype):
+    """A jitted copy of one host-resting weight to the device, converted to ``dtype``."""
+    return jax.jit(lambda x: jax.device_put(x, sharding).astype(dtype), out_shardings=sharding)

@@ -74,10 +74,7 @@ twice): it counts forward executions without changing what runs.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -86,13 +83,26 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.inter.program_cut import StageProgram
-from autoshard.inter.stage_memory import is_attention_sized, zero_dim
-from autoshard.inter.stages import RECOMPUTE_MODES
 from autoshard.ir.records import TensorRecord
 from autoshard.runtime.distributed import to_host
-from autoshard.runtime.offload_stream import STREAM_WINDOW, streamed_update
+from autoshard.runtime.offload_stream import (
+    STREAM_WINDOW,
+    _narrow_copy,
+    _narrow_dtype,
+    streamed_update,
+)
 from autoshard.runtime.sharded import HOST_MEMORY
 from autoshard.runtime.stage_layout import StageLayout
+from autoshard.runtime.stage_recompute import _layer_groups, recompute_policy
+from autoshard.runtime.stage_replicas import (  # noqa: F401 - re-exported
+    ReplicaShapes,
+    _check_model_only,
+    _combine,
+    _names_data,
+    _on_mesh,
+    _replica_shapes,
+    zero_spec,
+)
 from autoshard.trace.jaxpr import TracedProgram
 
 Probe = Callable[[int, str], None]
@@ -118,210 +128,6 @@ def nest(items) -> dict:
 
 def inexact(rec: TensorRecord) -> bool:
     return jnp.issubdtype(jnp.dtype(rec.dtype), jnp.inexact)
-
-
-def recompute_policy(mode: str):
-    """The ``jax.checkpoint`` policy of a recompute mode (None: no checkpoint)."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {mode!r}")
-    if mode == "none":
-        return None
-    if mode == "selective":
-        return _save_all_but_attention
-    return jax.checkpoint_policies.nothing_saveable
-
-
-def _save_all_but_attention(prim, *avals, **params) -> bool:
-    """Selective recompute's policy: keep a value unless it is attention-sized or made
-    from one (scores, softmax and their masks are rebuilt from the saved Q, K, V)."""
-    if any(is_attention_sized(getattr(a, "shape", ())) for a in avals):
-        return False
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    out = jax.eval_shape(lambda *xs: prim.bind(*xs, **params), *structs)
-    return not any(is_attention_sized(o.shape) for o in jax.tree.leaves(out))
-
-
-def _narrow_dtype(prog: TracedProgram, sp: StageProgram, tid: int):
-    """The dtype the stage's equations convert master weight ``tid`` to (every reader of
-    a master is a convert to one narrow dtype, :func:`~autoshard.intra.offload.placement.
-    tensor_classes`)."""
-    dtypes = set()
-    for i in sp.eqns:
-        eqn, (prim, params) = prog.records.eqns[i], prog._impls[i]
-        if tid in eqn.inputs:
-            if prim.name != "convert_element_type":
-                raise ValueError(
-                    f"master weight {tid} is read by {prim.name}, not only through a convert "
-                    "to 16 bits: it cannot rest in host memory as a master"
-                )
-            dtypes.add(jnp.dtype(params["new_dtype"]))
-    if len(dtypes) != 1:
-        raise ValueError(f"master weight {tid} is converted to {sorted(map(str, dtypes))} here")
-    return dtypes.pop()
-
-
-@functools.cache
-def _narrow_copy(sharding: NamedSharding, dtype):
-    """A jitted copy of one host-resting weight to the device, converted to ``dtype``."""
-    return jax.jit(lambda x: jax.device_put(x, sharding).astype(dtype), out_shardings=sharding)
-
-
-def _layer_groups(eqns, recomputed: Callable[[str | None], bool]):
-    """Consecutive runs of equations of one layer: ``[(layer, recomputed, eqns)]``."""
-    groups: list[tuple[str | None, bool, list]] = []
-    for item in eqns:
-        layer = item[0].layer
-        if groups and groups[-1][0] == layer:
-            groups[-1][2].append(item)
-        else:
-            groups.append((layer, recomputed(layer), [item]))
-    return groups
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaShapes:
-    """Per tensor, the dim that holds the microbatch's rows, found by comparing the
-    program traced at the microbatch (``full``) with its trace at ``1/replicas`` of it
-    (``local``): the dim that shrank by ``replicas``; None where no dim shrank (the
-    tensor is the same in every replica: a loss scalar, a weight)."""
-
-    replicas: int
-    batch_dims: Mapping[int, int | None]
-
-    @staticmethod
-    def compare(full: TracedProgram, local: TracedProgram, replicas: int) -> ReplicaShapes:
-        """The batch dims of the tensors ``full``'s equations read and write; ValueError
-        where ``local`` is not the same program at ``1/replicas`` of the rows."""
-        a, b = full.records, local.records
-        differ = next(
-            (
-                x
-                for x, y in zip(a.eqns, b.eqns)
-                if (x.primitive, x.inputs, x.outputs) != (y.primitive, y.inputs, y.outputs)
-            ),
-            None,
-        )
-        if len(a.eqns) != len(b.eqns) or differ is not None or a.inputs != b.inputs:
-            where = f" (equation {differ.index}, {differ.primitive})" if differ else ""
-            raise ValueError(
-                f"the loss traced at 1/{replicas} of the microbatch has other equations than "
-                f"at the microbatch{where}: it cannot run as data-parallel replicas; use "
-                "grad_reduce='microbatch' or more rows per replica"
-            )
-        ids = {*a.inputs, *a.outputs, *(t for e in a.eqns for t in (*e.inputs, *e.outputs))}
-        dims: dict[int, int | None] = {}
-        for t in sorted(ids):
-            big, small = a.tensors[t], b.tensors[t]
-            shrunk = [
-                d for d, (m, n) in enumerate(zip(big.shape, small.shape, strict=False)) if m != n
-            ]
-            if (
-                len(big.shape) != len(small.shape)
-                or len(shrunk) > 1
-                or any(big.shape[d] != small.shape[d] * replicas for d in shrunk)
-            ):
-                raise ValueError(
-                    f"tensor {big.path or big.id} is {list(big.shape)} at the microbatch and "
-                    f"{list(small.shape)} at 1/{replicas} of it: not one batch dim split "
-                    f"{replicas} ways, so the stage cannot run as data-parallel replicas"
-                )
-            dims[t] = shrunk[0] if shrunk else None
-        return ReplicaShapes(replicas, dims)
-
-    def manual_spec(self, t: int) -> PartitionSpec:
-        """``shard_map``'s spec of a tensor: ``data`` on its batch dim (None: replicated)."""
-        d = self.batch_dims[t]
-        return PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data")
-
-    def placed_spec(self, t: int, spec: PartitionSpec, rank: int) -> PartitionSpec:
-        """The full tensor's spec: the replica plan's ``spec`` with ``data`` added (major)
-        on its batch dim."""
-        d = self.batch_dims[t]
-        if d is None:
-            return spec
-        entries = list(spec) + [None] * (rank - len(spec))
-        held = entries[d]
-        held = () if held is None else (held,) if isinstance(held, str) else tuple(held)
-        entries[d] = ("data", *held)
-        return PartitionSpec(*entries)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    """The mesh axes one entry of a ``PartitionSpec`` names."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec:
-    """A replica stage's ``spec`` (on ``model`` only) of a tensor of ``shape`` with
-    ``data`` added, minor (after the dim's ``model`` axes: each replica's share lies inside
-    its own ``model`` shard, so nothing moves but the reduce-scatter and all-gather), on
-    its ZeRO dim (:func:`~autoshard.inter.stage_memory.zero_dim`): how its optimizer state
-    rests and its update runs; ``spec`` itself where it has none."""
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    split = tuple(math.prod(mesh.shape[a] for a in _axes(e)) for e in entries)
-    d = zero_dim(tuple(shape), split, mesh.shape["data"])
-    if d is None:
-        return spec
-    entries[d] = (*_axes(entries[d]), "data")
-    return PartitionSpec(*entries)
-
-
-def _names_data(spec: PartitionSpec) -> bool:
-    for entry in spec:
-        if entry == "data" or (isinstance(entry, tuple) and "data" in entry):
-            return True
-    return False
-
-
-def _check_model_only(stage: int, constraints) -> None:
-    """ValueError where a replica stage's constraints name ``data``."""
-    for table in (constraints.outputs, constraints.operands):
-        for eqn, found in table.items():
-            for _, sharding in found:
-                if _names_data(sharding.spec):
-                    raise ValueError(
-                        f"stage {stage} runs as data-parallel replicas but its plan constrains "
-                        f"equation {eqn} to {sharding.spec}: a replica's plan may use only "
-                        "'model'"
-                    )
-
-
-def _replica_shapes(prog, replica_prog, mesh, offload) -> ReplicaShapes | None:
-    """The stage's :class:`ReplicaShapes`, or None where it runs as one (no
-    ``replica_prog``, or a ``data`` axis of 1)."""
-    if replica_prog is None or mesh.shape["data"] == 1:
-        return None
-    if offload:
-        raise ValueError(
-            f"a stage offloading {', '.join(offload)} cannot run as data-parallel replicas "
-            "(grad_reduce='step'): the offloaded update and residuals are not built for the "
-            "stacked gradients; drop offload or use grad_reduce='microbatch'"
-        )
-    return ReplicaShapes.compare(prog, replica_prog, mesh.shape["data"])
-
-
-def _on_mesh(constraints, mesh):
-    """``constraints`` with each sharding's spec on ``mesh`` (a replica's: the trace's
-    context inside its ``shard_map``, ``data`` manual, ``model`` left to GSPMD)."""
-
-    def rebased(table):
-        return {
-            k: tuple((pos, NamedSharding(mesh, sh.spec)) for pos, sh in found)
-            for k, found in table.items()
-        }
-
-    return dataclasses.replace(
-        constraints, outputs=rebased(constraints.outputs), operands=rebased(constraints.operands)
-    )
-
-
-def _combine(stacked):
-    """One value from the replicas' stacked copies of an output without a batch dim: the
-    mean of a floating-point one (the microbatch's mean loss is the mean of its equal
-    shares' means), the first of another (the same in every replica)."""
-    if jnp.issubdtype(stacked.dtype, jnp.inexact):
-        return stacked.mean(0)
-    return stacked[0]
 
 
 class StageExecutable:
@@ -739,7 +545,12 @@ class StageExecutable:
             jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sh)
             for r, sh in zip(kept, kept_shardings, strict=True)
         ]
-        cts = [
+        return (*args, residuals, self.abstract_cotangents(), self.abstract_grads())
+
+    def abstract_cotangents(self):
+        """The cotangents of the stage's floating-point outputs, as :attr:`backward` takes
+        them: abstract arrays in the outputs' shardings."""
+        return [
             jax.ShapeDtypeStruct(
                 self.tensors[t].shape,
                 jnp.dtype(self.tensors[t].dtype),
@@ -747,7 +558,6 @@ class StageExecutable:
             )
             for t in self.float_out
         ]
-        return (*args, residuals, cts, self.abstract_grads())
 
     def abstract_grads(self):
         """The gradient accumulator as abstract arrays with its shardings."""

@@ -104,14 +104,7 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
             jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sh)
             for r, sh in zip(residuals, residual_shardings, strict=True)
         ]
-        out_cts = [
-            jax.ShapeDtypeStruct(
-                st.tensors[t].shape,
-                np.dtype(st.tensors[t].dtype),
-                sharding=st.output_shardings[st.sp.outputs.index(t)],
-            )
-            for t in st.float_out
-        ]
+        out_cts = st.abstract_cotangents()
         # the parameters' own dtypes (f32 for a master); replicas: stacked over data
         grad_acc = st.abstract_grads()
         if trainer.num_microbatches == 1:  # the backward and the update, one program
