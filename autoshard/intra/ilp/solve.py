@@ -30,6 +30,7 @@ from autoshard.intra.ilp.problem import (
 from autoshard.intra.ilp.reduce import _reduce
 from autoshard.intra.ilp.reduced import _Reduced
 from autoshard.intra.ilp.solvers import _ABS_GAP, SOLVERS, _check_solver, _Outcome, _run
+from autoshard.intra.ilp.stops import LOAD_DEPENDENT, _by_clock, _overrun  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -574,42 +575,10 @@ def solve(
     )
 
 
-# what a warning adds where a wall-clock limit, not a count, decided the plan
-LOAD_DEPENDENT = (
-    "a wall-clock limit decided this plan, so it depends on the machine's load: another "
-    "run can return another plan"
-)
-
-
-def _by_clock(out: _Outcome) -> bool:
-    """Whether the wall clock stopped the solve of ``out`` (its time limit), not a count
-    (nodes, simplex iterations). CBC does not say which limit stopped it: a CBC solve
-    stopped anywhere counts as stopped by the clock."""
-    stopped = out.status in ("time_limit", "no_incumbent", "lp_stopped")
-    return stopped and out.limit not in ("nodes", "iterations")
-
-
 # a neighbourhood's plan within the absolute gap the solvers prove (_ABS_GAP of the
 # rescaled range), or within this fraction of its objective (the simplex's own
 # tolerances), of the whole program's LP bound counts as proven optimal
 _PROVEN_GAP = 1e-7
-
-
-# a solve that ran this much past its time limit says so in the warning
-OVERRUN_FACTOR, OVERRUN_GRACE_S = 1.2, 2.0
-
-
-def _overrun(out: _Outcome, time_limit_s: float | None, model: _Model) -> str:
-    """Words for a solve that ran well past its time limit: HiGHS checks the limit between
-    its search steps, and its start-up heuristics on a very large program (the per-demand
-    program on a 3-axis mesh: 1.3 million columns) run on past it with no way to stop them."""
-    wall, limit = out.wall_s, time_limit_s
-    if wall is None or limit is None or wall <= limit * OVERRUN_FACTOR + OVERRUN_GRACE_S:
-        return ""
-    return (
-        f" (the solver ran {wall:.0f} s: its start-up on this {model.num_cols:,}-column program"
-        " is not interrupted by the limit)"
-    )
 
 
 def _add(a: int | None, b: int | None) -> int | None:
