@@ -771,13 +771,46 @@ def test_cbc_past_its_own_limit_is_killed_at_the_wall_clock(monkeypatch, tmp_pat
     assert _cbc_children() == []
 
 
-def test_time_limit_with_incumbent_warns_and_returns_it():
+class _BuildTakesNoTime:
+    """``time`` for autoshard's solver module, whose clock stands still: building and
+    writing the model (counted against the time limit) take no time, so the whole limit
+    goes to CBC's own clock whatever the machine's load (under load the build alone once
+    ate the 1 s, and the solve fell back to the greedy plan)."""
+
+    def __init__(self):
+        import time
+
+        self._time, self._now = time, time.monotonic()
+
+    def monotonic(self):
+        return self._now
+
+    def __getattr__(self, name):
+        return getattr(self._time, name)
+
+
+def test_time_limit_with_incumbent_warns_and_returns_it(monkeypatch):
+    import autoshard.intra.ilp.solvers as solvers
+
+    monkeypatch.setattr(solvers, "time", _BuildTakesNoTime())
     pb = dense_random(20, 4, seed=1)
-    with pytest.warns(SolverTimeLimitWarning, match="time_limit_s=1"):
+    with pytest.warns(SolverTimeLimitWarning, match="time_limit_s=1.*depends on the machine's"):
         sol = solve(pb, solver="cbc", time_limit_s=1.0)
-    assert sol.status == "time_limit"
+    assert sol.status == "time_limit" and sol.limit == "time"  # CBC's log said so
     assert sol.gap is not None and sol.gap > 0
     assert sol.objective == objective_of(pb, sol.strategy) < INF
+    assert sol.load_dependent
+
+
+def test_cbc_stopped_by_its_node_budget_says_so_and_is_not_load_dependent():
+    pb = dense_random(20, 4, seed=1)
+    with pytest.warns(SolverTimeLimitWarning, match="at max_nodes=1:") as caught:
+        sol = solve(pb, solver="cbc", time_limit_s=600.0, max_nodes=1)
+    assert "load" not in str(caught[0].message)
+    assert sol.status == "time_limit" and sol.limit == "nodes" and sol.nodes == 1
+    assert sol.gap is not None and sol.gap > 0
+    assert sol.objective == objective_of(pb, sol.strategy) < INF
+    assert not sol.load_dependent
 
 
 @pytest.mark.parametrize("solver", ["cbc", "highs"])

@@ -51,7 +51,7 @@ class _Outcome:
     # optimal | time_limit | no_incumbent | infeasible | fractional | lp_stopped | neighbourhood
     status: str
     bound: float | None  # best bound on the model objective
-    nodes: int | None = None  # branch-and-bound nodes explored (HiGHS)
+    nodes: int | None = None  # branch-and-bound nodes explored
     limit: str | None = None  # what stopped a solve: "time", "nodes" or (LP) "iterations"
     wall_s: float | None = None  # the solver's own run, wall clock (HiGHS)
 
@@ -133,6 +133,22 @@ def _solve_cbc_owned(prob: pulp.LpProblem, opts: tuple, time_limit_s, started: f
     prob.assignVarsVals(values)
     prob.assignStatus(status, sol_status)
     return True
+
+
+# CBC's summary says what stopped it ("Result - Stopped on node limit") and how many
+# branch-and-bound nodes it enumerated
+_CBC_STOPS = {"time limit": "time", "node limit": "nodes", "iteration limit": "iterations"}
+
+
+def _cbc_stop(log: str) -> tuple[str | None, int | None]:
+    """(what stopped CBC: "time", "nodes", "iterations" or None where it ran to its end or
+    its log does not say, the nodes it enumerated or None) from CBC's log."""
+    stopped = re.search(r"Result - Stopped on (\w+ limit)", log)
+    enumerated = re.search(r"Enumerated nodes:\s+(\d+)", log)
+    return (
+        _CBC_STOPS.get(stopped.group(1)) if stopped else None,
+        int(enumerated.group(1)) if enumerated else None,
+    )
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -529,15 +545,16 @@ def _run_cbc(model: _Model, time_limit_s: float | None, mip_gap: float, seed: in
         log = Path(tmp, "cbc.log").read_text()
     found = re.search(r"Lower bound:\s+(\S+)", log)
     bound = float(found.group(1)) if found else None
+    limit, nodes = _cbc_stop(log)
     status, sol_status = prob.status, prob.sol_status
     if status == pulp.LpStatusInfeasible:
         return _Outcome("infeasible", None)
     if status == pulp.LpStatusNotSolved:
-        return _Outcome("no_incumbent", bound)
+        return _Outcome("no_incumbent", bound, nodes, limit)
     if status == pulp.LpStatusOptimal:
         model.values = np.array([v.varValue or 0.0 for v in x])
         optimal = sol_status == pulp.LpSolutionOptimal
-        return _Outcome("optimal" if optimal else "time_limit", bound)
+        return _Outcome("optimal" if optimal else "time_limit", bound, nodes, limit)
     raise RuntimeError(
         f"CBC ended with PuLP status {pulp.LpStatus[status]}; log tail:\n{log[-2000:]}"
     )

@@ -16,8 +16,8 @@ LOAD_DEPENDENT = (
 
 def _by_clock(out: _Outcome) -> bool:
     """Whether the wall clock stopped the solve of ``out`` (its time limit), not a count
-    (nodes, simplex iterations). CBC does not say which limit stopped it: a CBC solve
-    stopped anywhere counts as stopped by the clock."""
+    (nodes, simplex iterations). A solve whose solver does not say which limit stopped it
+    counts as stopped by the clock."""
     stopped = out.status in ("time_limit", "no_incumbent", "lp_stopped")
     return stopped and out.limit not in ("nodes", "iterations")
 

@@ -87,7 +87,7 @@ EXACT_WIDE_LP_MAX_ITERATIONS = 40_000
 
 def _stopped(solution) -> str:
     """Where the exact program stopped: its node budget or its time (the user's limit, or
-    its cap under a memory budget; CBC does not say which), and its own gap (against a
+    its cap under a memory budget), and its own gap (against a
     bound that is weak on these programs), the per-demand status and gap being the plan's."""
     at = {
         "nodes": f"its {EXACT_MAX_NODES}-node budget",
