@@ -16,6 +16,7 @@ from autoshard.inter.program_cut import StageProgram
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import GRAD_REDUCE_CHOICES
 from autoshard.ir.graph import build_graph
+from autoshard.ir.row_coupling import coupled_rows_error, row_couplings
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_train_step
 from autoshard.runtime.stage import ReplicaShapes
@@ -36,7 +37,9 @@ class Replicas:
     ``dp`` replicas cannot run (the microbatch does not split so, or its trace at 1/dp is
     another program, e.g. a batch dim squeezed at one row): not offered to the search
     under "auto"; with ``strict`` (``grad_reduce="step"``, which asked for them) the
-    error. :meth:`priced_like`: ``dp -> IntraStageCost`` of that trace with a stage
+    error, and the error where the loss couples rows (a batch statistic: under "auto"
+    the search prices such a stage's replicas at infinity,
+    :meth:`~autoshard.inter.stage_cost.IntraStageCost.replica_coupling`). :meth:`priced_like`: ``dp -> IntraStageCost`` of that trace with a stage
     cost's meshes and ILP settings (the stage search's ``replicas``)."""
 
     def __init__(self, loss_fn, optimizer, abstract, batch, num_microbatches, program, *, strict):
@@ -55,11 +58,14 @@ class Replicas:
                     self._loss_fn, self._optimizer, self._abstract, self._batch, parts
                 )
                 try:
-                    ReplicaShapes.compare(self._program, found.program, dp)
+                    shapes = ReplicaShapes.compare(self._program, found.program, dp)
                 except ValueError:
                     if self._strict:
                         raise
                     found = None
+                else:
+                    if self._strict:  # "auto": the search keeps replicas off coupled stages
+                        refuse_row_coupling(self._program.records, shapes, dp)
             self._traces[dp] = found
         return self._traces[dp]
 
@@ -86,6 +92,14 @@ class Replicas:
             return costs[dp]
 
         return replica_cost
+
+
+def refuse_row_coupling(records, shapes: ReplicaShapes, dp: int) -> None:
+    """ValueError naming the first equation where the loss ``records`` couple rows
+    (:func:`~autoshard.ir.row_coupling.row_couplings`), ``dp`` replicas asked for."""
+    found = row_couplings(records.eqns, shapes.batch_dims, records.layers)
+    if found:
+        raise coupled_rows_error(found, dp)
 
 
 def check_grad_reduce(grad_reduce, layout, stages, offload, spec_fn) -> None:

@@ -22,6 +22,7 @@ from autoshard.inter.options import STAGE_METHODS, StageSearchOptions
 from autoshard.inter.plan import InterPlan, Shape2
 from autoshard.inter.progress import Progress
 from autoshard.inter.stage_cost import IntraStageCost
+from autoshard.inter.stage_replicas import refuse_coupled_replicas
 from autoshard.inter.stages import (
     NO_GRAD_REDUCE,
     NO_PLACEMENT,
@@ -265,6 +266,8 @@ def search_stages(
         raise ValueError(
             "the IntraStageCost given was built for another traced step or microbatch count"
         )
+    if grad_reduces == ("step",) and getattr(cost, "replicas", None) is not None:
+        refuse_coupled_replicas(cost, num_devices)  # replicas asked for: not another program
     placements = tuple(getattr(cost, "placements", NO_PLACEMENT))
     t0 = time.perf_counter()
     seconds_before = cost.seconds

@@ -150,6 +150,7 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
         # microbatches (:meth:`replica_range_cost`); None: no once-a-step reduction priced
         self.replicas = replicas
         self._replica_layers: dict = {}  # (signature, logical, replica cost) -> ReplicaLayer
+        self._replica_couplings: dict = {}  # dp -> row_couplings against its replica trace
         self.owners = param_owner_layers(graph)
         shallow_signatures = layer_signatures(graph)
         self._shallow_signatures = shallow_signatures

@@ -18,6 +18,13 @@ from autoshard.intra.cost.collectives import (
     reduce_scatter_cost,
 )
 from autoshard.intra.cost.resharding import CostOptions
+from autoshard.ir.row_coupling import (
+    RowCoupling,
+    common_forward,
+    coupled_rows_error,
+    first_coupling_within,
+    row_couplings,
+)
 
 _NO_TIES = CostOptions(tie_breakers=False)
 
@@ -40,6 +47,31 @@ class ReplicaCosts:
                 f"(this cost has baseline={self.baseline!r}, offload={self.offload.label!r})"
             )
         return self.replicas(logical[0])  # None: the microbatch does not split so
+
+    def replica_couplings(self, dp: int) -> tuple[RowCoupling, ...] | None:
+        """Where this step's forward couples rows (:func:`~autoshard.ir.row_coupling.
+        row_couplings`), each tensor's batch dim read off the trace at 1/dp of the
+        microbatch (``replicas(dp)``; where that forward is another program, one row a
+        replica, the part of it that is the same, :func:`~autoshard.ir.row_coupling.
+        common_forward`). None where there is no such trace."""
+        if dp not in self._replica_couplings:
+            replica = self.replica_cost((dp, 1))
+            found = None
+            if replica is not None:
+                eqns, dims = common_forward(self.graph, replica.graph, dp)
+                found = row_couplings(eqns, dims, self.graph.layers)
+            self._replica_couplings[dp] = found
+        return self._replica_couplings[dp]
+
+    def replica_coupling(self, start: int, end: int, dp: int) -> RowCoupling | None:
+        """The first equation where layers ``[start, end)`` run as ``dp`` replicas would
+        couple rows (compute a batch statistic per replica): such a stage is not offered
+        as replicas. A folded cost (its layers stand for a deeper model's) with any
+        coupling counts every range coupled."""
+        found = self.replica_couplings(dp) or ()
+        if self.folded:
+            return found[0] if found else None
+        return first_coupling_within(found, start, end)
 
     def replica_layer(self, layer: int, logical: Shape2) -> ReplicaLayer:
         """What layer ``layer``'s replicas on ``logical = (dp, tp)`` hold and reduce, under
@@ -91,12 +123,16 @@ class ReplicaCosts:
         (:meth:`replica_reduce_s`) spread over the microbatches; memory: a replica's, its
         optimizer state sharded over ``data`` where a dim divides.
         Infinite with one replica or one microbatch a step (nothing to save: the runtime's
-        one-microbatch step reduces as it updates)."""
+        one-microbatch step reduces as it updates), and where the replicas would run
+        another program: their forward at 1/dp is not this one's, or the range couples
+        rows (:meth:`replica_coupling`: a batch statistic computed per replica)."""
         dp, tp = logical
         if dp < 2 or self.num_microbatches < 2:
             return StageCost(math.inf, 0.0, 0.0)
         replica = self.replica_cost(logical)
-        if replica is None:
+        if replica is None or self.replica_couplings(dp) is None:
+            return StageCost(math.inf, 0.0, 0.0)
+        if self.replica_coupling(start, end, dp) is not None:  # another program
             return StageCost(math.inf, 0.0, 0.0)
         if replica.num_microbatches != self.num_microbatches:
             raise ValueError(
@@ -114,6 +150,20 @@ class ReplicaCosts:
             latency_s=base.latency_s + per_step / self.num_microbatches,
             param_bytes=base.param_bytes - sum(x.state_saved_bytes for x in layers),
         )
+
+
+def refuse_coupled_replicas(cost, devices: int) -> None:
+    """``grad_reduce="step"`` (every stage with ``dp > 1`` runs as replicas): ValueError
+    naming the first equation where ``cost``'s step couples rows, read at the first ``dp``
+    in ``2 .. devices`` whose replicas can run (the coupling is the forward's, whatever
+    the ``dp``)."""
+    for dp in range(2, devices + 1):
+        found = cost.replica_couplings(dp)
+        if found is None:
+            continue
+        if found:
+            raise coupled_rows_error(found, dp)
+        return
 
 
 @dataclasses.dataclass(frozen=True)
