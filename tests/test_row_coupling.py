@@ -6,6 +6,8 @@ keeps its stages off replicas (the GPT and MLP stay offered)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -14,9 +16,12 @@ import pytest
 
 from autoshard.api_pipeline import auto_pipeline, trace_microbatch
 from autoshard.hardware.mesh import uniform_mesh
+from autoshard.inter.options import StageSearchOptions
 from autoshard.inter.plan import LOGICAL_AXES
+from autoshard.inter.search import search_stages
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stage_replicas import refuse_coupled_replicas
+from autoshard.inter.stages import GRAD_REDUCES
 from autoshard.ir.row_coupling import first_coupling_within, row_couplings
 from autoshard.models import get_workload, make_optimizer, make_train_step
 from autoshard.runtime.stage_layout import loss_program
@@ -83,6 +88,7 @@ def test_a_reduction_over_rows_that_is_no_sum_couples():
     assert first.primitive == "reduce_max"
 
 
+@functools.cache
 def _wresnet():
     workload = get_workload("wresnet-tiny", **WRESNET)
     opt = make_optimizer("sgd", 0.1)
@@ -122,21 +128,26 @@ def test_step_refuses_wresnet_naming_the_batch_norm():
     assert "grad_reduce='microbatch'" in str(err.value)
 
 
-def _mesh_for(logical):
-    # data links as fast as model links: replicas (no reduction a microbatch) are cheap
-    return uniform_mesh(
-        logical, LOGICAL_AXES, 1e-6, (1e-11, 1e-11), peak_flops=1e12, hbm_bandwidth=1e12
-    )
+def _mesh_for(data_beta: float):
+    """Logical meshes whose ``data`` axis moves a byte in ``data_beta`` seconds."""
+
+    def mesh_for(logical):
+        return uniform_mesh(
+            logical, LOGICAL_AXES, 1e-6, (data_beta, 1e-11), peak_flops=1e12, hbm_bandwidth=1e12
+        )
+
+    return mesh_for
 
 
-def _cost(workload, batch: int, m: int = 2, **overrides) -> IntraStageCost:
+def _cost(workload, batch: int, m: int = 2, data_beta: float = 1e-11, **overrides):
     """``workload``'s step at ``m`` microbatches, its replicas traced at 1/dp of one."""
     memo: dict = {}
+    mesh_for = _mesh_for(data_beta)
 
     def cost_at(trace_m, replicas=None):
         graph = trace_microbatch(workload, trace_m, "sgd", **overrides).graph
         return IntraStageCost(
-            graph, _mesh_for, time_limit_s=30, num_microbatches=m, replicas=replicas
+            graph, mesh_for, time_limit_s=30, num_microbatches=m, replicas=replicas
         )
 
     def replicas(dp):
@@ -161,6 +172,20 @@ def test_auto_does_not_offer_replicas_to_wresnets_batch_norm_stages(wresnet_cost
     assert math.isfinite(cost(2, 3, (1, 2), (2, 1), grad_reduce="step").latency_s)
     with pytest.raises(ValueError, match=r"\(sub\) in WideResNet/stem/bn"):
         refuse_coupled_replicas(cost, 8)
+
+
+def test_the_search_keeps_wresnets_batch_norm_stage_off_replicas():
+    # slow data links: replicas (one reduction a step) would win the batch-norm stage
+    cost = _cost("wresnet-tiny", 32, data_beta=1e-6, **WRESNET)
+    options = StageSearchOptions(
+        2, stages=((0, 2), (2, 3)), logical_meshes=((4, 1), (4, 1)), grad_reduces=GRAD_REDUCES
+    )
+    plan = search_stages(cost.graph, 1, 8, options, cost=cost)
+    assert plan.stages[0].grad_reduce == "microbatch"  # stem and block_0: batch norm
+    with pytest.raises(ValueError, match=r"couples rows .* WideResNet/stem/bn"):
+        search_stages(
+            cost.graph, 1, 8, dataclasses.replace(options, grad_reduces=("step",)), cost=cost
+        )
 
 
 @pytest.mark.parametrize(("workload", "batch"), [("gpt-tiny", 8), ("mlp", 32)])
