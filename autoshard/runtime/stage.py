@@ -65,7 +65,8 @@ output without a batch dim (the loss, a parameter sent on) is the mean of the re
 (a microbatch's mean loss is the mean of its equal shares' means) and its cotangent is
 split ``1/D`` to each; a received tensor without one gets the sum of the replicas'
 cotangents.  Math that couples rows across replicas (a batch statistic) is not what the
-microbatch computes: such a stage keeps today's path.  Not with offload.
+microbatch computes: such a stage keeps today's path (the search does not offer it as
+replicas and ``grad_reduce="step"`` refuses it, :mod:`autoshard.ir.row_coupling`).  Not with offload.
 
 ``probe(stage, layer)``, when given, is called through ``jax.debug.callback`` each time
 a layer's forward equations run (inside the checkpoint, so a recomputed layer reports
