@@ -16,7 +16,7 @@ from autoshard.inter.program_cut import StageProgram
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stages import GRAD_REDUCE_CHOICES
 from autoshard.ir.graph import build_graph
-from autoshard.ir.row_coupling import coupled_rows_error, row_couplings
+from autoshard.ir.row_coupling import coupled_rows_error, row_couplings, row_literals
 from autoshard.ir.spec import ShardingSpec
 from autoshard.models import make_train_step
 from autoshard.runtime.stage import ReplicaShapes
@@ -65,7 +65,7 @@ class Replicas:
                     found = None
                 else:
                     if self._strict:  # "auto": the search keeps replicas off coupled stages
-                        refuse_row_coupling(self._program.records, shapes, dp)
+                        refuse_row_coupling(self._program, found.program, shapes, dp)
             self._traces[dp] = found
         return self._traces[dp]
 
@@ -94,10 +94,19 @@ class Replicas:
         return replica_cost
 
 
-def refuse_row_coupling(records, shapes: ReplicaShapes, dp: int) -> None:
-    """ValueError naming the first equation where the loss ``records`` couple rows
-    (:func:`~autoshard.ir.row_coupling.row_couplings`), ``dp`` replicas asked for."""
-    found = row_couplings(records.eqns, shapes.batch_dims, records.layers)
+def refuse_row_coupling(full: TracedProgram, local: TracedProgram, shapes, dp: int) -> None:
+    """ValueError naming the first equation where the loss program ``full`` couples rows
+    (:func:`~autoshard.ir.row_coupling.row_couplings`; ``local``: it at 1/dp of the
+    microbatch, ``shapes`` their :class:`ReplicaShapes`), ``dp`` replicas asked for."""
+    a, b = full.records, local.records
+    operands = {t for e in a.eqns for t in e.inputs}
+    found = row_couplings(
+        a.eqns,
+        shapes.batch_dims,
+        a.layers,
+        loss=a.outputs[-1],
+        row_literals=row_literals(a, b, dp, operands),
+    )
     if found:
         raise coupled_rows_error(found, dp)
 

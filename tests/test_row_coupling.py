@@ -22,7 +22,7 @@ from autoshard.inter.search import search_stages
 from autoshard.inter.stage_cost import IntraStageCost
 from autoshard.inter.stage_replicas import refuse_coupled_replicas
 from autoshard.inter.stages import GRAD_REDUCES
-from autoshard.ir.row_coupling import first_coupling_within, row_couplings
+from autoshard.ir.row_coupling import first_coupling_within, row_couplings, row_literals
 from autoshard.models import get_workload, make_optimizer, make_train_step
 from autoshard.runtime.stage_layout import loss_program
 from autoshard.runtime.stage_replicas import ReplicaShapes
@@ -47,7 +47,11 @@ def _couplings(loss):
 
     full, local = program(ROWS), program(ROWS // DP)
     shapes = ReplicaShapes.compare(full, local, DP)
-    return row_couplings(full.records.eqns, shapes.batch_dims, full.records.layers)
+    a = full.records
+    literals = row_literals(a, local.records, DP, {t for e in a.eqns for t in e.inputs})
+    return row_couplings(
+        a.eqns, shapes.batch_dims, a.layers, loss=a.outputs[-1], row_literals=literals
+    )
 
 
 def _rows(params, batch):
@@ -81,6 +85,21 @@ def test_a_non_linear_function_of_a_batch_statistic_couples(loss, primitive):
     (first,) = _couplings(loss)
     assert first.primitive == primitive
     assert "non-linear" in first.reason
+
+
+def test_a_loss_summed_over_rows_couples():
+    # the pipeline averages the replicas' losses: each would be 1/dp of the sum
+    (first,) = _couplings(lambda p, b: jnp.sum(jnp.sum(_rows(p, b) ** 2, axis=1)))
+    assert first.primitive == "reduce_sum"
+    assert "sums over rows" in first.reason
+    # divided by the rows (however written) it is a mean
+    assert _couplings(lambda p, b: jnp.sum(_rows(p, b) ** 2) / b["x"].shape[0]) == ()
+    assert _couplings(lambda p, b: jnp.sum(_rows(p, b) ** 2 / b["x"].shape[0])) == ()
+
+
+def test_a_per_row_value_scaled_by_the_row_count_then_non_linear_couples():
+    (first,) = _couplings(lambda p, b: jnp.mean(jnp.exp(_rows(p, b) / b["x"].shape[0])))
+    assert first.primitive == "exp"
 
 
 def test_a_reduction_over_rows_that_is_no_sum_couples():

@@ -58,8 +58,14 @@ class ReplicaCosts:
             replica = self.replica_cost((dp, 1))
             found = None
             if replica is not None:
-                eqns, dims = common_forward(self.graph, replica.graph, dp)
-                found = row_couplings(eqns, dims, self.graph.layers)
+                eqns, dims, literals = common_forward(self.graph, replica.graph, dp)
+                found = row_couplings(
+                    eqns,
+                    dims,
+                    self.graph.layers,
+                    loss=self.graph.outputs[-1],
+                    row_literals=literals,
+                )
             self._replica_couplings[dp] = found
         return self._replica_couplings[dp]
 

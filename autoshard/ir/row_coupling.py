@@ -16,6 +16,11 @@ statistic*: it has no batch dim and is made from values that have one) breaks th
 * or the reduction itself is not a sum (a ``max`` over rows), or an op runs along the
   batch dim (a ``cumsum`` or ``sort`` over rows).
 
+Two more ways the replicas' program differs, told by the literals that are the row count
+(they differ between the two traces): the loss is a sum over rows, not a mean (the
+pipeline averages the replicas' losses: each would count ``1/dp`` of the sum), and a
+per-row value scaled by the row count goes through a non-linear op.
+
 Only the forward is read: the backward of a row-separable forward is row-separable (the
 gradient of a sum over rows is the sum of the rows' gradients; those sums are the
 replicas' once-a-step reduction).
@@ -29,6 +34,7 @@ statistic it depends on run in the same stage (:meth:`RowCoupling.within`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 # reductions over rows that are sums: the replicas' results averaged are the microbatch's
@@ -94,17 +100,30 @@ class RowCoupling:
 
 
 def row_couplings(
-    eqns: Sequence, batch_dims: Mapping[int, int | None], layers: Sequence[str]
+    eqns: Sequence,
+    batch_dims: Mapping[int, int | None],
+    layers: Sequence[str],
+    *,
+    loss: int | None = None,
+    row_literals: Mapping[int, int] | None = None,
 ) -> tuple[RowCoupling, ...]:
     """The equations of ``eqns``' forward that couple rows (module docstring), in order.
 
     ``eqns``: a traced step's equations or graph nodes (``primitive``, ``inputs``,
     ``outputs``, ``params``, ``layer``, ``phase``, ``module_path``); those of another
     phase are skipped. ``batch_dims``: each tensor's batch dim, None (or absent: a literal,
-    a constant) where it has none. ``layers``: the trace's layer tags, in order."""
+    a constant) where it has none. ``layers``: the trace's layer tags, in order.
+
+    With ``loss`` (the loss tensor) and ``row_literals`` (:func:`row_literals`: the
+    literals that are the row count, 1, or its inverse, -1), also where the loss is not a
+    mean over rows (a sum over them: the pipeline averages the replicas' losses, so theirs
+    would be ``1/dp`` of it) and where a per-row value scaled by the row count goes through
+    a non-linear op (its function depends on how many rows a replica holds)."""
     order = {name: i for i, name in enumerate(layers)}
+    row_literals = row_literals or {}
     position: dict[int, int] = {}  # tensor -> layer position of the equation making it
     stat: dict[int, tuple[int, int]] = {}  # statistic -> (its position, its equation)
+    scale: dict[int, int] = {}  # tensor -> power of the row count it scales with
     found = []
     for e in eqns:
         if e.phase != "forward":
@@ -113,14 +132,74 @@ def row_couplings(
         for t in e.outputs:
             position[t] = pos
         reason, source = _step(e, pos, stat, batch_dims)
+        scaled = {t for t in e.inputs if scale.get(t, 0) and t not in row_literals}
+        if reason is None and scaled and not _linear_in(e, scaled):
+            reason, source = (
+                "a value scaled by the row count goes through a non-linear op",
+                (
+                    pos,
+                    e.index,
+                ),
+            )
         if reason is not None:
             found.append(
                 RowCoupling(e.index, e.primitive, e.module_path, e.layer, reason, pos, *source)
             )
-        elif source is not None:
+            continue
+        if source is not None:
             for t in e.outputs:
                 stat[t] = source
+        k = _scale(e, scale, row_literals, source == (pos, e.index))
+        for t in e.outputs:
+            if k:
+                scale[t] = k
+    if loss is not None and scale.get(loss, 0) and loss in stat:
+        where, eqn = stat[loss]
+        e = next(x for x in eqns if x.index == eqn)
+        found.append(
+            RowCoupling(
+                e.index,
+                e.primitive,
+                e.module_path,
+                e.layer,
+                "the loss sums over rows rather than averaging them (the pipeline averages "
+                "the replicas' losses, so each would count 1/dp of the sum)",
+                where,
+                where,
+                eqn,
+            )
+        )
     return tuple(found)
+
+
+def _scale(e, scale: Mapping[int, int], row_literals: Mapping[int, int], sums: bool) -> int:
+    """The power of the row count ``e``'s outputs scale with: its operands' (the largest),
+    plus one for a sum over rows (``sums``), less one for a division by the row count."""
+    k = max((scale.get(t, 0) for t in e.inputs if t not in row_literals), default=0)
+    if sums:
+        k += 1
+    if e.primitive == "div" and e.inputs[1] in row_literals:
+        k -= row_literals[e.inputs[1]]
+    elif e.primitive == "mul":
+        k += sum(row_literals.get(t, 0) for t in e.inputs)
+    return k
+
+
+def row_literals(full, local, replicas: int, ids) -> dict[int, int]:
+    """Among tensors ``ids``, the scalar literals two traces of one step (``full`` at the
+    microbatch, ``local`` at ``1/replicas`` of it; ``tensors`` with ``literal``) hold as
+    the row count (``full``'s ``replicas`` times ``local``'s: 1) or its inverse (-1): a
+    mean's divisor."""
+    found = {}
+    for t in ids:
+        a, b = full.tensors[t].literal, local.tensors[t].literal
+        if a is None or b is None or isinstance(a, bool) or a == b or not a or not b:
+            continue
+        if math.isclose(a, b * replicas, rel_tol=1e-6):
+            found[t] = 1
+        elif math.isclose(a * replicas, b, rel_tol=1e-6):
+            found[t] = -1
+    return found
 
 
 def _step(e, pos: int, stat: Mapping[int, tuple[int, int]], batch_dims: Mapping[int, int | None]):
@@ -192,13 +271,16 @@ def row_dim(big: Sequence[int], small: Sequence[int], replicas: int) -> int | No
     return shrunk[0] if shrunk else None
 
 
-def common_forward(full, local, replicas: int) -> tuple[list, dict[int, int | None]]:
+def common_forward(
+    full, local, replicas: int
+) -> tuple[list, dict[int, int | None], dict[int, int]]:
     """The forward equations two traces of one step share (``full`` at the microbatch,
     ``local`` at ``1/replicas`` of it; graphs or trace records: ``tensors`` and ``nodes``
     or ``eqns``) and each of their tensors' batch dims (:func:`row_dim`): all of the
     forward where ``local``'s is the same program; else those before the first equation
     that differs, less those reading or making a tensor whose shapes give no batch dim
-    (a batch dim squeezed at one row a replica): what the pair can tell."""
+    (a batch dim squeezed at one row a replica): what the pair can tell; and the literals
+    among their operands that are the row count (:func:`row_literals`)."""
     a = [e for e in _eqns(full) if e.phase == "forward"]
     b = [e for e in _eqns(local) if e.phase == "forward"]
     shared, dims = [], {}
@@ -214,7 +296,8 @@ def common_forward(full, local, replicas: int) -> tuple[list, dict[int, int | No
             continue
         shared.append(x)
         dims.update(found)
-    return shared, dims
+    operands = {t for e in shared for t in e.inputs}
+    return shared, dims, row_literals(full, local, replicas, operands)
 
 
 def _eqns(program) -> Sequence:
@@ -228,9 +311,9 @@ def coupled_rows_error(couplings: Sequence[RowCoupling], replicas: int) -> Value
     more = f" (and {len(couplings) - 1} more)" if len(couplings) > 1 else ""
     return ValueError(
         f"grad_reduce='step' runs {replicas} data-parallel replicas, each on 1/{replicas} of "
-        f"the microbatch's rows, but the step couples rows at {first.describe()}{more}; the "
-        f"statistic is made at equation {first.source_eqn}. Each replica would compute it "
-        "from its own rows (a batch norm's statistics per replica): another program than "
-        "the one asked for. Use grad_reduce='microbatch' (--grad-reduce microbatch), or "
-        "'auto', which runs replicas only on the stages that couple no rows"
+        f"the microbatch's rows, but the step couples rows at {first.describe()}{more} (the "
+        f"batch statistic it uses is made at equation {first.source_eqn}): each replica "
+        "would compute it from its own rows, another program than the one asked for. Use "
+        "grad_reduce='microbatch' (--grad-reduce microbatch), or 'auto', which runs "
+        "replicas only on the stages that couple no rows"
     )
