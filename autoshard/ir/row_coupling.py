@@ -67,6 +67,7 @@ LINEAR = frozenset(
 )
 # linear in each operand while the others are not statistics
 ONE_OPERAND_LINEAR = frozenset({"mul", "dot_general", "conv_general_dilated"})
+_SCALED_NON_LINEAR = "a value scaled by the row count goes through a non-linear op"
 # ops that run along one axis and keep it: along the batch dim they mix rows
 ALONG_AXIS = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort"})
 
@@ -134,13 +135,7 @@ def row_couplings(
         reason, source = _step(e, pos, stat, batch_dims)
         scaled = {t for t in e.inputs if scale.get(t, 0) and t not in row_literals}
         if reason is None and scaled and not _linear_in(e, scaled):
-            reason, source = (
-                "a value scaled by the row count goes through a non-linear op",
-                (
-                    pos,
-                    e.index,
-                ),
-            )
+            reason, source = _SCALED_NON_LINEAR, (pos, e.index)
         if reason is not None:
             found.append(
                 RowCoupling(e.index, e.primitive, e.module_path, e.layer, reason, pos, *source)
@@ -169,7 +164,7 @@ def row_couplings(
                 eqn,
             )
         )
-    return tuple(found)
+    return tuple(sorted(found, key=lambda c: c.eqn))
 
 
 def _scale(e, scale: Mapping[int, int], row_literals: Mapping[int, int], sums: bool) -> int:
