@@ -148,6 +148,18 @@ def test_step_refuses_wresnet_naming_the_batch_norm():
     assert "grad_reduce='microbatch'" in str(err.value)
 
 
+def test_simulate_refuses_step_on_wresnet():
+    from autoshard.sim.simulate import simulate
+
+    with pytest.raises(
+        ValueError, match=r"couples rows at equation \d+ \(sub\) in WideResNet/stem/bn"
+    ):
+        simulate(
+            "wresnet-tiny", "dgx-a100", 8, "auto", num_microbatches=2, global_batch=64,
+            grad_reduce="step",
+        )  # fmt: skip
+
+
 def _mesh_for(data_beta: float):
     """Logical meshes whose ``data`` axis moves a byte in ``data_beta`` seconds."""
 
