@@ -37,10 +37,11 @@ class Replicas:
     ``dp`` replicas cannot run (the microbatch does not split so, or its trace at 1/dp is
     another program, e.g. a batch dim squeezed at one row): not offered to the search
     under "auto"; with ``strict`` (``grad_reduce="step"``, which asked for them) the
-    error, and the error where the loss couples rows (a batch statistic: under "auto"
+    error, and the error where the loss couples rows (a batch statistic; under "auto"
     the search prices such a stage's replicas at infinity,
-    :meth:`~autoshard.inter.stage_cost.IntraStageCost.replica_coupling`). :meth:`priced_like`: ``dp -> IntraStageCost`` of that trace with a stage
-    cost's meshes and ILP settings (the stage search's ``replicas``)."""
+    :meth:`~autoshard.inter.stage_cost.IntraStageCost.replica_coupling`).
+    :meth:`priced_like`: ``dp -> IntraStageCost`` of that trace with a stage cost's
+    meshes and ILP settings (the stage search's ``replicas``)."""
 
     def __init__(self, loss_fn, optimizer, abstract, batch, num_microbatches, program, *, strict):
         self._loss_fn, self._optimizer, self._abstract = loss_fn, optimizer, abstract

@@ -136,9 +136,7 @@ class ReplicaCosts:
         if dp < 2 or self.num_microbatches < 2:
             return StageCost(math.inf, 0.0, 0.0)
         replica = self.replica_cost(logical)
-        if replica is None or self.replica_couplings(dp) is None:
-            return StageCost(math.inf, 0.0, 0.0)
-        if self.replica_coupling(start, end, dp) is not None:  # another program
+        if replica is None or self.replica_coupling(start, end, dp) is not None:
             return StageCost(math.inf, 0.0, 0.0)
         if replica.num_microbatches != self.num_microbatches:
             raise ValueError(
