@@ -155,3 +155,47 @@ def test_a_unit_prices_its_junctions_with_other_layers_planned_before_it(tiny4):
             paid += reshard_to_consumers(made, reads, t.shape, 4, mesh, _NO_TIES).cost
         assert u.plan.objective == pytest.approx(u.compute_s + u.communication_s + paid)
     assert cost._drain_reads(cost.subgraph(0, 1), mesh)  # the embedding's activation
+
+
+def test_a_units_communication_is_its_plans_collectives_once_per_value():
+    """The stage ILPs solve the per-demand program, which pays a spec that two readers of
+    a value want twice (gpt-tiny's block on a DGX A100 (2, 4): a cotangent both backward
+    ``mul``s read replicated, all-gathered once by XLA). The unit prices what its plan
+    compiles to: each predicted collective once (one micro-batch: nothing amortised),
+    below what the ILP's objective charged beyond compute."""
+    from autoshard.intra.cost.collectives import collective_cost
+
+    g = trace_workload("gpt-tiny", num_layers=2, batch_size=8).graph
+    mesh_for = logical_mesh_costs(cluster_for("dgx-a100", 1, 8))
+    cost = IntraStageCost(g, mesh_for, solver="highs", num_microbatches=1)
+    logical = (2, 4)
+    mesh = mesh_for(logical)
+    u = cost.unit(1, 2, logical)
+    want = sum(collective_cost(mesh, c, _NO_TIES) for c in u.plan.predicted_collectives)
+    assert want > 0 and u.communication_s == pytest.approx(want, rel=1e-12)
+    assert sum(u.communication_by_axis.values()) == pytest.approx(want, rel=1e-12)
+    # what the ILP charged for the values, beyond compute and the junctions it priced
+    # (its ties with the next block, its feed from the embedding, its drains): more
+    charged = u.plan.objective - u.compute_s - _junctions_paid(cost, 1, logical, itemsize=4)
+    assert charged > 1.1 * u.communication_s
+
+
+def _junctions_paid(cost, layer, logical, itemsize):
+    """Seconds ``layer``'s unit's ILP paid on its junctions: its ties with a layer of its
+    own signature, the inputs fed by layers planned before, the outputs they read."""
+    mesh = cost.mesh_for(logical)
+    u, rg = cost.unit(layer, layer + 1, logical), cost.subgraph(layer, layer + 1)
+    g = rg.graph
+    paid = sum(
+        reshard(u.plan.output_specs[j], u.plan.input_specs[k], g.tensors[g.inputs[k]].shape,
+                itemsize, mesh, _NO_TIES).cost
+        for k, j in cost._tie_pairs(rg)
+    )  # fmt: skip
+    for k, src in cost._fed_specs(rg, mesh):
+        t = g.tensors[g.inputs[k]]
+        paid += reshard(src, u.plan.input_specs[k], t.shape, itemsize, mesh, _NO_TIES).cost
+    for j, reads in cost._drain_reads(rg, mesh):
+        t = g.tensors[g.outputs[j]]
+        made = u.plan.output_specs[j]
+        paid += reshard_to_consumers(made, reads, t.shape, itemsize, mesh, _NO_TIES).cost
+    return paid

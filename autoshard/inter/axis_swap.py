@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from autoshard.hardware.mesh import DeviceMesh
-from autoshard.ir.spec import ShardingSpec
+from autoshard.ir.spec import ShardingSpec, sub_axis, sub_axis_name
 
 
 def swappable(a: DeviceMesh, b: DeviceMesh) -> bool:
@@ -25,6 +25,17 @@ def swappable(a: DeviceMesh, b: DeviceMesh) -> bool:
     if a.nodes is not None and a.mesh.num_devices > a.nodes.devices_per_node:
         return False
     return dataclasses.replace(a, mesh=b.mesh) == b
+
+
+def swap_axis_name(name: str, names: Mapping[str, str]) -> str:
+    """``name`` with its axis renamed by ``names``; a sub-axis (``model:(2)2``, a part of
+    ``model`` that a collective may run over) renamed with its axis, so that it names a
+    part of the axis of the size it was planned on."""
+    sub = sub_axis(name)
+    if sub is None:
+        return names.get(name, name)
+    axis, pre, size = sub
+    return sub_axis_name(names.get(axis, axis), pre, size)
 
 
 def _swap_spec(spec: ShardingSpec, names: Mapping[str, str]) -> ShardingSpec:
@@ -60,11 +71,11 @@ def swap_axes(unit, mesh: DeviceMesh):
             n: {k: sw(x) for k, x in ops.items()} for n, ops in plan.operand_specs.items()
         },
         predicted_collectives=tuple(
-            dataclasses.replace(c, axes=tuple(names.get(x, x) for x in c.axes))
+            dataclasses.replace(c, axes=tuple(swap_axis_name(x, names) for x in c.axes))
             for c in plan.predicted_collectives
         ),
     )
     by_axis = unit.communication_by_axis
     if by_axis is not None:
-        by_axis = {names.get(x, x): sec for x, sec in by_axis.items()}
+        by_axis = {swap_axis_name(x, names): sec for x, sec in by_axis.items()}
     return dataclasses.replace(unit, plan=swapped, communication_by_axis=by_axis)

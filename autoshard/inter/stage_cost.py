@@ -19,7 +19,9 @@ shared step count: scalars) belong to no range.  Per microbatch::
 
 Both come from one ILP whose objective is compute + communication (the mesh's peak
 FLOP/s, :data:`~autoshard.inter.submesh.DEFAULT_PEAK_FLOPS` where it has none), so replicated work is not credited
-with devices it does not use.  Gradients are accumulated over the ``B`` microbatches and
+with devices it does not use.  The ILP is the per-demand program (a spec two readers of a
+value want is paid twice); the unit's communication is its plan's collectives priced once
+per value, as XLA compiles them (:func:`~autoshard.inter.unit_cost.communication_by_axis`).  Gradients are accumulated over the ``B`` microbatches and
 reduced once per step, so the update equations' compute and the resharding into them
 (the gradient all-reduce or reduce-scatter) are scaled by ``1 / B``: the objective is
 seconds per microbatch with the once-per-step work spread over the microbatches.
@@ -85,13 +87,7 @@ from autoshard.inter.unit_cost import (
     communication_by_axis,
 )
 from autoshard.inter.unit_pool import PooledUnits
-from autoshard.inter.unit_ties import (
-    fed_seconds,
-    tie_seconds,
-    with_drains,
-    with_feeds,
-    with_ties,
-)
+from autoshard.inter.unit_ties import with_drains, with_feeds, with_ties
 from autoshard.intra.cost.resharding import CostOptions
 from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload.placement import (
@@ -381,9 +377,9 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
             if self.offload.state:  # a host update costs the device nothing
                 options = options.replace(offload=self.offload.state.classes)
             ip = build_problem(graph, mesh, options, pinned_inputs=pinned)
-            ip, tied = with_ties(ip, self._tie_pairs(rg), _NO_TIES)
-            ip, fed = with_feeds(ip, fed_specs, _NO_TIES)
-            ip, drained = with_drains(ip, drain_reads, _NO_TIES)
+            ip, _ = with_ties(ip, self._tie_pairs(rg), _NO_TIES)
+            ip, _ = with_feeds(ip, fed_specs, _NO_TIES)
+            ip, _ = with_drains(ip, drain_reads, _NO_TIES)
             problem = amortise_update(ip, amortise)
             solution = self._solutions.get(problem)
             if solution is None:
@@ -421,13 +417,11 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
             graph, plan, mesh, self.offload.state, self.cluster, self.num_microbatches,
             lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
         )  # fmt: skip
-        # the junctions priced in the ILP (tied) are the stage's, not the unit's
-        tie_s = tie_seconds(problem, tied, solution.strategy)
-        tie_s += fed_seconds(fed, solution.strategy) + fed_seconds(drained, solution.strategy)
-        communication = max(solution.objective - compute - tie_s, 0.0)
-        by_axis = communication_by_axis(
-            ip, solution.strategy, mesh, amortise, communication, _NO_TIES
-        )
+        # the plan's collectives, priced once per value as XLA makes them (not the
+        # objective: the per-demand program may pay a value twice); the junctions the ILP
+        # priced (ties, feeds, drains) are no value's collectives: the stage's, not the unit's
+        by_axis = communication_by_axis(ip, solution.strategy, mesh, amortise, _NO_TIES)
+        communication = math.fsum(by_axis.values())
         return UnitCost(
             plan,
             graph.flops,

@@ -15,15 +15,16 @@ edge between the ILP node making output ``j`` and input ``k``'s node prices that
 junction in the ILP (seconds to reshard the output's spec into the input's), so the plan
 chooses its layouts knowing what crossing between blocks costs.  The junction itself is
 priced outside the unit (:meth:`~autoshard.inter.stage_cost.IntraStageCost.junction`):
-the unit's communication leaves these edges out (:func:`tie_seconds`).
+the unit's communication (its plan's predicted collectives) never holds these edges,
+which :func:`tie_seconds` prices.
 
 Where a layer of another signature makes the input (the head's activation from the last
 block), that layer's unit is planned first and the input's node costs, per spec, the
 reshard from the spec that plan makes it in (:func:`with_feeds`); and where a layer of
 another signature planned first reads an output (the first block reads the embedding's),
 the node making it costs, per strategy, the reshard into that plan's reads
-(:func:`with_drains`). Both are the junction's, left out of the unit's communication
-(:func:`fed_seconds`).
+(:func:`with_drains`). Both are the junction's, not in the unit's communication either
+(:func:`fed_seconds` prices them).
 """
 
 from __future__ import annotations
