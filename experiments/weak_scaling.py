@@ -21,9 +21,10 @@ Adam), Adafactor for GPT-MoE, SGD with Nesterov momentum 0.9 for Wide-ResNet; th
 step's optimizer state is what each search's memory and update time count.
 For GPT the full search also chooses its micro-batch count (``SEARCH_MICROBATCHES``;
 ``simulate(num_microbatches=("search", m))``): the whole search at the default count, a
-quarter and half of it, twice and four times it, and at the count ``m`` of each Megatron-LM method's best grid
-point (``megatron``, and ``megatron-flash`` where it runs), the fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as Megatron's
-grid searches its own; intra-op only and inter-op only take the count it chose. GPT-MoE and
+quarter and half of it, twice and four times it, and at the count ``m`` of each
+Megatron-LM method's best grid point (``megatron``, and ``megatron-flash`` where it runs),
+the fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as
+Megatron's grid searches its own; intra-op only and inter-op only take the count it chose. GPT-MoE and
 Wide-ResNet keep the one default count (their chunks take 12-20 min each at one count), and
 so does ``--quick`` (the search would take it past 5 minutes); ``config.auto_microbatches``
 says which.
