@@ -24,10 +24,10 @@ For GPT the full search also chooses its micro-batch count (``SEARCH_MICROBATCHE
 quarter and half of it, twice and four times it, and at the count ``m`` of each
 Megatron-LM method's best grid point (``megatron``, and ``megatron-flash`` where it runs),
 the fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as
-Megatron's grid searches its own; intra-op only and inter-op only take the count it chose. GPT-MoE and
-Wide-ResNet keep the one default count (their chunks take 12-20 min each at one count), and
-so does ``--quick`` (the search would take it past 5 minutes); ``config.auto_microbatches``
-says which.
+Megatron's grid searches its own; intra-op only and inter-op only take the count it chose.
+GPT-MoE and Wide-ResNet keep the one default count (their chunks take 12-20 min each at one
+count), and so does ``--quick`` (the search would take it past 5 minutes);
+``config.auto_microbatches`` says which.
 Where a GPT stage with data-parallel replicas reduces its gradients is ``--grad-reduce``
 (``simulate``'s ``grad_reduce``: every micro-batch, the default; ``step``; or ``auto``, each
 stage choosing, docs/weak_scaling.md): the full search and the restricted searches priced
@@ -402,8 +402,8 @@ def run(quick: bool, progress, grad_reduce: str = "microbatch") -> dict:
             "ilp_time_limit_s": ILP_TIME_LIMIT_S,
             "grad_reduce": reduce_by,
             "auto_microbatches": {
-                f: "searched: the default count, a quarter, half, 2x and 4x it and each Megatron-LM "
-                "method's best point's (the fastest that fits wins; plan.microbatch_search "
+                f: "searched: the default count, a quarter, half, 2x and 4x it and each "
+                "Megatron-LM method's best point's (the fastest that fits wins; plan.microbatch_search "
                 "lists them)"
                 if f in SEARCH_MICROBATCHES and not quick
                 else "one count: simulate's default for plan='auto'"

@@ -70,10 +70,10 @@ MICROBATCH_SEARCH = "search"  # num_microbatches="search": the default candidate
 def microbatch_candidates(batch: int, default: int | None, extra=(), valid=None) -> tuple[int, ...]:
     """The micro-batch counts ``plan="auto"`` searches, ascending: ``default``, a quarter
     and half of it, twice and four times it, each kept only if it is whole, divides
-    ``batch`` (a micro-batch at least one sequence) and ``valid(count)`` holds (a GPT-MoE's micro-batch holds whole expert
-    groups); plus every count of ``extra`` (e.g. Megatron-LM's best point's), which must
-    divide the batch and pass ``valid``, else a ValueError naming the count. ``default``
-    None: ``extra`` only."""
+    ``batch`` (a micro-batch at least one sequence) and ``valid(count)`` holds (a
+    GPT-MoE's micro-batch holds whole expert groups); plus every count of ``extra`` (e.g.
+    Megatron-LM's best point's), which must divide the batch and pass ``valid``, else a
+    ValueError naming the count. ``default`` None: ``extra`` only."""
     for c in extra:
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"a micro-batch count to search must be a positive int, got {c!r}")

@@ -141,7 +141,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--out",
-        default=f"benchmarks/results/grad_reduce_default_ab_{time.strftime('%Y-%m-%d', time.gmtime())}.json",
+        default="benchmarks/results/grad_reduce_default_ab_"
+        + time.strftime("%Y-%m-%d", time.gmtime())
+        + ".json",
         help="write the samples and medians as JSON here (default: benchmarks/results/"
         "grad_reduce_default_ab_<date>.json)",
     )

@@ -2,8 +2,8 @@
 cause 5): the step time it finds and the search time it costs, on the weak-scaling figure's
 GPT points.
 
-For each GPT point of a weak-scaling chunk (``benchmarks/results/weak_scaling_chunk_<cluster>_gpt_*.json``)
-it runs ``autoshard simulate --plan auto --microbatches search,<M...> --json`` in a fresh
+For each GPT point of a weak-scaling chunk
+(``benchmarks/results/weak_scaling_chunk_<cluster>_gpt_*.json``) it runs ``autoshard simulate --plan auto --microbatches search,<M...> --json`` in a fresh
 process (``AUTOSHARD_CACHE_DIR`` unset: no plan read from disk), ``M`` the counts of the
 chunk's Megatron-LM best points, as ``experiments/weak_scaling.py`` searches them. Every
 candidate is a whole search of its own (nothing is shared between counts), so one run gives
