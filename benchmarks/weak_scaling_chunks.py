@@ -14,6 +14,7 @@ made: each chunk's wall and CPU seconds and the commit it ran on) and draws
     python benchmarks/weak_scaling_chunks.py DIR --families moe wresnet   # only these chunks
     python benchmarks/weak_scaling_chunks.py DIR --assemble OUT   # figure from finished clusters
     python benchmarks/weak_scaling_chunks.py --add-methods megatron-flash DIR  # rows added
+    python benchmarks/weak_scaling_chunks.py DIR --families gpt --grad-reduce auto
 
 ``--add-methods megatron-flash`` adds Megatron-LM's flash-attention grid point
 (``weak_scaling.MEGATRON_PROGRAMS``) to the finished GPT chunks of clusters whose device has
@@ -22,6 +23,12 @@ search again (the grid is closed-form: seconds per chunk). The chunk records it 
 ``added_methods`` (method, commit, wall seconds, what was not rerun), its ``config`` gets the
 method's note, and ``--assemble`` carries ``added_methods`` into ``data.chunks``; a chunk
 that has the method's rows already is left as it is.
+
+``--grad-reduce`` is ``weak_scaling.py``'s (where the GPT searches' stages reduce
+data-parallel gradients; default ``microbatch``); each chunk records it in
+``config.grad_reduce`` (a chunk without it reduced every micro-batch), a finished chunk
+that reduced otherwise is refused rather than skipped (give another DIR), and
+``--assemble`` records it per chunk and per family as it does the optimizer.
 
 Each chunk records the optimizer its family was traced with (``weak_scaling.OPTIMIZER``);
 a chunk written before that was recorded traced AdamW, the only optimizer then, and the
@@ -46,6 +53,12 @@ def chunk_optimizer(part: dict, family: str) -> str:
     """The optimizer a chunk traced its family with: recorded in its config, else AdamW
     (chunks written before the optimizer was recorded traced every family with AdamW)."""
     return part["config"].get("optimizer", {}).get(family, "adamw")
+
+
+def chunk_grad_reduce(part: dict, family: str) -> str:
+    """Where a chunk's searches reduced data-parallel gradients: recorded in its config,
+    else every micro-batch (chunks written before it was recorded)."""
+    return part["config"].get("grad_reduce", {}).get(family, "microbatch")
 
 
 ADDABLE = ("megatron-flash",)  # methods --add-methods can add to finished chunks
@@ -103,6 +116,13 @@ def main() -> None:
         help=f"add this method's rows to the finished chunks (one of {', '.join(ADDABLE)}; "
         "repeatable) without rerunning them",
     )
+    ap.add_argument(
+        "--grad-reduce",
+        choices=ws.GRAD_REDUCE_CHOICES,
+        default="microbatch",
+        help="where the GPT searches' stages reduce data-parallel gradients (weak_scaling.py's "
+        "--grad-reduce; default: microbatch)",
+    )
     args = ap.parse_args()
     if args.assemble is not None and (args.families or args.clusters or args.add_methods):
         ap.error(
@@ -130,11 +150,16 @@ def main() -> None:
     if args.assemble is None:
         for c in args.clusters or clusters:
             for f in args.families or suites:
+                want = ws.family_grad_reduce(f, args.grad_reduce)
                 if path(c, f).exists():
+                    had = chunk_grad_reduce(json.loads(path(c, f).read_text()), f)
+                    if had != want:
+                        sys.exit(f"{path(c, f)} reduced gradients by {had}, not {want}: "
+                                 "give another DIR")  # fmt: skip
                     continue
                 ws.SUITES, ws.CLUSTERS = {f: suites[f]}, (c,)
                 t0, cpu0 = time.perf_counter(), figure.cpu_seconds()
-                data = ws.run(False, figure.progress)
+                data = ws.run(False, figure.progress, grad_reduce=args.grad_reduce)
                 data["chunk_wall_s"] = time.perf_counter() - t0
                 data["chunk_cpu_s"] = figure.cpu_seconds() - cpu0
                 data["chunk_commit"] = (figure.git_commit() or "")[:7] or None
@@ -148,14 +173,19 @@ def main() -> None:
     parts = [json.loads(path(c, f).read_text()) for c, f in chunks]
     data = dict(parts[0])
     data["rows"] = [r for p in parts for r in p["rows"]]
-    optimizer = {}  # per family; per cluster where the chunks of a family differ
-    for f in suites:
-        by_cluster = {c: chunk_optimizer(p, f) for (c, g), p in zip(chunks, parts) if g == f}
-        names = set(by_cluster.values())
-        optimizer[f] = names.pop() if len(names) == 1 else by_cluster
+
+    def per_family(read):  # per family; per cluster where the chunks of a family differ
+        out = {}
+        for f in suites:
+            by_cluster = {c: read(p, f) for (c, g), p in zip(chunks, parts) if g == f}
+            names = set(by_cluster.values())
+            out[f] = names.pop() if len(names) == 1 else by_cluster
+        return out
+
     data["config"] = dict(
-        parts[0]["config"], clusters=done, max_gpus={f: 64 for f in suites}, optimizer=optimizer
-    )
+        parts[0]["config"], clusters=done, max_gpus={f: 64 for f in suites},
+        optimizer=per_family(chunk_optimizer), grad_reduce=per_family(chunk_grad_reduce),
+    )  # fmt: skip
     notes = [p["config"]["megatron_flash"] for p in parts if "megatron_flash" in p["config"]]
     if notes:  # the GPT chunks of clusters with an attention table have it
         data["config"]["megatron_flash"] = notes[0]
@@ -170,6 +200,7 @@ def main() -> None:
         {"cluster": c, "family": f, "wall_s": p["chunk_wall_s"], "cpu_s": p["chunk_cpu_s"],
          "commit": p.get("chunk_commit"), "optimizer": chunk_optimizer(p, f),
          "optimizer_recorded": "optimizer" in p["config"],
+         "grad_reduce": chunk_grad_reduce(p, f),
          "added_methods": p.get("added_methods", [])}
         for (c, f), p in zip(chunks, parts, strict=True)
     ]  # fmt: skip

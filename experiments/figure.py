@@ -133,6 +133,8 @@ def main(module) -> None:
     ap.add_argument(
         "--plot-only", action="store_true", help="redraw the PNG from the JSON in --out"
     )
+    # an experiment's own flags: add_arguments(ap) names the keyword arguments of its run
+    own = module.add_arguments(ap) if hasattr(module, "add_arguments") else ()
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +143,7 @@ def main(module) -> None:
         doc = json.loads(json_path.read_text())
     else:
         t0 = time.perf_counter()
-        data = module.run(args.quick, progress)
+        data = module.run(args.quick, progress, **{k: getattr(args, k) for k in own})
         doc = record(module, data, args.quick, time.perf_counter() - t0)
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
     save(module.plot(doc), png_path)

@@ -20,19 +20,25 @@ family with (``OPTIMIZER``): AdamW for GPT (Megatron-LM's grid models mixed-prec
 Adam), Adafactor for GPT-MoE, SGD with Nesterov momentum 0.9 for Wide-ResNet; the traced
 step's optimizer state is what each search's memory and update time count.
 For GPT the full search also chooses its micro-batch count (``SEARCH_MICROBATCHES``;
-``simulate(num_microbatches=("search", m))``): the whole search at the default count, half,
-twice and four times it, and at the count ``m`` of each Megatron-LM method's best grid
-point (``megatron``, and ``megatron-flash`` where it runs), the fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as Megatron's
-grid searches its own; intra-op only and inter-op only take the count it chose. GPT-MoE and
-Wide-ResNet keep the one default count (their chunks take 12-20 min each at one count), and
-so does ``--quick`` (the search would take it past 5 minutes); ``config.auto_microbatches``
-says which.
+``simulate(num_microbatches=("search", m))``): the whole search at the default count, a
+quarter and half of it, twice and four times it, and at the count ``m`` of each
+Megatron-LM method's best grid point (``megatron``, and ``megatron-flash`` where it runs),
+the fastest that fits winning (each row's ``plan.microbatch_search`` lists them), as
+Megatron's grid searches its own; intra-op only and inter-op only take the count it chose.
+GPT-MoE and Wide-ResNet keep the one default count (their chunks take 12-20 min each at one
+count), and so does ``--quick`` (the search would take it past 5 minutes);
+``config.auto_microbatches`` says which.
+Where a GPT stage with data-parallel replicas reduces its gradients is ``--grad-reduce``
+(``simulate``'s ``grad_reduce``: every micro-batch, the default; ``step``; or ``auto``, each
+stage choosing, docs/weak_scaling.md): the full search and the restricted searches priced
+from its stage costs take it; ``config.grad_reduce`` records it per family (GPT-MoE and
+Wide-ResNet keep ``microbatch``).
 Throughput is model FLOPs per second (PFLOPS, recompute not counted), so methods that
 recompute more are not credited for it; out of memory (the memory model against the
 device's HBM) is a cross; a baseline that finds no plan at all (no micro-batch count or
 stage plan fits its rule) is a ``no_plan`` row, drawn as an open circle.
 
-    python experiments/weak_scaling.py [--quick] [--out docs/figures]
+    python experiments/weak_scaling.py [--quick] [--grad-reduce auto] [--out docs/figures]
 """
 
 from __future__ import annotations
@@ -92,6 +98,9 @@ ILP_TIME_LIMIT_S = 20.0
 # families whose full search also searches its micro-batch count (not under --quick); the
 # MoE and Wide-ResNet chunks take 12-20 min each at one count, so they keep the default
 SEARCH_MICROBATCHES = ("gpt",)
+# families whose searches take --grad-reduce (the others reduce every micro-batch)
+GRAD_REDUCE_FAMILIES = ("gpt",)
+GRAD_REDUCE_CHOICES = ("microbatch", "step", "auto")  # inter.stages.GRAD_REDUCE_CHOICES
 MEGATRON_RECOMPUTE = ("none", "selective", "full")  # the Megatron grid's recompute axis
 # the Megatron grid's methods -> the simulator's program (sim.simulate.PROGRAMS)
 MEGATRON_PROGRAMS = {"megatron": "megatron-lm", "megatron-flash": "megatron-lm-flash"}
@@ -112,22 +121,28 @@ def _data_parallel_only(cost, views=()):
     ``views`` (dp, tp) a baseline reads as data-parallel too (expert-zero2's expert groups)."""
     from autoshard.inter.stages import StageCost
 
-    def stage_cost(start, end, submesh, logical, *mode):
+    def stage_cost(start, end, submesh, logical, *mode, **how):  # how: grad_reduce=
         if logical[1] > 1 and tuple(logical) not in views:  # a tensor-parallel view
             return StageCost(math.inf, 0.0, 0.0)
-        return cost(start, end, submesh, logical, *mode)
+        return cost(start, end, submesh, logical, *mode, **how)
 
     stage_cost.refusals = getattr(cost, "refusals", [])  # the same list: the DP quotes it
     return stage_cost
 
 
-def _stage_search(cost, stage_cost, cluster, m: int, stages: int | None) -> dict:
+def _stage_search(
+    cost, stage_cost, cluster, m: int, stages: int | None, grad_reduce: str = "microbatch"
+) -> dict:
     """The stage DP over ``stage_cost`` (``stages``: a fixed count, None: searched), under
-    the device's HBM; the fastest plan flagged out of memory where none fits."""
-    from autoshard.inter.stages import RECOMPUTE_MODES, optimal_stage_plan
+    the device's HBM, each stage reducing its gradients as ``grad_reduce`` says; the fastest
+    plan flagged out of memory where none fits."""
+    from autoshard.inter.stages import RECOMPUTE_MODES, grad_reduces_for, optimal_stage_plan
 
     hbm = cluster.device.hbm_bytes
-    kw = dict(num_stages=stages, recompute_modes=RECOMPUTE_MODES)
+    kw = dict(
+        num_stages=stages, recompute_modes=RECOMPUTE_MODES,
+        grad_reduces=grad_reduces_for(grad_reduce),
+    )  # fmt: skip
     # the chain the cost stands for (a folded cost traces a few blocks for many: num_layers)
     args = (cost.num_layers, cluster.num_nodes, cluster.devices_per_node, stage_cost, m)
     try:
@@ -150,6 +165,7 @@ def _stage_search(cost, stage_cost, cluster, m: int, stages: int | None) -> dict
                     "submesh": list(s.submesh),
                     "logical_mesh_dp_tp": list(s.logical_mesh),
                     "recompute": s.recompute,
+                    "grad_reduce": s.grad_reduce,
                 }
                 for s in sp.stages
             ],
@@ -158,9 +174,11 @@ def _stage_search(cost, stage_cost, cluster, m: int, stages: int | None) -> dict
     }
 
 
-def _restricted_searches(report, cluster_name: str, gpus: int, batch: int) -> dict:
+def _restricted_searches(
+    report, cluster_name: str, gpus: int, batch: int, grad_reduce: str = "microbatch"
+) -> dict:
     """Intra-op only and inter-op only, priced with the stage costs ``auto`` used (its
-    micro-batches, dtype and optimizer)."""
+    micro-batches, dtype, optimizer and ``grad_reduce``)."""
     from autoshard.hardware.clusters import load_cluster
     from autoshard.sim.auto import shared_stage_cost
 
@@ -172,8 +190,8 @@ def _restricted_searches(report, cluster_name: str, gpus: int, batch: int) -> di
         optimizer=plan["optimizer"],
     )  # fmt: skip
     return {
-        "intra-only": _stage_search(cost, cost, cluster, m, 1),
-        "inter-only": _stage_search(cost, _data_parallel_only(cost), cluster, m, None),
+        "intra-only": _stage_search(cost, cost, cluster, m, 1, grad_reduce),
+        "inter-only": _stage_search(cost, _data_parallel_only(cost), cluster, m, None, grad_reduce),
     }
 
 
@@ -294,8 +312,30 @@ def auto_microbatches(*megas) -> tuple:
     return ("search", *sorted({m.plan["num_microbatches"] for m in megas if m is not None}))
 
 
-def run(quick: bool, progress) -> dict:
+def family_grad_reduce(family: str, grad_reduce: str) -> str:
+    """Where ``family``'s searches reduce data-parallel gradients under ``--grad-reduce``:
+    as asked for a family of ``GRAD_REDUCE_FAMILIES``, every micro-batch for the others."""
+    if grad_reduce not in GRAD_REDUCE_CHOICES:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_CHOICES}, got {grad_reduce!r}")
+    return grad_reduce if family in GRAD_REDUCE_FAMILIES else "microbatch"
+
+
+def add_arguments(ap) -> tuple[str, ...]:
+    """This experiment's own flags (figure.main): the names ``run`` takes them by."""
+    ap.add_argument(
+        "--grad-reduce",
+        choices=GRAD_REDUCE_CHOICES,
+        default="microbatch",
+        help="where the GPT searches' stages reduce data-parallel gradients: every "
+        "micro-batch (default), once a step, or auto (each stage chooses)",
+    )
+    return ("grad_reduce",)
+
+
+def run(quick: bool, progress, grad_reduce: str = "microbatch") -> dict:
     from autoshard.sim.simulate import simulate
+
+    reduce_by = {f: family_grad_reduce(f, grad_reduce) for f in SUITES}
 
     clusters = CLUSTERS[:1] if quick else CLUSTERS
     max_gpus = dict(QUICK_MAX_GPUS) if quick else {f: 64 for f in SUITES}
@@ -323,11 +363,11 @@ def run(quick: bool, progress) -> dict:
             counts = auto_microbatches(*megas)
         auto = simulate(
             model, cluster, gpus, "auto", ilp_time_limit_s=ILP_TIME_LIMIT_S, global_batch=batch,
-            optimizer=optimizer, num_microbatches=counts,
+            optimizer=optimizer, num_microbatches=counts, grad_reduce=reduce_by[family],
         )  # fmt: skip
         flops_per_step = _model_pflops(auto) * auto.step_time_s  # model PFLOP per step
         rows.append(_row(cluster, family, model, gpus, "auto", auto, _model_pflops(auto)))
-        searched = _restricted_searches(auto, cluster, gpus, batch)
+        searched = _restricted_searches(auto, cluster, gpus, batch, reduce_by[family])
         if FAMILY_BASELINES[family]:
             method = "expert-zero2" if family == "moe" else "zero-dp"
             dtype = auto.plan["dtype"]
@@ -360,9 +400,10 @@ def run(quick: bool, progress) -> dict:
             "megatron_flash": MEGATRON_FLASH_NOTE,
             "dtype": "the device's 16-bit type (fp16 on V100, bf16 on A100/H100)",
             "ilp_time_limit_s": ILP_TIME_LIMIT_S,
+            "grad_reduce": reduce_by,
             "auto_microbatches": {
-                f: "searched: the default count, half, 2x and 4x it and each Megatron-LM "
-                "method's best point's (the fastest that fits wins; plan.microbatch_search "
+                f: "searched: the default count, a quarter, half, 2x and 4x it and each "
+                "Megatron-LM method's best point's (the fastest that fits wins; plan.microbatch_search "
                 "lists them)"
                 if f in SEARCH_MICROBATCHES and not quick
                 else "one count: simulate's default for plan='auto'"

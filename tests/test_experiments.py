@@ -444,21 +444,25 @@ def test_weak_scaling_prices_every_method_with_the_familys_optimizer(monkeypatch
 def test_chunk_assembly_records_each_chunks_optimizer(tmp_path):
     """benchmarks/weak_scaling_chunks.py --assemble: a chunk that recorded no optimizer
     (written before it was) counts as AdamW and says so; a family whose chunks differ is
-    recorded per cluster, and each panel's title names its own rows' optimizer."""
+    recorded per cluster, and each panel's title names its own rows' optimizer; likewise
+    where the searches reduced gradients (``--grad-reduce``; none recorded: every
+    micro-batch), and a run asked to reduce otherwise than a finished chunk did refuses it
+    instead of skipping it."""
     import subprocess
     import sys
 
-    def chunk(cluster, family, optimizer):
+    def chunk(cluster, family, optimizer, grad_reduce=None):
         row = dict(cluster=cluster, family=family, model=f"{family}-x", gpus=1, method="auto",
                    pflops=1.0, oom=False, plan={}, step_time_s=1.0)  # fmt: skip
         config = {"global_batch": {}} | ({"optimizer": {family: optimizer}} if optimizer else {})
+        config |= {"grad_reduce": {family: grad_reduce}} if grad_reduce else {}
         if optimizer:
             row["optimizer"] = optimizer
         doc = dict(config=config, rows=[row], chunk_wall_s=1.0, chunk_cpu_s=1.0, chunk_commit="x")
         (tmp_path / f"chunk-{cluster}-{family}.json").write_text(json.dumps(doc))
 
     for c in ("alpa-v100", "dgx-a100", "dgx-h100"):
-        chunk(c, "gpt", None)
+        chunk(c, "gpt", None, "auto" if c == "dgx-h100" else None)
         chunk(c, "moe", "adafactor")
         chunk(c, "wresnet", "sgd-momentum" if c == "alpa-v100" else None)
     out = tmp_path / "out"
@@ -470,6 +474,19 @@ def test_chunk_assembly_records_each_chunks_optimizer(tmp_path):
         "moe": "adafactor",
         "wresnet": {"alpa-v100": "sgd-momentum", "dgx-a100": "adamw", "dgx-h100": "adamw"},
     }
+    assert doc["data"]["config"]["grad_reduce"] == {
+        "gpt": {"alpa-v100": "microbatch", "dgx-a100": "microbatch", "dgx-h100": "auto"},
+        "moe": "microbatch",
+        "wresnet": "microbatch",
+    }
+    reduced = {(k["cluster"], k["family"]): k["grad_reduce"] for k in doc["data"]["chunks"]}
+    assert reduced[("dgx-h100", "gpt")] == "auto" and reduced[("dgx-a100", "gpt")] == "microbatch"
+    again = [sys.executable, str(script), str(tmp_path), "--families", "gpt", "--clusters"]
+    refused = subprocess.run([*again, "dgx-a100", "--grad-reduce", "auto"], capture_output=True,
+                             text=True)  # fmt: skip
+    assert refused.returncode != 0 and "reduced gradients by microbatch, not auto" in refused.stderr
+    skipped = subprocess.run([*again, "dgx-h100", "--grad-reduce", "auto"], check=True)
+    assert skipped.returncode == 0  # finished with the same reduction: nothing to run
     recorded = {(k["cluster"], k["family"]): k["optimizer_recorded"] for k in doc["data"]["chunks"]}
     assert recorded[("alpa-v100", "gpt")] is False and recorded[("alpa-v100", "moe")] is True
     module = _script("weak-scaling")

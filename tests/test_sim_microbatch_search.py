@@ -52,24 +52,27 @@ def test_search_picks_the_fastest_candidate_as_each_alone_prices_it():
 
 
 def test_search_default_candidates_and_an_extra_count():
-    """``"search"``: the default count (16 for 16 sequences), half of it, and twice and four
-    times it where they divide the batch (they don't here); ``("search", 4)`` adds 4."""
+    """``"search"``: the default count (16 for 16 sequences), a quarter and half of it, and
+    twice and four times it where they divide the batch (they don't here); ``("search", 2)``
+    adds 2."""
     searched = simulate("gpt-125m", "alpa-v100", 2, "auto", num_microbatches="search", **SMALL)
-    assert sorted(_tried(searched)) == [8, 16]
+    assert sorted(_tried(searched)) == [4, 8, 16]
     fixed = simulate("gpt-125m", "alpa-v100", 2, "auto", **SMALL)  # the default alone
     assert fixed.plan["num_microbatches"] == 16 and "microbatch_search" not in fixed.plan
     assert _tried(searched)[16]["step_time_s"] == pytest.approx(fixed.step_time_s, rel=1e-9)
-    more = simulate("gpt-125m", "alpa-v100", 2, "auto", num_microbatches=["search", 4], **SMALL)
-    assert sorted(_tried(more)) == [4, 8, 16]
+    more = simulate("gpt-125m", "alpa-v100", 2, "auto", num_microbatches=["search", 2], **SMALL)
+    assert sorted(_tried(more)) == [2, 4, 8, 16]
 
 
 def test_candidates_around_the_default():
-    assert microbatch_candidates(1024, 64) == (32, 64, 128, 256)
-    assert microbatch_candidates(1024, 64, extra=(512,)) == (32, 64, 128, 256, 512)
-    assert microbatch_candidates(1024, 512, extra=(1024,)) == (256, 512, 1024)  # <= batch
-    assert microbatch_candidates(12, 3) == (3, 6, 12)  # odd: no half
+    assert microbatch_candidates(1024, 64) == (16, 32, 64, 128, 256)
+    assert microbatch_candidates(1024, 64, extra=(512,)) == (16, 32, 64, 128, 256, 512)
+    assert microbatch_candidates(1024, 512, extra=(1024,)) == (128, 256, 512, 1024)  # <= batch
+    assert microbatch_candidates(12, 3) == (3, 6, 12)  # odd: no half, no quarter
+    assert microbatch_candidates(24, 6) == (3, 6, 12, 24)  # 6 / 4 is not whole
     assert microbatch_candidates(16, None, extra=(4, 2, 4)) == (2, 4)
-    assert microbatch_candidates(64, 8, valid=lambda c: c <= 16) == (4, 8, 16)
+    assert microbatch_candidates(64, 8, valid=lambda c: c <= 16) == (2, 4, 8, 16)
+    assert microbatch_candidates(64, 8, valid=lambda c: c % 4 == 0) == (4, 8, 16, 32)
 
 
 def _stub(m: int, step: float, peak: float, oom: bool) -> SimulationReport:
@@ -209,7 +212,7 @@ def test_weak_scaling_gpt_search_tries_megatrons_count(monkeypatch):
     assert rows["megatron-flash"]["plan"]["program"] == "megatron-lm-flash"
     tried = {c["num_microbatches"]: c for c in rows["auto"]["plan"]["microbatch_search"]}
     flash_m = rows["megatron-flash"]["plan"]["num_microbatches"]
-    assert {mega_m, flash_m, 32, 64} <= set(tried)  # default 64, half, both Megatron's
+    assert {mega_m, flash_m, 16, 32, 64} <= set(tried)  # default 64, quarter, half, Megatron's
     chosen = rows["auto"]["plan"]["num_microbatches"]
     assert [m for m, c in tried.items() if c["chosen"]] == [chosen]
     fits = [m for m, c in tried.items() if c["fits"]]
@@ -221,3 +224,33 @@ def test_weak_scaling_gpt_search_tries_megatrons_count(monkeypatch):
     auto = next(r for r in quick["rows"] if r["method"] == "auto")
     assert "microbatch_search" not in auto["plan"] and auto["plan"]["num_microbatches"] == 64
     assert "--quick" in quick["config"]["auto_microbatches"]["gpt"]
+
+
+def test_weak_scaling_gpt_searches_reduce_gradients_as_told(monkeypatch):
+    """``--grad-reduce`` reaches the GPT point's searches: under ``step`` every stage of
+    the full search and of the restricted searches priced from its costs (intra-op only,
+    inter-op only) runs data-parallel replicas that reduce once a step; the config records
+    it per family (the others reduce every micro-batch), and the flag parses."""
+    import argparse
+
+    from conftest import load_experiment
+
+    module = load_experiment("weak_scaling")
+    monkeypatch.setattr(module, "SUITES", {"gpt": [("gpt-tiny", 2)]})
+    monkeypatch.setattr(module, "CLUSTERS", ("dgx-h100",))
+    # 128 sequences: the default 64 micro-batches of 2, which 2 replicas split
+    monkeypatch.setattr(module, "GLOBAL_BATCH", {"gpt": 128})
+    data = module.run(True, lambda *a: None, grad_reduce="step")
+    assert data["config"]["grad_reduce"] == {"gpt": "step"}
+    rows = {r["method"]: r for r in data["rows"]}
+    for method in ("auto", "intra-only", "inter-only"):
+        stages = rows[method]["plan"]["stages"]
+        assert [s["grad_reduce"] for s in stages] == ["step"] * len(stages), method
+        assert all(s["logical_mesh_dp_tp"][0] > 1 for s in stages), method
+    assert module.family_grad_reduce("moe", "step") == "microbatch"
+    with pytest.raises(ValueError, match="grad_reduce must be one of"):
+        module.family_grad_reduce("gpt", "sometimes")
+    ap = argparse.ArgumentParser()
+    names = module.add_arguments(ap)
+    assert {n: getattr(ap.parse_args([]), n) for n in names} == {"grad_reduce": "microbatch"}
+    assert ap.parse_args(["--grad-reduce", "auto"]).grad_reduce == "auto"

@@ -428,9 +428,9 @@ def add_pipeline_args(p, run: bool) -> None:
             "--microbatches",
             type=microbatches_arg,
             help="microbatches per step (default: 4); or 'search' (the whole search at a "
-            "default count -- simulate's for a GPT preset on --cluster, else 4 -- half, 2x "
-            "and 4x it: the fastest plan that fits wins), or counts and 'search' separated "
-            "by commas (64,128,256)",
+            "default count -- simulate's for a GPT preset on --cluster, else 4 -- a quarter, "
+            "half, 2x and 4x it: the fastest plan that fits wins), or counts and 'search' "
+            "separated by commas (64,128,256)",
         )
     g.add_argument("--stages", type=_positive_int, help="number of stages (auto: any)")
     g.add_argument(

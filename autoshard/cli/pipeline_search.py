@@ -59,8 +59,9 @@ def _microbatch_counts(args) -> tuple[int, ...]:
     """The counts ``--microbatches search[,N...]`` or ``N,M,...`` asks for, ascending:
     ``search`` is simulate's default count for a GPT preset on ``--cluster`` (the largest
     divisor of the batch up to 64, or as many as the fastest Megatron-LM layout that fits
-    uses), otherwise 4 (or the largest divisor of the batch below it), with half, twice and
-    four times it where they divide the batch (:func:`autoshard.sim.auto.microbatch_candidates`)."""
+    uses), otherwise 4 (or the largest divisor of the batch below it), with a quarter and
+    half, twice and four times it where they divide the batch
+    (:func:`autoshard.sim.auto.microbatch_candidates`)."""
     from autoshard.sim.auto import _default_microbatches, microbatch_candidates
 
     config = model_config(args)

@@ -324,8 +324,9 @@ def register(subparsers) -> None:
         type=microbatches_arg,
         help="micro-batches per step (gradient-accumulation steps), on every plan; default: "
         "searched (grids) or chosen (auto). With --plan auto also 'search' (the whole search "
-        "at the default count, half, 2x and 4x it; the fastest that fits wins) or counts and "
-        "'search' separated by commas (search,256: those and 256; 32,64: these two)",
+        "at the default count, a quarter, half, 2x and 4x it; the fastest that fits wins) or "
+        "counts and 'search' separated by commas (search,256: those and 256; 32,64: these "
+        "two)",
     )
     p.add_argument(
         "--global-batch", type=_positive_int, help="sequences per step; default: the preset's"

@@ -68,12 +68,12 @@ MICROBATCH_SEARCH = "search"  # num_microbatches="search": the default candidate
 
 
 def microbatch_candidates(batch: int, default: int | None, extra=(), valid=None) -> tuple[int, ...]:
-    """The micro-batch counts ``plan="auto"`` searches, ascending: ``default``, half of it,
-    twice and four times it, each kept only if it divides ``batch`` (a micro-batch at least
-    one sequence) and ``valid(count)`` holds (a GPT-MoE's micro-batch holds whole expert
-    groups); plus every count of ``extra`` (e.g. Megatron-LM's best point's), which must
-    divide the batch and pass ``valid``, else a ValueError naming the count. ``default``
-    None: ``extra`` only."""
+    """The micro-batch counts ``plan="auto"`` searches, ascending: ``default``, a quarter
+    and half of it, twice and four times it, each kept only if it is whole, divides
+    ``batch`` (a micro-batch at least one sequence) and ``valid(count)`` holds (a
+    GPT-MoE's micro-batch holds whole expert groups); plus every count of ``extra`` (e.g.
+    Megatron-LM's best point's), which must divide the batch and pass ``valid``, else a
+    ValueError naming the count. ``default`` None: ``extra`` only."""
     for c in extra:
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"a micro-batch count to search must be a positive int, got {c!r}")
@@ -85,7 +85,9 @@ def microbatch_candidates(batch: int, default: int | None, extra=(), valid=None)
             raise ValueError(f"micro-batch count {c} to search is not valid for this model")
     found = set(extra)
     if default is not None:
-        around = [default * 2, default * 4] + ([default // 2] if default % 2 == 0 else [])
+        # a quarter: where the default's micro-batch is small, 4x larger ones can win
+        # (docs/weak_scaling.md, cause 5: 16 of 1,024 sequences at 1-16 GPUs)
+        around = [default * 2, default * 4] + [default // k for k in (2, 4) if default % k == 0]
         found |= {default} | {c for c in around if batch % c == 0 and (valid is None or valid(c))}
     if not found:
         raise ValueError("no micro-batch count to search")
@@ -341,7 +343,9 @@ def simulate_auto(
 
 
 _STAGE_COSTS: dict = {}  # the last few IntraStageCosts, by request: their ILPs are reused
-_STAGE_COSTS_KEPT = 6  # a micro-batch search's candidates (at most 5 by default) and one more
+# a micro-batch search's candidates (5 around the default, and weak_scaling.py's two
+# Megatron-LM counts) and one more
+_STAGE_COSTS_KEPT = 8
 
 
 def shared_stage_cost(

@@ -273,8 +273,9 @@ def simulate(
     ``num_microbatches``); ``num_microbatches`` is micro-batches per step, on every plan.
     Give at most one; neither: searched (grids) or chosen (``auto``). ``plan="auto"``
     also searches the count: ``num_microbatches="search"`` runs the whole search at each
-    of the default count, half, twice and four times it (those that divide the global
-    batch; for a GPT-MoE, whose micro-batches hold whole expert groups);
+    of the default count, a quarter and half of it, twice and four times it (those that
+    are whole and divide the global batch; for a GPT-MoE, whose micro-batches hold whole
+    expert groups);
     a tuple or list of counts searches those, and ``"search"`` among them adds the
     default candidates (``("search", 256)``: those and 256). The fastest report that fits
     the HBM wins (none fits: the least peak memory); ``plan["microbatch_search"]`` lists
