@@ -1,5 +1,7 @@
-"""XLA:CPU folds a weight gradient's transpose into its dot (``folded_dot_transposes``):
-the dot result and its transpose are one buffer in the memory model, not two."""
+"""XLA folds a weight gradient's transpose into its dot: on XLA:CPU's layout
+(``folded_dot_transposes``) the dot result and its transpose are one buffer in the memory
+model, not two; on every priced mesh the transpose costs no time
+(``folded_dot_transpose``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from autoshard.ir.graph import build_graph
 from autoshard.trace.jaxpr import trace
@@ -107,3 +110,81 @@ def test_an_mlp_plan_on_2d_mesh_is_predicted_within_10pct_of_xla_cpu():
     report = verify_plan(traced.program, plan, devices=jax.devices()[:8], live_peak="never")
     error = (predicted - report.compiled_peak_bytes) / report.compiled_peak_bytes
     assert abs(error) <= 0.10, error
+
+
+# ----------------------------------------------------------------------------- compute time
+
+
+def _gradient_and_its_transpose(w, x, y, g):
+    """Weight gradients as JAX's transpose rule makes them -- ``dot_general(g, x)`` then a
+    transpose into the kernel's layout -- one with the transpose its result's only reader,
+    one (of other activations, so XLA's CSE keeps both) whose untransposed result a second
+    op reads too."""
+    folded = jnp.transpose(jax.lax.dot_general(g, x, (((0,), (0,)), ((), ()))))
+    dot = jax.lax.dot_general(g, y, (((0,), (0,)), ((), ())))
+    return w - folded, w - jnp.transpose(dot), dot * 2.0
+
+
+_GRAD_ARGS = (
+    jax.ShapeDtypeStruct((512, 1024), jnp.float32),  # w: [in, out]
+    jax.ShapeDtypeStruct((256, 512), jnp.float32),  # x: [tokens, in]
+    jax.ShapeDtypeStruct((256, 512), jnp.float32),  # y: [tokens, in]
+    jax.ShapeDtypeStruct((256, 1024), jnp.float32),  # g: [tokens, out]
+)
+
+
+def _transpose_seconds(graph, mesh):
+    """transpose node index -> its cheapest strategy's compute seconds, as the ILP prices."""
+    from autoshard.intra.problem.build import build_problem
+
+    ip = build_problem(graph, mesh)
+    return {
+        node.index: min(s.compute_cost for s in ip.strategies[ip.node_of(node.index)])
+        for node in graph.nodes
+        if node.primitive == "transpose"
+    }
+
+
+def test_a_transpose_folded_into_its_dot_costs_no_time_and_one_read_beside_it_does():
+    """On a priced mesh (finite HBM bandwidth) a memory-bound op costs the bytes it streams;
+    a transpose that is its dot result's only reader is written by the dot itself
+    (XLA:GPU, XLA:CPU: ``folded_dot_transpose``), so it costs 0. The same transpose of a
+    result that another op reads too is a pass: its 2 x 2 MiB over the bandwidth."""
+    from autoshard.api import device_mesh_for
+    from autoshard.intra.memory.layout_copies import folded_dot_transpose
+
+    graph = build_graph(trace(_gradient_and_its_transpose, *_GRAD_ARGS).records)
+    transposes = [n for n in graph.nodes if n.primitive == "transpose"]
+    assert len(transposes) == 2
+    folded = [n.index for n in transposes if folded_dot_transpose(graph, n) is not None]
+    assert len(folded) == 1
+    (kept,) = [n.index for n in transposes if n.index not in folded]
+
+    mesh = device_mesh_for((1,), ("data",), cluster="dgx-h100")
+    seconds = _transpose_seconds(graph, mesh)
+    assert seconds[folded[0]] == 0.0
+    assert seconds[kept] == pytest.approx(2 * 512 * 1024 * 4 / mesh.hbm_bandwidth)
+
+
+def test_only_a_block_swap_of_a_batched_dots_free_dims_folds():
+    """A GEMM writes each batch row's ``[M, N]`` either way round: a transpose that swaps
+    the lhs and rhs free dims of a batched dot's result folds; one that moves the batch
+    dim does not (it is a pass)."""
+    from autoshard.intra.memory.layout_copies import folded_dot_transpose
+
+    def batched(a, b):
+        r = jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))))  # [e, m, n]
+        s = jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))))
+        return jnp.transpose(r, (0, 2, 1)), jnp.transpose(s, (1, 0, 2))
+
+    args = (
+        jax.ShapeDtypeStruct((4, 32, 16), jnp.float32),
+        jax.ShapeDtypeStruct((4, 16, 8), jnp.float32),
+    )
+    graph = build_graph(trace(batched, *args).records)
+    perms = {
+        tuple(n.params["permutation"]): folded_dot_transpose(graph, n) is not None
+        for n in graph.nodes
+        if n.primitive == "transpose"
+    }
+    assert perms == {(0, 2, 1): True, (1, 0, 2): False}

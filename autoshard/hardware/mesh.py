@@ -143,7 +143,10 @@ class MemoryLayout:
     # transposed, its operands swapped) where the transpose is the dot's only reader: a
     # weight gradient, which JAX's transpose rule makes as dot_general(g, x) and then
     # transposes, is one buffer, not two (autoshard/intra/memory/model.py,
-    # folded_transpose_operand). The memory model counts it so.
+    # folded_transpose_operand). The memory model counts it so. XLA:GPU writes those
+    # GEMMs transposed too (the committed H100 modules have no transpose), but its layout
+    # leaves this off (not checked against a GPU peak); the compute pricing prices such a
+    # transpose at 0 on every backend (intra/memory/layout_copies.py, folded_dot_transpose).
     folded_dot_transposes: bool = False
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from autoshard.hardware.mesh import DeviceMesh
 from autoshard.intra.memory.common_values import common_values, merged_consumers
-from autoshard.intra.memory.layout_copies import NARROW_FLOATS
+from autoshard.intra.memory.layout_copies import NARROW_FLOATS, folded_dot_transpose
 from autoshard.intra.memory.materialized import (
     copied_lhs_sources,
     data_free_tensors,
@@ -226,17 +226,12 @@ def folded_transpose_operand(
     convert down, not the dot. The rule is the graph's alone (the ILP's rows and the
     prediction count the same): where the plan reshards the result before the transpose,
     XLA does not fold (a collective reads it), and a gradient's partial sum is held to the
-    combined reduction by its copy (:mod:`autoshard.intra.memory.reshard_copies`)."""
-    if node.primitive != "transpose" or len(node.outputs) != 1:
+    combined reduction by its copy (:mod:`autoshard.intra.memory.reshard_copies`). Which
+    transposes fold is :func:`~autoshard.intra.memory.layout_copies.folded_dot_transpose`
+    (the compute-time pricing's rule too)."""
+    tid = folded_dot_transpose(graph, node)
+    if tid is None or tid not in intervals or node.outputs[0] not in intervals:
         return None
-    tid, out = node.inputs[0], graph.tensors[node.outputs[0]]
-    t = graph.tensors[tid]
-    if node.outputs[0] not in intervals or tid not in intervals or t.producer is None:
-        return None
-    if graph.nodes[t.producer].primitive != "dot_general" or list(t.consumers) != [node.index]:
-        return None
-    if t.last_use >= len(graph.nodes) or t.nbytes != out.nbytes:
-        return None
-    if narrow_dots_in_f32 and t.dtype in NARROW_FLOATS:
+    if narrow_dots_in_f32 and graph.tensors[tid].dtype in NARROW_FLOATS:
         return None
     return tid

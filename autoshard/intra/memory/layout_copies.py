@@ -261,6 +261,51 @@ def _conv_copy_start(graph: Graph, tid: int, conv, early: set[int], layout) -> i
     return conv.index
 
 
+def folded_dot_transpose(graph: Graph, node) -> int | None:
+    """The ``dot_general`` result that ``node`` transposes, if XLA writes the dot's result
+    in the transposed layout itself (no transpose of its own runs), else None.
+
+    The rule: ``node`` is a ``transpose`` of a ``dot_general``'s result, it is that
+    result's only reader, the result is no program output (which keeps its own layout),
+    and the permutation keeps the dot's batch dims leading and in place and either keeps or
+    swaps the block of lhs free dims and the block of rhs free dims, each block in its own
+    order (dims of size one left out: moving them is a bitcast) -- a GEMM's output is a
+    matrix ``[M, N]`` per batch row, written either way round. JAX's transpose rule makes
+    every weight gradient so (``dot_general(g, x)``, then a transpose to the kernel's
+    layout). Seen in the compiled steps: XLA:GPU (jax 0.11.2, H100,
+    ``benchmarks/results/gpu_fused_hlo/gpt-350m_L24_B8_fused.hlo.txt.gz``) names the
+    cuBLASLt and Triton GEMMs ``.../mlp/fc/transpose``, ``.../attn/qkv/transpose``,
+    ``.../mlp/proj/transpose`` and ``.../attn/proj/transpose`` and writes them in the
+    kernel's layout (``custom-call.42 = (bf16[1024,4096]{1,0}, ...)`` for a ``[1024,
+    4096]`` kernel), with no transpose or copy fusion after them; XLA:CPU (jax 0.12) the
+    same (``dot.65 = bf16[64,256]{1,0} dot(...)`` for gpt-tiny's ``mlp/fc/transpose``);
+    XLA:CPU with jaxlib 0.10 (narrow dots in f32) fuses the transpose into the update's
+    loop fusions that read the gradient, so it is no pass of its own there either. A
+    transpose that another op reads beside it, or of a value no dot made, is a pass."""
+    if node.primitive != "transpose" or len(node.outputs) != 1 or len(node.inputs) != 1:
+        return None
+    tid = node.inputs[0]
+    t = graph.tensors[tid]
+    if t.producer is None or t.last_use >= len(graph.nodes):
+        return None
+    dot = graph.nodes[t.producer]
+    if dot.primitive != "dot_general" or list(t.consumers) != [node.index]:
+        return None
+    (lc, _), (lb, _) = dot.params["dimension_numbers"]
+    rank = len(t.shape)
+    nb = len(lb)
+    nl = len(graph.tensors[dot.inputs[0]].shape) - len(lc) - nb
+    batch, lhs_free, rhs_free = range(nb), range(nb, nb + nl), range(nb + nl, rank)
+
+    def sized(order) -> list[int]:
+        return [d for d in order if t.shape[d] != 1]
+
+    perm = sized(node.params["permutation"])
+    if perm not in (sized(range(rank)), sized((*batch, *rhs_free, *lhs_free))):
+        return None
+    return tid
+
+
 def transposed_dot_lhs(graph: Graph, mesh: DeviceMesh) -> list[tuple[int, int]]:
     """(lhs tensor, dot node index) of each unbatched ``dot_general`` whose lhs XLA:CPU
     copies into a transposed buffer (``dot_lhs_copies``).

@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Collection
 
 from autoshard.hardware.mesh import DeviceMesh
+from autoshard.intra.memory.layout_copies import folded_dot_transpose
 from autoshard.intra.rules.attention import attention_seconds
 from autoshard.intra.rules.registry import (  # noqa: F401 - Slot, RULES, register: exported
     OUT,
@@ -428,10 +429,17 @@ def replicated_strategy(ctx: NodeContext, mesh: DeviceMesh) -> Strategy:
 def node_context(
     graph: Graph, node: Node, materialized: Collection[int] | None = None
 ) -> NodeContext:
-    """``materialized``: tensor ids held in memory (None: memory traffic not modelled)."""
+    """``materialized``: tensor ids held in memory (None: memory traffic not modelled).
+
+    A transpose that XLA folds into the dot whose result it reads (the dot writes its
+    result transposed: :func:`~autoshard.intra.memory.layout_copies.folded_dot_transpose`,
+    every weight gradient) streams nothing: its bytes are 0, so it costs no time."""
     tensors = graph.tensors
     in_bytes = out_bytes = ()
-    if materialized is not None:
+    if materialized is not None and folded_dot_transpose(graph, node) is not None:
+        in_bytes = (0.0,) * len(node.inputs)
+        out_bytes = (0.0,) * len(node.outputs)
+    elif materialized is not None:
         in_bytes = tuple(
             float(tensors[t].nbytes) if t in materialized else 0.0 for t in node.inputs
         )
