@@ -158,11 +158,14 @@ def main() -> None:
                                  "give another DIR")  # fmt: skip
                     continue
                 ws.SUITES, ws.CLUSTERS = {f: suites[f]}, (c,)
+                # the commit at the start: the code this process runs (a checkout that
+                # moves under a long chunk does not change it)
+                commit = (figure.git_commit() or "")[:7] or None
                 t0, cpu0 = time.perf_counter(), figure.cpu_seconds()
                 data = ws.run(False, figure.progress, grad_reduce=args.grad_reduce)
                 data["chunk_wall_s"] = time.perf_counter() - t0
                 data["chunk_cpu_s"] = figure.cpu_seconds() - cpu0
-                data["chunk_commit"] = (figure.git_commit() or "")[:7] or None
+                data["chunk_commit"] = commit
                 path(c, f).write_text(json.dumps(data, indent=1) + "\n")
                 print(f"chunk {c} {f}: {data['chunk_wall_s']:.0f} s wall", flush=True)
         return
