@@ -90,6 +90,7 @@ from autoshard.runtime.offload_stream import (
     STREAM_WINDOW,
     _narrow_copy,
     _narrow_dtype,
+    cast_once_params,
     streamed_update,
 )
 from autoshard.runtime.sharded import HOST_MEMORY
@@ -149,6 +150,7 @@ class StageExecutable:
         host_params: frozenset[int] = frozenset(),
         stream_window: int | None = STREAM_WINDOW,
         replica_prog: TracedProgram | None = None,
+        cast_once: bool = False,
     ):
         self.offload = tuple(offload)
         # data-parallel replicas (module docstring): None where the stage runs as one
@@ -194,12 +196,22 @@ class StageExecutable:
             tid_tree,
         )
         self.masters_on_host = bool(set(self.param_ids) & set(host_params))
+        # cast once a step: the f32 weights the stage reads once, through a convert to 16
+        # bits (resting on the device); the microbatches read their 16-bit copies
+        once = cast_once_params(run, sp) if cast_once else {}
+        self.cast_once = frozenset(t for t in once if t not in host_params)
         # per parameter: the dtype it lives in on the device during a step (a master
-        # resting in host memory: the narrow dtype every reader converts it to)
+        # resting in host memory, or one cast once: the narrow dtype its readers convert
+        # it to)
         self.live_dtypes = [
-            _narrow_dtype(prog, sp, t) if t in host_params else jnp.dtype(tensors[t].dtype)
+            _narrow_dtype(prog, sp, t)
+            if t in host_params
+            else once[t]
+            if t in self.cast_once
+            else jnp.dtype(tensors[t].dtype)
             for t in self.param_ids
         ]
+        self.rest_dtypes = [jnp.dtype(tensors[t].dtype) for t in self.param_ids]
         self.params = jax.tree.unflatten(
             treedef,
             [
@@ -352,7 +364,12 @@ class StageExecutable:
             kept = iter(residuals)
             leaves = [next(kept) if s is None else args[s] for s in slots]
             vjp = jax.tree.unflatten(vjp_tree, leaves)
-            return vjp(list(out_cts))
+            grads, in_cts = vjp(list(out_cts))
+            # the gradient of a 16-bit copy (a weight cast once, a master on the host) in
+            # its weight's dtype: the cast the convert's transpose makes in the traced step
+            leaves, treedef = jax.tree.flatten(grads)
+            leaves = [g.astype(dt) for g, dt in zip(leaves, self.rest_dtypes, strict=True)]
+            return jax.tree.unflatten(treedef, leaves), in_cts
 
         if replicas is not None:
             forward, gradients = self._replicated(forward, gradients)
@@ -401,7 +418,8 @@ class StageExecutable:
             # one microbatch a step: its gradients go straight into the update, in one
             # program, so each weight can be updated as soon as its gradient is made (as the
             # one-mesh step is) and no accumulator is held; ``live``: the 16-bit copies of
-            # masters resting in host memory (None: the weights as they rest)
+            # masters resting in host memory and of weights cast once (None: the weights
+            # as they rest)
             grads, in_cts = gradients(
                 params if live is None else live, received, data, residuals, out_cts
             )
@@ -521,19 +539,49 @@ class StageExecutable:
 
         return replicated_forward, replicated_gradients
 
+    @property
+    def casts(self) -> bool:
+        """Whether a step reads some weights as 16-bit copies made once a step (masters
+        resting in host memory, weights cast once): :meth:`live_params` makes them."""
+        return self.masters_on_host or bool(self.cast_once)
+
     def live_params(self):
         """The stage's parameters on the device for one step: each master weight resting in
         host memory as its 16-bit copy, made once per step (every microbatch reads it),
-        one weight at a time (copied in, converted); the rest as they are."""
-        if not self.masters_on_host:
+        one weight at a time (copied in, converted); each weight cast once as its 16-bit
+        copy, all made by one program; the rest as they are."""
+        if not self.casts:
             return self.params
         leaves, treedef = jax.tree.flatten(self.params)
         shardings = jax.tree.leaves(self.param_shardings)
+        once = [t in self.cast_once for t in self.param_ids]
+        cast = iter(self._cast_once_program()([x for x, o in zip(leaves, once) if o]))
         live = [
-            x if x.dtype == dt else _narrow_copy(sh, dt)(x)
-            for x, sh, dt in zip(leaves, shardings, self.live_dtypes, strict=True)
+            next(cast) if o else x if x.dtype == dt else _narrow_copy(sh, dt)(x)
+            for x, sh, dt, o in zip(leaves, shardings, self.live_dtypes, once, strict=True)
         ]
         return jax.tree.unflatten(treedef, live)
+
+    def _cast_once_program(self):
+        """The jitted cast of the weights cast once, to their 16-bit copies in the
+        weights' shardings (the convert the traced step makes every microbatch)."""
+        if getattr(self, "_cast_program", None) is None:
+            picked = [
+                (sh, dt)
+                for t, sh, dt in zip(
+                    self.param_ids,
+                    jax.tree.leaves(self.param_shardings),
+                    self.live_dtypes,
+                    strict=True,
+                )
+                if t in self.cast_once
+            ]
+            dtypes = [dt for _, dt in picked]
+            self._cast_program = jax.jit(
+                lambda xs: [x.astype(dt) for x, dt in zip(xs, dtypes, strict=True)],
+                out_shardings=[sh for sh, _ in picked],
+            )
+        return self._cast_program
 
     def abstract_backward_args(self):
         """``(params, received, data, residuals, output cotangents, accumulator)`` of one
