@@ -63,6 +63,7 @@ from autoshard.inter.plan import Shape2, StageSpecs
 from autoshard.inter.stage_handoffs import LayerHandoffs
 from autoshard.inter.stage_memory import (
     amortise_update,
+    cast_copies,
     kept_activations,
     recompute_costs,
     unit_state,
@@ -426,7 +427,7 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
             if not (on_host and n.phase == "update")
         )
         spec_of = plan.specs_by_tensor(graph.inputs)
-        kept = kept_activations(graph, spec_of, mesh)
+        kept = kept_activations(graph, spec_of, mesh, cast_copies(graph, plan, once))
         forward_reads = {t for n in graph.nodes if n.phase == "forward" for t in n.inputs}
         layer_inputs = {  # what full recompute keeps: the activations the forward reads
             tid: graph.tensors[tid].nbytes * _spec_fraction(spec_of[tid], mesh)

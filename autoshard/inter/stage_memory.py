@@ -48,8 +48,12 @@ def activation_bytes_of(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh)
     return sum(kept_activations(graph, spec_of, mesh).values())
 
 
-def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> dict[int, float]:
-    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts."""
+def kept_activations(
+    graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh, copies=frozenset()
+) -> dict[int, float]:
+    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts.
+    ``copies``: the 16-bit copies of weights cast once a step (:func:`cast_copies`), state
+    held all step, not kept per microbatch."""
     forward = [n.index for n in graph.nodes if n.phase == "forward"]
     if not forward:
         return {}
@@ -57,7 +61,7 @@ def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) ->
     kept: dict[int, float] = {}
     for tid, (first, last) in mesh_intervals(graph, mesh).items():
         t = graph.tensors[tid]
-        if t.kind in ("param", "opt_state") or tid not in spec_of:
+        if t.kind in ("param", "opt_state") or tid not in spec_of or tid in copies:
             continue
         if t.producer is None:  # an input: kept when the forward reads it and a later op too
             reads = list(t.consumers)
@@ -70,6 +74,22 @@ def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) ->
         if keep:
             kept[tid] = t.nbytes * spec_fraction(spec_of[tid], mesh)
     return kept
+
+
+def cast_copies(graph: Graph, plan, once: Mapping[int, int]) -> frozenset[int]:
+    """The convert outputs that are the 16-bit copies of weights cast once a step
+    (``once``: parameter id -> its convert node): those whose plan reads the weight and
+    makes the copy in the weight's own spec. The pipeline runtime passes such a copy
+    through (``StageExecutable._passthrough``), so the backward reads it as state; another
+    (a reshard into or out of the convert) is a new value per microbatch."""
+    spec_of = plan.specs_by_tensor(graph.inputs)
+    out = set()
+    for tid, node in once.items():
+        made = graph.nodes[node].outputs[0]
+        read = plan.operand_specs.get(node, {}).get(0, spec_of[tid])
+        if spec_of.get(made) == spec_of[tid] == read:
+            out.add(made)
+    return frozenset(out)
 
 
 def recompute_costs(

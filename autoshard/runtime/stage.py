@@ -274,6 +274,8 @@ class StageExecutable:
             reads_after.update(t for e, _ in group for t in e.inputs)
         later_reads.reverse()
 
+        passthrough = self._passthrough(run, sp, layout.constraints)
+
         def run_eqns(group, env) -> None:
             memo: dict = {}  # one reshard per value and spec within the group (one trace)
             # replicas: on the context's mesh, whose data axis is manual (a sharding on the
@@ -285,6 +287,9 @@ class StageExecutable:
                     rebased[context] = _on_mesh(constraints, context)
                 constraints = rebased[context]
             for eqn, (prim, bind_params) in group:
+                if eqn.index in passthrough:  # a 16-bit copy read as it is
+                    env[eqn.outputs[0]] = env[eqn.inputs[0]]
+                    continue
                 invals = [env[t] for t in eqn.inputs]
                 if constraints is not None:  # the plan's reshards and node output specs
                     invals = constraints.operands_hook(eqn.index, invals, memo)
@@ -459,6 +464,30 @@ class StageExecutable:
             lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
             out_shardings=self.grad_shardings,
         )
+
+    def _passthrough(self, run: TracedProgram, sp: StageProgram, constraints) -> frozenset[int]:
+        """The equations that convert a weight cast once a step, whose plan reads and
+        makes it in the weight's own layout: each gives the 16-bit copy itself (no new
+        value), so the backward takes the copy back as an argument instead of keeping a
+        copy of it per microbatch in flight as a residual. Not for replicas (their
+        constraints are rebased inside ``shard_map``)."""
+        if not self.cast_once or self.replicas is not None:
+            return frozenset()
+        sharding = dict(zip(self.param_ids, jax.tree.leaves(self.param_shardings), strict=True))
+        out = set()
+        for i in sp.eqns:
+            eqn = run.records.eqns[i]
+            if len(eqn.inputs) != 1 or eqn.inputs[0] not in self.cast_once:
+                continue
+            t = eqn.inputs[0]
+            wanted = []
+            if constraints is not None:
+                wanted = [sh for _, sh in constraints.operands.get(i, ())]
+                wanted += [sh for pos, sh in constraints.outputs.get(i, ()) if pos == 0]
+            ndim = len(self.tensors[t].shape)
+            if all(sh.is_equivalent_to(sharding[t], ndim) for sh in wanted):
+                out.add(i)
+        return frozenset(out)
 
     def _replicated(self, forward, gradients):
         """``forward`` and ``gradients`` of one replica (the stage's equations at ``1/D``
