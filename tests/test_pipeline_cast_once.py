@@ -91,3 +91,32 @@ def test_cast_once_holds_the_copies_and_the_planner_prices_them():
         assert m1.predicted_bytes - m0.predicted_bytes == pytest.approx(
             m1.compiled_bytes - m0.compiled_bytes, abs=1.0
         )
+
+
+def test_cast_once_with_data_parallel_replicas_trains_bit_for_bit_and_prices_memory():
+    """``grad_reduce="step"``: each stage as 2 replicas of a plan over ``model`` (2); the
+    weights cast once a step are passed through inside the replicas' ``shard_map`` too:
+    the same losses and weights, and the planner's peak moves as the compiled one."""
+    from autoshard.runtime.stage_memory import stage_memory
+
+    def train(cast_once):
+        workload = get_workload("gpt-tiny", num_layers=2, dtype="bfloat16")
+        opt = make_optimizer("adamw")
+        params, _, batch = workload.init_train_args(opt, seed=0)
+        trainer = auto_pipeline(
+            workload.loss_fn, opt, params, batch, devices=jax.devices(), num_microbatches=2,
+            stages=_STAGES, logical_meshes=((2, 2), (2, 2)), cluster="dgx-a100",
+            grad_reduce="step", cast_once=cast_once,
+        )  # fmt: skip
+        return trainer, [float(trainer.step(batch)) for _ in range(2)]
+
+    (once, losses_once), (each, losses_each) = train(True), train(False)
+    assert all(st.replicas is not None and st.cast_once for st in once.stage_executables)
+    assert losses_once == losses_each
+    for a, b in zip(jax.tree.leaves(once.params), jax.tree.leaves(each.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for m1, m0 in zip(stage_memory(once), stage_memory(each), strict=True):
+        assert m1.residual_bytes < m0.residual_bytes
+        assert m1.predicted_bytes - m0.predicted_bytes == pytest.approx(
+            m1.compiled_bytes - m0.compiled_bytes, abs=1.0
+        )

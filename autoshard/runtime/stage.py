@@ -469,9 +469,9 @@ class StageExecutable:
         """The equations that convert a weight cast once a step, whose plan reads and
         makes it in the weight's own layout: each gives the 16-bit copy itself (no new
         value), so the backward takes the copy back as an argument instead of keeping a
-        copy of it per microbatch in flight as a residual. Not for replicas (their
-        constraints are rebased inside ``shard_map``)."""
-        if not self.cast_once or self.replicas is not None:
+        copy of it per microbatch in flight as a residual (replicas: their plan's layouts
+        on the stage mesh, as the weights enter their ``shard_map`` whole over ``data``)."""
+        if not self.cast_once:
             return frozenset()
         sharding = dict(zip(self.param_ids, jax.tree.leaves(self.param_shardings), strict=True))
         out = set()
