@@ -120,3 +120,30 @@ def test_cast_once_with_data_parallel_replicas_trains_bit_for_bit_and_prices_mem
         assert m1.predicted_bytes - m0.predicted_bytes == pytest.approx(
             m1.compiled_bytes - m0.compiled_bytes, abs=1.0
         )
+
+
+def test_masters_resting_in_host_memory_pass_their_copies_through_as_priced():
+    """``optimizer,master``: the masters' bf16 copies were made once a step already; with
+    ``cast_once`` their converts pass the copies through too, so the backward keeps none
+    per microbatch in flight (state unchanged), and the planner's peak moves by the
+    compiled bytes."""
+    from autoshard.runtime.stage_memory import stage_memory
+
+    def stages(cast_once):
+        workload = get_workload("gpt-tiny", num_layers=2, dtype="bfloat16")
+        opt = make_optimizer("adamw")
+        params, _, batch = workload.init_train_args(opt, seed=0)
+        trainer = auto_pipeline(
+            workload.loss_fn, opt, params, batch, devices=jax.devices()[:4],
+            num_microbatches=2, stages=_STAGES, logical_meshes=((1, 2), (1, 2)),
+            cluster="alpa-v100", offload="optimizer,master", cast_once=cast_once,
+        )  # fmt: skip
+        assert all(st.masters_on_host for st in trainer.stage_executables)
+        return stage_memory(trainer)
+
+    for m1, m0 in zip(stages(True), stages(False), strict=True):
+        assert m1.state_bytes == m0.state_bytes
+        assert m1.residual_bytes < m0.residual_bytes
+        assert m1.predicted_bytes - m0.predicted_bytes == pytest.approx(
+            m1.compiled_bytes - m0.compiled_bytes, abs=1.0
+        )

@@ -200,6 +200,9 @@ class StageExecutable:
         # bits (resting on the device); the microbatches read their 16-bit copies
         once = cast_once_params(run, sp) if cast_once else {}
         self.cast_once = frozenset(t for t in once if t not in host_params)
+        # the weights read once as 16-bit copies made once a step (cast once, or masters
+        # resting in host memory read once): their converts may pass the copy through
+        self._read_once_narrow = frozenset(once)
         # per parameter: the dtype it lives in on the device during a step (a master
         # resting in host memory, or one cast once: the narrow dtype its readers convert
         # it to)
@@ -466,18 +469,19 @@ class StageExecutable:
         )
 
     def _passthrough(self, run: TracedProgram, sp: StageProgram, constraints) -> frozenset[int]:
-        """The equations that convert a weight cast once a step, whose plan reads and
-        makes it in the weight's own layout: each gives the 16-bit copy itself (no new
+        """The equations that convert a weight cast once a step (or a master resting in
+        host memory) read only there, whose plan reads and makes it in the weight's own
+        layout: each gives the 16-bit copy itself (no new
         value), so the backward takes the copy back as an argument instead of keeping a
         copy of it per microbatch in flight as a residual (replicas: their plan's layouts
         on the stage mesh, as the weights enter their ``shard_map`` whole over ``data``)."""
-        if not self.cast_once:
+        if not self._read_once_narrow:
             return frozenset()
         sharding = dict(zip(self.param_ids, jax.tree.leaves(self.param_shardings), strict=True))
         out = set()
         for i in sp.eqns:
             eqn = run.records.eqns[i]
-            if len(eqn.inputs) != 1 or eqn.inputs[0] not in self.cast_once:
+            if len(eqn.inputs) != 1 or eqn.inputs[0] not in self._read_once_narrow:
                 continue
             t = eqn.inputs[0]
             wanted = []
