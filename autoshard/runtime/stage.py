@@ -37,6 +37,14 @@ forward's results are in ``pinned_host``) and come back where the backward start
 received activations and batch slices the backward takes again stay on the device. A
 host-update placement (``gradients``) still runs its update on the device.
 
+Weights cast once a step (``cast_once``, docs/distributed.md): each f32 weight the stage's
+equations read once, through a convert to 16 bits, and that the stage does not send on
+(:func:`~autoshard.runtime.offload_stream.cast_once_params`) rests on the device in f32
+and :meth:`StageExecutable.live_params` makes its 16-bit copy once a step (one program for
+all of them), which every microbatch reads: its convert, where the plan keeps the weight's
+layout, passes the copy through (no residual copy per microbatch in flight); its gradient
+is cast to f32 as the convert's transpose did, and accumulated in f32.
+
 Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
 to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
 the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` prices):
