@@ -136,6 +136,7 @@ def auto_pipeline(
     probe: Probe | None = None,
     offload=None,
     grad_reduce: str = "microbatch",
+    cast_once: bool = True,
 ) -> PipelineTrainer:
     """Pipeline ``loss_fn(params, batch) -> mean loss`` over ``devices`` (default: all).
 
@@ -177,6 +178,10 @@ def auto_pipeline(
     gradient once, in the update (:mod:`autoshard.runtime.stage`).  The batch must then
     divide by ``num_microbatches * dp``; not with ``offload``, a custom ``spec_fn``, nor
     (intra-op) ``stages="auto"``, whose search prices the per-microbatch reduction.
+    ``cast_once`` (default): each f32 weight a stage reads once, through a convert to 16
+    bits, is cast once a step, its microbatches reading the 16-bit copy (the same values;
+    :mod:`autoshard.runtime.stage`); the stage search prices it so. False: every
+    microbatch casts it, as the traced step does.
     """
     check_virtual_stages(schedule, virtual_stages)
     offload = _offload_request(offload)
@@ -279,6 +284,7 @@ def auto_pipeline(
                 time_limit_s=options.time_limit_s,
                 granularity=options.granularity,
                 num_microbatches=num_microbatches,
+                cast_once=cast_once,
             )
         if grad_reduce != "microbatch" and intra_cost.replicas is None:
             intra_cost.replicas = replicas.priced_like(intra_cost)  # the search prices them
@@ -402,6 +408,7 @@ def auto_pipeline(
         probe=probe,
         host_params=host_params,
         replica_programs=replica_programs,
+        cast_once=cast_once,
     )
 
 

@@ -72,7 +72,8 @@ class Replicas:
 
     def priced_like(self, cost: IntraStageCost):
         """``dp -> IntraStageCost`` of :meth:`trace` (None where it is None), priced on
-        ``cost``'s meshes with its solver, ILP time limit, granularity and microbatches."""
+        ``cost``'s meshes with its solver, ILP time limit, granularity, microbatches and
+        casts (``cast_once``)."""
         costs: dict[int, IntraStageCost | None] = {}
 
         def replica_cost(dp: int) -> IntraStageCost | None:
@@ -88,6 +89,7 @@ class Replicas:
                         granularity=cost.granularity,
                         time_limit_s=cost.time_limit_s,
                         num_microbatches=cost.num_microbatches,
+                        cast_once=cost.cast_once,
                     )
                 )
             return costs[dp]

@@ -402,16 +402,20 @@ def test_simulate_offload_takes_the_state_out_of_hbm_and_prices_it(sim_plain):
 def test_simulate_master_offload_keeps_the_16_bit_weights_on_the_device(sim_plain):
     """optimizer,master frees the moments and the f32 masters but holds their bf16 copies
     (and the gradients, and the staging buffers) -- one GPU, one micro-batch, no recompute:
-    the peak is state + activations, so the difference is exact."""
-    from autoshard.intra.offload.placement import narrow_copy_bytes
+    the peak is state + activations, so the difference is exact. Without offload a weight
+    cast once a step holds its bf16 copy beside its f32 master already: offloaded, it
+    frees the whole master; another master frees its bytes less its copy's."""
+    from autoshard.intra.offload.placement import cast_once_params, narrow_copy_bytes
     from autoshard.sim.simulate import simulate
 
     g = trace_workload("gpt-tiny", "adamw", dtype="bfloat16").graph
     moved = offload_tensors(g, Offload(("optimizer", "master")))
     master = [t for t in moved.state_in if g.tensors[t].kind == "param"]
     opt = [t for t in moved.state_in if g.tensors[t].kind == "opt_state"]
+    once = cast_once_params(g)
+    assert set(once) & set(master)  # the blocks' weights: both
     freed = sum(g.tensors[t].nbytes for t in opt) + sum(
-        g.tensors[t].nbytes - narrow_copy_bytes(g, t) for t in master
+        g.tensors[t].nbytes - (0.0 if t in once else narrow_copy_bytes(g, t)) for t in master
     )
     r = simulate("gpt-tiny", "alpa-v100", 1, offload="optimizer,master", **SIM)
     assert r.peak_bytes_per_device == pytest.approx(

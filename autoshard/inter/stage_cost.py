@@ -63,6 +63,7 @@ from autoshard.inter.plan import Shape2, StageSpecs
 from autoshard.inter.stage_handoffs import LayerHandoffs
 from autoshard.inter.stage_memory import (
     amortise_update,
+    cast_copies,
     kept_activations,
     recompute_costs,
     unit_state,
@@ -93,6 +94,7 @@ from autoshard.intra.ilp import InfeasibleProblemError, solve
 from autoshard.intra.offload.placement import (
     NO_OFFLOAD,
     Offload,
+    cast_once_params,
 )
 from autoshard.intra.problem.build import build_problem, plan_from_solution
 from autoshard.intra.problem.options import IntraOptions
@@ -129,6 +131,7 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
         offload: Offload = NO_OFFLOAD,
         cluster=None,
         replicas: Callable[[int], IntraStageCost] | None = None,
+        cast_once: bool = True,
     ) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -145,6 +148,11 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
         # dp -> the cost of this step traced at 1/dp of the microbatch, with these
         # microbatches (:meth:`replica_range_cost`); None: no once-a-step reduction priced
         self.replicas = replicas
+        # the f32 weights cast to 16 bits once a step, not once per microbatch (the
+        # pipeline runtime's default, :func:`~autoshard.intra.offload.placement.
+        # cast_once_params`): whole-graph tensor id -> its convert
+        self.cast_once = cast_once
+        self._cast_once = cast_once_params(graph) if cast_once else {}
         self._replica_layers: dict = {}  # (signature, logical, replica cost) -> ReplicaLayer
         self._replica_couplings: dict = {}  # dp -> row_couplings against its replica trace
         self.owners = param_owner_layers(graph)
@@ -294,6 +302,7 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
         owned, borrowed, offload_s, staging, host_bytes = unit_state(
             rg.graph, unit.plan, mesh, self.offload.state, self.cluster, self.num_microbatches,
             lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
+            self._cast_once_in(rg),
         )  # fmt: skip
         return dataclasses.replace(
             unit,
@@ -303,6 +312,18 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
             staging_bytes=staging,
             host_bytes=host_bytes,
         )
+
+    def _cast_once_in(self, rg: RangeGraph) -> dict[int, int]:
+        """Sub-graph parameter id -> its convert node, for the weights of ``rg`` cast
+        once a step (the whole graph's rule: one reader in the whole step, not only in
+        the range)."""
+        if not self._cast_once:
+            return {}
+        return {
+            t: node
+            for t, node in cast_once_params(rg.graph).items()
+            if rg.tensor_ids[t] in self._cast_once
+        }
 
     def _twin(self, logical: Shape2, mesh: DeviceMesh) -> Shape2 | None:
         """``(tp, dp)`` when ``logical = (dp, tp)`` has ``dp > tp`` and the two meshes
@@ -342,6 +363,7 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
         settings += (self._tie_pairs(rg), repr(handoffs[0]))
         settings += (repr(handoffs[1]),)
         settings += (repr(self.offload), repr(getattr(self.cluster, "host", None)))
+        settings += (("cast_once", self.cast_once),)
         if (rg.start, rg.end) not in self._graph_keys:  # one per sub-graph, not per mesh
             self._graph_keys[rg.start, rg.end] = self.cache.key(rg.graph)
         # the mesh by its repr: its GEMM timing keeps memo tables that pickle as they fill
@@ -360,6 +382,8 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
         if not math.isfinite(mesh.peak_flops):
             mesh = dataclasses.replace(mesh, peak_flops=DEFAULT_PEAK_FLOPS)
         amortise = 1.0 / self.num_microbatches
+        once = self._cast_once_in(rg)  # sub-graph param -> its convert, run once a step
+        once_nodes = frozenset(once.values())
         t0 = time.perf_counter()
         self.num_ilps += 1
         try:
@@ -380,7 +404,7 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
             ip, _ = with_ties(ip, self._tie_pairs(rg), _NO_TIES)
             ip, _ = with_feeds(ip, fed_specs, _NO_TIES)
             ip, _ = with_drains(ip, drain_reads, _NO_TIES)
-            problem = amortise_update(ip, amortise)
+            problem = amortise_update(ip, amortise, once_nodes)
             solution = self._solutions.get(problem)
             if solution is None:
                 solution = solve(
@@ -398,12 +422,12 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
         on_host = self.offload.host_update  # then the host runs the update, not the device
         compute = sum(
             ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]].compute_cost
-            * (amortise if n.phase == "update" else 1.0)
+            * (amortise if n.phase == "update" or n.index in once_nodes else 1.0)
             for n in graph.nodes
             if not (on_host and n.phase == "update")
         )
         spec_of = plan.specs_by_tensor(graph.inputs)
-        kept = kept_activations(graph, spec_of, mesh)
+        kept = kept_activations(graph, spec_of, mesh, cast_copies(graph, plan, once))
         forward_reads = {t for n in graph.nodes if n.phase == "forward" for t in n.inputs}
         layer_inputs = {  # what full recompute keeps: the activations the forward reads
             tid: graph.tensors[tid].nbytes * _spec_fraction(spec_of[tid], mesh)
@@ -412,10 +436,13 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
             and tid in forward_reads
             and tid in spec_of
         }
-        recompute_s, kept_bytes = recompute_costs(graph, ip, solution, kept, layer_inputs)
+        recompute_s, kept_bytes = recompute_costs(
+            graph, ip, solution, kept, layer_inputs, once_nodes
+        )
         owned, borrowed, offload_s, staging, host_bytes = unit_state(
             graph, plan, mesh, self.offload.state, self.cluster, self.num_microbatches,
             lambda tid: self._deep_owner(self.owners.get(rg.tensor_ids[tid], -1)),
+            once,
         )  # fmt: skip
         # the plan's collectives, priced once per value as XLA makes them (not the
         # objective: the per-demand program may pay a value twice); the junctions the ILP
@@ -493,6 +520,7 @@ class IntraStageCost(RangeCosts, ReplicaCosts, PooledUnits, LayerHandoffs):
                 deep_layers=self.num_layers if self.folded else None,
                 offload=offload,
                 cluster=cluster,
+                cast_once=self.cast_once,
             )
             derived = memo[offload]
             derived._solutions = self._solutions  # equal ILPs: solved once

@@ -48,8 +48,12 @@ def activation_bytes_of(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh)
     return sum(kept_activations(graph, spec_of, mesh).values())
 
 
-def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) -> dict[int, float]:
-    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts."""
+def kept_activations(
+    graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh, copies=frozenset()
+) -> dict[int, float]:
+    """Tensor id -> per-device bytes of each buffer :func:`activation_bytes_of` counts.
+    ``copies``: the 16-bit copies of weights cast once a step (:func:`cast_copies`), state
+    held all step, not kept per microbatch."""
     forward = [n.index for n in graph.nodes if n.phase == "forward"]
     if not forward:
         return {}
@@ -57,7 +61,7 @@ def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) ->
     kept: dict[int, float] = {}
     for tid, (first, last) in mesh_intervals(graph, mesh).items():
         t = graph.tensors[tid]
-        if t.kind in ("param", "opt_state") or tid not in spec_of:
+        if t.kind in ("param", "opt_state") or tid not in spec_of or tid in copies:
             continue
         if t.producer is None:  # an input: kept when the forward reads it and a later op too
             reads = list(t.consumers)
@@ -72,12 +76,29 @@ def kept_activations(graph: Graph, spec_of: Mapping[int, ShardingSpec], mesh) ->
     return kept
 
 
+def cast_copies(graph: Graph, plan, once: Mapping[int, int]) -> frozenset[int]:
+    """The convert outputs that are the 16-bit copies of weights cast once a step
+    (``once``: parameter id -> its convert node): those whose plan reads the weight and
+    makes the copy in the weight's own spec. The pipeline runtime passes such a copy
+    through (``StageExecutable._passthrough``), so the backward reads it as state; another
+    (a reshard into or out of the convert) is a new value per microbatch."""
+    spec_of = plan.specs_by_tensor(graph.inputs)
+    out = set()
+    for tid, node in once.items():
+        made = graph.nodes[node].outputs[0]
+        read = plan.operand_specs.get(node, {}).get(0, spec_of[tid])
+        if spec_of.get(made) == spec_of[tid] == read:
+            out.add(made)
+    return frozenset(out)
+
+
 def recompute_costs(
     graph: Graph,
     ip,
     solution,
     kept: Mapping[int, float],
     layer_inputs: Mapping[int, float] | None = None,
+    once: frozenset[int] = frozenset(),
 ):
     """Per recompute mode, (seconds added per microbatch, activation bytes kept).
 
@@ -94,14 +115,15 @@ def recompute_costs(
       ``layer_inputs`` (tensor id -> per-device bytes of the activations entering the unit
       that its forward reads), which the forward needs to run again even where the
       backward never reads them (so ``kept`` may lack them); without it, the inputs in
-      ``kept``.
+      ``kept``.  ``once``: the nodes that cast a weight once a step (:func:`amortise_update`),
+      which the recomputed forward does not repeat (it reads their 16-bit copies).
     """
     forward = {n.index for n in graph.nodes if n.phase == "forward"}
     chosen = [
         ip.strategies[ip.node_of(n.index)][solution.strategy[ip.node_of(n.index)]]
         for n in graph.nodes
     ]
-    forward_s = sum(chosen[i].compute_cost for i in forward)
+    forward_s = sum(chosen[i].compute_cost for i in forward if i not in once)
     forward_nodes = {ip.node_of(i) for i in forward}
     for edge, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True):
         if any(r in forward_nodes for r in readers):  # a value resharded for the forward
@@ -122,13 +144,16 @@ def recompute_costs(
     return seconds, kept_bytes
 
 
-def amortise_update(ip, factor: float):
+def amortise_update(ip, factor: float, once: frozenset[int] = frozenset()):
     """The ILP with the optimizer update's costs scaled by ``factor`` (= 1 / microbatches).
 
     Gradients are accumulated over microbatches; the reduction (the resharding into the
     update equations) and the update itself run once per step.  Scaling their compute
     costs and the costs of resharding the values only they read makes the objective
-    seconds per microbatch.
+    seconds per microbatch.  ``once``: graph nodes that also run once a step (the converts
+    of weights cast once, :func:`autoshard.intra.offload.placement.cast_once_params`):
+    their compute costs are scaled too (a reshard into one stays per microbatch: the
+    runtime reshards the 16-bit copy as each microbatch reads it).
     """
     if factor == 1.0:
         return ip.problem
@@ -139,6 +164,7 @@ def amortise_update(ip, factor: float):
         else e
         for e, readers in zip(ip.problem.edges, ip.edge_consumers, strict=True)
     )
+    update |= {ip.node_of(i) for i in once}
     node_costs = tuple(
         tuple(c * factor for c in row) if i in update else row
         for i, row in enumerate(ip.problem.node_costs)
@@ -146,7 +172,7 @@ def amortise_update(ip, factor: float):
     return dataclasses.replace(ip.problem, edges=edges, node_costs=node_costs)
 
 
-def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
+def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of, cast_once=None):
     """A stage unit's training state per device and what offloading it costs:
     ``(owned, borrowed, offload_s, staging_bytes, host_bytes)``. ``owned``: the unit's own
     parameters and optimizer state resident in HBM, and its parameters' gradients where the
@@ -163,7 +189,10 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
     updates each weight as soon as its gradient is made (as the one-mesh memory model has
     it, :func:`autoshard.intra.memory.intervals.program_positions`), so a unit holds its own
     gradients only while they are made: staging (working) bytes, held once. On a backend
-    that updates late (XLA:CPU, ``late_updates``) they are owned bytes either way."""
+    that updates late (XLA:CPU, ``late_updates``) they are owned bytes either way.
+
+    ``cast_once`` (parameter ids): the f32 weights cast to 16 bits once a step, whose
+    16-bit copies the device holds all step beside them (owned bytes)."""
     from autoshard.intra.offload.placement import narrow_copy_bytes, offload_cost, offload_tensors
 
     aliased = {src for src, _ in graph.aliases}
@@ -188,6 +217,8 @@ def unit_state(graph, plan, mesh, offload, cluster, num_microbatches, owner_of):
                 resident = (
                     size * narrow_copy_bytes(graph, tid) / t.nbytes if t.kind == "param" else 0.0
                 )
+            elif cast_once and tid in cast_once:  # its 16-bit copy, held all step
+                resident += size * narrow_copy_bytes(graph, tid) / t.nbytes
             grad = size if t.kind == "param" and grads_here else 0.0
             owned += resident + (0.0 if streamed else grad)
             made += grad if streamed else 0.0

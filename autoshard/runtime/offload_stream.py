@@ -252,6 +252,34 @@ def _narrow_dtype(prog: TracedProgram, sp: StageProgram, tid: int):
     return dtypes.pop()
 
 
+def cast_once_params(prog: TracedProgram, sp: StageProgram) -> dict[int, Any]:
+    """Parameter id -> the narrow dtype, for each f32 parameter of stage ``sp`` that the
+    stage's equations read exactly once, through a convert to 16 bits, and that the stage
+    does not send on: the weights a step may cast once, not once per microbatch
+    (:class:`~autoshard.runtime.stage.StageExecutable`'s ``cast_once``).  One reader only:
+    with two, each convert's transpose casts its cotangent to f32 before they are summed,
+    which a narrow copy read twice would sum in 16 bits.  The graph's rule is
+    :func:`autoshard.intra.offload.placement.cast_once_params`."""
+    readers: dict[int, list[int]] = {}
+    for i in sp.eqns:
+        for t in set(prog.records.eqns[i].inputs):
+            readers.setdefault(t, []).append(i)
+    sent = set(sp.outputs)
+    out: dict[int, Any] = {}
+    for t in sp.params:
+        if t in sent or prog.records.tensors[t].dtype != "float32":
+            continue
+        reads = readers.get(t, [])
+        if len(reads) != 1:
+            continue
+        prim, params = prog._impls[reads[0]]
+        if prim.name == "convert_element_type":
+            dtype = jnp.dtype(params["new_dtype"])
+            if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+                out[t] = dtype
+    return out
+
+
 @functools.cache
 def _narrow_copy(sharding: NamedSharding, dtype):
     """A jitted copy of one host-resting weight to the device, converted to ``dtype``."""

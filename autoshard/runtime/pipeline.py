@@ -185,6 +185,7 @@ class PipelineTrainer:
         probe: Probe | None = None,
         host_params: frozenset[int] = frozenset(),
         replica_programs: Sequence[TracedProgram | None] | None = None,
+        cast_once: bool = True,
     ):
         """``stages[i]`` runs ``stage_programs[i]`` on ``devices[j] for j in
         stages[i].device_ids``, viewed as its logical mesh (axes ``data``, ``model``),
@@ -194,7 +195,11 @@ class PipelineTrainer:
         time a layer's forward runs (:mod:`autoshard.runtime.stage`).  A stage whose
         ``grad_reduce`` is ``"step"`` and whose logical mesh has ``dp > 1`` runs as ``dp``
         data-parallel replicas of ``replica_programs[i]`` (the loss traced at ``1/dp`` of
-        the microbatch; ``layout_fn`` then lays out one replica, over ``model`` only)."""
+        the microbatch; ``layout_fn`` then lays out one replica, over ``model`` only).
+        ``cast_once`` (default): each f32 weight a stage reads once, through a convert to
+        16 bits, is cast once a step and its microbatches read the 16-bit copy
+        (:class:`~autoshard.runtime.stage.StageExecutable`); False: every microbatch casts
+        it, as the traced step does."""
         records = program.records
         self.inter_plan = inter_plan  # the search's answer, with each stage's intra-op plan
         self.intra_cost = intra_cost  # its solved ILPs: pass to auto_pipeline to reuse them
@@ -253,6 +258,7 @@ class PipelineTrainer:
                     offload=_classes(st),
                     host_params=host_params if "master" in _classes(st) else frozenset(),
                     replica_prog=replica,
+                    cast_once=cast_once,
                 )  # fmt: skip
             )
         self._owner = {t: s for s, sp in enumerate(stage_programs) for t in sp.params}
@@ -337,7 +343,7 @@ class PipelineTrainer:
         """One training step on the global ``batch``; returns the mean loss over it."""
         microbatches = self._microbatches(batch)
         stages, m = self._stages, self.num_microbatches
-        live = [st.live_params() for st in stages]  # masters' 16-bit copies made, once
+        live = [st.live_params() for st in stages]  # the 16-bit copies made, once a step
         # one microbatch: each stage's backward and update run as one program (no
         # accumulator; StageExecutable.backward_update)
         fused = m == 1
@@ -373,7 +379,7 @@ class PipelineTrainer:
                     box = cotangents.pop(key, {})
                     out_cts = [_output_cotangent(st, t, box, m) for t in st.float_out]
                     if fused:
-                        own = live[index] if st.masters_on_host else None
+                        own = live[index] if st.casts else None
                         live[index] = None  # (the weights themselves, donated below)
                         st.params, st.opt_state, in_cts = st.backward_update(
                             st.params, st.opt_state, received, data, residuals, out_cts, own

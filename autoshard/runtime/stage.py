@@ -37,6 +37,14 @@ forward's results are in ``pinned_host``) and come back where the backward start
 received activations and batch slices the backward takes again stay on the device. A
 host-update placement (``gradients``) still runs its update on the device.
 
+Weights cast once a step (``cast_once``, docs/distributed.md): each f32 weight the stage's
+equations read once, through a convert to 16 bits, and that the stage does not send on
+(:func:`~autoshard.runtime.offload_stream.cast_once_params`) rests on the device in f32
+and :meth:`StageExecutable.live_params` makes its 16-bit copy once a step (one program for
+all of them), which every microbatch reads: its convert, where the plan keeps the weight's
+layout, passes the copy through (no residual copy per microbatch in flight); its gradient
+is cast to f32 as the convert's transpose did, and accumulated in f32.
+
 Recompute modes (the values of :data:`autoshard.inter.stages.RECOMPUTE_MODES`), applied
 to each **inner** layer (not the first, the embedding, nor the last, the head and loss:
 the same layers :meth:`autoshard.inter.stage_cost.IntraStageCost.recomputes` prices):
@@ -90,6 +98,7 @@ from autoshard.runtime.offload_stream import (
     STREAM_WINDOW,
     _narrow_copy,
     _narrow_dtype,
+    cast_once_params,
     streamed_update,
 )
 from autoshard.runtime.sharded import HOST_MEMORY
@@ -149,6 +158,7 @@ class StageExecutable:
         host_params: frozenset[int] = frozenset(),
         stream_window: int | None = STREAM_WINDOW,
         replica_prog: TracedProgram | None = None,
+        cast_once: bool = False,
     ):
         self.offload = tuple(offload)
         # data-parallel replicas (module docstring): None where the stage runs as one
@@ -194,12 +204,25 @@ class StageExecutable:
             tid_tree,
         )
         self.masters_on_host = bool(set(self.param_ids) & set(host_params))
+        # cast once a step: the f32 weights the stage reads once, through a convert to 16
+        # bits (resting on the device); the microbatches read their 16-bit copies
+        once = cast_once_params(run, sp) if cast_once else {}
+        self.cast_once = frozenset(t for t in once if t not in host_params)
+        # the weights read once as 16-bit copies made once a step (cast once, or masters
+        # resting in host memory read once): their converts may pass the copy through
+        self._read_once_narrow = frozenset(once)
         # per parameter: the dtype it lives in on the device during a step (a master
-        # resting in host memory: the narrow dtype every reader converts it to)
+        # resting in host memory, or one cast once: the narrow dtype its readers convert
+        # it to)
         self.live_dtypes = [
-            _narrow_dtype(prog, sp, t) if t in host_params else jnp.dtype(tensors[t].dtype)
+            _narrow_dtype(prog, sp, t)
+            if t in host_params
+            else once[t]
+            if t in self.cast_once
+            else jnp.dtype(tensors[t].dtype)
             for t in self.param_ids
         ]
+        self.rest_dtypes = [jnp.dtype(tensors[t].dtype) for t in self.param_ids]
         self.params = jax.tree.unflatten(
             treedef,
             [
@@ -262,6 +285,8 @@ class StageExecutable:
             reads_after.update(t for e, _ in group for t in e.inputs)
         later_reads.reverse()
 
+        passthrough = self._passthrough(run, sp, layout.constraints)
+
         def run_eqns(group, env) -> None:
             memo: dict = {}  # one reshard per value and spec within the group (one trace)
             # replicas: on the context's mesh, whose data axis is manual (a sharding on the
@@ -273,6 +298,9 @@ class StageExecutable:
                     rebased[context] = _on_mesh(constraints, context)
                 constraints = rebased[context]
             for eqn, (prim, bind_params) in group:
+                if eqn.index in passthrough:  # a 16-bit copy read as it is
+                    env[eqn.outputs[0]] = env[eqn.inputs[0]]
+                    continue
                 invals = [env[t] for t in eqn.inputs]
                 if constraints is not None:  # the plan's reshards and node output specs
                     invals = constraints.operands_hook(eqn.index, invals, memo)
@@ -352,7 +380,12 @@ class StageExecutable:
             kept = iter(residuals)
             leaves = [next(kept) if s is None else args[s] for s in slots]
             vjp = jax.tree.unflatten(vjp_tree, leaves)
-            return vjp(list(out_cts))
+            grads, in_cts = vjp(list(out_cts))
+            # the gradient of a 16-bit copy (a weight cast once, a master on the host) in
+            # its weight's dtype: the cast the convert's transpose makes in the traced step
+            leaves, treedef = jax.tree.flatten(grads)
+            leaves = [g.astype(dt) for g, dt in zip(leaves, self.rest_dtypes, strict=True)]
+            return jax.tree.unflatten(treedef, leaves), in_cts
 
         if replicas is not None:
             forward, gradients = self._replicated(forward, gradients)
@@ -401,7 +434,8 @@ class StageExecutable:
             # one microbatch a step: its gradients go straight into the update, in one
             # program, so each weight can be updated as soon as its gradient is made (as the
             # one-mesh step is) and no accumulator is held; ``live``: the 16-bit copies of
-            # masters resting in host memory (None: the weights as they rest)
+            # masters resting in host memory and of weights cast once (None: the weights
+            # as they rest)
             grads, in_cts = gradients(
                 params if live is None else live, received, data, residuals, out_cts
             )
@@ -441,6 +475,31 @@ class StageExecutable:
             lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
             out_shardings=self.grad_shardings,
         )
+
+    def _passthrough(self, run: TracedProgram, sp: StageProgram, constraints) -> frozenset[int]:
+        """The equations that convert a weight cast once a step (or a master resting in
+        host memory) read only there, whose plan reads and makes it in the weight's own
+        layout: each gives the 16-bit copy itself (no new
+        value), so the backward takes the copy back as an argument instead of keeping a
+        copy of it per microbatch in flight as a residual (replicas: their plan's layouts
+        on the stage mesh, as the weights enter their ``shard_map`` whole over ``data``)."""
+        if not self._read_once_narrow:
+            return frozenset()
+        sharding = dict(zip(self.param_ids, jax.tree.leaves(self.param_shardings), strict=True))
+        out = set()
+        for i in sp.eqns:
+            eqn = run.records.eqns[i]
+            if len(eqn.inputs) != 1 or eqn.inputs[0] not in self._read_once_narrow:
+                continue
+            t = eqn.inputs[0]
+            wanted = []
+            if constraints is not None:
+                wanted = [sh for _, sh in constraints.operands.get(i, ())]
+                wanted += [sh for pos, sh in constraints.outputs.get(i, ()) if pos == 0]
+            ndim = len(self.tensors[t].shape)
+            if all(sh.is_equivalent_to(sharding[t], ndim) for sh in wanted):
+                out.add(i)
+        return frozenset(out)
 
     def _replicated(self, forward, gradients):
         """``forward`` and ``gradients`` of one replica (the stage's equations at ``1/D``
@@ -521,19 +580,49 @@ class StageExecutable:
 
         return replicated_forward, replicated_gradients
 
+    @property
+    def casts(self) -> bool:
+        """Whether a step reads some weights as 16-bit copies made once a step (masters
+        resting in host memory, weights cast once): :meth:`live_params` makes them."""
+        return self.masters_on_host or bool(self.cast_once)
+
     def live_params(self):
         """The stage's parameters on the device for one step: each master weight resting in
         host memory as its 16-bit copy, made once per step (every microbatch reads it),
-        one weight at a time (copied in, converted); the rest as they are."""
-        if not self.masters_on_host:
+        one weight at a time (copied in, converted); each weight cast once as its 16-bit
+        copy, all made by one program; the rest as they are."""
+        if not self.casts:
             return self.params
         leaves, treedef = jax.tree.flatten(self.params)
         shardings = jax.tree.leaves(self.param_shardings)
+        once = [t in self.cast_once for t in self.param_ids]
+        cast = iter(self._cast_once_program()([x for x, o in zip(leaves, once) if o]))
         live = [
-            x if x.dtype == dt else _narrow_copy(sh, dt)(x)
-            for x, sh, dt in zip(leaves, shardings, self.live_dtypes, strict=True)
+            next(cast) if o else x if x.dtype == dt else _narrow_copy(sh, dt)(x)
+            for x, sh, dt, o in zip(leaves, shardings, self.live_dtypes, once, strict=True)
         ]
         return jax.tree.unflatten(treedef, live)
+
+    def _cast_once_program(self):
+        """The jitted cast of the weights cast once, to their 16-bit copies in the
+        weights' shardings (the convert the traced step makes every microbatch)."""
+        if getattr(self, "_cast_program", None) is None:
+            picked = [
+                (sh, dt)
+                for t, sh, dt in zip(
+                    self.param_ids,
+                    jax.tree.leaves(self.param_shardings),
+                    self.live_dtypes,
+                    strict=True,
+                )
+                if t in self.cast_once
+            ]
+            dtypes = [dt for _, dt in picked]
+            self._cast_program = jax.jit(
+                lambda xs: [x.astype(dt) for x, dt in zip(xs, dtypes, strict=True)],
+                out_shardings=[sh for sh, _ in picked],
+            )
+        return self._cast_program
 
     def abstract_backward_args(self):
         """``(params, received, data, residuals, output cotangents, accumulator)`` of one

@@ -117,7 +117,7 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                 st.opt_state,
             )
-            live = params if st.masters_on_host else None
+            live = params if st.casts else None
             backward = st.backward_update.lower(
                 rest, opt_state, received, data, residual_args, out_cts, live
             ).compile()
@@ -126,10 +126,20 @@ def stage_memory(trainer) -> tuple[StageMemory, ...]:
             backward = st.backward.lower(
                 params, received, data, residual_args, out_cts, grad_acc
             ).compile()
-        state = sum(  # the parameters as a step reads them (a master: its 16-bit copy)
-            _shard_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)
-        ) + sum(  # and the gradient accumulator
-            _shard_bytes(g.shape, g.dtype, g.sharding) for g in jax.tree.leaves(grad_acc)
+        state = (
+            sum(  # the parameters as a step reads them (a master: its 16-bit copy)
+                _shard_bytes(p.shape, p.dtype, p.sharding) for p in jax.tree.leaves(params)
+            )
+            + sum(  # the f32 weights cast once a step, resting on the device beside their copies
+                _shard_bytes(p.shape, p.dtype, sh)
+                for t, p, sh in zip(
+                    st.param_ids, jax.tree.leaves(st.params), jax.tree.leaves(st.rest_shardings)
+                )
+                if t in st.cast_once
+            )
+            + sum(  # and the gradient accumulator
+                _shard_bytes(g.shape, g.dtype, g.sharding) for g in jax.tree.leaves(grad_acc)
+            )
         )
         state += sum(
             _shard_bytes(leaf.shape, leaf.dtype, leaf.sharding)

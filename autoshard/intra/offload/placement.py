@@ -192,6 +192,23 @@ def _is_master(graph: Graph, tid: int) -> bool:
     )
 
 
+def cast_once_params(graph: Graph) -> dict[int, int]:
+    """Parameter id -> the node that converts it, for each f32 parameter (a program input)
+    whose one forward/backward reader converts it to 16 bits: the weights the pipeline
+    runtime casts once a step (:func:`autoshard.runtime.offload_stream.cast_once_params`,
+    which applies the same rule to a stage's equations), so that convert runs once a step,
+    not once per microbatch, and the 16-bit copy is held all step."""
+    out: dict[int, int] = {}
+    for tid in graph.inputs:
+        t = graph.tensors[tid]
+        if t.kind != "param" or t.dtype != "float32":
+            continue
+        readers = [c for c in set(t.consumers) if graph.nodes[c].phase != "update"]
+        if len(readers) == 1 and _is_master(graph, tid):
+            out[tid] = readers[0]
+    return out
+
+
 def offload_tensors(graph: Graph, offload: Offload, strict: bool = True) -> OffloadTensors:
     """The tensors ``offload`` places on the host and what moves each step; raises when the
     program has nothing of a class asked for (unless not ``strict``: a part of a program,
