@@ -565,7 +565,10 @@ def test_a_pipeline_plan_is_the_plan_simulate_prices(capsys, tmp_path):
 
     text = (resources.files(PRESET_PACKAGE) / PRESET_DIR / "alpa-v100.json").read_text()
     preset = json.loads(text)
-    preset["name"], preset["device"]["hbm_bytes"] = "small-v100", 1_050_000
+    # 950,000 B: the first stage must recompute on jax 0.10 and 0.12 alike (full recompute:
+    # 916,672 / 915,648 B); at 1,050,000 jax 0.12's plan without recompute (1,049,792 B)
+    # fit once the weights were cast once a step
+    preset["name"], preset["device"]["hbm_bytes"] = "small-v100", 950_000
     cluster = tmp_path / "small-v100.json"
     cluster.write_text(json.dumps(preset))
     rc, out, err = cli_in_process(
