@@ -96,12 +96,12 @@ from autoshard.ir.records import TensorRecord
 from autoshard.runtime.distributed import to_host
 from autoshard.runtime.offload_stream import (
     STREAM_WINDOW,
-    _narrow_copy,
     _narrow_dtype,
     cast_once_params,
     streamed_update,
 )
 from autoshard.runtime.sharded import HOST_MEMORY
+from autoshard.runtime.stage_cast import CastOnce
 from autoshard.runtime.stage_layout import StageLayout
 from autoshard.runtime.stage_recompute import _layer_groups, recompute_policy
 from autoshard.runtime.stage_replicas import (  # noqa: F401 - re-exported
@@ -113,6 +113,7 @@ from autoshard.runtime.stage_replicas import (  # noqa: F401 - re-exported
     _replica_shapes,
     zero_spec,
 )
+from autoshard.runtime.stage_replicated import ReplicatedRun
 from autoshard.trace.jaxpr import TracedProgram
 
 Probe = Callable[[int, str], None]
@@ -140,7 +141,7 @@ def inexact(rec: TensorRecord) -> bool:
     return jnp.issubdtype(jnp.dtype(rec.dtype), jnp.inexact)
 
 
-class StageExecutable:
+class StageExecutable(CastOnce, ReplicatedRun):
     """The jitted functions and state of one stage (see the module docstring)."""
 
     def __init__(
@@ -475,154 +476,6 @@ class StageExecutable:
             lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
             out_shardings=self.grad_shardings,
         )
-
-    def _passthrough(self, run: TracedProgram, sp: StageProgram, constraints) -> frozenset[int]:
-        """The equations that convert a weight cast once a step (or a master resting in
-        host memory) read only there, whose plan reads and makes it in the weight's own
-        layout: each gives the 16-bit copy itself (no new
-        value), so the backward takes the copy back as an argument instead of keeping a
-        copy of it per microbatch in flight as a residual (replicas: their plan's layouts
-        on the stage mesh, as the weights enter their ``shard_map`` whole over ``data``)."""
-        if not self._read_once_narrow:
-            return frozenset()
-        sharding = dict(zip(self.param_ids, jax.tree.leaves(self.param_shardings), strict=True))
-        out = set()
-        for i in sp.eqns:
-            eqn = run.records.eqns[i]
-            if len(eqn.inputs) != 1 or eqn.inputs[0] not in self._read_once_narrow:
-                continue
-            t = eqn.inputs[0]
-            wanted = []
-            if constraints is not None:
-                wanted = [sh for _, sh in constraints.operands.get(i, ())]
-                wanted += [sh for pos, sh in constraints.outputs.get(i, ()) if pos == 0]
-            ndim = len(self.tensors[t].shape)
-            if all(sh.is_equivalent_to(sharding[t], ndim) for sh in wanted):
-                out.add(i)
-        return frozenset(out)
-
-    def _replicated(self, forward, gradients):
-        """``forward`` and ``gradients`` of one replica (the stage's equations at ``1/D``
-        of the microbatch) run as ``D`` replicas inside ``shard_map`` manual over
-        ``data``: the full microbatch's tensors in and out, the residuals and parameter
-        gradients stacked ``(D, ...)`` over ``data``."""
-        replicas, sp, mesh = self.replicas, self.sp, self.mesh
-        d = replicas.replicas
-        shared = {t for t, dim in replicas.batch_dims.items() if dim is None}
-        stacked = PartitionSpec("data")
-
-        def specs(ids):
-            return [replicas.manual_spec(t) for t in ids]
-
-        def manual(f, in_specs, out_specs):
-            return jax.shard_map(
-                f,
-                mesh=mesh,
-                in_specs=in_specs,
-                out_specs=out_specs,
-                axis_names={"data"},
-                check_vma=False,  # the traced equations carry no varying casts
-            )
-
-        # an output the replicas share (the loss, a weight sent on) leaves stacked and is
-        # averaged outside; a received one's cotangents leave stacked and are summed
-        out_specs = [stacked if t in shared else s for t, s in zip(sp.outputs, specs(sp.outputs))]
-        float_received = [sp.received[i] for i in self.float_in]
-        in_ct_specs = [
-            stacked if t in shared else s
-            for t, s in zip(float_received, specs(float_received), strict=True)
-        ]
-
-        def forward_body(params, received, data):
-            outs, kept = forward(params, received, data)
-            outs = [o[None] if t in shared else o for t, o in zip(sp.outputs, outs, strict=True)]
-            return outs, [r[None] for r in kept]
-
-        def replicated_forward(params, received, data):
-            outs, kept = manual(
-                forward_body,
-                (PartitionSpec(), specs(sp.received), specs(sp.data)),
-                (out_specs, stacked),
-            )(params, received, data)
-            outs = [_combine(o) if t in shared else o for t, o in zip(sp.outputs, outs)]
-            outs = [
-                jax.lax.with_sharding_constraint(o, sh)
-                for o, sh in zip(outs, self.output_shardings, strict=True)
-            ]
-            return outs, kept
-
-        def gradients_body(params, received, data, residuals, out_cts):
-            residuals = [r[0] for r in residuals]
-            # the adjoint of the mean over replicas: each replica's share is 1/D
-            out_cts = [
-                ct / d if t in shared else ct for t, ct in zip(self.float_out, out_cts, strict=True)
-            ]
-            grads, in_cts = gradients(params, received, data, residuals, out_cts)
-            in_cts = [
-                c[None] if t in shared else c for t, c in zip(float_received, in_cts, strict=True)
-            ]
-            return jax.tree.map(lambda g: g[None], grads), in_cts
-
-        def replicated_gradients(params, received, data, residuals, out_cts):
-            grads, in_cts = manual(
-                gradients_body,
-                (
-                    PartitionSpec(),
-                    specs(sp.received),
-                    specs(sp.data),
-                    stacked,
-                    specs(self.float_out),
-                ),
-                (stacked, in_ct_specs),
-            )(params, received, data, residuals, out_cts)
-            in_cts = [c.sum(0) if t in shared else c for t, c in zip(float_received, in_cts)]
-            return grads, in_cts
-
-        return replicated_forward, replicated_gradients
-
-    @property
-    def casts(self) -> bool:
-        """Whether a step reads some weights as 16-bit copies made once a step (masters
-        resting in host memory, weights cast once): :meth:`live_params` makes them."""
-        return self.masters_on_host or bool(self.cast_once)
-
-    def live_params(self):
-        """The stage's parameters on the device for one step: each master weight resting in
-        host memory as its 16-bit copy, made once per step (every microbatch reads it),
-        one weight at a time (copied in, converted); each weight cast once as its 16-bit
-        copy, all made by one program; the rest as they are."""
-        if not self.casts:
-            return self.params
-        leaves, treedef = jax.tree.flatten(self.params)
-        shardings = jax.tree.leaves(self.param_shardings)
-        once = [t in self.cast_once for t in self.param_ids]
-        cast = iter(self._cast_once_program()([x for x, o in zip(leaves, once) if o]))
-        live = [
-            next(cast) if o else x if x.dtype == dt else _narrow_copy(sh, dt)(x)
-            for x, sh, dt, o in zip(leaves, shardings, self.live_dtypes, once, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, live)
-
-    def _cast_once_program(self):
-        """The jitted cast of the weights cast once, to their 16-bit copies in the
-        weights' shardings (the convert the traced step makes every microbatch)."""
-        if getattr(self, "_cast_program", None) is None:
-            picked = [
-                (sh, dt)
-                for t, sh, dt in zip(
-                    self.param_ids,
-                    jax.tree.leaves(self.param_shardings),
-                    self.live_dtypes,
-                    strict=True,
-                )
-                if t in self.cast_once
-            ]
-            dtypes = [dt for _, dt in picked]
-            self._cast_program = jax.jit(
-                lambda xs: [x.astype(dt) for x, dt in zip(xs, dtypes, strict=True)],
-                out_shardings=[sh for sh, _ in picked],
-            )
-        return self._cast_program
 
     def abstract_backward_args(self):
         """``(params, received, data, residuals, output cotangents, accumulator)`` of one
